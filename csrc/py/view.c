@@ -1,0 +1,364 @@
+/*
+ * view.c -- tensor import for the binding.
+ *
+ * Order of attempts (cheapest first, all zero-copy):
+ *   1. a NumPy ndarray, read through the NumPy C API;
+ *   2. any object with __dlpack__ (torch, JAX, CuPy, NumPy): a versioned capsule is requested with
+ *      max_version=(1, 0); producers that predate it raise TypeError and are asked again without
+ *      arguments for a legacy capsule.  We take ownership the way the DLPack spec says: rename the
+ *      capsule to used_dltensor[_versioned] and call the managed tensor's deleter when done;
+ *   3. the buffer protocol (memoryview, array.array, old NumPy).
+ * Nothing is ever copied: a non-contiguous input is refused, because a silent copy would also make an
+ * in-place op (kv_compact) write into the copy.
+ */
+#define NO_IMPORT_ARRAY
+#define PY_ARRAY_UNIQUE_SYMBOL HS_ARRAY_API
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#include "view.h"
+
+#include <numpy/arrayobject.h>
+#include <string.h>
+
+#include "dlpack.h"
+
+static void hs_set_dtype(hs_view *v, int dtype, const char *name) {
+    v->dtype = dtype;
+    snprintf(v->dtype_name, sizeof v->dtype_name, "%s", name);
+}
+
+static const char *hs_device_name(int type) {
+    switch (type) {
+    case HS_DL_CPU: return "cpu";
+    case HS_DL_CUDA: return "cuda";
+    case HS_DL_CUDA_HOST: return "cuda_host";
+    case HS_DL_ROCM: return "rocm";
+    case HS_DL_CUDA_MANAGED: return "cuda_managed";
+    default: return "device";
+    }
+}
+
+static void hs_shape_str(const hs_view *v, char *buf, size_t n) {
+    size_t used = (size_t)snprintf(buf, n, "(");
+    for (int i = 0; i < v->ndim && used < n; i++)
+        used += (size_t)snprintf(buf + used, n - used, i ? ", %lld" : "%lld", (long long)v->shape[i]);
+    if (used < n) snprintf(buf + used, n - used, v->ndim == 1 ? ",)" : ")");
+}
+
+/* ---- NumPy ----------------------------------------------------------------------------------------- */
+
+static int hs_import_numpy(PyArrayObject *a, const char *op, const char *arg, int writable, hs_view *v) {
+    int nd = PyArray_NDIM(a);
+    if (nd > HS_MAX_NDIM) {
+        PyErr_Format(PyExc_ValueError, "%s: argument '%s' expected at most %d dimensions, got %d", op, arg,
+                     HS_MAX_NDIM, nd);
+        return -1;
+    }
+    PyArray_Descr *d = PyArray_DESCR(a);
+    int kind = d->kind;
+    int64_t size = (int64_t)PyDataType_ELSIZE(d);
+    if (!PyArray_ISNOTSWAPPED(a)) {
+        PyErr_Format(PyExc_TypeError, "%s: argument '%s' expected native byte order, got a byte-swapped array",
+                     op, arg);
+        return -1;
+    }
+    if (kind == 'f' && size == 4) hs_set_dtype(v, HS_FLOAT32, "float32");
+    else if (kind == 'f' && size == 2) hs_set_dtype(v, HS_FLOAT16, "float16");
+    else if (kind == 'f' && size == 8) hs_set_dtype(v, HS_FLOAT64, "float64");
+    else if (kind == 'i' && size == 4) hs_set_dtype(v, HS_INT32, "int32");
+    else if (kind == 'i' && size == 8) hs_set_dtype(v, HS_INT64, "int64");
+    else if (kind == 'b' && size == 1) hs_set_dtype(v, HS_BOOL, "bool");
+    else {
+        PyObject *s = PyObject_Str((PyObject *)d);
+        hs_set_dtype(v, HS_DTYPE_OTHER, s ? PyUnicode_AsUTF8(s) : "unknown");
+        Py_XDECREF(s);
+        PyErr_Clear();
+    }
+    v->itemsize = size;
+    v->ndim = nd;
+    for (int i = 0; i < nd; i++) v->shape[i] = (int64_t)PyArray_DIM(a, i);
+    if (!PyArray_IS_C_CONTIGUOUS(a)) {
+        char shp[160];
+        hs_shape_str(v, shp, sizeof shp);
+        PyErr_Format(PyExc_ValueError,
+                     "%s: argument '%s' expected a C-contiguous array, got a strided view of shape %s "
+                     "(call np.ascontiguousarray / .contiguous() first)",
+                     op, arg, shp);
+        return -1;
+    }
+    if (writable && !PyArray_ISWRITEABLE(a)) {
+        PyErr_Format(PyExc_ValueError, "%s: argument '%s' expected a writeable array, got a read-only one", op, arg);
+        return -1;
+    }
+    v->data = PyArray_DATA(a);
+    v->device_type = HS_DL_CPU;
+    v->device_id = 0;
+    v->readonly = !PyArray_ISWRITEABLE(a);
+    v->source = HS_SRC_NUMPY;
+    Py_INCREF(a);
+    v->owner = (PyObject *)a;
+    return 0;
+}
+
+/* ---- DLPack ---------------------------------------------------------------------------------------- */
+
+static int hs_import_dltensor(const HSDLTensor *t, const char *op, const char *arg, hs_view *v) {
+    if (t->ndim < 0 || t->ndim > HS_MAX_NDIM) {
+        PyErr_Format(PyExc_ValueError, "%s: argument '%s' expected at most %d dimensions, got %d", op, arg,
+                     HS_MAX_NDIM, (int)t->ndim);
+        return -1;
+    }
+    if (t->dtype.lanes != 1) {
+        PyErr_Format(PyExc_TypeError, "%s: argument '%s' expected a scalar dtype (lanes == 1), got %d lanes", op,
+                     arg, (int)t->dtype.lanes);
+        return -1;
+    }
+    int code = t->dtype.code, bits = t->dtype.bits;
+    if (code == HS_DL_FLOAT && bits == 32) hs_set_dtype(v, HS_FLOAT32, "float32");
+    else if (code == HS_DL_FLOAT && bits == 16) hs_set_dtype(v, HS_FLOAT16, "float16");
+    else if (code == HS_DL_FLOAT && bits == 64) hs_set_dtype(v, HS_FLOAT64, "float64");
+    else if (code == HS_DL_BFLOAT && bits == 16) hs_set_dtype(v, HS_BFLOAT16, "bfloat16");
+    else if (code == HS_DL_INT && bits == 32) hs_set_dtype(v, HS_INT32, "int32");
+    else if (code == HS_DL_INT && bits == 64) hs_set_dtype(v, HS_INT64, "int64");
+    else if (code == HS_DL_BOOL && bits == 8) hs_set_dtype(v, HS_BOOL, "bool");
+    else {
+        static const char *names[] = {"int", "uint", "float", "opaque", "bfloat", "complex", "bool"};
+        char nm[24];
+        snprintf(nm, sizeof nm, "%s%d", code >= 0 && code <= 6 ? names[code] : "code?", bits);
+        hs_set_dtype(v, HS_DTYPE_OTHER, nm);
+    }
+    v->itemsize = (bits + 7) / 8;
+    v->ndim = t->ndim;
+    for (int i = 0; i < t->ndim; i++) v->shape[i] = t->shape[i];
+    if (t->strides != NULL) {
+        /* compact row-major, ignoring the stride of size-1 dimensions and anything of a zero-size tensor */
+        int64_t expected = 1, numel = 1;
+        for (int i = 0; i < t->ndim; i++) numel *= t->shape[i];
+        for (int i = t->ndim - 1; i >= 0 && numel > 0; i--) {
+            if (t->shape[i] != 1 && t->strides[i] != expected) {
+                char shp[160];
+                hs_shape_str(v, shp, sizeof shp);
+                PyErr_Format(PyExc_ValueError,
+                             "%s: argument '%s' expected a C-contiguous tensor, got a strided view of shape %s "
+                             "(call .contiguous() first)",
+                             op, arg, shp);
+                return -1;
+            }
+            expected *= t->shape[i];
+        }
+    }
+    v->data = (char *)t->data + t->byte_offset;
+    v->device_type = t->device.device_type;
+    v->device_id = t->device.device_id;
+    return 0;
+}
+
+static void hs_call_deleter(hs_view *v) {
+    if (v->managed == NULL) return;
+    if (v->source == HS_SRC_DLPACK_V1) {
+        HSDLManagedTensorVersioned *m = (HSDLManagedTensorVersioned *)v->managed;
+        if (m->deleter) m->deleter(m);
+    } else {
+        HSDLManagedTensor *m = (HSDLManagedTensor *)v->managed;
+        if (m->deleter) m->deleter(m);
+    }
+    v->managed = NULL;
+}
+
+static int hs_import_dlpack(PyObject *obj, PyObject *method, const char *op, const char *arg, int writable,
+                            hs_view *v) {
+    /* ask for a versioned capsule; legacy producers raise TypeError on the keyword */
+    PyObject *kwargs = Py_BuildValue("{s:(ii)}", "max_version", 1, 0);
+    PyObject *empty = PyTuple_New(0);
+    PyObject *capsule = (kwargs && empty) ? PyObject_Call(method, empty, kwargs) : NULL;
+    Py_XDECREF(kwargs);
+    Py_XDECREF(empty);
+    if (capsule == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+        capsule = PyObject_CallNoArgs(method);
+    }
+    if (capsule == NULL) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyObject *msg = value ? PyObject_Str(value) : NULL;
+        PyErr_Format(PyExc_BufferError, "%s: argument '%s' could not be exported through DLPack by %s: %s", op,
+                     arg, Py_TYPE(obj)->tp_name, msg ? PyUnicode_AsUTF8(msg) : "unknown error");
+        Py_XDECREF(msg);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        return -1;
+    }
+    int rc = -1;
+    if (PyCapsule_IsValid(capsule, "dltensor_versioned")) {
+        HSDLManagedTensorVersioned *m =
+            (HSDLManagedTensorVersioned *)PyCapsule_GetPointer(capsule, "dltensor_versioned");
+        if (m->version.major != 1) {
+            PyErr_Format(PyExc_BufferError, "%s: argument '%s' expected DLPack major version 1, got %u.%u", op, arg,
+                         m->version.major, m->version.minor);
+            goto done; /* the capsule keeps its name, so its destructor calls the deleter */
+        }
+        if (PyCapsule_SetName(capsule, "used_dltensor_versioned") < 0) goto done;
+        v->managed = m;
+        v->source = HS_SRC_DLPACK_V1;
+        v->readonly = (m->flags & HS_DL_FLAG_READ_ONLY) != 0;
+        if (hs_import_dltensor(&m->dl_tensor, op, arg, v) < 0) goto done;
+    } else if (PyCapsule_IsValid(capsule, "dltensor")) {
+        HSDLManagedTensor *m = (HSDLManagedTensor *)PyCapsule_GetPointer(capsule, "dltensor");
+        if (PyCapsule_SetName(capsule, "used_dltensor") < 0) goto done;
+        v->managed = m;
+        v->source = HS_SRC_DLPACK;
+        v->readonly = 0; /* the legacy protocol has no read-only flag */
+        if (hs_import_dltensor(&m->dl_tensor, op, arg, v) < 0) goto done;
+    } else {
+        PyErr_Format(PyExc_BufferError,
+                     "%s: argument '%s' expected __dlpack__ to return a 'dltensor' capsule, got %s", op, arg,
+                     Py_TYPE(capsule)->tp_name);
+        goto done;
+    }
+    if (writable && v->readonly) {
+        PyErr_Format(PyExc_BufferError, "%s: argument '%s' expected a writable tensor, got a read-only DLPack export",
+                     op, arg);
+        goto done;
+    }
+    rc = 0;
+done:
+    if (rc < 0) hs_call_deleter(v);
+    Py_DECREF(capsule);
+    return rc;
+}
+
+/* ---- buffer protocol ------------------------------------------------------------------------------- */
+
+static int hs_import_buffer(PyObject *obj, const char *op, const char *arg, int writable, hs_view *v) {
+    int flags = PyBUF_STRIDES | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, &v->buffer, flags) < 0) {
+        if (writable && PyErr_ExceptionMatches(PyExc_BufferError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_BufferError, "%s: argument '%s' expected a writable buffer, got a read-only %s", op,
+                         arg, Py_TYPE(obj)->tp_name);
+            return -1;
+        }
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError,
+                     "%s: argument '%s' expected an array or tensor (NumPy array, torch tensor, or an object with "
+                     "__dlpack__ or the buffer protocol), got %s",
+                     op, arg, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    v->source = HS_SRC_BUFFER;
+    Py_buffer *b = &v->buffer;
+    if (b->ndim > HS_MAX_NDIM) {
+        PyErr_Format(PyExc_ValueError, "%s: argument '%s' expected at most %d dimensions, got %d", op, arg,
+                     HS_MAX_NDIM, b->ndim);
+        return -1;
+    }
+    v->itemsize = b->itemsize;
+    v->ndim = b->ndim;
+    for (int i = 0; i < b->ndim; i++) v->shape[i] = b->shape ? (int64_t)b->shape[i] : (int64_t)(b->len / b->itemsize);
+    const char *f = b->format ? b->format : "B";
+    if (*f == '@' || *f == '=' || *f == '<') f++;
+    char c = *f;
+    int64_t sz = b->itemsize;
+    if (f[0] && f[1]) c = 0; /* structured formats are not arrays of numbers */
+    if (c == 'f' && sz == 4) hs_set_dtype(v, HS_FLOAT32, "float32");
+    else if (c == 'e' && sz == 2) hs_set_dtype(v, HS_FLOAT16, "float16");
+    else if (c == 'd' && sz == 8) hs_set_dtype(v, HS_FLOAT64, "float64");
+    else if ((c == 'i' || c == 'l') && sz == 4) hs_set_dtype(v, HS_INT32, "int32");
+    else if ((c == 'l' || c == 'q') && sz == 8) hs_set_dtype(v, HS_INT64, "int64");
+    else if (c == '?' && sz == 1) hs_set_dtype(v, HS_BOOL, "bool");
+    else {
+        char nm[24];
+        snprintf(nm, sizeof nm, "format '%.8s'", b->format ? b->format : "B");
+        hs_set_dtype(v, HS_DTYPE_OTHER, nm);
+    }
+    if (!PyBuffer_IsContiguous(b, 'C')) {
+        char shp[160];
+        hs_shape_str(v, shp, sizeof shp);
+        PyErr_Format(PyExc_ValueError, "%s: argument '%s' expected a C-contiguous buffer, got a strided one of shape %s",
+                     op, arg, shp);
+        return -1;
+    }
+    v->data = b->buf;
+    v->device_type = HS_DL_CPU;
+    v->readonly = b->readonly;
+    return 0;
+}
+
+int hs_view_import(PyObject *obj, const char *op, const char *arg, int writable, hs_view *v) {
+    memset(v, 0, sizeof *v);
+    int rc;
+    if (PyArray_Check(obj)) {
+        rc = hs_import_numpy((PyArrayObject *)obj, op, arg, writable, v);
+    } else {
+        PyObject *method = PyObject_GetAttrString(obj, "__dlpack__");
+        if (method == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+            PyErr_Clear();
+        }
+        if (method != NULL) {
+            rc = hs_import_dlpack(obj, method, op, arg, writable, v);
+            Py_DECREF(method);
+        } else {
+            rc = hs_import_buffer(obj, op, arg, writable, v);
+        }
+    }
+    if (rc < 0) {
+        hs_view_release(v);
+        return -1;
+    }
+    return 0;
+}
+
+void hs_view_release(hs_view *v) {
+    switch (v->source) {
+    case HS_SRC_NUMPY: Py_CLEAR(v->owner); break;
+    case HS_SRC_DLPACK:
+    case HS_SRC_DLPACK_V1: hs_call_deleter(v); break;
+    case HS_SRC_BUFFER: PyBuffer_Release(&v->buffer); break;
+    case HS_SRC_NONE: break;
+    }
+    v->source = HS_SRC_NONE;
+}
+
+/* ---- checks ---------------------------------------------------------------------------------------- */
+
+int hs_check_ndim(const hs_view *v, const char *op, const char *arg, int ndim, const char *layout) {
+    if (v->ndim == ndim) return 0;
+    char shp[160];
+    hs_shape_str(v, shp, sizeof shp);
+    PyErr_Format(PyExc_ValueError, "%s: argument '%s' expected a %d-D array %s, got %d-D with shape %s", op, arg,
+                 ndim, layout, v->ndim, shp);
+    return -1;
+}
+
+int hs_check_dtype(const hs_view *v, const char *op, const char *arg, unsigned mask, const char *expected) {
+    if (v->dtype >= 0 && (mask & HS_MASK(v->dtype))) return 0;
+    PyErr_Format(PyExc_TypeError, "%s: argument '%s' expected dtype %s, got %s", op, arg, expected, v->dtype_name);
+    return -1;
+}
+
+int hs_check_dim(const hs_view *v, const char *op, const char *arg, int dim, int64_t expected, const char *why) {
+    if (v->shape[dim] == expected) return 0;
+    char shp[160];
+    hs_shape_str(v, shp, sizeof shp);
+    PyErr_Format(PyExc_ValueError, "%s: argument '%s' expected shape[%d] == %lld (%s), got shape %s", op, arg, dim,
+                 (long long)expected, why, shp);
+    return -1;
+}
+
+int hs_check_same_device(const hs_view *v, const hs_view *ref, const char *op, const char *arg,
+                         const char *ref_arg) {
+    int a = v->device_type == HS_DL_CUDA_HOST ? HS_DL_CPU : v->device_type;
+    int b = ref->device_type == HS_DL_CUDA_HOST ? HS_DL_CPU : ref->device_type;
+    if (a == b && (a == HS_DL_CPU || v->device_id == ref->device_id)) {
+        if (a == HS_DL_CPU) return 0;
+        PyErr_Format(PyExc_ValueError,
+                     "%s: argument '%s' expected a CPU tensor (this build of heterospec has no CUDA ops), got %s:%d",
+                     op, arg, hs_device_name(v->device_type), v->device_id);
+        return -1;
+    }
+    PyErr_Format(PyExc_ValueError, "%s: argument '%s' expected the device of '%s' (%s:%d), got %s:%d", op, arg,
+                 ref_arg, hs_device_name(ref->device_type), ref->device_id, hs_device_name(v->device_type),
+                 v->device_id);
+    return -1;
+}

@@ -1,0 +1,52 @@
+/*
+ * view.h -- importing Python arrays/tensors as plain C views, with argument checks whose messages name
+ * the op, the argument, what was expected and what was given.
+ */
+#ifndef HS_PY_VIEW_H
+#define HS_PY_VIEW_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "hs/heterospec.h"
+
+#define HS_MAX_NDIM 8
+#define HS_DTYPE_OTHER (-1) /* a dtype the core never takes; name kept for messages */
+
+typedef enum { HS_SRC_NONE, HS_SRC_NUMPY, HS_SRC_DLPACK, HS_SRC_DLPACK_V1, HS_SRC_BUFFER } hs_source;
+
+typedef struct hs_view {
+    void *data;
+    int dtype; /* hs_dtype or HS_DTYPE_OTHER */
+    char dtype_name[24];
+    int64_t itemsize; /* bytes per element, for ops that move elements of any dtype */
+    int ndim;
+    int64_t shape[HS_MAX_NDIM];
+    int device_type; /* DLPack device code: 1 = CPU */
+    int device_id;
+    int readonly;
+    hs_source source;
+    PyObject *owner; /* numpy array (a new reference) */
+    void *managed;   /* DLManagedTensor[Versioned] we took ownership of */
+    Py_buffer buffer;
+} hs_view;
+
+/* Import obj (NumPy array, DLPack producer, or buffer-protocol object) into *v.  On failure sets a
+ * Python exception naming `op` and `arg` and returns -1; *v then needs no release. */
+int hs_view_import(PyObject *obj, const char *op, const char *arg, int writable, hs_view *v);
+void hs_view_release(hs_view *v);
+
+/* Checks; each returns 0, or -1 with an exception set. */
+int hs_check_ndim(const hs_view *v, const char *op, const char *arg, int ndim, const char *layout);
+int hs_check_dtype(const hs_view *v, const char *op, const char *arg, unsigned mask, const char *expected);
+int hs_check_dim(const hs_view *v, const char *op, const char *arg, int dim, int64_t expected,
+                 const char *why);
+int hs_check_same_device(const hs_view *v, const hs_view *ref, const char *op, const char *arg,
+                         const char *ref_arg);
+
+#define HS_MASK(t) (1u << (t))
+#define HS_LOGIT_DTYPES (HS_MASK(HS_FLOAT32) | HS_MASK(HS_FLOAT16) | HS_MASK(HS_BFLOAT16))
+#define HS_REAL_DTYPES (HS_MASK(HS_FLOAT32) | HS_MASK(HS_FLOAT64))
+#define HS_ID_DTYPES (HS_MASK(HS_INT32) | HS_MASK(HS_INT64))
+
+#endif /* HS_PY_VIEW_H */

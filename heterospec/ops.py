@@ -1,0 +1,159 @@
+"""Tree operations of EAGLE-3 / HeteroSpec speculative decoding, on heterospec's C core.
+
+Every function here has a pure-NumPy twin of the same name and signature in :mod:`heterospec.reference`;
+docs/ops.md defines both exactly.  Inputs may be NumPy arrays or torch tensors (imported zero-copy
+through DLPack; torch is never linked) or any object with ``__dlpack__`` or the buffer protocol; Python
+lists are converted with NumPy.  Outputs are allocated with the library of the first array argument, so a
+NumPy input gives NumPy outputs and a torch tensor gives torch tensors on its device.  Arrays must be
+C-contiguous: nothing is copied silently.
+
+Errors: wrong type or dtype -> TypeError; wrong ndim, shape relation, range, order, non-finite logits,
+non-contiguous or mixed-device arrays -> ValueError; refused tensor import -> BufferError.  Every message
+names the op and the argument and says what was expected and what was given.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _C
+from ._types import VerifyTree
+
+__all__ = [
+    "topk_entropy",
+    "expand",
+    "select",
+    "build_tree",
+    "verify_greedy",
+    "verify_sample",
+    "kv_compact",
+    "bucketize",
+    "philox4x32",
+    "philox_uniform",
+    "VerifyTree",
+]
+
+
+def _np_alloc(shape, dtype):
+    return np.empty(shape, dtype=dtype)
+
+
+_torch_allocs = {}
+
+
+def _allocator(like):
+    """An ``alloc(shape, dtype_name)`` that allocates outputs with ``like``'s library and device."""
+    if type(like).__module__.partition(".")[0] != "torch":
+        return _np_alloc
+    device = like.device
+    alloc = _torch_allocs.get(device)
+    if alloc is None:
+        import torch
+
+        dtypes = {"float32": torch.float32, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
+
+        def alloc(shape, dtype, _device=device):
+            return torch.empty(shape, dtype=dtypes[dtype], device=_device)
+
+        _torch_allocs[device] = alloc
+    return alloc
+
+
+def _arr(x):
+    # Python sequences are a convenience for small arguments; arrays and tensors pass through untouched.
+    return np.asarray(x) if isinstance(x, (list, tuple)) else x
+
+
+def topk_entropy(logits, k, temperature=1.0):
+    """Per-row entropy (nats) of softmax over the ``k`` largest logits divided by ``temperature``.
+
+    ``logits[N, V]`` float16/bfloat16/float32 -> ``float32[N]``.  The per-step term of HeteroSpec's Eq. 1.
+    """
+    logits = _arr(logits)
+    return _C.topk_entropy(logits, k, temperature, _allocator(logits))
+
+
+def expand(logits, beam_scores, beam_nodes, k, d2t=None, node_offset=0):
+    """One level of the EAGLE-2/3 dynamic tree.
+
+    ``logits[B, Vd]``, ``beam_scores[B]``, ``beam_nodes[B]`` -> ``(tokens[B*k] int64, scores[B*k] float32,
+    parents[B*k] int64, entropy[B] float32, next_beams[k] int64)``.  Candidate ``b*k + j`` is row b's j-th
+    most likely token (ties to the lower id), numbered ``node_offset + b*k + j``; its token is mapped through
+    ``d2t`` (draft->target offsets) when given; its score is ``beam_scores[b] + log_softmax(logits[b])[id]``;
+    its parent is ``beam_nodes[b]``.  ``next_beams`` are the node numbers of the k best scores.
+    """
+    logits = _arr(logits)
+    return _C.expand(logits, _arr(beam_scores), _arr(beam_nodes), k, _arr(d2t), node_offset, _allocator(logits))
+
+
+def select(scores, n):
+    """Indices of the ``n`` highest ``scores[M]`` (ties to the lower index), in ascending order -> int64[n]."""
+    scores = _arr(scores)
+    return _C.select(scores, n, _allocator(scores))
+
+
+def build_tree(tokens, parents, selected, root_token):
+    """Verification tree of a parent-closed selection of candidates -> :class:`VerifyTree`.
+
+    ``tokens[M]``, ``parents[M]`` (candidate index or -1), ``selected[n]`` (strictly ascending) ->
+    ``VerifyTree(tokens[n+1], parents[n+1], depths[n+1], mask[n+1, n+1] bool, retrieve[L, D+1])`` with node 0
+    the root (``root_token``), the ancestor-or-self mask and one root->leaf row per leaf padded with -1.
+    """
+    tokens = _arr(tokens)
+    return VerifyTree(*_C.build_tree(tokens, _arr(parents), _arr(selected), root_token, _allocator(tokens)))
+
+
+def verify_greedy(tree_tokens, tree_parents, target_logits):
+    """Greedy acceptance: ``(path int64[len], next_token int)``.
+
+    From node 0, repeatedly moves to the child (lowest index first) whose token is the argmax of the
+    target's logits at the current node; ``next_token`` is the argmax at the last node.  The accepted tokens
+    plus ``next_token`` are exactly the target's greedy continuation.
+    """
+    tree_tokens = _arr(tree_tokens)
+    return _C.verify_greedy(tree_tokens, _arr(tree_parents), target_logits, _allocator(tree_tokens))
+
+
+def verify_sample(tree_tokens, tree_parents, target_logits, *, temperature, top_k=0, top_p=1.0, seed, offset):
+    """Lossless tree acceptance under sampling: ``(path int64[len], next_token int, draws int)``.
+
+    Recursive rejection sampling with point-mass sibling proposals against the target distribution warped
+    in HuggingFace order (temperature, top-k, top-p).  Uniforms come from Philox4x32-10 keyed by ``seed``
+    with counter ``offset + draw index``; ``draws`` says how many were used (advance ``offset`` by it).
+    The emitted tokens follow the warped target distribution exactly.
+    """
+    tree_tokens = _arr(tree_tokens)
+    return _C.verify_sample(
+        tree_tokens, _arr(tree_parents), target_logits, temperature, top_k, top_p, seed, offset,
+        _allocator(tree_tokens),
+    )
+
+
+def kv_compact(tensors, prefix_len, slots):
+    """In place, for every tensor ``[..., S, D]`` of ``tensors``: row ``prefix_len + slots[i]`` moves to
+    ``prefix_len + i``.  ``slots`` strictly ascending with ``slots[i] >= i``.  All tensors are validated
+    before any is modified."""
+    _C.kv_compact(tensors, prefix_len, _arr(slots))
+
+
+def bucketize(values, thresholds):
+    """Bin of each value = number of (strictly ascending) thresholds it exceeds -> int32[N]."""
+    values = _arr(values)
+    return _C.bucketize(values, _arr(thresholds), _allocator(values))
+
+
+def philox4x32(counter, key):
+    """The Philox4x32-10 bijection: 4 uint32 counter words and 2 key words -> 4 uint32 words."""
+    c = [int(x) for x in counter]
+    k = [int(x) for x in key]
+    if len(c) != 4 or len(k) != 2:
+        raise ValueError(f"philox4x32: argument 'counter'/'key' expected 4 and 2 words, got {len(c)} and {len(k)}")
+    for name, words in (("counter", c), ("key", k)):
+        if any(w < 0 or w > 0xFFFFFFFF for w in words):
+            raise ValueError(f"philox4x32: argument '{name}' expected uint32 words, got {words}")
+    return _C.philox4x32(*c, *k)
+
+
+def philox_uniform(n, *, seed, offset):
+    """The uniforms ``verify_sample`` draws: ``u_j = x0 * 2**-32`` of Philox4x32-10 at counter
+    ``offset + j`` keyed by ``seed``, j < n -> float64[n] (NumPy)."""
+    return _C.philox_uniform(n, seed, offset, _np_alloc)
