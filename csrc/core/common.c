@@ -65,15 +65,18 @@ const float *hs_row_f32(const void *logits, hs_dtype t, int64_t row, int64_t V, 
     return dst;
 }
 
-hs_status hs_row_check_max(const float *x, int64_t V, const char *op, const char *arg, int64_t row,
+HS_HOT hs_status hs_row_check_max(const float *x, int64_t V, const char *op, const char *arg, int64_t row,
                            float *max_out, hs_error *err) {
-    /* Fast path: a vectorisable max plus a "bad" flag; the slow scan only runs to name the column. */
+    /* Fast path: a vectorisable max plus a "bad" flag computed on the bits (NaN or +Inf means
+     * |bits| >= 0x7f800000 with the sign clear, or a NaN with the sign set); the slow scan below only runs
+     * to name the offending column. */
     float m = -INFINITY;
-    int bad = 0;
+    for (int64_t v = 0; v < V; v++) m = x[v] > m ? x[v] : m;
+    uint32_t bad = 0; /* two loops: fused, gcc 12 vectorises neither */
     for (int64_t v = 0; v < V; v++) {
-        float a = x[v];
-        bad |= (a != a) | (a == INFINITY);
-        m = a > m ? a : m;
+        uint32_t b;
+        memcpy(&b, &x[v], sizeof b);
+        bad |= (uint32_t)((b & 0x7fffffffu) > 0x7f800000u) | (uint32_t)(b == 0x7f800000u);
     }
     if (bad) {
         for (int64_t v = 0; v < V; v++) {
@@ -113,7 +116,7 @@ static inline float hs_exp_nonpos(float x) {
     return x < -87.0f ? 0.0f : p * scale;
 }
 
-double hs_sum_exp_shifted(const float *x, int64_t V, float m) {
+HS_HOT double hs_sum_exp_shifted(const float *x, int64_t V, float m) {
     double total = 0.0;
     int64_t v = 0;
     for (; v + 64 <= V; v += 64) {
@@ -152,7 +155,7 @@ static int hs_cmp_best_first(const void *pa, const void *pb) {
 
 void hs_sort_best_first(hs_kv *a, int64_t n) { qsort(a, (size_t)n, sizeof *a, hs_cmp_best_first); }
 
-void hs_topk_f32(const float *x, int64_t V, int64_t k, hs_kv *out) {
+HS_HOT void hs_topk_f32(const float *x, int64_t V, int64_t k, hs_kv *out) {
     /* Min-heap of the best k seen so far (root = worst).  Ids arrive ascending, so a later element with
      * a value equal to the root's is worse than it (ties go to the lower id) and never enters. */
     for (int64_t v = 0; v < k; v++) out[v] = (hs_kv){x[v], v};

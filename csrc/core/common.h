@@ -12,6 +12,14 @@
 
 #include "hs/heterospec.h"
 
+/* Hot vocabulary-wide loops get an AVX2 clone picked at load time (ifunc); the baseline stays SSE2 so one
+ * wheel runs everywhere.  -std=c11 keeps -ffp-contract=off, so both clones round identically. */
+#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(HS_NO_CLONES)
+#define HS_HOT __attribute__((target_clones("avx2", "default")))
+#else
+#define HS_HOT
+#endif
+
 #if defined(__GNUC__)
 #define HS_UNUSED __attribute__((unused))
 #define HS_PRINTF(f, a) __attribute__((format(printf, f, a)))

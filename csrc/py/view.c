@@ -154,6 +154,10 @@ static int hs_import_dltensor(const HSDLTensor *t, const char *op, const char *a
 
 static void hs_call_deleter(hs_view *v) {
     if (v->managed == NULL) return;
+    /* A deleter may run Python code (a ctypes/cffi producer, a refcount drop with a finaliser); it must
+     * not see, or clobber, the exception we may be about to raise. */
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
     if (v->source == HS_SRC_DLPACK_V1) {
         HSDLManagedTensorVersioned *m = (HSDLManagedTensorVersioned *)v->managed;
         if (m->deleter) m->deleter(m);
@@ -162,6 +166,8 @@ static void hs_call_deleter(hs_view *v) {
         if (m->deleter) m->deleter(m);
     }
     v->managed = NULL;
+    if (PyErr_Occurred()) PyErr_WriteUnraisable(NULL); /* a failing deleter must not mask our result */
+    PyErr_Restore(type, value, tb);
 }
 
 static int hs_import_dlpack(PyObject *obj, PyObject *method, const char *op, const char *arg, int writable,
