@@ -13,6 +13,8 @@ names the op and the argument and says what was expected and what was given.
 """
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from . import _C
@@ -141,15 +143,20 @@ def bucketize(values, thresholds):
     return _C.bucketize(values, _arr(thresholds), _allocator(values))
 
 
+def _words(name, words, count):
+    try:
+        out = [operator.index(w) for w in words]
+    except TypeError:
+        raise TypeError(f"philox4x32: argument '{name}' expected {count} integer words, got {words!r}") from None
+    if len(out) != count or any(w < 0 or w > 0xFFFFFFFF for w in out):
+        raise ValueError(f"philox4x32: argument '{name}' expected {count} uint32 words, got {words!r}")
+    return out
+
+
 def philox4x32(counter, key):
     """The Philox4x32-10 bijection: 4 uint32 counter words and 2 key words -> 4 uint32 words."""
-    c = [int(x) for x in counter]
-    k = [int(x) for x in key]
-    if len(c) != 4 or len(k) != 2:
-        raise ValueError(f"philox4x32: argument 'counter'/'key' expected 4 and 2 words, got {len(c)} and {len(k)}")
-    for name, words in (("counter", c), ("key", k)):
-        if any(w < 0 or w > 0xFFFFFFFF for w in words):
-            raise ValueError(f"philox4x32: argument '{name}' expected uint32 words, got {words}")
+    c = _words("counter", counter, 4)
+    k = _words("key", key, 2)
     return _C.philox4x32(*c, *k)
 
 

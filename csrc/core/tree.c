@@ -146,15 +146,18 @@ size_t hs_build_tree_workspace_bytes(int64_t M) {
     return (size_t)(M > 0 ? M : 0) * sizeof(int64_t) + (size_t)(M > 0 ? M : 0) + 1;
 }
 
-hs_status hs_build_tree(const void *tokens, const void *parents, hs_dtype id_dtype, int64_t batch,
+hs_status hs_build_tree(const void *tokens, hs_dtype token_dtype, const void *parents, hs_dtype parent_dtype,
+                        int64_t batch,
                         int64_t M, const void *selected, hs_dtype sel_dtype, int64_t N,
                         const int64_t *n, const int64_t *root_tokens, int64_t *out_tokens,
                         int64_t *out_parents, int64_t *out_depths, uint8_t *out_mask,
                         int64_t *out_num_leaves, int64_t *out_max_depth, void *ws, size_t ws_bytes,
                         hs_error *err) {
     static const char op[] = "build_tree";
-    if (!hs_is_id_dtype(id_dtype))
-        return hs_fail(err, HS_ERR_DTYPE, op, "tokens", "expected int32 or int64, got %s", hs_dtype_name(id_dtype));
+    if (!hs_is_id_dtype(token_dtype))
+        return hs_fail(err, HS_ERR_DTYPE, op, "tokens", "expected int32 or int64, got %s", hs_dtype_name(token_dtype));
+    if (!hs_is_id_dtype(parent_dtype))
+        return hs_fail(err, HS_ERR_DTYPE, op, "parents", "expected int32 or int64, got %s", hs_dtype_name(parent_dtype));
     if (!hs_is_id_dtype(sel_dtype))
         return hs_fail(err, HS_ERR_DTYPE, op, "selected", "expected int32 or int64, got %s",
                        hs_dtype_name(sel_dtype));
@@ -169,8 +172,8 @@ hs_status hs_build_tree(const void *tokens, const void *parents, hs_dtype id_dty
 
     for (int64_t b = 0; b < batch && st == HS_OK; b++) {
         int64_t nb = n[b], R = root_tokens[b];
-        const char *tk = (const char *)tokens + (size_t)(b * M) * hs_dtype_size(id_dtype);
-        const char *pa = (const char *)parents + (size_t)(b * M) * hs_dtype_size(id_dtype);
+        const char *tk = (const char *)tokens + (size_t)(b * M) * hs_dtype_size(token_dtype);
+        const char *pa = (const char *)parents + (size_t)(b * M) * hs_dtype_size(parent_dtype);
         const char *se = (const char *)selected + (size_t)(b * N) * hs_dtype_size(sel_dtype);
         int64_t *ot = out_tokens + b * T, *op_ = out_parents + b * T, *od = out_depths + b * T;
         uint8_t *mk = out_mask + (size_t)(b * T * T);
@@ -203,7 +206,7 @@ hs_status hs_build_tree(const void *tokens, const void *parents, hs_dtype id_dty
                              (long long)c, (long long)(i - 1), (long long)hs_load_id(se, sel_dtype, i - 2));
                 break;
             }
-            int64_t p = hs_load_id(pa, id_dtype, c), t = hs_load_id(tk, id_dtype, c);
+            int64_t p = hs_load_id(pa, parent_dtype, c), t = hs_load_id(tk, token_dtype, c);
             if (p < -1 || p >= M) {
                 st = hs_fail(err, HS_ERR_VALUE, op, "parents", "expected values in [-1, %lld), got %lld at [%lld]",
                              (long long)M, (long long)p, (long long)c);

@@ -53,13 +53,13 @@ double hs_philox_uniform(uint64_t seed, uint64_t offset, uint64_t j) {
 
 /* ---- shared tree checks --------------------------------------------------------------------------- */
 
-static hs_status hs_check_tree(const char *op, const void *tokens, const void *parents, hs_dtype dt,
-                               int64_t n, int64_t V, hs_error *err) {
+static hs_status hs_check_tree(const char *op, const void *tokens, hs_dtype tdt, const void *parents,
+                               hs_dtype pdt, int64_t n, int64_t V, hs_error *err) {
     if (n < 1)
         return hs_fail(err, HS_ERR_VALUE, op, "tree_tokens", "expected at least the root node, got %lld nodes",
                        (long long)n);
     for (int64_t i = 0; i < n; i++) {
-        int64_t p = hs_load_id(parents, dt, i), t = hs_load_id(tokens, dt, i);
+        int64_t p = hs_load_id(parents, pdt, i), t = hs_load_id(tokens, tdt, i);
         if (i == 0 ? p != -1 : (p < 0 || p >= i))
             return hs_fail(err, HS_ERR_VALUE, op, "tree_parents",
                            i == 0 ? "expected -1 for the root (node 0), got %lld at [%lld]"
@@ -97,27 +97,29 @@ static hs_status hs_row_argmax(const void *logits, hs_dtype dt, int64_t row, int
 
 /* ---- greedy -------------------------------------------------------------------------------------- */
 
-hs_status hs_verify_greedy(const void *tree_tokens, const void *tree_parents, hs_dtype id_dtype,
-                           int64_t batch, int64_t T, const int64_t *n, const void *logits,
+hs_status hs_verify_greedy(const void *tree_tokens, hs_dtype token_dtype, const void *tree_parents,
+                           hs_dtype parent_dtype, int64_t batch, int64_t T, const int64_t *n, const void *logits,
                            hs_dtype logit_dtype, int64_t V, int64_t *out_path, int64_t *out_len,
                            int64_t *out_next, hs_error *err) {
     static const char op[] = "verify_greedy";
-    if (!hs_is_id_dtype(id_dtype))
+    if (!hs_is_id_dtype(token_dtype))
         return hs_fail(err, HS_ERR_DTYPE, op, "tree_tokens", "expected int32 or int64, got %s",
-                       hs_dtype_name(id_dtype));
+                       hs_dtype_name(token_dtype));
+    if (!hs_is_id_dtype(parent_dtype))
+        return hs_fail(err, HS_ERR_DTYPE, op, "tree_parents", "expected int32 or int64, got %s",
+                       hs_dtype_name(parent_dtype));
     if (!hs_is_logit_dtype(logit_dtype))
         return hs_fail(err, HS_ERR_DTYPE, op, "target_logits", "expected float16, bfloat16 or float32, got %s",
                        hs_dtype_name(logit_dtype));
-    size_t isz = hs_dtype_size(id_dtype);
     for (int64_t b = 0; b < batch; b++) {
-        const char *tk = (const char *)tree_tokens + (size_t)(b * T) * isz;
-        const char *pa = (const char *)tree_parents + (size_t)(b * T) * isz;
+        const char *tk = (const char *)tree_tokens + (size_t)(b * T) * hs_dtype_size(token_dtype);
+        const char *pa = (const char *)tree_parents + (size_t)(b * T) * hs_dtype_size(parent_dtype);
         const char *lg = (const char *)logits + (size_t)(b * T * V) * hs_dtype_size(logit_dtype);
         int64_t nb = n[b];
         if (nb > T)
             return hs_fail(err, HS_ERR_VALUE, op, "tree_tokens", "expected at most %lld nodes, got %lld",
                            (long long)T, (long long)nb);
-        hs_status st = hs_check_tree(op, tk, pa, id_dtype, nb, V, err);
+        hs_status st = hs_check_tree(op, tk, token_dtype, pa, parent_dtype, nb, V, err);
         if (st != HS_OK) return st;
         int64_t *path = out_path + b * T, len = 0, cur = 0, am = 0;
         path[len++] = 0;
@@ -126,7 +128,7 @@ hs_status hs_verify_greedy(const void *tree_tokens, const void *tree_parents, hs
             if (st != HS_OK) return st;
             int64_t next = -1;
             for (int64_t j = cur + 1; j < nb; j++) {
-                if (hs_load_id(pa, id_dtype, j) == cur && hs_load_id(tk, id_dtype, j) == am) {
+                if (hs_load_id(pa, parent_dtype, j) == cur && hs_load_id(tk, token_dtype, j) == am) {
                     next = j;
                     break;
                 }
@@ -212,16 +214,19 @@ static hs_status hs_warp_row(const void *logits, hs_dtype dt, int64_t row, int64
     return HS_OK;
 }
 
-hs_status hs_verify_sample(const void *tree_tokens, const void *tree_parents, hs_dtype id_dtype,
-                           int64_t batch, int64_t T, const int64_t *n, const void *logits,
+hs_status hs_verify_sample(const void *tree_tokens, hs_dtype token_dtype, const void *tree_parents,
+                           hs_dtype parent_dtype, int64_t batch, int64_t T, const int64_t *n, const void *logits,
                            hs_dtype logit_dtype, int64_t V, hs_sampling sp, const uint64_t *seeds,
                            const uint64_t *offsets, int64_t *out_path, int64_t *out_len,
                            int64_t *out_next, int64_t *out_draws, void *ws, size_t ws_bytes,
                            hs_error *err) {
     static const char op[] = "verify_sample";
-    if (!hs_is_id_dtype(id_dtype))
+    if (!hs_is_id_dtype(token_dtype))
         return hs_fail(err, HS_ERR_DTYPE, op, "tree_tokens", "expected int32 or int64, got %s",
-                       hs_dtype_name(id_dtype));
+                       hs_dtype_name(token_dtype));
+    if (!hs_is_id_dtype(parent_dtype))
+        return hs_fail(err, HS_ERR_DTYPE, op, "tree_parents", "expected int32 or int64, got %s",
+                       hs_dtype_name(parent_dtype));
     if (!hs_is_logit_dtype(logit_dtype))
         return hs_fail(err, HS_ERR_DTYPE, op, "target_logits", "expected float16, bfloat16 or float32, got %s",
                        hs_dtype_name(logit_dtype));
@@ -241,17 +246,16 @@ hs_status hs_verify_sample(const void *tree_tokens, const void *tree_parents, hs
     float *conv = (float *)(w + V);
     hs_kv *sorted = (hs_kv *)(((uintptr_t)(conv + V) + 15u) & ~(uintptr_t)15u); /* padding counted */
     int64_t *rejected = (int64_t *)(sorted + V);
-    size_t isz = hs_dtype_size(id_dtype);
 
     for (int64_t b = 0; b < batch; b++) {
-        const char *tk = (const char *)tree_tokens + (size_t)(b * T) * isz;
-        const char *pa = (const char *)tree_parents + (size_t)(b * T) * isz;
+        const char *tk = (const char *)tree_tokens + (size_t)(b * T) * hs_dtype_size(token_dtype);
+        const char *pa = (const char *)tree_parents + (size_t)(b * T) * hs_dtype_size(parent_dtype);
         const char *lg = (const char *)logits + (size_t)(b * T * V) * hs_dtype_size(logit_dtype);
         int64_t nb = n[b];
         if (nb > T)
             return hs_fail(err, HS_ERR_VALUE, op, "tree_tokens", "expected at most %lld nodes, got %lld",
                            (long long)T, (long long)nb);
-        hs_status st = hs_check_tree(op, tk, pa, id_dtype, nb, V, err);
+        hs_status st = hs_check_tree(op, tk, token_dtype, pa, parent_dtype, nb, V, err);
         if (st != HS_OK) return st;
         int64_t *path = out_path + b * T, len = 0, cur = 0;
         uint64_t draw = 0;
@@ -263,8 +267,8 @@ hs_status hs_verify_sample(const void *tree_tokens, const void *tree_parents, hs
             for (int64_t v = 0; v < V; v++) R += w[v];
             int64_t nrej = 0, accepted = -1;
             for (int64_t j = cur + 1; j < nb && accepted < 0; j++) {
-                if (hs_load_id(pa, id_dtype, j) != cur) continue;
-                int64_t t = hs_load_id(tk, id_dtype, j);
+                if (hs_load_id(pa, parent_dtype, j) != cur) continue;
+                int64_t t = hs_load_id(tk, token_dtype, j);
                 int seen = 0;
                 for (int64_t r = 0; r < nrej; r++) seen |= rejected[r] == t;
                 if (seen) continue; /* a duplicate sibling token was already rejected: no draw */

@@ -317,11 +317,6 @@ static PyObject *py_build_tree(PyObject *self, PyObject *args) {
         hs_check_dtype(pa, op, "parents", HS_ID_DTYPES, "int32 or int64") < 0 ||
         hs_check_dim(pa, op, "parents", 0, M, "one parent per candidate token") < 0)
         goto fail;
-    if (pa->dtype != tk->dtype) {
-        PyErr_Format(PyExc_TypeError, "%s: argument 'parents' expected the dtype of 'tokens' (%s), got %s", op,
-                     tk->dtype_name, pa->dtype_name);
-        goto fail;
-    }
     if (!(se = hs_views_add(&vs, o_sel, op, "selected", 0)) || hs_check_ndim(se, op, "selected", 1, "[n]") < 0 ||
         hs_check_dtype(se, op, "selected", HS_ID_DTYPES, "int32 or int64") < 0)
         goto fail;
@@ -341,7 +336,7 @@ static PyObject *py_build_tree(PyObject *self, PyObject *args) {
     int64_t leaves = 0, depth = 0;
     hs_error err;
     hs_status st;
-    HS_RUN(hs_build_tree(tk->data, pa->data, (hs_dtype)tk->dtype, 1, M, se->data, (hs_dtype)se->dtype, n, &n, &root,
+    HS_RUN(hs_build_tree(tk->data, (hs_dtype)tk->dtype, pa->data, (hs_dtype)pa->dtype, 1, M, se->data, (hs_dtype)se->dtype, n, &n, &root,
                          (int64_t *)ot->data, (int64_t *)opa->data, (int64_t *)od->data, (uint8_t *)om->data,
                          &leaves, &depth, ws, wsb, &err));
     if (st != HS_OK) {
@@ -380,11 +375,6 @@ static int hs_verify_args(hs_views *vs, const char *op, PyObject *o_tok, PyObjec
         hs_check_dtype(*pa, op, "tree_parents", HS_ID_DTYPES, "int32 or int64") < 0 ||
         hs_check_dim(*pa, op, "tree_parents", 0, n, "one parent per tree node") < 0)
         return -1;
-    if ((*pa)->dtype != (*tk)->dtype) {
-        PyErr_Format(PyExc_TypeError, "%s: argument 'tree_parents' expected the dtype of 'tree_tokens' (%s), got %s",
-                     op, (*tk)->dtype_name, (*pa)->dtype_name);
-        return -1;
-    }
     if (!(*lg = hs_views_add(vs, o_lg, op, "target_logits", 0)) ||
         hs_check_ndim(*lg, op, "target_logits", 2, "[n, V]") < 0 ||
         hs_check_dtype(*lg, op, "target_logits", HS_LOGIT_DTYPES, "float16, bfloat16 or float32") < 0 ||
@@ -418,7 +408,7 @@ static PyObject *py_verify_greedy(PyObject *self, PyObject *args) {
     if (!(path = hs_views_alloc(&vs, alloc, op, "path", 1, &n, HS_INT64, &opath))) goto fail;
     hs_error err;
     hs_status st;
-    HS_RUN(hs_verify_greedy(tk->data, pa->data, (hs_dtype)tk->dtype, 1, n, &n, lg->data, (hs_dtype)lg->dtype, V,
+    HS_RUN(hs_verify_greedy(tk->data, (hs_dtype)tk->dtype, pa->data, (hs_dtype)pa->dtype, 1, n, &n, lg->data, (hs_dtype)lg->dtype, V,
                             (int64_t *)opath->data, &len, &next, &err));
     if (st != HS_OK) {
         hs_raise(st, &err);
@@ -457,7 +447,7 @@ static PyObject *py_verify_sample(PyObject *self, PyObject *args) {
     if (!(ws = hs_workspace(wsb))) goto fail;
     hs_error err;
     hs_status st;
-    HS_RUN(hs_verify_sample(tk->data, pa->data, (hs_dtype)tk->dtype, 1, n, &n, lg->data, (hs_dtype)lg->dtype, V, sp,
+    HS_RUN(hs_verify_sample(tk->data, (hs_dtype)tk->dtype, pa->data, (hs_dtype)pa->dtype, 1, n, &n, lg->data, (hs_dtype)lg->dtype, V, sp,
                             &seed, &offset, (int64_t *)opath->data, &len, &next, &draws, ws, wsb, &err));
     if (st != HS_OK) {
         hs_raise(st, &err);

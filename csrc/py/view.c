@@ -86,7 +86,7 @@ static int hs_import_numpy(PyArrayObject *a, const char *op, const char *arg, in
         return -1;
     }
     if (writable && !PyArray_ISWRITEABLE(a)) {
-        PyErr_Format(PyExc_ValueError, "%s: argument '%s' expected a writeable array, got a read-only one", op, arg);
+        PyErr_Format(PyExc_BufferError, "%s: argument '%s' expected a writeable array, got a read-only one", op, arg);
         return -1;
     }
     v->data = PyArray_DATA(a);

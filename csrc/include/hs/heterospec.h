@@ -98,7 +98,8 @@ hs_status hs_select(const void *scores, hs_dtype score_dtype, int64_t batch, int
  *   out_num_leaves, out_max_depth [batch] int64.
  * Rows of the outputs past n[b]+1 are left untouched.  Workspace: hs_build_tree_workspace_bytes(M). */
 size_t hs_build_tree_workspace_bytes(int64_t M);
-hs_status hs_build_tree(const void *tokens, const void *parents, hs_dtype id_dtype, int64_t batch,
+hs_status hs_build_tree(const void *tokens, hs_dtype token_dtype, const void *parents, hs_dtype parent_dtype,
+                        int64_t batch,
                         int64_t M, const void *selected, hs_dtype sel_dtype, int64_t N,
                         const int64_t *n, const int64_t *root_tokens, int64_t *out_tokens,
                         int64_t *out_parents, int64_t *out_depths, uint8_t *out_mask,
@@ -118,8 +119,8 @@ hs_status hs_tree_retrieve(const int64_t *parents, const int64_t *depths, int64_
 /* Greedy acceptance. tree_tokens, tree_parents [batch, T] (int32/64), n [batch] nodes per row,
  * logits [batch, T, V]. out_path [batch, T] int64 (first out_len[b] entries valid), out_len [batch],
  * out_next [batch]. */
-hs_status hs_verify_greedy(const void *tree_tokens, const void *tree_parents, hs_dtype id_dtype,
-                           int64_t batch, int64_t T, const int64_t *n, const void *logits,
+hs_status hs_verify_greedy(const void *tree_tokens, hs_dtype token_dtype, const void *tree_parents,
+                           hs_dtype parent_dtype, int64_t batch, int64_t T, const int64_t *n, const void *logits,
                            hs_dtype logit_dtype, int64_t V, int64_t *out_path, int64_t *out_len,
                            int64_t *out_next, hs_error *err);
 
@@ -133,8 +134,8 @@ typedef struct hs_sampling {
  * Philox4x32-10 keyed by seeds[b], counter offsets[b] + draw index.  Same buffers as hs_verify_greedy
  * plus out_draws [batch].  Workspace: hs_verify_sample_workspace_bytes(T, V). */
 size_t hs_verify_sample_workspace_bytes(int64_t T, int64_t V);
-hs_status hs_verify_sample(const void *tree_tokens, const void *tree_parents, hs_dtype id_dtype,
-                           int64_t batch, int64_t T, const int64_t *n, const void *logits,
+hs_status hs_verify_sample(const void *tree_tokens, hs_dtype token_dtype, const void *tree_parents,
+                           hs_dtype parent_dtype, int64_t batch, int64_t T, const int64_t *n, const void *logits,
                            hs_dtype logit_dtype, int64_t V, hs_sampling params,
                            const uint64_t *seeds, const uint64_t *offsets, int64_t *out_path,
                            int64_t *out_len, int64_t *out_next, int64_t *out_draws, void *ws,

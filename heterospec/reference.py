@@ -1,0 +1,623 @@
+"""Pure NumPy reference implementation of every op in docs/ops.md.
+
+This module is the *executable specification*: each function follows the text of docs/ops.md step by step
+and favours clarity over speed (while staying vectorised where that is natural).  The C core
+(``heterospec.ops``) must agree with it: integers exactly, floats to float32 rounding.
+
+Conventions (see docs/ops.md, "Conventions"):
+
+* inputs may be NumPy arrays or anything ``np.asarray`` accepts (torch CPU tensors included; bfloat16 is
+  not supported here because NumPy has no bfloat16 -> TypeError); outputs are always NumPy;
+* logits are converted to float32 (then widened to float64 exactly); reductions accumulate in float64;
+* non-C-contiguous arrays are refused (ValueError) -- we never copy silently;
+* every error message starts with ``<op>: argument '<name>'`` and says what was expected and given.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from ._types import VerifyTree
+
+__all__ = [
+    "topk_entropy",
+    "expand",
+    "select",
+    "build_tree",
+    "verify_greedy",
+    "verify_sample",
+    "kv_compact",
+    "bucketize",
+    "philox4x32",
+    "philox_uniform",
+]
+
+_LOGIT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
+_SCORE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_ID_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+
+_DTYPE_NAMES = {d: "/".join(str(t) for t in d) for d in (_LOGIT_DTYPES, _SCORE_DTYPES, _ID_DTYPES)}
+
+_U32 = 0xFFFFFFFF
+_U64_LIMIT = 1 << 64
+
+
+# ----------------------------------------------------------------------------------------------------------
+# argument handling
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _fail(exc, op, name, expected, given):
+    raise exc(f"{op}: argument '{name}' expected {expected}, got {given}")
+
+
+def _describe(x):
+    if isinstance(x, np.ndarray):
+        return f"ndarray(dtype={x.dtype}, shape={tuple(x.shape)})"
+    return repr(x) if isinstance(x, numbers.Number) else type(x).__name__
+
+
+def _is_torch_bfloat16(x):
+    return type(x).__module__.startswith("torch") and str(getattr(x, "dtype", "")) == "torch.bfloat16"
+
+
+def _np_view(op, name, x):
+    """np.asarray(x): a tensor that refuses the export (e.g. torch with requires_grad) -> BufferError,
+    anything else NumPy cannot convert -> TypeError."""
+    try:
+        return np.asarray(x)
+    except RuntimeError as e:
+        _fail(BufferError, op, name, "an array NumPy can import", f"{type(x).__name__} refusing the export ({e})")
+    except Exception:  # noqa: BLE001 - anything else np.asarray refuses is a type problem
+        _fail(TypeError, op, name, "an array", type(x).__name__)
+
+
+def _as_array(op, name, x, kind, dtypes, ndim):
+    """np.asarray(x) checked for dtype (TypeError), ndim and C-contiguity (ValueError)."""
+    allowed = _DTYPE_NAMES[dtypes]
+    if isinstance(x, np.ndarray):
+        a = x
+    else:
+        if _is_torch_bfloat16(x):
+            _fail(TypeError, op, name, f"{kind} of dtype {allowed}",
+                  "torch.bfloat16 (bfloat16 is not supported by heterospec.reference)")
+        a = _np_view(op, name, x)
+    if a.dtype not in dtypes:
+        _fail(TypeError, op, name, f"{kind} of dtype {allowed}", f"dtype {a.dtype}")
+    if a.ndim != ndim:
+        _fail(ValueError, op, name, f"a {ndim}-D array", f"a {a.ndim}-D array of shape {tuple(a.shape)}")
+    if not a.flags.c_contiguous:
+        _fail(ValueError, op, name, "a C-contiguous array", f"strides {a.strides} for shape {tuple(a.shape)}")
+    return a
+
+
+def _logits(op, name, x, ndim=2):
+    return _as_array(op, name, x, "logits", _LOGIT_DTYPES, ndim)
+
+
+def _scores(op, name, x):
+    return _as_array(op, name, x, "scores", _SCORE_DTYPES, 1)
+
+
+def _ids(op, name, x):
+    return _as_array(op, name, x, "ids", _ID_DTYPES, 1).astype(np.int64, copy=False)
+
+
+def _length(op, name, a, n, what):
+    if a.shape[0] != n:
+        _fail(ValueError, op, name, f"length {n} ({what})", f"length {a.shape[0]}")
+
+
+def _int(op, name, x, lo=None, hi=None):
+    """A Python/NumPy integer in [lo, hi] (inclusive bounds, None = unbounded)."""
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        _fail(TypeError, op, name, "an int", _describe(x))
+    x = int(x)
+    if (lo is not None and x < lo) or (hi is not None and x > hi):
+        lo_s = "-inf" if lo is None else str(lo)
+        hi_s = "inf]" if hi is None else ("2^64)" if hi == _U64_LIMIT - 1 else f"{hi}]")
+        _fail(ValueError, op, name, f"an int in [{lo_s}, {hi_s}", x)
+    return x
+
+
+def _real(op, name, x):
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+        _fail(TypeError, op, name, "a float", _describe(x))
+    return float(x)
+
+
+def _temperature(op, x):
+    t = _real(op, "temperature", x)
+    if not (math.isfinite(t) and t > 0.0):
+        _fail(ValueError, op, "temperature", "a finite float > 0", t)
+    return t
+
+
+def _check_logit_rows(op, name, rows32, row_ids):
+    """Logit checks: no NaN, no +Inf, at least one value that is not -Inf (rows32: float32 [r, V])."""
+    bad = np.isnan(rows32) | (rows32 == np.inf)
+    if bad.any():
+        r, c = np.argwhere(bad)[0]
+        _fail(ValueError, op, name, "no NaN and no +Inf",
+              f"{rows32[r, c]} at row {int(row_ids[r])}, column {int(c)}")
+    all_neg_inf = (rows32 == -np.inf).all(axis=1)
+    if all_neg_inf.any():
+        r = int(np.flatnonzero(all_neg_inf)[0])
+        _fail(ValueError, op, name, "at least one value that is not -Inf per row",
+              f"-Inf in every column of row {int(row_ids[r])} (columns 0..{rows32.shape[1] - 1})")
+
+
+def _logit_row64(op, name, logits, row):
+    """Row `row` of a logits matrix, checked, converted to float32 and widened to float64."""
+    r32 = logits[row : row + 1].astype(np.float32, copy=False)
+    _check_logit_rows(op, name, r32, (row,))
+    return r32[0].astype(np.float64)
+
+
+def _seq_sum(x):
+    """Sequential left-to-right float64 sum (np.sum is pairwise; np.add.accumulate is sequential)."""
+    if x.shape[0] == 0:
+        return 0.0
+    return float(np.add.accumulate(x)[-1])
+
+
+def _topk_desc(vals, k):
+    """Indices of the k largest entries of a 1-D array, listed by value descending, ties to the lower
+    index (the 'k largest' convention of docs/ops.md).  vals has no NaN."""
+    n = vals.shape[0]
+    if k == 0:
+        return np.empty(0, dtype=np.int64)
+    if k < n:
+        t = np.partition(vals, n - k)[n - k]  # the k-th largest value
+        above = np.flatnonzero(vals > t)
+        at = np.flatnonzero(vals == t)[: k - above.shape[0]]  # lowest indices among the ties
+        cand = np.sort(np.concatenate([above, at]))
+    else:
+        cand = np.arange(n)
+    # stable sort on the negated values: descending value, ascending index among equal values
+    order = np.argsort(-vals[cand], kind="stable")
+    return cand[order].astype(np.int64)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# topk_entropy
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _topk_entropy_rows(x64, k, temperature):
+    """H of softmax(top-k(x) / temperature) per row of a float64 [N, V] matrix (already checked)."""
+    n, v = x64.shape
+    if n == 0:
+        return np.empty(0, dtype=np.float32)
+    top = np.partition(x64, v - k, axis=1)[:, v - k :]  # the k largest values per row (any order)
+    top = -np.sort(-top, axis=1)  # descending: deterministic summation order
+    z = top / temperature
+    e = np.exp(z - z[:, :1])  # z[:, 0] is the row max; -inf entries give exp(-inf) = 0
+    p = e / e.sum(axis=1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        plogp = np.where(p > 0.0, p * np.log(np.where(p > 0.0, p, 1.0)), 0.0)  # 0 * ln 0 = 0
+    return (0.0 - plogp.sum(axis=1)).astype(np.float32)  # 0.0 - s: an entropy of 0 is +0.0, not -0.0
+
+
+def topk_entropy(logits, k, temperature=1.0):
+    """Per-row entropy (nats) of the softmax of the k largest logits divided by temperature -> float32[N]."""
+    op = "topk_entropy"
+    x = _logits(op, "logits", logits)
+    n, v = x.shape
+    k = _int(op, "k", k, 1, v)
+    temperature = _temperature(op, temperature)
+    x32 = x.astype(np.float32, copy=False)
+    _check_logit_rows(op, "logits", x32, np.arange(n))
+    return _topk_entropy_rows(x32.astype(np.float64), k, temperature)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# expand
+# ----------------------------------------------------------------------------------------------------------
+
+
+def expand(logits, beam_scores, beam_nodes, k, d2t=None, node_offset=0):
+    """One EAGLE-2/3 dynamic-tree level -> (tokens, scores, parents, entropy, next_beams)."""
+    op = "expand"
+    x = _logits(op, "logits", logits)
+    b, vd = x.shape
+    if b < 1 or vd < 1:
+        _fail(ValueError, op, "logits", "a [B, Vd] matrix with B >= 1 and Vd >= 1", f"shape {tuple(x.shape)}")
+    bs = _scores(op, "beam_scores", beam_scores)
+    _length(op, "beam_scores", bs, b, "B = logits rows")
+    bn = _ids(op, "beam_nodes", beam_nodes)
+    _length(op, "beam_nodes", bn, b, "B = logits rows")
+    k = _int(op, "k", k, 1, vd)
+    if d2t is not None:
+        d2t = _ids(op, "d2t", d2t)
+        _length(op, "d2t", d2t, vd, "Vd = logits columns")
+    node_offset = _int(op, "node_offset", node_offset, 0)
+
+    bs64 = bs.astype(np.float64)
+    if np.isnan(bs64).any() or (bs64 == np.inf).any():
+        i = int(np.flatnonzero(np.isnan(bs64) | (bs64 == np.inf))[0])
+        _fail(ValueError, op, "beam_scores", "no NaN and no +Inf", f"{bs64[i]} at index {i}")
+    if (bn < -1).any():
+        i = int(np.flatnonzero(bn < -1)[0])
+        _fail(ValueError, op, "beam_nodes", "node numbers >= -1", f"{int(bn[i])} at index {i}")
+    x32 = x.astype(np.float32, copy=False)
+    _check_logit_rows(op, "logits", x32, np.arange(b))
+    x64 = x32.astype(np.float64)
+
+    # lp = (x - m) - ln(sum_v exp(x_v - m)), m = row max, sum in float64
+    m = x64.max(axis=1, keepdims=True)
+    d = x64 - m
+    lp = d - np.log(np.exp(d).sum(axis=1, keepdims=True))
+
+    ids = np.stack([_topk_desc(lp[r], k) for r in range(b)])
+    tokens = ids.copy()
+    if d2t is not None:
+        tokens = ids + d2t[ids]
+        if (tokens < 0).any():
+            r, j = np.argwhere(tokens < 0)[0]
+            _fail(ValueError, op, "d2t", "mapped tokens id + d2t[id] >= 0",
+                  f"{int(ids[r, j])} + {int(d2t[ids[r, j]])} = {int(tokens[r, j])} (row {int(r)})")
+    scores = (bs64[:, None] + np.take_along_axis(lp, ids, axis=1)).astype(np.float32)  # rounded once
+    parents = np.repeat(bn, k)
+    entropy = _topk_entropy_rows(x64, k, 1.0)
+    flat_scores = scores.reshape(-1)
+    next_beams = node_offset + _topk_desc(flat_scores.astype(np.float64), k)
+    return (
+        tokens.reshape(-1).astype(np.int64),
+        flat_scores,
+        parents.astype(np.int64),
+        entropy,
+        next_beams.astype(np.int64),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# select
+# ----------------------------------------------------------------------------------------------------------
+
+
+def select(scores, n):
+    """Indices of the n highest scores (ties to the lower index), in ascending index order -> int64[n]."""
+    op = "select"
+    s = _scores(op, "scores", scores)
+    n = _int(op, "n", n, 0, s.shape[0])
+    s64 = s.astype(np.float64)
+    if np.isnan(s64).any():
+        _fail(ValueError, op, "scores", "no NaN", f"nan at index {int(np.flatnonzero(np.isnan(s64))[0])}")
+    return np.sort(_topk_desc(s64, n)).astype(np.int64)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# build_tree
+# ----------------------------------------------------------------------------------------------------------
+
+
+def build_tree(tokens, parents, selected, root_token):
+    """Build the verification tree (root + selected candidates) -> VerifyTree."""
+    op = "build_tree"
+    tok = _ids(op, "tokens", tokens)
+    par = _ids(op, "parents", parents)
+    sel = _ids(op, "selected", selected)
+    m = tok.shape[0]
+    _length(op, "parents", par, m, "M = len(tokens)")
+    root_token = _int(op, "root_token", root_token, 0)
+    n = sel.shape[0]
+
+    if ((par < -1) | (par >= m)).any():
+        i = int(np.flatnonzero((par < -1) | (par >= m))[0])
+        _fail(ValueError, op, "parents", f"candidate indices in [-1, {m})", f"{int(par[i])} at index {i}")
+    if ((sel < 0) | (sel >= m)).any():
+        i = int(np.flatnonzero((sel < 0) | (sel >= m))[0])
+        _fail(ValueError, op, "selected", f"candidate indices in [0, {m})", f"{int(sel[i])} at index {i}")
+    if n > 1 and (np.diff(sel) <= 0).any():
+        i = int(np.flatnonzero(np.diff(sel) <= 0)[0]) + 1
+        _fail(ValueError, op, "selected", "strictly ascending indices",
+              f"{int(sel[i - 1])} followed by {int(sel[i])} at index {i}")
+
+    sel_par = par[sel]
+    if (sel_par >= sel).any():
+        i = int(np.flatnonzero(sel_par >= sel)[0])
+        _fail(ValueError, op, "parents", "parents must precede children (parents[m] < m)",
+              f"parents[{int(sel[i])}] = {int(sel_par[i])}")
+    # tree index of each selected candidate's parent (0 = the root); selected is sorted -> searchsorted
+    pos = np.searchsorted(sel, sel_par)
+    found = (sel_par == -1) | ((pos < n) & (sel[np.minimum(pos, max(n - 1, 0))] == sel_par))
+    if not found.all():
+        i = int(np.flatnonzero(~found)[0])
+        _fail(ValueError, op, "selected", "a parent-closed selection",
+              f"candidate {int(sel[i])} selected but its parent candidate {int(sel_par[i])} not (not parent-closed)")
+
+    tree_parents = np.empty(n + 1, dtype=np.int64)
+    tree_parents[0] = -1
+    tree_parents[1:] = np.where(sel_par == -1, 0, pos + 1)
+    tree_tokens = np.empty(n + 1, dtype=np.int64)
+    tree_tokens[0] = root_token
+    tree_tokens[1:] = tok[sel]
+
+    depths = np.zeros(n + 1, dtype=np.int64)
+    mask = np.zeros((n + 1, n + 1), dtype=bool)
+    mask[0, 0] = True
+    for i in range(1, n + 1):  # parents precede children, so parent rows are complete
+        p = tree_parents[i]
+        depths[i] = depths[p] + 1
+        mask[i] = mask[p]
+        mask[i, i] = True
+
+    is_parent = np.zeros(n + 1, dtype=bool)
+    is_parent[tree_parents[1:]] = True
+    leaves = np.flatnonzero(~is_parent)  # ascending node index; the root alone when n == 0
+    width = int(depths.max()) + 1
+    retrieve = np.full((leaves.shape[0], width), -1, dtype=np.int64)
+    for r, leaf in enumerate(leaves):
+        chain = np.flatnonzero(mask[leaf])  # ancestors-or-self, ascending index == root -> leaf order
+        retrieve[r, : chain.shape[0]] = chain
+    return VerifyTree(tree_tokens, tree_parents, depths, mask, retrieve)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# verification (greedy and sampled)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _tree(op, tree_tokens, tree_parents, target_logits):
+    tok = _ids(op, "tree_tokens", tree_tokens)
+    par = _ids(op, "tree_parents", tree_parents)
+    x = _logits(op, "target_logits", target_logits)
+    n = tok.shape[0]
+    if n < 1:
+        _fail(ValueError, op, "tree_tokens", "n >= 1 nodes (the root at least)", "0 nodes")
+    _length(op, "tree_parents", par, n, "n = len(tree_tokens)")
+    if x.shape[0] != n:
+        _fail(ValueError, op, "target_logits", f"{n} rows (n = len(tree_tokens))", f"{x.shape[0]} rows")
+    v = x.shape[1]
+    if v < 1:
+        _fail(ValueError, op, "target_logits", "a vocabulary of V >= 1 columns", f"shape {tuple(x.shape)}")
+    if par[0] != -1:
+        _fail(ValueError, op, "tree_parents", "tree_parents[0] == -1", f"{int(par[0])}")
+    bad = (par[1:] < 0) | (par[1:] >= np.arange(1, n))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0]) + 1
+        _fail(ValueError, op, "tree_parents", f"0 <= tree_parents[{i}] < {i}", f"{int(par[i])}")
+    bad = (tok < 0) | (tok >= v)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        _fail(ValueError, op, "tree_tokens", f"token ids in [0, {v})", f"{int(tok[i])} at node {i}")
+    children = [[] for _ in range(n)]
+    for i, p in enumerate(par[1:].tolist(), start=1):
+        children[p].append(i)  # ascending node index
+    return tok.tolist(), children, x
+
+
+def verify_greedy(tree_tokens, tree_parents, target_logits):
+    """Greedy tree verification -> (path int64[len], next_token int)."""
+    op = "verify_greedy"
+    tok, children, x = _tree(op, tree_tokens, tree_parents, target_logits)
+    node, path = 0, [0]
+    while True:
+        row = _logit_row64(op, "target_logits", x, node)
+        best = int(np.argmax(row))  # first maximum = ties to the lower id
+        nxt = next((c for c in children[node] if tok[c] == best), None)  # lowest node index
+        if nxt is None:
+            return np.array(path, dtype=np.int64), best
+        node = nxt
+        path.append(node)
+
+
+def _warp(row64, temperature, top_k, top_p):
+    """HuggingFace-order warp of one float64 row (values already float32) -> w (float64, 0 = removed)."""
+    v = row64.shape[0]
+    z = row64 / temperature
+    keep = np.ones(v, dtype=bool)
+    if 0 < top_k < v:
+        t = np.partition(z, v - top_k)[v - top_k]  # the top_k-th largest z
+        keep = z >= t  # ties at t are kept
+    if top_p < 1.0:
+        ids = np.flatnonzero(keep)
+        zs = z[ids]
+        e = np.exp(zs - zs.max())
+        p = e / _seq_sum(e)  # softmax over the survivors
+        order = np.lexsort((-ids, zs))  # ascending by (z ascending, id descending)
+        c = np.add.accumulate(p[order])  # sequential running sum
+        remove = c <= 1.0 - top_p
+        remove[-1] = False  # the most likely token is always kept
+        keep[ids[order[remove]]] = False
+    w = np.exp(z - z.max())
+    w[~keep] = 0.0
+    return w
+
+
+def _philox_block(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 on Python ints (fast for a single block)."""
+    for _ in range(10):
+        p0 = 0xD2511F53 * c0
+        p1 = 0xCD9E8D57 * c2
+        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & _U32, (p0 >> 32) ^ c3 ^ k1, p0 & _U32
+        k0 = (k0 + 0x9E3779B9) & _U32
+        k1 = (k1 + 0xBB67AE85) & _U32
+    return c0, c1, c2, c3
+
+
+def _uniform(seed, offset, j):
+    """u_j = x0 * 2^-32 with x = Philox4x32-10((c_lo, c_hi, 0, 0), (seed_lo, seed_hi)), c = offset + j."""
+    c = (offset + j) % _U64_LIMIT
+    x0 = _philox_block(c & _U32, c >> 32, 0, 0, seed & _U32, seed >> 32)[0]
+    return x0 * 2.0**-32
+
+
+def verify_sample(tree_tokens, tree_parents, target_logits, *, temperature, top_k=0, top_p=1.0, seed, offset):
+    """Lossless tree verification by recursive rejection sampling -> (path int64[len], next_token, draws)."""
+    op = "verify_sample"
+    tok, children, x = _tree(op, tree_tokens, tree_parents, target_logits)
+    temperature = _temperature(op, temperature)
+    top_k = _int(op, "top_k", top_k, 0)
+    top_p = _real(op, "top_p", top_p)
+    if not (0.0 < top_p <= 1.0):
+        _fail(ValueError, op, "top_p", "a float in (0, 1]", top_p)
+    seed = _int(op, "seed", seed, 0, _U64_LIMIT - 1)
+    offset = _int(op, "offset", offset, 0, _U64_LIMIT - 1)
+
+    node, path, j = 0, [0], 0
+    while True:
+        # 1. warp the row of the current node
+        w = _warp(_logit_row64(op, "target_logits", x, node), temperature, top_k, top_p)
+        r_mass = _seq_sum(w)
+        rejected = []
+        accepted = None
+        # 2. try the children in ascending node index
+        for c in children[node]:
+            t = tok[c]
+            if t in rejected:
+                continue  # a duplicate of a rejected token: no draw
+            u = _uniform(seed, offset, j)
+            j += 1
+            wt = float(w[t])
+            if wt > 0.0 and u * r_mass < wt:
+                accepted = c
+                break
+            rejected.append(t)
+            r_mass = r_mass - wt
+            w[t] = 0.0
+        if accepted is not None:
+            path.append(accepted)
+            node = accepted
+            continue
+        # 3. no child accepted: sample the bonus token from the residual
+        u = _uniform(seed, offset, j)
+        j += 1
+        cum = np.add.accumulate(w)  # sequential running sum over ascending ids
+        s_mass = float(cum[-1])
+        if s_mass > 0.0:
+            next_token = int(np.argmax(cum > u * s_mass))  # the smallest id with running sum > u * S
+        else:
+            next_token = rejected[-1]
+        return np.array(path, dtype=np.int64), next_token, j
+
+
+# ----------------------------------------------------------------------------------------------------------
+# kv_compact
+# ----------------------------------------------------------------------------------------------------------
+
+
+def kv_compact(tensors, prefix_len, slots):
+    """In place: row prefix_len + i <- row prefix_len + slots[i] of every [..., S, D] tensor. -> None."""
+    op = "kv_compact"
+    if not isinstance(tensors, (list, tuple)):
+        _fail(TypeError, op, "tensors", "a list or tuple of arrays", type(tensors).__name__)
+    arrays = []
+    for i, t in enumerate(tensors):
+        if isinstance(t, np.ndarray):
+            a = t
+        else:
+            if not (hasattr(t, "__array__") or hasattr(t, "__array_interface__") or hasattr(t, "__dlpack__")):
+                _fail(TypeError, op, f"tensors[{i}]", "an array", type(t).__name__)
+            if _is_torch_bfloat16(t):
+                _fail(TypeError, op, f"tensors[{i}]", "an array NumPy can view",
+                      "torch.bfloat16 (bfloat16 is not supported by heterospec.reference)")
+            a = _np_view(op, f"tensors[{i}]", t)
+        if a.ndim < 2:
+            _fail(ValueError, op, f"tensors[{i}]", "an array of shape [..., S, D] (ndim >= 2)", f"ndim {a.ndim}")
+        if not a.flags.c_contiguous:
+            _fail(ValueError, op, f"tensors[{i}]", "a C-contiguous array", f"strides {a.strides}")
+        if not a.flags.writeable:
+            _fail(BufferError, op, f"tensors[{i}]", "a writable array (an output)", "a read-only array")
+        arrays.append(a)
+    prefix_len = _int(op, "prefix_len", prefix_len, 0)
+    s = _ids(op, "slots", slots)
+    m = s.shape[0]
+    if m == 0:
+        return None
+    if m > 1 and (np.diff(s) <= 0).any():
+        i = int(np.flatnonzero(np.diff(s) <= 0)[0]) + 1
+        _fail(ValueError, op, "slots", "strictly ascending slots", f"{int(s[i - 1])} followed by {int(s[i])}")
+    if (s < np.arange(m)).any():
+        i = int(np.flatnonzero(s < np.arange(m))[0])
+        _fail(ValueError, op, "slots", f"slots[i] >= i", f"slots[{i}] = {int(s[i])}")
+    for i, a in enumerate(arrays):
+        if prefix_len + int(s[-1]) >= a.shape[-2]:
+            _fail(ValueError, op, "slots", f"prefix_len + slots[-1] < S = {a.shape[-2]} of tensors[{i}]",
+                  f"{prefix_len} + {int(s[-1])}")
+    dst = prefix_len + np.arange(m)
+    src = prefix_len + s
+    for a in arrays:
+        # Sequential "for i in order: row dst[i] <- row src[i]" equals this gather-then-scatter because
+        # slots is strictly ascending with slots[i] >= i: a source row is never overwritten before it is read.
+        a[..., dst, :] = a[..., src, :]
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# bucketize
+# ----------------------------------------------------------------------------------------------------------
+
+
+def bucketize(values, thresholds):
+    """bin[i] = number of thresholds s with values[i] > s (float64 comparison) -> int32[N]."""
+    op = "bucketize"
+    v = _scores(op, "values", values).astype(np.float64)
+    t = _scores(op, "thresholds", thresholds).astype(np.float64)
+    if np.isnan(t).any():
+        _fail(ValueError, op, "thresholds", "no NaN", f"nan at index {int(np.flatnonzero(np.isnan(t))[0])}")
+    if t.shape[0] > 1 and (np.diff(t) <= 0).any():
+        i = int(np.flatnonzero(np.diff(t) <= 0)[0]) + 1
+        _fail(ValueError, op, "thresholds", "strictly ascending thresholds",
+              f"{t[i - 1]} followed by {t[i]} at index {i}")
+    if np.isnan(v).any():
+        _fail(ValueError, op, "values", "no NaN", f"nan at index {int(np.flatnonzero(np.isnan(v))[0])}")
+    # count of thresholds strictly below the value == leftmost insertion point in the sorted thresholds
+    return np.searchsorted(t, v, side="left").astype(np.int32)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Philox helpers
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _words(op, name, x, count):
+    if isinstance(x, np.ndarray):
+        x = x.tolist()
+    if not isinstance(x, (list, tuple)):
+        _fail(TypeError, op, name, f"a sequence of {count} uint32 words", type(x).__name__)
+    if len(x) != count:
+        _fail(ValueError, op, name, f"{count} uint32 words", f"{len(x)} words")
+    out = []
+    for w in x:
+        if isinstance(w, bool) or not isinstance(w, (int, np.integer)):
+            _fail(TypeError, op, name, "int words", _describe(w))
+        if not 0 <= int(w) <= _U32:
+            _fail(ValueError, op, name, "words in [0, 2^32)", int(w))
+        out.append(int(w))
+    return out
+
+
+def philox4x32(counter, key):
+    """The Random123 Philox4x32-10 bijection -> tuple of 4 ints."""
+    op = "philox4x32"
+    c = _words(op, "counter", counter, 4)
+    k = _words(op, "key", key, 2)
+    return tuple(_philox_block(*c, *k))
+
+
+def philox_uniform(n, *, seed, offset):
+    """u_0..u_{n-1} (float64 in [0, 1)) as used by verify_sample -> float64[n]."""
+    op = "philox_uniform"
+    n = _int(op, "n", n, 0)
+    seed = _int(op, "seed", seed, 0, _U64_LIMIT - 1)
+    offset = _int(op, "offset", offset, 0, _U64_LIMIT - 1)
+    c = np.uint64(offset) + np.arange(n, dtype=np.uint64)  # uint64 arithmetic wraps mod 2^64
+    m32 = np.uint64(_U32)
+    c0, c1 = c & m32, c >> np.uint64(32)
+    c2 = np.zeros(n, dtype=np.uint64)
+    c3 = np.zeros(n, dtype=np.uint64)
+    k0, k1 = np.uint64(seed & _U32), np.uint64(seed >> 32)
+    mul0, mul1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+    w0, w1 = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)
+    s32 = np.uint64(32)
+    for _ in range(10):
+        p0 = mul0 * c0  # < 2^64: exact in uint64
+        p1 = mul1 * c2
+        c0, c1, c2, c3 = (p1 >> s32) ^ c1 ^ k0, p1 & m32, (p0 >> s32) ^ c3 ^ k1, p0 & m32
+        k0 = (k0 + w0) & m32
+        k1 = (k1 + w1) & m32
+    return c0.astype(np.float64) * 2.0**-32

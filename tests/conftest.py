@@ -1,0 +1,48 @@
+"""Shared fixtures: every op test runs against both implementations.
+
+``impl`` is parametrised with ids ``c`` (``heterospec.ops``, the C core) and ``ref``
+(``heterospec.reference``, the NumPy executable specification).  The C module is imported inside the
+fixture and NOT through ``pytest.importorskip``: when it is missing or broken the ``[c]`` tests error out
+instead of being skipped silently.  Select one implementation with ``-k ref`` or ``-k "not ref"``
+(``-k c`` is a substring match and selects nearly everything).  No test name may contain "ref".
+"""
+import importlib
+
+import numpy as np
+import pytest
+
+IMPLS = {"c": "heterospec.ops", "ref": "heterospec.reference"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "statistical: large Monte-Carlo tests (10^5 verify_sample calls); they run by default, "
+        "deselect with -m 'not statistical' for a quick run",
+    )
+
+
+@pytest.fixture(scope="session", params=list(IMPLS), ids=list(IMPLS))
+def impl(request):
+    # session scope: usable from hypothesis @given tests without the function-scoped-fixture health check
+    return importlib.import_module(IMPLS[request.param])
+
+
+@pytest.fixture(scope="session")
+def c_ops():
+    """The C implementation (import failure = test error, never a skip)."""
+    return importlib.import_module(IMPLS["c"])
+
+
+@pytest.fixture(scope="session")
+def ref_ops():
+    return importlib.import_module(IMPLS["ref"])
+
+
+def to_numpy(x):
+    """Outputs of the C ops follow the library of the inputs; compare everything as NumPy."""
+    if isinstance(x, np.ndarray):
+        return x
+    if type(x).__module__.startswith("torch"):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)

@@ -1,0 +1,612 @@
+"""Every op against independent brute-force expectations, for both implementations (fixture `impl`)."""
+import math
+
+import numpy as np
+import pytest
+import scipy.special
+import scipy.stats
+import torch
+
+from _oracles import (
+    PHILOX_KATS,
+    argmax_loop,
+    greedy_brute,
+    parent_closure,
+    philox,
+    random_forest,
+    random_tree,
+    sample_walk,
+    tree_oracle,
+    uniform,
+)
+from conftest import to_numpy
+
+SIZES = (1, 7, 111, 32000, 49152, 128256)
+TOL = dict(rtol=1e-6, atol=1e-6)
+
+
+def rows_for(v):
+    return 3 if v <= 1000 else 2
+
+
+def entropy_oracle(row, k, temperature=1.0):
+    """scipy on the k largest values (sorted), float64."""
+    top = np.sort(np.asarray(row, np.float32).astype(np.float64))[::-1][:k]
+    return scipy.stats.entropy(scipy.special.softmax(top / temperature))
+
+
+def k_values(v):
+    return sorted({1, max(1, v // 3), v})
+
+
+# ---------------------------------------------------------------------------------------------- philox
+
+
+@pytest.mark.parametrize("kat", range(len(PHILOX_KATS)))
+def test_philox_kat(impl, kat):
+    counter, key, expected = PHILOX_KATS[kat]
+    assert philox(counter, key) == expected  # the test's own oracle first
+    out = impl.philox4x32(counter, key)
+    assert tuple(out) == expected
+    assert all(type(x) is int for x in out)
+
+
+@pytest.mark.parametrize(
+    "seed,offset",
+    [(0, 0), (1, 12345), (2**32 + 7, 2**32 - 2), (2**64 - 1, 2**64 - 3), (0xDEADBEEFCAFEF00D, 2**63)],
+)
+def test_philox_uniform_matches_block(impl, seed, offset):
+    n = 6
+    u = impl.philox_uniform(n, seed=seed, offset=offset)
+    assert isinstance(u, np.ndarray) and u.dtype == np.float64 and u.shape == (n,)
+    for j in range(n):
+        c = (offset + j) % 2**64  # wraps around 2^64
+        x0 = impl.philox4x32((c & 0xFFFFFFFF, c >> 32, 0, 0), (seed & 0xFFFFFFFF, seed >> 32))[0]
+        assert u[j] == x0 * 2.0**-32
+        assert u[j] == uniform(seed, offset, j)
+    assert np.all((u >= 0) & (u < 1))
+
+
+def test_philox_uniform_offsets_and_empty(impl):
+    a = impl.philox_uniform(10, seed=42, offset=100)
+    b = impl.philox_uniform(4, seed=42, offset=106)
+    np.testing.assert_array_equal(a[6:], b)
+    assert not np.array_equal(a, impl.philox_uniform(10, seed=43, offset=100))
+    e = impl.philox_uniform(0, seed=1, offset=0)
+    assert isinstance(e, np.ndarray) and e.dtype == np.float64 and e.shape == (0,)
+    big = impl.philox_uniform(20000, seed=7, offset=0)
+    # sanity of the distribution: mean 1/2, KS test against U(0, 1)
+    assert abs(big.mean() - 0.5) < 0.01
+    assert scipy.stats.kstest(big, "uniform").pvalue > 1e-4
+
+
+# ---------------------------------------------------------------------------------------------- topk_entropy
+
+
+@pytest.mark.parametrize("v", SIZES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_topk_entropy_sizes(impl, v, dtype):
+    rng = np.random.default_rng(v)
+    x = (rng.normal(size=(rows_for(v), v)) * 2).astype(dtype)
+    for k in k_values(v):
+        for temperature in (1.0, 0.6):
+            h = to_numpy(impl.topk_entropy(x, k, temperature))
+            assert h.dtype == np.float32 and h.shape == (x.shape[0],)
+            want = [entropy_oracle(row, k, temperature) for row in x]
+            np.testing.assert_allclose(h, want, **TOL)
+            if k == 1:
+                assert np.all(h == 0)
+
+
+def test_topk_entropy_default_temperature_uniform_and_ties(impl):
+    x = np.zeros((2, 9), np.float32)
+    x[1, :4] = 3.0  # four tied maxima
+    h = to_numpy(impl.topk_entropy(x, 4))
+    np.testing.assert_allclose(h, [math.log(4), math.log(4)], **TOL)
+    h = to_numpy(impl.topk_entropy(x, 9, temperature=2.0))
+    np.testing.assert_allclose(h[0], math.log(9), **TOL)
+    np.testing.assert_allclose(h[1], entropy_oracle(x[1], 9, 2.0), **TOL)
+
+
+def test_topk_entropy_neg_inf(impl):
+    x = np.full((3, 7), -np.inf, np.float32)
+    x[0, 3] = 1.0  # a single finite value: H = 0 for every k
+    x[1, [1, 5]] = [0.5, -0.25]
+    x[2] = [0.1, -np.inf, 2.0, -1.0, -np.inf, 0.0, 0.3]
+    for k in (1, 2, 5, 7):
+        h = to_numpy(impl.topk_entropy(x, k))
+        assert h[0] == 0
+        want1 = scipy.stats.entropy(scipy.special.softmax([0.5, -0.25])) if k >= 2 else 0.0
+        np.testing.assert_allclose(h[1], want1, **TOL)
+        np.testing.assert_allclose(h[2], entropy_oracle(x[2], k), **TOL)
+        assert np.all(np.isfinite(h))
+
+
+def test_topk_entropy_empty_batch(impl):
+    h = to_numpy(impl.topk_entropy(np.zeros((0, 5), np.float32), 2))
+    assert h.shape == (0,) and h.dtype == np.float32
+
+
+def test_topk_entropy_torch_inputs(impl):
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(4, 50)).astype(np.float32)
+    want = [entropy_oracle(r, 10) for r in x]
+    for t in (torch.from_numpy(x), torch.from_numpy(x.astype(np.float16))):
+        out = impl.topk_entropy(t, 10)
+        if impl.__name__.endswith("reference"):
+            assert isinstance(out, np.ndarray)
+        else:
+            assert isinstance(out, torch.Tensor) and out.dtype == torch.float32
+        ref16 = [entropy_oracle(r, 10) for r in t.numpy()]
+        np.testing.assert_allclose(to_numpy(out), ref16, **TOL)
+    np.testing.assert_allclose(to_numpy(impl.topk_entropy(torch.from_numpy(x), 10)), want, **TOL)
+
+
+def test_topk_entropy_bfloat16(impl):
+    rng = np.random.default_rng(4)
+    t = torch.from_numpy(rng.normal(size=(3, 40)).astype(np.float32)).to(torch.bfloat16)
+    if impl.__name__.endswith("reference"):
+        with pytest.raises(TypeError, match=r"argument 'logits'"):
+            impl.topk_entropy(t, 5)
+    else:
+        want = [entropy_oracle(r, 5) for r in t.float().numpy()]
+        np.testing.assert_allclose(to_numpy(impl.topk_entropy(t, 5)), want, **TOL)
+
+
+# ---------------------------------------------------------------------------------------------- expand
+
+
+def expand_oracle(x, beam_scores, beam_nodes, k, d2t=None, node_offset=0):
+    x64 = np.asarray(x, np.float32).astype(np.float64)
+    b, v = x64.shape
+    toks, scs, pars, ents = [], [], [], []
+    for r in range(b):
+        lp = scipy.special.log_softmax(x64[r])
+        ids = np.lexsort((np.arange(v), -x64[r]))[:k]  # by value descending, then id ascending
+        toks += [int(i) + (int(d2t[i]) if d2t is not None else 0) for i in ids]
+        scs += [float(beam_scores[r]) + lp[i] for i in ids]
+        pars += [int(beam_nodes[r])] * k
+        ents.append(entropy_oracle(x64[r], k))
+    return np.array(toks, np.int64), np.array(scs), np.array(pars, np.int64), np.array(ents)
+
+
+def next_beams_oracle(scores32, k, node_offset):
+    order = sorted(range(len(scores32)), key=lambda i: (-float(scores32[i]), i))[:k]
+    return np.array([node_offset + i for i in order], np.int64)
+
+
+def check_expand(impl, x, bs, bn, k, d2t=None, node_offset=0):
+    kwargs = {} if d2t is None else {"d2t": d2t}
+    out = impl.expand(x, bs, bn, k, node_offset=node_offset, **kwargs)
+    tokens, scores, parents, entropy, next_beams = map(to_numpy, out)
+    b = x.shape[0]
+    assert tokens.dtype == np.int64 and tokens.shape == (b * k,)
+    assert scores.dtype == np.float32 and scores.shape == (b * k,)
+    assert parents.dtype == np.int64 and parents.shape == (b * k,)
+    assert entropy.dtype == np.float32 and entropy.shape == (b,)
+    assert next_beams.dtype == np.int64 and next_beams.shape == (k,)
+    w_tok, w_sc, w_par, w_ent = expand_oracle(x, bs, bn, k, d2t, node_offset)
+    np.testing.assert_array_equal(tokens, w_tok)
+    np.testing.assert_allclose(scores, w_sc, **TOL)
+    np.testing.assert_array_equal(parents, w_par)
+    np.testing.assert_allclose(entropy, w_ent, **TOL)
+    np.testing.assert_array_equal(next_beams, next_beams_oracle(scores, k, node_offset))
+    return tokens, scores, parents, entropy, next_beams
+
+
+@pytest.mark.parametrize("v", SIZES)
+def test_expand_sizes(impl, v):
+    rng = np.random.default_rng(1000 + v)
+    b = rows_for(v)
+    x = (rng.normal(size=(b, v)) * 3).astype(np.float32)
+    bs = -rng.random(b).astype(np.float64) * 5
+    bn = np.arange(b, dtype=np.int64) + 4
+    for k in k_values(v):
+        check_expand(impl, x, bs, bn, k, node_offset=11)
+
+
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("score_dtype", [np.float32, np.float64])
+def test_expand_dtypes_d2t(impl, id_dtype, score_dtype):
+    rng = np.random.default_rng(7)
+    b, vd = 3, 111
+    x = rng.normal(size=(b, vd)).astype(np.float16)  # float16 logits (many ties)
+    bs = (-rng.random(b) * 3).astype(score_dtype)
+    bn = np.array([-1, 0, 5], id_dtype)
+    d2t = rng.integers(0, 500, size=vd).astype(id_dtype)  # EAGLE-3 draft->target offsets
+    for k in (1, 4, vd):
+        tokens, *_ = check_expand(impl, x, bs, bn, k, d2t=d2t, node_offset=3)
+        assert tokens.min() >= 0
+
+
+def test_expand_root_level(impl):
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(1, 7)).astype(np.float32)
+    tokens, scores, parents, entropy, next_beams = check_expand(
+        impl, x, np.zeros(1), np.array([-1]), 3
+    )
+    np.testing.assert_array_equal(parents, [-1, -1, -1])
+    np.testing.assert_array_equal(next_beams, [0, 1, 2])  # root level: candidates are already sorted
+    assert np.all(np.diff(scores) <= 0) and np.all(scores <= 0)
+
+
+def test_expand_ties_and_neg_inf(impl):
+    x = np.array(
+        [
+            [1.0, 2.0, 2.0, -np.inf, 1.0, 2.0],
+            [1.0, 2.0, 2.0, -np.inf, 1.0, 2.0],  # identical row: equal scores across beams
+            [-np.inf, 0.0, -np.inf, -np.inf, -np.inf, -np.inf],  # one finite token
+        ],
+        np.float32,
+    )
+    bs = np.array([-1.0, -1.0, -np.inf], np.float32)  # -inf beam scores are allowed
+    bn = np.array([0, 1, 2])
+    tokens, scores, parents, entropy, next_beams = check_expand(impl, x, bs, bn, 6, node_offset=100)
+    np.testing.assert_array_equal(tokens[:6], [1, 2, 5, 0, 4, 3])  # ties to the lower id
+    np.testing.assert_array_equal(tokens[12:], [1, 0, 2, 3, 4, 5])  # -inf entries in ascending id
+    assert scores[5] == -np.inf and np.all(scores[12:] == -np.inf)
+    # equal float32 scores across rows: ties to the lower node number
+    np.testing.assert_array_equal(next_beams, [100, 101, 102, 106, 107, 108])
+    x[:2, 2] = 1.5  # rows 0/1: top-2 are ids 1 (2.0) and 5 (2.0); then row 1's copies tie with row 0's
+    tokens, scores, _, _, next_beams = check_expand(impl, x, bs, bn, 3)
+    np.testing.assert_array_equal(tokens[:3], [1, 5, 2])
+    np.testing.assert_array_equal(next_beams, [0, 1, 3])
+    assert entropy[2] == 0
+
+
+def test_expand_eagle_cycle(impl):
+    """Root expand (B=1) then levels with continuing node numbers -> select -> build_tree."""
+    rng = np.random.default_rng(11)
+    vd, k, levels, n_sel, root_token = 37, 4, 4, 12, 9
+    d2t = rng.integers(0, 3, size=vd)
+    x = rng.normal(size=(1, vd)).astype(np.float32) * 2
+    beam_scores, beam_nodes = np.zeros(1), np.array([-1])
+    all_tok, all_sc, all_par = [], [], []
+    offset = 0
+    for level in range(levels):
+        tok, sc, par, ent, nb = check_expand(impl, x, beam_scores, beam_nodes, k, d2t=d2t, node_offset=offset)
+        all_tok.append(tok)
+        all_sc.append(sc)
+        all_par.append(par)
+        offset += len(tok)
+        flat_sc = np.concatenate(all_sc)
+        assert np.all((nb >= offset - len(tok)) & (nb < offset))
+        beam_nodes, beam_scores = nb, flat_sc[nb].astype(np.float32)
+        x = (rng.normal(size=(k, vd)) * 2).astype(np.float32)
+    tokens, scores, parents = map(np.concatenate, (all_tok, all_sc, all_par))
+    assert len(tokens) == k + (levels - 1) * k * k
+    # children score no more than their parent (lp <= 0)
+    for m, p in enumerate(parents):
+        assert p < m
+        if p >= 0:
+            assert scores[m] <= scores[p]
+    sel = to_numpy(impl.select(scores, n_sel))
+    np.testing.assert_array_equal(sel, sorted(sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:n_sel]))
+    chosen = set(sel.tolist())
+    assert all(parents[s] == -1 or parents[s] in chosen for s in chosen)  # parent-closed
+    tree = impl.build_tree(tokens, parents, sel, root_token)
+    check_tree(tree, tree_oracle(tokens, parents, sel, root_token))
+
+
+# ---------------------------------------------------------------------------------------------- select
+
+
+def select_oracle(scores, n):
+    return sorted(sorted(range(len(scores)), key=lambda i: (-float(scores[i]), i))[:n])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_select(impl, dtype):
+    rng = np.random.default_rng(21)
+    for m in (1, 2, 7, 60, 111):
+        s = rng.integers(-3, 3, size=m).astype(dtype)  # many ties
+        s[rng.random(m) < 0.1] = -np.inf
+        s[rng.random(m) < 0.05] = np.inf
+        for n in sorted({0, 1, m // 2, m - 1, m}):
+            out = to_numpy(impl.select(s, n))
+            assert out.dtype == np.int64 and out.shape == (n,)
+            np.testing.assert_array_equal(out, select_oracle(s, n))
+
+
+def test_select_large_and_empty(impl):
+    rng = np.random.default_rng(22)
+    s = rng.normal(size=32000).astype(np.float32)
+    out = to_numpy(impl.select(s, 64))
+    np.testing.assert_array_equal(out, np.sort(np.argsort(-s, kind="stable")[:64]))
+    out = to_numpy(impl.select(np.zeros(0, np.float64), 0))
+    assert out.shape == (0,) and out.dtype == np.int64
+
+
+# ---------------------------------------------------------------------------------------------- build_tree
+
+
+def check_tree(tree, want):
+    assert tuple(tree._fields) == ("tokens", "parents", "depths", "mask", "retrieve")
+    for name in ("tokens", "parents", "depths", "retrieve"):
+        got = to_numpy(getattr(tree, name))
+        assert got.dtype == np.int64, name
+        np.testing.assert_array_equal(got, want[name], err_msg=name)
+    mask = to_numpy(tree.mask)
+    assert mask.dtype == np.bool_
+    np.testing.assert_array_equal(mask, want["mask"])
+
+
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+def test_build_tree_random(impl, id_dtype):
+    rng = np.random.default_rng(31)
+    for trial in range(40):
+        m = int(rng.integers(1, 60))
+        parents = random_forest(rng, m)
+        tokens = rng.integers(0, 1000, size=m)
+        picks = rng.choice(m, size=int(rng.integers(0, m + 1)), replace=False)
+        sel = parent_closure(parents, picks)
+        root = int(rng.integers(0, 1000))
+        tree = impl.build_tree(tokens.astype(id_dtype), parents.astype(id_dtype), sel.astype(id_dtype), root)
+        check_tree(tree, tree_oracle(tokens, parents, sel, root))
+
+
+def test_build_tree_empty_and_chain(impl):
+    tokens = np.array([5, 6, 7], np.int64)
+    parents = np.array([-1, 0, 1], np.int64)
+    tree = impl.build_tree(tokens, parents, np.zeros(0, np.int64), 3)
+    check_tree(
+        tree,
+        dict(tokens=[3], parents=[-1], depths=[0], mask=np.ones((1, 1), bool), retrieve=np.array([[0]])),
+    )
+    tree = impl.build_tree(tokens, parents, np.array([0, 1, 2]), 0)
+    check_tree(
+        tree,
+        dict(
+            tokens=[0, 5, 6, 7],
+            parents=[-1, 0, 1, 2],
+            depths=[0, 1, 2, 3],
+            mask=np.tril(np.ones((4, 4), bool)),
+            retrieve=np.array([[0, 1, 2, 3]]),
+        ),
+    )
+
+
+def test_build_tree_retrieve_padding(impl):
+    # candidates: 0,1 roots; 2 child of 0; 3 child of 2; 4 child of 1
+    tokens = np.array([10, 11, 12, 13, 14])
+    parents = np.array([-1, -1, 0, 2, 1])
+    tree = impl.build_tree(tokens, parents, np.array([0, 1, 2, 3, 4]), 1)
+    want = tree_oracle(tokens, parents, [0, 1, 2, 3, 4], 1)
+    check_tree(tree, want)
+    np.testing.assert_array_equal(to_numpy(tree.retrieve), [[0, 1, 3, 4], [0, 2, 5, -1]])
+
+
+# ---------------------------------------------------------------------------------------------- verify_greedy
+
+
+@pytest.mark.parametrize("v", (1, 7, 111))
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+def test_verify_greedy_random_trees(impl, v, id_dtype):
+    rng = np.random.default_rng(41 + v)
+    for trial in range(60):
+        n = int(rng.integers(1, 25))
+        x = rng.integers(-2, 3, size=(n, v)).astype(np.float32)  # small ints: many argmax ties
+        x[rng.random((n, v)) < 0.1] = -np.inf
+        x[:, 0] = np.where(np.isinf(x).all(axis=1), 0.0, x[:, 0])
+        tokens, parents, _ = random_tree(rng, n, v, logits=x)
+        path, nxt = impl.verify_greedy(tokens.astype(id_dtype), parents.astype(id_dtype), x)
+        want_path, want_next = greedy_brute(tokens, parents, x)
+        path = to_numpy(path)
+        assert path.dtype == np.int64
+        np.testing.assert_array_equal(path, want_path)
+        assert type(nxt) is int and nxt == want_next
+
+
+@pytest.mark.parametrize("v", (32000, 128256))
+def test_verify_greedy_large_vocab_float16(impl, v):
+    rng = np.random.default_rng(v)
+    x = rng.normal(size=(4, v)).astype(np.float16)
+    top = [int(np.argmax(r)) for r in x]  # float16 ties resolved to the lower id by np.argmax
+    tokens = np.array([0, top[0], top[1], 5])
+    parents = np.array([-1, 0, 1, 0])
+    path, nxt = impl.verify_greedy(tokens, parents, x)
+    np.testing.assert_array_equal(to_numpy(path), [0, 1, 2])
+    assert nxt == argmax_loop(x[2]) == top[2]
+
+
+def test_verify_greedy_duplicate_children_and_unvisited_nan(impl):
+    x = np.zeros((5, 4), np.float32)
+    x[0, 2] = 1.0
+    x[1, 3] = 1.0
+    x[2, 1] = 1.0
+    x[3] = np.nan  # never visited: not checked
+    tokens = np.array([0, 2, 2, 1, 3])
+    parents = np.array([-1, 0, 0, 2, 1])
+    path, nxt = impl.verify_greedy(tokens, parents, x)
+    np.testing.assert_array_equal(to_numpy(path), [0, 1, 4])  # lowest-index child among duplicates
+    assert nxt == 0  # row 4 all zeros: ties to the lower id
+
+
+# ---------------------------------------------------------------------------------------------- verify_sample
+
+SAMPLE_SETTINGS = [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 3, 1.0), (1.0, 0, 0.8), (0.8, 4, 0.9), (2.0, 100, 0.5)]
+
+
+@pytest.mark.parametrize("setting", SAMPLE_SETTINGS, ids=lambda s: "T%s-k%s-p%s" % s)
+def test_verify_sample_matches_walk(impl, setting):
+    temperature, top_k, top_p = setting
+    rng = np.random.default_rng(51)
+    for trial in range(40):
+        v = int(rng.choice([1, 5, 7, 111]))
+        n = int(rng.integers(1, 12))
+        x = (rng.normal(size=(n, v)) * 1.5).astype(rng.choice([np.float32, np.float16]))
+        if v > 1:
+            x[rng.random((n, v)) < 0.1] = -np.inf
+            x[:, 0] = np.where(np.isinf(x).all(axis=1), 1.0, x[:, 0])
+        tokens, parents, _ = random_tree(rng, n, v, p_greedy=0.7, logits=x)
+        for s in range(5):
+            seed = int(rng.integers(0, 2**63)) * 2 + s % 2
+            offset = int(rng.integers(0, 2**64 - 64, dtype=np.uint64)) if s % 2 else int(rng.integers(0, 1000))
+            path, nxt, draws = impl.verify_sample(
+                tokens, parents, x, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, offset=offset
+            )
+            w_path, w_next, w_draws = sample_walk(tokens, parents, x, temperature, top_k, top_p, seed, offset)
+            path = to_numpy(path)
+            assert path.dtype == np.int64
+            assert path.tolist() == w_path
+            assert type(nxt) is int and nxt == w_next
+            assert type(draws) is int and draws == w_draws
+
+
+def test_verify_sample_offset_wraps(impl):
+    x = np.zeros((1, 7), np.float32)
+    tokens, parents = np.array([0]), np.array([-1])
+    _, nxt, draws = impl.verify_sample(tokens, parents, x, temperature=1.0, seed=5, offset=2**64 - 1)
+    assert draws == 1
+    u = uniform(5, 2**64 - 1, 0)
+    assert nxt == int(u * 7)  # uniform row: the bin of u
+
+
+def test_verify_sample_root_only_and_draw_count(impl):
+    rng = np.random.default_rng(52)
+    x = rng.normal(size=(1, 5)).astype(np.float32)
+    counts = np.zeros(5)
+    for seed in range(300):
+        path, nxt, draws = impl.verify_sample(np.array([3]), np.array([-1]), x, temperature=1.0, seed=seed, offset=0)
+        assert to_numpy(path).tolist() == [0] and draws == 1
+        counts[nxt] += 1
+    assert counts.sum() == 300 and (counts > 0).sum() >= 3
+
+
+@pytest.mark.parametrize("mode", ["cold", "top_k1", "top_p_tiny"])
+def test_verify_sample_degenerate_is_greedy(impl, mode):
+    """With a one-hot warped distribution the walk is deterministic and equals greedy."""
+    rng = np.random.default_rng(53)
+    kw = dict(cold=dict(temperature=1e-3), top_k1=dict(temperature=1.0, top_k=1),
+              top_p_tiny=dict(temperature=1.0, top_p=1e-9))[mode]
+    for trial in range(30):
+        n, v = int(rng.integers(1, 15)), 6
+        x = rng.permuted(np.tile(np.arange(v, dtype=np.float32) * 2, (n, 1)), axis=1)  # distinct, gaps of 2
+        tokens, parents, _ = random_tree(rng, n, v, p_greedy=0.6, logits=x)
+        want_path, want_next = greedy_brute(tokens, parents, x)
+        for seed in range(3):
+            path, nxt, draws = impl.verify_sample(tokens, parents, x, seed=seed, offset=7, **kw)
+            assert to_numpy(path).tolist() == want_path and nxt == want_next
+            assert draws >= len(want_path)
+
+
+def test_verify_sample_masked_child_never_accepted(impl):
+    x = np.zeros((3, 4), np.float32)
+    x[0, 1] = -np.inf
+    tokens = np.array([0, 1, 1])  # both children carry the masked token; the duplicate costs no draw
+    parents = np.array([-1, 0, 0])
+    for seed in range(200):
+        path, nxt, draws = impl.verify_sample(tokens, parents, x, temperature=0.9, seed=seed, offset=0)
+        assert to_numpy(path).tolist() == [0]
+        assert nxt != 1
+        assert draws == 2  # one draw for child 1, none for its duplicate, one for the bonus token
+
+
+def test_verify_sample_deterministic(impl):
+    rng = np.random.default_rng(54)
+    tokens, parents, x = random_tree(rng, 10, 7)
+    a = [impl.verify_sample(tokens, parents, x, temperature=1.0, seed=s, offset=3) for s in range(50)]
+    b = [impl.verify_sample(tokens, parents, x, temperature=1.0, seed=s, offset=3) for s in range(50)]
+    for (p1, n1, d1), (p2, n2, d2) in zip(a, b):
+        assert to_numpy(p1).tolist() == to_numpy(p2).tolist() and n1 == n2 and d1 == d2
+    assert len({(tuple(to_numpy(p).tolist()), nx) for p, nx, _ in a}) > 1
+
+
+def test_mixed_id_dtypes(impl):
+    """docs/ops.md: every id input may be int32 or int64 -- independently of the other id inputs."""
+    tokens = np.array([5, 6, 7, 8], np.int32)
+    parents = np.array([-1, 0, 0, 1], np.int64)
+    sel = np.array([0, 1, 3], np.int32)
+    check_tree(impl.build_tree(tokens, parents, sel, 2), tree_oracle(tokens, parents, sel, 2))
+    x = np.zeros((3, 4), np.float32)
+    x[0, 1] = x[1, 3] = 1.0
+    tt, tp = np.array([0, 1, 2], np.int64), np.array([-1, 0, 0], np.int32)
+    path, nxt = impl.verify_greedy(tt, tp, x)
+    assert to_numpy(path).tolist() == [0, 1] and nxt == 3
+    path, nxt, draws = impl.verify_sample(tt, tp, x, temperature=1e-3, seed=1, offset=0)
+    assert to_numpy(path).tolist() == [0, 1] and nxt == 3
+    check_expand(impl, x, np.zeros(3), np.array([-1, 0, 1], np.int32), 2, d2t=np.zeros(4, np.int64))
+
+
+# ---------------------------------------------------------------------------------------------- kv_compact
+
+
+@pytest.mark.parametrize("slot_dtype", [np.int32, np.int64])
+def test_kv_compact(impl, slot_dtype):
+    rng = np.random.default_rng(61)
+    for trial in range(20):
+        plen = int(rng.integers(0, 6))
+        m = int(rng.integers(0, 9))
+        s_min = plen + m + int(rng.integers(0, 6))
+        slots = np.sort(rng.choice(np.arange(s_min - plen + 3), size=m, replace=False)).astype(slot_dtype)
+        slots = np.maximum(slots, np.arange(m)).astype(slot_dtype)  # keep slots[i] >= i
+        slots = np.array(sorted(set(slots.tolist())), slot_dtype)
+        m = len(slots)
+        last = int(slots[-1]) if m else 0
+        tensors = [
+            rng.normal(size=(2, 3, plen + last + 1 + int(rng.integers(0, 4)), 5)).astype(np.float16),
+            rng.integers(-100, 100, size=(plen + last + 2, 3)).astype(np.int8),
+            rng.random(size=(4, plen + last + 1, 1)) < 0.5,
+            rng.normal(size=(1, plen + last + 3, 8)).astype(np.float32),
+        ]
+        expected = []
+        for t in tensors:
+            e = t.copy()
+            dst = plen + np.arange(m)
+            e[..., dst, :] = t[..., plen + slots.astype(np.int64), :]  # fancy indexing copies first
+            expected.append(e)
+        assert impl.kv_compact(tensors, plen, slots) is None
+        for t, e in zip(tensors, expected):
+            np.testing.assert_array_equal(t, e)
+
+
+def test_kv_compact_noop_and_identity(impl):
+    rng = np.random.default_rng(62)
+    t = rng.normal(size=(3, 10, 4)).astype(np.float32)
+    before = t.copy()
+    impl.kv_compact([t], 2, np.zeros(0, np.int64))
+    np.testing.assert_array_equal(t, before)
+    impl.kv_compact((t,), 2, np.arange(5))  # slots == arange: rows copied onto themselves
+    np.testing.assert_array_equal(t, before)
+    impl.kv_compact([t], 0, np.array([9]))
+    np.testing.assert_array_equal(t[:, 0], before[:, 9])
+    np.testing.assert_array_equal(t[:, 1:], before[:, 1:])
+
+
+def test_kv_compact_torch_in_place(impl):
+    t = torch.arange(2 * 8 * 3, dtype=torch.float32).reshape(2, 8, 3)
+    before = t.clone()
+    impl.kv_compact([t], 1, np.array([1, 4, 6]))
+    assert torch.equal(t[:, 1], before[:, 2])
+    assert torch.equal(t[:, 2], before[:, 5])
+    assert torch.equal(t[:, 3], before[:, 7])
+    assert torch.equal(t[:, 0], before[:, 0]) and torch.equal(t[:, 4:], before[:, 4:])
+
+
+# ---------------------------------------------------------------------------------------------- bucketize
+
+
+@pytest.mark.parametrize("vdtype", [np.float32, np.float64])
+@pytest.mark.parametrize("tdtype", [np.float32, np.float64])
+def test_bucketize(impl, vdtype, tdtype):
+    rng = np.random.default_rng(71)
+    for t_len in (0, 1, 2, 7, 50):
+        th = np.unique(rng.normal(size=t_len).astype(tdtype))
+        vals = np.concatenate([rng.normal(size=200), th.astype(np.float64), [np.inf, -np.inf, 0.0]]).astype(vdtype)
+        out = to_numpy(impl.bucketize(vals, th))
+        assert out.dtype == np.int32 and out.shape == vals.shape
+        brute = np.array([sum(1 for s in th.astype(np.float64) if float(v) > s) for v in vals])
+        np.testing.assert_array_equal(out, brute)
+        np.testing.assert_array_equal(out, np.searchsorted(th.astype(np.float64), vals.astype(np.float64), "left"))
+
+
+def test_bucketize_float64_comparison(impl):
+    # float32(0.1) = 0.10000000149 > 0.1 (float64): compared in float64, the value is above the threshold
+    out = to_numpy(impl.bucketize(np.array([0.1], np.float32), np.array([0.1], np.float64)))
+    assert out.tolist() == [1]
+    out = to_numpy(impl.bucketize(np.array([0.1], np.float64), np.array([0.1], np.float32)))
+    assert out.tolist() == [0]
+    out = to_numpy(impl.bucketize(np.zeros(0), np.array([-np.inf, 0.0, np.inf])))
+    assert out.shape == (0,) and out.dtype == np.int32
+    out = to_numpy(impl.bucketize(np.array([-np.inf, -1.0, 0.0, 1.0, np.inf]), np.array([-np.inf, 0.0, np.inf])))
+    assert out.tolist() == [0, 1, 1, 2, 2]
