@@ -72,6 +72,37 @@ static hs_status hs_check_tree(const char *op, const void *tokens, hs_dtype tdt,
     return HS_OK;
 }
 
+/* The per-request slices of a batch of trees, after checking that row b is a valid tree. */
+typedef struct {
+    const char *tokens, *parents, *logits;
+    int64_t n;
+} hs_tree_row;
+
+static hs_status hs_tree_row_at(const char *op, const void *tree_tokens, hs_dtype token_dtype,
+                                const void *tree_parents, hs_dtype parent_dtype, const void *logits,
+                                hs_dtype logit_dtype, int64_t b, int64_t T, const int64_t *n, int64_t V,
+                                hs_tree_row *row, hs_error *err) {
+    if (b == 0) { /* dtypes are the same for every row: check them once */
+        if (!hs_is_id_dtype(token_dtype))
+            return hs_fail(err, HS_ERR_DTYPE, op, "tree_tokens", "expected int32 or int64, got %s",
+                           hs_dtype_name(token_dtype));
+        if (!hs_is_id_dtype(parent_dtype))
+            return hs_fail(err, HS_ERR_DTYPE, op, "tree_parents", "expected int32 or int64, got %s",
+                           hs_dtype_name(parent_dtype));
+        if (!hs_is_logit_dtype(logit_dtype))
+            return hs_fail(err, HS_ERR_DTYPE, op, "target_logits", "expected float16, bfloat16 or float32, got %s",
+                           hs_dtype_name(logit_dtype));
+    }
+    row->tokens = (const char *)tree_tokens + (size_t)(b * T) * hs_dtype_size(token_dtype);
+    row->parents = (const char *)tree_parents + (size_t)(b * T) * hs_dtype_size(parent_dtype);
+    row->logits = (const char *)logits + (size_t)(b * T * V) * hs_dtype_size(logit_dtype);
+    row->n = n[b];
+    if (row->n > T)
+        return hs_fail(err, HS_ERR_VALUE, op, "tree_tokens", "expected at most %lld nodes, got %lld", (long long)T,
+                       (long long)row->n);
+    return hs_check_tree(op, row->tokens, token_dtype, row->parents, parent_dtype, row->n, V, err);
+}
+
 /* argmax of a checked logits row (ties to the lower id) */
 static hs_status hs_row_argmax(const void *logits, hs_dtype dt, int64_t row, int64_t V, const char *op,
                                int64_t *out, hs_error *err) {
@@ -102,25 +133,13 @@ hs_status hs_verify_greedy(const void *tree_tokens, hs_dtype token_dtype, const 
                            hs_dtype logit_dtype, int64_t V, int64_t *out_path, int64_t *out_len,
                            int64_t *out_next, hs_error *err) {
     static const char op[] = "verify_greedy";
-    if (!hs_is_id_dtype(token_dtype))
-        return hs_fail(err, HS_ERR_DTYPE, op, "tree_tokens", "expected int32 or int64, got %s",
-                       hs_dtype_name(token_dtype));
-    if (!hs_is_id_dtype(parent_dtype))
-        return hs_fail(err, HS_ERR_DTYPE, op, "tree_parents", "expected int32 or int64, got %s",
-                       hs_dtype_name(parent_dtype));
-    if (!hs_is_logit_dtype(logit_dtype))
-        return hs_fail(err, HS_ERR_DTYPE, op, "target_logits", "expected float16, bfloat16 or float32, got %s",
-                       hs_dtype_name(logit_dtype));
     for (int64_t b = 0; b < batch; b++) {
-        const char *tk = (const char *)tree_tokens + (size_t)(b * T) * hs_dtype_size(token_dtype);
-        const char *pa = (const char *)tree_parents + (size_t)(b * T) * hs_dtype_size(parent_dtype);
-        const char *lg = (const char *)logits + (size_t)(b * T * V) * hs_dtype_size(logit_dtype);
-        int64_t nb = n[b];
-        if (nb > T)
-            return hs_fail(err, HS_ERR_VALUE, op, "tree_tokens", "expected at most %lld nodes, got %lld",
-                           (long long)T, (long long)nb);
-        hs_status st = hs_check_tree(op, tk, token_dtype, pa, parent_dtype, nb, V, err);
+        hs_tree_row row;
+        hs_status st = hs_tree_row_at(op, tree_tokens, token_dtype, tree_parents, parent_dtype, logits, logit_dtype,
+                                      b, T, n, V, &row, err);
         if (st != HS_OK) return st;
+        const char *tk = row.tokens, *pa = row.parents, *lg = row.logits;
+        int64_t nb = row.n;
         int64_t *path = out_path + b * T, len = 0, cur = 0, am = 0;
         path[len++] = 0;
         for (;;) {
@@ -221,15 +240,6 @@ hs_status hs_verify_sample(const void *tree_tokens, hs_dtype token_dtype, const 
                            int64_t *out_next, int64_t *out_draws, void *ws, size_t ws_bytes,
                            hs_error *err) {
     static const char op[] = "verify_sample";
-    if (!hs_is_id_dtype(token_dtype))
-        return hs_fail(err, HS_ERR_DTYPE, op, "tree_tokens", "expected int32 or int64, got %s",
-                       hs_dtype_name(token_dtype));
-    if (!hs_is_id_dtype(parent_dtype))
-        return hs_fail(err, HS_ERR_DTYPE, op, "tree_parents", "expected int32 or int64, got %s",
-                       hs_dtype_name(parent_dtype));
-    if (!hs_is_logit_dtype(logit_dtype))
-        return hs_fail(err, HS_ERR_DTYPE, op, "target_logits", "expected float16, bfloat16 or float32, got %s",
-                       hs_dtype_name(logit_dtype));
     if (!(sp.temperature > 0.0) || !isfinite(sp.temperature))
         return hs_fail(err, HS_ERR_VALUE, op, "temperature",
                        "expected a finite value > 0 (use verify_greedy for greedy decoding), got %g",
@@ -248,15 +258,12 @@ hs_status hs_verify_sample(const void *tree_tokens, hs_dtype token_dtype, const 
     int64_t *rejected = (int64_t *)(sorted + V);
 
     for (int64_t b = 0; b < batch; b++) {
-        const char *tk = (const char *)tree_tokens + (size_t)(b * T) * hs_dtype_size(token_dtype);
-        const char *pa = (const char *)tree_parents + (size_t)(b * T) * hs_dtype_size(parent_dtype);
-        const char *lg = (const char *)logits + (size_t)(b * T * V) * hs_dtype_size(logit_dtype);
-        int64_t nb = n[b];
-        if (nb > T)
-            return hs_fail(err, HS_ERR_VALUE, op, "tree_tokens", "expected at most %lld nodes, got %lld",
-                           (long long)T, (long long)nb);
-        hs_status st = hs_check_tree(op, tk, token_dtype, pa, parent_dtype, nb, V, err);
+        hs_tree_row row;
+        hs_status st = hs_tree_row_at(op, tree_tokens, token_dtype, tree_parents, parent_dtype, logits, logit_dtype,
+                                      b, T, n, V, &row, err);
         if (st != HS_OK) return st;
+        const char *tk = row.tokens, *pa = row.parents, *lg = row.logits;
+        int64_t nb = row.n;
         int64_t *path = out_path + b * T, len = 0, cur = 0;
         uint64_t draw = 0;
         path[len++] = 0;

@@ -135,10 +135,18 @@ static void *hs_workspace(size_t bytes) {
     return p;
 }
 
-#define HS_RUN(call)                                                                                           \
+/* Run a core call with the GIL released; on failure raise its message and jump to the caller's `fail`.
+ * The call sees `err`, declared here. */
+#define HS_CALL(call)                                                                                          \
     do {                                                                                                       \
+        hs_error err;                                                                                          \
+        hs_status st;                                                                                          \
         Py_BEGIN_ALLOW_THREADS st = (call);                                                                    \
         Py_END_ALLOW_THREADS                                                                                   \
+        if (st != HS_OK) {                                                                                     \
+            hs_raise(st, &err);                                                                                \
+            goto fail;                                                                                         \
+        }                                                                                                      \
     } while (0)
 
 /* ---- topk_entropy(logits, k, temperature, alloc) -> out ------------------------------------------- */
@@ -166,13 +174,7 @@ static PyObject *py_topk_entropy(PyObject *self, PyObject *args) {
     if (!(out = hs_views_alloc(&vs, alloc, op, "out", 1, &N, HS_FLOAT32, &ov))) goto fail;
     size_t wsb = hs_topk_entropy_workspace_bytes(k, V);
     if (!(ws = hs_workspace(wsb))) goto fail;
-    hs_error err;
-    hs_status st;
-    HS_RUN(hs_topk_entropy(lg->data, (hs_dtype)lg->dtype, N, V, k, temp, (float *)ov->data, ws, wsb, &err));
-    if (st != HS_OK) {
-        hs_raise(st, &err);
-        goto fail;
-    }
+    HS_CALL(hs_topk_entropy(lg->data, (hs_dtype)lg->dtype, N, V, k, temp, (float *)ov->data, ws, wsb, &err));
     PyMem_RawFree(ws);
     hs_views_release(&vs);
     return out;
@@ -235,16 +237,10 @@ static PyObject *py_expand(PyObject *self, PyObject *args) {
         goto fail;
     size_t wsb = hs_expand_workspace_bytes(B, k, Vd);
     if (!(ws = hs_workspace(wsb))) goto fail;
-    hs_error err;
-    hs_status st;
-    HS_RUN(hs_expand(lg->data, (hs_dtype)lg->dtype, 1, B, Vd, sc->data, (hs_dtype)sc->dtype, nd->data,
+    HS_CALL(hs_expand(lg->data, (hs_dtype)lg->dtype, 1, B, Vd, sc->data, (hs_dtype)sc->dtype, nd->data,
                      (hs_dtype)nd->dtype, k, d2t ? d2t->data : NULL, d2t ? (hs_dtype)d2t->dtype : HS_INT64, off,
                      (int64_t *)ot->data, (float *)os->data, (int64_t *)op_->data, (float *)oe->data,
                      (int64_t *)ob->data, ws, wsb, &err));
-    if (st != HS_OK) {
-        hs_raise(st, &err);
-        goto fail;
-    }
     PyMem_RawFree(ws);
     hs_views_release(&vs);
     return Py_BuildValue("(NNNNN)", outs[0], outs[1], outs[2], outs[3], outs[4]);
@@ -279,13 +275,7 @@ static PyObject *py_select(PyObject *self, PyObject *args) {
     if (!(out = hs_views_alloc(&vs, alloc, op, "out", 1, &n, HS_INT64, &ov))) goto fail;
     size_t wsb = hs_select_workspace_bytes(M);
     if (!(ws = hs_workspace(wsb))) goto fail;
-    hs_error err;
-    hs_status st;
-    HS_RUN(hs_select(sc->data, (hs_dtype)sc->dtype, 1, M, NULL, &n, n, (int64_t *)ov->data, ws, wsb, &err));
-    if (st != HS_OK) {
-        hs_raise(st, &err);
-        goto fail;
-    }
+    HS_CALL(hs_select(sc->data, (hs_dtype)sc->dtype, 1, M, NULL, &n, n, (int64_t *)ov->data, ws, wsb, &err));
     PyMem_RawFree(ws);
     hs_views_release(&vs);
     return out;
@@ -334,23 +324,13 @@ static PyObject *py_build_tree(PyObject *self, PyObject *args) {
     size_t wsb = hs_build_tree_workspace_bytes(M), wsr = hs_tree_retrieve_workspace_bytes(T);
     if (!(ws = hs_workspace(wsb > wsr ? wsb : wsr))) goto fail;
     int64_t leaves = 0, depth = 0;
-    hs_error err;
-    hs_status st;
-    HS_RUN(hs_build_tree(tk->data, (hs_dtype)tk->dtype, pa->data, (hs_dtype)pa->dtype, 1, M, se->data, (hs_dtype)se->dtype, n, &n, &root,
+    HS_CALL(hs_build_tree(tk->data, (hs_dtype)tk->dtype, pa->data, (hs_dtype)pa->dtype, 1, M, se->data, (hs_dtype)se->dtype, n, &n, &root,
                          (int64_t *)ot->data, (int64_t *)opa->data, (int64_t *)od->data, (uint8_t *)om->data,
                          &leaves, &depth, ws, wsb, &err));
-    if (st != HS_OK) {
-        hs_raise(st, &err);
-        goto fail;
-    }
     int64_t LD[2] = {leaves, depth + 1};
     if (!(outs[4] = hs_views_alloc(&vs, alloc, op, "retrieve", 2, LD, HS_INT64, &orr))) goto fail;
-    HS_RUN(hs_tree_retrieve((int64_t *)opa->data, (int64_t *)od->data, 1, T, &T, LD[0], LD[1], (int64_t *)orr->data,
+    HS_CALL(hs_tree_retrieve((int64_t *)opa->data, (int64_t *)od->data, 1, T, &T, LD[0], LD[1], (int64_t *)orr->data,
                             ws, wsr, &err));
-    if (st != HS_OK) {
-        hs_raise(st, &err);
-        goto fail;
-    }
     PyMem_RawFree(ws);
     hs_views_release(&vs);
     return Py_BuildValue("(NNNNN)", outs[0], outs[1], outs[2], outs[3], outs[4]);
@@ -406,14 +386,8 @@ static PyObject *py_verify_greedy(PyObject *self, PyObject *args) {
     if (hs_verify_args(&vs, op, o_tok, o_par, o_lg, &tk, &pa, &lg) < 0) goto fail;
     int64_t n = tk->shape[0], V = lg->shape[1], len = 0, next = 0;
     if (!(path = hs_views_alloc(&vs, alloc, op, "path", 1, &n, HS_INT64, &opath))) goto fail;
-    hs_error err;
-    hs_status st;
-    HS_RUN(hs_verify_greedy(tk->data, (hs_dtype)tk->dtype, pa->data, (hs_dtype)pa->dtype, 1, n, &n, lg->data, (hs_dtype)lg->dtype, V,
+    HS_CALL(hs_verify_greedy(tk->data, (hs_dtype)tk->dtype, pa->data, (hs_dtype)pa->dtype, 1, n, &n, lg->data, (hs_dtype)lg->dtype, V,
                             (int64_t *)opath->data, &len, &next, &err));
-    if (st != HS_OK) {
-        hs_raise(st, &err);
-        goto fail;
-    }
     hs_views_release(&vs);
     PyObject *sl = hs_path_slice(path, len);
     Py_DECREF(path);
@@ -445,14 +419,8 @@ static PyObject *py_verify_sample(PyObject *self, PyObject *args) {
     if (!(path = hs_views_alloc(&vs, alloc, op, "path", 1, &n, HS_INT64, &opath))) goto fail;
     size_t wsb = hs_verify_sample_workspace_bytes(n, V);
     if (!(ws = hs_workspace(wsb))) goto fail;
-    hs_error err;
-    hs_status st;
-    HS_RUN(hs_verify_sample(tk->data, (hs_dtype)tk->dtype, pa->data, (hs_dtype)pa->dtype, 1, n, &n, lg->data, (hs_dtype)lg->dtype, V, sp,
+    HS_CALL(hs_verify_sample(tk->data, (hs_dtype)tk->dtype, pa->data, (hs_dtype)pa->dtype, 1, n, &n, lg->data, (hs_dtype)lg->dtype, V, sp,
                             &seed, &offset, (int64_t *)opath->data, &len, &next, &draws, ws, wsb, &err));
-    if (st != HS_OK) {
-        hs_raise(st, &err);
-        goto fail;
-    }
     PyMem_RawFree(ws);
     hs_views_release(&vs);
     PyObject *sl = hs_path_slice(path, len);
@@ -490,30 +458,30 @@ static PyObject *py_kv_compact(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     if (views == NULL) {
         PyErr_NoMemory();
-        goto done;
+        goto fail;
     }
     if (!(sl = hs_views_add(&vs, o_slots, op, "slots", 0)) || hs_check_ndim(sl, op, "slots", 1, "[m]") < 0 ||
         hs_check_dtype(sl, op, "slots", HS_ID_DTYPES, "int32 or int64") < 0)
-        goto done;
+        goto fail;
     int64_t m = sl->shape[0];
     char name[48];
     for (Py_ssize_t i = 0; i < count; i++) {
         snprintf(name, sizeof name, "tensors[%zd]", i);
         hs_view *v = &views[i];
-        if (hs_view_import(PySequence_Fast_GET_ITEM(seq, i), op, name, 1, v) < 0) goto done;
+        if (hs_view_import(PySequence_Fast_GET_ITEM(seq, i), op, name, 1, v) < 0) goto fail;
         imported = i + 1;
-        if (hs_check_same_device(v, sl, op, name, "slots") < 0) goto done;
+        if (hs_check_same_device(v, sl, op, name, "slots") < 0) goto fail;
         if (v->ndim < 2) {
             PyErr_Format(PyExc_ValueError, "%s: argument '%s' expected an array [..., S, D] with ndim >= 2, got ndim %d",
                          op, name, v->ndim);
-            goto done;
+            goto fail;
         }
         /* validate against this tensor's S before any tensor is modified */
         hs_error err;
         hs_status st = hs_kv_compact_check(1, v->shape[v->ndim - 2], &prefix, sl->data, (hs_dtype)sl->dtype, m, &m, &err);
         if (st != HS_OK) {
             hs_raise(st, &err);
-            goto done;
+            goto fail;
         }
     }
     /* every tensor validated: now move the rows */
@@ -522,16 +490,10 @@ static PyObject *py_kv_compact(PyObject *self, PyObject *args) {
         int64_t inner = 1;
         for (int d = 0; d < v->ndim - 2; d++) inner *= v->shape[d];
         int64_t S = v->shape[v->ndim - 2], row = v->shape[v->ndim - 1] * v->itemsize;
-        hs_error err;
-        hs_status st;
-        HS_RUN(hs_kv_compact(v->data, 1, inner, S, row, &prefix, sl->data, (hs_dtype)sl->dtype, m, &m, &err));
-        if (st != HS_OK) {
-            hs_raise(st, &err);
-            goto done;
-        }
+        HS_CALL(hs_kv_compact(v->data, 1, inner, S, row, &prefix, sl->data, (hs_dtype)sl->dtype, m, &m, &err));
     }
     result = Py_NewRef(Py_None);
-done:
+fail:
     for (Py_ssize_t i = 0; i < imported && views; i++) hs_view_release(&views[i]);
     PyMem_Free(views);
     hs_views_release(&vs);
@@ -556,14 +518,8 @@ static PyObject *py_bucketize(PyObject *self, PyObject *args) {
         goto fail;
     int64_t N = va->shape[0];
     if (!(out = hs_views_alloc(&vs, alloc, op, "out", 1, &N, HS_INT32, &ov))) goto fail;
-    hs_error err;
-    hs_status st;
-    HS_RUN(hs_bucketize(va->data, (hs_dtype)va->dtype, N, th->data, (hs_dtype)th->dtype, th->shape[0],
+    HS_CALL(hs_bucketize(va->data, (hs_dtype)va->dtype, N, th->data, (hs_dtype)th->dtype, th->shape[0],
                         (int32_t *)ov->data, &err));
-    if (st != HS_OK) {
-        hs_raise(st, &err);
-        goto fail;
-    }
     hs_views_release(&vs);
     return out;
 fail:
