@@ -251,7 +251,9 @@ def expand(logits, beam_scores, beam_nodes, k, d2t=None, node_offset=0):
     d = x64 - m
     lp = d - np.log(np.exp(d).sum(axis=1, keepdims=True))
 
-    ids = np.stack([_topk_desc(lp[r], k) for r in range(b)])
+    # Rank by the logits themselves: log_softmax is monotonic, so this is the order of lp, without the
+    # ties that rounding x - m - lse can create between logits that differ by less than an ulp of lse.
+    ids = np.stack([_topk_desc(x64[r], k) for r in range(b)])
     tokens = ids.copy()
     if d2t is not None:
         tokens = ids + d2t[ids]

@@ -70,8 +70,15 @@ HS_HOT hs_status hs_row_check_max(const float *x, int64_t V, const char *op, con
     /* Fast path: a vectorisable max plus a "bad" flag computed on the bits (NaN or +Inf means
      * |bits| >= 0x7f800000 with the sign clear, or a NaN with the sign set); the slow scan below only runs
      * to name the offending column. */
+    /* max in 8 independent lanes: a plain running max is a loop-carried dependency gcc will not vectorise
+     * without -ffinite-math-only; the lanes are an elementwise max it does vectorise */
+    float lane[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    int64_t v8 = V - V % 8;
+    for (int64_t v = 0; v < v8; v += 8)
+        for (int l = 0; l < 8; l++) lane[l] = x[v + l] > lane[l] ? x[v + l] : lane[l];
     float m = -INFINITY;
-    for (int64_t v = 0; v < V; v++) m = x[v] > m ? x[v] : m;
+    for (int l = 0; l < 8; l++) m = lane[l] > m ? lane[l] : m;
+    for (int64_t v = v8; v < V; v++) m = x[v] > m ? x[v] : m;
     uint32_t bad = 0; /* two loops: fused, gcc 12 vectorises neither */
     for (int64_t v = 0; v < V; v++) {
         uint32_t b;
@@ -117,13 +124,16 @@ static inline float hs_exp_nonpos(float x) {
 }
 
 HS_HOT double hs_sum_exp_shifted(const float *x, int64_t V, float m) {
+    /* 32 float lanes (several vectors in flight: the exp polynomial is a long dependency chain), each
+     * summing 8 terms per 256-element block; block sums are added in float64. */
     double total = 0.0;
     int64_t v = 0;
-    for (; v + 64 <= V; v += 64) {
-        float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int j = 0; j < 64; j += 8)
-            for (int l = 0; l < 8; l++) lane[l] += hs_exp_nonpos(x[v + j + l] - m);
-        for (int l = 0; l < 8; l++) total += (double)lane[l];
+    for (; v + 256 <= V; v += 256) {
+        float lane[32];
+        for (int l = 0; l < 32; l++) lane[l] = 0.0f;
+        for (int j = 0; j < 256; j += 32)
+            for (int l = 0; l < 32; l++) lane[l] += hs_exp_nonpos(x[v + j + l] - m);
+        for (int l = 0; l < 32; l++) total += (double)lane[l];
     }
     for (; v < V; v++) total += (double)hs_exp_nonpos(x[v] - m);
     return total;
