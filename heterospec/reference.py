@@ -156,13 +156,6 @@ def _logit_row64(op, name, logits, row):
     return r32[0].astype(np.float64)
 
 
-def _seq_sum(x):
-    """Sequential left-to-right float64 sum (np.sum is pairwise; np.add.accumulate is sequential)."""
-    if x.shape[0] == 0:
-        return 0.0
-    return float(np.add.accumulate(x)[-1])
-
-
 def _topk_desc(vals, k):
     """Indices of the k largest entries of a 1-D array, listed by value descending, ties to the lower
     index (the 'k largest' convention of docs/ops.md).  vals has no NaN."""
@@ -407,26 +400,33 @@ def verify_greedy(tree_tokens, tree_parents, target_logits):
         path.append(node)
 
 
+def _lane_sum(w):
+    """The lane sum of docs/ops.md: lane l sums w[v] for v = l (mod 8) in ascending v (sequential float64),
+    then ((lane0 + lane1) + lane2) + ... + lane7.  Padding with zeros is exact (x + 0.0 == x)."""
+    pad = (-w.shape[0]) % 8
+    lanes = np.add.accumulate(np.concatenate([w, np.zeros(pad)]).reshape(-1, 8), axis=0)[-1]
+    total = float(lanes[0])
+    for lane in lanes[1:]:
+        total += float(lane)
+    return total
+
+
 def _warp(row64, temperature, top_k, top_p):
     """HuggingFace-order warp of one float64 row (values already float32) -> w (float64, 0 = removed)."""
     v = row64.shape[0]
     z = row64 / temperature
-    keep = np.ones(v, dtype=bool)
+    d = z - z.max()
+    w = np.exp(d)
+    w[d < -708.0] = 0.0  # exp(-708) < 1e-307: the C core's vector exp returns 0 there, by spec
     if 0 < top_k < v:
         t = np.partition(z, v - top_k)[v - top_k]  # the top_k-th largest z
-        keep = z >= t  # ties at t are kept
+        w[z < t] = 0.0  # ties at t are kept
     if top_p < 1.0:
-        ids = np.flatnonzero(keep)
-        zs = z[ids]
-        e = np.exp(zs - zs.max())
-        p = e / _seq_sum(e)  # softmax over the survivors
-        order = np.lexsort((-ids, zs))  # ascending by (z ascending, id descending)
-        c = np.add.accumulate(p[order])  # sequential running sum
-        remove = c <= 1.0 - top_p
-        remove[-1] = False  # the most likely token is always kept
-        keep[ids[order[remove]]] = False
-    w = np.exp(z - z.max())
-    w[~keep] = 0.0
+        p = w / _lane_sum(w)
+        ids = np.flatnonzero(w > 0.0)  # tokens without mass are removed either way
+        order = ids[np.lexsort((ids, -z[ids]))]  # (z descending, id ascending)
+        before = np.concatenate([[0.0], np.add.accumulate(p[order])[:-1]])  # mass strictly before each token
+        w[order[before >= top_p]] = 0.0  # kept iff the mass before it is < top_p: the top token always is
     return w
 
 
@@ -464,7 +464,7 @@ def verify_sample(tree_tokens, tree_parents, target_logits, *, temperature, top_
     while True:
         # 1. warp the row of the current node
         w = _warp(_logit_row64(op, "target_logits", x, node), temperature, top_k, top_p)
-        r_mass = _seq_sum(w)
+        r_mass = _lane_sum(w)
         rejected = []
         accepted = None
         # 2. try the children in ascending node index
@@ -488,10 +488,12 @@ def verify_sample(tree_tokens, tree_parents, target_logits, *, temperature, top_
         # 3. no child accepted: sample the bonus token from the residual
         u = _uniform(seed, offset, j)
         j += 1
-        cum = np.add.accumulate(w)  # sequential running sum over ascending ids
-        s_mass = float(cum[-1])
+        s_mass = _lane_sum(w)
         if s_mass > 0.0:
-            next_token = int(np.argmax(cum > u * s_mass))  # the smallest id with running sum > u * S
+            cum = np.add.accumulate(w)  # sequential running sum over ascending ids
+            hit = np.flatnonzero(cum > u * s_mass)  # the smallest id with running sum > u * S ...
+            # ... or, when rounding leaves the sequential sum short of u * S, the largest id with mass
+            next_token = int(hit[0]) if hit.size else int(np.flatnonzero(w > 0.0)[-1])
         else:
             next_token = rejected[-1]
         return np.array(path, dtype=np.int64), next_token, j
@@ -535,7 +537,7 @@ def kv_compact(tensors, prefix_len, slots):
         _fail(ValueError, op, "slots", "strictly ascending slots", f"{int(s[i - 1])} followed by {int(s[i])}")
     if (s < np.arange(m)).any():
         i = int(np.flatnonzero(s < np.arange(m))[0])
-        _fail(ValueError, op, "slots", f"slots[i] >= i", f"slots[{i}] = {int(s[i])}")
+        _fail(ValueError, op, "slots", "slots[i] >= i", f"slots[{i}] = {int(s[i])}")
     for i, a in enumerate(arrays):
         if prefix_len + int(s[-1]) >= a.shape[-2]:
             _fail(ValueError, op, "slots", f"prefix_len + slots[-1] < S = {a.shape[-2]} of tensors[{i}]",

@@ -171,6 +171,53 @@ size_t hs_verify_sample_workspace_bytes(int64_t T, int64_t V) {
     return v * sizeof(double) + v * sizeof(float) + 16 + v * sizeof(hs_kv) + t * sizeof(int64_t);
 }
 
+/* exp(x) for x <= 0 in float64, branch-free so the loop below vectorises: x = n ln2 + r with |r| <= ln2/2,
+ * e^r by its Taylor polynomial to degree 12 (truncation < 2e-16 relative), 2^n from the exponent bits.
+ * Below -708 the result is 0 (exp(-708) < 1e-307 next to a largest term of 1), as docs/ops.md says. */
+static inline double hs_exp_nonpos_f64(double x) {
+    const double shifter = 6755399441055744.0; /* 1.5 * 2^52: x + shifter rounds x to an integer */
+    double xc = x < -708.0 ? -708.0 : x;
+    double n = (xc * 1.4426950408889634 + shifter) - shifter;
+    double r = (xc - n * 6.93147180369123816490e-01) - n * 1.90821492927058770002e-10; /* fdlibm ln2 hi/lo */
+    double p = 2.08767569878680989792e-09;                                             /* 1/12! */
+    p = p * r + 2.50521083854417187751e-08;                                            /* 1/11! */
+    p = p * r + 2.75573192239858906526e-07;                                            /* 1/10! */
+    p = p * r + 2.75573192239858906526e-06;                                            /* 1/9! */
+    p = p * r + 2.48015873015873015873e-05;                                            /* 1/8! */
+    p = p * r + 1.98412698412698412698e-04;                                            /* 1/7! */
+    p = p * r + 1.38888888888888888889e-03;                                            /* 1/6! */
+    p = p * r + 8.33333333333333333333e-03;                                            /* 1/5! */
+    p = p * r + 4.16666666666666666667e-02;                                            /* 1/4! */
+    p = p * r + 1.66666666666666666667e-01;                                            /* 1/3! */
+    p = p * r + 0.5;
+    p = p * r + 1.0;
+    p = p * r + 1.0;
+    /* via int32: there is no packed double->int64 conversion before AVX-512 */
+    uint64_t bits = (uint64_t)(uint32_t)((int32_t)n + 1023) << 52;
+    double scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x < -708.0 ? 0.0 : p * scale;
+}
+
+/* w[v] = exp(x[v] / T - zmax) for the whole row */
+HS_HOT static void hs_exp_row(const float *x, int64_t V, double T, double zmax, double *w) {
+    for (int64_t v = 0; v < V; v++) w[v] = hs_exp_nonpos_f64((double)x[v] / T - zmax);
+}
+
+/* The "lane sum" of docs/ops.md: 8 lanes, lane l summing w[v] for v = l (mod 8) in ascending v, then
+ * ((lane0 + lane1) + lane2) + ... + lane7.  A fixed order (so the NumPy twin reproduces it bit for bit)
+ * that still runs as vector adds. */
+HS_HOT static double hs_lane_sum(const double *w, int64_t V) {
+    double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t v8 = V - V % 8;
+    for (int64_t v = 0; v < v8; v += 8)
+        for (int l = 0; l < 8; l++) lane[l] += w[v + l];
+    for (int64_t v = v8; v < V; v++) lane[v - v8] += w[v];
+    double s = lane[0];
+    for (int l = 1; l < 8; l++) s += lane[l];
+    return s;
+}
+
 /* Warp one row the HuggingFace way (temperature, top-k, top-p) into unnormalised weights w[V]. */
 static hs_status hs_warp_row(const void *logits, hs_dtype dt, int64_t row, int64_t V, hs_sampling sp,
                              double *w, float *conv, hs_kv *sorted, const char *op, hs_error *err) {
@@ -179,6 +226,7 @@ static hs_status hs_warp_row(const void *logits, hs_dtype dt, int64_t row, int64
     hs_status st = hs_row_check_max(x, V, op, "target_logits", row, &m, err);
     if (st != HS_OK) return st;
     const double T = sp.temperature, zmax = (double)m / T;
+    hs_exp_row(x, V, T, zmax, w);
     /* z = x / T is monotonic in x, so top-k/top-p orders can be taken on x directly. */
     int64_t nsorted = 0; /* > 0: sorted[0..nsorted) are all survivors, best first */
     if (sp.top_k > 0 && sp.top_k < V) {
@@ -186,12 +234,8 @@ static hs_status hs_warp_row(const void *logits, hs_dtype dt, int64_t row, int64
         double thr = sorted[sp.top_k - 1].v; /* ties at the threshold survive, as in HF */
         int ties_beyond = 0;
         for (int64_t v = 0; v < V; v++) {
-            if ((double)x[v] >= thr) {
-                w[v] = exp((double)x[v] / T - zmax);
-                ties_beyond |= (double)x[v] == thr && v > sorted[sp.top_k - 1].i;
-            } else {
-                w[v] = 0.0;
-            }
+            if ((double)x[v] < thr) w[v] = 0.0;
+            else ties_beyond |= (double)x[v] == thr && v > sorted[sp.top_k - 1].i;
         }
         nsorted = sp.top_k;
         if (ties_beyond && sp.top_p < 1.0) { /* rare: more than top_k survivors; list them all */
@@ -200,12 +244,9 @@ static hs_status hs_warp_row(const void *logits, hs_dtype dt, int64_t row, int64
                 if ((double)x[v] >= thr) sorted[nsorted++] = (hs_kv){x[v], v};
             hs_sort_best_first(sorted, nsorted);
         }
-    } else {
-        for (int64_t v = 0; v < V; v++) w[v] = exp((double)x[v] / T - zmax);
     }
     if (sp.top_p < 1.0) {
-        double W = 0.0;
-        for (int64_t v = 0; v < V; v++) W += w[v];
+        double W = hs_lane_sum(w, V);
         if (nsorted == 0) {
             /* No top-k list: find the smallest best-first prefix holding mass >= top_p by growing a
              * top-k (64, 256, ...) instead of sorting the whole vocabulary. */
@@ -270,8 +311,7 @@ hs_status hs_verify_sample(const void *tree_tokens, hs_dtype token_dtype, const 
         for (;;) {
             st = hs_warp_row(lg, logit_dtype, cur, V, sp, w, conv, sorted, op, err);
             if (st != HS_OK) return st;
-            double R = 0.0;
-            for (int64_t v = 0; v < V; v++) R += w[v];
+            double R = hs_lane_sum(w, V);
             int64_t nrej = 0, accepted = -1;
             for (int64_t j = cur + 1; j < nb && accepted < 0; j++) {
                 if (hs_load_id(pa, parent_dtype, j) != cur) continue;
@@ -295,8 +335,7 @@ hs_status hs_verify_sample(const void *tree_tokens, hs_dtype token_dtype, const 
             }
             /* residual draw by inverse CDF over ascending ids */
             double u = hs_philox_uniform(seeds[b], offsets[b], draw++);
-            double S = 0.0;
-            for (int64_t v = 0; v < V; v++) S += w[v];
+            double S = hs_lane_sum(w, V);
             int64_t next = -1;
             if (S > 0.0) {
                 double target = u * S, c = 0.0;
@@ -310,7 +349,9 @@ hs_status hs_verify_sample(const void *tree_tokens, hs_dtype token_dtype, const 
                         break;
                     }
                 }
-                if (next < 0) next = last_pos; /* unreachable in exact arithmetic: c ends at S > u * S */
+                /* the running sum is sequential, S a lane sum: if rounding leaves c short of u * S, the
+                 * largest id with mass is the one the exact arithmetic would pick */
+                if (next < 0) next = last_pos;
             } else if (nrej > 0) {
                 next = rejected[nrej - 1]; /* every token with mass was rejected (rounding only) */
             } else {
