@@ -165,9 +165,23 @@ static int hs_cmp_best_first(const void *pa, const void *pb) {
 
 void hs_sort_best_first(hs_kv *a, int64_t n) { qsort(a, (size_t)n, sizeof *a, hs_cmp_best_first); }
 
+static inline float hs_block_max32(const float *x) {
+    /* elementwise max of four 8-wide rows, then across the 8 lanes: gcc emits vector maxes for the first
+     * part, where a plain running max over 32 elements becomes a long scalar chain */
+    float lane[8];
+    for (int l = 0; l < 8; l++) lane[l] = x[l];
+    for (int j = 8; j < 32; j += 8)
+        for (int l = 0; l < 8; l++) lane[l] = x[j + l] > lane[l] ? x[j + l] : lane[l];
+    for (int l = 0; l < 4; l++) lane[l] = lane[l + 4] > lane[l] ? lane[l + 4] : lane[l];
+    for (int l = 0; l < 2; l++) lane[l] = lane[l + 2] > lane[l] ? lane[l + 2] : lane[l];
+    return lane[1] > lane[0] ? lane[1] : lane[0];
+}
+
 HS_HOT void hs_topk_f32(const float *x, int64_t V, int64_t k, hs_kv *out) {
-    /* Min-heap of the best k seen so far (root = worst).  Ids arrive ascending, so a later element with
-     * a value equal to the root's is worse than it (ties go to the lower id) and never enters. */
+    /* Min-heap of the best k seen so far (root = worst); a 32-element block is scanned only when its
+     * (vectorised) maximum beats the root, which after the first few blocks is rare.  Ids arrive
+     * ascending, so a later element with a value equal to the root's is worse than it (ties go to the
+     * lower id) and never enters. */
     for (int64_t v = 0; v < k; v++) out[v] = (hs_kv){x[v], v};
     for (int64_t p = k / 2 - 1; p >= 0; p--) hs_sift_down(out, k, p);
     int64_t v = k;
@@ -179,8 +193,7 @@ HS_HOT void hs_topk_f32(const float *x, int64_t V, int64_t k, hs_kv *out) {
         }
     }
     for (; v + 32 <= V; v += 32) {
-        float bm = x[v];
-        for (int j = 1; j < 32; j++) bm = x[v + j] > bm ? x[v + j] : bm;
+        float bm = hs_block_max32(x + v);
         if (!(bm > out[0].v)) continue;
         for (int j = 0; j < 32; j++) {
             if (x[v + j] > out[0].v) {
