@@ -226,24 +226,32 @@ static hs_status hs_warp_row(const void *logits, hs_dtype dt, int64_t row, int64
     hs_status st = hs_row_check_max(x, V, op, "target_logits", row, &m, err);
     if (st != HS_OK) return st;
     const double T = sp.temperature, zmax = (double)m / T;
-    hs_exp_row(x, V, T, zmax, w);
     /* z = x / T is monotonic in x, so top-k/top-p orders can be taken on x directly. */
-    int64_t nsorted = 0; /* > 0: sorted[0..nsorted) are all survivors, best first */
+    int64_t nsorted = 0; /* > 0: sorted[0..nsorted) are all the tokens with mass, best first */
+    int sparse = 0;      /* w is zero outside sorted[0..nsorted) */
     if (sp.top_k > 0 && sp.top_k < V) {
         hs_topk_f32(x, V, sp.top_k, sorted);
-        double thr = sorted[sp.top_k - 1].v; /* ties at the threshold survive, as in HF */
+        const float thr = (float)sorted[sp.top_k - 1].v; /* ties at the threshold survive, as in HF */
+        const int64_t last = sorted[sp.top_k - 1].i;
         int ties_beyond = 0;
-        for (int64_t v = 0; v < V; v++) {
-            if ((double)x[v] < thr) w[v] = 0.0;
-            else ties_beyond |= (double)x[v] == thr && v > sorted[sp.top_k - 1].i;
-        }
-        nsorted = sp.top_k;
-        if (ties_beyond && sp.top_p < 1.0) { /* rare: more than top_k survivors; list them all */
-            nsorted = 0;
+        for (int64_t v = last + 1; v < V; v++) ties_beyond |= x[v] == thr;
+        if (!ties_beyond) {
+            /* the top_k tokens are exactly the survivors: exponentiate just those (the same function
+             * as the full-row loop, so the same values) */
+            memset(w, 0, (size_t)V * sizeof *w);
+            for (int64_t i = 0; i < sp.top_k; i++)
+                w[sorted[i].i] = hs_exp_nonpos_f64((double)x[sorted[i].i] / T - zmax);
+            nsorted = sp.top_k;
+            sparse = 1;
+        } else { /* rare: more than top_k survivors; list them all */
+            hs_exp_row(x, V, T, zmax, w);
             for (int64_t v = 0; v < V; v++)
-                if ((double)x[v] >= thr) sorted[nsorted++] = (hs_kv){x[v], v};
+                if (x[v] < thr) w[v] = 0.0;
+                else sorted[nsorted++] = (hs_kv){x[v], v};
             hs_sort_best_first(sorted, nsorted);
         }
+    } else {
+        hs_exp_row(x, V, T, zmax, w);
     }
     if (sp.top_p < 1.0) {
         double W = hs_lane_sum(w, V);
@@ -266,10 +274,13 @@ static hs_status hs_warp_row(const void *logits, hs_dtype dt, int64_t row, int64
             c += w[sorted[keep].i] / W;
             keep++;
         }
-        /* zero everything, then put back the kept prefix */
-        for (int64_t i = 0; i < keep; i++) sorted[i].v = w[sorted[i].i];
-        memset(w, 0, (size_t)V * sizeof *w);
-        for (int64_t i = 0; i < keep; i++) w[sorted[i].i] = sorted[i].v;
+        if (sparse) { /* only the listed tokens have mass: zero the ones cut */
+            for (int64_t i = keep; i < nsorted; i++) w[sorted[i].i] = 0.0;
+        } else { /* zero everything, then put back the kept prefix */
+            for (int64_t i = 0; i < keep; i++) sorted[i].v = w[sorted[i].i];
+            memset(w, 0, (size_t)V * sizeof *w);
+            for (int64_t i = 0; i < keep; i++) w[sorted[i].i] = sorted[i].v;
+        }
     }
     return HS_OK;
 }
