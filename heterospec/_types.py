@@ -1,6 +1,21 @@
 """Small result types shared by the C-backed ops and the NumPy reference."""
 from typing import Any, NamedTuple
 
+# The ops every implementation (heterospec.ops: C core; heterospec.reference: NumPy) provides, with the
+# same names and semantics (docs/ops.md).
+OP_NAMES = (
+    "topk_entropy",
+    "expand",
+    "select",
+    "build_tree",
+    "verify_greedy",
+    "verify_sample",
+    "kv_compact",
+    "bucketize",
+    "philox4x32",
+    "philox_uniform",
+)
+
 
 class VerifyTree(NamedTuple):
     """The verification tree built by ``build_tree``.

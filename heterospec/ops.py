@@ -18,21 +18,9 @@ import operator
 import numpy as np
 
 from . import _C
-from ._types import VerifyTree
+from ._types import OP_NAMES, VerifyTree
 
-__all__ = [
-    "topk_entropy",
-    "expand",
-    "select",
-    "build_tree",
-    "verify_greedy",
-    "verify_sample",
-    "kv_compact",
-    "bucketize",
-    "philox4x32",
-    "philox_uniform",
-    "VerifyTree",
-]
+__all__ = [*OP_NAMES, "VerifyTree"]
 
 
 def _np_alloc(shape, dtype):

@@ -19,20 +19,9 @@ import numbers
 
 import numpy as np
 
-from ._types import VerifyTree
+from ._types import OP_NAMES, VerifyTree
 
-__all__ = [
-    "topk_entropy",
-    "expand",
-    "select",
-    "build_tree",
-    "verify_greedy",
-    "verify_sample",
-    "kv_compact",
-    "bucketize",
-    "philox4x32",
-    "philox_uniform",
-]
+__all__ = [*OP_NAMES, "VerifyTree"]
 
 _LOGIT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
 _SCORE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))

@@ -256,3 +256,10 @@ def test_fake_producer_happy_path_and_deleter():
     p = FakeProducer(x)
     np.testing.assert_array_equal(ops.topk_entropy(p, 3), ops.topk_entropy(x, 3))
     assert p.deleted == 1
+
+
+def test_both_implementations_export_every_op():
+    from heterospec._types import OP_NAMES
+
+    for name in OP_NAMES:
+        assert callable(getattr(ops, name)) and callable(getattr(reference, name)), name
