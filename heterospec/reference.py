@@ -515,6 +515,10 @@ def kv_compact(tensors, prefix_len, slots):
             _fail(ValueError, op, f"tensors[{i}]", "a C-contiguous array", f"strides {a.strides}")
         if not a.flags.writeable:
             _fail(BufferError, op, f"tensors[{i}]", "a writable array (an output)", "a read-only array")
+        for j, b in enumerate(arrays):  # a tensor listed twice (or overlapping another) would move twice
+            if np.may_share_memory(a, b):
+                _fail(ValueError, op, f"tensors[{i}]", "tensors that do not overlap in memory",
+                      f"memory shared with tensors[{j}]")
         arrays.append(a)
     prefix_len = _int(op, "prefix_len", prefix_len, 0)
     s = _ids(op, "slots", slots)

@@ -610,3 +610,18 @@ def test_bucketize_float64_comparison(impl):
     assert out.shape == (0,) and out.dtype == np.int32
     out = to_numpy(impl.bucketize(np.array([-np.inf, -1.0, 0.0, 1.0, np.inf]), np.array([-np.inf, 0.0, np.inf])))
     assert out.tolist() == [0, 1, 1, 2, 2]
+
+
+def test_kv_compact_refuses_overlapping_tensors(impl):
+    # the same tensor twice (keys passed as values too) would be compacted twice: refused, nothing moved
+    kv = np.arange(2 * 8 * 3, dtype=np.float32).reshape(2, 8, 3)
+    before = kv.copy()
+    with pytest.raises(ValueError, match=r"argument 'tensors\[1\]'.*overlap"):
+        impl.kv_compact([kv, kv], 2, np.array([0, 2]))
+    with pytest.raises(ValueError, match=r"argument 'tensors\[1\]'.*overlap"):
+        impl.kv_compact([kv, kv[1:]], 2, np.array([0, 2]))
+    np.testing.assert_array_equal(kv, before)
+    # disjoint slices of one buffer (a stacked KV cache) are fine
+    impl.kv_compact([kv[0], kv[1]], 2, np.array([0, 2]))
+    before[:, 3] = before[:, 4]
+    np.testing.assert_array_equal(kv, before)

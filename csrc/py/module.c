@@ -476,6 +476,18 @@ static PyObject *py_kv_compact(PyObject *self, PyObject *args) {
                          op, name, v->ndim);
             goto fail;
         }
+        /* a tensor listed twice, or overlapping another, would be compacted twice: silent garbage */
+        const char *lo = (const char *)v->data, *hi = lo + hs_view_nbytes(v);
+        for (Py_ssize_t j = 0; j < i; j++) {
+            const char *lo2 = (const char *)views[j].data, *hi2 = lo2 + hs_view_nbytes(&views[j]);
+            if (lo < hi2 && lo2 < hi) {
+                PyErr_Format(PyExc_ValueError,
+                             "%s: argument '%s' expected tensors that do not overlap in memory, got memory shared "
+                             "with tensors[%zd]",
+                             op, name, j);
+                goto fail;
+            }
+        }
         /* validate against this tensor's S before any tensor is modified */
         hs_error err;
         hs_status st = hs_kv_compact_check(1, v->shape[v->ndim - 2], &prefix, sl->data, (hs_dtype)sl->dtype, m, &m, &err);

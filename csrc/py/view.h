@@ -36,6 +36,13 @@ typedef struct hs_view {
 int hs_view_import(PyObject *obj, const char *op, const char *arg, int writable, hs_view *v);
 void hs_view_release(hs_view *v);
 
+/* Bytes spanned by a (C-contiguous) view. */
+static inline int64_t hs_view_nbytes(const hs_view *v) {
+    int64_t n = v->itemsize;
+    for (int i = 0; i < v->ndim; i++) n *= v->shape[i];
+    return n;
+}
+
 /* Checks; each returns 0, or -1 with an exception set. */
 int hs_check_ndim(const hs_view *v, const char *op, const char *arg, int ndim, const char *layout);
 int hs_check_dtype(const hs_view *v, const char *op, const char *arg, unsigned mask, const char *expected);
