@@ -1,0 +1,344 @@
+"""One lossless decoding loop for autoregressive, EAGLE-3 and HeteroSpec decoding (batch 1).
+
+A cycle (see DESIGN.md §3):
+  1. draft catch-up: the draft consumes the target's taps of the positions committed last cycle (paired
+     with the token after each) and expands the root: ``ops.expand`` gives the first level's candidates;
+  2. per tree level, one draft forward over the K beams (tree attention: each beam sees the committed
+     prefix and its own ancestors) and one ``ops.expand``; after the base depth the path entropy along
+     the most confident path decides, through the policy, how many extra levels to draft and how many
+     nodes to keep;
+  3. ``ops.select`` + ``ops.build_tree``; one target forward over the tree (4D tree mask);
+  4. ``ops.verify_greedy`` / ``ops.verify_sample`` accept losslessly; ``ops.kv_compact`` commits.
+Autoregressive decoding is the same loop with a root-only tree (no draft). The Python work per cycle is a
+fixed number of calls per tree level; nothing loops over tree nodes.
+
+Counting conventions: every node count includes the root (like EAGLE's ``total_token``); ``depth`` is the
+number of expansion levels after the root expansion (EAGLE's ``depth``), so the deepest drafted token is at
+depth ``depth + 1``.  τ = committed tokens / verification calls (each call commits the accepted draft
+tokens plus the bonus token); the prefill is counted apart.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import Counter
+
+import numpy as np
+import torch
+
+from . import ops
+from .hf import TargetAdapter
+
+GAMMA = (0.3, 0.6, 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Per-cycle tree shape.  ``thresholds`` (ascending, usually 7) bin the path entropy; ``extra[i]`` and
+    ``keep[i]`` give bin i's extra draft levels and kept node count (root included); bins past the tables
+    use (0, total_tokens)."""
+
+    depth: int = 7
+    top_k: int = 10
+    total_tokens: int = 60
+    thresholds: tuple = ()
+    extra: tuple = ()
+    keep: tuple = ()
+    name: str = "static"
+
+    def __post_init__(self):
+        for field, lo in (("depth", 0), ("top_k", 1), ("total_tokens", 1)):
+            v = getattr(self, field)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"Policy: argument '{field}' expected an int >= {lo}, got {v!r}")
+        th = tuple(float(t) for t in self.thresholds)
+        if any(not a < b for a, b in zip(th, th[1:])) or any(math.isnan(t) for t in th):
+            raise ValueError(f"Policy: argument 'thresholds' expected strictly ascending values, got {th}")
+        object.__setattr__(self, "thresholds", th)
+        if len(self.extra) != len(self.keep):
+            raise ValueError(f"Policy: arguments 'extra' and 'keep' expected the same length, got "
+                             f"{len(self.extra)} and {len(self.keep)}")
+        if any(e < 0 for e in self.extra) or any(k < 1 for k in self.keep):
+            raise ValueError(f"Policy: expected extra >= 0 and keep >= 1, got {self.extra} / {self.keep}")
+
+    @classmethod
+    def static(cls, depth=7, top_k=10, total_tokens=60):
+        """EAGLE-3's dynamic tree with a fixed shape (defaults of EaModel.from_pretrained)."""
+        return cls(depth, top_k, total_tokens, name="eagle3")
+
+    @classmethod
+    def paper(cls, depth=7, top_k=10, total_tokens=60, thresholds=()):
+        """HeteroSpec's rule (paper §4.3): α = ⌈depth/2⌉; bins 0-2 draft α−i more levels and keep
+        round(γ_i·N) + (α−i) nodes, γ = 0.3, 0.6, 1.0; other bins unchanged."""
+        alpha = math.ceil(depth / 2)
+        extra = tuple(alpha - i for i in range(3))
+        keep = tuple(round(g * total_tokens) + alpha - i for i, g in enumerate(GAMMA))
+        return cls(depth, top_k, total_tokens, tuple(thresholds), extra, keep, name="heterospec")
+
+    @classmethod
+    def autoregressive(cls):
+        return cls(0, 1, 1, name="ar")
+
+    @property
+    def drafts(self):
+        return self.total_tokens > 1 or any(k > 1 for k in self.keep)
+
+    def plan(self, entropy):
+        """-> (bin, extra levels, kept nodes including the root) for a path entropy."""
+        b = int(np.searchsorted(np.asarray(self.thresholds), entropy, side="left")) if self.thresholds else 0
+        if self.thresholds and b < len(self.extra):
+            return b, self.extra[b], self.keep[b]
+        return b, 0, self.total_tokens
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    new_tokens: int = 0
+    cycles: int = 0            # verification calls after the prefill
+    verified_tokens: int = 0   # tree tokens sent through the target, root included
+    accepted_hist: Counter = dataclasses.field(default_factory=Counter)  # accepted draft tokens per cycle
+    bins: Counter = dataclasses.field(default_factory=Counter)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    ops_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def tau(self):
+        """Committed tokens per verification call (the bonus token counts)."""
+        committed = sum((a + 1) * c for a, c in self.accepted_hist.items())
+        return committed / self.cycles if self.cycles else 0.0
+
+    def as_dict(self):
+        d = dataclasses.asdict(self)
+        d["accepted_hist"] = dict(sorted(self.accepted_hist.items()))
+        d["bins"] = dict(sorted(self.bins.items()))
+        d["tau"] = self.tau
+        d["tokens_per_s"] = self.new_tokens / self.total_s if self.total_s else 0.0
+        return d
+
+
+def _check_generate_args(max_new_tokens, temperature, top_k, top_p):
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"generate: argument 'max_new_tokens' expected an int >= 1, got {max_new_tokens!r}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"generate: argument 'temperature' expected a finite value >= 0, got {temperature!r}")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+        raise ValueError(f"generate: argument 'top_k' expected an int >= 0, got {top_k!r}")
+    if not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
+        raise ValueError(f"generate: argument 'top_p' expected a value in (0, 1], got {top_p!r}")
+
+
+class HeteroSpec:
+    """Speculative decoding of a HuggingFace target with an EAGLE-3 draft (or none: autoregressive).
+
+    ``policy``: a :class:`Policy` (``Policy.static()`` = EAGLE-3, ``Policy.paper(...)`` = HeteroSpec,
+    ``Policy.autoregressive()``); with ``draft=None`` decoding is autoregressive whatever the policy."""
+
+    def __init__(self, target, draft=None, policy=None):
+        self.draft = draft
+        self.policy = policy if policy is not None else (Policy.static() if draft is not None else
+                                                         Policy.autoregressive())
+        if draft is None:
+            self.policy = Policy.autoregressive()
+        taps = getattr(getattr(draft, "config", None), "aux_layer_ids", None) if draft is not None else None
+        self.target = TargetAdapter(target, tap_layers=taps, capture_taps=draft is not None)
+        self._d2t = None
+        if draft is not None:
+            d2t = getattr(draft, "d2t", None)
+            if d2t is not None and bool(torch.any(d2t != 0)):
+                self._d2t = d2t.detach().cpu().numpy().astype(np.int64)
+
+    # ---- draft side ----------------------------------------------------------------------------------
+
+    def _draft_tree(self, new_taps, new_ids, root_token, stats):
+        """Build the candidate tree for one cycle.  Returns (tokens, scores, parents) over all candidates
+        (numpy) and the entropy bin used."""
+        d, pol, K = self.draft, self.policy, self.policy.top_k
+        t0 = time.perf_counter()
+        P = self.target.length
+        Pd = P - new_ids.shape[1]
+        hidden = d.fuse(new_taps)
+        positions = torch.arange(Pd, P, device=new_ids.device).view(1, -1)
+        logits, h, kv = d(hidden, new_ids, positions, past_kv=self._draft_kv, attn_mask=None)
+        self._draft_kv = kv  # the committed prefix: tree rows below are appended to copies of it
+        stats.draft_s += time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        tok, sc, par, ent, beams = ops.expand(logits[0, -1:].float().cpu().numpy(), np.zeros(1, np.float32),
+                                              np.full(1, -1, np.int64), K, self._d2t, 0)
+        stats.ops_s += time.perf_counter() - t1
+        tokens, scores, parents, src = [tok], [sc], [par], [np.full(K, -1, np.int64)]
+        row_entropy = [ent]                  # per fed row: entropy of its distribution (row 0: the root)
+        row_of = np.full(K, -1, np.int64)    # candidate -> fed tree row (-1: not fed)
+        h_rows = h[0, -1:]                   # hidden inputs by source row: index 0 = the root's output
+        tree_mask = torch.zeros((0, 0), dtype=torch.bool)
+        kv = self._draft_kv
+        n_rows, offset, level, depth = 0, K, 0, pol.depth
+        entropy, b = None, 0
+        keep = pol.total_tokens
+        while level < depth:
+            level += 1
+            all_scores = np.concatenate(scores)
+            all_tokens = np.concatenate(tokens)
+            all_parents = np.concatenate(parents)
+            all_src = np.concatenate(src)
+            # the beams' inputs: their own token, the draft output of the row that produced them
+            t0 = time.perf_counter()
+            parent_rows = np.where(all_parents[beams] >= 0, row_of[np.maximum(all_parents[beams], 0)], -1)
+            prow = torch.from_numpy(parent_rows)
+            new_mask = torch.zeros((K, n_rows + K), dtype=torch.bool)
+            if n_rows:
+                has = prow >= 0
+                new_mask[has, :n_rows] = tree_mask[prow[has]]
+            new_mask[:, n_rows:] = torch.eye(K, dtype=torch.bool)
+            full_mask = torch.cat([torch.ones((K, P), dtype=torch.bool), new_mask], dim=1)
+            hid = h_rows[torch.from_numpy(all_src[beams] + 1)].unsqueeze(0)
+            ids = torch.from_numpy(all_tokens[beams]).view(1, K)
+            pos = torch.full((1, K), P + level - 1, dtype=torch.long)
+            lg, hl, kv = d(hid, ids, pos, past_kv=kv, attn_mask=full_mask)
+            stats.draft_s += time.perf_counter() - t0
+            # bookkeeping of the fed rows
+            grown = torch.zeros((n_rows + K, n_rows + K), dtype=torch.bool)
+            grown[:n_rows, :n_rows] = tree_mask
+            grown[n_rows:] = new_mask
+            tree_mask = grown
+            row_of = np.concatenate([row_of, np.full(K * K, -1, np.int64)])
+            row_of[beams] = n_rows + np.arange(K)
+            h_rows = torch.cat([h_rows, hl[0]], dim=0)
+            t1 = time.perf_counter()
+            tok, sc, par, ent, nbeams = ops.expand(lg[0].float().cpu().numpy(), all_scores[beams], beams, K,
+                                                   self._d2t, offset)
+            stats.ops_s += time.perf_counter() - t1
+            tokens.append(tok), scores.append(sc), parents.append(par), row_entropy.append(ent)
+            src.append(n_rows + np.repeat(np.arange(K), K))  # each child's hidden: its parent beam's row
+            n_rows += K
+            offset += K * K
+            beams = nbeams
+            if level == pol.depth and pol.thresholds:
+                entropy = self._path_entropy(int(nbeams[0]), np.concatenate(parents), row_of,
+                                             np.concatenate(row_entropy))
+                b, extra, keep = pol.plan(entropy)
+                depth = pol.depth + extra
+        if entropy is not None:
+            stats.bins[b] += 1
+        return np.concatenate(tokens), np.concatenate(scores), np.concatenate(parents), keep
+
+    @staticmethod
+    def _path_entropy(best, parents, row_of, row_entropy):
+        """Cumulative top-K entropy (paper Eq. 1) along P*, the path to the best-scoring candidate of the
+        base depth: the root row's entropy plus that of every ancestor's row.  A walk over depth."""
+        h = float(row_entropy[0])
+        c = int(parents[best])
+        while c >= 0:
+            h += float(row_entropy[1 + row_of[c]])
+            c = int(parents[c])
+        return h
+
+    # ---- the loop -----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, input_ids, *, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, eos_token_id=None,
+                 stopping_criteria=None, streamer=None, seed=None):
+        """Returns (sequences [1, S + new] int64, GenerationStats).  Greedy when temperature == 0."""
+        _check_generate_args(max_new_tokens, temperature, top_k, top_p)
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"generate: argument 'input_ids' expected a [1, S] tensor, got "
+                             f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+        if input_ids.shape[1] < 1:
+            raise ValueError("generate: argument 'input_ids' expected at least one token, got 0")
+        maxpos = self.target.max_positions
+        if maxpos is not None and input_ids.shape[1] + max_new_tokens > maxpos:
+            raise ValueError(f"generate: prompt ({input_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) "
+                             f"exceed the target's max_position_embeddings ({maxpos})")
+        eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+        sample = temperature > 0
+        rng_seed = int(seed) if seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        rng_offset = 0
+        stats = GenerationStats()
+        start = time.perf_counter()
+        input_ids = input_ids.to(self.target.device)
+
+        last_logits, taps = self.target.prefill(input_ids)
+        stats.prefill_s = time.perf_counter() - start
+        root_only = (np.zeros(1, np.int64), np.full(1, -1, np.int64))
+
+        def accept_root(logits_row):
+            nonlocal rng_offset
+            if not sample:
+                return int(torch.argmax(logits_row))
+            _, nxt, draws = ops.verify_sample(root_only[0], root_only[1], logits_row.view(1, -1).cpu().numpy(),
+                                              temperature=temperature, top_k=top_k, top_p=top_p,
+                                              seed=rng_seed, offset=rng_offset)
+            rng_offset += draws
+            return nxt
+
+        out = input_ids[0].tolist()
+        root = accept_root(last_logits)
+        generated = [root]
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+            streamer.put(torch.tensor([root]))
+        done = root in eos or len(generated) >= max_new_tokens or self._stop(stopping_criteria, out + generated)
+        self._draft_kv = None
+        if self.draft is not None and hasattr(self.draft, "begin_sequence"):
+            self.draft.begin_sequence(input_ids)
+        new_taps = taps
+        new_ids = torch.cat([input_ids[:, 1:], torch.tensor([[root]], device=input_ids.device)], dim=1)
+        while not done:
+            if self.draft is not None and self.policy.drafts:
+                tokens, scores, parents, keep = self._draft_tree(new_taps, new_ids, root, stats)
+                t1 = time.perf_counter()
+                sel = ops.select(scores, min(keep - 1, scores.shape[0]))
+                tree = ops.build_tree(tokens, parents, sel, root)
+                stats.ops_s += time.perf_counter() - t1
+            else:
+                tree = ops.build_tree(root_only[0][:0], root_only[1][:0], root_only[0][:0], root)
+            t0 = time.perf_counter()
+            tt, td, tm = (torch.from_numpy(a) for a in (tree.tokens, tree.depths, tree.mask))
+            logits, vtaps = self.target.verify(tt, td, tm)
+            stats.verify_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            lg = logits.cpu().numpy()
+            if sample:
+                path, nxt, draws = ops.verify_sample(tree.tokens, tree.parents, lg, temperature=temperature,
+                                                     top_k=top_k, top_p=top_p, seed=rng_seed, offset=rng_offset)
+                rng_offset += draws
+            else:
+                path, nxt = ops.verify_greedy(tree.tokens, tree.parents, lg)
+            self.target.commit(path)
+            stats.ops_s += time.perf_counter() - t1
+            stats.cycles += 1
+            stats.verified_tokens += int(tree.tokens.shape[0])
+            stats.accepted_hist[len(path) - 1] += 1
+            committed = tree.tokens[path[1:]].tolist() + [int(nxt)]
+            # truncate at the budget, at EOS, or where a stopping criterion fires
+            for i, t in enumerate(committed):
+                generated.append(t)
+                if streamer is not None:
+                    streamer.put(torch.tensor([t]))
+                if t in eos or len(generated) >= max_new_tokens or self._stop(stopping_criteria, out + generated):
+                    done = True
+                    break
+            root = int(nxt)
+            if self.draft is not None:
+                new_taps = vtaps[:, torch.from_numpy(path)]
+                new_ids = torch.tensor([committed], device=input_ids.device)
+        if streamer is not None:
+            streamer.end()
+        stats.new_tokens = len(generated)
+        stats.total_s = time.perf_counter() - start
+        return torch.tensor([out + generated], dtype=torch.long), stats
+
+    @staticmethod
+    def _stop(criteria, seq):
+        if not criteria:
+            return False
+        ids = torch.tensor([seq], dtype=torch.long)
+        for c in criteria:
+            r = c(ids, None)
+            if bool(torch.as_tensor(r).any()):
+                return True
+        return False

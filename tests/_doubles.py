@@ -1,0 +1,71 @@
+"""Test doubles with the Eagle3Draft calling convention: ``fuse(taps)`` and
+``forward(hidden, input_ids, position_ids, past_kv=None, attn_mask=None) -> (logits, h_out, (k, v))``.
+
+OracleDraft proposes the target's own next tokens: for every fed row it runs the target on exactly the
+context that row can see (the committed tokens, plus the row's tree ancestors, plus its own token), so its
+top-1 child is the target's greedy choice and long paths get accepted -- the loop's cache compaction is
+exercised as hard as it gets.  Its "KV cache" is the fed token ids themselves.
+
+NoisyDraft is a deterministic pseudo-random draft (logits from a hash of the token and position): it
+accepts rarely, which exercises rejection at every depth.
+"""
+import torch
+
+
+class _DoubleBase(torch.nn.Module):
+    def __init__(self, hidden_size, vocab_size):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        self.register_buffer("d2t", torch.zeros(vocab_size, dtype=torch.long))
+
+    def fuse(self, taps):
+        return torch.zeros(taps.shape[0], taps.shape[1], self.hidden_size)
+
+    @staticmethod
+    def _rows(past_kv, input_ids, attn_mask):
+        past = past_kv[0][0, 0, :, 0].long() if past_kv is not None else torch.zeros(0, dtype=torch.long)
+        ids = torch.cat([past, input_ids[0].long()])
+        P, S = past.shape[0], input_ids.shape[1]
+        if attn_mask is None:
+            attn_mask = torch.ones(S, P + S, dtype=torch.bool).tril(diagonal=P)
+        kv = ids.view(1, 1, -1, 1).float()
+        return ids, attn_mask, (kv, kv)
+
+
+class OracleDraft(_DoubleBase):
+    def __init__(self, target, boost=30.0):
+        super().__init__(target.config.hidden_size, target.config.vocab_size)
+        self.target = target
+        self.boost = boost
+        self.first = None
+
+    def begin_sequence(self, input_ids):
+        # row t of the draft sees tokens 1..t+1 (EAGLE's shift); token 0 comes from here
+        self.first = input_ids[0, :1].long()
+
+    @torch.no_grad()
+    def forward(self, hidden, input_ids, position_ids, past_kv=None, attn_mask=None):
+        ids, mask, kv = self._rows(past_kv, input_ids, attn_mask)
+        rows = []
+        for s in range(input_ids.shape[1]):
+            ctx = torch.cat([self.first, ids[mask[s]]]).view(1, -1)
+            # the target's logits with its argmax boosted: the same top-1, but confident enough that the
+            # greedy chain wins the Top-N rerank (a tiny random target's logits are nearly flat)
+            row = self.target(ctx).logits[0, -1].float().clone()
+            row[torch.argmax(row)] += self.boost
+            rows.append(row)
+        logits = torch.stack(rows).unsqueeze(0)
+        return logits, torch.zeros(1, input_ids.shape[1], self.hidden_size), kv
+
+
+class NoisyDraft(_DoubleBase):
+    def __init__(self, hidden_size, vocab_size, seed=0):
+        super().__init__(hidden_size, vocab_size)
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(vocab_size, vocab_size, generator=g) * 3.0
+
+    def forward(self, hidden, input_ids, position_ids, past_kv=None, attn_mask=None):
+        ids, mask, kv = self._rows(past_kv, input_ids, attn_mask)
+        logits = self.table[input_ids[0].long()] + 0.1 * position_ids[0].float().view(-1, 1)
+        return logits.unsqueeze(0), torch.zeros(1, input_ids.shape[1], self.hidden_size), kv
