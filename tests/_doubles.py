@@ -47,16 +47,19 @@ class OracleDraft(_DoubleBase):
     @torch.no_grad()
     def forward(self, hidden, input_ids, position_ids, past_kv=None, attn_mask=None):
         ids, mask, kv = self._rows(past_kv, input_ids, attn_mask)
-        rows = []
-        for s in range(input_ids.shape[1]):
-            ctx = torch.cat([self.first, ids[mask[s]]]).view(1, -1)
-            # the target's logits with its argmax boosted: the same top-1, but confident enough that the
-            # greedy chain wins the Top-N rerank (a tiny random target's logits are nearly flat)
-            row = self.target(ctx).logits[0, -1].float().clone()
-            row[torch.argmax(row)] += self.boost
-            rows.append(row)
-        logits = torch.stack(rows).unsqueeze(0)
-        return logits, torch.zeros(1, input_ids.shape[1], self.hidden_size), kv
+        S = input_ids.shape[1]
+        ctxs = [torch.cat([self.first, ids[mask[s]]]) for s in range(S)]
+        lengths = torch.tensor([c.shape[0] for c in ctxs])
+        # one right-padded batch: a causal model's logits at a row's last real token ignore the padding
+        batch = torch.zeros(S, int(lengths.max()), dtype=torch.long)
+        for s, c in enumerate(ctxs):
+            batch[s, : c.shape[0]] = c
+        out = self.target(batch).logits.float()
+        logits = out[torch.arange(S), lengths - 1].clone()
+        # the target's argmax boosted: the same top-1, confident enough that the greedy chain wins the
+        # Top-N rerank
+        logits[torch.arange(S), logits.argmax(-1)] += self.boost
+        return logits.unsqueeze(0), torch.zeros(1, S, self.hidden_size), kv
 
 
 class NoisyDraft(_DoubleBase):
