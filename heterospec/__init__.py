@@ -7,6 +7,24 @@ from ._types import VerifyTree
 
 __version__ = "0.1.0"
 
+_LAZY = {  # the torch/transformers side loads on first use, so `import heterospec` needs only NumPy
+    "HeteroSpec": ("decoding", "HeteroSpec"),
+    "Policy": ("decoding", "Policy"),
+    "GenerationStats": ("decoding", "GenerationStats"),
+    "custom_generate": ("decoding", "custom_generate"),
+    "Eagle3Draft": ("draft", "Eagle3Draft"),
+    "Eagle3Config": ("draft", "Eagle3Config"),
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(f".{module}", __name__), attr)
+    raise AttributeError(f"module 'heterospec' has no attribute {name!r}")
+
 
 def build_info():
     """What the C core was compiled with: ``{"cuda": bool, "version": str, "compiler": str, ...}``."""
@@ -17,4 +35,4 @@ def build_info():
     return info
 
 
-__all__ = ["VerifyTree", "build_info", "__version__"]
+__all__ = ["VerifyTree", "build_info", "__version__", *_LAZY]

@@ -19,7 +19,7 @@ NEW = 64
 THRESHOLDS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0)
 
 
-def tiny_target(arch, vocab=V, layers=6, seed=0, sharpen=40.0):
+def tiny_target(arch, vocab=V, layers=8, seed=0, sharpen=40.0):
     """A tiny random model, its lm_head scaled up so that sampled distributions are not nearly uniform
     (the chi-square tests need that to have power)."""
     torch.manual_seed(seed)
@@ -51,6 +51,30 @@ def reference_greedy(model, prompt, new=NEW):
                           min_new_tokens=new, pad_token_id=0, eos_token_id=None)
 
 
+def eagle3_head(model, tmp_dir, vd=60, seed=0):
+    """A random EAGLE-3 head for the tiny target, saved and loaded back through from_pretrained (strict,
+    checked against the target) so the real module and loader run in the loop."""
+    from heterospec.draft import Eagle3Config, Eagle3Draft
+
+    c = model.config
+    config = Eagle3Config(hidden_size=c.hidden_size, intermediate_size=64, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=c.vocab_size, draft_vocab_size=vd,
+                          rms_norm_eps=1e-5, max_position_embeddings=512, rope_theta=10000.0)
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(config, embed_tokens=model.get_input_embeddings().weight.detach().clone())
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name.startswith("embed_tokens"):
+                continue
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
+        used = torch.sort(torch.randperm(c.vocab_size, generator=torch.Generator().manual_seed(seed))[:vd]).values
+        draft.d2t.copy_(used - torch.arange(vd))
+        draft.t2d.zero_()
+        draft.t2d[used] = True
+    draft.save_pretrained(tmp_dir)
+    return Eagle3Draft.from_pretrained(tmp_dir, target=model)
+
+
 METHODS = {
     "autoregressive": lambda m: (None, None),
     "eagle3-oracle": lambda m: (OracleDraft(m), Policy.static(7, 4, 24)),
@@ -59,6 +83,7 @@ METHODS = {
     "pruned-to-4": lambda m: (OracleDraft(m), Policy.static(6, 3, 4)),
     "eagle3-noisy": lambda m: (NoisyDraft(32, V), Policy.static(5, 3, 16)),
     "heterospec-noisy": lambda m: (NoisyDraft(32, V, seed=3), Policy.paper(4, 4, 20, THRESHOLDS)),
+    "eagle3-head": "head",
 }
 
 
@@ -70,9 +95,12 @@ def target_and_refs(request):
 
 
 @pytest.mark.parametrize("method", list(METHODS))
-def test_greedy_output_equals_target_generate(target_and_refs, method):
+def test_greedy_output_equals_target_generate(target_and_refs, method, tmp_path):
     model, ps, refs = target_and_refs
-    draft, policy = METHODS[method](model)
+    if METHODS[method] == "head":
+        draft, policy = eagle3_head(model, tmp_path), Policy.paper(6, 4, 24, THRESHOLDS)
+    else:
+        draft, policy = METHODS[method](model)
     hs = HeteroSpec(model, draft, policy)
     taus = []
     for p, ref in zip(ps, refs):
@@ -254,3 +282,43 @@ def test_bad_policies():
         Policy.paper(7, 10, 60, thresholds=(1.0, 0.5))
     with pytest.raises(ValueError, match="top_k"):
         Policy.static(7, 0, 60)
+
+
+# ---- HuggingFace generate integration ------------------------------------------------------------------------
+
+
+def test_custom_generate_in_hf_generate_is_lossless():
+    import heterospec
+
+    model = tiny_target("qwen2")
+    for p in prompts(4):
+        ref = reference_greedy(model, p, 24)
+        out = model.generate(p, attention_mask=torch.ones_like(p), custom_generate=heterospec.custom_generate,
+                             draft=OracleDraft(model), policy=heterospec.Policy.static(5, 3, 12),
+                             max_new_tokens=24, do_sample=False, pad_token_id=0)
+        assert out.tolist() == ref.tolist()
+    # hooks are removed after each call: none left on the model
+    assert all(not layer._forward_pre_hooks for layer in model.model.layers)
+
+
+def test_custom_generate_refuses_lossy_processors():
+    import heterospec
+
+    model = tiny_target("llama")
+    p = prompts(1)[0]
+    with pytest.raises(ValueError, match="RepetitionPenaltyLogitsProcessor"):
+        model.generate(p, attention_mask=torch.ones_like(p), custom_generate=heterospec.custom_generate,
+                       draft=OracleDraft(model), max_new_tokens=5, repetition_penalty=1.3, pad_token_id=0)
+
+
+def test_custom_generate_eos_from_the_generation_config():
+    import heterospec
+
+    model = tiny_target("llama")
+    p = prompts(1)[0]
+    ref = reference_greedy(model, p, 30)[0, p.shape[1]:].tolist()
+    eos = ref[9]
+    out = model.generate(p, attention_mask=torch.ones_like(p), custom_generate=heterospec.custom_generate,
+                         draft=OracleDraft(model), policy=heterospec.Policy.static(6, 3, 16), max_new_tokens=30,
+                         eos_token_id=eos, pad_token_id=0)
+    assert out[0, p.shape[1]:].tolist() == ref[: ref.index(eos) + 1]
