@@ -1,8 +1,9 @@
 """The ``heterospec`` command line.
 
 ``heterospec demo`` for now walks one speculative-decoding cycle of the C core on synthetic logits (the
-end-to-end demo on SmolLM2-135M-Instruct replaces it once the HuggingFace loop lands); ``heterospec info``
-prints what the C core was compiled with.
+end-to-end demo on SmolLM2-135M-Instruct replaces it once a trained head ships); ``heterospec generate``
+runs a HuggingFace target (and an EAGLE-3 draft) on a prompt, streaming the answer and printing the stats;
+``heterospec info`` prints what the C core was compiled with.
 """
 from __future__ import annotations
 
@@ -87,6 +88,56 @@ def demo(vocab=49152, k=10, depth=6, n_keep=59, seed=0, out=sys.stdout):
             "next_token": int(nxt), "sample_accepted": len(spath) - 1, "timings_us": timings}
 
 
+def _parse_floats(text):
+    return tuple(float(t) for t in text.split(",") if t.strip())
+
+
+def generate_cmd(args, out=sys.stdout):
+    """Load target (+ draft), apply the chat template, stream the answer, print the stats."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+
+    from .decoding import HeteroSpec, Policy
+    from .draft import Eagle3Draft
+
+    if args.method != "ar" and not args.draft:
+        raise SystemExit(f"heterospec generate: --method {args.method} needs --draft PATH")
+    load = dict(attn_implementation="sdpa", dtype=getattr(torch, args.dtype))
+    if args.gguf_file:
+        load["gguf_file"] = args.gguf_file
+    tokenizer = AutoTokenizer.from_pretrained(args.target, **({"gguf_file": args.gguf_file} if args.gguf_file else {}))
+    target = AutoModelForCausalLM.from_pretrained(args.target, **load).eval()
+    draft = None
+    if args.method != "ar":
+        draft = Eagle3Draft.from_pretrained(args.draft, target=target)
+    if args.method == "ar":
+        policy = Policy.autoregressive()
+    elif args.method == "eagle3":
+        policy = Policy.static(args.depth, args.top_k_tree, args.total_tokens)
+    else:
+        if not args.thresholds:
+            raise SystemExit("heterospec generate: --method heterospec needs --thresholds s1,...,s7 "
+                             "(the entropy bins of this model pair)")
+        policy = Policy.paper(args.depth, args.top_k_tree, args.total_tokens, _parse_floats(args.thresholds))
+    if getattr(tokenizer, "chat_template", None) and not args.no_chat_template:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+    else:
+        ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
+    streamer = TextStreamer(tokenizer, skip_prompt=True)
+    eos = tokenizer.eos_token_id if args.eos else None
+    with HeteroSpec(target, draft, policy) as hs:
+        seq, stats = hs.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                 top_k=args.top_k, top_p=args.top_p, eos_token_id=eos, streamer=streamer,
+                                 seed=args.seed)
+    d = stats.as_dict()
+    print(f"\n[{args.method}] {d['new_tokens']} tokens in {d['total_s']:.2f} s ({d['tokens_per_s']:.1f} tok/s); "
+          f"verification calls {d['cycles']}, tree tokens verified {d['verified_tokens']}, tau {d['tau']:.2f}; "
+          f"accepted-length histogram {d['accepted_hist']}; bins {d['bins']}; draft {d['draft_s']:.2f} s, "
+          f"verify {d['verify_s']:.2f} s, ops {d['ops_s']:.3f} s", file=out)
+    return seq, stats
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="heterospec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -94,9 +145,29 @@ def main(argv=None):
     d.add_argument("--vocab", type=int, default=49152)
     d.add_argument("--seed", type=int, default=0)
     sub.add_parser("info", help="what the C core was compiled with")
+    g = sub.add_parser("generate", help="generate with a HuggingFace target and an EAGLE-3 draft")
+    g.add_argument("--target", required=True, help="HF model directory (or a directory with --gguf-file)")
+    g.add_argument("--gguf-file", default=None)
+    g.add_argument("--draft", default=None, help="EAGLE-3 draft directory (config.json + weights)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--method", choices=["ar", "eagle3", "heterospec"], default="eagle3")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0, help="sampling top-k (0: off)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--depth", type=int, default=7)
+    g.add_argument("--top-k-tree", type=int, default=10, help="draft tree branching / beam width")
+    g.add_argument("--total-tokens", type=int, default=60, help="verified tree nodes, root included")
+    g.add_argument("--thresholds", default="", help="7 ascending entropy thresholds for --method heterospec")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--no-chat-template", action="store_true")
+    g.add_argument("--no-eos", dest="eos", action="store_false", help="do not stop at the tokenizer's EOS")
     args = parser.parse_args(argv)
     if args.cmd == "demo":
         demo(vocab=args.vocab, seed=args.seed)
+    elif args.cmd == "generate":
+        generate_cmd(args)
     else:
         from . import build_info
 

@@ -1,0 +1,53 @@
+"""`heterospec generate` on a tiny target + EAGLE-3 draft saved to disk, with a word-level tokenizer."""
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from test_decoding import THRESHOLDS, eagle3_head, reference_greedy, tiny_target  # noqa: E402
+
+WORDS = [f"w{i}" for i in range(94)]
+
+
+def save_tiny_pair(root):
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                                eos_token="</s>")
+    model = tiny_target("llama", vocab=97)
+    (root / "target").mkdir()
+    model.save_pretrained(root / "target")
+    fast.save_pretrained(root / "target")
+    eagle3_head(model, root / "draft")
+    return model, fast
+
+
+@pytest.mark.parametrize("method", ["ar", "eagle3", "heterospec"])
+def test_generate_command_streams_the_targets_greedy_answer(tmp_path, method):
+    model, tok = save_tiny_pair(tmp_path)
+    prompt = "w5 w17 w3 w40 w22"
+    cmd = [sys.executable, "-m", "heterospec", "generate", "--target", str(tmp_path / "target"), "--draft",
+           str(tmp_path / "draft"), "--prompt", prompt, "--method", method, "--max-new-tokens", "16", "--no-eos",
+           "--depth", "4", "--top-k-tree", "3", "--total-tokens", "12",
+           "--thresholds", ",".join(str(t) for t in THRESHOLDS)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    ref = reference_greedy(model, ids, 16)[0, ids.shape[1]:]
+    expected = tok.decode(ref)
+    assert expected.strip() in res.stdout
+    assert f"[{method}] 16 tokens" in res.stdout and "tau" in res.stdout
+
+
+def test_generate_command_needs_thresholds_for_heterospec(tmp_path):
+    save_tiny_pair(tmp_path)
+    res = subprocess.run([sys.executable, "-m", "heterospec", "generate", "--target", str(tmp_path / "target"),
+                          "--draft", str(tmp_path / "draft"), "--prompt", "w1", "--method", "heterospec"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "--thresholds" in res.stderr
