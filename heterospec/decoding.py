@@ -131,6 +131,103 @@ def _check_generate_args(max_new_tokens, temperature, top_k, top_p):
         raise ValueError(f"generate: argument 'top_p' expected a value in (0, 1], got {top_p!r}")
 
 
+@dataclasses.dataclass
+class CandidateTree:
+    """All candidates of one cycle's draft tree, numbered level by level (the root expansion's K first,
+    then K*K per level), so the tree grown to fewer levels is a prefix of these arrays."""
+
+    tokens: np.ndarray        # int64 [M] target-vocabulary ids
+    scores: np.ndarray        # float32 [M] cumulative log-probabilities
+    parents: np.ndarray       # int64 [M] candidate index of the parent, -1 under the root
+    row_entropy: np.ndarray   # float32 [1 + fed rows]: top-K entropy of each draft row (row 0: the root)
+    row_of: np.ndarray        # int64 [M] fed row of a candidate that became a beam, else -1
+    level_best: np.ndarray    # int64 [levels + 1]: the best-scoring candidate of each level
+    top_k: int
+
+    def size(self, levels):
+        """Number of candidates in the tree grown to ``levels`` levels after the root expansion."""
+        return self.top_k + self.top_k * self.top_k * levels
+
+    def path_entropy(self, levels):
+        """Cumulative top-K entropy (paper Eq. 1) along P* at ``levels``: P* is the path to the
+        best-scoring candidate of that level; the sum runs over the distributions that produced its tokens
+        (the root row and the row of every ancestor).  A walk over depth, not over nodes."""
+        h = float(self.row_entropy[0])
+        c = int(self.parents[self.level_best[levels]])
+        while c >= 0:
+            h += float(self.row_entropy[1 + self.row_of[c]])
+            c = int(self.parents[c])
+        return h
+
+
+def grow_tree(draft, kv, root_logits, h_root, P, K, base_depth, d2t, decide=None, stats=None):
+    """Grow one cycle's draft tree (EAGLE-2/3 dynamic tree, one draft forward + one ``ops.expand`` per
+    level).  ``kv`` is the draft cache of the committed prefix (P positions); ``root_logits`` [1, Vd] and
+    ``h_root`` [1, H] are the draft's output at the last committed position.  After ``base_depth`` levels
+    ``decide(path_entropy)`` (if given) returns how many extra levels to grow."""
+    t1 = time.perf_counter()
+    tok, sc, par, ent, beams = ops.expand(root_logits.float().cpu().numpy(), np.zeros(1, np.float32),
+                                          np.full(1, -1, np.int64), K, d2t, 0)
+    ops_s = time.perf_counter() - t1
+    draft_s = 0.0
+    tokens, scores, parents, src = [tok], [sc], [par], [np.full(K, -1, np.int64)]
+    row_entropy = [ent]                  # per fed row: entropy of its distribution (row 0: the root)
+    row_of = np.full(K, -1, np.int64)    # candidate -> fed tree row (-1: not fed)
+    level_best = [int(beams[0])]
+    h_rows = h_root                      # hidden inputs by source row: index 0 = the root's output
+    tree_mask = torch.zeros((0, 0), dtype=torch.bool)
+    n_rows, offset, level, depth = 0, K, 0, base_depth
+    candidate = None
+    while level < depth:
+        level += 1
+        all_scores = np.concatenate(scores)
+        all_tokens = np.concatenate(tokens)
+        all_parents = np.concatenate(parents)
+        all_src = np.concatenate(src)
+        # the beams' inputs: their own token, the draft output of the row that produced them
+        t0 = time.perf_counter()
+        parent_rows = np.where(all_parents[beams] >= 0, row_of[np.maximum(all_parents[beams], 0)], -1)
+        prow = torch.from_numpy(parent_rows)
+        new_mask = torch.zeros((K, n_rows + K), dtype=torch.bool)
+        if n_rows:
+            has = prow >= 0
+            new_mask[has, :n_rows] = tree_mask[prow[has]]
+        new_mask[:, n_rows:] = torch.eye(K, dtype=torch.bool)
+        full_mask = torch.cat([torch.ones((K, P), dtype=torch.bool), new_mask], dim=1)
+        hid = h_rows[torch.from_numpy(all_src[beams] + 1)].unsqueeze(0)
+        ids = torch.from_numpy(all_tokens[beams]).view(1, K)
+        pos = torch.full((1, K), P + level - 1, dtype=torch.long)
+        lg, hl, kv = draft(hid, ids, pos, past_kv=kv, attn_mask=full_mask)
+        draft_s += time.perf_counter() - t0
+        # bookkeeping of the fed rows
+        grown = torch.zeros((n_rows + K, n_rows + K), dtype=torch.bool)
+        grown[:n_rows, :n_rows] = tree_mask
+        grown[n_rows:] = new_mask
+        tree_mask = grown
+        row_of = np.concatenate([row_of, np.full(K * K, -1, np.int64)])
+        row_of[beams] = n_rows + np.arange(K)
+        h_rows = torch.cat([h_rows, hl[0]], dim=0)
+        t1 = time.perf_counter()
+        tok, sc, par, ent, nbeams = ops.expand(lg[0].float().cpu().numpy(), all_scores[beams], beams, K, d2t,
+                                               offset)
+        ops_s += time.perf_counter() - t1
+        tokens.append(tok), scores.append(sc), parents.append(par), row_entropy.append(ent)
+        src.append(n_rows + np.repeat(np.arange(K), K))  # each child's hidden: its parent beam's row
+        n_rows += K
+        offset += K * K
+        beams = nbeams
+        level_best.append(int(nbeams[0]))
+        if level == base_depth and decide is not None:
+            candidate = CandidateTree(np.concatenate(tokens), None, np.concatenate(parents),
+                                      np.concatenate(row_entropy), row_of, np.array(level_best), K)
+            depth = base_depth + decide(candidate.path_entropy(base_depth))
+    if stats is not None:
+        stats.draft_s += draft_s
+        stats.ops_s += ops_s
+    return CandidateTree(np.concatenate(tokens), np.concatenate(scores), np.concatenate(parents),
+                         np.concatenate(row_entropy), row_of, np.array(level_best, dtype=np.int64), K)
+
+
 class HeteroSpec:
     """Speculative decoding of a HuggingFace target with an EAGLE-3 draft (or none: autoregressive).
 
@@ -169,88 +266,28 @@ class HeteroSpec:
     # ---- draft side ----------------------------------------------------------------------------------
 
     def _draft_tree(self, new_taps, new_ids, root_token, stats):
-        """Build the candidate tree for one cycle.  Returns (tokens, scores, parents) over all candidates
-        (numpy) and the entropy bin used."""
-        d, pol, K = self.draft, self.policy, self.policy.top_k
+        """Catch the draft up on the committed positions, then grow this cycle's candidate tree.  Returns
+        (tokens, scores, parents) over all candidates (numpy) and the number of nodes to keep."""
+        d, pol = self.draft, self.policy
         t0 = time.perf_counter()
         P = self.target.length
         Pd = P - new_ids.shape[1]
         hidden = d.fuse(new_taps)
         positions = torch.arange(Pd, P, device=new_ids.device).view(1, -1)
         logits, h, kv = d(hidden, new_ids, positions, past_kv=self._draft_kv, attn_mask=None)
-        self._draft_kv = kv  # the committed prefix: tree rows below are appended to copies of it
+        self._draft_kv = kv  # the committed prefix: tree rows are appended to copies of it
         stats.draft_s += time.perf_counter() - t0
+        plan = {"keep": pol.total_tokens}
 
-        t1 = time.perf_counter()
-        tok, sc, par, ent, beams = ops.expand(logits[0, -1:].float().cpu().numpy(), np.zeros(1, np.float32),
-                                              np.full(1, -1, np.int64), K, self._d2t, 0)
-        stats.ops_s += time.perf_counter() - t1
-        tokens, scores, parents, src = [tok], [sc], [par], [np.full(K, -1, np.int64)]
-        row_entropy = [ent]                  # per fed row: entropy of its distribution (row 0: the root)
-        row_of = np.full(K, -1, np.int64)    # candidate -> fed tree row (-1: not fed)
-        h_rows = h[0, -1:]                   # hidden inputs by source row: index 0 = the root's output
-        tree_mask = torch.zeros((0, 0), dtype=torch.bool)
-        kv = self._draft_kv
-        n_rows, offset, level, depth = 0, K, 0, pol.depth
-        entropy, b = None, 0
-        keep = pol.total_tokens
-        while level < depth:
-            level += 1
-            all_scores = np.concatenate(scores)
-            all_tokens = np.concatenate(tokens)
-            all_parents = np.concatenate(parents)
-            all_src = np.concatenate(src)
-            # the beams' inputs: their own token, the draft output of the row that produced them
-            t0 = time.perf_counter()
-            parent_rows = np.where(all_parents[beams] >= 0, row_of[np.maximum(all_parents[beams], 0)], -1)
-            prow = torch.from_numpy(parent_rows)
-            new_mask = torch.zeros((K, n_rows + K), dtype=torch.bool)
-            if n_rows:
-                has = prow >= 0
-                new_mask[has, :n_rows] = tree_mask[prow[has]]
-            new_mask[:, n_rows:] = torch.eye(K, dtype=torch.bool)
-            full_mask = torch.cat([torch.ones((K, P), dtype=torch.bool), new_mask], dim=1)
-            hid = h_rows[torch.from_numpy(all_src[beams] + 1)].unsqueeze(0)
-            ids = torch.from_numpy(all_tokens[beams]).view(1, K)
-            pos = torch.full((1, K), P + level - 1, dtype=torch.long)
-            lg, hl, kv = d(hid, ids, pos, past_kv=kv, attn_mask=full_mask)
-            stats.draft_s += time.perf_counter() - t0
-            # bookkeeping of the fed rows
-            grown = torch.zeros((n_rows + K, n_rows + K), dtype=torch.bool)
-            grown[:n_rows, :n_rows] = tree_mask
-            grown[n_rows:] = new_mask
-            tree_mask = grown
-            row_of = np.concatenate([row_of, np.full(K * K, -1, np.int64)])
-            row_of[beams] = n_rows + np.arange(K)
-            h_rows = torch.cat([h_rows, hl[0]], dim=0)
-            t1 = time.perf_counter()
-            tok, sc, par, ent, nbeams = ops.expand(lg[0].float().cpu().numpy(), all_scores[beams], beams, K,
-                                                   self._d2t, offset)
-            stats.ops_s += time.perf_counter() - t1
-            tokens.append(tok), scores.append(sc), parents.append(par), row_entropy.append(ent)
-            src.append(n_rows + np.repeat(np.arange(K), K))  # each child's hidden: its parent beam's row
-            n_rows += K
-            offset += K * K
-            beams = nbeams
-            if level == pol.depth and pol.thresholds:
-                entropy = self._path_entropy(int(nbeams[0]), np.concatenate(parents), row_of,
-                                             np.concatenate(row_entropy))
-                b, extra, keep = pol.plan(entropy)
-                depth = pol.depth + extra
-        if entropy is not None:
+        def decide(entropy):
+            b, extra, keep = pol.plan(entropy)
             stats.bins[b] += 1
-        return np.concatenate(tokens), np.concatenate(scores), np.concatenate(parents), keep
+            plan["keep"] = keep
+            return extra
 
-    @staticmethod
-    def _path_entropy(best, parents, row_of, row_entropy):
-        """Cumulative top-K entropy (paper Eq. 1) along P*, the path to the best-scoring candidate of the
-        base depth: the root row's entropy plus that of every ancestor's row.  A walk over depth."""
-        h = float(row_entropy[0])
-        c = int(parents[best])
-        while c >= 0:
-            h += float(row_entropy[1 + row_of[c]])
-            c = int(parents[c])
-        return h
+        tree = grow_tree(d, kv, logits[0, -1:], h[0, -1:], P, pol.top_k, pol.depth, self._d2t,
+                         decide if pol.thresholds else None, stats)
+        return tree.tokens, tree.scores, tree.parents, plan["keep"]
 
     # ---- the loop -----------------------------------------------------------------------------------
 
