@@ -1,0 +1,291 @@
+"""Traces: record once, replay any policy exactly.
+
+Greedy output does not depend on the tree policy, and the draft tree at an output position depends only on
+the prefix.  So :func:`record` decodes each prompt greedily once and, at every position of the output,
+grows the *maximal* draft tree (base depth + the largest extension considered).  Candidates are numbered
+level by level, so the tree any policy would grow there (fewer levels) is a prefix of the recorded arrays,
+and :meth:`Trace.replay` can walk the output as the live loop would -- entropy -> bin -> extra depth and kept
+nodes -> selected subtree -> accepted length = the longest tree path matching the greedy output -> next
+cycle after the accepted tokens and the bonus token -- without running a model.
+
+:func:`fit_thresholds` fits the paper's depth-3 regression tree on one feature (Eq. 2).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections import Counter, defaultdict
+
+import numpy as np
+import torch
+
+from . import ops
+from .decoding import CandidateTree, HeteroSpec, Policy, grow_tree
+from .hf import TargetAdapter, _decoder_layers
+
+TRACE_VERSION = 1
+
+
+@dataclasses.dataclass
+class ReplayStats:
+    new_tokens: int
+    cycles: int
+    verified_tokens: int
+    accepted_hist: Counter
+    bins: Counter
+    per_bin: dict  # bin -> {"cycles", "mean_accepted", "mean_nodes"}
+    predicted_tokens_per_s: float | None = None
+
+    @property
+    def tau(self):
+        committed = sum((a + 1) * c for a, c in self.accepted_hist.items())
+        return committed / self.cycles if self.cycles else 0.0
+
+
+@dataclasses.dataclass
+class Trace:
+    meta: dict
+    prompts: list          # int64 arrays, one per prompt
+    outputs: list          # int64 arrays: the greedy continuation, longer than max_new_tokens by the depth
+    trees: list            # per prompt: a list of CandidateTree, one per cycle position t (root = outputs[t])
+
+    @property
+    def top_k(self):
+        return int(self.meta["top_k"])
+
+    @property
+    def levels(self):
+        return int(self.meta["levels"])
+
+    @property
+    def max_new_tokens(self):
+        return int(self.meta["max_new_tokens"])
+
+    # ---- replay -------------------------------------------------------------------------------------
+
+    def replay(self, policy, cost_model=None):
+        """Walk every recorded output as the live loop with ``policy`` would (greedy, no EOS) and return
+        its statistics; with a cost model (``cost_model(tree_tokens, context_len, levels, beam)`` -> seconds
+        per cycle) also the predicted tokens per second."""
+        drafts = policy.drafts
+        if drafts:
+            if policy.top_k != self.top_k:
+                raise ValueError(f"replay: argument 'policy' expected top_k = {self.top_k} (the trace's), "
+                                 f"got {policy.top_k}")
+            need = policy.depth + max(policy.extra or (0,))
+            if need > self.levels:
+                raise ValueError(f"replay: argument 'policy' needs {need} levels, the trace has {self.levels}")
+        hist, bins, per_bin = Counter(), Counter(), defaultdict(lambda: [0, 0, 0])
+        cycles = verified = new = 0
+        seconds = 0.0
+        for prompt, out, trees in zip(self.prompts, self.outputs, self.trees):
+            n_new = self.max_new_tokens
+            new += n_new
+            t = 0
+            while t + 1 < n_new:
+                b, levels = None, 0
+                if drafts:
+                    tree = trees[t]
+                    keep = policy.total_tokens
+                    levels = policy.depth
+                    if policy.thresholds:
+                        b, extra, keep = policy.plan(tree.path_entropy(policy.depth))
+                        levels += extra
+                    m = tree.size(levels)
+                    sel = ops.select(tree.scores[:m], min(keep - 1, m))
+                    accepted = _accepted_length(tree.tokens[:m], tree.parents[:m], sel, out[t + 1:])
+                    nodes = sel.shape[0] + 1
+                else:
+                    accepted, nodes = 0, 1
+                cycles += 1
+                verified += nodes
+                hist[accepted] += 1
+                if b is not None:
+                    bins[b] += 1
+                    pb = per_bin[b]
+                    pb[0] += 1
+                    pb[1] += accepted
+                    pb[2] += nodes
+                if cost_model is not None:
+                    seconds += cost_model(nodes, len(prompt) + t, levels, self.top_k if drafts else 0)
+                t += accepted + 1
+        return ReplayStats(
+            new, cycles, verified, hist, bins,
+            {b: {"cycles": c, "mean_accepted": a / c, "mean_nodes": n / c} for b, (c, a, n) in sorted(per_bin.items())},
+            new / seconds if cost_model is not None and seconds > 0 else None)
+
+    # ---- features for fitting bins ------------------------------------------------------------------
+
+    def features(self, base_depth, total_tokens, target="rank"):
+        """(x, y) over every recorded position for a static tree (base_depth, total_tokens):
+        x = cumulative top-K entropy along P* at the base depth; y = ``"rank"``: the rank (0 = best) of P*'s
+        final candidate among the selected Top-N by score (the paper's TCR-like target), or ``"accepted"``:
+        the accepted length of that tree at the position."""
+        if target not in ("rank", "accepted"):
+            raise ValueError(f"features: argument 'target' expected 'rank' or 'accepted', got {target!r}")
+        xs, ys = [], []
+        for out, trees in zip(self.outputs, self.trees):
+            for t, tree in enumerate(trees):
+                xs.append(tree.path_entropy(base_depth))
+                m = tree.size(base_depth)
+                sel = ops.select(tree.scores[:m], min(total_tokens - 1, m))
+                if target == "accepted":
+                    ys.append(_accepted_length(tree.tokens[:m], tree.parents[:m], sel, out[t + 1:]))
+                else:
+                    leaf = tree.level_best[base_depth]
+                    ys.append(int(np.sum(tree.scores[sel] > tree.scores[leaf])))
+        return np.asarray(xs, np.float64), np.asarray(ys, np.float64)
+
+    # ---- files ----------------------------------------------------------------------------------------
+
+    def save(self, path):
+        """``path`` + ``.npz`` (arrays) and ``path`` + ``.json`` (metadata)."""
+        arrays = {}
+        for i, (p, o, trees) in enumerate(zip(self.prompts, self.outputs, self.trees)):
+            arrays[f"p{i}_prompt"] = p
+            arrays[f"p{i}_output"] = o
+            for f in ("tokens", "scores", "parents", "row_entropy", "row_of", "level_best"):
+                arrays[f"p{i}_{f}"] = np.stack([getattr(tr, f) for tr in trees]) if trees else np.zeros((0,))
+        np.savez_compressed(str(path) + ".npz", **arrays)
+        with open(str(path) + ".json", "w") as f:
+            json.dump({**self.meta, "version": TRACE_VERSION, "n_prompts": len(self.prompts)}, f, indent=1)
+
+    @classmethod
+    def load(cls, path):
+        try:
+            with open(str(path) + ".json") as f:
+                meta = json.load(f)
+            data = np.load(str(path) + ".npz")
+        except (OSError, ValueError) as e:
+            raise ValueError(f"Trace.load: could not read the trace at {path!r}: {e}") from None
+        if meta.get("version") != TRACE_VERSION:
+            raise ValueError(f"Trace.load: expected trace version {TRACE_VERSION}, got {meta.get('version')!r}")
+        prompts, outputs, trees = [], [], []
+        for i in range(int(meta["n_prompts"])):
+            prompts.append(data[f"p{i}_prompt"])
+            outputs.append(data[f"p{i}_output"])
+            fields = [data[f"p{i}_{f}"] for f in ("tokens", "scores", "parents", "row_entropy", "row_of", "level_best")]
+            trees.append([CandidateTree(*(a[j] for a in fields), int(meta["top_k"])) for j in range(fields[0].shape[0])])
+        return cls(meta, prompts, outputs, trees)
+
+
+def _accepted_length(tokens, parents, selected, continuation):
+    """Longest path of the selected subtree whose tokens equal the greedy continuation (what
+    verify_greedy accepts there).  A walk over depth."""
+    in_tree = np.zeros(tokens.shape[0], dtype=bool)
+    in_tree[selected] = True
+    node, n = -1, 0
+    while n < len(continuation):
+        hit = np.flatnonzero(in_tree & (parents == node) & (tokens == continuation[n]))
+        if hit.size == 0:
+            break
+        node, n = int(hit[0]), n + 1
+    return n
+
+
+@torch.no_grad()
+def record(target, draft, prompts, *, max_new_tokens, top_k=10, levels=11, progress=None):
+    """Decode each prompt ([1, S] tensors) greedily and record, at every cycle position of the output,
+    the maximal draft tree with ``levels`` levels after the root expansion (the base depth plus the
+    largest extension any replayed policy may use)."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 2:
+        raise ValueError(f"record: argument 'max_new_tokens' expected an int >= 2, got {max_new_tokens!r}")
+    ar = HeteroSpec(target)
+    taps_layers = draft.config.tap_layers(len(_decoder_layers(target))) if hasattr(draft, "config") else None
+    adapter = TargetAdapter(target, tap_layers=taps_layers, capture_taps=True)
+    d2t = None
+    if getattr(draft, "d2t", None) is not None and bool(torch.any(draft.d2t != 0)):
+        d2t = draft.d2t.detach().cpu().numpy().astype(np.int64)
+    out_prompts, outputs, trees = [], [], []
+    try:
+        for i, prompt in enumerate(prompts):
+            S = prompt.shape[1]
+            # the greedy continuation, long enough for the last cycles' acceptance past the budget
+            seq, _ = ar.generate(prompt, max_new_tokens=max_new_tokens + levels + 2)
+            out = seq[0, S:].numpy().astype(np.int64)
+            _, taps = adapter.prefill(seq)  # the target's taps of every position, in one forward
+            if hasattr(draft, "begin_sequence"):
+                draft.begin_sequence(prompt)
+            kv, done, per_pos = None, 0, []
+            for t in range(max_new_tokens - 1):
+                P = S + t  # committed positions in the target cache when out[t] is the root
+                hidden = draft.fuse(taps[:, done:P])
+                ids = seq[:, done + 1:P + 1]
+                pos = torch.arange(done, P).view(1, -1)
+                logits, h, kv = draft(hidden, ids, pos, past_kv=kv, attn_mask=None)
+                done = P
+                per_pos.append(grow_tree(draft, kv, logits[0, -1:], h[0, -1:], P, top_k, levels, d2t))
+            out_prompts.append(prompt[0].numpy().astype(np.int64))
+            outputs.append(out)
+            trees.append(per_pos)
+            if progress is not None:
+                progress(i + 1, len(prompts))
+    finally:
+        ar.close()
+        adapter.close()
+    meta = {"top_k": top_k, "levels": levels, "max_new_tokens": max_new_tokens,
+            "target": getattr(target.config, "_name_or_path", "") or type(target).__name__,
+            "draft": str(getattr(getattr(draft, "config", None), "name_or_path", "") or type(draft).__name__)}
+    return Trace(meta, out_prompts, outputs, trees)
+
+
+# ---- entropy bins (paper Eq. 2) ----------------------------------------------------------------------------
+
+
+def _best_split(x, y, min_leaf):
+    """The threshold minimising Eq. 2, L(s) = MSE(left) + MSE(right) with each side's mean squared deviation
+    normalised by its own size, over midpoints between distinct consecutive x (x sorted).  None if no split
+    leaves >= min_leaf points on both sides."""
+    n = x.shape[0]
+    if n < 2 * min_leaf:
+        return None
+    cs, cs2 = np.cumsum(y), np.cumsum(y * y)
+    i = np.arange(min_leaf, n - min_leaf + 1)  # left = x[:i]
+    i = i[x[i - 1] < x[np.minimum(i, n - 1)]] if i.size else i  # only between distinct values
+    i = i[i < n]
+    if i.size == 0:
+        return None
+    nl, nr = i.astype(np.float64), (n - i).astype(np.float64)
+    sl, sl2 = cs[i - 1], cs2[i - 1]
+    sr, sr2 = cs[-1] - sl, cs2[-1] - sl2
+    loss = (sl2 / nl - (sl / nl) ** 2) + (sr2 / nr - (sr / nr) ** 2)
+    j = int(np.argmin(loss))  # ties: the leftmost split
+    k = int(i[j])
+    return 0.5 * (x[k - 1] + x[k]), k
+
+
+def fit_thresholds(x, y, depth=3, min_leaf=1):
+    """Fit the paper's regression tree (Eq. 2) on one feature and return its split thresholds, ascending:
+    2**depth - 1 of them unless some node has too few points or no distinct values to split.  A value v
+    falls in bin = number of thresholds below v (``ops.bucketize``)."""
+    x = np.asarray(x, np.float64)
+    y = np.asarray(y, np.float64)
+    if x.ndim != 1 or y.shape != x.shape:
+        raise ValueError(f"fit_thresholds: arguments 'x' and 'y' expected equal 1-D shapes, got {x.shape} and {y.shape}")
+    if not (np.isfinite(x).all() and np.isfinite(y).all()):
+        raise ValueError("fit_thresholds: arguments 'x' and 'y' expected finite values")
+    if not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"fit_thresholds: argument 'depth' expected an int >= 1, got {depth!r}")
+    if not isinstance(min_leaf, int) or min_leaf < 1:
+        raise ValueError(f"fit_thresholds: argument 'min_leaf' expected an int >= 1, got {min_leaf!r}")
+    order = np.argsort(x, kind="stable")
+    x, y = x[order], y[order]
+    out = []
+
+    def split(lo, hi, level):
+        if level == depth:
+            return
+        s = _best_split(x[lo:hi], y[lo:hi], min_leaf)
+        if s is None:
+            return
+        thr, k = s
+        out.append(thr)
+        split(lo, lo + k, level + 1)
+        split(lo + k, hi, level + 1)
+
+    split(0, x.shape[0], 0)
+    return np.array(sorted(out))
+
+
+__all__ = ["Trace", "ReplayStats", "record", "fit_thresholds", "Policy"]
