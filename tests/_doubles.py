@@ -72,3 +72,21 @@ class NoisyDraft(_DoubleBase):
         ids, mask, kv = self._rows(past_kv, input_ids, attn_mask)
         logits = self.table[input_ids[0].long()] + 0.1 * position_ids[0].float().view(-1, 1)
         return logits.unsqueeze(0), torch.zeros(1, input_ids.shape[1], self.hidden_size), kv
+
+
+class StretchDraft(OracleDraft):
+    """Heterogeneous contexts: in easy stretches (alternating blocks of ``period`` positions) it is the
+    confident oracle, in hard ones a confidently-unsure noisy guesser, so the path entropy separates them."""
+
+    def __init__(self, target, period=8, seed=0):
+        super().__init__(target)
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(target.config.vocab_size, target.config.vocab_size, generator=g) * 0.5
+        self.period = period
+
+    @torch.no_grad()
+    def forward(self, hidden, input_ids, position_ids, past_kv=None, attn_mask=None):
+        logits, h, kv = super().forward(hidden, input_ids, position_ids, past_kv, attn_mask)
+        hard = ((position_ids[0] // self.period) % 2 == 1).view(-1, 1)
+        noisy = self.table[input_ids[0].long()]
+        return torch.where(hard, noisy, logits[0]).unsqueeze(0), h, kv

@@ -1,0 +1,189 @@
+"""Calibration: a hardware cost model, the per-bin optimiser and JSON profiles.
+
+* :func:`profile_costs` times, on this machine, one target verification forward as a function of tree
+  tokens and context length and one draft level as a function of beam width, and fits
+  ``verify(n, ctx) = a + b*n + c*ctx + d*n*ctx`` and ``level(beam) = e + f*beam`` by least squares.
+  Replay then predicts tokens per second as new tokens / sum over cycles of
+  (verify(nodes, ctx) + (levels + 1) * level(top_k) + ops overhead).
+* :func:`optimise_policy` starts from the paper's rule and, bin by bin, picks the extra depth and kept
+  node count that maximise the replayed predicted speed over the whole trace; bins interact through the
+  cycle boundaries, so it sweeps the bins until no choice changes.
+* Profiles are JSON: the policy, the cost model, and the model pair / machine they were made for.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import platform
+import time
+import warnings
+
+import numpy as np
+
+from .decoding import Policy
+
+PROFILE_VERSION = 1
+
+
+@dataclasses.dataclass
+class CostModel:
+    """Seconds per cycle as a function of verified tree tokens, context length, draft levels and beam."""
+
+    verify: tuple = (0.0, 0.0, 0.0, 0.0)   # a, b, c, d of a + b*n + c*ctx + d*n*ctx
+    level: tuple = (0.0, 0.0)              # e, f of e + f*beam
+    overhead: float = 0.0                  # per-cycle host work (ops, Python)
+
+    def __call__(self, nodes, context, levels, beam):
+        a, b, c, d = self.verify
+        e, f = self.level
+        t = a + b * nodes + c * context + d * nodes * context + self.overhead
+        if beam:
+            t += (levels + 1) * (e + f * beam)
+        return max(t, 1e-9)
+
+    def to_dict(self):
+        return {"verify": list(self.verify), "level": list(self.level), "overhead": self.overhead}
+
+    @classmethod
+    def from_dict(cls, d):
+        return cls(tuple(float(v) for v in d["verify"]), tuple(float(v) for v in d["level"]),
+                   float(d.get("overhead", 0.0)))
+
+
+def _median_time(fn, reps):
+    fn()  # warm-up
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def profile_costs(target, draft=None, *, tree_tokens=(1, 2, 4, 8, 16, 32, 64, 128), contexts=(64, 256),
+                  beams=(1, 2, 4, 8, 10), reps=3):
+    """Measure this machine and fit a :class:`CostModel` (see the module docstring)."""
+    import torch
+
+    from .hf import TargetAdapter
+
+    adapter = TargetAdapter(target, capture_taps=False)
+    vocab = target.config.vocab_size
+    rows = []
+    try:
+        for ctx in contexts:
+            prompt = torch.randint(0, vocab, (1, ctx))
+            for n in tree_tokens:
+                tokens = torch.randint(0, vocab, (n,))
+                depths = torch.arange(n).clamp(max=8)
+                mask = torch.ones(n, n, dtype=torch.bool).tril()
+
+                def run():
+                    adapter.prefill(prompt)
+                    t0 = time.perf_counter()
+                    adapter.verify(tokens, depths, mask)
+                    return time.perf_counter() - t0
+
+                run()
+                rows.append((n, ctx, float(np.median([run() for _ in range(reps)]))))
+    finally:
+        adapter.close()
+    X = np.array([[1.0, n, c, n * c] for n, c, _ in rows])
+    y = np.array([t for _, _, t in rows])
+    verify = tuple(float(v) for v in np.linalg.lstsq(X, y, rcond=None)[0])
+    level = (0.0, 0.0)
+    if draft is not None:
+        h = getattr(getattr(draft, "config", None), "hidden_size", None) or draft.hidden_size
+        pts = []
+        for beam in beams:
+            hid = torch.zeros(1, beam, h)
+            ids = torch.zeros(1, beam, dtype=torch.long)
+            pos = torch.full((1, beam), 64, dtype=torch.long)
+            with torch.no_grad():
+                pts.append((beam, _median_time(lambda: draft(hid, ids, pos), reps)))
+        A = np.array([[1.0, b] for b, _ in pts])
+        level = tuple(float(v) for v in np.linalg.lstsq(A, np.array([t for _, t in pts]), rcond=None)[0])
+    return CostModel(verify, level, 0.0)
+
+
+def optimise_policy(trace, cost_model, *, base_depth=None, total_tokens=None, thresholds=(), max_extra=None,
+                    keep_grid=None, max_sweeps=4):
+    """Per-bin (extra depth, kept nodes) maximising the replayed predicted tokens/s, starting from the
+    paper's rule; bins past the paper's three start at (0, total_tokens) and are optimised too."""
+    K = trace.top_k
+    base = base_depth if base_depth is not None else trace.levels - math.ceil(trace.levels / 3)
+    N = total_tokens or 60
+    max_extra = trace.levels - base if max_extra is None else min(max_extra, trace.levels - base)
+    nbins = len(thresholds) + 1
+    paper = Policy.paper(base, K, N, thresholds)
+    extra = [paper.extra[b] if b < 3 else 0 for b in range(nbins)]
+    extra = [min(e, max_extra) for e in extra]
+    keep = [paper.keep[b] if b < 3 else N for b in range(nbins)]
+    grid = sorted(set(keep_grid or [max(2, round(N * g)) for g in (0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0, 1.2)]) | set(keep))
+
+    def score(ex, kp):
+        pol = Policy(base, K, N, tuple(thresholds), tuple(ex), tuple(kp), name="calibrated")
+        return trace.replay(pol, cost_model=cost_model).predicted_tokens_per_s or 0.0
+
+    best = score(extra, keep)
+    for _ in range(max_sweeps):
+        changed = False
+        for b in range(nbins):
+            for e in range(max_extra + 1):
+                for k in grid:
+                    ex, kp = list(extra), list(keep)
+                    ex[b], kp[b] = e, k
+                    s = score(ex, kp)
+                    if s > best * (1 + 1e-9):
+                        best, extra, keep, changed = s, ex, kp, True
+        if not changed:
+            break
+    return Policy(base, K, N, tuple(thresholds), tuple(extra), tuple(keep), name="calibrated"), best
+
+
+# ---- profiles ----------------------------------------------------------------------------------------------
+
+
+def save_profile(path, policy, cost_model=None, *, target_id="", draft_id="", notes=None):
+    d = {
+        "version": PROFILE_VERSION,
+        "policy": {"depth": policy.depth, "top_k": policy.top_k, "total_tokens": policy.total_tokens,
+                   "thresholds": list(policy.thresholds), "extra": list(policy.extra), "keep": list(policy.keep),
+                   "name": policy.name},
+        "cost_model": cost_model.to_dict() if cost_model is not None else None,
+        "model_pair": {"target": target_id, "draft": draft_id},
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()},
+        "notes": notes or {},
+    }
+    with open(path, "w") as f:
+        json.dump(d, f, indent=1)
+
+
+def load_profile(path, *, target_id=None, draft_id=None):
+    """-> (Policy, CostModel or None, raw dict).  Warns when the profile was made for another model pair."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"load_profile: could not read {str(path)!r} as JSON: {e}") from None
+    if not isinstance(d, dict) or d.get("version") != PROFILE_VERSION:
+        raise ValueError(f"load_profile: expected a heterospec profile (version {PROFILE_VERSION}) in {str(path)!r}, "
+                         f"got version {d.get('version') if isinstance(d, dict) else type(d).__name__!r}")
+    p = d.get("policy")
+    missing = [k for k in ("depth", "top_k", "total_tokens", "thresholds", "extra", "keep") if not isinstance(p, dict) or k not in p]
+    if missing:
+        raise ValueError(f"load_profile: {str(path)!r} lacks policy fields {missing}")
+    try:
+        policy = Policy(int(p["depth"]), int(p["top_k"]), int(p["total_tokens"]), tuple(p["thresholds"]),
+                        tuple(int(v) for v in p["extra"]), tuple(int(v) for v in p["keep"]),
+                        name=p.get("name", "calibrated"))
+        cost = CostModel.from_dict(d["cost_model"]) if d.get("cost_model") else None
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"load_profile: malformed profile {str(path)!r}: {e}") from None
+    pair = d.get("model_pair") or {}
+    for name, want in (("target", target_id), ("draft", draft_id)):
+        if want is not None and pair.get(name) and pair.get(name) != want:
+            warnings.warn(f"load_profile: {str(path)!r} was calibrated for {name} {pair.get(name)!r}, not {want!r}",
+                          stacklevel=2)
+    return policy, cost, d
