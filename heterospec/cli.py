@@ -94,23 +94,20 @@ def _parse_floats(text):
 
 def generate_cmd(args, out=sys.stdout):
     """Load target (+ draft), apply the chat template, stream the answer, print the stats."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+    from transformers import TextStreamer
 
     from .decoding import HeteroSpec, Policy
-    from .draft import Eagle3Draft
 
-    if args.method != "ar" and not args.draft:
+    if (args.method != "ar" or args.policy) and not args.draft:
         raise SystemExit(f"heterospec generate: --method {args.method} needs --draft PATH")
-    load = dict(attn_implementation="sdpa", dtype=getattr(torch, args.dtype))
-    if args.gguf_file:
-        load["gguf_file"] = args.gguf_file
-    tokenizer = AutoTokenizer.from_pretrained(args.target, **({"gguf_file": args.gguf_file} if args.gguf_file else {}))
-    target = AutoModelForCausalLM.from_pretrained(args.target, **load).eval()
-    draft = None
-    if args.method != "ar":
-        draft = Eagle3Draft.from_pretrained(args.draft, target=target)
-    if args.method == "ar":
+    if args.method == "ar" and not args.policy:
+        args.draft = None
+    tokenizer, target, draft = _load_pair(args)
+    if args.policy:
+        from .calibrate import load_profile
+
+        policy, _, _ = load_profile(args.policy, target_id=str(args.target), draft_id=str(args.draft))
+    elif args.method == "ar":
         policy = Policy.autoregressive()
     elif args.method == "eagle3":
         policy = Policy.static(args.depth, args.top_k_tree, args.total_tokens)
@@ -119,11 +116,7 @@ def generate_cmd(args, out=sys.stdout):
             raise SystemExit("heterospec generate: --method heterospec needs --thresholds s1,...,s7 "
                              "(the entropy bins of this model pair)")
         policy = Policy.paper(args.depth, args.top_k_tree, args.total_tokens, _parse_floats(args.thresholds))
-    if getattr(tokenizer, "chat_template", None) and not args.no_chat_template:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)["input_ids"]
-    else:
-        ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
+    ids = _encode(tokenizer, args.prompt, not args.no_chat_template)
     streamer = TextStreamer(tokenizer, skip_prompt=True)
     eos = tokenizer.eos_token_id if args.eos else None
     with HeteroSpec(target, draft, policy) as hs:
@@ -136,6 +129,129 @@ def generate_cmd(args, out=sys.stdout):
           f"accepted-length histogram {d['accepted_hist']}; bins {d['bins']}; draft {d['draft_s']:.2f} s, "
           f"verify {d['verify_s']:.2f} s, ops {d['ops_s']:.3f} s", file=out)
     return seq, stats
+
+
+def _read_prompts(paths, limit=None):
+    """Prompts from EAGLE question.jsonl files (first turn), JSON lines with a question/prompt/instruction
+    field, or plain text (one prompt per line)."""
+    out = []
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
+                if line.startswith("{"):
+                    rec = json.loads(line)
+                    text = (rec.get("turns") or [None])[0] or rec.get("question") or rec.get("prompt") or rec.get("instruction")
+                    if not text:
+                        raise SystemExit(f"heterospec: no turns/question/prompt/instruction field in a line of {path}")
+                else:
+                    text = line
+                out.append(text)
+                if limit is not None and len(out) >= limit:
+                    return out
+    return out
+
+
+def _encode(tokenizer, text, chat=True):
+    if chat and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             return_tensors="pt", return_dict=True)["input_ids"]
+    return tokenizer(text, return_tensors="pt")["input_ids"]
+
+
+def _load_pair(args):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .draft import Eagle3Draft
+
+    extra = {"gguf_file": args.gguf_file} if args.gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(args.target, **extra)
+    target = AutoModelForCausalLM.from_pretrained(args.target, attn_implementation="sdpa",
+                                                  dtype=getattr(torch, args.dtype), **extra).eval()
+    draft = Eagle3Draft.from_pretrained(args.draft, target=target) if args.draft else None
+    return tokenizer, target, draft
+
+
+def calibrate_cmd(args, out=sys.stdout):
+    """Record a trace on the prompts, fit the entropy bins, measure this machine, optimise per bin, save
+    the profile, print the per-bin table and draw the figure."""
+    import math
+
+    from .calibrate import optimise_policy, profile_costs, save_profile
+    from .decoding import Policy
+    from .trace import fit_thresholds, record
+
+    if not args.draft:
+        raise SystemExit("heterospec calibrate: --draft PATH is required")
+    tokenizer, target, draft = _load_pair(args)
+    texts = _read_prompts(args.prompts, args.max_prompts)
+    if not texts:
+        raise SystemExit("heterospec calibrate: no prompts found in " + ", ".join(args.prompts))
+    ids = [_encode(tokenizer, t, not args.no_chat_template) for t in texts]
+    levels = args.depth + math.ceil(args.depth / 2)
+
+    def progress(i, n):
+        bar = "#" * int(30 * i / n)
+        print(f"\rrecording traces [{bar:<30}] {i}/{n}", end="", file=sys.stderr, flush=True)
+
+    trace = record(target, draft, ids, max_new_tokens=args.max_new_tokens, top_k=args.top_k_tree, levels=levels,
+                   progress=progress)
+    print(file=sys.stderr)
+    x, y = trace.features(args.depth, args.total_tokens, target=args.fit_target)
+    thresholds = tuple(fit_thresholds(x, y, depth=3, min_leaf=max(5, len(x) // 50)))
+    cost = profile_costs(target, draft, reps=2)
+    policy, predicted = optimise_policy(trace, cost, base_depth=args.depth, total_tokens=args.total_tokens,
+                                        thresholds=thresholds)
+    static = trace.replay(Policy.static(args.depth, args.top_k_tree, args.total_tokens), cost_model=cost)
+    paper = trace.replay(Policy.paper(args.depth, args.top_k_tree, args.total_tokens, thresholds), cost_model=cost)
+    calibrated = trace.replay(policy, cost_model=cost)
+    name = lambda m: getattr(m.config, "_name_or_path", "") or type(m).__name__  # noqa: E731
+    save_profile(args.out, policy, cost, target_id=str(args.target), draft_id=str(args.draft),
+                 notes={"prompts": len(texts), "positions": int(len(x)), "fit_target": args.fit_target,
+                        "predicted_tokens_per_s": {"static": static.predicted_tokens_per_s,
+                                                   "paper": paper.predicted_tokens_per_s,
+                                                   "calibrated": calibrated.predicted_tokens_per_s},
+                        "target_name": name(target)})
+    total = max(1, calibrated.cycles)
+    print(f"entropy thresholds: {', '.join(f'{t:.4g}' for t in thresholds)}", file=out)
+    print("| bin | share of cycles | mean accepted | extra depth | kept nodes |", file=out)
+    print("|---:|---:|---:|---:|---:|", file=out)
+    for b, v in calibrated.per_bin.items():
+        print(f"| {b} | {v['cycles'] / total:.2f} | {v['mean_accepted']:.2f} | {policy.extra[b] if b < len(policy.extra) else 0} "
+              f"| {policy.keep[b] if b < len(policy.keep) else policy.total_tokens} |", file=out)
+    for label, r in (("static EAGLE-3", static), ("paper rule", paper), ("calibrated", calibrated)):
+        print(f"{label}: tau {r.tau:.2f}, calls {r.cycles}, verified tokens {r.verified_tokens}, "
+              f"predicted {r.predicted_tokens_per_s:.1f} tok/s", file=out)
+    png = str(args.out).rsplit(".", 1)[0] + ".png"
+    _figure(png, x, thresholds, calibrated)
+    print(f"profile: {args.out}; figure: {png}", file=out)
+    return policy
+
+
+def _figure(path, x, thresholds, replay):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    a.hist(x, bins=40, color="#4477aa")
+    for t in thresholds:
+        a.axvline(t, color="#cc3311", lw=1)
+    a.set_xlabel("cumulative top-K entropy along P* (nats)")
+    a.set_ylabel("positions")
+    a.set_title("entropy and bin thresholds")
+    bins = list(replay.per_bin)
+    b.bar([str(k) for k in bins], [replay.per_bin[k]["mean_accepted"] for k in bins], color="#228833")
+    b.set_xlabel("bin")
+    b.set_ylabel("mean accepted length")
+    b.set_title("accepted length by bin (calibrated)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main(argv=None):
@@ -163,11 +279,28 @@ def main(argv=None):
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--no-chat-template", action="store_true")
     g.add_argument("--no-eos", dest="eos", action="store_false", help="do not stop at the tokenizer's EOS")
+    g.add_argument("--policy", default=None, help="a calibrated profile (heterospec calibrate --out)")
+    c = sub.add_parser("calibrate", help="fit entropy bins and per-bin tree shapes for a model pair on this machine")
+    c.add_argument("--target", required=True)
+    c.add_argument("--gguf-file", default=None)
+    c.add_argument("--draft", required=True)
+    c.add_argument("--prompts", nargs="+", required=True, help="question.jsonl / JSON lines / text files")
+    c.add_argument("--out", required=True, help="profile JSON (a PNG figure is written next to it)")
+    c.add_argument("--max-prompts", type=int, default=None)
+    c.add_argument("--max-new-tokens", type=int, default=128)
+    c.add_argument("--depth", type=int, default=7)
+    c.add_argument("--top-k-tree", type=int, default=10)
+    c.add_argument("--total-tokens", type=int, default=60)
+    c.add_argument("--fit-target", choices=["rank", "accepted"], default="rank")
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    c.add_argument("--no-chat-template", action="store_true")
     args = parser.parse_args(argv)
     if args.cmd == "demo":
         demo(vocab=args.vocab, seed=args.seed)
     elif args.cmd == "generate":
         generate_cmd(args)
+    elif args.cmd == "calibrate":
+        calibrate_cmd(args)
     else:
         from . import build_info
 

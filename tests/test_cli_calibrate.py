@@ -1,0 +1,47 @@
+"""`heterospec calibrate` on a tiny pair saved to disk, then `heterospec generate --policy` with the profile."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+from test_cli_generate import save_tiny_pair  # noqa: E402
+from test_decoding import reference_greedy  # noqa: E402
+
+from heterospec.calibrate import load_profile  # noqa: E402
+
+
+def test_calibrate_then_generate_with_the_profile(tmp_path):
+    model, tok = save_tiny_pair(tmp_path)
+    questions = tmp_path / "question.jsonl"
+    with open(questions, "w") as f:
+        for i in range(6):
+            f.write(json.dumps({"question_id": i, "turns": [" ".join(f"w{(7 * i + j) % 90}" for j in range(5))]}) + "\n")
+    profile = tmp_path / "profile.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "heterospec", "calibrate", "--target", str(tmp_path / "target"), "--draft",
+         str(tmp_path / "draft"), "--prompts", str(questions), "--out", str(profile), "--max-new-tokens", "24",
+         "--depth", "3", "--top-k-tree", "3", "--total-tokens", "8", "--max-prompts", "5"],
+        capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert "| bin | share of cycles |" in res.stdout and "calibrated: tau" in res.stdout
+    assert "recording traces" in res.stderr  # the progress bar
+    policy, cost, raw = load_profile(profile, target_id=str(tmp_path / "target"), draft_id=str(tmp_path / "draft"))
+    assert policy.depth == 3 and policy.top_k == 3 and cost is not None
+    assert raw["notes"]["prompts"] == 5 and raw["notes"]["positions"] == 5 * 23
+    png = tmp_path / "profile.png"
+    assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
+
+    prompt = "w5 w17 w3 w40 w22"
+    res = subprocess.run(
+        [sys.executable, "-m", "heterospec", "generate", "--target", str(tmp_path / "target"), "--draft",
+         str(tmp_path / "draft"), "--prompt", prompt, "--policy", str(profile), "--max-new-tokens", "12", "--no-eos"],
+        capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    expected = tok.decode(reference_greedy(model, ids, 12)[0, ids.shape[1]:])
+    assert expected.strip() in res.stdout
