@@ -142,6 +142,12 @@ def check_sample_path(path, tree_parents, next_token, V):
     assert 0 <= int(next_token) < V
 
 
+def record_phases(rec, t0, t1, t2, t3, t4, t5, t6, t7):
+    """The per-op timings of one cycle (t5..t6 is the sampled verification, timed per variant)."""
+    rec.update(expand_root=t1 - t0, expand_levels=t2 - t1, select=t3 - t2, build_tree=t4 - t3,
+               verify_greedy=t5 - t4, kv_compact=t7 - t6)
+
+
 class Impl:
     name = "?"
     threads = None  # torch threads to set before running (None: leave as is)
@@ -225,12 +231,7 @@ class HsCycle(Impl):
         t6 = now()
         ops.kv_compact(self.kv, PREFIX, path)
         t7 = now()
-        rec["expand_root"] = t1 - t0
-        rec["expand_levels"] = t2 - t1
-        rec["select"] = t3 - t2
-        rec["build_tree"] = t4 - t3
-        rec["verify_greedy"] = t5 - t4
-        rec["kv_compact"] = t7 - t6
+        record_phases(rec, t0, t1, t2, t3, t4, t5, t6, t7)
         return dict(tree_tokens=np.asarray(tree.tokens), tree_parents=np.asarray(tree.parents),
                     mask=np.asarray(tree.mask), retrieve=np.asarray(tree.retrieve),
                     depths=np.asarray(tree.depths), path=np.asarray(path), next_token=int(nxt),
@@ -412,12 +413,7 @@ class NumpyCycle(Impl):
         for t in self.kv:
             t[..., PREFIX:PREFIX + m, :] = t[..., src, :]
         t7 = now()
-        rec["expand_root"] = t1 - t0
-        rec["expand_levels"] = t2 - t1
-        rec["select"] = t3 - t2
-        rec["build_tree"] = t4 - t3
-        rec["verify_greedy"] = t5 - t4
-        rec["kv_compact"] = t7 - t6
+        record_phases(rec, t0, t1, t2, t3, t4, t5, t6, t7)
         return dict(tree_tokens=ttok, tree_parents=tpar, mask=mask, retrieve=retrieve, depths=depth,
                     path=path, next_token=nxt, samples=samples, selected=sel)
 
