@@ -276,9 +276,14 @@ def train_draft_cmd(args, out=sys.stdout):
         print(f"\rtraining [{bar:<30}] {step}/{steps} loss {loss:.3f} acc/step {acc} ({elapsed:.0f} s)", end="",
               file=sys.stderr, flush=True)
 
+    def answering(i, n):
+        print(f"\rthe target answers the prompts [{'#' * int(30 * i / n):<30}] {i}/{n}", end="", file=sys.stderr,
+              flush=True)
+
     train_draft(target, ids, args.out, draft_vocab_size=args.draft_vocab_size, steps=args.steps, lr=args.lr,
                 ttt_steps=args.ttt_steps, max_new_tokens=args.max_new_tokens, resume=args.resume,
-                log_every=max(1, args.steps // 50), progress=progress)
+                log_every=max(1, args.steps // 50), progress=progress, eos_token_id=tokenizer.eos_token_id,
+                answer_progress=answering)
     print(file=sys.stderr)
     print(f"draft written to {args.out}", file=out)
 

@@ -55,16 +55,18 @@ def draft_config_for(target, draft_vocab_size, **overrides):
 
 
 @torch.no_grad()
-def target_answers(target, prompts, max_new_tokens=128):
+def target_answers(target, prompts, max_new_tokens=128, eos_token_id=None, progress=None):
     """The target's own greedy answers: a list of [1, S + new] sequences and the answer start of each."""
     from .decoding import HeteroSpec
 
     seqs, starts = [], []
     with HeteroSpec(target) as hs:
-        for p in prompts:
-            seq, _ = hs.generate(p, max_new_tokens=max_new_tokens)
+        for i, p in enumerate(prompts):
+            seq, _ = hs.generate(p, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
             seqs.append(seq)
             starts.append(p.shape[1])
+            if progress is not None:
+                progress(i + 1, len(prompts))
     return seqs, starts
 
 
@@ -102,7 +104,8 @@ def _ttt_loss(draft, taps, ids, target_logits, t2d, start, ttt_steps):
 
 
 def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, lr=3e-4, ttt_steps=3,
-                max_new_tokens=128, seed=0, resume=False, log_every=10, progress=None):
+                max_new_tokens=128, seed=0, resume=False, log_every=10, progress=None, eos_token_id=None,
+                answer_progress=None):
     """Train an EAGLE-3 head for ``target`` on the target's own answers to ``prompts`` ([1, S] tensors);
     writes ``out_dir`` (loadable with ``Eagle3Draft.from_pretrained(out_dir, target=target)``).  Returns
     the list of (step, loss, accuracies) logged."""
@@ -110,7 +113,7 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
     os.makedirs(out_dir, exist_ok=True)
     V = target.config.vocab_size
     Vd = draft_vocab_size or V
-    seqs, starts = target_answers(target, prompts, max_new_tokens)
+    seqs, starts = target_answers(target, prompts, max_new_tokens, eos_token_id, answer_progress)
     answers = np.concatenate([s[0, st:].numpy() for s, st in zip(seqs, starts)])
     d2t, t2d = build_vocab_maps(answers, V, Vd)
     state_path = os.path.join(out_dir, "trainer_state.pt")
