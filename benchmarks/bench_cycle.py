@@ -885,7 +885,7 @@ def main(argv=None):
         log(f"[{cfg['name']}] generating inputs ...")
         inp = make_inputs(cfg)
 
-        def build_impls():
+        def build_impls(inp=inp):  # bind this iteration's inputs
             impls = []
             if ops is not None:
                 impls.append(HsCycle(ops, inp, "numpy"))

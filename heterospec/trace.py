@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections import Counter, defaultdict
 
 import numpy as np
 import torch
 
 from . import ops
-from .decoding import CandidateTree, HeteroSpec, Policy, grow_tree
+from .decoding import CandidateTree, HeteroSpec, grow_tree
 from .hf import TargetAdapter, _decoder_layers
 
 TRACE_VERSION = 1
@@ -288,4 +287,4 @@ def fit_thresholds(x, y, depth=3, min_leaf=1):
     return np.array(sorted(out))
 
 
-__all__ = ["Trace", "ReplayStats", "record", "fit_thresholds", "Policy"]
+__all__ = ["Trace", "ReplayStats", "record", "fit_thresholds"]
