@@ -1,7 +1,8 @@
 """The ``heterospec`` command line.
 
-``heterospec demo`` for now walks one speculative-decoding cycle of the C core on synthetic logits (the
-end-to-end demo on SmolLM2-135M-Instruct replaces it once a trained head ships); ``heterospec generate``
+``heterospec demo`` runs the default pair (SmolLM2-135M-Instruct and the shipped EAGLE-3 head) with
+autoregressive decoding, EAGLE-3 and HeteroSpec (``--synthetic``: one cycle of the C core on synthetic
+logits, no models needed); ``heterospec train-draft`` trains a head; ``heterospec generate``
 runs a HuggingFace target (and an EAGLE-3 draft) on a prompt, streaming the answer and printing the stats;
 ``heterospec info`` prints what the C core was compiled with.
 """
@@ -256,7 +257,9 @@ def _figure(path, x, thresholds, replay):
 
 def train_draft_cmd(args, out=sys.stdout):
     """Train an EAGLE-3 head on the target's own answers to the training prompts."""
-    from .train import train_draft
+    import os
+
+    from .train import collect, load_records, save_records, train_draft
 
     if args.target == "default":
         from .models import default_target
@@ -265,10 +268,6 @@ def train_draft_cmd(args, out=sys.stdout):
     else:
         args.draft = None
         tokenizer, target, _ = _load_pair(args)
-    texts = _read_prompts(args.data, args.max_prompts)
-    if not texts:
-        raise SystemExit("heterospec train-draft: no prompts found in " + ", ".join(args.data))
-    ids = [_encode(tokenizer, t, not args.no_chat_template) for t in texts]
 
     def progress(step, steps, loss, accs, elapsed):
         bar = "#" * int(30 * step / steps)
@@ -276,14 +275,29 @@ def train_draft_cmd(args, out=sys.stdout):
         print(f"\rtraining [{bar:<30}] {step}/{steps} loss {loss:.3f} acc/step {acc} ({elapsed:.0f} s)", end="",
               file=sys.stderr, flush=True)
 
-    def answering(i, n):
-        print(f"\rthe target answers the prompts [{'#' * int(30 * i / n):<30}] {i}/{n}", end="", file=sys.stderr,
-              flush=True)
+    t0 = time.time()
 
-    train_draft(target, ids, args.out, draft_vocab_size=args.draft_vocab_size, steps=args.steps, lr=args.lr,
-                ttt_steps=args.ttt_steps, max_new_tokens=args.max_new_tokens, resume=args.resume,
-                log_every=max(1, args.steps // 50), progress=progress, eos_token_id=tokenizer.eos_token_id,
-                answer_progress=answering)
+    def answering(i, n):
+        print(f"\rthe target answers the prompts [{'#' * int(30 * i / n):<30}] {i}/{n} ({time.time() - t0:.0f} s)",
+              end="", file=sys.stderr, flush=True)
+
+    if args.records and os.path.exists(args.records):
+        records, _ = load_records(args.records)
+    else:
+        texts = _read_prompts(args.data, args.max_prompts)
+        if not texts:
+            raise SystemExit("heterospec train-draft: no prompts found in " + ", ".join(args.data))
+        ids = [_encode(tokenizer, t, not args.no_chat_template) for t in texts]
+        ids = [i for i in ids if i.shape[1] <= args.max_prompt_tokens]
+        records = collect(target, ids, args.max_new_tokens, tokenizer.eos_token_id, batch_size=args.gen_batch_size,
+                          topk=args.topk, progress=answering)
+        print(file=sys.stderr)
+        if args.records:
+            save_records(args.records, records, {"data": [str(d) for d in args.data], "max_new_tokens": args.max_new_tokens})
+    train_draft(target, None, args.out, records=records, draft_vocab_size=args.draft_vocab_size, steps=args.steps,
+                lr=args.lr, ttt_steps=args.ttt_steps, max_new_tokens=args.max_new_tokens, resume=args.resume,
+                log_every=max(1, min(10, args.steps // 50)), progress=progress, batch_size=args.batch_size,
+                warmup=args.warmup, init=args.init_from_target, save_every=args.save_every, seed=args.seed)
     print(file=sys.stderr)
     print(f"draft written to {args.out}", file=out)
 
@@ -291,9 +305,24 @@ def train_draft_cmd(args, out=sys.stdout):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="heterospec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="one speculative cycle of the C core on synthetic logits")
-    d.add_argument("--vocab", type=int, default=49152)
-    d.add_argument("--seed", type=int, default=0)
+    d = sub.add_parser("demo", help="the default pair (SmolLM2-135M-Instruct + shipped EAGLE-3 head): "
+                                    "autoregressive vs EAGLE-3 vs HeteroSpec on built-in prompts")
+    d.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct) or an HF model directory")
+    d.add_argument("--gguf-file", default=None)
+    d.add_argument("--draft", default=None, help="EAGLE-3 head directory (default: the shipped head)")
+    d.add_argument("--policy", default=None,
+                   help="HeteroSpec policy: a profile JSON (heterospec calibrate), or 'paper' for the paper's rule "
+                        "on the shipped bins (default: the shipped calibrated profile)")
+    d.add_argument("--device", default="cpu")
+    d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--num-prompts", type=int, default=4, help="how many of the built-in prompts")
+    d.add_argument("--prompt", default=None, help="one prompt of your own instead of the built-in ones")
+    d.add_argument("--no-stream", action="store_true")
+    d.add_argument("--synthetic", action="store_true",
+                   help="only walk one cycle of the C core on synthetic logits (no models needed)")
+    d.add_argument("--vocab", type=int, default=49152, help="--synthetic: vocabulary size")
+    d.add_argument("--seed", type=int, default=0, help="--synthetic: seed")
     sub.add_parser("info", help="what the C core was compiled with")
     g = sub.add_parser("generate", help="generate with a HuggingFace target and an EAGLE-3 draft")
     g.add_argument("--target", required=True, help="HF model directory (or a directory with --gguf-file)")
@@ -340,11 +369,26 @@ def main(argv=None):
     t.add_argument("--lr", type=float, default=3e-4)
     t.add_argument("--ttt-steps", type=int, default=3)
     t.add_argument("--resume", action="store_true")
+    t.add_argument("--batch-size", type=int, default=8, help="sequences per optimiser step")
+    t.add_argument("--gen-batch-size", type=int, default=32, help="prompts the target answers at once")
+    t.add_argument("--topk", type=int, default=32, help="target log-probabilities kept per position")
+    t.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are skipped")
+    t.add_argument("--records", default=None,
+                   help="cache of the target's answers, taps and distributions: reused when it exists, else written")
+    t.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: steps // 20)")
+    t.add_argument("--save-every", type=int, default=None, help="checkpoint every N steps")
+    t.add_argument("--init-from-target", action="store_true", help="start norm and lm_head from the target's")
+    t.add_argument("--seed", type=int, default=0)
     t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     t.add_argument("--no-chat-template", action="store_true")
     args = parser.parse_args(argv)
     if args.cmd == "demo":
-        demo(vocab=args.vocab, seed=args.seed)
+        if args.synthetic:
+            demo(vocab=args.vocab, seed=args.seed)
+        else:
+            from .demo import run
+
+            return run(args)
     elif args.cmd == "generate":
         generate_cmd(args)
     elif args.cmd == "calibrate":

@@ -36,6 +36,26 @@ def default_tap_layers(num_layers):
     return [2, num_layers // 2, num_layers - 3]
 
 
+def _core_has_cuda():
+    from . import build_info
+
+    return bool(build_info().get("cuda"))
+
+
+_CORE_HAS_CUDA = _core_has_cuda()
+
+
+def kv_compact_torch(tensors, prefix, path):
+    """:func:`heterospec.ops.kv_compact` in torch ops, for caches on a device the C core was not built
+    for: slots ``prefix + path[i]`` move to ``prefix + i`` along dim 2 of every [B, H, S, D] tensor."""
+    if not tensors:
+        return
+    idx = torch.as_tensor(path, dtype=torch.long).to(tensors[0].device) + prefix
+    n = idx.numel()
+    for t in tensors:
+        t[:, :, prefix:prefix + n] = t.index_select(2, idx)  # index_select copies first: overlap is safe
+
+
 def _crop(cache, new_length):
     """Crop a DynamicCache to new_length positions, across the transformers crop conventions."""
     current = cache.get_seq_length()
@@ -155,6 +175,10 @@ class TargetAdapter:
     def commit(self, path):
         """Keep the tree slots of ``path`` (tree node indices, ascending, starting with the root): move them
         behind the committed prefix in every layer and crop the rest."""
-        ops.kv_compact(self.kv_tensors(), self.length, path)
+        kv = self.kv_tensors()
+        if kv and kv[0].device.type != "cpu" and not _CORE_HAS_CUDA:
+            kv_compact_torch(kv, self.length, path)  # until the CUDA kernels land: torch ops on the device
+        else:
+            ops.kv_compact(kv, self.length, path)
         self.length += int(path.shape[0])
         _crop(self.cache, self.length)

