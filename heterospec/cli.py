@@ -264,10 +264,11 @@ def train_draft_cmd(args, out=sys.stdout):
     if args.target == "default":
         from .models import default_target
 
-        target, tokenizer = default_target()
+        target, tokenizer = default_target(device=args.device)
     else:
         args.draft = None
         tokenizer, target, _ = _load_pair(args)
+        target = target.to(args.device)
 
     def progress(step, steps, loss, accs, elapsed):
         bar = "#" * int(30 * step / steps)
@@ -379,6 +380,7 @@ def main(argv=None):
     t.add_argument("--save-every", type=int, default=None, help="checkpoint every N steps")
     t.add_argument("--init-from-target", action="store_true", help="start norm and lm_head from the target's")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="cpu", help="where the target answers and the head trains (e.g. cuda)")
     t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     t.add_argument("--no-chat-template", action="store_true")
     args = parser.parse_args(argv)

@@ -204,7 +204,7 @@ def run(args, out=sys.stdout):
 
 
 def _encode(tokenizer, text):
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             return_tensors="pt", return_dict=True)["input_ids"]
-    return tokenizer(text, return_tensors="pt")["input_ids"]
+    """The prompt through the tokenizer's chat template (plain tokenization without one)."""
+    from .cli import _encode as encode
+
+    return encode(tokenizer, text)

@@ -210,11 +210,12 @@ def _batch(records, which, topk, t2d, tmap):
 def ttt_loss(draft, taps, ids, tgt_d, tgt_w, valid, ttt_steps):
     """Mean over steps of the masked soft cross entropy; returns (loss, accuracy per step)."""
     B, L = taps.shape[0], taps.shape[1]
+    dev = taps.device
     hidden = draft.fuse(taps)
-    anchors = torch.arange(L)
+    anchors = torch.arange(L, device=dev)
     past_k = past_v = None
     total, accs, n_steps = 0.0, [], 0
-    eye = torch.eye(L, dtype=torch.bool)
+    eye = torch.eye(L, dtype=torch.bool, device=dev)
     if not 1 <= ttt_steps <= 8:
         raise ValueError(f"train_draft: argument 'ttt_steps' expected 1..8, got {ttt_steps}")
     for j in range(ttt_steps):
@@ -224,16 +225,16 @@ def ttt_loss(draft, taps, ids, tgt_d, tgt_w, valid, ttt_steps):
         if j == 0:
             mask = None  # causal
         else:
-            mask = torch.cat([torch.ones(L, L, dtype=torch.bool).tril()] + [eye] * j, dim=1)
+            mask = torch.cat([torch.ones(L, L, dtype=torch.bool, device=dev).tril()] + [eye] * j, dim=1)
         past = None if past_k is None else (past_k, past_v)
         logits, h, (k, v) = draft(hidden, ids[:, 1 + j: 1 + j + L], positions, past_kv=past, attn_mask=mask)
         past_k, past_v = k, v  # steps 0..j: the past of step j + 1
         # step j at anchor t predicts the target's distribution at position t + 1 + j
-        keep = torch.zeros(B, L, dtype=torch.bool)
+        keep = torch.zeros(B, L, dtype=torch.bool, device=dev)
         keep[:, : L - 1 - j] = valid[:, 1 + j:]
         if keep.any():
-            w = torch.zeros(B, L, tgt_w.shape[-1])
-            d = torch.zeros(B, L, tgt_w.shape[-1], dtype=torch.long)
+            w = torch.zeros(B, L, tgt_w.shape[-1], device=dev)
+            d = torch.zeros(B, L, tgt_w.shape[-1], dtype=torch.long, device=dev)
             w[:, : L - 1 - j] = torch.softmax(tgt_w[:, 1 + j:], -1).nan_to_num(0.0)
             d[:, : L - 1 - j] = tgt_d[:, 1 + j:]
             logq = torch.log_softmax(logits.float(), dim=-1)
@@ -278,6 +279,8 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
         if init:
             init_from_target(draft, target)
         state, start_step = None, 0
+    device = next(target.parameters()).device  # the head trains where the target lives
+    draft = draft.to(device)
     t2d = draft.t2d.cpu()
     tmap = (t2d.long().cumsum(0) - 1).clamp(min=0)
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -309,7 +312,7 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
             perm, epoch = torch.randperm(len(records), generator=g).tolist(), e
         k = step % per_epoch
         which = perm[k * batch_size: (k + 1) * batch_size]
-        batch = _batch(records, which, topk, t2d, tmap)
+        batch = [t.to(device) for t in _batch(records, which, topk, t2d, tmap)]
         loss, accs = ttt_loss(draft, *batch, ttt_steps)
         for group in opt.param_groups:
             group["lr"] = lr * sched(step)

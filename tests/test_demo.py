@@ -139,7 +139,7 @@ def test_shipped_head_loads_against_the_default_target():
     from heterospec.draft import Eagle3Draft
 
     model, tok = models.default_target()
-    draft = Eagle3Draft.from_pretrained(demo.DEFAULT_HEAD, target=model)  # strict: every key, every shape
+    draft = Eagle3Draft.from_pretrained(demo.DEFAULT_HEAD, target=model, dtype=torch.float32)  # strict: every key and shape
     assert draft.config.vocab_size == 49152
     ids = demo._encode(tok, demo.demo_prompts()[0])
     ar, _ = HeteroSpec(model).generate(ids, max_new_tokens=24)
