@@ -168,11 +168,20 @@ def _load_pair(args):
 
     from .draft import Eagle3Draft
 
-    extra = {"gguf_file": args.gguf_file} if args.gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(args.target, **extra)
-    target = AutoModelForCausalLM.from_pretrained(args.target, attn_implementation="sdpa",
-                                                  dtype=getattr(torch, args.dtype), **extra).eval()
-    draft = Eagle3Draft.from_pretrained(args.draft, target=target) if args.draft else None
+    if args.target == "default":
+        from .models import default_target
+
+        target, tokenizer = default_target(dtype=getattr(torch, args.dtype))
+    else:
+        extra = {"gguf_file": args.gguf_file} if args.gguf_file else {}
+        tokenizer = AutoTokenizer.from_pretrained(args.target, **extra)
+        target = AutoModelForCausalLM.from_pretrained(args.target, attn_implementation="sdpa",
+                                                      dtype=getattr(torch, args.dtype), **extra).eval()
+    if args.draft == "default":
+        from .demo import DEFAULT_HEAD
+
+        args.draft = DEFAULT_HEAD
+    draft = Eagle3Draft.from_pretrained(args.draft, target=target, dtype=target.dtype) if args.draft else None
     return tokenizer, target, draft
 
 
@@ -326,9 +335,11 @@ def main(argv=None):
     d.add_argument("--seed", type=int, default=0, help="--synthetic: seed")
     sub.add_parser("info", help="what the C core was compiled with")
     g = sub.add_parser("generate", help="generate with a HuggingFace target and an EAGLE-3 draft")
-    g.add_argument("--target", required=True, help="HF model directory (or a directory with --gguf-file)")
+    g.add_argument("--target", required=True, help="HF model directory (or a directory with --gguf-file), or "
+                   "'default' (SmolLM2-135M-Instruct)")
     g.add_argument("--gguf-file", default=None)
-    g.add_argument("--draft", default=None, help="EAGLE-3 draft directory (config.json + weights)")
+    g.add_argument("--draft", default=None, help="EAGLE-3 draft directory (config.json + weights), or 'default' "
+                   "(the shipped head)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--method", choices=["ar", "eagle3", "heterospec"], default="eagle3")
     g.add_argument("--max-new-tokens", type=int, default=256)

@@ -304,14 +304,17 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
                        "max_new_tokens": max_new_tokens, "log": log}, f, indent=1)
         draft.train()
 
+    lengths = torch.tensor([r["ids"].numel() for r in records], dtype=torch.float64)
     per_epoch = max(1, len(records) // batch_size)
     for step in range(start_step, steps):
         e = step // per_epoch
         if e != epoch:
+            # batches of similar lengths (little padding), jittered so they differ between epochs, in random order
             g = torch.Generator().manual_seed(seed + e)
-            perm, epoch = torch.randperm(len(records), generator=g).tolist(), e
-        k = step % per_epoch
-        which = perm[k * batch_size: (k + 1) * batch_size]
+            order = torch.argsort(lengths + 32.0 * torch.rand(len(records), generator=g, dtype=torch.float64))
+            chunks = [order[k * batch_size: (k + 1) * batch_size].tolist() for k in range(per_epoch)]
+            perm, epoch = [chunks[k] for k in torch.randperm(per_epoch, generator=g).tolist()], e
+        which = perm[step % per_epoch]
         batch = [t.to(device) for t in _batch(records, which, topk, t2d, tmap)]
         loss, accs = ttt_loss(draft, *batch, ttt_steps)
         for group in opt.param_groups:
