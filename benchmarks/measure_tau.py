@@ -15,6 +15,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))  # a checkout without pip install
 BENCH = os.path.join(HERE, "..", "..", "shared", "data", "benchmarks")
 FILES = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum")
 

@@ -325,8 +325,8 @@ def main(argv=None):
                         "on the shipped bins (default: the shipped calibrated profile)")
     d.add_argument("--device", default="cpu")
     d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    d.add_argument("--max-new-tokens", type=int, default=128)
-    d.add_argument("--num-prompts", type=int, default=4, help="how many of the built-in prompts")
+    d.add_argument("--max-new-tokens", type=int, default=96)
+    d.add_argument("--num-prompts", type=int, default=3, help="how many of the built-in prompts (up to 6)")
     d.add_argument("--prompt", default=None, help="one prompt of your own instead of the built-in ones")
     d.add_argument("--no-stream", action="store_true")
     d.add_argument("--synthetic", action="store_true",

@@ -80,7 +80,8 @@ def compare(target, draft, input_ids_list, methods, *, max_new_tokens=128, eos_t
     """Run every method on every prompt (one loop, same settings) and return {name: MethodResult}.
 
     A short untimed warm-up per method comes first.  ``streamer`` (e.g. transformers' TextStreamer)
-    streams the first prompt's answer of ``stream_method`` (default: the last method)."""
+    streams the first prompt's answer of ``stream_method`` (default: the last method).  ``progress(name,
+    i, n, streaming)`` is called before each prompt."""
     from .decoding import HeteroSpec
 
     stream_method = stream_method or methods[-1][0]
@@ -93,6 +94,8 @@ def compare(target, draft, input_ids_list, methods, *, max_new_tokens=128, eos_t
                 hs.generate(input_ids_list[0], max_new_tokens=warmup_tokens, eos_token_id=eos_token_id)
             for i, ids in enumerate(input_ids_list):
                 s = streamer if (streamer is not None and i == 0 and name == stream_method) else None
+                if progress is not None:
+                    progress(name, i, len(input_ids_list), s is not None)
                 t0 = time.perf_counter()
                 seq, st = hs.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, streamer=s)
                 dt = time.perf_counter() - t0
@@ -103,8 +106,8 @@ def compare(target, draft, input_ids_list, methods, *, max_new_tokens=128, eos_t
                 res.verified_tokens += st.verified_tokens
                 res.committed += sum((a + 1) * c for a, c in st.accepted_hist.items())
                 res.per_prompt_tps.append(st.new_tokens / dt if dt else 0.0)
-                if progress is not None:
-                    progress(name, i + 1, len(input_ids_list))
+                if s is not None:
+                    print(file=sys.stdout, flush=True)  # end the streamed answer's line
     return results
 
 
@@ -176,18 +179,21 @@ def run(args, out=sys.stdout):
           f"{len(texts)} prompts x {args.max_new_tokens} new tokens, greedy (loaded in {load_s:.1f} s)", file=out)
     th = f"; entropy bins {', '.join(f'{t:.3g}' for t in hs_policy.thresholds)}" if hs_policy is not None else ""
     print(f"  eagle3: static tree depth 7, top_k 10, 60 nodes; heterospec: {hs_what}{th}", file=out)
-    print(f"\n>>> {texts[0]}\n", file=out)
     streamer = None if args.no_stream else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
-    def progress(name, i, n):
-        if args.no_stream or not (name == methods[-1][0] and i == 1):
-            print(f"\r  {name}: prompt {i}/{n}", end="", file=sys.stderr, flush=True)
+    def progress(name, i, n, streaming):
+        print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)
+        if streaming:
+            print(f"[{name}, streamed] >>> {texts[0]}\n", file=out, flush=True)
+        else:
+            print(f"  {name}: prompt {i + 1}/{n}", end="", file=sys.stderr, flush=True)
 
     results = compare(target, draft, ids, methods, max_new_tokens=args.max_new_tokens,
                       eos_token_id=tokenizer.eos_token_id, streamer=streamer, progress=progress)
-    print("\r" + " " * 40 + "\r", end="", file=sys.stderr)
+    print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
     if args.no_stream:
         first = results[methods[-1][0]].sequences[0]
+        print(f"[{methods[-1][0]}] >>> {texts[0]}\n", file=out)
         print(tokenizer.decode(first[0, ids[0].shape[1]:], skip_special_tokens=True), file=out)
     bad = mismatches(results)
     print(file=out)
