@@ -150,12 +150,6 @@ def collect(target, prompts, max_new_tokens=128, eos_token_id=None, batch_size=1
     return records
 
 
-def target_answers(target, prompts, max_new_tokens=128, eos_token_id=None, progress=None):
-    """The target's own greedy answers: a list of [1, S + new] sequences and the answer start of each."""
-    recs = collect(target, prompts, max_new_tokens, eos_token_id, progress=progress)
-    return [r["ids"].view(1, -1) for r in recs], [r["start"] for r in recs]
-
-
 def save_records(path, records, meta=None):
     torch.save({"records": records, "meta": meta or {}}, path)
 

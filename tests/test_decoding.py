@@ -322,3 +322,23 @@ def test_custom_generate_eos_from_the_generation_config():
                          draft=OracleDraft(model), policy=heterospec.Policy.static(6, 3, 16), max_new_tokens=30,
                          eos_token_id=eos, pad_token_id=0)
     assert out[0, p.shape[1]:].tolist() == ref[: ref.index(eos) + 1]
+
+
+def test_kv_compact_torch_equals_the_c_core():
+    """The torch fallback used for device caches (until the CUDA kernels land) moves the same slots."""
+    from heterospec import ops
+    from heterospec.hf import kv_compact_torch
+
+    g = torch.Generator().manual_seed(3)
+    for prefix, path in ((0, [0, 1, 2]), (10, [0, 2, 5, 6]), (7, [0, 9]), (4, [0])):
+        a = [torch.randn(2, 3, 20, 4, generator=g) for _ in range(4)]
+        orig = [t.clone() for t in a]
+        b = [t.clone() for t in a]
+        kv_compact_torch(a, prefix, np.array(path))
+        ops.kv_compact(b, prefix, np.array(path, dtype=np.int64))
+        n = prefix + len(path)
+        for x, y, o in zip(a, b, orig):
+            assert torch.equal(x[:, :, :n], y[:, :, :n])
+            assert torch.equal(x[:, :, :prefix], o[:, :, :prefix])  # the prefix is untouched
+            for i, p in enumerate(path):                              # slot prefix + p moved to prefix + i
+                assert torch.equal(x[:, :, prefix + i], o[:, :, prefix + p])
