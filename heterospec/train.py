@@ -70,6 +70,8 @@ def collect(target, prompts, max_new_tokens=128, eos_token_id=None, batch_size=1
     ``ids`` int64 [S] (prompt + answer), ``start`` (answer start), ``taps`` float16 [S-1, 3H] (positions
     0..S-2), ``top_ids`` int32 / ``top_lp`` float16 [S-1, topk]: the target's top log-probabilities at
     each position (rows before ``start - 1`` are unused zeros).  Records come back in prompt order."""
+    from transformers import DynamicCache
+
     adapter = TargetAdapter(target, tap_layers=None)
     dev = next(target.parameters()).device
     V = target.config.vocab_size
@@ -89,11 +91,9 @@ def collect(target, prompts, max_new_tokens=128, eos_token_id=None, batch_size=1
                 mask[r, Smax - p.numel():] = 1
             ids, mask = ids.to(dev), mask.to(dev)
             pos = (mask.cumsum(-1) - 1).clamp(min=0)
-            cache = None
-            from transformers import DynamicCache
             try:
                 cache = DynamicCache(config=target.config)
-            except TypeError:
+            except TypeError:  # older transformers
                 cache = DynamicCache()
             out = target(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
