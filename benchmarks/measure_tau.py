@@ -56,7 +56,7 @@ def main():
                 t0 = time.perf_counter()
                 _, st = hs.generate(ids, max_new_tokens=a.max_new_tokens, eos_token_id=tok.eos_token_id)
                 secs += time.perf_counter() - t0
-                committed += sum((k + 1) * c for k, c in st.accepted_hist.items())
+                committed += st.committed
                 cycles += st.cycles
                 new += st.new_tokens
                 print(f"\r{name} {i + 1}/{min(a.limit, len(qs))}: tau so far {committed / max(cycles, 1):.2f}",

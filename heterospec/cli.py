@@ -162,7 +162,10 @@ def _encode(tokenizer, text, chat=True):
     return tokenizer(text, return_tensors="pt")["input_ids"]
 
 
-def _load_pair(args):
+def _load_pair(args, device="cpu"):
+    """(tokenizer, target, draft or None) from ``args.target`` / ``args.gguf_file`` / ``args.dtype`` /
+    ``args.draft`` ('default' = SmolLM2-135M-Instruct / the shipped head), on ``device``; the draft takes
+    the target's dtype."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -171,12 +174,12 @@ def _load_pair(args):
     if args.target == "default":
         from .models import default_target
 
-        target, tokenizer = default_target(dtype=getattr(torch, args.dtype))
+        target, tokenizer = default_target(device=device, dtype=getattr(torch, args.dtype))
     else:
         extra = {"gguf_file": args.gguf_file} if args.gguf_file else {}
         tokenizer = AutoTokenizer.from_pretrained(args.target, **extra)
         target = AutoModelForCausalLM.from_pretrained(args.target, attn_implementation="sdpa",
-                                                      dtype=getattr(torch, args.dtype), **extra).eval()
+                                                      dtype=getattr(torch, args.dtype), **extra).eval().to(device)
     if args.draft == "default":
         from .demo import DEFAULT_HEAD
 
@@ -270,14 +273,8 @@ def train_draft_cmd(args, out=sys.stdout):
 
     from .train import collect, load_records, save_records, train_draft
 
-    if args.target == "default":
-        from .models import default_target
-
-        target, tokenizer = default_target(device=args.device)
-    else:
-        args.draft = None
-        tokenizer, target, _ = _load_pair(args)
-        target = target.to(args.device)
+    args.draft = None
+    tokenizer, target, _ = _load_pair(args, args.device)
 
     def progress(step, steps, loss, accs, elapsed):
         bar = "#" * int(30 * step / steps)

@@ -106,10 +106,14 @@ class GenerationStats:
     total_s: float = 0.0
 
     @property
+    def committed(self):
+        """Tokens committed by verification calls (accepted draft tokens + the bonus token of each)."""
+        return sum((a + 1) * c for a, c in self.accepted_hist.items())
+
+    @property
     def tau(self):
         """Committed tokens per verification call (the bonus token counts)."""
-        committed = sum((a + 1) * c for a, c in self.accepted_hist.items())
-        return committed / self.cycles if self.cycles else 0.0
+        return self.committed / self.cycles if self.cycles else 0.0
 
     def as_dict(self):
         d = dataclasses.asdict(self)

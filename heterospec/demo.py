@@ -104,7 +104,7 @@ def compare(target, draft, input_ids_list, methods, *, max_new_tokens=128, eos_t
                 res.seconds += dt
                 res.cycles += st.cycles
                 res.verified_tokens += st.verified_tokens
-                res.committed += sum((a + 1) * c for a, c in st.accepted_hist.items())
+                res.committed += st.committed
                 res.per_prompt_tps.append(st.new_tokens / dt if dt else 0.0)
                 if s is not None:
                     print(file=sys.stdout, flush=True)  # end the streamed answer's line
@@ -144,32 +144,18 @@ def run(args, out=sys.stdout):
 
     from transformers import TextStreamer
 
-    from .draft import Eagle3Draft
-
     device = args.device
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"heterospec demo: --device {device} but torch sees no CUDA device")
-    dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
-    if args.target == "default":
-        from .models import default_target
-
-        target, tokenizer = default_target(device=device, dtype=dtype)
-        target_name = "SmolLM2-135M-Instruct"
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        extra = {"gguf_file": args.gguf_file} if args.gguf_file else {}
-        tokenizer = AutoTokenizer.from_pretrained(args.target, **extra)
-        target = AutoModelForCausalLM.from_pretrained(args.target, attn_implementation="sdpa", dtype=dtype,
-                                                      **extra).eval().to(device)
-        target_name = str(args.target)
     draft_dir = args.draft or (DEFAULT_HEAD if args.target == "default" else None)
     if draft_dir is None:
         raise SystemExit("heterospec demo: --draft PATH is required with a --target other than 'default'")
     if not os.path.exists(os.path.join(draft_dir, "config.json")):
         raise SystemExit(f"heterospec demo: no EAGLE-3 head at {draft_dir!r} (expected config.json and weights)")
-    draft = Eagle3Draft.from_pretrained(draft_dir, target=target, dtype=dtype, device=device)
+    args.draft = draft_dir
+    tokenizer, target, draft = _load_pair(args, device)
+    target_name = "SmolLM2-135M-Instruct" if args.target == "default" else str(args.target)
     hs_policy, hs_what = heterospec_policy(args.policy, DEFAULT_PROFILE if draft_dir == DEFAULT_HEAD else None)
     methods = default_methods(draft, hs_policy)
     texts = [args.prompt] if args.prompt else demo_prompts()[: args.num_prompts]
@@ -214,3 +200,9 @@ def _encode(tokenizer, text):
     from .cli import _encode as encode
 
     return encode(tokenizer, text)
+
+
+def _load_pair(args, device):
+    from .cli import _load_pair as load
+
+    return load(args, device)

@@ -28,10 +28,9 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .draft import Eagle3Config, Eagle3Draft
-from .hf import TargetAdapter, _decoder_layers
+from .hf import TargetAdapter
 
 
 def build_vocab_maps(token_ids, vocab_size, draft_vocab_size):
