@@ -391,7 +391,13 @@ def main(argv=None):
     t.add_argument("--device", default="cpu", help="where the target answers and the head trains (e.g. cuda)")
     t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     t.add_argument("--no-chat-template", action="store_true")
+    from . import bench
+
+    b = sub.add_parser("bench", help="the paper's evaluation: ar, eagle3, eagle3-tuned, heterospec-paper and "
+                                     "heterospec side by side over question files; JSON, markdown and plots")
+    bench.add_arguments(b)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)[1:]
     if args.cmd == "demo":
         if args.synthetic:
             demo(vocab=args.vocab, seed=args.seed)
@@ -405,6 +411,8 @@ def main(argv=None):
         calibrate_cmd(args)
     elif args.cmd == "train-draft":
         train_draft_cmd(args)
+    elif args.cmd == "bench":
+        return bench.main(args)
     else:
         from . import build_info
 

@@ -98,7 +98,8 @@ class GenerationStats:
     cycles: int = 0            # verification calls after the prefill
     verified_tokens: int = 0   # tree tokens sent through the target, root included
     accepted_hist: Counter = dataclasses.field(default_factory=Counter)  # accepted draft tokens per cycle
-    bins: Counter = dataclasses.field(default_factory=Counter)
+    bins: Counter = dataclasses.field(default_factory=Counter)          # cycles per entropy bin
+    bin_accepted: Counter = dataclasses.field(default_factory=Counter)  # accepted draft tokens per entropy bin
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -119,6 +120,7 @@ class GenerationStats:
         d = dataclasses.asdict(self)
         d["accepted_hist"] = dict(sorted(self.accepted_hist.items()))
         d["bins"] = dict(sorted(self.bins.items()))
+        d["bin_accepted"] = dict(sorted(self.bin_accepted.items()))
         d["tau"] = self.tau
         d["tokens_per_s"] = self.new_tokens / self.total_s if self.total_s else 0.0
         return d
@@ -271,7 +273,8 @@ class HeteroSpec:
 
     def _draft_tree(self, new_taps, new_ids, root_token, stats):
         """Catch the draft up on the committed positions, then grow this cycle's candidate tree.  Returns
-        (tokens, scores, parents) over all candidates (numpy) and the number of nodes to keep."""
+        (tokens, scores, parents) over all candidates (numpy), the number of nodes to keep and the entropy bin
+        (None for a policy without bins)."""
         d, pol = self.draft, self.policy
         t0 = time.perf_counter()
         P = self.target.length
@@ -281,17 +284,17 @@ class HeteroSpec:
         logits, h, kv = d(hidden, new_ids, positions, past_kv=self._draft_kv, attn_mask=None)
         self._draft_kv = kv  # the committed prefix: tree rows are appended to copies of it
         stats.draft_s += time.perf_counter() - t0
-        plan = {"keep": pol.total_tokens}
+        plan = {"keep": pol.total_tokens, "bin": None}
 
         def decide(entropy):
             b, extra, keep = pol.plan(entropy)
             stats.bins[b] += 1
-            plan["keep"] = keep
+            plan["keep"], plan["bin"] = keep, b
             return extra
 
         tree = grow_tree(d, kv, logits[0, -1:], h[0, -1:], P, pol.top_k, pol.depth, self._d2t,
                          decide if pol.thresholds else None, stats)
-        return tree.tokens, tree.scores, tree.parents, plan["keep"]
+        return tree.tokens, tree.scores, tree.parents, plan["keep"], plan["bin"]
 
     # ---- the loop -----------------------------------------------------------------------------------
 
@@ -345,12 +348,13 @@ class HeteroSpec:
         new_ids = torch.cat([input_ids[:, 1:], torch.tensor([[root]], device=input_ids.device)], dim=1)
         while not done:
             if self.draft is not None and self.policy.drafts:
-                tokens, scores, parents, keep = self._draft_tree(new_taps, new_ids, root, stats)
+                tokens, scores, parents, keep, cycle_bin = self._draft_tree(new_taps, new_ids, root, stats)
                 t1 = time.perf_counter()
                 sel = ops.select(scores, min(keep - 1, scores.shape[0]))
                 tree = ops.build_tree(tokens, parents, sel, root)
                 stats.ops_s += time.perf_counter() - t1
             else:
+                cycle_bin = None
                 tree = ops.build_tree(root_only[0][:0], root_only[1][:0], root_only[0][:0], root)
             t0 = time.perf_counter()
             tt, td, tm = (torch.from_numpy(a) for a in (tree.tokens, tree.depths, tree.mask))
@@ -369,6 +373,8 @@ class HeteroSpec:
             stats.cycles += 1
             stats.verified_tokens += int(tree.tokens.shape[0])
             stats.accepted_hist[len(path) - 1] += 1
+            if cycle_bin is not None:
+                stats.bin_accepted[cycle_bin] += len(path) - 1
             committed = tree.tokens[path[1:]].tolist() + [int(nxt)]
             # truncate at the budget, at EOS, or where a stopping criterion fires
             for i, t in enumerate(committed):

@@ -1,0 +1,667 @@
+"""``heterospec bench``: the paper's evaluation as one command, every method side by side in one run.
+
+One process, one model load.  Each question is answered by every method in turn before the next question
+(so drift of the machine during the run touches all methods alike), with the same prompt, settings and
+seed.  MT-bench's second turn is asked after the method's own first answer (EAGLE's evaluation does the
+same).  Methods:
+
+- ``ar``: autoregressive decoding through the same loop (one verification call per token);
+- ``eagle3``: EAGLE-3's static dynamic tree (depth 7, top_k 10, 60 verified nodes);
+- ``eagle3-tuned``: the static tree that is fastest on *this* machine, chosen on tuning prompts (never the
+  benchmark's) before the run: a trace of the tuning prompts is replayed for a grid of (depth, nodes) with a
+  cost model measured here, and the best few by predicted speed are then timed for real -- EAGLE's
+  ``total_token=-1`` auto-tune times forwards the same way, but only over the node count;
+- ``heterospec-paper``: the paper's fixed rule (alpha = ceil(depth/2), gamma = 0.3/0.6/1.0) on the profile's
+  entropy bins;
+- ``heterospec``: the calibrated profile (``heterospec calibrate``).
+
+Metrics (DESIGN.md §7): tokens/s = new tokens / decoding wall time (prefill included, after a warm-up;
+CUDA events on a GPU); speedup = the mean over questions of (the method's tokens/s / ar's), a question's
+tokens/s pooling its turns as EAGLE's ``speed.py`` does; tau = committed tokens / verification calls (the
+bonus token counts); verification calls and verified tokens; per entropy bin the share of cycles and the
+mean accepted length; the time split into prefill / drafting / verifying / ops / the rest of the loop.
+At temperature 0 every method's tokens are checked against the first method's, and any difference is
+reported as a MISMATCH (exit status 1).
+
+Outputs in ``--out``: ``results.json`` (every number, the settings, the machine and versions),
+``results.md`` (tables laid out like the paper's Table 1), ``answers.jsonl`` (EAGLE-style answer records)
+and PNG plots (``speedup.png``, ``tau_vs_verified.png``, ``bins.png``).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections import Counter
+
+SCHEMA = "heterospec.bench/1"
+METHODS = ("ar", "eagle3", "eagle3-tuned", "heterospec-paper", "heterospec")
+BENCHMARKS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum")
+LABELS = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "alpaca": "Alpaca",
+          "sum": "CNN/DM"}
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the tuning prompts of the default pair: the calibration prompts its profile was fitted on (not benchmarks)
+DEFAULT_TUNE_PROMPTS = os.path.join(REPO, "benchmarks", "data", "smollm2_calib_prompts.jsonl")
+TUNE_DEPTHS = (1, 2, 3, 4, 5, 6, 7, 8)
+TUNE_NODES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 60)
+
+
+# ---- questions ----------------------------------------------------------------------------------------------
+
+def default_question_files():
+    """The five benchmark files of ../shared/data/benchmarks (next to the working directory or the
+    checkout), or [] when neither has them."""
+    for root in (os.getcwd(), REPO):
+        d = os.path.join(root, "..", "shared", "data", "benchmarks")
+        files = [os.path.join(d, n + ".jsonl") for n in BENCHMARKS]
+        if all(os.path.isfile(f) for f in files):
+            return [os.path.normpath(f) for f in files]
+    return []
+
+
+def _bench_name(path):
+    base = os.path.basename(path)
+    stem = base[:-len(".jsonl")] if base.endswith(".jsonl") else os.path.splitext(base)[0]
+    if stem == "question":  # EAGLE's layout: data/<bench>/question.jsonl
+        stem = os.path.basename(os.path.dirname(os.path.abspath(path))) or stem
+    return stem
+
+
+def load_questions(paths, limit=None):
+    """{benchmark name: [{"question_id", "turns"}]} from EAGLE ``question.jsonl`` files, the first
+    ``limit`` questions of each."""
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"load_questions: argument 'limit' expected an int >= 1, got {limit!r}")
+    out = {}
+    for path in paths:
+        name = _bench_name(path)
+        if name in out:
+            raise ValueError(f"load_questions: argument 'paths' has two files named {name!r}")
+        try:
+            f = open(path)
+        except OSError as e:
+            raise ValueError(f"load_questions: cannot read question file {str(path)!r}: {e}") from None
+        qs = []
+        with f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError as e:
+                    raise ValueError(f"load_questions: {path}:{lineno} is not JSON: {e}") from None
+                turns = rec.get("turns") if isinstance(rec, dict) else None
+                if not (isinstance(turns, list) and turns and all(isinstance(t, str) and t for t in turns)):
+                    raise ValueError(f"load_questions: {path}:{lineno} expected an EAGLE question record with "
+                                     f"'turns': a non-empty list of strings, got {line.strip()[:80]!r}")
+                qs.append({"question_id": rec.get("question_id", len(qs)), "turns": turns})
+                if limit is not None and len(qs) >= limit:
+                    break
+        if not qs:
+            raise ValueError(f"load_questions: no questions in {str(path)!r}")
+        out[name] = qs
+    return out
+
+
+def encode_turn(tokenizer, turns, answers, chat=True):
+    """[1, S] ids asking ``turns[len(answers)]`` after the earlier turns and the model's own ``answers``."""
+    k = len(answers)
+    if chat and getattr(tokenizer, "chat_template", None):
+        msgs = []
+        for q, a in zip(turns[:k], answers):
+            msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        msgs.append({"role": "user", "content": turns[k]})
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt",
+                                             return_dict=True)["input_ids"]
+    text = "".join(f"{q}\n{a}\n\n" for q, a in zip(turns[:k], answers)) + turns[k]
+    return tokenizer(text, return_tensors="pt")["input_ids"]
+
+
+# ---- methods ----------------------------------------------------------------------------------------------
+
+def build_methods(names, *, draft=None, profile=None, tuned=None):
+    """[(name, Policy)] for ``names`` (a subset of :data:`METHODS`, in the given order).  ``profile``: the
+    calibrated Policy (for ``heterospec``, and the bins of ``heterospec-paper``); ``tuned``: the Policy of
+    ``eagle3-tuned``."""
+    from .decoding import Policy
+
+    bad = [n for n in names if n not in METHODS]
+    if bad or not names or len(set(names)) != len(names):
+        raise ValueError(f"bench: argument 'methods' expected distinct names from {', '.join(METHODS)}, got "
+                         f"{', '.join(names) if names else 'none'}")
+    out = []
+    for n in names:
+        if n != "ar" and draft is None:
+            raise ValueError(f"bench: method {n!r} needs a draft head (--draft)")
+        if n == "ar":
+            pol = Policy.autoregressive()
+        elif n == "eagle3":
+            pol = Policy.static(7, 10, 60)
+        elif n == "eagle3-tuned":
+            if tuned is None:
+                raise ValueError("bench: method 'eagle3-tuned' needs a tuned tree (tuning prompts or --tuned-tree)")
+            pol = tuned
+        else:
+            if profile is None:
+                raise ValueError(f"bench: method {n!r} needs a calibrated profile (--profile; heterospec calibrate "
+                                 f"writes one)")
+            pol = profile if n == "heterospec" else Policy.paper(profile.depth, profile.top_k, profile.total_tokens,
+                                                                 profile.thresholds)
+        out.append((n, pol))
+    return out
+
+
+def parse_tree(text):
+    """'DEPTH,TOP_K,NODES' -> Policy.static."""
+    from .decoding import Policy
+
+    try:
+        d, k, n = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"bench: argument '--tuned-tree' expected DEPTH,TOP_K,NODES (three ints), got {text!r}") from None
+    return Policy.static(d, k, n)
+
+
+def tune_static_tree(target, draft, prompt_ids, *, cost_model, max_new_tokens=64, top_k=10, depths=TUNE_DEPTHS,
+                     nodes=TUNE_NODES, measure=3, timer=None, progress=None):
+    """The fastest static tree on this machine for ``prompt_ids`` (tuning prompts): every (depth, nodes) of
+    the grid is replayed on one recorded trace with ``cost_model``; the ``measure`` best by predicted speed
+    are then decoded for real (greedy) and the fastest measured one wins.  Returns (Policy, report)."""
+    from .decoding import HeteroSpec, Policy
+    from .trace import record
+
+    timer = timer or Timer("cpu")
+    tr = record(target, draft, prompt_ids, max_new_tokens=max_new_tokens, top_k=top_k, levels=max(depths),
+                progress=(lambda i, n: progress("tuning: trace", i, n)) if progress else None)
+    grid = []
+    for d in depths:
+        for n in nodes:
+            r = tr.replay(Policy.static(d, top_k, n), cost_model=cost_model)
+            grid.append({"depth": d, "top_k": top_k, "nodes": n, "tau": r.tau,
+                         "predicted_tokens_per_s": r.predicted_tokens_per_s})
+    grid.sort(key=lambda g: -(g["predicted_tokens_per_s"] or 0.0))
+    measured = []
+    for j, g in enumerate(grid[:measure]):
+        pol = Policy.static(g["depth"], top_k, g["nodes"])
+        new, secs = 0, 0.0
+        with HeteroSpec(target, draft, pol) as hs:
+            hs.generate(prompt_ids[0], max_new_tokens=8)  # warm-up
+            for ids in prompt_ids:
+                (_, st), dt = timer(lambda: hs.generate(ids, max_new_tokens=max_new_tokens))
+                new += st.new_tokens
+                secs += dt
+        measured.append(dict(g, measured_tokens_per_s=new / secs if secs else 0.0))
+        if progress:
+            progress("tuning: timing", j + 1, min(measure, len(grid)))
+    best = max(measured, key=lambda g: g["measured_tokens_per_s"])
+    report = {"prompts": len(prompt_ids), "max_new_tokens": max_new_tokens, "grid": grid, "measured": measured,
+              "chosen": {"depth": best["depth"], "top_k": top_k, "nodes": best["nodes"]}}
+    return Policy.static(best["depth"], top_k, best["nodes"]), report
+
+
+# ---- timing -------------------------------------------------------------------------------------------------
+
+class Timer:
+    """``timer(fn) -> (fn(), seconds)``: CUDA events on a CUDA device (synchronised at the end), else
+    ``time.perf_counter``."""
+
+    def __init__(self, device):
+        self.cuda = str(device).startswith("cuda")
+
+    def __call__(self, fn):
+        if self.cuda:
+            import torch
+
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            r = fn()
+            end.record()
+            end.synchronize()
+            return r, start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        r = fn()
+        return r, time.perf_counter() - t0
+
+
+# ---- the run ------------------------------------------------------------------------------------------------
+
+def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=512, temperature=0.0, seed=0,
+              device="cpu", warmup_tokens=32, chat=True, eos_token_id=None, progress=None):
+    """Answer every question with every method (questions outer, methods inner).  Returns
+    {"temperature", "files": {bench: {method: metrics}}, "mean": {method: metrics}, "mismatches": [...],
+    "answers": [records]}."""
+    from .decoding import HeteroSpec
+
+    timer = Timer(device)
+    total_steps = sum(len(q["turns"]) for qs in questions.values() for q in qs) * len(methods)
+    step = 0
+    engines = {}
+    try:
+        for name, pol in methods:
+            engines[name] = HeteroSpec(target, draft if pol.drafts else None, pol)
+        if warmup_tokens:
+            first = next(iter(questions.values()))[0]
+            ids = encode_turn(tokenizer, first["turns"], [], chat).to(device)
+            for name, _ in methods:
+                engines[name].generate(ids, max_new_tokens=warmup_tokens, temperature=temperature, seed=seed)
+        per_q = {b: {n: [] for n, _ in methods} for b in questions}  # one record per question
+        answers = []
+        for b, qs in questions.items():
+            for qi, q in enumerate(qs):
+                for name, _ in methods:
+                    rec = {"question_id": q["question_id"], "turns": [], "ids": [], "new_tokens": [],
+                           "wall_time": [], "stats": []}
+                    texts = []
+                    for t in range(len(q["turns"])):
+                        if progress is not None:
+                            progress(f"{b} q{qi + 1}/{len(qs)} turn {t + 1} {name}", step, total_steps)
+                        ids = encode_turn(tokenizer, q["turns"], texts, chat).to(device)
+                        turn_seed = (seed * 1_000_003 + qi * 16 + t) % 2**62
+                        (seq, st), dt = timer(lambda: engines[name].generate(
+                            ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=turn_seed,
+                            eos_token_id=eos_token_id))
+                        new = seq[0, ids.shape[1]:].tolist()
+                        texts.append(tokenizer.decode(new, skip_special_tokens=True))
+                        rec["ids"].append(new)
+                        rec["new_tokens"].append(st.new_tokens)
+                        rec["wall_time"].append(dt)
+                        rec["stats"].append(st)
+                        step += 1
+                    rec["turns"] = texts
+                    per_q[b][name].append(rec)
+                    answers.append({"bench": b, "question_id": q["question_id"], "method": name,
+                                    "turns": texts, "new_tokens": rec["new_tokens"], "wall_time": rec["wall_time"]})
+        if progress is not None:
+            progress("done", total_steps, total_steps)
+    finally:
+        for hs in engines.values():
+            hs.close()
+    names = [n for n, _ in methods]
+    files = {b: {n: _metrics(per_q[b][n], per_q[b]["ar"] if "ar" in names else None) for n in names}
+             for b in questions}
+    mean = {n: _mean_row([files[b][n] for b in questions]) for n in names}
+    mism = mismatch_report(per_q, names) if temperature == 0 else []
+    return {"temperature": temperature, "files": files, "mean": mean, "mismatches": mism, "answers": answers}
+
+
+def _metrics(recs, ar_recs):
+    """One method on one benchmark file, from its per-question records."""
+    new = sum(sum(r["new_tokens"]) for r in recs)
+    secs = sum(sum(r["wall_time"]) for r in recs)
+    stats = [s for r in recs for s in r["stats"]]
+    cycles = sum(s.cycles for s in stats)
+    committed = sum(s.committed for s in stats)
+    verified = sum(s.verified_tokens for s in stats)
+    bins, bin_acc = Counter(), Counter()
+    for s in stats:
+        bins.update(s.bins)
+        bin_acc.update(s.bin_accepted)
+    nb = sum(bins.values())
+    split = {k: sum(getattr(s, k + "_s") for s in stats) for k in ("prefill", "draft", "verify", "ops")}
+    total = sum(s.total_s for s in stats)
+    split["loop"] = max(0.0, total - sum(split.values()))  # the Python loop, streaming, stopping checks
+    q_tps = [sum(r["new_tokens"]) / sum(r["wall_time"]) if sum(r["wall_time"]) else 0.0 for r in recs]
+    speedup = None
+    if ar_recs is not None:
+        ar_tps = [sum(r["new_tokens"]) / sum(r["wall_time"]) if sum(r["wall_time"]) else 0.0 for r in ar_recs]
+        ratios = [a / b for a, b in zip(q_tps, ar_tps) if b > 0]
+        speedup = sum(ratios) / len(ratios) if ratios else None
+    return {
+        "questions": len(recs), "turns": len(stats), "new_tokens": new, "seconds": secs,
+        "tokens_per_s": new / secs if secs else 0.0, "speedup": speedup,
+        "tau": committed / cycles if cycles else 0.0, "verification_calls": cycles, "verified_tokens": verified,
+        "verified_per_new_token": verified / new if new else 0.0,
+        "bins": {str(b): {"cycles": c, "share": c / nb, "mean_accepted": bin_acc[b] / c} for b, c in sorted(bins.items())},
+        "time_split_s": split, "time_split_share": {k: v / total if total else 0.0 for k, v in split.items()},
+        "per_question_tokens_per_s": q_tps,
+    }
+
+
+def _mean_row(rows):
+    """The paper's "Mean" column: the mean of the per-benchmark speedups and taus; totals of the counts."""
+    sp = [r["speedup"] for r in rows if r["speedup"] is not None]
+    return {"speedup": sum(sp) / len(sp) if sp else None, "tau": sum(r["tau"] for r in rows) / len(rows),
+            "tokens_per_s": sum(r["tokens_per_s"] for r in rows) / len(rows),
+            "verification_calls": sum(r["verification_calls"] for r in rows),
+            "verified_tokens": sum(r["verified_tokens"] for r in rows),
+            "new_tokens": sum(r["new_tokens"] for r in rows)}
+
+
+def mismatch_report(per_q, names):
+    """[{bench, question_id, turn, method, reference, first_diff}]: every (question, turn) where a method's
+    tokens differ from the first method's."""
+    bad = []
+    ref_name = names[0]
+    for b, by_method in per_q.items():
+        for name in names[1:]:
+            for ref, rec in zip(by_method[ref_name], by_method[name]):
+                for t, (a, c) in enumerate(zip(ref["ids"], rec["ids"])):
+                    if a != c:
+                        pos = next((k for k, (x, y) in enumerate(zip(a, c)) if x != y), min(len(a), len(c)))
+                        bad.append({"bench": b, "question_id": rec["question_id"], "turn": t, "method": name,
+                                    "reference": ref_name, "first_diff": pos})
+    return bad
+
+
+# ---- reports ------------------------------------------------------------------------------------------------
+
+def _fmt(v, spec):
+    return "–" if v is None else format(v, spec)
+
+
+def markdown(result):
+    """Markdown tables laid out like the paper's Table 1, one pair per temperature."""
+    lines = []
+    s = result["settings"]
+    lines.append(f"Target {result['models']['target']}, draft {result['models']['draft']}; {s['device']} "
+                 f"{s['dtype']}, max_new_tokens {s['max_new_tokens']}, up to {s['limit'] or 'all'} questions per file, "
+                 f"seed {s['seed']}; {result['machine']['summary']}.")
+    lines.append("")
+    for run in result["runs"]:
+        benches = list(run["files"])
+        names = list(run["mean"])
+        cols = [LABELS.get(b, b) for b in benches] + ["Mean"]
+        lines.append(f"**Temperature {run['temperature']:g}: speedup over ar and tau**")
+        lines.append("")
+        lines.append("| Method | " + " | ".join(f"{c} speedup | {c} τ" for c in cols) + " |")
+        lines.append("|---|" + "---:|---:|" * len(cols))
+        for n in names:
+            cells = [run["files"][b][n] for b in benches] + [run["mean"][n]]
+            lines.append(f"| {n} | " + " | ".join(f"{_fmt(c['speedup'], '.2f')}x | {c['tau']:.2f}" for c in cells) + " |")
+        lines.append("")
+        lines.append(f"**Temperature {run['temperature']:g}: verification calls and verified tokens; tokens/s**")
+        lines.append("")
+        lines.append("| Method | " + " | ".join(f"{c} calls | {c} verified" for c in cols) + " | tokens/s (mean) |")
+        lines.append("|---|" + "---:|---:|" * len(cols) + "---:|")
+        for n in names:
+            cells = [run["files"][b][n] for b in benches] + [run["mean"][n]]
+            lines.append(f"| {n} | " + " | ".join(f"{c['verification_calls']} | {c['verified_tokens']}" for c in cells)
+                         + f" | {run['mean'][n]['tokens_per_s']:.1f} |")
+        lines.append("")
+        lines.append(f"**Temperature {run['temperature']:g}: time split (share of decoding time) and entropy bins**")
+        lines.append("")
+        lines.append("| Method | Benchmark | prefill | draft | verify | ops | loop | bin shares (mean accepted) |")
+        lines.append("|---|---|---:|---:|---:|---:|---:|---|")
+        for n in names:
+            for b in benches:
+                m = run["files"][b][n]
+                sh = m["time_split_share"]
+                bins = ", ".join(f"{k}: {v['share']:.2f} ({v['mean_accepted']:.2f})" for k, v in m["bins"].items())
+                lines.append(f"| {n} | {LABELS.get(b, b)} | {sh['prefill']:.2f} | {sh['draft']:.2f} | "
+                             f"{sh['verify']:.2f} | {sh['ops']:.2f} | {sh['loop']:.2f} | {bins or '–'} |")
+        lines.append("")
+        if run["temperature"] == 0:
+            if run["mismatches"]:
+                lines.append(f"**MISMATCH: {len(run['mismatches'])} outputs differ from {run['mismatches'][0]['reference']}'s.**")
+            else:
+                lines.append(f"Identical greedy outputs across {', '.join(names)} on every question and turn.")
+            lines.append("")
+    if result.get("tuning"):
+        c = result["tuning"]["chosen"]
+        lines.append(f"eagle3-tuned: depth {c['depth']}, top_k {c['top_k']}, {c['nodes']} nodes "
+                     f"({result['tuning'].get('how', '')}).")
+    return "\n".join(lines) + "\n"
+
+
+def plots(result, out_dir):
+    """speedup.png, tau_vs_verified.png and bins.png for the first run (temperature) of ``result``;
+    returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for run in result["runs"]:
+        suffix = "" if run is result["runs"][0] else f"_t{run['temperature']:g}"
+        benches, names = list(run["files"]), list(run["mean"])
+        labels = [LABELS.get(b, b) for b in benches] + ["Mean"]
+        # 1. speedup by benchmark and method
+        fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(labels), 3.6))
+        w = 0.8 / len(names)
+        for j, n in enumerate(names):
+            vals = [run["files"][b][n]["speedup"] or 0.0 for b in benches] + [run["mean"][n]["speedup"] or 0.0]
+            ax.bar([i + (j - (len(names) - 1) / 2) * w for i in range(len(labels))], vals, w, label=n)
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_xticks(range(len(labels)), labels)
+        ax.set_ylabel("speedup over ar")
+        ax.set_title(f"speedup, temperature {run['temperature']:g}")
+        ax.legend(fontsize=7, ncol=min(len(names), 5), loc="upper center", bbox_to_anchor=(0.5, -0.1), frameon=False)
+        paths.append(_save(fig, os.path.join(out_dir, f"speedup{suffix}.png")))
+        # 2. tau against verified tokens (per benchmark, one marker per method)
+        fig, ax = plt.subplots(figsize=(5.2, 3.8))
+        for n in names:
+            xs = [run["files"][b][n]["verified_per_new_token"] for b in benches]
+            ys = [run["files"][b][n]["tau"] for b in benches]
+            ax.plot(xs, ys, "o", label=n)
+            for x, y, b in zip(xs, ys, benches):
+                ax.annotate(LABELS.get(b, b), (x, y), fontsize=6, xytext=(2, 2), textcoords="offset points")
+        ax.set_xlabel("verified tokens per generated token")
+        ax.set_ylabel("tau (tokens per verification call)")
+        ax.set_title(f"acceptance vs verification cost, temperature {run['temperature']:g}")
+        ax.legend(fontsize=7)
+        paths.append(_save(fig, os.path.join(out_dir, f"tau_vs_verified{suffix}.png")))
+        # 3. entropy-bin distribution per benchmark (methods with bins)
+        binned = [n for n in names if any(run["files"][b][n]["bins"] for b in benches)]
+        fig, axes = plt.subplots(1, max(1, len(binned)), figsize=(1.2 + 3.2 * max(1, len(binned)), 3.6), squeeze=False)
+        for ax, n in zip(axes[0], binned or [None]):
+            if n is None:
+                ax.text(0.5, 0.5, "no method with entropy bins", ha="center", va="center")
+                ax.set_axis_off()
+                continue
+            allbins = sorted({int(k) for b in benches for k in run["files"][b][n]["bins"]})
+            bottom = [0.0] * len(benches)
+            for k in allbins:
+                v = [run["files"][b][n]["bins"].get(str(k), {}).get("share", 0.0) for b in benches]
+                ax.bar(range(len(benches)), v, bottom=bottom, label=f"bin {k}")
+                bottom = [a + c for a, c in zip(bottom, v)]
+            ax.set_xticks(range(len(benches)), [LABELS.get(b, b) for b in benches], fontsize=7)
+            ax.set_ylabel("share of cycles")
+            ax.set_title(n)
+            ax.legend(fontsize=6)
+        paths.append(_save(fig, os.path.join(out_dir, f"bins{suffix}.png")))
+    return paths
+
+
+def _save(fig, path):
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def machine_info(device="cpu"):
+    import numpy
+    import torch
+
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "numpy": numpy.__version__, "torch_threads": torch.get_num_threads()}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    from . import __version__, build_info
+
+    info["heterospec"] = __version__
+    info["build"] = build_info()
+    if str(device).startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+        info["cuda"] = torch.version.cuda
+    info["summary"] = (f"{info.get('gpu') or info.get('cpu_model') or info['processor']}, {info['cpus']} cores, "
+                       f"Python {info['python']}, torch {info['torch']}, transformers {info.get('transformers', '?')}")
+    return info
+
+
+def write_outputs(result, answers, out_dir, make_plots=True):
+    """results.json, results.md, answers.jsonl (and the plots) in ``out_dir``; returns their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, "results.json"), os.path.join(out_dir, "results.md"),
+             os.path.join(out_dir, "answers.jsonl")]
+    with open(paths[0], "w") as f:
+        json.dump(result, f, indent=1)
+    with open(paths[1], "w") as f:
+        f.write(markdown(result))
+    with open(paths[2], "w") as f:
+        for a in answers:
+            f.write(json.dumps(a) + "\n")
+    if make_plots:
+        paths += plots(result, out_dir)
+    return paths
+
+
+# ---- the command ------------------------------------------------------------------------------------------
+
+class _Bar:
+    """A one-line progress bar on stderr with an ETA."""
+
+    def __init__(self, stream=sys.stderr):
+        self.stream, self.t0 = stream, time.perf_counter()
+
+    def __call__(self, what, i, n):
+        frac = i / n if n else 1.0
+        el = time.perf_counter() - self.t0
+        eta = f"{el / frac - el:5.0f}s left" if 0 < frac < 1 else f"{el:5.0f}s"
+        bar = "#" * int(24 * frac)
+        self.stream.write(f"\r[{bar:<24}] {i}/{n} {eta}  {what[:48]:<48}")
+        self.stream.flush()
+        if i >= n:
+            self.stream.write("\n")
+
+
+def main(args, out=None):
+    """The ``heterospec bench`` command; returns the exit status (1 on a temperature-0 mismatch)."""
+    import torch
+
+    out = out or sys.stdout
+    from .calibrate import load_profile, profile_costs
+    from .cli import _load_pair, _read_prompts
+    from .demo import DEFAULT_HEAD, DEFAULT_PROFILE
+
+    t_start = time.perf_counter()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"heterospec bench: --device {args.device} but torch sees no CUDA device")
+    for t in args.temperature:
+        if not (math.isfinite(t) and t >= 0):
+            raise SystemExit(f"heterospec bench: --temperature expected values >= 0, got {t}")
+    if args.max_new_tokens < 1:
+        raise SystemExit(f"heterospec bench: --max-new-tokens expected an int >= 1, got {args.max_new_tokens}")
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    paths = args.questions or default_question_files()
+    if not paths:
+        raise SystemExit("heterospec bench: no question files: ../shared/data/benchmarks is not here; pass "
+                         "--questions PATH [PATH ...] (EAGLE question.jsonl format)")
+    try:
+        questions = load_questions(paths, args.limit)
+    except ValueError as e:
+        raise SystemExit(f"heterospec bench: {e}") from None
+    if args.draft is None and args.target == "default":
+        args.draft = DEFAULT_HEAD
+    if args.draft is None and any(n != "ar" for n in names):
+        raise SystemExit("heterospec bench: --draft PATH is required for methods other than ar")
+    profile_path = args.profile or (DEFAULT_PROFILE if args.draft in (DEFAULT_HEAD, "default") else None)
+    profile = load_profile(profile_path)[0] if profile_path else None
+    torch.manual_seed(args.seed)
+    tokenizer, target, draft = _load_pair(args, args.device)
+    timer = Timer(args.device)
+    bar = _Bar()
+    tuning, tuned = None, None
+    if "eagle3-tuned" in names:
+        if args.tuned_tree:
+            tuned = parse_tree(args.tuned_tree)
+            tuning = {"how": "given with --tuned-tree",
+                      "chosen": {"depth": tuned.depth, "top_k": tuned.top_k, "nodes": tuned.total_tokens}}
+        else:
+            tp = args.tune_prompts or (DEFAULT_TUNE_PROMPTS if os.path.exists(DEFAULT_TUNE_PROMPTS) else None)
+            if tp is None:
+                raise SystemExit("heterospec bench: eagle3-tuned needs --tune-prompts PATH (prompts that are not "
+                                 "benchmark questions) or --tuned-tree DEPTH,TOP_K,NODES")
+            texts = _read_prompts([tp], args.tune_limit)
+            ids = [encode_turn(tokenizer, [t], [], not args.no_chat_template).to(args.device) for t in texts]
+            t0 = time.perf_counter()
+            cost = profile_costs(target, draft, reps=2)
+            tuned, tuning = tune_static_tree(target, draft, ids, cost_model=cost,
+                                             max_new_tokens=args.tune_max_new_tokens, timer=timer, progress=bar)
+            tuning.update(how=f"replayed {len(TUNE_DEPTHS) * len(TUNE_NODES)} static trees on a trace of "
+                              f"{len(ids)} tuning prompts from {os.path.basename(tp)} with a cost model measured "
+                              f"here, then timed the best 3", prompts_file=tp, cost_model=cost.to_dict(),
+                          seconds=time.perf_counter() - t0)
+    try:
+        methods = build_methods(names, draft=draft, profile=profile, tuned=tuned)
+    except ValueError as e:
+        raise SystemExit(f"heterospec bench: {e}") from None
+    nq = {b: len(qs) for b, qs in questions.items()}
+    print(f"heterospec bench: {', '.join(names)} on {', '.join(f'{b} ({n})' for b, n in nq.items())}; "
+          f"max_new_tokens {args.max_new_tokens}, temperature {', '.join(f'{t:g}' for t in args.temperature)}, "
+          f"{args.device} {args.dtype}", file=out, flush=True)
+    runs, answers = [], []
+    for temp in args.temperature:
+        r = run_bench(target, tokenizer, draft, methods, questions, max_new_tokens=args.max_new_tokens,
+                      temperature=temp, seed=args.seed, device=args.device, warmup_tokens=args.warmup_tokens,
+                      chat=not args.no_chat_template, eos_token_id=tokenizer.eos_token_id, progress=_Bar())
+        answers += [dict(a, temperature=temp) for a in r.pop("answers")]
+        runs.append(r)
+    policies = {n: {"depth": p.depth, "top_k": p.top_k, "total_tokens": p.total_tokens,
+                    "thresholds": list(p.thresholds), "extra": list(p.extra), "keep": list(p.keep)}
+                for n, p in methods}
+    result = {
+        "schema": SCHEMA,
+        "command": "heterospec bench " + " ".join(getattr(args, "argv", []) or []),
+        "settings": {"methods": names, "questions": {b: os.path.abspath(p) for b, p in zip(questions, paths)},
+                     "limit": args.limit, "max_new_tokens": args.max_new_tokens, "temperatures": args.temperature,
+                     "seed": args.seed, "device": args.device, "dtype": args.dtype,
+                     "warmup_tokens": args.warmup_tokens, "chat_template": not args.no_chat_template,
+                     "eos_token_id": tokenizer.eos_token_id},
+        "models": {"target": "SmolLM2-135M-Instruct" if args.target == "default" else str(args.target),
+                   "draft": str(args.draft), "profile": profile_path},
+        "methods": policies, "tuning": tuning, "machine": machine_info(args.device), "runs": runs,
+        "seconds": time.perf_counter() - t_start,
+    }
+    written = write_outputs(result, answers, args.out, make_plots=not args.no_plots)
+    print(markdown(result), file=out)
+    status = 0
+    for run in runs:
+        for m in run["mismatches"]:
+            status = 1
+            print(f"MISMATCH at temperature 0: {m['method']} differs from {m['reference']} on {m['bench']} question "
+                  f"{m['question_id']} turn {m['turn'] + 1} at new token {m['first_diff']}", file=out)
+    print(f"wrote {', '.join(written)} (total {result['seconds']:.0f} s)", file=out)
+    return status
+
+
+def add_arguments(p):
+    p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct) or an HF model directory")
+    p.add_argument("--gguf-file", default=None)
+    p.add_argument("--draft", default=None, help="EAGLE-3 head directory (default with --target default: the shipped head)")
+    p.add_argument("--profile", default=None, help="calibrated profile for heterospec / heterospec-paper "
+                                                   "(default: the shipped head's)")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
+    p.add_argument("--questions", nargs="+", default=None,
+                   help="EAGLE question.jsonl files (default: the five of ../shared/data/benchmarks)")
+    p.add_argument("--limit", type=int, default=None, help="questions per file")
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one run per value, e.g. 0 1")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--warmup-tokens", type=int, default=32, help="untimed tokens per method before the run")
+    p.add_argument("--tune-prompts", default=None, help="prompts for choosing eagle3-tuned (never benchmark "
+                                                        "questions; default: the calibration prompts in a checkout)")
+    p.add_argument("--tune-limit", type=int, default=8)
+    p.add_argument("--tune-max-new-tokens", type=int, default=64)
+    p.add_argument("--tuned-tree", default=None, help="DEPTH,TOP_K,NODES for eagle3-tuned instead of tuning")
+    p.add_argument("--no-chat-template", action="store_true")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--out", default="bench-out", help="output directory")

@@ -1,0 +1,298 @@
+"""`heterospec bench`: question files, the methods, the run on a tiny pair saved to disk (JSON schema,
+markdown tables, plots, EAGLE-style answers, the second turn after the model's own first answer, both
+temperatures), the eagle3-tuned search, the identical-output check firing on a broken method, and one
+small run on the real default pair (CI's last stage)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+from test_cli_generate import save_tiny_pair  # noqa: E402
+from test_decoding import THRESHOLDS  # noqa: E402
+
+from heterospec import bench  # noqa: E402
+from heterospec.decoding import HeteroSpec, Policy  # noqa: E402
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _questions(root):
+    """Two small question files in the EAGLE format: one of two-turn questions, one in a question.jsonl
+    directory (named by its directory, as in EAGLE's data/<bench>/question.jsonl)."""
+    chat = root / "chat.jsonl"
+    chat.write_text("\n".join(json.dumps({"question_id": 100 + i, "category": "x",
+                                          "turns": [f"w{3 + i} w17 w40 w22", f"w{9 + i} w5"]}) for i in range(3)) + "\n")
+    (root / "code").mkdir()
+    code = root / "code" / "question.jsonl"
+    code.write_text("".join(json.dumps({"question_id": i, "turns": [f"w{20 + i} w8 w31"]}) + "\n\n" for i in range(4)))
+    return [chat, code]
+
+
+def _pair(tmp_path):
+    from heterospec.calibrate import save_profile
+
+    save_tiny_pair(tmp_path)
+    save_profile(tmp_path / "profile.json", Policy(4, 3, 12, THRESHOLDS, (2, 1, 0), (4, 8, 12), name="calibrated"))
+    return ["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--profile",
+            str(tmp_path / "profile.json")]
+
+
+# ---- questions and methods ------------------------------------------------------------------------------------
+
+def test_load_questions_reads_eagle_files_and_names_them(tmp_path):
+    chat, code = _questions(tmp_path)
+    qs = bench.load_questions([chat, code], limit=2)
+    assert list(qs) == ["chat", "code"]
+    assert [q["question_id"] for q in qs["chat"]] == [100, 101] and len(qs["chat"][0]["turns"]) == 2
+    assert [q["question_id"] for q in bench.load_questions([code])["code"]] == [0, 1, 2, 3]  # blank lines skipped
+
+
+@pytest.mark.parametrize("content, needle", [
+    ('{"question_id": 1}\n', "expected an EAGLE question record"),
+    ('{"turns": []}\n', "expected an EAGLE question record"),
+    ('{"turns": ["ok", 3]}\n', "expected an EAGLE question record"),
+    ("not json\n", "is not JSON"),
+    ("\n\n", "no questions in"),
+])
+def test_load_questions_names_the_bad_line(tmp_path, content, needle):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(content)
+    with pytest.raises(ValueError, match=needle) as e:
+        bench.load_questions([p])
+    if "no questions" not in needle:
+        assert "bad.jsonl:" in str(e.value)
+
+
+def test_load_questions_refuses_a_missing_file_a_bad_limit_and_two_files_of_one_name(tmp_path):
+    chat, _ = _questions(tmp_path)
+    with pytest.raises(ValueError, match="cannot read question file"):
+        bench.load_questions([tmp_path / "nowhere.jsonl"])
+    with pytest.raises(ValueError, match="argument 'limit' expected an int >= 1, got 0"):
+        bench.load_questions([chat], limit=0)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "chat.jsonl").write_text(chat.read_text())
+    with pytest.raises(ValueError, match="two files named 'chat'"):
+        bench.load_questions([chat, tmp_path / "b" / "chat.jsonl"])
+
+
+def test_build_methods_and_their_errors():
+    prof = Policy(7, 10, 60, THRESHOLDS, (4, 3, 2), (20, 40, 62), name="calibrated")
+    tuned = Policy.static(3, 10, 8)
+    m = dict(bench.build_methods(list(bench.METHODS), draft=object(), profile=prof, tuned=tuned))
+    assert list(m) == list(bench.METHODS)
+    assert m["ar"] == Policy.autoregressive() and m["eagle3"] == Policy.static(7, 10, 60)
+    assert m["eagle3-tuned"] is tuned and m["heterospec"] is prof
+    assert m["heterospec-paper"] == Policy.paper(7, 10, 60, THRESHOLDS)  # the paper's rule on the profile's bins
+    with pytest.raises(ValueError, match="argument 'methods' expected distinct names from .*got ar, medusa"):
+        bench.build_methods(["ar", "medusa"])
+    with pytest.raises(ValueError, match="argument 'methods'"):
+        bench.build_methods(["ar", "ar"])
+    with pytest.raises(ValueError, match="method 'eagle3' needs a draft head"):
+        bench.build_methods(["ar", "eagle3"])
+    with pytest.raises(ValueError, match="'heterospec-paper' needs a calibrated profile"):
+        bench.build_methods(["heterospec-paper"], draft=object())
+    with pytest.raises(ValueError, match="'eagle3-tuned' needs a tuned tree"):
+        bench.build_methods(["eagle3-tuned"], draft=object())
+    assert bench.parse_tree("3,10,8") == Policy.static(3, 10, 8)
+    with pytest.raises(ValueError, match="'--tuned-tree' expected DEPTH,TOP_K,NODES"):
+        bench.parse_tree("3,10")
+
+
+def test_second_turn_is_asked_after_the_models_own_answer():
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    words = ["user", "assistant", "q1", "a1", "q2", ":"]
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0, **{w: i + 1 for i, w in enumerate(words)}},
+                                                           unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+                          "{% if add_generation_prompt %}assistant : {% endif %}")
+    ids = bench.encode_turn(fast, ["q1", "q2"], ["a1"])
+    assert fast.decode(ids[0]).split() == "user : q1 assistant : a1 user : q2 assistant :".split()
+    assert fast.decode(bench.encode_turn(fast, ["q1", "q2"], [])[0]).split() == "user : q1 assistant :".split()
+    plain = bench.encode_turn(fast, ["q1", "q2"], ["a1"], chat=False)
+    assert fast.decode(plain[0]).split() == ["q1", "a1", "q2"]
+
+
+# ---- the command on a tiny pair ---------------------------------------------------------------------------
+
+def test_bench_command_writes_json_tables_plots_and_answers(tmp_path):
+    pair = _pair(tmp_path)
+    qfiles = _questions(tmp_path)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "heterospec", "bench", *pair, "--questions", *map(str, qfiles), "--limit", "2",
+           "--max-new-tokens", "10", "--temperature", "0", "1", "--tuned-tree", "3,3,6", "--warmup-tokens", "4",
+           "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    r = json.loads((out / "results.json").read_text())
+    assert r["schema"] == bench.SCHEMA
+    for key in ("command", "settings", "models", "methods", "tuning", "machine", "runs", "seconds"):
+        assert key in r, key
+    assert r["settings"]["max_new_tokens"] == 10 and r["settings"]["limit"] == 2
+    assert r["machine"]["torch"] == torch.__version__ and "build" in r["machine"]
+    assert r["tuning"]["chosen"] == {"depth": 3, "top_k": 3, "nodes": 6}
+    assert r["methods"]["eagle3-tuned"]["total_tokens"] == 6 and r["methods"]["heterospec"]["keep"] == [4, 8, 12]
+    assert [run["temperature"] for run in r["runs"]] == [0.0, 1.0]
+    names = list(bench.METHODS)
+    for run in r["runs"]:
+        assert list(run["files"]) == ["chat", "code"] and list(run["mean"]) == names
+        for b, by_m in run["files"].items():
+            assert list(by_m) == names
+            for n, m in by_m.items():
+                assert m["questions"] == 2 and m["turns"] == (4 if b == "chat" else 2)
+                assert m["new_tokens"] > 0 and m["seconds"] > 0 and m["verification_calls"] > 0
+                assert m["speedup"] > 0 and len(m["per_question_tokens_per_s"]) == 2
+                assert set(m["time_split_s"]) == {"prefill", "draft", "verify", "ops", "loop"}
+                assert abs(sum(m["time_split_share"].values()) - 1) < 1e-6
+                if n in ("heterospec", "heterospec-paper"):
+                    assert abs(sum(v["share"] for v in m["bins"].values()) - 1) < 1e-9
+                    assert sum(v["cycles"] for v in m["bins"].values()) == m["verification_calls"]
+                else:
+                    assert m["bins"] == {}
+            ar = by_m["ar"]
+            assert ar["speedup"] == 1.0 and ar["tau"] == 1.0 and ar["verified_tokens"] == ar["verification_calls"]
+            assert by_m["eagle3"]["verified_tokens"] > by_m["eagle3"]["verification_calls"]  # trees of many nodes
+    assert r["runs"][0]["mismatches"] == [] and r["runs"][1]["mismatches"] == []  # only checked at T=0
+    # the markdown: Table-1 layout, one row per method, and the identical-output line
+    md = (out / "results.md").read_text()
+    assert "| Method | chat speedup | chat τ | code speedup | code τ | Mean speedup | Mean τ |" in md
+    assert "| Method | chat calls | chat verified |" in md and "Temperature 1" in md
+    for n in names:
+        assert md.count(f"| {n} | ") >= 2 * 2 + 2 * 2  # two tables per temperature + time-split rows
+    assert "Identical greedy outputs across ar, eagle3, eagle3-tuned, heterospec-paper, heterospec" in md
+    assert md in res.stdout
+    for png in ("speedup.png", "tau_vs_verified.png", "bins.png", "speedup_t1.png", "bins_t1.png"):
+        data = (out / png).read_bytes()
+        assert data[:8] == PNG and len(data) > 5000, png
+    answers = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert len(answers) == 2 * 2 * len(names) * 2  # temperatures x files x methods x questions
+    a = next(a for a in answers if a["bench"] == "chat" and a["method"] == "heterospec" and a["temperature"] == 0)
+    assert len(a["turns"]) == 2 and len(a["new_tokens"]) == 2 and len(a["wall_time"]) == 2
+    greedy = {(a["bench"], a["question_id"]): a["turns"] for a in answers if a["temperature"] == 0 and a["method"] == "ar"}
+    for a in answers:
+        if a["temperature"] == 0:
+            assert a["turns"] == greedy[(a["bench"], a["question_id"])], a["method"]
+
+
+def test_bench_outputs_equal_the_targets_greedy_answers_turn_by_turn(tmp_path):
+    """The second turn's prompt holds the first answer: the outputs equal a hand-rolled HF greedy run of
+    the same conversation."""
+    model, tok = save_tiny_pair(tmp_path)
+    qs = bench.load_questions(_questions(tmp_path)[:1], limit=1)
+    q = qs["chat"][0]
+    methods = [("ar", Policy.autoregressive()), ("eagle3", Policy.static(3, 3, 8))]
+    from heterospec.draft import Eagle3Draft
+
+    draft = Eagle3Draft.from_pretrained(str(tmp_path / "draft"), target=model)
+    r = bench.run_bench(model, tok, draft, methods, qs, max_new_tokens=8, warmup_tokens=0,
+                        eos_token_id=tok.eos_token_id)
+    answers = []
+    for turn in range(2):
+        ids = bench.encode_turn(tok, q["turns"], answers)
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
+                             pad_token_id=0, eos_token_id=tok.eos_token_id)
+        answers.append(tok.decode(ref[0, ids.shape[1]:], skip_special_tokens=True))
+    for a in r["answers"]:
+        assert a["turns"] == answers, a["method"]
+    assert r["mismatches"] == []
+
+
+def test_bench_reports_a_mismatch_when_a_method_is_broken(tmp_path, monkeypatch, capsys):
+    """A method whose output differs from ar's (here: eagle3's third new token changed) is reported in the
+    JSON, the markdown and the exit status."""
+    from heterospec import cli
+
+    pair = _pair(tmp_path)
+    qfiles = _questions(tmp_path)
+    real = HeteroSpec.generate
+
+    def broken(self, input_ids, **kw):
+        seq, st = real(self, input_ids, **kw)
+        if self.policy.name == "eagle3" and kw.get("max_new_tokens", 0) > 4:
+            seq = seq.clone()
+            seq[0, input_ids.shape[1] + 2] = (seq[0, input_ids.shape[1] + 2] + 1) % 97
+        return seq, st
+
+    monkeypatch.setattr(HeteroSpec, "generate", broken)
+    out = tmp_path / "out"
+    status = cli.main(["bench", *pair, "--questions", str(qfiles[1]), "--limit", "2", "--max-new-tokens", "6",
+                       "--methods", "ar,eagle3,heterospec", "--warmup-tokens", "2", "--no-plots", "--out", str(out)])
+    assert status == 1
+    r = json.loads((out / "results.json").read_text())
+    assert r["runs"][0]["mismatches"] == [
+        {"bench": "code", "question_id": i, "turn": 0, "method": "eagle3", "reference": "ar", "first_diff": 2}
+        for i in range(2)]
+    assert "MISMATCH: 2 outputs differ from ar's" in (out / "results.md").read_text()
+    printed = capsys.readouterr().out
+    assert "MISMATCH at temperature 0: eagle3 differs from ar on code question 1 turn 1 at new token 2" in printed
+    assert not (out / "speedup.png").exists()
+
+
+def test_bench_command_refuses_bad_arguments(tmp_path):
+    pair = _pair(tmp_path)
+    qfiles = [str(p) for p in _questions(tmp_path)]
+    base = [sys.executable, "-m", "heterospec", "bench", *pair, "--out", str(tmp_path / "o")]
+    for extra, needle in (
+        (["--questions", *qfiles, "--methods", "ar,beam"], "argument 'methods' expected distinct names"),
+        (["--questions", str(tmp_path / "none.jsonl")], "cannot read question file"),
+        (["--questions", *qfiles, "--temperature", "-1"], "--temperature expected values >= 0"),
+        (["--questions", *qfiles, "--methods", "ar,eagle3-tuned", "--tuned-tree", "x"], "'--tuned-tree' expected"),
+    ):
+        res = subprocess.run(base + extra, capture_output=True, text=True, timeout=300)
+        assert res.returncode != 0 and needle in res.stderr, (extra, res.stderr)
+
+
+def test_tuning_picks_a_measured_tree_from_the_grid(tmp_path):
+    """eagle3-tuned's search on a tiny pair: every grid point replayed, the best three by predicted speed
+    timed, and the winner the fastest of those."""
+    from heterospec.calibrate import CostModel
+    from heterospec.draft import Eagle3Draft
+
+    model, tok = save_tiny_pair(tmp_path)
+    draft = Eagle3Draft.from_pretrained(str(tmp_path / "draft"), target=model)
+    ids = [tok(t, return_tensors="pt")["input_ids"] for t in ("w5 w17 w3 w40", "w9 w2 w33")]
+    cost = CostModel((1e-3, 1e-4, 0.0, 0.0), (2e-4, 1e-5), 0.0)
+    pol, rep = bench.tune_static_tree(model, draft, ids, cost_model=cost, max_new_tokens=8, top_k=3,
+                                      depths=(1, 2, 3), nodes=(2, 4, 8))
+    assert len(rep["grid"]) == 9 and len(rep["measured"]) == 3
+    preds = [g["predicted_tokens_per_s"] for g in rep["grid"]]
+    assert preds == sorted(preds, reverse=True)
+    assert rep["measured"] == [dict(g, measured_tokens_per_s=m["measured_tokens_per_s"])
+                               for g, m in zip(rep["grid"][:3], rep["measured"])]
+    best = max(rep["measured"], key=lambda g: g["measured_tokens_per_s"])
+    assert (pol.depth, pol.top_k, pol.total_tokens) == (best["depth"], 3, best["nodes"]) == tuple(rep["chosen"].values())
+
+
+# ---- the real default pair (CI's last stage) ------------------------------------------------------------------
+
+def test_bench_on_the_default_target_with_tuning(tmp_path):
+    from test_demo import need_default_target
+
+    need_default_target()
+    qfiles = _questions_text(tmp_path)
+    tune = tmp_path / "tune.txt"
+    tune.write_text("Name three colours.\nWhat is two plus two?\n")
+    res = subprocess.run([sys.executable, "-m", "heterospec", "bench", "--questions", *qfiles, "--limit", "1",
+                          "--max-new-tokens", "12", "--tune-prompts", str(tune), "--tune-limit", "2",
+                          "--tune-max-new-tokens", "10", "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=900, env=dict(os.environ))
+    assert res.returncode == 0, res.stdout + res.stderr
+    r = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert r["models"]["target"] == "SmolLM2-135M-Instruct" and r["runs"][0]["mismatches"] == []
+    assert r["tuning"]["chosen"]["nodes"] in bench.TUNE_NODES and len(r["tuning"]["grid"]) == 88
+    assert "Identical greedy outputs across ar, eagle3, eagle3-tuned, heterospec-paper, heterospec" in res.stdout
+
+
+def _questions_text(root):
+    p = root / "mini.jsonl"
+    p.write_text(json.dumps({"question_id": 1, "turns": ["Give me a short tip for learning to cook.",
+                                                         "Now make it shorter."]}) + "\n")
+    return [str(p)]
