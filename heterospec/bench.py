@@ -13,7 +13,10 @@ same).  Methods:
   ``total_token=-1`` auto-tune times forwards the same way, but only over the node count;
 - ``heterospec-paper``: the paper's fixed rule (alpha = ceil(depth/2), gamma = 0.3/0.6/1.0) on the profile's
   entropy bins;
-- ``heterospec``: the calibrated profile (``heterospec calibrate``).
+- ``heterospec``: the calibrated profile (``heterospec calibrate``);
+- ``heterospec-tuned``: HeteroSpec calibrated on ``eagle3-tuned``'s base tree, on the same tuning prompts
+  and cost model (entropy bins fitted on the trace at that base depth, per-bin extra depth and kept nodes
+  optimised) -- HeteroSpec on top of the machine's best static tree rather than EAGLE-3's default one.
 
 Metrics (DESIGN.md §7): tokens/s = new tokens / decoding wall time (prefill included, after a warm-up;
 CUDA events on a GPU); speedup = the mean over questions of (the method's tokens/s / ar's), a question's
@@ -38,7 +41,7 @@ import time
 from collections import Counter
 
 SCHEMA = "heterospec.bench/1"
-METHODS = ("ar", "eagle3", "eagle3-tuned", "heterospec-paper", "heterospec")
+METHODS = ("ar", "eagle3", "eagle3-tuned", "heterospec-paper", "heterospec", "heterospec-tuned")
 BENCHMARKS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum")
 LABELS = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "alpaca": "Alpaca",
           "sum": "CNN/DM"}
@@ -122,10 +125,10 @@ def encode_turn(tokenizer, turns, answers, chat=True):
 
 # ---- methods ----------------------------------------------------------------------------------------------
 
-def build_methods(names, *, draft=None, profile=None, tuned=None):
+def build_methods(names, *, draft=None, profile=None, tuned=None, tuned_profile=None):
     """[(name, Policy)] for ``names`` (a subset of :data:`METHODS`, in the given order).  ``profile``: the
     calibrated Policy (for ``heterospec``, and the bins of ``heterospec-paper``); ``tuned``: the Policy of
-    ``eagle3-tuned``."""
+    ``eagle3-tuned``; ``tuned_profile``: that of ``heterospec-tuned``."""
     from .decoding import Policy
 
     bad = [n for n in names if n not in METHODS]
@@ -144,6 +147,10 @@ def build_methods(names, *, draft=None, profile=None, tuned=None):
             if tuned is None:
                 raise ValueError("bench: method 'eagle3-tuned' needs a tuned tree (tuning prompts or --tuned-tree)")
             pol = tuned
+        elif n == "heterospec-tuned":
+            if tuned_profile is None:
+                raise ValueError("bench: method 'heterospec-tuned' needs tuning prompts (--tune-prompts)")
+            pol = tuned_profile
         else:
             if profile is None:
                 raise ValueError(f"bench: method {n!r} needs a calibrated profile (--profile; heterospec calibrate "
@@ -165,17 +172,18 @@ def parse_tree(text):
     return Policy.static(d, k, n)
 
 
-def tune_static_tree(target, draft, prompt_ids, *, cost_model, max_new_tokens=64, top_k=10, depths=TUNE_DEPTHS,
-                     nodes=TUNE_NODES, measure=3, timer=None, progress=None):
-    """The fastest static tree on this machine for ``prompt_ids`` (tuning prompts): every (depth, nodes) of
-    the grid is replayed on one recorded trace with ``cost_model``; the ``measure`` best by predicted speed
-    are then decoded for real (greedy) and the fastest measured one wins.  Returns (Policy, report)."""
+def tune_static_tree(target, draft, prompt_ids, tr, *, cost_model, depths=TUNE_DEPTHS, nodes=TUNE_NODES,
+                     measure=3, timer=None, progress=None):
+    """The fastest static tree on this machine for ``prompt_ids`` (tuning prompts), ``tr`` their recorded
+    trace (:func:`heterospec.trace.record`, at least ``max(depths)`` levels): every (depth, nodes) of the
+    grid is replayed with ``cost_model``; the ``measure`` best by predicted speed are then decoded for real
+    (greedy, ``tr.max_new_tokens`` tokens) and the fastest measured one wins.  Returns (Policy, report)."""
     from .decoding import HeteroSpec, Policy
-    from .trace import record
 
     timer = timer or Timer("cpu")
-    tr = record(target, draft, prompt_ids, max_new_tokens=max_new_tokens, top_k=top_k, levels=max(depths),
-                progress=(lambda i, n: progress("tuning: trace", i, n)) if progress else None)
+    top_k = tr.top_k
+    if max(depths) > tr.levels:
+        raise ValueError(f"tune_static_tree: argument 'depths' goes to {max(depths)}, the trace has {tr.levels} levels")
     grid = []
     for d in depths:
         for n in nodes:
@@ -190,16 +198,33 @@ def tune_static_tree(target, draft, prompt_ids, *, cost_model, max_new_tokens=64
         with HeteroSpec(target, draft, pol) as hs:
             hs.generate(prompt_ids[0], max_new_tokens=8)  # warm-up
             for ids in prompt_ids:
-                (_, st), dt = timer(lambda: hs.generate(ids, max_new_tokens=max_new_tokens))
+                (_, st), dt = timer(lambda: hs.generate(ids, max_new_tokens=tr.max_new_tokens))
                 new += st.new_tokens
                 secs += dt
         measured.append(dict(g, measured_tokens_per_s=new / secs if secs else 0.0))
         if progress:
             progress("tuning: timing", j + 1, min(measure, len(grid)))
     best = max(measured, key=lambda g: g["measured_tokens_per_s"])
-    report = {"prompts": len(prompt_ids), "max_new_tokens": max_new_tokens, "grid": grid, "measured": measured,
+    report = {"prompts": len(prompt_ids), "max_new_tokens": tr.max_new_tokens, "grid": grid, "measured": measured,
               "chosen": {"depth": best["depth"], "top_k": top_k, "nodes": best["nodes"]}}
     return Policy.static(best["depth"], top_k, best["nodes"]), report
+
+
+def calibrate_on(tr, base, cost_model):
+    """HeteroSpec calibrated on the static tree ``base`` with the trace ``tr``: entropy bins fitted at the
+    base depth (paper Eq. 2, as ``heterospec calibrate``), per-bin extra depth and kept nodes optimised.
+    Returns (Policy, report)."""
+    from .calibrate import optimise_policy
+    from .trace import fit_thresholds
+
+    x, y = tr.features(base.depth, base.total_tokens)
+    th = tuple(fit_thresholds(x, y, depth=3, min_leaf=max(5, len(x) // 50)))
+    # extra depth up to the paper's alpha + 1 (its Table 3 range)
+    pol, pred = optimise_policy(tr, cost_model, base_depth=base.depth, total_tokens=base.total_tokens, thresholds=th,
+                                max_extra=math.ceil(base.depth / 2) + 1)
+    pol = type(pol)(pol.depth, pol.top_k, pol.total_tokens, pol.thresholds, pol.extra, pol.keep, name="heterospec-tuned")
+    return pol, {"positions": int(len(x)), "thresholds": list(th), "extra": list(pol.extra), "keep": list(pol.keep),
+                 "predicted_tokens_per_s": pred}
 
 
 # ---- timing -------------------------------------------------------------------------------------------------
@@ -403,6 +428,12 @@ def markdown(result):
         c = result["tuning"]["chosen"]
         lines.append(f"eagle3-tuned: depth {c['depth']}, top_k {c['top_k']}, {c['nodes']} nodes "
                      f"({result['tuning'].get('how', '')}).")
+        h = result["tuning"].get("heterospec_tuned")
+        if h:
+            lines.append("")
+            lines.append(f"heterospec-tuned: on that base tree, entropy bins {', '.join(f'{t:.3g}' for t in h['thresholds'])}; "
+                         f"per-bin extra depth {h['extra']}, kept nodes {h['keep']} (fitted on {h['positions']} "
+                         f"positions of the tuning trace).")
     return "\n".join(lines) + "\n"
 
 
@@ -546,8 +577,8 @@ def main(args, out=None):
     import torch
 
     out = out or sys.stdout
-    from .calibrate import load_profile, profile_costs
-    from .cli import _load_pair, _read_prompts
+    from .calibrate import load_profile
+    from .cli import _load_pair
     from .demo import DEFAULT_HEAD, DEFAULT_PROFILE
 
     t_start = time.perf_counter()
@@ -576,30 +607,11 @@ def main(args, out=None):
     torch.manual_seed(args.seed)
     tokenizer, target, draft = _load_pair(args, args.device)
     timer = Timer(args.device)
-    bar = _Bar()
-    tuning, tuned = None, None
-    if "eagle3-tuned" in names:
-        if args.tuned_tree:
-            tuned = parse_tree(args.tuned_tree)
-            tuning = {"how": "given with --tuned-tree",
-                      "chosen": {"depth": tuned.depth, "top_k": tuned.top_k, "nodes": tuned.total_tokens}}
-        else:
-            tp = args.tune_prompts or (DEFAULT_TUNE_PROMPTS if os.path.exists(DEFAULT_TUNE_PROMPTS) else None)
-            if tp is None:
-                raise SystemExit("heterospec bench: eagle3-tuned needs --tune-prompts PATH (prompts that are not "
-                                 "benchmark questions) or --tuned-tree DEPTH,TOP_K,NODES")
-            texts = _read_prompts([tp], args.tune_limit)
-            ids = [encode_turn(tokenizer, [t], [], not args.no_chat_template).to(args.device) for t in texts]
-            t0 = time.perf_counter()
-            cost = profile_costs(target, draft, reps=2)
-            tuned, tuning = tune_static_tree(target, draft, ids, cost_model=cost,
-                                             max_new_tokens=args.tune_max_new_tokens, timer=timer, progress=bar)
-            tuning.update(how=f"replayed {len(TUNE_DEPTHS) * len(TUNE_NODES)} static trees on a trace of "
-                              f"{len(ids)} tuning prompts from {os.path.basename(tp)} with a cost model measured "
-                              f"here, then timed the best 3", prompts_file=tp, cost_model=cost.to_dict(),
-                          seconds=time.perf_counter() - t0)
+    tuning, tuned, tuned_profile = None, None, None
+    if "eagle3-tuned" in names or "heterospec-tuned" in names:
+        tuning, tuned, tuned_profile = _tune(args, names, tokenizer, target, draft, timer)
     try:
-        methods = build_methods(names, draft=draft, profile=profile, tuned=tuned)
+        methods = build_methods(names, draft=draft, profile=profile, tuned=tuned, tuned_profile=tuned_profile)
     except ValueError as e:
         raise SystemExit(f"heterospec bench: {e}") from None
     nq = {b: len(qs) for b, qs in questions.items()}
@@ -641,6 +653,45 @@ def main(args, out=None):
     return status
 
 
+def _tune(args, names, tokenizer, target, draft, timer):
+    """eagle3-tuned's tree (searched, or --tuned-tree) and heterospec-tuned's calibration on it, both on the
+    tuning prompts.  Returns (report, tuned Policy, heterospec-tuned Policy or None)."""
+    from .calibrate import profile_costs
+    from .cli import _read_prompts
+    from .trace import record
+
+    given = parse_tree(args.tuned_tree) if args.tuned_tree else None
+    tuning = {"how": "given with --tuned-tree"} if given else {}
+    if given is not None and "heterospec-tuned" not in names:
+        return dict(tuning, chosen={"depth": given.depth, "top_k": given.top_k, "nodes": given.total_tokens}), given, None
+    tp = args.tune_prompts or (DEFAULT_TUNE_PROMPTS if os.path.exists(DEFAULT_TUNE_PROMPTS) else None)
+    if tp is None:
+        raise SystemExit("heterospec bench: eagle3-tuned and heterospec-tuned need --tune-prompts PATH (prompts that "
+                         "are not benchmark questions), or, for eagle3-tuned alone, --tuned-tree DEPTH,TOP_K,NODES")
+    if draft is None:
+        raise SystemExit("heterospec bench: tuning needs a draft head (--draft)")
+    t0 = time.perf_counter()
+    texts = _read_prompts([tp], args.tune_limit)
+    ids = [encode_turn(tokenizer, [t], [], not args.no_chat_template).to(args.device) for t in texts]
+    bar = _Bar()
+    deepest = given.depth if given else max(TUNE_DEPTHS)
+    tr = record(target, draft, ids, max_new_tokens=args.tune_max_new_tokens, top_k=given.top_k if given else 10,
+                levels=deepest + math.ceil(deepest / 2) + 1, progress=lambda i, n: bar("tuning: trace", i, n))
+    cost = profile_costs(target, draft, reps=2)
+    if given is None:
+        tuned, tuning = tune_static_tree(target, draft, ids, tr, cost_model=cost, timer=timer, progress=bar)
+        tuning["how"] = (f"replayed {len(TUNE_DEPTHS) * len(TUNE_NODES)} static trees on a trace of {len(ids)} tuning "
+                         f"prompts from {os.path.basename(tp)} with a cost model measured here, then timed the best 3")
+    else:
+        tuned = given
+        tuning["chosen"] = {"depth": given.depth, "top_k": given.top_k, "nodes": given.total_tokens}
+    hs_tuned = None
+    if "heterospec-tuned" in names:
+        hs_tuned, tuning["heterospec_tuned"] = calibrate_on(tr, tuned, cost)
+    tuning.update(prompts_file=tp, cost_model=cost.to_dict(), seconds=time.perf_counter() - t0)
+    return tuning, tuned, hs_tuned
+
+
 def add_arguments(p):
     p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct) or an HF model directory")
     p.add_argument("--gguf-file", default=None)
@@ -657,7 +708,7 @@ def add_arguments(p):
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--warmup-tokens", type=int, default=32, help="untimed tokens per method before the run")
-    p.add_argument("--tune-prompts", default=None, help="prompts for choosing eagle3-tuned (never benchmark "
+    p.add_argument("--tune-prompts", default=None, help="prompts for eagle3-tuned and heterospec-tuned (never benchmark "
                                                         "questions; default: the calibration prompts in a checkout)")
     p.add_argument("--tune-limit", type=int, default=8)
     p.add_argument("--tune-max-new-tokens", type=int, default=64)

@@ -84,10 +84,11 @@ def test_load_questions_refuses_a_missing_file_a_bad_limit_and_two_files_of_one_
 def test_build_methods_and_their_errors():
     prof = Policy(7, 10, 60, THRESHOLDS, (4, 3, 2), (20, 40, 62), name="calibrated")
     tuned = Policy.static(3, 10, 8)
-    m = dict(bench.build_methods(list(bench.METHODS), draft=object(), profile=prof, tuned=tuned))
+    hs_tuned = Policy(3, 10, 8, (1.0,), (1,), (4,), name="heterospec-tuned")
+    m = dict(bench.build_methods(list(bench.METHODS), draft=object(), profile=prof, tuned=tuned, tuned_profile=hs_tuned))
     assert list(m) == list(bench.METHODS)
     assert m["ar"] == Policy.autoregressive() and m["eagle3"] == Policy.static(7, 10, 60)
-    assert m["eagle3-tuned"] is tuned and m["heterospec"] is prof
+    assert m["eagle3-tuned"] is tuned and m["heterospec"] is prof and m["heterospec-tuned"] is hs_tuned
     assert m["heterospec-paper"] == Policy.paper(7, 10, 60, THRESHOLDS)  # the paper's rule on the profile's bins
     with pytest.raises(ValueError, match="argument 'methods' expected distinct names from .*got ar, medusa"):
         bench.build_methods(["ar", "medusa"])
@@ -99,7 +100,12 @@ def test_build_methods_and_their_errors():
         bench.build_methods(["heterospec-paper"], draft=object())
     with pytest.raises(ValueError, match="'eagle3-tuned' needs a tuned tree"):
         bench.build_methods(["eagle3-tuned"], draft=object())
+    with pytest.raises(ValueError, match="'heterospec-tuned' needs tuning prompts"):
+        bench.build_methods(["heterospec-tuned"], draft=object(), tuned=tuned)
     assert bench.parse_tree("3,10,8") == Policy.static(3, 10, 8)
+    # the paper's rule on a shallow tree (alpha = 1): bin 2's alpha - i = -1 is taken as 0
+    shallow = Policy.paper(2, 10, 6, (1.0, 2.0, 3.0))
+    assert shallow.extra == (1, 0, 0) and shallow.keep == (round(0.3 * 6) + 1, round(0.6 * 6), 6)
     with pytest.raises(ValueError, match="'--tuned-tree' expected DEPTH,TOP_K,NODES"):
         bench.parse_tree("3,10")
 
@@ -129,6 +135,7 @@ def test_bench_command_writes_json_tables_plots_and_answers(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "heterospec", "bench", *pair, "--questions", *map(str, qfiles), "--limit", "2",
            "--max-new-tokens", "10", "--temperature", "0", "1", "--tuned-tree", "3,3,6", "--warmup-tokens", "4",
+           "--tune-prompts", str(_tune_prompts(tmp_path)), "--tune-limit", "2", "--tune-max-new-tokens", "8",
            "--out", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -140,6 +147,11 @@ def test_bench_command_writes_json_tables_plots_and_answers(tmp_path):
     assert r["machine"]["torch"] == torch.__version__ and "build" in r["machine"]
     assert r["tuning"]["chosen"] == {"depth": 3, "top_k": 3, "nodes": 6}
     assert r["methods"]["eagle3-tuned"]["total_tokens"] == 6 and r["methods"]["heterospec"]["keep"] == [4, 8, 12]
+    # heterospec-tuned: calibrated on the given base tree, from the tuning prompts' trace
+    ht = r["methods"]["heterospec-tuned"]
+    assert (ht["depth"], ht["top_k"], ht["total_tokens"]) == (3, 3, 6)
+    assert ht["thresholds"] == r["tuning"]["heterospec_tuned"]["thresholds"] and len(ht["extra"]) == len(ht["thresholds"]) + 1
+    assert all(0 <= e <= 3 for e in ht["extra"])
     assert [run["temperature"] for run in r["runs"]] == [0.0, 1.0]
     names = list(bench.METHODS)
     for run in r["runs"]:
@@ -152,7 +164,7 @@ def test_bench_command_writes_json_tables_plots_and_answers(tmp_path):
                 assert m["speedup"] > 0 and len(m["per_question_tokens_per_s"]) == 2
                 assert set(m["time_split_s"]) == {"prefill", "draft", "verify", "ops", "loop"}
                 assert abs(sum(m["time_split_share"].values()) - 1) < 1e-6
-                if n in ("heterospec", "heterospec-paper"):
+                if n.startswith("heterospec") and (n != "heterospec-tuned" or ht["thresholds"]):
                     assert abs(sum(v["share"] for v in m["bins"].values()) - 1) < 1e-9
                     assert sum(v["cycles"] for v in m["bins"].values()) == m["verification_calls"]
                 else:
@@ -167,7 +179,8 @@ def test_bench_command_writes_json_tables_plots_and_answers(tmp_path):
     assert "| Method | chat calls | chat verified |" in md and "Temperature 1" in md
     for n in names:
         assert md.count(f"| {n} | ") >= 2 * 2 + 2 * 2  # two tables per temperature + time-split rows
-    assert "Identical greedy outputs across ar, eagle3, eagle3-tuned, heterospec-paper, heterospec" in md
+    assert "Identical greedy outputs across ar, eagle3, eagle3-tuned, heterospec-paper, heterospec, heterospec-tuned" in md
+    assert "heterospec-tuned: on that base tree, entropy bins" in md
     assert md in res.stdout
     for png in ("speedup.png", "tau_vs_verified.png", "bins.png", "speedup_t1.png", "bins_t1.png"):
         data = (out / png).read_bytes()
@@ -250,18 +263,27 @@ def test_bench_command_refuses_bad_arguments(tmp_path):
         assert res.returncode != 0 and needle in res.stderr, (extra, res.stderr)
 
 
+def _tune_prompts(root):
+    p = root / "tune.txt"
+    p.write_text("w5 w17 w3 w40\nw9 w2 w33\nw11 w12\n")
+    return p
+
+
 def test_tuning_picks_a_measured_tree_from_the_grid(tmp_path):
     """eagle3-tuned's search on a tiny pair: every grid point replayed, the best three by predicted speed
-    timed, and the winner the fastest of those."""
+    timed, and the winner the fastest of those; heterospec-tuned calibrated on the winner."""
     from heterospec.calibrate import CostModel
     from heterospec.draft import Eagle3Draft
+    from heterospec.trace import record
 
     model, tok = save_tiny_pair(tmp_path)
     draft = Eagle3Draft.from_pretrained(str(tmp_path / "draft"), target=model)
     ids = [tok(t, return_tensors="pt")["input_ids"] for t in ("w5 w17 w3 w40", "w9 w2 w33")]
     cost = CostModel((1e-3, 1e-4, 0.0, 0.0), (2e-4, 1e-5), 0.0)
-    pol, rep = bench.tune_static_tree(model, draft, ids, cost_model=cost, max_new_tokens=8, top_k=3,
-                                      depths=(1, 2, 3), nodes=(2, 4, 8))
+    tr = record(model, draft, ids, max_new_tokens=8, top_k=3, levels=5)
+    with pytest.raises(ValueError, match="argument 'depths' goes to 6, the trace has 5 levels"):
+        bench.tune_static_tree(model, draft, ids, tr, cost_model=cost, depths=(1, 6))
+    pol, rep = bench.tune_static_tree(model, draft, ids, tr, cost_model=cost, depths=(1, 2, 3), nodes=(2, 4, 8))
     assert len(rep["grid"]) == 9 and len(rep["measured"]) == 3
     preds = [g["predicted_tokens_per_s"] for g in rep["grid"]]
     assert preds == sorted(preds, reverse=True)
@@ -269,6 +291,10 @@ def test_tuning_picks_a_measured_tree_from_the_grid(tmp_path):
                                for g, m in zip(rep["grid"][:3], rep["measured"])]
     best = max(rep["measured"], key=lambda g: g["measured_tokens_per_s"])
     assert (pol.depth, pol.top_k, pol.total_tokens) == (best["depth"], 3, best["nodes"]) == tuple(rep["chosen"].values())
+    hs, info = bench.calibrate_on(tr, Policy.static(2, 3, 4), cost)
+    assert (hs.depth, hs.top_k, hs.total_tokens, hs.name) == (2, 3, 4, "heterospec-tuned")
+    assert list(hs.thresholds) == info["thresholds"] and len(hs.extra) == len(hs.thresholds) + 1
+    assert max(hs.extra) <= 2 and info["predicted_tokens_per_s"] >= tr.replay(Policy.paper(2, 3, 4, hs.thresholds), cost).predicted_tokens_per_s - 1e-9
 
 
 # ---- the real default pair (CI's last stage) ------------------------------------------------------------------
@@ -288,7 +314,7 @@ def test_bench_on_the_default_target_with_tuning(tmp_path):
     r = json.loads((tmp_path / "out" / "results.json").read_text())
     assert r["models"]["target"] == "SmolLM2-135M-Instruct" and r["runs"][0]["mismatches"] == []
     assert r["tuning"]["chosen"]["nodes"] in bench.TUNE_NODES and len(r["tuning"]["grid"]) == 88
-    assert "Identical greedy outputs across ar, eagle3, eagle3-tuned, heterospec-paper, heterospec" in res.stdout
+    assert "Identical greedy outputs across ar, eagle3, eagle3-tuned, heterospec-paper, heterospec, heterospec-tuned" in res.stdout
 
 
 def _questions_text(root):
