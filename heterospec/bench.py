@@ -125,16 +125,20 @@ def encode_turn(tokenizer, turns, answers, chat=True):
 
 # ---- methods ----------------------------------------------------------------------------------------------
 
+def check_method_names(names):
+    bad = [n for n in names if n not in METHODS]
+    if bad or not names or len(set(names)) != len(names):
+        raise ValueError(f"bench: argument 'methods' expected distinct names from {', '.join(METHODS)}, got "
+                         f"{', '.join(names) if names else 'none'}")
+
+
 def build_methods(names, *, draft=None, profile=None, tuned=None, tuned_profile=None):
     """[(name, Policy)] for ``names`` (a subset of :data:`METHODS`, in the given order).  ``profile``: the
     calibrated Policy (for ``heterospec``, and the bins of ``heterospec-paper``); ``tuned``: the Policy of
     ``eagle3-tuned``; ``tuned_profile``: that of ``heterospec-tuned``."""
     from .decoding import Policy
 
-    bad = [n for n in names if n not in METHODS]
-    if bad or not names or len(set(names)) != len(names):
-        raise ValueError(f"bench: argument 'methods' expected distinct names from {', '.join(METHODS)}, got "
-                         f"{', '.join(names) if names else 'none'}")
+    check_method_names(names)
     out = []
     for n in names:
         if n != "ar" and draft is None:
@@ -399,7 +403,8 @@ def markdown(result):
         lines.append("")
         lines.append(f"**Temperature {run['temperature']:g}: verification calls and verified tokens; tokens/s**")
         lines.append("")
-        lines.append("| Method | " + " | ".join(f"{c} calls | {c} verified" for c in cols) + " | tokens/s (mean) |")
+        tcols = cols[:-1] + ["Total"]  # counts add up over the files
+        lines.append("| Method | " + " | ".join(f"{c} calls | {c} verified" for c in tcols) + " | tokens/s (mean) |")
         lines.append("|---|" + "---:|---:|" * len(cols) + "---:|")
         for n in names:
             cells = [run["files"][b][n] for b in benches] + [run["mean"][n]]
@@ -556,20 +561,46 @@ def write_outputs(result, answers, out_dir, make_plots=True):
 # ---- the command ------------------------------------------------------------------------------------------
 
 class _Bar:
-    """A one-line progress bar on stderr with an ETA."""
+    """A one-line progress bar on stderr with an ETA; to a file or pipe, one line per 5% instead."""
 
-    def __init__(self, stream=sys.stderr):
-        self.stream, self.t0 = stream, time.perf_counter()
+    def __init__(self, stream=None):
+        self.stream, self.t0 = stream or sys.stderr, time.perf_counter()
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.shown = -1
 
     def __call__(self, what, i, n):
         frac = i / n if n else 1.0
         el = time.perf_counter() - self.t0
         eta = f"{el / frac - el:5.0f}s left" if 0 < frac < 1 else f"{el:5.0f}s"
         bar = "#" * int(24 * frac)
-        self.stream.write(f"\r[{bar:<24}] {i}/{n} {eta}  {what[:48]:<48}")
+        line = f"[{bar:<24}] {i}/{n} {eta}  {what[:48]:<48}"
+        if self.tty:
+            self.stream.write("\r" + line + ("\n" if i >= n else ""))
+        elif int(20 * frac) != self.shown:
+            self.shown = int(20 * frac)
+            self.stream.write(line.rstrip() + "\n")
         self.stream.flush()
-        if i >= n:
-            self.stream.write("\n")
+
+
+def report(path, out=None):
+    """``heterospec bench --report results.json``: write results.md and the plots again next to a saved
+    results.json (e.g. after changing the plots), without running anything."""
+    out = out or sys.stdout
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"heterospec bench: --report expected a results.json, could not read {path!r}: {e}") from None
+    if not isinstance(result, dict) or result.get("schema") != SCHEMA:
+        raise SystemExit(f"heterospec bench: --report expected a {SCHEMA} results.json, got schema "
+                         f"{result.get('schema') if isinstance(result, dict) else type(result).__name__!r}")
+    d = os.path.dirname(os.path.abspath(path))
+    with open(os.path.join(d, "results.md"), "w") as f:
+        f.write(markdown(result))
+    written = [os.path.join(d, "results.md")] + plots(result, d)
+    print(markdown(result), file=out)
+    print(f"wrote {', '.join(written)}", file=out)
+    return 0
 
 
 def main(args, out=None):
@@ -577,6 +608,8 @@ def main(args, out=None):
     import torch
 
     out = out or sys.stdout
+    if args.report:
+        return report(args.report, out)
     from .calibrate import load_profile
     from .cli import _load_pair
     from .demo import DEFAULT_HEAD, DEFAULT_PROFILE
@@ -604,6 +637,16 @@ def main(args, out=None):
         raise SystemExit("heterospec bench: --draft PATH is required for methods other than ar")
     profile_path = args.profile or (DEFAULT_PROFILE if args.draft in (DEFAULT_HEAD, "default") else None)
     profile = load_profile(profile_path)[0] if profile_path else None
+    # the cheap checks before the models load
+    try:
+        check_method_names(names)
+        if args.tuned_tree:
+            parse_tree(args.tuned_tree)
+    except ValueError as e:
+        raise SystemExit(f"heterospec bench: {e}") from None
+    if profile is None and {"heterospec", "heterospec-paper"} & set(names):
+        raise SystemExit("heterospec bench: methods heterospec and heterospec-paper need a calibrated profile "
+                         "(--profile; heterospec calibrate writes one), or leave them out with --methods")
     torch.manual_seed(args.seed)
     tokenizer, target, draft = _load_pair(args, args.device)
     timer = Timer(args.device)
@@ -716,3 +759,5 @@ def add_arguments(p):
     p.add_argument("--no-chat-template", action="store_true")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--out", default="bench-out", help="output directory")
+    p.add_argument("--report", default=None, metavar="RESULTS_JSON",
+                   help="only write results.md and the plots again from a saved results.json")

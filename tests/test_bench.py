@@ -176,7 +176,7 @@ def test_bench_command_writes_json_tables_plots_and_answers(tmp_path):
     # the markdown: Table-1 layout, one row per method, and the identical-output line
     md = (out / "results.md").read_text()
     assert "| Method | chat speedup | chat τ | code speedup | code τ | Mean speedup | Mean τ |" in md
-    assert "| Method | chat calls | chat verified |" in md and "Temperature 1" in md
+    assert "Temperature 1" in md
     for n in names:
         assert md.count(f"| {n} | ") >= 2 * 2 + 2 * 2  # two tables per temperature + time-split rows
     assert "Identical greedy outputs across ar, eagle3, eagle3-tuned, heterospec-paper, heterospec, heterospec-tuned" in md
@@ -185,6 +185,18 @@ def test_bench_command_writes_json_tables_plots_and_answers(tmp_path):
     for png in ("speedup.png", "tau_vs_verified.png", "bins.png", "speedup_t1.png", "bins_t1.png"):
         data = (out / png).read_bytes()
         assert data[:8] == PNG and len(data) > 5000, png
+    assert "| Method | chat calls | chat verified | code calls | code verified | Total calls | Total verified |" in md
+    # --report writes the markdown and the plots again from the JSON alone
+    for f in ("results.md", "speedup.png", "bins.png"):
+        (out / f).unlink()
+    rep = subprocess.run([sys.executable, "-m", "heterospec", "bench", "--report", str(out / "results.json")],
+                         capture_output=True, text=True, timeout=300)
+    assert rep.returncode == 0, rep.stderr
+    assert (out / "results.md").read_text() == md and (out / "speedup.png").read_bytes()[:8] == PNG
+    assert (out / "bins.png").exists()
+    rep = subprocess.run([sys.executable, "-m", "heterospec", "bench", "--report", str(out / "answers.jsonl")],
+                         capture_output=True, text=True, timeout=300)
+    assert rep.returncode != 0 and "--report expected a results.json" in rep.stderr
     answers = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
     assert len(answers) == 2 * 2 * len(names) * 2  # temperatures x files x methods x questions
     a = next(a for a in answers if a["bench"] == "chat" and a["method"] == "heterospec" and a["temperature"] == 0)
@@ -261,6 +273,10 @@ def test_bench_command_refuses_bad_arguments(tmp_path):
     ):
         res = subprocess.run(base + extra, capture_output=True, text=True, timeout=300)
         assert res.returncode != 0 and needle in res.stderr, (extra, res.stderr)
+    # heterospec without a profile for a head of one's own: refused before the models load
+    res = subprocess.run(base[:4] + pair[:4] + ["--questions", *qfiles, "--methods", "ar,heterospec"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "need a calibrated profile (--profile" in res.stderr, res.stderr
 
 
 def _tune_prompts(root):
