@@ -202,7 +202,8 @@ def record(target, draft, prompts, *, max_new_tokens, top_k=10, levels=11, progr
             S = prompt.shape[1]
             # the greedy continuation, long enough for the last cycles' acceptance past the budget
             seq, _ = ar.generate(prompt, max_new_tokens=max_new_tokens + levels + 2)
-            out = seq[0, S:].numpy().astype(np.int64)
+            seq = seq.to(prompt.device)  # generate returns host ids; the target may live on a GPU
+            out = seq[0, S:].cpu().numpy().astype(np.int64)
             _, taps = adapter.prefill(seq)  # the target's taps of every position, in one forward
             if hasattr(draft, "begin_sequence"):
                 draft.begin_sequence(prompt)
@@ -211,11 +212,11 @@ def record(target, draft, prompts, *, max_new_tokens, top_k=10, levels=11, progr
                 P = S + t  # committed positions in the target cache when out[t] is the root
                 hidden = draft.fuse(taps[:, done:P])
                 ids = seq[:, done + 1:P + 1]
-                pos = torch.arange(done, P).view(1, -1)
+                pos = torch.arange(done, P, device=seq.device).view(1, -1)
                 logits, h, kv = draft(hidden, ids, pos, past_kv=kv, attn_mask=None)
                 done = P
                 per_pos.append(grow_tree(draft, kv, logits[0, -1:], h[0, -1:], P, top_k, levels, d2t))
-            out_prompts.append(prompt[0].numpy().astype(np.int64))
+            out_prompts.append(prompt[0].cpu().numpy().astype(np.int64))
             outputs.append(out)
             trees.append(per_pos)
             if progress is not None:
