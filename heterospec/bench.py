@@ -332,10 +332,13 @@ def _metrics(recs, ar_recs):
     split = {k: sum(getattr(s, k + "_s") for s in stats) for k in ("prefill", "draft", "verify", "ops")}
     total = sum(s.total_s for s in stats)
     split["loop"] = max(0.0, total - sum(split.values()))  # the Python loop, streaming, stopping checks
-    q_tps = [sum(r["new_tokens"]) / sum(r["wall_time"]) if sum(r["wall_time"]) else 0.0 for r in recs]
+    def per_question(rs):  # a question's tokens/s pools its turns (EAGLE's speed.py)
+        return [sum(r["new_tokens"]) / sum(r["wall_time"]) if sum(r["wall_time"]) else 0.0 for r in rs]
+
+    q_tps = per_question(recs)
     speedup = None
     if ar_recs is not None:
-        ar_tps = [sum(r["new_tokens"]) / sum(r["wall_time"]) if sum(r["wall_time"]) else 0.0 for r in ar_recs]
+        ar_tps = per_question(ar_recs)
         ratios = [a / b for a, b in zip(q_tps, ar_tps) if b > 0]
         speedup = sum(ratios) / len(ratios) if ratios else None
     return {

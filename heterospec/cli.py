@@ -156,10 +156,9 @@ def _read_prompts(paths, limit=None):
 
 
 def _encode(tokenizer, text, chat=True):
-    if chat and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             return_tensors="pt", return_dict=True)["input_ids"]
-    return tokenizer(text, return_tensors="pt")["input_ids"]
+    from .bench import encode_turn
+
+    return encode_turn(tokenizer, [text], [], chat)
 
 
 def _load_pair(args, device="cpu"):

@@ -68,13 +68,14 @@ class Policy:
         return cls(depth, top_k, total_tokens, name="eagle3")
 
     @classmethod
-    def paper(cls, depth=7, top_k=10, total_tokens=60, thresholds=()):
+    def paper(cls, depth=7, top_k=10, total_tokens=60, thresholds=(), *, alpha=None, gammas=GAMMA):
         """HeteroSpec's rule (paper §4.3): α = ⌈depth/2⌉; bins 0-2 draft α−i more levels and keep
-        round(γ_i·N) + (α−i) nodes, γ = 0.3, 0.6, 1.0; other bins unchanged.  For depth ≤ 2 (α = 1) the
-        rule's α−i goes negative in bin 2; it is taken as 0 there (no extra level, no extra node)."""
-        alpha = math.ceil(depth / 2)
-        extra = tuple(max(alpha - i, 0) for i in range(3))
-        keep = tuple(round(g * total_tokens) + e for g, e in zip(GAMMA, extra))
+        round(γ_i·N) + (α−i) nodes, γ = 0.3, 0.6, 1.0; other bins unchanged.  ``alpha`` and ``gammas`` (one
+        per low-entropy bin) override the paper's values for ablations.  Where α−i goes negative (α = 1 for
+        depth ≤ 2, bin 2) it is taken as 0 (no extra level, no extra node)."""
+        alpha = math.ceil(depth / 2) if alpha is None else alpha
+        extra = tuple(max(alpha - i, 0) for i in range(len(gammas)))
+        keep = tuple(round(g * total_tokens) + e for g, e in zip(gammas, extra))
         return cls(depth, top_k, total_tokens, tuple(thresholds), extra, keep, name="heterospec")
 
     @classmethod
