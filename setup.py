@@ -1,10 +1,19 @@
 """Build of heterospec's C core (heterospec._C).
 
 The CPU core and the CPython binding are plain C11, compiled with setuptools against the NumPy 2 headers
-(see pyproject.toml).  CUDA sources under csrc/cuda/ are compiled only when `nvcc` is found (the next step
-of the roadmap); the build never needs a GPU.
+(see pyproject.toml).  The CUDA kernels (csrc/cuda/*.cu) are compiled with `nvcc` when it is found, for
+sm_80 and sm_90 plus sm_90 PTX (so newer GPUs JIT it), and linked with the static CUDA runtime, so the
+wheel needs only the NVIDIA driver at run time (without one, CUDA ops report why and CPU ops still work).
+The build never needs a GPU.
 
 Environment switches:
+  HETEROSPEC_CUDA=auto    (default) build the CUDA path when nvcc is found, skip it otherwise
+  HETEROSPEC_CUDA=1       require it (fail without nvcc)
+  HETEROSPEC_CUDA=0       never build it
+  HETEROSPEC_CUDA=emu     compile the kernels as host C++ (one std::thread per CUDA thread) and treat
+                          DLPack "CUDA" tensors as host memory: for testing the kernels' logic on machines
+                          without a GPU (tests/test_cuda.py); never for real use
+  HETEROSPEC_CUDA_ARCHS   compute capabilities to build, default "80,90" (the last one also as PTX)
   HETEROSPEC_SANITIZE=1   build with AddressSanitizer + UndefinedBehaviorSanitizer (CI runs the op tests
                           on such a build; run them with LD_PRELOAD=$(gcc -print-file-name=libasan.so))
   HETEROSPEC_WERROR=1     turn compiler warnings into errors
@@ -12,9 +21,11 @@ Environment switches:
 import glob
 import os
 import shutil
+import subprocess
 
 import numpy
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -31,18 +42,88 @@ link_args = []
 macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
 if os.environ.get("HETEROSPEC_WERROR") == "1":
     compile_args.append("-Werror")
-if os.environ.get("HETEROSPEC_SANITIZE") == "1":
+sanitize = os.environ.get("HETEROSPEC_SANITIZE") == "1"
+san = []
+if sanitize:
     san = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g"]
     compile_args = [a for a in compile_args if a != "-O3"] + ["-O1"] + san
     link_args += san
     macros.append(("HS_SANITIZE", "1"))
 
 cuda_sources = sources("csrc/cuda/*.cu")
-nvcc = shutil.which("nvcc") or (
-    os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if os.environ.get("CUDA_HOME") else None
-)
-if cuda_sources and nvcc:  # pragma: no cover - no CUDA sources yet (next issue)
-    raise NotImplementedError("CUDA sources are present but the CUDA build step is not written yet")
+cuda_mode = os.environ.get("HETEROSPEC_CUDA", "auto").strip().lower()
+if cuda_mode not in ("auto", "1", "0", "emu"):
+    raise SystemExit(f"HETEROSPEC_CUDA: expected auto, 1, 0 or emu, got {cuda_mode!r}")
+
+
+def find_nvcc():
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+            return os.path.join(home, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def cuda_home(nvcc):
+    """The toolkit root holding lib64/libcudart_static.a (nvcc may be a wrapper script elsewhere)."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"),
+                  os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), "/usr/local/cuda"]
+    try:  # ask nvcc itself: `nvcc --dryrun` prints its TOP directory
+        out = subprocess.run([nvcc, "--dryrun", "--version"], capture_output=True, text=True).stderr
+        candidates += [line.split("=", 1)[1].strip() for line in out.splitlines() if "TOP=" in line]
+    except OSError:
+        pass
+    for home in candidates:
+        for lib in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib")):
+            if home and os.path.exists(os.path.join(home, lib, "libcudart_static.a")):
+                return home, os.path.join(home, lib)
+    raise SystemExit(f"nvcc found at {nvcc}, but not libcudart_static.a (set CUDA_HOME to the toolkit root)")
+
+
+nvcc = find_nvcc() if cuda_mode in ("auto", "1") and cuda_sources else None
+if cuda_mode == "1" and nvcc is None:
+    raise SystemExit("HETEROSPEC_CUDA=1 but nvcc was not found (set CUDA_HOME or put nvcc on PATH)")
+archs = [a.strip() for a in os.environ.get("HETEROSPEC_CUDA_ARCHS", "80,90").split(",") if a.strip()]
+arch_names = [f"sm_{a}" for a in archs] + [f"compute_{archs[-1]}"]
+
+
+class BuildExt(build_ext):
+    """Compiles csrc/cuda/*.cu first (nvcc, or g++ for the emulation) and links the objects in."""
+
+    def build_extension(self, ext):
+        if nvcc or cuda_mode == "emu":
+            objects = []
+            tmp = os.path.join(self.build_temp, "cuda")
+            os.makedirs(tmp, exist_ok=True)
+            for src in cuda_sources:
+                obj = os.path.join(tmp, os.path.basename(src) + (".emu.o" if cuda_mode == "emu" else ".o"))
+                if nvcc:
+                    # -fmad=false: the float64 exp and Philox in csrc/core/hd_math.h must round exactly as the
+                    # CPU core does (gcc -std=c11 does not contract either), or CPU and GPU sampling could part
+                    cmd = [nvcc, "-std=c++17", "-O3", "-fmad=false", "-Xcompiler", "-fPIC,-fvisibility=hidden",
+                           "-I", os.path.join(HERE, "csrc", "include"), f'-DHS_CUDA_ARCHS="{",".join(arch_names)}"']
+                    for a in archs:
+                        cmd += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+                    cmd += ["-gencode", f"arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
+                else:
+                    cmd = [os.environ.get("CXX", "g++"), "-std=c++20", "-x", "c++", "-DHS_CUDA_EMU", "-fPIC",
+                           "-fvisibility=hidden", "-Wall", "-Wextra", "-I", os.path.join(HERE, "csrc", "include")]
+                    cmd += ["-O1", "-g"] + (san if sanitize else [])
+                    if os.environ.get("HETEROSPEC_WERROR") == "1":
+                        cmd.append("-Werror")
+                cmd += ["-c", os.path.join(HERE, src), "-o", obj]
+                print(" ".join(cmd))
+                subprocess.check_call(cmd)
+                objects.append(obj)
+            ext.extra_objects = list(ext.extra_objects or []) + objects
+            if nvcc:
+                _, libdir = cuda_home(nvcc)
+                ext.extra_link_args = list(ext.extra_link_args or []) + [
+                    os.path.join(libdir, "libcudart_static.a"), "-lrt", "-ldl", "-lpthread", "-lstdc++"]
+            else:
+                ext.extra_link_args = list(ext.extra_link_args or []) + ["-lstdc++", "-pthread"]
+            ext.define_macros = list(ext.define_macros or []) + [("HS_WITH_CUDA", "1")]
+        super().build_extension(ext)
+
 
 ext = Extension(
     "heterospec._C",
@@ -51,6 +132,8 @@ ext = Extension(
     define_macros=macros,
     extra_compile_args=compile_args,
     extra_link_args=link_args,
+    depends=sources("csrc/cuda/*.cu") + sources("csrc/cuda/*.cuh") + sources("csrc/core/*.h")
+    + sources("csrc/include/hs/*.h"),
 )
 
-setup(ext_modules=[ext])
+setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})

@@ -10,6 +10,23 @@ C-contiguous: nothing is copied silently.
 Errors: wrong type or dtype -> TypeError; wrong ndim, shape relation, range, order, non-finite logits,
 non-contiguous or mixed-device arrays -> ValueError; refused tensor import -> BufferError.  Every message
 names the op and the argument and says what was expected and what was given.
+
+CUDA tensors (torch or CuPy) run the kernels of csrc/cuda/ when the extension was built with them
+(``heterospec.build_info()["cuda"]``), with the same semantics.  Every op then takes:
+
+- ``stream``: a CUDA stream (``torch.cuda.Stream``, a CuPy stream, or a raw ``cudaStream_t`` int); by
+  default the current torch (or CuPy) stream of the input's device.  It is also handed to the producer's
+  ``__dlpack__(stream=...)`` so its pending work is ordered before ours.
+- ``check`` (default True): synchronise the stream after the launch and raise the device-side value checks
+  (NaN logits, a non-closed selection...).  Pass ``check=False`` for an asynchronous call (and inside CUDA
+  graph capture); errors then surface at the next checked call or at :func:`cuda_check`.
+- ``device_outputs`` (build_tree, verify_greedy, verify_sample; default False): return results that would
+  otherwise need a host synchronisation as device arrays instead (see each op), so a whole cycle can run,
+  and be captured in a CUDA graph, without one.  Works for CPU arrays too (then they are NumPy/torch CPU).
+
+Scratch memory on the GPU is one module-owned buffer per device, grown outside graph capture (run an op
+once before capturing, or call :func:`cuda_reserve`); calls from two host threads on two streams of one
+device at the same time would share it and are not supported.
 """
 from __future__ import annotations
 
@@ -28,12 +45,23 @@ def _np_alloc(shape, dtype):
 
 
 _torch_allocs = {}
+_ALLOCATORS = {}  # array type -> alloc(like) factory, for array libraries beyond NumPy/torch/CuPy (tests)
 
 
 def _allocator(like):
     """An ``alloc(shape, dtype_name)`` that allocates outputs with ``like``'s library and device."""
-    if type(like).__module__.partition(".")[0] != "torch":
-        return _np_alloc
+    lib = type(like).__module__.partition(".")[0]
+    if lib == "cupy":
+        import cupy
+
+        def alloc(shape, dtype, _device=like.device):
+            with _device:
+                return cupy.empty(shape, dtype=dtype)
+
+        return alloc
+    if lib != "torch":
+        factory = _ALLOCATORS.get(type(like))
+        return factory(like) if factory is not None else _np_alloc
     device = like.device
     alloc = _torch_allocs.get(device)
     if alloc is None:
@@ -48,21 +76,65 @@ def _allocator(like):
     return alloc
 
 
+def _stream(like, stream):
+    """The cudaStream_t (int) a call on ``like`` runs on, or None for arrays not on a CUDA device."""
+    if stream is not None:
+        for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
+            if hasattr(stream, attr):
+                return int(getattr(stream, attr))
+        if isinstance(stream, bool) or not isinstance(stream, int):
+            raise TypeError(f"argument 'stream' expected a CUDA stream or an int, got {type(stream).__name__}")
+        return stream
+    lib = type(like).__module__.partition(".")[0]
+    if lib == "torch":
+        if like.device.type != "cuda":
+            return None
+        import torch
+
+        return torch.cuda.current_stream(like.device).cuda_stream
+    if lib == "cupy":
+        import cupy
+
+        return cupy.cuda.get_current_stream().ptr
+    return None
+
+
+def cuda_check(device=0, stream=None):
+    """Synchronise ``stream`` (default: torch's current stream of ``device``) and raise the first device-side
+    error recorded by ``check=False`` calls on that device since the last check."""
+    index = getattr(device, "index", device)
+    index = 0 if index is None else int(index)
+    if stream is None:
+        try:
+            import torch
+
+            stream = torch.cuda.current_stream(index).cuda_stream if torch.cuda.is_available() else 0
+        except ImportError:
+            stream = 0
+    _C.cuda_check(index, _stream(None, stream))
+
+
+def cuda_reserve(device, nbytes):
+    """Grow the module's GPU workspace on ``device`` to ``nbytes`` now, before capturing a CUDA graph."""
+    index = getattr(device, "index", device)
+    _C.cuda_reserve(0 if index is None else int(index), int(nbytes))
+
+
 def _arr(x):
     # Python sequences are a convenience for small arguments; arrays and tensors pass through untouched.
     return np.asarray(x) if isinstance(x, (list, tuple)) else x
 
 
-def topk_entropy(logits, k, temperature=1.0):
+def topk_entropy(logits, k, temperature=1.0, *, stream=None, check=True):
     """Per-row entropy (nats) of softmax over the ``k`` largest logits divided by ``temperature``.
 
     ``logits[N, V]`` float16/bfloat16/float32 -> ``float32[N]``.  The per-step term of HeteroSpec's Eq. 1.
     """
     logits = _arr(logits)
-    return _C.topk_entropy(logits, k, temperature, _allocator(logits))
+    return _C.topk_entropy(logits, k, temperature, _allocator(logits), _stream(logits, stream), check)
 
 
-def expand(logits, beam_scores, beam_nodes, k, d2t=None, node_offset=0):
+def expand(logits, beam_scores, beam_nodes, k, d2t=None, node_offset=0, *, stream=None, check=True):
     """One level of the EAGLE-2/3 dynamic tree.
 
     ``logits[B, Vd]``, ``beam_scores[B]``, ``beam_nodes[B]`` -> ``(tokens[B*k] int64, scores[B*k] float32,
@@ -72,63 +144,92 @@ def expand(logits, beam_scores, beam_nodes, k, d2t=None, node_offset=0):
     its parent is ``beam_nodes[b]``.  ``next_beams`` are the node numbers of the k best scores.
     """
     logits = _arr(logits)
-    return _C.expand(logits, _arr(beam_scores), _arr(beam_nodes), k, _arr(d2t), node_offset, _allocator(logits))
+    return _C.expand(
+        logits, _arr(beam_scores), _arr(beam_nodes), k, _arr(d2t), node_offset, _allocator(logits),
+        _stream(logits, stream), check,
+    )
 
 
-def select(scores, n):
+def select(scores, n, *, stream=None, check=True):
     """Indices of the ``n`` highest ``scores[M]`` (ties to the lower index), in ascending order -> int64[n]."""
     scores = _arr(scores)
-    return _C.select(scores, n, _allocator(scores))
+    return _C.select(scores, n, _allocator(scores), _stream(scores, stream), check)
 
 
-def build_tree(tokens, parents, selected, root_token):
+def build_tree(tokens, parents, selected, root_token, *, stream=None, check=True, device_outputs=False):
     """Verification tree of a parent-closed selection of candidates -> :class:`VerifyTree`.
 
     ``tokens[M]``, ``parents[M]`` (candidate index or -1), ``selected[n]`` (strictly ascending) ->
     ``VerifyTree(tokens[n+1], parents[n+1], depths[n+1], mask[n+1, n+1] bool, retrieve[L, D+1])`` with node 0
     the root (``root_token``), the ancestor-or-self mask and one root->leaf row per leaf padded with -1.
+
+    With ``device_outputs=True``: ``(VerifyTree, num_leaves, max_depth)`` where ``retrieve`` is padded to
+    ``[n+1, n+1]`` (rows past the leaves all -1) and the two counts are 0-d arrays, so no host sync is needed.
+    On CUDA without it, ``retrieve`` is a ``[:L, :D+1]`` view of the padded rows.
     """
     tokens = _arr(tokens)
-    return VerifyTree(*_C.build_tree(tokens, _arr(parents), _arr(selected), root_token, _allocator(tokens)))
+    out = _C.build_tree(
+        tokens, _arr(parents), _arr(selected), root_token, _allocator(tokens), _stream(tokens, stream), check,
+        device_outputs,
+    )
+    if device_outputs:
+        return VerifyTree(*out[:5]), out[5], out[6]
+    return VerifyTree(*out)
 
 
-def verify_greedy(tree_tokens, tree_parents, target_logits):
+def verify_greedy(tree_tokens, tree_parents, target_logits, *, stream=None, check=True, device_outputs=False):
     """Greedy acceptance: ``(path int64[len], next_token int)``.
 
     From node 0, repeatedly moves to the child (lowest index first) whose token is the argmax of the
     target's logits at the current node; ``next_token`` is the argmax at the last node.  The accepted tokens
     plus ``next_token`` are exactly the target's greedy continuation.
+
+    With ``device_outputs=True``: ``(path[n] padded with -1, length, next_token)``, the last two 0-d int64
+    arrays on the input's device (no host sync on CUDA).
     """
     tree_tokens = _arr(tree_tokens)
-    return _C.verify_greedy(tree_tokens, _arr(tree_parents), target_logits, _allocator(tree_tokens))
+    return _C.verify_greedy(
+        tree_tokens, _arr(tree_parents), target_logits, _allocator(tree_tokens), _stream(tree_tokens, stream),
+        check, device_outputs,
+    )
 
 
-def verify_sample(tree_tokens, tree_parents, target_logits, *, temperature, top_k=0, top_p=1.0, seed, offset):
+def verify_sample(
+    tree_tokens, tree_parents, target_logits, *, temperature, top_k=0, top_p=1.0, seed, offset, stream=None,
+    check=True, device_outputs=False, advance_offset=False,
+):
     """Lossless tree acceptance under sampling: ``(path int64[len], next_token int, draws int)``.
 
     Recursive rejection sampling with point-mass sibling proposals against the target distribution warped
     in HuggingFace order (temperature, top-k, top-p).  Uniforms come from Philox4x32-10 keyed by ``seed``
     with counter ``offset + draw index``; ``draws`` says how many were used (advance ``offset`` by it).
     The emitted tokens follow the warped target distribution exactly.
+
+    With ``device_outputs=True``: ``(path[n] padded with -1, length, next_token, draws)``, the last three 0-d
+    int64 arrays.  On CUDA, ``seed`` and ``offset`` may also be 1-element int64 device tensors (read when the
+    kernel runs, so a captured graph can be replayed with new values); with ``advance_offset=True`` the
+    kernel adds ``draws`` to the ``offset`` tensor, so each replay draws fresh uniforms.
     """
     tree_tokens = _arr(tree_tokens)
     return _C.verify_sample(
         tree_tokens, _arr(tree_parents), target_logits, temperature, top_k, top_p, seed, offset,
-        _allocator(tree_tokens),
+        _allocator(tree_tokens), _stream(tree_tokens, stream), check, device_outputs, advance_offset,
     )
 
 
-def kv_compact(tensors, prefix_len, slots):
+def kv_compact(tensors, prefix_len, slots, *, stream=None, check=True):
     """In place, for every tensor ``[..., S, D]`` of ``tensors``: row ``prefix_len + slots[i]`` moves to
     ``prefix_len + i``.  ``slots`` strictly ascending with ``slots[i] >= i``.  All tensors are validated
-    before any is modified."""
-    _C.kv_compact(tensors, prefix_len, _arr(slots))
+    before any is modified.  On CUDA all tensors move in one launch (pass one stacked tensor or the list of
+    every layer's keys and values)."""
+    slots = _arr(slots)
+    _C.kv_compact(tensors, prefix_len, slots, _stream(slots, stream), check)
 
 
-def bucketize(values, thresholds):
+def bucketize(values, thresholds, *, stream=None, check=True):
     """Bin of each value = number of (strictly ascending) thresholds it exceeds -> int32[N]."""
     values = _arr(values)
-    return _C.bucketize(values, _arr(thresholds), _allocator(values))
+    return _C.bucketize(values, _arr(thresholds), _allocator(values), _stream(values, stream), check)
 
 
 def _words(name, words, count):

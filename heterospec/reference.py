@@ -183,7 +183,7 @@ def _topk_entropy_rows(x64, k, temperature):
     return (0.0 - plogp.sum(axis=1)).astype(np.float32)  # 0.0 - s: an entropy of 0 is +0.0, not -0.0
 
 
-def topk_entropy(logits, k, temperature=1.0):
+def _topk_entropy_host(logits, k, temperature=1.0):
     """Per-row entropy (nats) of the softmax of the k largest logits divided by temperature -> float32[N]."""
     op = "topk_entropy"
     x = _logits(op, "logits", logits)
@@ -200,7 +200,7 @@ def topk_entropy(logits, k, temperature=1.0):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def expand(logits, beam_scores, beam_nodes, k, d2t=None, node_offset=0):
+def _expand_host(logits, beam_scores, beam_nodes, k, d2t=None, node_offset=0):
     """One EAGLE-2/3 dynamic-tree level -> (tokens, scores, parents, entropy, next_beams)."""
     op = "expand"
     x = _logits(op, "logits", logits)
@@ -262,7 +262,7 @@ def expand(logits, beam_scores, beam_nodes, k, d2t=None, node_offset=0):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def select(scores, n):
+def _select_host(scores, n):
     """Indices of the n highest scores (ties to the lower index), in ascending index order -> int64[n]."""
     op = "select"
     s = _scores(op, "scores", scores)
@@ -278,7 +278,7 @@ def select(scores, n):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def build_tree(tokens, parents, selected, root_token):
+def _build_tree_host(tokens, parents, selected, root_token):
     """Build the verification tree (root + selected candidates) -> VerifyTree."""
     op = "build_tree"
     tok = _ids(op, "tokens", tokens)
@@ -374,7 +374,7 @@ def _tree(op, tree_tokens, tree_parents, target_logits):
     return tok.tolist(), children, x
 
 
-def verify_greedy(tree_tokens, tree_parents, target_logits):
+def _verify_greedy_host(tree_tokens, tree_parents, target_logits):
     """Greedy tree verification -> (path int64[len], next_token int)."""
     op = "verify_greedy"
     tok, children, x = _tree(op, tree_tokens, tree_parents, target_logits)
@@ -437,7 +437,7 @@ def _uniform(seed, offset, j):
     return x0 * 2.0**-32
 
 
-def verify_sample(tree_tokens, tree_parents, target_logits, *, temperature, top_k=0, top_p=1.0, seed, offset):
+def _verify_sample_host(tree_tokens, tree_parents, target_logits, *, temperature, top_k=0, top_p=1.0, seed, offset):
     """Lossless tree verification by recursive rejection sampling -> (path int64[len], next_token, draws)."""
     op = "verify_sample"
     tok, children, x = _tree(op, tree_tokens, tree_parents, target_logits)
@@ -493,7 +493,7 @@ def verify_sample(tree_tokens, tree_parents, target_logits, *, temperature, top_
 # ----------------------------------------------------------------------------------------------------------
 
 
-def kv_compact(tensors, prefix_len, slots):
+def _kv_compact_host(tensors, prefix_len, slots):
     """In place: row prefix_len + i <- row prefix_len + slots[i] of every [..., S, D] tensor. -> None."""
     op = "kv_compact"
     if not isinstance(tensors, (list, tuple)):
@@ -549,7 +549,7 @@ def kv_compact(tensors, prefix_len, slots):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def bucketize(values, thresholds):
+def _bucketize_host(values, thresholds):
     """bin[i] = number of thresholds s with values[i] > s (float64 comparison) -> int32[N]."""
     op = "bucketize"
     v = _scores(op, "values", values).astype(np.float64)
@@ -618,3 +618,79 @@ def philox_uniform(n, *, seed, offset):
         k0 = (k0 + w0) & m32
         k1 = (k1 + w1) & m32
     return c0.astype(np.float64) * 2.0**-32
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the public signatures: those of heterospec.ops.  `stream` and `check` concern CUDA launches and are
+# accepted and ignored here (NumPy runs synchronously and raises at once); `device_outputs` gives the
+# padded, host-sync-free result form of the CUDA path, so code written for it runs on the twin too.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def topk_entropy(logits, k, temperature=1.0, *, stream=None, check=True):
+    """Per-row entropy (nats) of the softmax of the k largest logits divided by temperature -> float32[N]."""
+    return _topk_entropy_host(logits, k, temperature)
+
+
+def expand(logits, beam_scores, beam_nodes, k, d2t=None, node_offset=0, *, stream=None, check=True):
+    """One EAGLE-2/3 dynamic-tree level -> (tokens, scores, parents, entropy, next_beams)."""
+    return _expand_host(logits, beam_scores, beam_nodes, k, d2t, node_offset)
+
+
+def select(scores, n, *, stream=None, check=True):
+    """Indices of the n highest scores (ties to the lower index), in ascending index order -> int64[n]."""
+    return _select_host(scores, n)
+
+
+def build_tree(tokens, parents, selected, root_token, *, stream=None, check=True, device_outputs=False):
+    """Build the verification tree (root + selected candidates) -> VerifyTree (or, with device_outputs,
+    (VerifyTree with retrieve padded to [n+1, n+1], num_leaves, max_depth))."""
+    tree = _build_tree_host(tokens, parents, selected, root_token)
+    if not device_outputs:
+        return tree
+    t = tree.tokens.shape[0]
+    leaves, width = tree.retrieve.shape
+    padded = np.full((t, t), -1, dtype=np.int64)
+    padded[:leaves, :width] = tree.retrieve
+    return tree._replace(retrieve=padded), np.array(leaves, dtype=np.int64), np.array(width - 1, dtype=np.int64)
+
+
+def _padded(path, n):
+    out = np.full(n, -1, dtype=np.int64)
+    out[: path.shape[0]] = path
+    return out
+
+
+def verify_greedy(tree_tokens, tree_parents, target_logits, *, stream=None, check=True, device_outputs=False):
+    """Greedy tree verification -> (path int64[len], next_token int), or with device_outputs
+    (path[n] padded with -1, length, next_token) as arrays."""
+    path, nxt = _verify_greedy_host(tree_tokens, tree_parents, target_logits)
+    if not device_outputs:
+        return path, nxt
+    n = np.asarray(tree_tokens).shape[0]
+    return _padded(path, n), np.array(path.shape[0], dtype=np.int64), np.array(nxt, dtype=np.int64)
+
+
+def verify_sample(tree_tokens, tree_parents, target_logits, *, temperature, top_k=0, top_p=1.0, seed, offset,
+                  stream=None, check=True, device_outputs=False, advance_offset=False):
+    """Lossless tree verification by recursive rejection sampling -> (path int64[len], next_token, draws),
+    or with device_outputs (path[n] padded with -1, length, next_token, draws) as arrays."""
+    if advance_offset:
+        _fail(ValueError, "verify_sample", "advance_offset", "False unless 'offset' is a device tensor", "True")
+    path, nxt, draws = _verify_sample_host(tree_tokens, tree_parents, target_logits, temperature=temperature,
+                                           top_k=top_k, top_p=top_p, seed=seed, offset=offset)
+    if not device_outputs:
+        return path, nxt, draws
+    n = np.asarray(tree_tokens).shape[0]
+    return (_padded(path, n), np.array(path.shape[0], dtype=np.int64), np.array(nxt, dtype=np.int64),
+            np.array(draws, dtype=np.int64))
+
+
+def kv_compact(tensors, prefix_len, slots, *, stream=None, check=True):
+    """In place: row prefix_len + i <- row prefix_len + slots[i] of every [..., S, D] tensor. -> None."""
+    return _kv_compact_host(tensors, prefix_len, slots)
+
+
+def bucketize(values, thresholds, *, stream=None, check=True):
+    """bin[i] = number of thresholds s with values[i] > s (float64 comparison) -> int32[N]."""
+    return _bucketize_host(values, thresholds)

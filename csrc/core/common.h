@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "hs/heterospec.h"
+#include "hd_math.h"
 
 /* Hot vocabulary-wide loops get an AVX2 clone picked at load time (ifunc); the baseline stays SSE2 so one
  * wheel runs everywhere.  -std=c11 keeps -ffp-contract=off, so both clones round identically. */
@@ -33,34 +34,6 @@ hs_status hs_fail(hs_error *err, hs_status status, const char *op, const char *a
                   ...) HS_PRINTF(5, 6);
 
 /* ---- element loads ------------------------------------------------------------------------------- */
-
-static inline float hs_half_to_float(uint16_t h) {
-    /* IEEE binary16 -> binary32 by bit manipulation (exact for every value, subnormals included). */
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu;
-    uint32_t mant = h & 0x3ffu;
-    uint32_t bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (mant << 13); /* Inf / NaN */
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112u) << 23) | (mant << 13);
-    } else if (mant == 0) {
-        bits = sign;
-    } else { /* subnormal: value = mant * 2^-24 */
-        float f = (float)mant * 5.9604644775390625e-08f;
-        return sign ? -f : f;
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline float hs_bf16_to_float(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 /* Element i of a logits buffer as float32. */
 static inline float hs_load_logit(const void *p, hs_dtype t, int64_t i) {

@@ -22,34 +22,12 @@
 /* ---- Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11) --------- */
 
 void hs_philox4x32_10(const uint32_t ctr[4], const uint32_t key[2], uint32_t out[4]) {
-    uint32_t c0 = ctr[0], c1 = ctr[1], c2 = ctr[2], c3 = ctr[3], k0 = key[0], k1 = key[1];
-    for (int round = 0; round < 10; round++) {
-        if (round > 0) { /* Weyl key schedule */
-            k0 += 0x9E3779B9u;
-            k1 += 0xBB67AE85u;
-        }
-        uint64_t p0 = (uint64_t)0xD2511F53u * c0, p1 = (uint64_t)0xCD9E8D57u * c2;
-        uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1 ^ k0, n1 = (uint32_t)p1;
-        uint32_t n2 = (uint32_t)(p0 >> 32) ^ c3 ^ k1, n3 = (uint32_t)p0;
-        c0 = n0;
-        c1 = n1;
-        c2 = n2;
-        c3 = n3;
-    }
-    out[0] = c0;
-    out[1] = c1;
-    out[2] = c2;
-    out[3] = c3;
+    uint32_t c[4] = {ctr[0], ctr[1], ctr[2], ctr[3]};
+    hs_philox_rounds(c, key[0], key[1]);
+    memcpy(out, c, sizeof c);
 }
 
-double hs_philox_uniform(uint64_t seed, uint64_t offset, uint64_t j) {
-    uint64_t c = offset + j; /* wraps mod 2^64 by C unsigned arithmetic */
-    uint32_t ctr[4] = {(uint32_t)c, (uint32_t)(c >> 32), 0u, 0u};
-    uint32_t key[2] = {(uint32_t)seed, (uint32_t)(seed >> 32)};
-    uint32_t out[4];
-    hs_philox4x32_10(ctr, key, out);
-    return (double)out[0] * 2.3283064365386963e-10; /* 2^-32: exact, so u is in [0, 1) */
-}
+double hs_philox_uniform(uint64_t seed, uint64_t offset, uint64_t j) { return hs_philox_u(seed, offset, j); }
 
 /* ---- shared tree checks --------------------------------------------------------------------------- */
 
@@ -169,34 +147,6 @@ size_t hs_verify_sample_workspace_bytes(int64_t T, int64_t V) {
      * top-p (V entries), the tokens rejected at the current node (T int64) */
     size_t v = (size_t)(V > 0 ? V : 1), t = (size_t)(T > 0 ? T : 1);
     return v * sizeof(double) + v * sizeof(float) + 16 + v * sizeof(hs_kv) + t * sizeof(int64_t);
-}
-
-/* exp(x) for x <= 0 in float64, branch-free so the loop below vectorises: x = n ln2 + r with |r| <= ln2/2,
- * e^r by its Taylor polynomial to degree 12 (truncation < 2e-16 relative), 2^n from the exponent bits.
- * Below -708 the result is 0 (exp(-708) < 1e-307 next to a largest term of 1), as docs/ops.md says. */
-static inline double hs_exp_nonpos_f64(double x) {
-    const double shifter = 6755399441055744.0; /* 1.5 * 2^52: x + shifter rounds x to an integer */
-    double xc = x < -708.0 ? -708.0 : x;
-    double n = (xc * 1.4426950408889634 + shifter) - shifter;
-    double r = (xc - n * 6.93147180369123816490e-01) - n * 1.90821492927058770002e-10; /* fdlibm ln2 hi/lo */
-    double p = 2.08767569878680989792e-09;                                             /* 1/12! */
-    p = p * r + 2.50521083854417187751e-08;                                            /* 1/11! */
-    p = p * r + 2.75573192239858906526e-07;                                            /* 1/10! */
-    p = p * r + 2.75573192239858906526e-06;                                            /* 1/9! */
-    p = p * r + 2.48015873015873015873e-05;                                            /* 1/8! */
-    p = p * r + 1.98412698412698412698e-04;                                            /* 1/7! */
-    p = p * r + 1.38888888888888888889e-03;                                            /* 1/6! */
-    p = p * r + 8.33333333333333333333e-03;                                            /* 1/5! */
-    p = p * r + 4.16666666666666666667e-02;                                            /* 1/4! */
-    p = p * r + 1.66666666666666666667e-01;                                            /* 1/3! */
-    p = p * r + 0.5;
-    p = p * r + 1.0;
-    p = p * r + 1.0;
-    /* via int32: there is no packed double->int64 conversion before AVX-512 */
-    uint64_t bits = (uint64_t)(uint32_t)((int32_t)n + 1023) << 52;
-    double scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return x < -708.0 ? 0.0 : p * scale;
 }
 
 /* w[v] = exp(x[v] / T - zmax) for the whole row */

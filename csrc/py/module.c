@@ -14,13 +14,20 @@
 
 #include <numpy/arrayobject.h>
 
+#ifdef HS_WITH_CUDA
+#include "hs/heterospec_cuda.h"
+#endif
+
 #define HS_MAX_VIEWS 16
 
-/* All views of one call, released together. */
+static PyObject *hs_cuda_error_type; /* heterospec._C.CudaError (a RuntimeError) */
+
+/* All views of one call, released together; `stream` is the consumer stream handed to DLPack producers. */
 typedef struct {
     hs_view v[HS_MAX_VIEWS];
     const char *arg[HS_MAX_VIEWS];
     int n;
+    PyObject *stream;
 } hs_views;
 
 static void hs_views_release(hs_views *vs) {
@@ -35,7 +42,7 @@ static hs_view *hs_views_add(hs_views *vs, PyObject *obj, const char *op, const 
         return NULL;
     }
     hs_view *v = &vs->v[vs->n];
-    if (hs_view_import(obj, op, arg, writable, v) < 0) return NULL;
+    if (hs_view_import(obj, op, arg, writable, vs->stream, v) < 0) return NULL;
     vs->arg[vs->n] = arg;
     vs->n++;
     if (hs_check_same_device(v, &vs->v[0], op, arg, vs->arg[0]) < 0) return NULL;
@@ -125,7 +132,10 @@ static int hs_parse_f64(PyObject *obj, const char *op, const char *arg, double *
 
 /* Map a failing core status to a Python exception. */
 static void hs_raise(hs_status st, const hs_error *err) {
-    PyObject *type = st == HS_ERR_DTYPE ? PyExc_TypeError : st == HS_ERR_WORKSPACE ? PyExc_SystemError : PyExc_ValueError;
+    PyObject *type = st == HS_ERR_DTYPE       ? PyExc_TypeError
+                     : st == HS_ERR_WORKSPACE ? PyExc_SystemError
+                     : st == HS_ERR_CUDA      ? hs_cuda_error_type
+                                              : PyExc_ValueError;
     PyErr_SetString(type, err->msg);
 }
 
@@ -149,17 +159,151 @@ static void *hs_workspace(size_t bytes) {
         }                                                                                                      \
     } while (0)
 
+/* ---- the CUDA side of a call ---------------------------------------------------------------------------
+ * A call whose first array lives on a CUDA device runs the kernels of csrc/cuda/ on that device, on
+ * `stream` (a Python int cudaStream_t; None means the legacy default stream).  Device-side value errors land
+ * in the device's error record; `check` synchronises the stream after the launch and raises them.  Ops
+ * whose results must reach the host synchronise anyway.  Neither is allowed while the stream is capturing
+ * a CUDA graph: there, pass check=False (and device_outputs=True) and call cuda_check() after replay. */
+typedef struct {
+    int on, dev, prev;
+    void *stream;
+    hs_view *ref;
+#ifdef HS_WITH_CUDA
+    hs_cuda_error *err, *err_host;
+#endif
+} hs_gpu;
+
+static int hs_gpu_begin(hs_gpu *g, hs_view *ref, PyObject *o_stream, const char *op) {
+    memset(g, 0, sizeof *g);
+    g->ref = ref;
+    g->on = ref->device_type == 2; /* DLPack kDLCUDA */
+    if (!g->on) return 0;
+#ifdef HS_WITH_CUDA
+    if (o_stream != Py_None) {
+        if (!PyLong_Check(o_stream)) {
+            PyErr_Format(PyExc_TypeError, "%s: argument 'stream' expected an int (a cudaStream_t) or None, got %s", op,
+                         Py_TYPE(o_stream)->tp_name);
+            return -1;
+        }
+        g->stream = PyLong_AsVoidPtr(o_stream);
+        if (g->stream == NULL && PyErr_Occurred()) return -1;
+    }
+    hs_error err;
+    char why[160] = "";
+    if (hs_cuda_device_count(why, sizeof why) <= ref->device_id) {
+        PyErr_Format(hs_cuda_error_type, "%s: argument '%s' is on cuda:%d, but CUDA is not usable here: %s", op, "logits",
+                     ref->device_id, why[0] ? why : "no such device");
+        return -1;
+    }
+    g->dev = ref->device_id;
+    if ((g->prev = hs_cuda_set_device(g->dev, &err)) < 0 || !(g->err = hs_cuda_error_record(g->dev, &g->err_host, &err))) {
+        hs_raise(HS_ERR_CUDA, &err);
+        return -1;
+    }
+    return 0;
+#else
+    (void)o_stream;
+    PyErr_Format(PyExc_ValueError, "%s: this build of heterospec has no CUDA ops", op);
+    return -1;
+#endif
+}
+
+#ifdef HS_WITH_CUDA
+/* Raise (and clear) a recorded device error; 0 if there was none. */
+static int hs_gpu_raise_recorded(hs_gpu *g, const char *op) {
+    if (g->err_host->code == 0) return 0;
+    char msg[384];
+    hs_cuda_error_message(g->err_host, op, msg, sizeof msg);
+    memset(g->err_host, 0, sizeof *g->err_host);
+    PyErr_SetString(PyExc_ValueError, msg);
+    return -1;
+}
+
+/* Synchronise the call's stream (refused during graph capture) and raise any recorded device error. */
+static int hs_gpu_sync(hs_gpu *g, const char *op, const char *why) {
+    hs_error err;
+    int cap = hs_cuda_stream_capturing(g->stream, &err);
+    if (cap < 0) {
+        hs_raise(HS_ERR_CUDA, &err);
+        return -1;
+    }
+    if (cap) {
+        PyErr_Format(PyExc_ValueError, "%s: argument '%s' expected False while the stream is capturing a CUDA graph "
+                     "(it needs a host synchronisation), got True", op, why);
+        return -1;
+    }
+    hs_status st;
+    Py_BEGIN_ALLOW_THREADS st = hs_cuda_stream_sync(g->stream, &err);
+    Py_END_ALLOW_THREADS
+    if (st != HS_OK) {
+        hs_raise(st, &err);
+        return -1;
+    }
+    return hs_gpu_raise_recorded(g, op);
+}
+#endif
+
+/* End of a call: restore the caller's device; with `check`, synchronise and raise device errors. */
+static int hs_gpu_end(hs_gpu *g, const char *op, int check) {
+    if (!g->on) return 0;
+    int rc = 0;
+#ifdef HS_WITH_CUDA
+    if (check) rc = hs_gpu_sync(g, op, "check");
+    hs_error err;
+    if (g->prev >= 0 && g->prev != g->dev) hs_cuda_set_device(g->prev, &err);
+#else
+    (void)op;
+    (void)check;
+#endif
+    g->on = 0;
+    return rc;
+}
+
+#ifdef HS_WITH_CUDA
+#define HS_WS_COUNTERS 65536 /* the start of the module workspace holds expand's per-request counters */
+static void *hs_gpu_workspace(hs_gpu *g, size_t bytes) {
+    hs_error err;
+    void *ws = hs_cuda_workspace(g->dev, HS_WS_COUNTERS + bytes, g->stream, &err);
+    if (ws == NULL) hs_raise(HS_ERR_VALUE, &err);
+    return ws;
+}
+/* Read n int64 results from the device (synchronises the stream first). */
+static int hs_gpu_read(hs_gpu *g, const char *op, const char *why, const int64_t *dev, int64_t *host, int n) {
+    if (hs_gpu_sync(g, op, why) < 0) return -1;
+    hs_error err;
+    if (hs_cuda_memcpy_d2h(host, dev, (size_t)n * sizeof(int64_t), g->stream, &err) != HS_OK) {
+        hs_raise(HS_ERR_CUDA, &err);
+        return -1;
+    }
+    return 0;
+}
+#endif
+
+static int hs_parse_flag(PyObject *obj, const char *op, const char *arg, int *out) {
+    if (!PyBool_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: argument '%s' expected a bool, got %s", op, arg, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    *out = obj == Py_True;
+    return 0;
+}
+
 /* ---- topk_entropy(logits, k, temperature, alloc) -> out ------------------------------------------- */
 
 static PyObject *py_topk_entropy(PyObject *self, PyObject *args) {
     (void)self;
     static const char op[] = "topk_entropy";
-    PyObject *o_logits, *o_k, *o_temp, *alloc, *out = NULL;
-    if (!PyArg_ParseTuple(args, "OOOO", &o_logits, &o_k, &o_temp, &alloc)) return NULL;
+    PyObject *o_logits, *o_k, *o_temp, *alloc, *o_stream, *o_check, *out = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOO", &o_logits, &o_k, &o_temp, &alloc, &o_stream, &o_check)) return NULL;
     int64_t k;
     double temp;
-    if (hs_parse_i64(o_k, op, "k", &k) < 0 || hs_parse_f64(o_temp, op, "temperature", &temp) < 0) return NULL;
-    hs_views vs = {.n = 0};
+    int check;
+    if (hs_parse_i64(o_k, op, "k", &k) < 0 || hs_parse_f64(o_temp, op, "temperature", &temp) < 0 ||
+        hs_parse_flag(o_check, op, "check", &check) < 0)
+        return NULL;
+    hs_views vs = {.n = 0, .stream = o_stream};
+    hs_gpu g = {0};
     void *ws = NULL;
     hs_view *lg, *ov;
     if (!(lg = hs_views_add(&vs, o_logits, op, "logits", 0)) || hs_check_ndim(lg, op, "logits", 2, "[N, V]") < 0 ||
@@ -172,13 +316,22 @@ static PyObject *py_topk_entropy(PyObject *self, PyObject *args) {
         goto fail;
     }
     if (!(out = hs_views_alloc(&vs, alloc, op, "out", 1, &N, HS_FLOAT32, &ov))) goto fail;
-    size_t wsb = hs_topk_entropy_workspace_bytes(k, V);
-    if (!(ws = hs_workspace(wsb))) goto fail;
-    HS_CALL(hs_topk_entropy(lg->data, (hs_dtype)lg->dtype, N, V, k, temp, (float *)ov->data, ws, wsb, &err));
+    if (hs_gpu_begin(&g, lg, o_stream, op) < 0) goto fail;
+    if (g.on) {
+#ifdef HS_WITH_CUDA
+        HS_CALL(hs_cuda_topk_entropy(lg->data, (hs_dtype)lg->dtype, N, V, k, temp, (float *)ov->data, g.err, g.stream, &err));
+#endif
+        if (hs_gpu_end(&g, op, check) < 0) goto fail;
+    } else {
+        size_t wsb = hs_topk_entropy_workspace_bytes(k, V);
+        if (!(ws = hs_workspace(wsb))) goto fail;
+        HS_CALL(hs_topk_entropy(lg->data, (hs_dtype)lg->dtype, N, V, k, temp, (float *)ov->data, ws, wsb, &err));
+    }
     PyMem_RawFree(ws);
     hs_views_release(&vs);
     return out;
 fail:
+    hs_gpu_end(&g, op, 0);
     PyMem_RawFree(ws);
     hs_views_release(&vs);
     Py_XDECREF(out);
@@ -190,13 +343,18 @@ fail:
 static PyObject *py_expand(PyObject *self, PyObject *args) {
     (void)self;
     static const char op[] = "expand";
-    PyObject *o_logits, *o_scores, *o_nodes, *o_k, *o_d2t, *o_off, *alloc;
+    PyObject *o_logits, *o_scores, *o_nodes, *o_k, *o_d2t, *o_off, *alloc, *o_stream, *o_check;
     PyObject *outs[5] = {NULL, NULL, NULL, NULL, NULL};
-    if (!PyArg_ParseTuple(args, "OOOOOOO", &o_logits, &o_scores, &o_nodes, &o_k, &o_d2t, &o_off, &alloc))
+    if (!PyArg_ParseTuple(args, "OOOOOOOOO", &o_logits, &o_scores, &o_nodes, &o_k, &o_d2t, &o_off, &alloc, &o_stream,
+                          &o_check))
         return NULL;
     int64_t k, off;
-    if (hs_parse_i64(o_k, op, "k", &k) < 0 || hs_parse_i64(o_off, op, "node_offset", &off) < 0) return NULL;
-    hs_views vs = {.n = 0};
+    int check;
+    if (hs_parse_i64(o_k, op, "k", &k) < 0 || hs_parse_i64(o_off, op, "node_offset", &off) < 0 ||
+        hs_parse_flag(o_check, op, "check", &check) < 0)
+        return NULL;
+    hs_views vs = {.n = 0, .stream = o_stream};
+    hs_gpu g = {0};
     void *ws = NULL;
     hs_view *lg, *sc, *nd, *d2t = NULL, *ot, *os, *op_, *oe, *ob;
     if (!(lg = hs_views_add(&vs, o_logits, op, "logits", 0)) || hs_check_ndim(lg, op, "logits", 2, "[B, Vd]") < 0 ||
@@ -235,6 +393,20 @@ static PyObject *py_expand(PyObject *self, PyObject *args) {
         !(outs[3] = hs_views_alloc(&vs, alloc, op, "entropy", 1, &B, HS_FLOAT32, &oe)) ||
         !(outs[4] = hs_views_alloc(&vs, alloc, op, "next_beams", 1, &k, HS_INT64, &ob)))
         goto fail;
+    if (hs_gpu_begin(&g, lg, o_stream, op) < 0) goto fail;
+    if (g.on) {
+#ifdef HS_WITH_CUDA
+        void *gws = hs_gpu_workspace(&g, 0);
+        if (gws == NULL) goto fail;
+        HS_CALL(hs_cuda_expand(lg->data, (hs_dtype)lg->dtype, 1, B, Vd, sc->data, (hs_dtype)sc->dtype, nd->data,
+                               (hs_dtype)nd->dtype, k, d2t ? d2t->data : NULL, d2t ? (hs_dtype)d2t->dtype : HS_INT64, off,
+                               (int64_t *)ot->data, (float *)os->data, (int64_t *)op_->data, (float *)oe->data,
+                               (int64_t *)ob->data, gws, HS_WS_COUNTERS, g.err, g.stream, &err));
+#endif
+        if (hs_gpu_end(&g, op, check) < 0) goto fail;
+        hs_views_release(&vs);
+        return Py_BuildValue("(NNNNN)", outs[0], outs[1], outs[2], outs[3], outs[4]);
+    }
     size_t wsb = hs_expand_workspace_bytes(B, k, Vd);
     if (!(ws = hs_workspace(wsb))) goto fail;
     HS_CALL(hs_expand(lg->data, (hs_dtype)lg->dtype, 1, B, Vd, sc->data, (hs_dtype)sc->dtype, nd->data,
@@ -245,6 +417,7 @@ static PyObject *py_expand(PyObject *self, PyObject *args) {
     hs_views_release(&vs);
     return Py_BuildValue("(NNNNN)", outs[0], outs[1], outs[2], outs[3], outs[4]);
 fail:
+    hs_gpu_end(&g, op, 0);
     PyMem_RawFree(ws);
     hs_views_release(&vs);
     for (int i = 0; i < 5; i++) Py_XDECREF(outs[i]);
@@ -256,11 +429,13 @@ fail:
 static PyObject *py_select(PyObject *self, PyObject *args) {
     (void)self;
     static const char op[] = "select";
-    PyObject *o_scores, *o_n, *alloc, *out = NULL;
-    if (!PyArg_ParseTuple(args, "OOO", &o_scores, &o_n, &alloc)) return NULL;
+    PyObject *o_scores, *o_n, *alloc, *o_stream, *o_check, *out = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOO", &o_scores, &o_n, &alloc, &o_stream, &o_check)) return NULL;
     int64_t n;
-    if (hs_parse_i64(o_n, op, "n", &n) < 0) return NULL;
-    hs_views vs = {.n = 0};
+    int check;
+    if (hs_parse_i64(o_n, op, "n", &n) < 0 || hs_parse_flag(o_check, op, "check", &check) < 0) return NULL;
+    hs_views vs = {.n = 0, .stream = o_stream};
+    hs_gpu g = {0};
     void *ws = NULL;
     hs_view *sc, *ov;
     if (!(sc = hs_views_add(&vs, o_scores, op, "scores", 0)) || hs_check_ndim(sc, op, "scores", 1, "[M]") < 0 ||
@@ -273,6 +448,15 @@ static PyObject *py_select(PyObject *self, PyObject *args) {
         goto fail;
     }
     if (!(out = hs_views_alloc(&vs, alloc, op, "out", 1, &n, HS_INT64, &ov))) goto fail;
+    if (hs_gpu_begin(&g, sc, o_stream, op) < 0) goto fail;
+    if (g.on) {
+#ifdef HS_WITH_CUDA
+        HS_CALL(hs_cuda_select(sc->data, (hs_dtype)sc->dtype, 1, M, NULL, NULL, n, (int64_t *)ov->data, g.err, g.stream, &err));
+#endif
+        if (hs_gpu_end(&g, op, check) < 0) goto fail;
+        hs_views_release(&vs);
+        return out;
+    }
     size_t wsb = hs_select_workspace_bytes(M);
     if (!(ws = hs_workspace(wsb))) goto fail;
     HS_CALL(hs_select(sc->data, (hs_dtype)sc->dtype, 1, M, NULL, &n, n, (int64_t *)ov->data, ws, wsb, &err));
@@ -280,6 +464,7 @@ static PyObject *py_select(PyObject *self, PyObject *args) {
     hs_views_release(&vs);
     return out;
 fail:
+    hs_gpu_end(&g, op, 0);
     PyMem_RawFree(ws);
     hs_views_release(&vs);
     Py_XDECREF(out);
@@ -291,12 +476,22 @@ fail:
 static PyObject *py_build_tree(PyObject *self, PyObject *args) {
     (void)self;
     static const char op[] = "build_tree";
-    PyObject *o_tok, *o_par, *o_sel, *o_root, *alloc;
-    PyObject *outs[5] = {NULL, NULL, NULL, NULL, NULL};
-    if (!PyArg_ParseTuple(args, "OOOOO", &o_tok, &o_par, &o_sel, &o_root, &alloc)) return NULL;
+    PyObject *o_tok, *o_par, *o_sel, *o_root, *alloc, *o_stream, *o_check, *o_devout;
+    PyObject *outs[7] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    if (!PyArg_ParseTuple(args, "OOOOOOOO", &o_tok, &o_par, &o_sel, &o_root, &alloc, &o_stream, &o_check, &o_devout))
+        return NULL;
     int64_t root;
-    if (hs_parse_i64(o_root, op, "root_token", &root) < 0) return NULL;
-    hs_views vs = {.n = 0};
+    int check, devout;
+    if (hs_parse_i64(o_root, op, "root_token", &root) < 0 || hs_parse_flag(o_check, op, "check", &check) < 0 ||
+        hs_parse_flag(o_devout, op, "device_outputs", &devout) < 0)
+        return NULL;
+    if (root < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: argument 'root_token' expected a token id >= 0, got %lld", op, (long long)root);
+        return NULL;
+    }
+    hs_views vs = {.n = 0, .stream = o_stream};
+    hs_gpu g = {0};
+    hs_view *onl, *omd;
     void *ws = NULL;
     hs_view *tk, *pa, *se, *ot, *opa, *od, *om, *orr;
     if (!(tk = hs_views_add(&vs, o_tok, op, "tokens", 0)) || hs_check_ndim(tk, op, "tokens", 1, "[M]") < 0 ||
@@ -321,23 +516,74 @@ static PyObject *py_build_tree(PyObject *self, PyObject *args) {
         !(outs[2] = hs_views_alloc(&vs, alloc, op, "depths", 1, &T, HS_INT64, &od)) ||
         !(outs[3] = hs_views_alloc(&vs, alloc, op, "mask", 2, TT, HS_BOOL, &om)))
         goto fail;
+    if (hs_gpu_begin(&g, tk, o_stream, op) < 0) goto fail;
+    if (g.on) {
+#ifdef HS_WITH_CUDA
+        /* the retrieve rows at full size [n+1, n+1], and leaves / depth on the device */
+        int64_t one = 1;
+        if (!(outs[4] = hs_views_alloc(&vs, alloc, op, "retrieve", 2, TT, HS_INT64, &orr)) ||
+            !(outs[5] = hs_views_alloc(&vs, alloc, op, "num_leaves", 0, &one, HS_INT64, &onl)) ||
+            !(outs[6] = hs_views_alloc(&vs, alloc, op, "max_depth", 0, &one, HS_INT64, &omd)))
+            goto fail;
+        HS_CALL(hs_cuda_build_tree(tk->data, (hs_dtype)tk->dtype, pa->data, (hs_dtype)pa->dtype, 1, M, se->data,
+                                   (hs_dtype)se->dtype, n, NULL, NULL, root, (int64_t *)ot->data, (int64_t *)opa->data,
+                                   (int64_t *)od->data, (uint8_t *)om->data, (int64_t *)onl->data, (int64_t *)omd->data,
+                                   (int64_t *)orr->data, g.err, g.stream, &err));
+        if (devout) {
+            if (hs_gpu_end(&g, op, check) < 0) goto fail;
+            hs_views_release(&vs);
+            return Py_BuildValue("(NNNNNNN)", outs[0], outs[1], outs[2], outs[3], outs[4], outs[5], outs[6]);
+        }
+        int64_t ld[2];
+        if (hs_gpu_read(&g, op, "device_outputs", (int64_t *)onl->data, &ld[0], 1) < 0 ||
+            hs_gpu_read(&g, op, "device_outputs", (int64_t *)omd->data, &ld[1], 1) < 0)
+            goto fail;
+        hs_gpu_end(&g, op, 0);
+        hs_views_release(&vs);
+        /* retrieve[:leaves, :depth + 1]: a view of the padded rows */
+        PyObject *sl = Py_BuildValue("(NN)", PySlice_New(NULL, PyLong_FromLongLong(ld[0]), NULL),
+                                     PySlice_New(NULL, PyLong_FromLongLong(ld[1] + 1), NULL));
+        PyObject *ret = sl ? PyObject_GetItem(outs[4], sl) : NULL;
+        Py_XDECREF(sl);
+        Py_DECREF(outs[4]);
+        Py_DECREF(outs[5]);
+        Py_DECREF(outs[6]);
+        if (ret == NULL) {
+            for (int i = 0; i < 4; i++) Py_DECREF(outs[i]);
+            return NULL;
+        }
+        return Py_BuildValue("(NNNNN)", outs[0], outs[1], outs[2], outs[3], ret);
+#endif
+    }
     size_t wsb = hs_build_tree_workspace_bytes(M), wsr = hs_tree_retrieve_workspace_bytes(T);
     if (!(ws = hs_workspace(wsb > wsr ? wsb : wsr))) goto fail;
     int64_t leaves = 0, depth = 0;
     HS_CALL(hs_build_tree(tk->data, (hs_dtype)tk->dtype, pa->data, (hs_dtype)pa->dtype, 1, M, se->data, (hs_dtype)se->dtype, n, &n, &root,
                          (int64_t *)ot->data, (int64_t *)opa->data, (int64_t *)od->data, (uint8_t *)om->data,
                          &leaves, &depth, ws, wsb, &err));
-    int64_t LD[2] = {leaves, depth + 1};
+    int64_t LD[2] = {devout ? T : leaves, devout ? T : depth + 1};
     if (!(outs[4] = hs_views_alloc(&vs, alloc, op, "retrieve", 2, LD, HS_INT64, &orr))) goto fail;
     HS_CALL(hs_tree_retrieve((int64_t *)opa->data, (int64_t *)od->data, 1, T, &T, LD[0], LD[1], (int64_t *)orr->data,
                             ws, wsr, &err));
     PyMem_RawFree(ws);
+    ws = NULL;
+    if (devout) {
+        int64_t one = 1;
+        if (!(outs[5] = hs_views_alloc(&vs, alloc, op, "num_leaves", 0, &one, HS_INT64, &onl)) ||
+            !(outs[6] = hs_views_alloc(&vs, alloc, op, "max_depth", 0, &one, HS_INT64, &omd)))
+            goto fail;
+        *(int64_t *)onl->data = leaves;
+        *(int64_t *)omd->data = depth;
+        hs_views_release(&vs);
+        return Py_BuildValue("(NNNNNNN)", outs[0], outs[1], outs[2], outs[3], outs[4], outs[5], outs[6]);
+    }
     hs_views_release(&vs);
     return Py_BuildValue("(NNNNN)", outs[0], outs[1], outs[2], outs[3], outs[4]);
 fail:
+    hs_gpu_end(&g, op, 0);
     PyMem_RawFree(ws);
     hs_views_release(&vs);
-    for (int i = 0; i < 5; i++) Py_XDECREF(outs[i]);
+    for (int i = 0; i < 7; i++) Py_XDECREF(outs[i]);
     return NULL;
 }
 
@@ -371,66 +617,206 @@ static int hs_verify_args(hs_views *vs, const char *op, PyObject *o_tok, PyObjec
     return 0;
 }
 
-/* path[:len] as a view of the allocated path (works for NumPy and torch alike) */
-static PyObject *hs_path_slice(PyObject *path, int64_t len) {
-    return PySequence_GetSlice(path, 0, (Py_ssize_t)len);
+
+/* The results of a verify call.  Host form: (path[:len], next[, draws]) as Python ints.  Device form
+ * (device_outputs=True): (path[n] padded with -1, len, next[, draws]) as 0-d arrays of the input's library,
+ * so a CUDA caller can keep a whole cycle on the device. */
+static PyObject *hs_verify_result(hs_views *vs, PyObject *alloc, const char *op, int devout, PyObject *path, int64_t n,
+                                  int64_t len, int64_t next, int64_t draws, int with_draws) {
+    if (devout) {
+        int64_t one = 1, vals[3] = {len, next, draws};
+        const char *names[3] = {"length", "next_token", "draws"};
+        PyObject *res = PyTuple_New(with_draws ? 4 : 3);
+        if (res == NULL) return NULL;
+        hs_view *pv = &vs->v[0];
+        for (int i = 0; i < vs->n; i++) if (vs->arg[i] && strcmp(vs->arg[i], "path") == 0) pv = &vs->v[i];
+        for (int64_t i = len; i < n; i++) ((int64_t *)pv->data)[i] = -1;
+        Py_INCREF(path);
+        PyTuple_SET_ITEM(res, 0, path);
+        for (int i = 0; i < (with_draws ? 3 : 2); i++) {
+            hs_view *ov;
+            PyObject *o = hs_views_alloc(vs, alloc, op, names[i], 0, &one, HS_INT64, &ov);
+            if (o == NULL) {
+                Py_DECREF(res);
+                return NULL;
+            }
+            *(int64_t *)ov->data = vals[i];
+            PyTuple_SET_ITEM(res, i + 1, o);
+        }
+        return res;
+    }
+    PyObject *sl = PySequence_GetSlice(path, 0, (Py_ssize_t)len);
+    if (sl == NULL) return NULL;
+    return with_draws ? Py_BuildValue("(NLL)", sl, (long long)next, (long long)draws) : Py_BuildValue("(NL)", sl, (long long)next);
 }
+
+#ifdef HS_WITH_CUDA
+/* The CUDA tail of a verify call: device form as is, host form after reading len/next/draws back. */
+static PyObject *hs_verify_gpu_result(hs_gpu *g, hs_views *vs, const char *op, int devout, int check, PyObject *path,
+                                      PyObject **outs, hs_view **ov, int with_draws) {
+    int nres = with_draws ? 3 : 2;
+    if (devout) {
+        if (hs_gpu_end(g, op, check) < 0) return NULL;
+        PyObject *res = PyTuple_New(nres + 1);
+        if (res == NULL) return NULL;
+        Py_INCREF(path);
+        PyTuple_SET_ITEM(res, 0, path);
+        for (int i = 0; i < nres; i++) {
+            Py_INCREF(outs[i]);
+            PyTuple_SET_ITEM(res, i + 1, outs[i]);
+        }
+        return res;
+    }
+    int64_t vals[3] = {0, 0, 0};
+    for (int i = 0; i < nres; i++)
+        if (hs_gpu_read(g, op, "device_outputs", (int64_t *)ov[i]->data, &vals[i], 1) < 0) {
+            hs_gpu_end(g, op, 0);
+            return NULL;
+        }
+    hs_gpu_end(g, op, 0);
+    (void)vs;
+    PyObject *sl = PySequence_GetSlice(path, 0, (Py_ssize_t)vals[0]);
+    if (sl == NULL) return NULL;
+    return with_draws ? Py_BuildValue("(NLL)", sl, (long long)vals[1], (long long)vals[2])
+                      : Py_BuildValue("(NL)", sl, (long long)vals[1]);
+}
+#endif
 
 static PyObject *py_verify_greedy(PyObject *self, PyObject *args) {
     (void)self;
     static const char op[] = "verify_greedy";
-    PyObject *o_tok, *o_par, *o_lg, *alloc, *path = NULL;
-    if (!PyArg_ParseTuple(args, "OOOO", &o_tok, &o_par, &o_lg, &alloc)) return NULL;
-    hs_views vs = {.n = 0};
+    PyObject *o_tok, *o_par, *o_lg, *alloc, *o_stream, *o_check, *o_devout, *path = NULL, *res = NULL;
+    PyObject *outs[2] = {NULL, NULL};
+    if (!PyArg_ParseTuple(args, "OOOOOOO", &o_tok, &o_par, &o_lg, &alloc, &o_stream, &o_check, &o_devout)) return NULL;
+    int check, devout;
+    if (hs_parse_flag(o_check, op, "check", &check) < 0 || hs_parse_flag(o_devout, op, "device_outputs", &devout) < 0)
+        return NULL;
+    hs_views vs = {.n = 0, .stream = o_stream};
+    hs_gpu g = {0};
     hs_view *tk, *pa, *lg, *opath;
     if (hs_verify_args(&vs, op, o_tok, o_par, o_lg, &tk, &pa, &lg) < 0) goto fail;
     int64_t n = tk->shape[0], V = lg->shape[1], len = 0, next = 0;
     if (!(path = hs_views_alloc(&vs, alloc, op, "path", 1, &n, HS_INT64, &opath))) goto fail;
-    HS_CALL(hs_verify_greedy(tk->data, (hs_dtype)tk->dtype, pa->data, (hs_dtype)pa->dtype, 1, n, &n, lg->data, (hs_dtype)lg->dtype, V,
-                            (int64_t *)opath->data, &len, &next, &err));
-    hs_views_release(&vs);
-    PyObject *sl = hs_path_slice(path, len);
-    Py_DECREF(path);
-    return sl ? Py_BuildValue("(NL)", sl, (long long)next) : NULL;
+    if (hs_gpu_begin(&g, tk, o_stream, op) < 0) goto fail;
+    if (g.on) {
+#ifdef HS_WITH_CUDA
+        int64_t one = 1;
+        hs_view *ov[2];
+        if (!(outs[0] = hs_views_alloc(&vs, alloc, op, "length", 0, &one, HS_INT64, &ov[0])) ||
+            !(outs[1] = hs_views_alloc(&vs, alloc, op, "next_token", 0, &one, HS_INT64, &ov[1])))
+            goto fail;
+        void *gws = hs_gpu_workspace(&g, hs_cuda_verify_greedy_workspace_bytes(1, n));
+        if (gws == NULL) goto fail;
+        HS_CALL(hs_cuda_verify_greedy(tk->data, (hs_dtype)tk->dtype, pa->data, (hs_dtype)pa->dtype, 1, n, NULL, lg->data,
+                                      (hs_dtype)lg->dtype, V, (int64_t *)opath->data, (int64_t *)ov[0]->data,
+                                      (int64_t *)ov[1]->data, (char *)gws + HS_WS_COUNTERS,
+                                      hs_cuda_verify_greedy_workspace_bytes(1, n), g.err, g.stream, &err));
+        res = hs_verify_gpu_result(&g, &vs, op, devout, check, path, outs, ov, 0);
+#endif
+    } else {
+        HS_CALL(hs_verify_greedy(tk->data, (hs_dtype)tk->dtype, pa->data, (hs_dtype)pa->dtype, 1, n, &n, lg->data,
+                                (hs_dtype)lg->dtype, V, (int64_t *)opath->data, &len, &next, &err));
+        res = hs_verify_result(&vs, alloc, op, devout, path, n, len, next, 0, 0);
+    }
 fail:
+    hs_gpu_end(&g, op, 0);
     hs_views_release(&vs);
     Py_XDECREF(path);
-    return NULL;
+    Py_XDECREF(outs[0]);
+    Py_XDECREF(outs[1]);
+    return res;
+}
+
+/* seed / offset: a Python int, or (for CUDA graphs) a 1-element uint64/int64 tensor on the logits' device */
+static int hs_parse_seed(hs_views *vs, PyObject *o, const char *op, const char *arg, uint64_t *val, void **dev) {
+    *dev = NULL;
+    /* a device tensor only: torch tensors also implement __index__, which would synchronise */
+    int on_device = 0;
+    PyObject *d = PyObject_HasAttrString(o, "__dlpack_device__") ? PyObject_CallMethod(o, "__dlpack_device__", NULL) : NULL;
+    if (d != NULL && PyTuple_Check(d) && PyTuple_GET_SIZE(d) >= 1) on_device = PyLong_AsLong(PyTuple_GET_ITEM(d, 0)) == 2;
+    Py_XDECREF(d);
+    PyErr_Clear();
+    if (!on_device) return hs_parse_u64(o, op, arg, val);
+    hs_view *v = hs_views_add(vs, o, op, arg, 1);
+    if (v == NULL) return -1;
+    if (hs_check_dtype(v, op, arg, HS_MASK(HS_INT64), "int64") < 0) return -1;
+    if (hs_view_nbytes(v) != 8) {
+        PyErr_Format(PyExc_ValueError, "%s: argument '%s' expected an int or a 1-element int64 tensor, got %lld elements",
+                     op, arg, (long long)(hs_view_nbytes(v) / 8));
+        return -1;
+    }
+    *dev = v->data;
+    *val = 0;
+    return 0;
 }
 
 static PyObject *py_verify_sample(PyObject *self, PyObject *args) {
     (void)self;
     static const char op[] = "verify_sample";
-    PyObject *o_tok, *o_par, *o_lg, *o_temp, *o_topk, *o_topp, *o_seed, *o_off, *alloc, *path = NULL;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOO", &o_tok, &o_par, &o_lg, &o_temp, &o_topk, &o_topp, &o_seed, &o_off,
-                          &alloc))
+    PyObject *o_tok, *o_par, *o_lg, *o_temp, *o_topk, *o_topp, *o_seed, *o_off, *alloc, *o_stream, *o_check, *o_devout,
+        *o_adv, *path = NULL, *res = NULL;
+    PyObject *outs[3] = {NULL, NULL, NULL};
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOO", &o_tok, &o_par, &o_lg, &o_temp, &o_topk, &o_topp, &o_seed, &o_off,
+                          &alloc, &o_stream, &o_check, &o_devout, &o_adv))
         return NULL;
     hs_sampling sp;
     uint64_t seed, offset;
+    void *seed_dev = NULL, *off_dev = NULL;
+    int check, devout, adv;
     if (hs_parse_f64(o_temp, op, "temperature", &sp.temperature) < 0 || hs_parse_i64(o_topk, op, "top_k", &sp.top_k) < 0 ||
-        hs_parse_f64(o_topp, op, "top_p", &sp.top_p) < 0 || hs_parse_u64(o_seed, op, "seed", &seed) < 0 ||
-        hs_parse_u64(o_off, op, "offset", &offset) < 0)
+        hs_parse_f64(o_topp, op, "top_p", &sp.top_p) < 0 || hs_parse_flag(o_check, op, "check", &check) < 0 ||
+        hs_parse_flag(o_devout, op, "device_outputs", &devout) < 0 || hs_parse_flag(o_adv, op, "advance_offset", &adv) < 0)
         return NULL;
-    hs_views vs = {.n = 0};
+    hs_views vs = {.n = 0, .stream = o_stream};
+    hs_gpu g = {0};
     void *ws = NULL;
     hs_view *tk, *pa, *lg, *opath;
     if (hs_verify_args(&vs, op, o_tok, o_par, o_lg, &tk, &pa, &lg) < 0) goto fail;
+    if (hs_parse_seed(&vs, o_seed, op, "seed", &seed, &seed_dev) < 0 || hs_parse_seed(&vs, o_off, op, "offset", &offset, &off_dev) < 0)
+        goto fail;
+    if ((seed_dev || off_dev) && tk->device_type != 2) {
+        PyErr_Format(PyExc_ValueError, "%s: argument 'offset' expected a Python int for CPU tensors, got an array", op);
+        goto fail;
+    }
+    if (adv && !off_dev) {
+        PyErr_Format(PyExc_ValueError, "%s: argument 'advance_offset' expected False unless 'offset' is a device tensor, got True", op);
+        goto fail;
+    }
     int64_t n = tk->shape[0], V = lg->shape[1], len = 0, next = 0, draws = 0;
     if (!(path = hs_views_alloc(&vs, alloc, op, "path", 1, &n, HS_INT64, &opath))) goto fail;
-    size_t wsb = hs_verify_sample_workspace_bytes(n, V);
-    if (!(ws = hs_workspace(wsb))) goto fail;
-    HS_CALL(hs_verify_sample(tk->data, (hs_dtype)tk->dtype, pa->data, (hs_dtype)pa->dtype, 1, n, &n, lg->data, (hs_dtype)lg->dtype, V, sp,
-                            &seed, &offset, (int64_t *)opath->data, &len, &next, &draws, ws, wsb, &err));
-    PyMem_RawFree(ws);
-    hs_views_release(&vs);
-    PyObject *sl = hs_path_slice(path, len);
-    Py_DECREF(path);
-    return sl ? Py_BuildValue("(NLL)", sl, (long long)next, (long long)draws) : NULL;
+    if (hs_gpu_begin(&g, tk, o_stream, op) < 0) goto fail;
+    if (g.on) {
+#ifdef HS_WITH_CUDA
+        int64_t one = 1;
+        hs_view *ov[3];
+        if (!(outs[0] = hs_views_alloc(&vs, alloc, op, "length", 0, &one, HS_INT64, &ov[0])) ||
+            !(outs[1] = hs_views_alloc(&vs, alloc, op, "next_token", 0, &one, HS_INT64, &ov[1])) ||
+            !(outs[2] = hs_views_alloc(&vs, alloc, op, "draws", 0, &one, HS_INT64, &ov[2])))
+            goto fail;
+        size_t wsb = hs_cuda_verify_sample_workspace_bytes(1, n);
+        void *gws = hs_gpu_workspace(&g, wsb);
+        if (gws == NULL) goto fail;
+        HS_CALL(hs_cuda_verify_sample(tk->data, (hs_dtype)tk->dtype, pa->data, (hs_dtype)pa->dtype, 1, n, NULL, lg->data,
+                                      (hs_dtype)lg->dtype, V, sp, (const uint64_t *)seed_dev, seed, (uint64_t *)off_dev,
+                                      offset, adv, (int64_t *)opath->data, (int64_t *)ov[0]->data, (int64_t *)ov[1]->data,
+                                      (int64_t *)ov[2]->data, (char *)gws + HS_WS_COUNTERS, wsb, g.err, g.stream, &err));
+        res = hs_verify_gpu_result(&g, &vs, op, devout, check, path, outs, ov, 1);
+#endif
+    } else {
+        size_t wsb = hs_verify_sample_workspace_bytes(n, V);
+        if (!(ws = hs_workspace(wsb))) goto fail;
+        HS_CALL(hs_verify_sample(tk->data, (hs_dtype)tk->dtype, pa->data, (hs_dtype)pa->dtype, 1, n, &n, lg->data,
+                                (hs_dtype)lg->dtype, V, sp, &seed, &offset, (int64_t *)opath->data, &len, &next, &draws,
+                                ws, wsb, &err));
+        res = hs_verify_result(&vs, alloc, op, devout, path, n, len, next, draws, 1);
+    }
 fail:
+    hs_gpu_end(&g, op, 0);
     PyMem_RawFree(ws);
     hs_views_release(&vs);
     Py_XDECREF(path);
-    return NULL;
+    for (int i = 0; i < 3; i++) Py_XDECREF(outs[i]);
+    return res;
 }
 
 /* ---- kv_compact(tensors, prefix_len, slots) -------------------------------------------------------- */
@@ -438,10 +824,12 @@ fail:
 static PyObject *py_kv_compact(PyObject *self, PyObject *args) {
     (void)self;
     static const char op[] = "kv_compact";
-    PyObject *o_tensors, *o_prefix, *o_slots;
-    if (!PyArg_ParseTuple(args, "OOO", &o_tensors, &o_prefix, &o_slots)) return NULL;
+    PyObject *o_tensors, *o_prefix, *o_slots, *o_stream, *o_check;
+    if (!PyArg_ParseTuple(args, "OOOOO", &o_tensors, &o_prefix, &o_slots, &o_stream, &o_check)) return NULL;
     int64_t prefix;
-    if (hs_parse_i64(o_prefix, op, "prefix_len", &prefix) < 0) return NULL;
+    int check;
+    if (hs_parse_i64(o_prefix, op, "prefix_len", &prefix) < 0 || hs_parse_flag(o_check, op, "check", &check) < 0)
+        return NULL;
     if (PyUnicode_Check(o_tensors) || !PySequence_Check(o_tensors) || PyObject_HasAttrString(o_tensors, "__dlpack__") ||
         PyArray_Check(o_tensors)) {
         PyErr_Format(PyExc_TypeError, "%s: argument 'tensors' expected a list or tuple of arrays, got %s", op,
@@ -453,7 +841,8 @@ static PyObject *py_kv_compact(PyObject *self, PyObject *args) {
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
     hs_view *views = PyMem_Calloc((size_t)(count > 0 ? count : 1), sizeof(hs_view));
     Py_ssize_t imported = 0;
-    hs_views vs = {.n = 0};
+    hs_views vs = {.n = 0, .stream = o_stream};
+    hs_gpu g = {0};
     hs_view *sl;
     PyObject *result = NULL;
     if (views == NULL) {
@@ -468,7 +857,7 @@ static PyObject *py_kv_compact(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < count; i++) {
         snprintf(name, sizeof name, "tensors[%zd]", i);
         hs_view *v = &views[i];
-        if (hs_view_import(PySequence_Fast_GET_ITEM(seq, i), op, name, 1, v) < 0) goto fail;
+        if (hs_view_import(PySequence_Fast_GET_ITEM(seq, i), op, name, 1, o_stream, v) < 0) goto fail;
         imported = i + 1;
         if (hs_check_same_device(v, sl, op, name, "slots") < 0) goto fail;
         if (v->ndim < 2) {
@@ -488,6 +877,7 @@ static PyObject *py_kv_compact(PyObject *self, PyObject *args) {
                 goto fail;
             }
         }
+        if (sl->device_type == 2) continue; /* CUDA: the kernel checks the slots against every S first */
         /* validate against this tensor's S before any tensor is modified */
         hs_error err;
         hs_status st = hs_kv_compact_check(1, v->shape[v->ndim - 2], &prefix, sl->data, (hs_dtype)sl->dtype, m, &m, &err);
@@ -495,6 +885,32 @@ static PyObject *py_kv_compact(PyObject *self, PyObject *args) {
             hs_raise(st, &err);
             goto fail;
         }
+    }
+    if (hs_gpu_begin(&g, sl, o_stream, op) < 0) goto fail;
+    if (g.on) {
+#ifdef HS_WITH_CUDA
+        hs_kv_tensor *kt = PyMem_Calloc((size_t)(count > 0 ? count : 1), sizeof(hs_kv_tensor));
+        if (kt == NULL) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        for (Py_ssize_t i = 0; i < count; i++) {
+            hs_view *v = &views[i];
+            int64_t inner = 1;
+            for (int d = 0; d < v->ndim - 2; d++) inner *= v->shape[d];
+            kt[i] = (hs_kv_tensor){v->data, inner, v->shape[v->ndim - 2], v->shape[v->ndim - 1] * v->itemsize};
+        }
+        hs_error err;
+        hs_status st = hs_cuda_kv_compact(kt, count, prefix, sl->data, (hs_dtype)sl->dtype, m, g.err, g.stream, &err);
+        PyMem_Free(kt);
+        if (st != HS_OK) {
+            hs_raise(st, &err);
+            goto fail;
+        }
+#endif
+        if (hs_gpu_end(&g, op, check) < 0) goto fail;
+        result = Py_NewRef(Py_None);
+        goto fail;
     }
     /* every tensor validated: now move the rows */
     for (Py_ssize_t i = 0; i < count; i++) {
@@ -506,6 +922,7 @@ static PyObject *py_kv_compact(PyObject *self, PyObject *args) {
     }
     result = Py_NewRef(Py_None);
 fail:
+    hs_gpu_end(&g, op, 0);
     for (Py_ssize_t i = 0; i < imported && views; i++) hs_view_release(&views[i]);
     PyMem_Free(views);
     hs_views_release(&vs);
@@ -518,9 +935,12 @@ fail:
 static PyObject *py_bucketize(PyObject *self, PyObject *args) {
     (void)self;
     static const char op[] = "bucketize";
-    PyObject *o_vals, *o_thr, *alloc, *out = NULL;
-    if (!PyArg_ParseTuple(args, "OOO", &o_vals, &o_thr, &alloc)) return NULL;
-    hs_views vs = {.n = 0};
+    PyObject *o_vals, *o_thr, *alloc, *o_stream, *o_check, *out = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOO", &o_vals, &o_thr, &alloc, &o_stream, &o_check)) return NULL;
+    int check;
+    if (hs_parse_flag(o_check, op, "check", &check) < 0) return NULL;
+    hs_views vs = {.n = 0, .stream = o_stream};
+    hs_gpu g = {0};
     hs_view *va, *th, *ov;
     if (!(va = hs_views_add(&vs, o_vals, op, "values", 0)) || hs_check_ndim(va, op, "values", 1, "[N]") < 0 ||
         hs_check_dtype(va, op, "values", HS_REAL_DTYPES, "float32 or float64") < 0)
@@ -530,11 +950,22 @@ static PyObject *py_bucketize(PyObject *self, PyObject *args) {
         goto fail;
     int64_t N = va->shape[0];
     if (!(out = hs_views_alloc(&vs, alloc, op, "out", 1, &N, HS_INT32, &ov))) goto fail;
+    if (hs_gpu_begin(&g, va, o_stream, op) < 0) goto fail;
+    if (g.on) {
+#ifdef HS_WITH_CUDA
+        HS_CALL(hs_cuda_bucketize(va->data, (hs_dtype)va->dtype, N, th->data, (hs_dtype)th->dtype, th->shape[0],
+                                  (int32_t *)ov->data, g.err, g.stream, &err));
+#endif
+        if (hs_gpu_end(&g, op, check) < 0) goto fail;
+        hs_views_release(&vs);
+        return out;
+    }
     HS_CALL(hs_bucketize(va->data, (hs_dtype)va->dtype, N, th->data, (hs_dtype)th->dtype, th->shape[0],
                         (int32_t *)ov->data, &err));
     hs_views_release(&vs);
     return out;
 fail:
+    hs_gpu_end(&g, op, 0);
     hs_views_release(&vs);
     Py_XDECREF(out);
     return NULL;
@@ -566,7 +997,7 @@ static PyObject *py_philox_uniform(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "%s: argument 'n' expected >= 0, got %lld", op, (long long)n);
         return NULL;
     }
-    hs_views vs = {.n = 0};
+    hs_views vs = {.n = 0, .stream = NULL};
     hs_view *ov;
     out = hs_views_alloc(&vs, alloc, op, "out", 1, &n, HS_FLOAT64, &ov);
     if (out != NULL) {
@@ -582,21 +1013,88 @@ static PyObject *py_philox_uniform(PyObject *self, PyObject *args) {
 static PyObject *py_build_info(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
-    return Py_BuildValue("{s:O,s:s,s:s,s:s,s:O,s:O}", "cuda", Py_False, "version", hs_version_string(), "compiler",
+    PyObject *d = Py_BuildValue("{s:s,s:s,s:s,s:O}", "version", hs_version_string(), "compiler",
 #if defined(__clang__)
-                         "clang " __clang_version__,
+                                "clang " __clang_version__,
 #elif defined(__GNUC__)
-                         "gcc " __VERSION__,
+                                "gcc " __VERSION__,
 #else
-                         "unknown",
+                                "unknown",
 #endif
-                         "numpy_min_runtime", NPY_FEATURE_VERSION_STRING, "sanitizers",
+                                "numpy_min_runtime", NPY_FEATURE_VERSION_STRING, "sanitizers",
 #if defined(HS_SANITIZE)
-                         Py_True,
+                                Py_True
 #else
-                         Py_False,
+                                Py_False
 #endif
-                         "cuda_archs", Py_None);
+    );
+    if (d == NULL) return NULL;
+#ifdef HS_WITH_CUDA
+    char why[160] = "";
+    int count = hs_cuda_device_count(why, sizeof why);
+    PyObject *extra = Py_BuildValue("{s:O,s:O,s:s,s:i,s:i,s:s}", "cuda", Py_True, "cuda_emulated",
+                                    hs_cuda_emulated() ? Py_True : Py_False, "cuda_archs", hs_cuda_archs(),
+                                    "cuda_runtime", hs_cuda_runtime_version(), "cuda_devices", count,
+                                    "cuda_unavailable_reason", count > 0 ? "" : why);
+#else
+    PyObject *extra = Py_BuildValue("{s:O,s:O,s:O}", "cuda", Py_False, "cuda_emulated", Py_False, "cuda_archs", Py_None);
+#endif
+    if (extra == NULL || PyDict_Update(d, extra) < 0) {
+        Py_XDECREF(extra);
+        Py_DECREF(d);
+        return NULL;
+    }
+    Py_DECREF(extra);
+    return d;
+}
+
+/* cuda_check(device, stream): synchronise `stream` on `device` and raise the error a check=False call
+ * recorded there, if any. */
+static PyObject *py_cuda_check(PyObject *self, PyObject *args) {
+    (void)self;
+    int dev;
+    PyObject *o_stream;
+    if (!PyArg_ParseTuple(args, "iO", &dev, &o_stream)) return NULL;
+#ifdef HS_WITH_CUDA
+    hs_view ref;
+    memset(&ref, 0, sizeof ref);
+    ref.device_type = 2;
+    ref.device_id = dev;
+    hs_gpu g;
+    if (hs_gpu_begin(&g, &ref, o_stream, "cuda_check") < 0) return NULL;
+    if (hs_gpu_end(&g, "cuda_check", 1) < 0) return NULL;
+    Py_RETURN_NONE;
+#else
+    (void)dev;
+    (void)o_stream;
+    PyErr_SetString(PyExc_ValueError, "cuda_check: this build of heterospec has no CUDA ops");
+    return NULL;
+#endif
+}
+
+/* cuda_reserve(device, bytes): grow the module workspace now (outside any graph capture). */
+static PyObject *py_cuda_reserve(PyObject *self, PyObject *args) {
+    (void)self;
+    int dev;
+    long long bytes;
+    if (!PyArg_ParseTuple(args, "iL", &dev, &bytes)) return NULL;
+#ifdef HS_WITH_CUDA
+    if (bytes < 0) {
+        PyErr_Format(PyExc_ValueError, "cuda_reserve: argument 'bytes' expected >= 0, got %lld", bytes);
+        return NULL;
+    }
+    hs_error err;
+    if (hs_cuda_set_device(dev, &err) < 0 || hs_cuda_workspace(dev, HS_WS_COUNTERS + (size_t)bytes, NULL, &err) == NULL) {
+        hs_raise(HS_ERR_CUDA, &err);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+#else
+    (void)dev;
+    (void)bytes;
+    PyErr_SetString(PyExc_ValueError, "cuda_reserve: this build of heterospec has no CUDA ops");
+    return NULL;
+#endif
 }
 
 static PyMethodDef hs_methods[] = {
@@ -612,12 +1110,23 @@ static PyMethodDef hs_methods[] = {
     {"philox4x32", py_philox4x32, METH_VARARGS, "philox4x32(c0, c1, c2, c3, k0, k1) -> 4 words"},
     {"philox_uniform", py_philox_uniform, METH_VARARGS, "philox_uniform(n, seed, offset, alloc) -> out"},
     {"build_info", py_build_info, METH_NOARGS, "what this extension was compiled with"},
+    {"cuda_check", py_cuda_check, METH_VARARGS, "cuda_check(device, stream): sync and raise recorded device errors"},
+    {"cuda_reserve", py_cuda_reserve, METH_VARARGS, "cuda_reserve(device, bytes): grow the CUDA workspace now"},
     {NULL, NULL, 0, NULL},
 };
 
 static int hs_exec(PyObject *module) {
-    (void)module;
     if (PyArray_ImportNumPyAPI() < 0) return -1;
+    if (hs_cuda_error_type == NULL) {
+        hs_cuda_error_type = PyErr_NewExceptionWithDoc("heterospec._C.CudaError",
+                                                       "A CUDA runtime call or kernel launch failed.", PyExc_RuntimeError, NULL);
+        if (hs_cuda_error_type == NULL) return -1;
+    }
+    Py_INCREF(hs_cuda_error_type);
+    if (PyModule_AddObject(module, "CudaError", hs_cuda_error_type) < 0) {
+        Py_DECREF(hs_cuda_error_type);
+        return -1;
+    }
     return 0;
 }
 

@@ -170,14 +170,45 @@ static void hs_call_deleter(hs_view *v) {
     PyErr_Restore(type, value, tb);
 }
 
+/* The DLPack stream argument for obj: its device is asked first, and only CUDA/ROCm producers get one. */
+static PyObject *hs_dlpack_stream_for(PyObject *obj, PyObject *stream) {
+    if (stream == NULL || stream == Py_None) return NULL;
+    PyObject *dev = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
+    if (dev == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    long type = 0;
+    if (PyTuple_Check(dev) && PyTuple_GET_SIZE(dev) >= 1) type = PyLong_AsLong(PyTuple_GET_ITEM(dev, 0));
+    Py_DECREF(dev);
+    PyErr_Clear();
+    if (type != HS_DL_CUDA && type != HS_DL_ROCM && type != HS_DL_CUDA_MANAGED) return NULL;
+    long long s = PyLong_AsLongLong(stream);
+    if (s == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return NULL;
+    }
+    return PyLong_FromLongLong(s == 0 ? 1 : s);
+}
+
 static int hs_import_dlpack(PyObject *obj, PyObject *method, const char *op, const char *arg, int writable,
-                            hs_view *v) {
-    /* ask for a versioned capsule; legacy producers raise TypeError on the keyword */
-    PyObject *kwargs = Py_BuildValue("{s:(ii)}", "max_version", 1, 0);
+                            PyObject *stream, hs_view *v) {
+    /* ask for a versioned capsule (with our stream for device producers); legacy producers raise
+     * TypeError on the keywords and are asked again with fewer */
+    PyObject *dl_stream = hs_dlpack_stream_for(obj, stream);
     PyObject *empty = PyTuple_New(0);
+    PyObject *kwargs = dl_stream ? Py_BuildValue("{s:(ii),s:O}", "max_version", 1, 0, "stream", dl_stream)
+                                 : Py_BuildValue("{s:(ii)}", "max_version", 1, 0);
     PyObject *capsule = (kwargs && empty) ? PyObject_Call(method, empty, kwargs) : NULL;
     Py_XDECREF(kwargs);
+    if (capsule == NULL && dl_stream && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+        kwargs = Py_BuildValue("{s:O}", "stream", dl_stream);
+        capsule = (kwargs && empty) ? PyObject_Call(method, empty, kwargs) : NULL;
+        Py_XDECREF(kwargs);
+    }
     Py_XDECREF(empty);
+    Py_XDECREF(dl_stream);
     if (capsule == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
         PyErr_Clear();
         capsule = PyObject_CallNoArgs(method);
@@ -290,7 +321,7 @@ static int hs_import_buffer(PyObject *obj, const char *op, const char *arg, int 
     return 0;
 }
 
-int hs_view_import(PyObject *obj, const char *op, const char *arg, int writable, hs_view *v) {
+int hs_view_import(PyObject *obj, const char *op, const char *arg, int writable, PyObject *stream, hs_view *v) {
     memset(v, 0, sizeof *v);
     int rc;
     if (PyArray_Check(obj)) {
@@ -302,7 +333,7 @@ int hs_view_import(PyObject *obj, const char *op, const char *arg, int writable,
             PyErr_Clear();
         }
         if (method != NULL) {
-            rc = hs_import_dlpack(obj, method, op, arg, writable, v);
+            rc = hs_import_dlpack(obj, method, op, arg, writable, stream, v);
             Py_DECREF(method);
         } else {
             rc = hs_import_buffer(obj, op, arg, writable, v);
@@ -352,15 +383,39 @@ int hs_check_dim(const hs_view *v, const char *op, const char *arg, int dim, int
     return -1;
 }
 
+#ifdef HS_WITH_CUDA
+#include "hs/heterospec_cuda.h"
+
+/* Is cuda:dev usable in this process?  (The count is asked once: it does not change while we run.) */
+static int hs_cuda_usable(int dev, const char *op, const char *arg) {
+    static int count = -1;
+    static char why[160];
+    if (count < 0) count = hs_cuda_device_count(why, sizeof why);
+    if (dev >= 0 && dev < count) return 0;
+    PyErr_Format(PyExc_ValueError, "%s: argument '%s' expected a tensor on a usable device, got cuda:%d (%s)", op, arg,
+                 dev, count > 0 ? "no such CUDA device" : why);
+    return -1;
+}
+#endif
+
 int hs_check_same_device(const hs_view *v, const hs_view *ref, const char *op, const char *arg,
                          const char *ref_arg) {
+#ifdef HS_WITH_CUDA
+    if (v == ref && v->device_type == HS_DL_CUDA && hs_cuda_usable(v->device_id, op, arg) < 0) return -1;
+#endif
     int a = v->device_type == HS_DL_CUDA_HOST ? HS_DL_CPU : v->device_type;
     int b = ref->device_type == HS_DL_CUDA_HOST ? HS_DL_CPU : ref->device_type;
     if (a == b && (a == HS_DL_CPU || v->device_id == ref->device_id)) {
         if (a == HS_DL_CPU) return 0;
+#ifdef HS_WITH_CUDA
+        if (a == HS_DL_CUDA) return 0;
+        PyErr_Format(PyExc_ValueError, "%s: argument '%s' expected a CPU or CUDA tensor, got %s:%d", op, arg,
+                     hs_device_name(v->device_type), v->device_id);
+#else
         PyErr_Format(PyExc_ValueError,
                      "%s: argument '%s' expected a CPU tensor (this build of heterospec has no CUDA ops), got %s:%d",
                      op, arg, hs_device_name(v->device_type), v->device_id);
+#endif
         return -1;
     }
     PyErr_Format(PyExc_ValueError, "%s: argument '%s' expected the device of '%s' (%s:%d), got %s:%d", op, arg,

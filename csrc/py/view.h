@@ -32,8 +32,11 @@ typedef struct hs_view {
 } hs_view;
 
 /* Import obj (NumPy array, DLPack producer, or buffer-protocol object) into *v.  On failure sets a
- * Python exception naming `op` and `arg` and returns -1; *v then needs no release. */
-int hs_view_import(PyObject *obj, const char *op, const char *arg, int writable, hs_view *v);
+ * Python exception naming `op` and `arg` and returns -1; *v then needs no release.  `stream` (NULL or None
+ * for none) is the consumer's CUDA stream as a Python int: a producer on a CUDA device gets it as
+ * __dlpack__(stream=...), so its pending work is ordered before ours (DLPack: 0 is sent as 1, the legacy
+ * default stream). */
+int hs_view_import(PyObject *obj, const char *op, const char *arg, int writable, PyObject *stream, hs_view *v);
 void hs_view_release(hs_view *v);
 
 /* Bytes spanned by a (C-contiguous) view. */

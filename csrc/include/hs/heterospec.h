@@ -38,6 +38,7 @@ typedef enum hs_status {
     HS_ERR_NONFINITE = 2, /* NaN or +Inf (or an all -Inf row) where finite values are required */
     HS_ERR_DTYPE = 3,     /* a dtype this op does not take */
     HS_ERR_WORKSPACE = 4, /* the workspace is smaller than *_workspace_bytes asked for */
+    HS_ERR_CUDA = 5,      /* a CUDA launch or runtime call failed (CUDA path only) */
 } hs_status;
 
 typedef enum hs_dtype {

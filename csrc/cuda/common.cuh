@@ -1,0 +1,341 @@
+/*
+ * common.cuh -- what every heterospec kernel shares: dtype loads, order-preserving integer keys, block
+ * reductions and scans over shared memory, the device error record, and a block-wide radix select.
+ *
+ * The same source also compiles as plain C++20 with HS_CUDA_EMU defined: then a "kernel launch" runs
+ * every block in turn on the host, each CUDA thread a std::thread, __syncthreads a std::barrier and the
+ * dynamic shared memory one buffer per block.  That build (HETEROSPEC_CUDA=emu) lets the CPU-only CI
+ * run the kernels' logic through the real binding against the CPU core; it says nothing about speed and
+ * cannot see GPU-only faults (memory model subtleties, launch limits), which the GPU parity run covers.
+ * Because of it the kernels use only block-level shared-memory cooperation (no warp shuffles, no CUB)
+ * and only dynamic shared memory.
+ */
+#ifndef HS_CUDA_COMMON_CUH
+#define HS_CUDA_COMMON_CUH
+
+#include <stdint.h>
+#include <string.h>
+
+#include "hs/heterospec.h"
+#include "hs/heterospec_cuda.h"
+
+#ifdef HS_CUDA_EMU
+/* ---- host emulation of the CUDA execution model ------------------------------------------------------ */
+#include <atomic>
+#include <barrier>
+#include <thread>
+#include <vector>
+
+struct dim3 {
+    unsigned x, y, z;
+    dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+namespace hs_emu {
+extern thread_local dim3 thread_idx, block_idx;
+extern thread_local dim3 block_dim, grid_dim;
+extern thread_local char *smem;
+extern thread_local std::barrier<> *bar;
+}
+#define threadIdx (hs_emu::thread_idx)
+#define blockIdx (hs_emu::block_idx)
+#define blockDim (hs_emu::block_dim)
+#define gridDim (hs_emu::grid_dim)
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __restrict__
+inline void __syncthreads() { hs_emu::bar->arrive_and_wait(); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+template <class T> inline T atomicAdd(T *p, T v) {
+    T old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+    while (!__atomic_compare_exchange_n(p, &old, (T)(old + v), false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {}
+    return old;
+}
+inline double atomicAdd(double *p, double v) {
+    uint64_t *q = (uint64_t *)p, old = __atomic_load_n(q, __ATOMIC_SEQ_CST), nw;
+    for (;;) {
+        double d;
+        memcpy(&d, &old, 8);
+        d += v;
+        memcpy(&nw, &d, 8);
+        if (__atomic_compare_exchange_n(q, &old, nw, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) break;
+    }
+    memcpy(&v, &old, 8);
+    return v;
+}
+inline unsigned long long atomicCAS(unsigned long long *p, unsigned long long cmp, unsigned long long v) {
+    __atomic_compare_exchange_n(p, &cmp, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    return cmp;
+}
+template <class T> inline T atomicMin(T *p, T v) {
+    T old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+    while (v < old && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {}
+    return old;
+}
+template <class T> inline T atomicMax(T *p, T v) {
+    T old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+    while (v > old && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {}
+    return old;
+}
+inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+inline unsigned long long __double_as_longlong(double d) { unsigned long long u; memcpy(&u, &d, 8); return u; }
+inline double __longlong_as_double(unsigned long long u) { double d; memcpy(&d, &u, 8); return d; }
+typedef void *hs_stream_t;
+
+/* Run kernel(args...) on grid x block threads; blocks in order, threads of a block concurrently. */
+template <class... P, class... A>
+inline int hs_emu_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
+    std::vector<char> buf(smem + 16);
+    for (unsigned b = 0; b < grid.x; b++) {
+        std::barrier<> barrier((std::ptrdiff_t)block.x);
+        std::vector<std::thread> threads;
+        memset(buf.data(), 0xA5, buf.size()); /* shared memory starts as garbage, as on a GPU */
+        for (unsigned t = 0; t < block.x; t++) {
+            threads.emplace_back([&, t, b]() {
+                hs_emu::thread_idx = dim3(t);
+                hs_emu::block_idx = dim3(b);
+                hs_emu::block_dim = block;
+                hs_emu::grid_dim = grid;
+                hs_emu::smem = buf.data();
+                hs_emu::bar = &barrier;
+                kernel(args...);
+            });
+        }
+        for (auto &th : threads) th.join();
+    }
+    return 0;
+}
+#define HS_LAUNCH(kernel, grid, block, smem, stream, ...) ((void)(stream), hs_emu_launch(kernel, dim3(grid), dim3(block), smem, __VA_ARGS__))
+__device__ __forceinline__ char *hs_smem() { return hs_emu::smem; }
+#define HS_EMU_THREADS 64 /* threads per block in the emulation: enough for every code path */
+#else
+/* ---- CUDA -------------------------------------------------------------------------------------------- */
+#include <cuda_runtime.h>
+typedef cudaStream_t hs_stream_t;
+#define HS_LAUNCH(kernel, grid, block, smem, stream, ...)                                                  \
+    (kernel<<<(grid), (block), (smem), (cudaStream_t)(stream)>>>(__VA_ARGS__), (int)cudaPeekAtLastError())
+__device__ __forceinline__ char *hs_smem() {
+    extern __shared__ __align__(16) char hs_dynamic_smem[];
+    return hs_dynamic_smem;
+}
+#endif
+
+#include "../core/hd_math.h"
+
+/* Threads per block for vocabulary-wide row kernels and for small per-tree kernels. */
+#ifdef HS_CUDA_EMU
+#define HS_ROW_THREADS HS_EMU_THREADS
+#define HS_TREE_THREADS HS_EMU_THREADS
+#else
+#define HS_ROW_THREADS 1024
+#define HS_TREE_THREADS 256
+#endif
+
+/* ---- device error codes (hs_cuda_error.code) ----------------------------------------------------------- */
+enum {
+    HS_CE_LOGIT_NONFINITE = 1, /* a = row, b = col, c = 1 for +inf, 0 for nan */
+    HS_CE_LOGIT_ALLNEG,        /* a = row */
+    HS_CE_BEAM_SCORE,          /* a = index (nan or +inf) */
+    HS_CE_BEAM_NODE,           /* a = value, b = index */
+    HS_CE_D2T,                 /* a = id, b = offset */
+    HS_CE_SCORE_NAN,           /* a = index */
+    HS_CE_SEL_RANGE,           /* a = candidate, b = position, c = M */
+    HS_CE_SEL_ORDER,           /* a = candidate, b = position, c = previous */
+    HS_CE_PARENT_RANGE,        /* a = parent, b = candidate, c = M */
+    HS_CE_PARENT_ORDER,        /* a = candidate, b = parent */
+    HS_CE_TOKEN_NEG,           /* a = token, b = candidate */
+    HS_CE_NOT_CLOSED,          /* a = candidate, b = parent candidate */
+    HS_CE_TREE_ROOT,           /* a = parent of node 0 */
+    HS_CE_TREE_PARENT,         /* a = parent, b = node */
+    HS_CE_TREE_TOKEN,          /* a = token, b = node, c = V */
+    HS_CE_SLOT_LT_I,           /* a = i, b = slot */
+    HS_CE_SLOT_ORDER,          /* a = slot, b = i, c = previous */
+    HS_CE_SLOT_RANGE,          /* a = prefix, b = slot, c = i, d = S */
+    HS_CE_VALUE_NAN,           /* a = index */
+    HS_CE_THRESH_NAN,          /* a = index */
+    HS_CE_THRESH_ORDER,        /* a = index */
+    HS_CE_NO_MASS,             /* a = row */
+    HS_CE_SIZE,                /* a = value, b = limit: a per-row size out of range */
+};
+
+/* First failure wins: claim the record with a CAS on code, then fill the numbers (read only after the
+ * stream is synchronised, so the two-step write is safe). */
+__device__ __forceinline__ void hs_report(hs_cuda_error *e, unsigned long long code, long long a, long long b = 0,
+                                          long long c = 0, long long d = 0) {
+    if (e == nullptr) return;
+    if (atomicCAS(&e->code, 0ull, code) == 0ull) {
+        e->a = a;
+        e->b = b;
+        e->c = c;
+        e->d = d;
+    }
+}
+
+/* ---- loads --------------------------------------------------------------------------------------------- */
+template <int DT> __device__ __forceinline__ float hs_ld(const void *p, int64_t i);
+template <> __device__ __forceinline__ float hs_ld<HS_FLOAT32>(const void *p, int64_t i) { return ((const float *)p)[i]; }
+template <> __device__ __forceinline__ float hs_ld<HS_FLOAT16>(const void *p, int64_t i) {
+    return hs_half_to_float(((const uint16_t *)p)[i]);
+}
+template <> __device__ __forceinline__ float hs_ld<HS_BFLOAT16>(const void *p, int64_t i) {
+    return hs_bf16_to_float(((const uint16_t *)p)[i]);
+}
+__device__ __forceinline__ int64_t hs_ld_id(const void *p, int dt, int64_t i) {
+    return dt == HS_INT32 ? (int64_t)((const int32_t *)p)[i] : ((const int64_t *)p)[i];
+}
+__device__ __forceinline__ double hs_ld_real(const void *p, int dt, int64_t i) {
+    return dt == HS_FLOAT64 ? ((const double *)p)[i] : (double)((const float *)p)[i];
+}
+
+/* Order-preserving unsigned keys: a > b as numbers iff key(a) > key(b); -0 and +0 share a key (they
+ * compare equal, so their order is decided by index, as on the CPU). */
+__device__ __forceinline__ uint32_t hs_key32(float f) {
+    uint32_t u = __float_as_uint(f == 0.0f ? 0.0f : f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float hs_unkey32(uint32_t k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+__device__ __forceinline__ uint64_t hs_key64(double f) {
+    uint64_t u = (uint64_t)__double_as_longlong(f == 0.0 ? 0.0 : f);
+    return (u >> 63) ? ~u : (u | 0x8000000000000000ull);
+}
+
+/* ---- block reductions over shared scratch `red` (blockDim entries of 8 bytes); blockDim a power of 2.
+ * Every thread of the block must call them; they end with the result visible to all. ------------------ */
+template <class T, class Op> __device__ __forceinline__ T hs_block_reduce(T v, T *red, Op op) {
+    unsigned t = threadIdx.x;
+    red[t] = v;
+    __syncthreads();
+    for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (t < s) red[t] = op(red[t], red[t + s]);
+        __syncthreads();
+    }
+    T r = red[0];
+    __syncthreads();
+    return r;
+}
+struct hs_op_sum {
+    template <class T> __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+};
+struct hs_op_max {
+    template <class T> __device__ __forceinline__ T operator()(T a, T b) const { return a > b ? a : b; }
+};
+struct hs_op_min {
+    template <class T> __device__ __forceinline__ T operator()(T a, T b) const { return a < b ? a : b; }
+};
+
+/* Exclusive prefix sum of v over the block in thread order (Hillis-Steele); *total gets the sum. */
+template <class T> __device__ __forceinline__ T hs_block_exscan(T v, T *red, T *total) {
+    unsigned t = threadIdx.x;
+    red[t] = v;
+    __syncthreads();
+    for (unsigned s = 1; s < blockDim.x; s <<= 1) {
+        T add = t >= s ? red[t - s] : (T)0;
+        __syncthreads();
+        red[t] += add;
+        __syncthreads();
+    }
+    T incl = red[t];
+    *total = red[blockDim.x - 1];
+    __syncthreads();
+    return incl - v;
+}
+
+/* ---- block radix select ----------------------------------------------------------------------------------
+ * Among n keys key(i), find what "the k largest, ties to the lower index" takes: a result (pfx, shift) such
+ * that every key with (key >> shift) > pfx is taken, none with (key >> shift) < pfx is, and of those with
+ * (key >> shift) == pfx either all are taken (all_eq) or the `need` lowest-indexed ones (then shift == 0:
+ * they are equal keys).  8 bits per pass, most significant first, stopping early once the bin holding the
+ * k-th key is taken whole.  Shared scratch: 256 counters + a few words (hs_radix_smem_bytes). */
+template <class K> struct hs_radix {
+    K pfx;
+    int shift;
+    int64_t count_gt; /* keys strictly above the bin */
+    int64_t need;     /* how many of the bin are taken */
+    int all_eq;
+    int64_t tie_cut; /* with !all_eq: the index of the need-th key of the bin (ties at or below it are taken) */
+    __device__ __forceinline__ int taken(K key, int64_t i) const {
+        K h = (K)(key >> shift);
+        return h > pfx || (h == pfx && (all_eq || i <= tie_cut));
+    }
+    __device__ __forceinline__ int survives(K key) const { /* key >= the k-th largest key */
+        return (K)(key >> shift) >= pfx;
+    }
+};
+#define HS_RADIX_SMEM (256 * 4 + 64)
+
+template <class K, class KeyFn>
+__device__ void hs_block_radix_select(const KeyFn &key, int64_t n, int64_t k, char *scratch, long long *red,
+                                      hs_radix<K> *res) {
+    unsigned *hist = (unsigned *)scratch;
+    long long *sh = (long long *)(scratch + 256 * 4); /* [0] bin, [1] above-bin count, [2] bin count */
+    const int bits = 8 * (int)sizeof(K);
+    K pfx = 0;
+    int64_t need = k, count_gt = 0;
+    int shift = bits, all_eq = 0;
+    while (shift > 0) {
+        shift -= 8;
+        for (unsigned b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+        __syncthreads();
+        for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+            K kk = key(i);
+            int in = shift + 8 >= bits || (K)(kk >> (shift + 8)) == pfx;
+            if (in) atomicAdd(&hist[(unsigned)(kk >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        /* which bin holds the need-th largest: counts above each bin by a scan over chunks of bins */
+        {
+            unsigned c = blockDim.x >= 256 ? 1u : 256u / blockDim.x, lo = threadIdx.x * c;
+            long long local = 0;
+            for (unsigned j = lo; j < lo + c && j < 256; j++) local += hist[j];
+            long long total;
+            long long ex = hs_block_exscan(local, red, &total);
+            long long above = total - ex - local; /* keys in the bins after this thread's chunk */
+            for (unsigned j = lo + c; j-- > lo;) {
+                if (j < 256 && above < need && above + hist[j] >= need) {
+                    sh[0] = j;
+                    sh[1] = above;
+                    sh[2] = hist[j];
+                }
+                if (j < 256) above += hist[j];
+            }
+        }
+        __syncthreads();
+        long long bin = sh[0], above = sh[1], cnt = sh[2];
+        __syncthreads();
+        count_gt += above;
+        need -= above;
+        pfx = (K)((pfx << 8) | (K)bin);
+        if (cnt == need) {
+            all_eq = 1;
+            break;
+        }
+    }
+    res->pfx = pfx;
+    res->shift = shift;
+    res->count_gt = count_gt;
+    res->need = need;
+    res->all_eq = all_eq;
+    res->tie_cut = -1;
+    if (!all_eq) {
+        /* ties at the k-th key: the need lowest indices among the equal keys, by an ordered scan */
+        int64_t base = 0, cut = -1;
+        for (int64_t t0 = 0; t0 < n && base < need; t0 += blockDim.x) {
+            int64_t i = t0 + threadIdx.x;
+            long long f = i < n && key(i) == pfx;
+            long long total;
+            long long ex = hs_block_exscan(f, red, &total);
+            if (f && base + ex == need - 1) sh[3] = i;
+            __syncthreads();
+            if (base + total >= need) cut = sh[3];
+            base += total;
+        }
+        res->tie_cut = cut;
+        __syncthreads();
+    }
+}
+
+#endif /* HS_CUDA_COMMON_CUH */

@@ -1,0 +1,296 @@
+/*
+ * runtime.cu -- the CUDA runtime glue the binding needs (devices, streams, the device-visible error
+ * record, the module-owned workspace) and the messages of device-side errors.  Kept out of the binding so
+ * that csrc/py/ compiles without CUDA headers.  In the emulated build (HS_CUDA_EMU) "device memory" is host
+ * memory and there is one emulated device.
+ */
+#include "common.cuh"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+extern "C" hs_status hs_fail(hs_error *err, hs_status status, const char *op, const char *arg, const char *fmt, ...);
+
+#define HS_MAX_DEVICES 64
+
+static struct {
+    hs_cuda_error *host, *dev;
+    void *ws;
+    size_t ws_bytes;
+} hs_dev_state[HS_MAX_DEVICES];
+
+#ifndef HS_CUDA_EMU
+static hs_status hs_cuda_fail(hs_error *herr, const char *what, cudaError_t e) {
+    return hs_fail(herr, HS_ERR_CUDA, "cuda", what, "failed: %s", cudaGetErrorString(e));
+}
+#endif
+
+extern "C" int hs_cuda_emulated(void) {
+#ifdef HS_CUDA_EMU
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+extern "C" const char *hs_cuda_archs(void) {
+#ifdef HS_CUDA_ARCHS
+    return HS_CUDA_ARCHS;
+#else
+    return "emulated";
+#endif
+}
+
+extern "C" int hs_cuda_runtime_version(void) {
+#ifdef HS_CUDA_EMU
+    return 0;
+#else
+    int v = 0;
+    cudaRuntimeGetVersion(&v);
+    return v;
+#endif
+}
+
+extern "C" int hs_cuda_device_count(char *why, size_t n) {
+#ifdef HS_CUDA_EMU
+    (void)why;
+    (void)n;
+    return 1;
+#else
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess) {
+        snprintf(why, n, "%s", cudaGetErrorString(e));
+        (void)cudaGetLastError();
+        return 0;
+    }
+    if (count == 0) snprintf(why, n, "no CUDA device");
+    return count;
+#endif
+}
+
+extern "C" int hs_cuda_set_device(int dev, hs_error *herr) {
+#ifdef HS_CUDA_EMU
+    (void)dev;
+    (void)herr;
+    return 0;
+#else
+    int prev = 0;
+    cudaError_t e = cudaGetDevice(&prev);
+    if (e == cudaSuccess && prev != dev) e = cudaSetDevice(dev);
+    if (e != cudaSuccess) {
+        hs_cuda_fail(herr, "cudaSetDevice", e);
+        return -1;
+    }
+    return prev;
+#endif
+}
+
+extern "C" int hs_cuda_stream_capturing(void *stream, hs_error *herr) {
+#ifdef HS_CUDA_EMU
+    (void)stream;
+    (void)herr;
+    return 0;
+#else
+    cudaStreamCaptureStatus st;
+    cudaError_t e = cudaStreamIsCapturing((cudaStream_t)stream, &st);
+    if (e != cudaSuccess) {
+        hs_cuda_fail(herr, "cudaStreamIsCapturing", e);
+        return -1;
+    }
+    return st != cudaStreamCaptureStatusNone;
+#endif
+}
+
+extern "C" hs_status hs_cuda_stream_sync(void *stream, hs_error *herr) {
+#ifdef HS_CUDA_EMU
+    (void)stream;
+    (void)herr;
+    return HS_OK;
+#else
+    cudaError_t e = cudaStreamSynchronize((cudaStream_t)stream);
+    return e == cudaSuccess ? HS_OK : hs_cuda_fail(herr, "cudaStreamSynchronize", e);
+#endif
+}
+
+extern "C" hs_cuda_error *hs_cuda_error_record(int dev, hs_cuda_error **host_view, hs_error *herr) {
+    if (dev < 0 || dev >= HS_MAX_DEVICES) {
+        hs_fail(herr, HS_ERR_VALUE, "cuda", "device", "expected a device index < %d, got %d", HS_MAX_DEVICES, dev);
+        return NULL;
+    }
+    if (hs_dev_state[dev].host == NULL) {
+#ifdef HS_CUDA_EMU
+        hs_dev_state[dev].host = hs_dev_state[dev].dev = (hs_cuda_error *)calloc(1, sizeof(hs_cuda_error));
+        if (hs_dev_state[dev].host == NULL) {
+            hs_fail(herr, HS_ERR_CUDA, "cuda", "error record", "failed: out of memory");
+            return NULL;
+        }
+#else
+        /* pinned host memory mapped into the device: kernels write it, the host reads it after a sync */
+        void *h = NULL, *d = NULL;
+        cudaError_t e = cudaHostAlloc(&h, sizeof(hs_cuda_error), cudaHostAllocMapped | cudaHostAllocPortable);
+        if (e == cudaSuccess) e = cudaHostGetDevicePointer(&d, h, 0);
+        if (e != cudaSuccess) {
+            hs_cuda_fail(herr, "cudaHostAlloc(mapped)", e);
+            return NULL;
+        }
+        memset(h, 0, sizeof(hs_cuda_error));
+        hs_dev_state[dev].host = (hs_cuda_error *)h;
+        hs_dev_state[dev].dev = (hs_cuda_error *)d;
+#endif
+    }
+    *host_view = hs_dev_state[dev].host;
+    return hs_dev_state[dev].dev;
+}
+
+extern "C" void *hs_cuda_workspace(int dev, size_t bytes, void *stream, hs_error *herr) {
+    if (dev < 0 || dev >= HS_MAX_DEVICES) {
+        hs_fail(herr, HS_ERR_VALUE, "cuda", "device", "expected a device index < %d, got %d", HS_MAX_DEVICES, dev);
+        return NULL;
+    }
+    if (bytes == 0) bytes = 1;
+    if (hs_dev_state[dev].ws_bytes >= bytes) return hs_dev_state[dev].ws;
+    int cap = hs_cuda_stream_capturing(stream, herr);
+    if (cap < 0) return NULL;
+    if (cap) {
+        hs_fail(herr, HS_ERR_VALUE, "cuda", "workspace",
+                "expected >= %zu bytes to be allocated before graph capture, got %zu: run the op once outside the "
+                "capture (warm-up) or call heterospec.ops.cuda_reserve(device, bytes)",
+                bytes, hs_dev_state[dev].ws_bytes);
+        return NULL;
+    }
+    size_t grow = bytes < ((size_t)1 << 20) ? ((size_t)1 << 20) : bytes; /* at least 1 MiB: fewer regrowths */
+#ifdef HS_CUDA_EMU
+    (void)stream;
+    free(hs_dev_state[dev].ws);
+    void *p = calloc(1, grow);
+    if (p == NULL) {
+        hs_fail(herr, HS_ERR_CUDA, "cuda", "workspace", "failed: out of memory");
+        return NULL;
+    }
+#else
+    /* work queued on other streams may still use the old buffer: cudaFree waits for the device */
+    if (hs_dev_state[dev].ws) cudaFree(hs_dev_state[dev].ws);
+    hs_dev_state[dev].ws = NULL;
+    hs_dev_state[dev].ws_bytes = 0;
+    void *p = NULL;
+    cudaError_t e = cudaMalloc(&p, grow);
+    if (e == cudaSuccess) e = cudaMemset(p, 0, grow);
+    if (e == cudaSuccess) e = cudaDeviceSynchronize(); /* not the hot path: once per growth */
+    if (e != cudaSuccess) {
+        hs_cuda_fail(herr, "cudaMalloc(workspace)", e);
+        return NULL;
+    }
+#endif
+    hs_dev_state[dev].ws = p;
+    hs_dev_state[dev].ws_bytes = grow;
+    return p;
+}
+
+extern "C" hs_status hs_cuda_memcpy_h2d(void *dst, const void *src, size_t bytes, void *stream, hs_error *herr) {
+#ifdef HS_CUDA_EMU
+    (void)stream;
+    (void)herr;
+    memcpy(dst, src, bytes);
+    return HS_OK;
+#else
+    cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, (cudaStream_t)stream);
+    return e == cudaSuccess ? HS_OK : hs_cuda_fail(herr, "cudaMemcpyAsync", e);
+#endif
+}
+
+extern "C" hs_status hs_cuda_memcpy_d2h(void *dst, const void *src, size_t bytes, void *stream, hs_error *herr) {
+#ifdef HS_CUDA_EMU
+    (void)stream;
+    (void)herr;
+    memcpy(dst, src, bytes);
+    return HS_OK;
+#else
+    cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, (cudaStream_t)stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize((cudaStream_t)stream);
+    return e == cudaSuccess ? HS_OK : hs_cuda_fail(herr, "cudaMemcpyAsync", e);
+#endif
+}
+
+extern "C" void hs_cuda_error_message(const hs_cuda_error *e, const char *op, char *buf, size_t n) {
+    const char *lg = (op[0] == 'v') ? "target_logits" : "logits"; /* verify_* name their logits so */
+    long long a = e->a, b = e->b, c = e->c, d = e->d;
+    switch (e->code) {
+    case HS_CE_LOGIT_NONFINITE:
+        snprintf(buf, n, "%s: argument '%s' expected finite values or -inf (masked tokens), got %s at [%lld, %lld]", op,
+                 lg, c ? "+inf" : "nan", a, b);
+        break;
+    case HS_CE_LOGIT_ALLNEG:
+        snprintf(buf, n, "%s: argument '%s' expected at least one value > -inf per row, got an all -inf row %lld", op, lg, a);
+        break;
+    case HS_CE_BEAM_SCORE:
+        snprintf(buf, n, "%s: argument 'beam_scores' expected finite values or -inf, got nan or +inf at [%lld]", op, a);
+        break;
+    case HS_CE_BEAM_NODE:
+        snprintf(buf, n, "%s: argument 'beam_nodes' expected values >= -1, got %lld at [%lld]", op, a, b);
+        break;
+    case HS_CE_D2T:
+        snprintf(buf, n, "%s: argument 'd2t' expected draft id + d2t[id] >= 0, got %lld + %lld = %lld", op, a, b, a + b);
+        break;
+    case HS_CE_SCORE_NAN: snprintf(buf, n, "%s: argument 'scores' expected no NaN, got nan at [%lld]", op, a); break;
+    case HS_CE_SEL_RANGE:
+        snprintf(buf, n, "%s: argument 'selected' expected candidate indices in [0, %lld), got %lld at [%lld]", op, c, a, b);
+        break;
+    case HS_CE_SEL_ORDER:
+        snprintf(buf, n, "%s: argument 'selected' expected strictly ascending candidate indices, got %lld at [%lld] after %lld",
+                 op, a, b, c);
+        break;
+    case HS_CE_PARENT_RANGE:
+        snprintf(buf, n, "%s: argument 'parents' expected values in [-1, %lld), got %lld at [%lld]", op, c, a, b);
+        break;
+    case HS_CE_PARENT_ORDER:
+        snprintf(buf, n, "%s: argument 'parents' expected parents to precede children (parents[c] < c), got parents[%lld] = %lld",
+                 op, a, b);
+        break;
+    case HS_CE_TOKEN_NEG: snprintf(buf, n, "%s: argument 'tokens' expected token ids >= 0, got %lld at [%lld]", op, a, b); break;
+    case HS_CE_NOT_CLOSED:
+        snprintf(buf, n, "%s: argument 'selected' expected a parent-closed selection, got candidate %lld selected without "
+                 "its parent candidate %lld", op, a, b);
+        break;
+    case HS_CE_TREE_ROOT:
+        snprintf(buf, n, "%s: argument 'tree_parents' expected -1 for the root (node 0), got %lld at [0]", op, a);
+        break;
+    case HS_CE_TREE_PARENT:
+        snprintf(buf, n, "%s: argument 'tree_parents' expected 0 <= tree_parents[i] < i, got %lld at [%lld]", op, a, b);
+        break;
+    case HS_CE_TREE_TOKEN:
+        snprintf(buf, n, "%s: argument 'tree_tokens' expected ids in [0, V = %lld), got %lld at [%lld]", op, c, a, b);
+        break;
+    case HS_CE_SLOT_LT_I:
+        snprintf(buf, n, "%s: argument 'slots' expected slots[i] >= i, got slots[%lld] = %lld", op, a, b);
+        break;
+    case HS_CE_SLOT_ORDER:
+        snprintf(buf, n, "%s: argument 'slots' expected strictly ascending slots, got %lld at [%lld] after %lld", op, a, b, c);
+        break;
+    case HS_CE_SLOT_RANGE:
+        snprintf(buf, n, "%s: argument 'slots' expected prefix_len + slot < S = %lld, got %lld + %lld at [%lld]", op, d, a, b, c);
+        break;
+    case HS_CE_VALUE_NAN: snprintf(buf, n, "%s: argument 'values' expected no NaN, got nan at [%lld]", op, a); break;
+    case HS_CE_THRESH_NAN: snprintf(buf, n, "%s: argument 'thresholds' expected no NaN, got nan at [%lld]", op, a); break;
+    case HS_CE_THRESH_ORDER:
+        snprintf(buf, n, "%s: argument 'thresholds' expected strictly ascending values, got a value at [%lld] not above the one before",
+                 op, a);
+        break;
+    case HS_CE_NO_MASS:
+        snprintf(buf, n, "%s: argument '%s' expected a row with probability mass, got none at row %lld", op, lg, a);
+        break;
+    case HS_CE_SIZE:
+        snprintf(buf, n, "%s: argument 'n' expected a per-row size within the buffers (limit %lld), got %lld", op, b, a);
+        break;
+    default: snprintf(buf, n, "%s: device error code %llu (a=%lld b=%lld)", op, e->code, a, b); break;
+    }
+}
+
+#ifdef HS_CUDA_EMU
+namespace hs_emu {
+thread_local dim3 thread_idx, block_idx;
+thread_local dim3 block_dim, grid_dim;
+thread_local char *smem;
+thread_local std::barrier<> *bar;
+}
+#endif
