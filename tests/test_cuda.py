@@ -1,0 +1,457 @@
+"""The CUDA path of heterospec.ops: CPU <-> CUDA parity, device-side checks, device outputs, streams and
+graph capture.
+
+Every parity test runs the same random inputs (odd sizes, ties, every logits dtype) through the C core on
+the CPU and through the kernels, and asserts integers equal and floats to 1e-5 relative.  They run on a real
+GPU (torch CUDA tensors) when there is one, and otherwise on the emulated build (HETEROSPEC_CUDA=emu, CI
+stage 5: the same kernel source compiled as host C++, one thread per CUDA thread, DLPack "CUDA" tensors in
+host memory) -- which checks the kernels' logic but neither their speed nor GPU-only behaviour.  Tests that
+need a real GPU (graph capture, streams, two devices, the statistical test on the GPU path) skip with the
+reason where there is none.
+"""
+import ctypes
+
+import numpy as np
+import pytest
+
+import heterospec
+from heterospec import ops
+
+INFO = heterospec.build_info()
+EMU = bool(INFO.get("cuda_emulated"))
+
+
+def _real_gpu():
+    if not INFO["cuda"] or EMU or not INFO.get("cuda_devices"):
+        return False
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+REAL = _real_gpu()
+NO_DEVICE = (
+    "no CUDA device here ("
+    + (INFO.get("cuda_unavailable_reason") or "this build has no CUDA ops")
+    + ") and this is not the emulated build (HETEROSPEC_CUDA=emu, run by CI stage 5)"
+)
+pytestmark = pytest.mark.skipif(not (REAL or EMU), reason=NO_DEVICE)
+need_gpu = pytest.mark.skipif(not REAL, reason="needs a real GPU: " + NO_DEVICE if not EMU else "needs a real GPU (this is the emulated build)")
+
+
+# ---- emulated device tensors: NumPy memory exported through DLPack as if it lived on cuda:0 -------------
+
+
+class _Device(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _Tensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p), ("device", _Device), ("ndim", ctypes.c_int32), ("dtype", _DType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _Version(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class _Managed(ctypes.Structure):
+    _fields_ = [("version", _Version), ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER),
+                ("flags", ctypes.c_uint64), ("dl_tensor", _Tensor)]
+
+
+_PyCapsule_New = ctypes.pythonapi.PyCapsule_New
+_PyCapsule_New.restype = ctypes.py_object
+_PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+_NAME = ctypes.c_char_p(b"dltensor_versioned")
+_CODES = {"f": 2, "i": 0, "u": 1, "b": 6}
+_NOOP = _DELETER(lambda _p: None)
+
+
+class EmuCuda:
+    """An array 'on cuda:0' for the emulated build (its memory is the NumPy array's)."""
+
+    def __init__(self, arr, bf16=False, device_id=0):
+        self.arr = arr
+        self.bf16 = bf16
+        self.device_id = device_id
+        self.streams = []
+        self._shape = (ctypes.c_int64 * max(arr.ndim, 1))(*arr.shape)
+        self.m = _Managed()
+        self.m.version = _Version(1, 0)
+        self.m.deleter = _NOOP
+        t = self.m.dl_tensor
+        t.data = arr.ctypes.data
+        t.device = _Device(2, device_id)
+        t.ndim = arr.ndim
+        t.dtype = _DType(4, 16, 1) if bf16 else _DType(_CODES[arr.dtype.kind], arr.dtype.itemsize * 8, 1)
+        t.shape = self._shape
+
+    def __dlpack_device__(self):
+        return (2, self.device_id)
+
+    def __dlpack__(self, stream=None, max_version=None):
+        self.streams.append(stream)
+        return _PyCapsule_New(ctypes.addressof(self.m), _NAME.value, None)
+
+    def __getitem__(self, idx):
+        return EmuCuda(self.arr[idx]) if isinstance(idx, slice) and self.arr[idx].flags.c_contiguous else self.arr[idx]
+
+    def __len__(self):
+        return len(self.arr)
+
+
+ops._ALLOCATORS[EmuCuda] = lambda like: (lambda shape, dtype: EmuCuda(np.empty(shape, dtype=dtype)))
+
+
+class Dev:
+    """Moves NumPy arrays to the device under test and back."""
+
+    def put(self, a, dtype=None):
+        a = np.ascontiguousarray(a if dtype is None else np.asarray(a).astype(dtype))
+        if REAL:
+            import torch
+
+            return torch.from_numpy(a).cuda()
+        return EmuCuda(a)
+
+    def put_logits(self, x, dtype):
+        """float32 values as a device logits tensor of `dtype`, plus the CPU tensor with the same values."""
+        import torch
+
+        cpu = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(getattr(torch, dtype))
+        if REAL:
+            return cpu.cuda(), cpu
+        if dtype == "bfloat16":
+            bits = cpu.view(torch.int16).numpy().view(np.uint16).copy()
+            return EmuCuda(bits, bf16=True), cpu
+        return EmuCuda(cpu.numpy().copy()), cpu
+
+    def get(self, x):
+        if isinstance(x, EmuCuda):
+            return np.asarray(x.arr)
+        if hasattr(x, "cpu"):
+            return x.cpu().numpy()
+        return np.asarray(x)
+
+
+D = Dev()
+LOGIT_DTYPES = ["float32", "float16", "bfloat16"]
+
+
+def close(a, b):
+    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-5, atol=1e-6)
+
+
+def logits(rng, rows, V, ties=False):
+    x = rng.integers(-4, 5, size=(rows, V)).astype(np.float32) if ties else rng.normal(0, 3, (rows, V)).astype(np.float32)
+    return x
+
+
+def test_build_info_says_cuda():
+    assert INFO["cuda"] is True
+    assert INFO["cuda_archs"] == "emulated" if EMU else "sm_" in INFO["cuda_archs"]
+
+
+# ---- parity ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", LOGIT_DTYPES)
+@pytest.mark.parametrize("V,k", [(1, 1), (7, 3), (111, 10), (1000, 1), (1000, 1000), (3001, 64)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_topk_entropy_parity(dtype, V, k, ties):
+    rng = np.random.default_rng(V * 7 + k)
+    x = logits(rng, 3, V, ties)
+    x[1, :: max(V // 5, 1)] = -np.inf
+    x[1, 0] = 0.5
+    dev, cpu = D.put_logits(x, dtype)
+    for t in (1.0, 0.7):
+        close(D.get(ops.topk_entropy(dev, k, t)), ops.topk_entropy(cpu, k, t).numpy())
+
+
+@pytest.mark.parametrize("dtype", LOGIT_DTYPES)
+@pytest.mark.parametrize("B,V,k", [(1, 5, 5), (3, 111, 4), (4, 2000, 10), (2, 300, 33)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_expand_parity(dtype, B, V, k, ties):
+    rng = np.random.default_rng(B * 1000 + V + k)
+    x = logits(rng, B, V, ties)
+    dev, cpu = D.put_logits(x, dtype)
+    scores = (-rng.random(B) * 3).astype(np.float64)
+    nodes = rng.integers(-1, 50, B).astype(np.int64)
+    d2t = rng.integers(0, 40, V).astype(np.int64)
+    for d in (None, d2t):
+        want = ops.expand(cpu, scores, nodes, k, d, 7)
+        got = ops.expand(dev, D.put(scores), D.put(nodes), k, None if d is None else D.put(d), 7)
+        for name, w, g in zip(("tokens", "scores", "parents", "entropy", "next_beams"), want, got):
+            w, g = w.numpy() if hasattr(w, "numpy") else np.asarray(w), D.get(g)
+            if name in ("scores", "entropy"):
+                close(g, w)
+            else:
+                np.testing.assert_array_equal(g, w, err_msg=name)
+
+
+@pytest.mark.parametrize("M,n", [(1, 0), (1, 1), (10, 4), (333, 59), (1000, 1000), (700, 1)])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_select_parity(M, n, dtype):
+    rng = np.random.default_rng(M + n)
+    for s in (rng.normal(size=M), rng.integers(-3, 3, M).astype(float)):
+        s = s.astype(dtype)
+        np.testing.assert_array_equal(D.get(ops.select(D.put(s), n)), ops.select(s, n))
+
+
+def _random_tree_inputs(rng, M, n):
+    """Candidates in expand order (parents before children) and a parent-closed selection of n."""
+    parents = np.full(M, -1, np.int64)
+    for c in range(M):
+        parents[c] = rng.integers(-1, c) if c else -1
+    tokens = rng.integers(0, 50, M).astype(np.int64)
+    chosen = set()
+    order = rng.permutation(M)
+    for c in order:
+        if len(chosen) == n:
+            break
+        chain, p = [], int(c)
+        while p >= 0 and p not in chosen:
+            chain.append(p)
+            p = int(parents[p])
+        if len(chosen) + len(chain) <= n:
+            chosen.update(chain)
+    return tokens, parents, np.array(sorted(chosen), np.int64)
+
+
+@pytest.mark.parametrize("M,n", [(1, 0), (5, 3), (60, 20), (300, 59), (200, 127)])
+def test_build_tree_parity(M, n):
+    rng = np.random.default_rng(M * 3 + n)
+    tokens, parents, sel = _random_tree_inputs(rng, M, n)
+    want = ops.build_tree(tokens, parents, sel, 9)
+    got = ops.build_tree(D.put(tokens), D.put(parents), D.put(sel), 9)
+    for name in want._fields:
+        np.testing.assert_array_equal(D.get(getattr(got, name)), getattr(want, name), err_msg=name)
+    tree, leaves, depth = ops.build_tree(D.put(tokens), D.put(parents), D.put(sel), 9, device_outputs=True)
+    wtree, wleaves, wdepth = ops.build_tree(tokens, parents, sel, 9, device_outputs=True)
+    np.testing.assert_array_equal(D.get(tree.retrieve), wtree.retrieve)
+    assert int(D.get(leaves)) == int(wleaves) and int(D.get(depth)) == int(wdepth)
+
+
+def _tree_and_logits(rng, n, V, dtype, accept_bias=True):
+    parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)], np.int64)
+    tokens = rng.integers(0, V, n).astype(np.int64)
+    x = rng.normal(0, 2, (n, V)).astype(np.float32)
+    if accept_bias:  # make the target agree with some children so paths get long
+        for j in range(1, n):
+            if rng.random() < 0.5:
+                x[parents[j], tokens[j]] += 8.0
+    return tokens, parents, x
+
+
+@pytest.mark.parametrize("dtype", LOGIT_DTYPES)
+@pytest.mark.parametrize("n,V", [(1, 5), (8, 111), (30, 1000), (60, 3001)])
+def test_verify_greedy_parity(dtype, n, V):
+    rng = np.random.default_rng(n * 11 + V)
+    for _ in range(3):
+        tokens, parents, x = _tree_and_logits(rng, n, V, dtype)
+        dev, cpu = D.put_logits(x, dtype)
+        wpath, wnext = ops.verify_greedy(tokens, parents, cpu)
+        path, nxt = ops.verify_greedy(D.put(tokens), D.put(parents), dev)
+        np.testing.assert_array_equal(D.get(path), wpath.numpy() if hasattr(wpath, "numpy") else wpath)
+        assert nxt == wnext
+        p2, ln, nx = ops.verify_greedy(D.put(tokens), D.put(parents), dev, device_outputs=True)
+        assert int(D.get(ln)) == len(wpath) and int(D.get(nx)) == wnext
+        assert (D.get(p2)[len(wpath):] == -1).all()
+
+
+@pytest.mark.parametrize("dtype", LOGIT_DTYPES)
+@pytest.mark.parametrize("n,V", [(1, 7), (10, 111), (40, 2000)])
+@pytest.mark.parametrize("warp", [dict(), dict(top_k=5), dict(top_p=0.8), dict(top_k=50, top_p=0.9), dict(top_p=0.3)])
+def test_verify_sample_parity_same_uniforms_same_path(dtype, n, V, warp):
+    rng = np.random.default_rng(n * 13 + V + len(warp))
+    for trial in range(4):
+        tokens, parents, x = _tree_and_logits(rng, n, V, dtype)
+        dev, cpu = D.put_logits(x, dtype)
+        kw = dict(temperature=0.8, seed=1234 + trial, offset=trial * 100, **warp)
+        wpath, wnext, wdraws = ops.verify_sample(tokens, parents, cpu, **kw)
+        path, nxt, draws = ops.verify_sample(D.put(tokens), D.put(parents), dev, **kw)
+        np.testing.assert_array_equal(D.get(path), wpath.numpy() if hasattr(wpath, "numpy") else wpath)
+        assert (nxt, draws) == (wnext, wdraws)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int64", "uint8"])
+def test_kv_compact_parity_many_tensors_one_launch(dtype):
+    rng = np.random.default_rng(5)
+    shapes = [(2, 3, 20, 8), (1, 20, 5), (4, 20, 16)] * 25  # 75 tensors: more than one launch's 64
+    host = [(rng.normal(size=s) * 100).astype(dtype) for s in shapes]
+    devs = [D.put(h) for h in host]
+    slots = np.array([0, 2, 3, 7, 9], np.int64)
+    ops.kv_compact(host, 6, slots)
+    ops.kv_compact(devs, 6, D.put(slots))
+    for h, d in zip(host, devs):
+        np.testing.assert_array_equal(D.get(d), h)
+
+
+def test_kv_compact_bad_slots_move_nothing():
+    a = np.arange(2 * 10 * 4, dtype=np.float32).reshape(2, 10, 4)
+    d = D.put(a)
+    with pytest.raises(ValueError, match=r"kv_compact: argument 'slots' expected prefix_len \+ slot < S = 10"):
+        ops.kv_compact([d], 5, D.put(np.array([1, 5], np.int64)))
+    np.testing.assert_array_equal(D.get(d), a)
+    with pytest.raises(ValueError, match=r"argument 'slots' expected strictly ascending"):
+        ops.kv_compact([d], 0, D.put(np.array([2, 2], np.int32)))
+    np.testing.assert_array_equal(D.get(d), a)
+
+
+@pytest.mark.parametrize("N,T", [(0, 3), (1, 0), (100, 7), (1000, 1)])
+def test_bucketize_parity(N, T):
+    rng = np.random.default_rng(N + T)
+    v = rng.normal(size=N)
+    t = np.sort(rng.normal(size=T))
+    if N:
+        v[: min(N, T)] = t[: min(N, T)] if T else v[:0]
+    np.testing.assert_array_equal(D.get(ops.bucketize(D.put(v), D.put(t))), ops.bucketize(v, t))
+
+
+# ---- device-side checks ----------------------------------------------------------------------------------
+
+
+def test_nan_logits_raise_naming_the_argument():
+    x = np.zeros((2, 30), np.float32)
+    x[1, 17] = np.nan
+    dev, _ = D.put_logits(x, "float32")
+    with pytest.raises(ValueError, match=r"topk_entropy: argument 'logits' expected finite values .*got nan at \[1, 17\]"):
+        ops.topk_entropy(dev, 3)
+    with pytest.raises(ValueError, match=r"expand: argument 'logits' expected finite"):
+        ops.expand(dev, D.put(np.zeros(2)), D.put(np.zeros(2, np.int64)), 2)
+    # the record was consumed: a good call afterwards is fine
+    good, _ = D.put_logits(np.zeros((2, 30), np.float32), "float32")
+    ops.topk_entropy(good, 3)
+
+
+def test_check_false_defers_errors_to_cuda_check():
+    x = np.zeros((1, 30), np.float32)
+    x[0, 3] = np.inf
+    dev, _ = D.put_logits(x, "float32")
+    ops.topk_entropy(dev, 3, check=False)  # returns without a sync
+    with pytest.raises(ValueError, match=r"got \+inf at \[0, 3\]"):
+        ops.cuda_check(0, stream=0)
+    ops.cuda_check(0, stream=0)  # consumed
+
+
+def test_build_tree_not_closed_and_verify_bad_tree_raise():
+    with pytest.raises(ValueError, match=r"build_tree: argument 'selected' expected a parent-closed selection, got candidate 2"):
+        ops.build_tree(D.put(np.array([1, 2, 3])), D.put(np.array([-1, 0, 1])), D.put(np.array([0, 2])), 0)
+    x, _ = D.put_logits(np.zeros((3, 10), np.float32), "float32")
+    with pytest.raises(ValueError, match=r"verify_greedy: argument 'tree_parents' expected 0 <= tree_parents\[i\] < i"):
+        ops.verify_greedy(D.put(np.array([1, 2, 3])), D.put(np.array([-1, 0, 2])), x)
+    with pytest.raises(ValueError, match=r"verify_sample: argument 'tree_tokens' expected ids in \[0, V = 10\)"):
+        ops.verify_sample(D.put(np.array([1, 20, 3])), D.put(np.array([-1, 0, 0])), x, temperature=1.0, seed=1, offset=0)
+
+
+def test_device_mismatch_cpu_index_with_cuda_tensor():
+    x, _ = D.put_logits(np.zeros((3, 10), np.float32), "float32")
+    with pytest.raises(ValueError, match=r"verify_greedy: argument 'target_logits' expected the device of 'tree_tokens' \(cpu:0\), got cuda:0"):
+        ops.verify_greedy(np.array([1, 2, 3]), np.array([-1, 0, 1]), x)
+    with pytest.raises(ValueError, match=r"kv_compact: argument 'tensors\[0\]' expected the device of 'slots'"):
+        ops.kv_compact([x], 0, np.array([0]))
+
+
+def test_stream_is_handed_to_the_producer():
+    if REAL:
+        pytest.skip("the emulated producer records what it was asked; torch is covered by test_graph_capture")
+    a = EmuCuda(np.zeros((2, 9), np.float32))
+    ops.topk_entropy(a, 2, stream=0)
+    ops.topk_entropy(a, 2, stream=12345)
+    assert a.streams[-2:] == [1, 12345]  # DLPack: the legacy default stream 0 is sent as 1
+
+
+# ---- real GPU only ----------------------------------------------------------------------------------------
+
+
+@need_gpu
+def test_two_gpus_are_refused():
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    with pytest.raises(ValueError, match=r"argument 'beam_scores' expected the device of 'logits' \(cuda:0\), got cuda:1"):
+        ops.expand(torch.zeros(2, 10, device="cuda:0"), torch.zeros(2, device="cuda:1"), torch.zeros(2, dtype=torch.int64, device="cuda:0"), 2)
+
+
+@need_gpu
+def test_graph_capture_of_a_cycle_replays_exactly():
+    import torch
+
+    rng = np.random.default_rng(0)
+    V, Vd, k = 5000, 3000, 4
+    dl = torch.from_numpy(rng.normal(0, 3, (1, Vd)).astype(np.float32)).cuda()
+    tl = torch.from_numpy(rng.normal(0, 3, (k + 1, V)).astype(np.float32)).cuda()
+    kv = torch.randn(2, 4, 64, 16, device="cuda")
+    s0, n0 = torch.zeros(1, dtype=torch.float64, device="cuda"), torch.full((1,), -1, dtype=torch.int64, device="cuda")
+    offset = torch.zeros(1, dtype=torch.int64, device="cuda")
+    sel = torch.arange(k, device="cuda")
+
+    def cycle():
+        toks, sc, par, ent, nb = ops.expand(dl, s0, n0, k, check=False)
+        chosen = ops.select(sc, k, check=False)
+        tree, _, _ = ops.build_tree(toks, par, chosen, 3, check=False, device_outputs=True)
+        g = ops.verify_greedy(tree.tokens, tree.parents, tl, check=False, device_outputs=True)
+        s = ops.verify_sample(tree.tokens, tree.parents, tl, temperature=1.0, seed=7, offset=offset, check=False,
+                              device_outputs=True, advance_offset=True)
+        ops.kv_compact([kv], 10, sel, check=False)
+        return ent, chosen, tree, g, s
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        eager = cycle()  # warm-up: grows the workspace outside the capture
+        torch.cuda.synchronize()
+        eager_vals = [t.clone() for t in (eager[0], eager[1], eager[2].mask, eager[3][0], eager[4][0])]
+        offset.zero_()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = cycle()
+    graph.replay()
+    torch.cuda.synchronize()
+    ops.cuda_check(0)
+    for a, b in zip(eager_vals, (out[0], out[1], out[2].mask, out[3][0], out[4][0])):
+        assert torch.equal(a, b)
+    draws = int(out[4][3])
+    assert int(offset) == draws  # advanced on the device by the captured kernel
+    graph.replay()
+    torch.cuda.synchronize()
+    assert int(offset) == draws + int(out[4][3])
+
+
+@need_gpu
+def test_sampled_tokens_have_the_target_distribution_on_gpu():
+    """Chi-square test of the emitted first token against the warped target distribution (GPU path)."""
+    import torch
+    from scipy import stats
+
+    rng = np.random.default_rng(3)
+    V = 12
+    x = rng.normal(0, 1.5, (4, V)).astype(np.float32)
+    tokens = np.array([0, 2, 5, 2], np.int64)  # a duplicate sibling token too
+    parents = np.array([-1, 0, 0, 0], np.int64)
+    p = np.exp(x[0] / 0.9 - (x[0] / 0.9).max())
+    p /= p.sum()
+    dev_t, dev_p, dev_x = (torch.from_numpy(a).cuda() for a in (tokens, parents, x))
+    counts = np.zeros(V)
+    n = 4000
+    offset = 0
+    for _ in range(n):
+        path, nxt, draws = ops.verify_sample(dev_t, dev_p, dev_x, temperature=0.9, seed=99, offset=offset)
+        offset += draws
+        first = int(tokens[int(path[1])]) if len(path) > 1 else nxt
+        counts[first] += 1
+    assert stats.chisquare(counts, p * n).pvalue > 1e-3
