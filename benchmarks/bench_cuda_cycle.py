@@ -1,0 +1,198 @@
+"""One speculative-decoding cycle's glue on a GPU: heterospec's CUDA ops against the same cycle in torch ops.
+
+The cycle (issue 7's shape, EAGLE-3 defaults on a Llama-3-8B-sized pair):
+  root expand (1 x Vd) and 7 level expands (10 beams x Vd, k = 10, Vd = 32000, with a d2t map),
+  select 59 of the 710 candidates, build_tree, verify_greedy and verify_sample over the 60 tree rows of
+  V = 128256 bfloat16 target logits, kv_compact of 32 layers' keys and values [1, 8, 2048, 128] bf16.
+Draft/target logits are random but fixed; only the glue is timed, never a model.
+
+Variants, all timed with CUDA events after warm-up, median (and p10/p90) of --iters runs:
+  torch     the cycle as the EAGLE reference code writes it (log_softmax + topk per level, cumulative
+            scores, topk over the level, searchsorted/.tolist() to build the mask and retrieve paths on the
+            host, argmax + cumprod acceptance, index_select + copy_ per layer of the KV cache; sampling by
+            softmax + torch.multinomial per node);
+  ops       heterospec.ops called eagerly from Python (check=False, device_outputs=True: no host sync);
+  ops-graph the same calls captured once in a CUDA graph and replayed.
+
+    python -m benchmarks.bench_cuda_cycle [--iters 200] [--out benchmarks/results/cuda-cycle.json]
+
+Needs a CUDA GPU and a heterospec build with CUDA (heterospec.build_info()["cuda"]).
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+
+import numpy as np
+
+
+def make_inputs(torch, dev, Vd=32000, V=128256, k=10, depth=7, n=59, layers=32, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    draft = [torch.randn(1 if lvl == 0 else k, Vd, generator=g).mul_(3).to(dev) for lvl in range(depth + 1)]
+    target = torch.randn(n + 1, V, generator=g).mul_(3).to(dev, torch.bfloat16)
+    d2t = torch.randint(0, 4, (Vd,), generator=g).cumsum(0).to(dev)
+    kv = [torch.randn(1, 8, 2048, 128, generator=g).to(dev, torch.bfloat16) for _ in range(2 * layers)]
+    return dict(draft=draft, target=target, d2t=d2t, kv=kv, k=k, n=n, prefix=1500)
+
+
+def cycle_ops(ops, torch, x, state):
+    """The cycle on heterospec.ops (no host sync anywhere)."""
+    k = x["k"]
+    toks, scs, pars = [], [], []
+    scores, nodes = state["s0"], state["n0"]
+    offset = 0
+    for lvl, logits in enumerate(x["draft"]):
+        t, s, p, ent, nb = ops.expand(logits, scores, nodes, k, x["d2t"], offset, check=False)
+        toks.append(t), scs.append(s), pars.append(p)
+        scores, nodes = s[nb - offset], nb
+        offset += t.shape[0]
+    tokens, all_scores, parents = torch.cat(toks), torch.cat(scs), torch.cat(pars)
+    chosen = ops.select(all_scores, x["n"], check=False)
+    tree, _, _ = ops.build_tree(tokens, parents, chosen, 1, check=False, device_outputs=True)
+    path, length, nxt = ops.verify_greedy(tree.tokens, tree.parents, x["target"], check=False, device_outputs=True)
+    ops.verify_sample(tree.tokens, tree.parents, x["target"], temperature=1.0, top_p=0.9, seed=1,
+                      offset=state["offset"], check=False, device_outputs=True, advance_offset=True)
+    ops.kv_compact(x["kv"], x["prefix"], state["slots"], check=False)
+    return path
+
+
+def cycle_torch(torch, x):
+    """The same cycle the way EAGLE's reference (ea_model / utils.py) writes it in torch."""
+    k, n = x["k"], x["n"]
+    scores = None
+    ss_token, scores_list, parents_list = [], [], []
+    for lvl, logits in enumerate(x["draft"]):
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        top = torch.topk(lp, k, dim=-1)
+        probs = torch.softmax(top.values, -1)
+        (-(probs * probs.log()).sum(-1))  # the entropy HeteroSpec reads
+        if scores is None:
+            cu = top.values[0]
+            scores = cu
+            parents_list.append(torch.zeros(1, dtype=torch.long, device=lp.device))
+            ss_token.append(top.indices[0] + x["d2t"][top.indices[0]])
+            scores_list.append(cu[None])
+            continue
+        cu = top.values + scores[:, None]
+        tt = torch.topk(cu.view(-1), k)
+        bias = 1 + k * k * (lvl - 1) + k if lvl > 1 else 1 + k
+        parents_list.append(tt.indices // k + bias - k * 0)
+        ids = top.indices.view(-1)
+        ss_token.append(ids + x["d2t"][ids])
+        scores_list.append(cu)
+        scores = tt.values
+    scores_all = torch.cat([s.view(-1) for s in scores_list])
+    tokens_all = torch.cat(ss_token)
+    top_scores = torch.topk(scores_all, n)
+    idx = torch.sort(top_scores.indices).values
+    draft_tokens = torch.cat((torch.tensor([1], device=idx.device), tokens_all[idx]))
+    parents = torch.cat([p.view(-1) for p in parents_list])
+    draft_parents = parents[idx // k].long()
+    mask_index = torch.searchsorted(idx, draft_parents - 1, right=False)
+    mask_index[draft_parents == 0] = -1
+    mask_index = mask_index + 1
+    mask_list = mask_index.tolist()  # EAGLE builds the mask on the host
+    tree_mask = torch.eye(n + 1, n + 1, dtype=torch.bool)
+    tree_mask[:, 0] = True
+    for i in range(n):
+        tree_mask[i + 1].add_(tree_mask[mask_list[i]])
+    depth = tree_mask.sum(1) - 1
+    leaves = set(range(n + 1)) - set(mask_list)
+    retrieve = []
+    for leaf in sorted(leaves):  # host loop over leaves, as EAGLE's retrieve_indices
+        row, cur = [], leaf
+        while cur != 0 and len(row) <= n:  # bounded: the synthetic parents need not be a tree
+            row.append(cur)
+            cur = mask_list[cur - 1]
+        retrieve.append([0] + row[::-1])
+    width = max(len(r) for r in retrieve)
+    ret = torch.tensor([r + [-1] * (width - len(r)) for r in retrieve], device=idx.device)
+    tree_mask = tree_mask.to(idx.device)
+    depth.to(idx.device)
+    # greedy acceptance (evaluate_posterior)
+    logits = x["target"]
+    cand = draft_tokens[ret.clamp(min=0)]
+    post = (cand[:, 1:] == torch.argmax(logits[ret.clamp(min=0)][:, :-1], dim=-1)).int()
+    acc = torch.cumprod(post, dim=1).sum(dim=1)
+    best = torch.argmax(acc)
+    accept = int(acc[best])
+    # sampled acceptance: EAGLE's per-node softmax + rejection in Python (first level only is enough to
+    # show its cost: one softmax over V and one multinomial per visited node)
+    p = torch.softmax(logits[0].float(), -1)
+    torch.multinomial(p, 1)
+    # KV compaction: index_select + copy_ per layer tensor
+    sel = ret[best, : accept + 1].clamp(min=0) + x["prefix"]
+    for t in x["kv"]:
+        t[:, :, x["prefix"] : x["prefix"] + sel.shape[0]].copy_(t.index_select(2, sel))
+    return ret
+
+
+def timeit(torch, fn, iters, warmup=20):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0)  # us
+    times.sort()
+    return dict(median_us=statistics.median(times), p10_us=times[len(times) // 10], p90_us=times[9 * len(times) // 10])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--out", default=os.path.join("benchmarks", "results", "cuda-cycle.json"))
+    args = ap.parse_args(argv)
+    import torch
+
+    import heterospec
+    from heterospec import ops
+
+    info = heterospec.build_info()
+    if not torch.cuda.is_available() or not info["cuda"] or info.get("cuda_emulated"):
+        raise SystemExit(f"needs a CUDA GPU and a CUDA build of heterospec (build_info: {info})")
+    dev = torch.device("cuda")
+    x = make_inputs(torch, dev)
+    state = dict(s0=torch.zeros(1, device=dev), n0=torch.full((1,), -1, dtype=torch.long, device=dev),
+                 offset=torch.zeros(1, dtype=torch.long, device=dev),
+                 slots=torch.tensor([0, 3, 9, 27, 44], device=dev))
+    results = {}
+    results["torch"] = timeit(torch, lambda: cycle_torch(torch, x), args.iters)
+    results["ops"] = timeit(torch, lambda: cycle_ops(ops, torch, x, state), args.iters)
+    ops.cuda_check(dev)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        cycle_ops(ops, torch, x, state)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            cycle_ops(ops, torch, x, state)
+    results["ops-graph"] = timeit(torch, graph.replay, args.iters)
+    ops.cuda_check(dev)
+    for name, r in results.items():
+        r["speedup_vs_torch"] = results["torch"]["median_us"] / r["median_us"]
+    out = dict(
+        device=torch.cuda.get_device_name(dev), torch=torch.__version__, cuda=torch.version.cuda,
+        heterospec=info, host=platform.node(), iters=args.iters,
+        shape=dict(Vd=32000, k=10, depth=7, n=59, V=128256, target_dtype="bfloat16", kv="32 x 2 x [1,8,2048,128] bf16"),
+        results=results,
+    )
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=2)
+    print(f"{out['device']}, torch {out['torch']}, CUDA {out['cuda']}, {args.iters} iterations after warm-up")
+    print("| variant | median us | p10 | p90 | vs torch |\n|---|---|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {r['median_us']:.1f} | {r['p10_us']:.1f} | {r['p90_us']:.1f} | {r['speedup_vs_torch']:.1f}x |")
+    return out
+
+
+if __name__ == "__main__":
+    main()
