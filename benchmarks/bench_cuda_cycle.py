@@ -24,7 +24,6 @@ import os
 import platform
 import statistics
 
-import numpy as np
 
 
 def make_inputs(torch, dev, Vd=32000, V=128256, k=10, depth=7, n=59, layers=32, seed=0):
