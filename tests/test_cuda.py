@@ -4,7 +4,7 @@ graph capture.
 Every parity test runs the same random inputs (odd sizes, ties, every logits dtype) through the C core on
 the CPU and through the kernels, and asserts integers equal and floats to 1e-5 relative.  They run on a real
 GPU (torch CUDA tensors) when there is one, and otherwise on the emulated build (HETEROSPEC_CUDA=emu, CI
-stage 5: the same kernel source compiled as host C++, one thread per CUDA thread, DLPack "CUDA" tensors in
+stage 2: the same kernel source compiled as host C++, one thread per CUDA thread, DLPack "CUDA" tensors in
 host memory) -- which checks the kernels' logic but neither their speed nor GPU-only behaviour.  Tests that
 need a real GPU (graph capture, streams, two devices, the statistical test on the GPU path) skip with the
 reason where there is none.
@@ -35,7 +35,7 @@ REAL = _real_gpu()
 NO_DEVICE = (
     "no CUDA device here ("
     + (INFO.get("cuda_unavailable_reason") or "this build has no CUDA ops")
-    + ") and this is not the emulated build (HETEROSPEC_CUDA=emu, run by CI stage 5)"
+    + ") and this is not the emulated build (HETEROSPEC_CUDA=emu, run by CI stage 2)"
 )
 pytestmark = pytest.mark.skipif(not (REAL or EMU), reason=NO_DEVICE)
 need_gpu = pytest.mark.skipif(not REAL, reason="needs a real GPU: " + NO_DEVICE if not EMU else "needs a real GPU (this is the emulated build)")
@@ -44,38 +44,9 @@ need_gpu = pytest.mark.skipif(not REAL, reason="needs a real GPU: " + NO_DEVICE 
 # ---- emulated device tensors: NumPy memory exported through DLPack as if it lived on cuda:0 -------------
 
 
-class _Device(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+from _dlpack import _NAME, _DELETER, _Device, _DType, _PyCapsule_New, _Version
+from _dlpack import _ManagedVersioned as _Managed
 
-
-class _DType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _Tensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p), ("device", _Device), ("ndim", ctypes.c_int32), ("dtype", _DType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-class _Version(ctypes.Structure):
-    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
-
-
-_DELETER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-
-
-class _Managed(ctypes.Structure):
-    _fields_ = [("version", _Version), ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER),
-                ("flags", ctypes.c_uint64), ("dl_tensor", _Tensor)]
-
-
-_PyCapsule_New = ctypes.pythonapi.PyCapsule_New
-_PyCapsule_New.restype = ctypes.py_object
-_PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-_NAME = ctypes.c_char_p(b"dltensor_versioned")
 _CODES = {"f": 2, "i": 0, "u": 1, "b": 6}
 _NOOP = _DELETER(lambda _p: None)
 
