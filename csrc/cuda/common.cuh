@@ -110,12 +110,29 @@ inline int hs_emu_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t sme
 #define HS_LAUNCH(kernel, grid, block, smem, stream, ...) ((void)(stream), hs_emu_launch(kernel, dim3(grid), dim3(block), smem, __VA_ARGS__))
 __device__ __forceinline__ char *hs_smem() { return hs_emu::smem; }
 #define HS_EMU_THREADS 64 /* threads per block in the emulation: enough for every code path */
+#define HS_BOUNDS(n)
 #else
 /* ---- CUDA -------------------------------------------------------------------------------------------- */
 #include <cuda_runtime.h>
 typedef cudaStream_t hs_stream_t;
+/* Kernels asking for more than the default 48 KB of dynamic shared memory (large trees) must opt in first;
+ * cudaGetLastError (not Peek) so that a failed launch does not stay pending and fail every later one. */
+static inline int hs_prepare_smem(const void *kernel, size_t smem) {
+    if (smem <= 48 * 1024) return 0;
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) (void)cudaGetLastError();
+    return (int)e;
+}
 #define HS_LAUNCH(kernel, grid, block, smem, stream, ...)                                                  \
-    (kernel<<<(grid), (block), (smem), (cudaStream_t)(stream)>>>(__VA_ARGS__), (int)cudaPeekAtLastError())
+    __extension__({                                                                                        \
+        int hs_rc_ = hs_prepare_smem((const void *)(kernel), (smem));                                      \
+        if (hs_rc_ == 0) {                                                                                 \
+            kernel<<<(grid), (block), (smem), (cudaStream_t)(stream)>>>(__VA_ARGS__);                      \
+            hs_rc_ = (int)cudaGetLastError();                                                              \
+        }                                                                                                  \
+        hs_rc_;                                                                                            \
+    })
+#define HS_BOUNDS(n) __launch_bounds__(n)
 __device__ __forceinline__ char *hs_smem() {
     extern __shared__ __align__(16) char hs_dynamic_smem[];
     return hs_dynamic_smem;

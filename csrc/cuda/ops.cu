@@ -79,7 +79,7 @@ template <int DT> struct hs_logit_key {
 /* ---- topk_entropy ------------------------------------------------------------------------------------- */
 
 template <int DT>
-__global__ void hs_k_topk_entropy(const void *logits, int64_t V, int64_t k, double temperature, float *out,
+__global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_topk_entropy(const void *logits, int64_t V, int64_t k, double temperature, float *out,
                                   hs_cuda_error *err) {
     char *sm = hs_smem();
     long long *red = (long long *)sm;
@@ -174,13 +174,15 @@ __device__ void hs_collect_sorted(const KeyFn &key, int64_t n, int64_t k, const 
     __syncthreads();
 }
 
+/* The last block of a request reads the scores other blocks wrote in this launch: volatile loads, so they
+ * come from L2 after the fence, never from a stale L1 line or a register. */
 struct hs_score_key {
-    const float *p;
+    const volatile float *p;
     __device__ __forceinline__ uint32_t operator()(int64_t i) const { return hs_key32(p[i]); }
 };
 
 template <int DT>
-__global__ void hs_k_expand(const void *logits, int64_t B, int64_t Vd, const void *beam_scores, int score_dt,
+__global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_expand(const void *logits, int64_t B, int64_t Vd, const void *beam_scores, int score_dt,
                             const void *beam_nodes, int node_dt, int64_t k, const void *d2t, int d2t_dt,
                             int64_t node_offset, int64_t *out_tokens, float *out_scores, int64_t *out_parents,
                             float *out_entropy, int64_t *out_next_beams, unsigned *counters, hs_cuda_error *err) {
@@ -315,7 +317,7 @@ struct hs_real_key {
     __device__ __forceinline__ uint64_t operator()(int64_t i) const { return hs_key64(hs_ld_real(p, dt, base + i)); }
 };
 
-__global__ void hs_k_select(const void *scores, int dt, int64_t M, const int64_t *m_dev, const int64_t *n_dev,
+__global__ void HS_BOUNDS(HS_TREE_THREADS) hs_k_select(const void *scores, int dt, int64_t M, const int64_t *m_dev, const int64_t *n_dev,
                             int64_t N, int64_t *out, hs_cuda_error *err) {
     char *sm = hs_smem();
     long long *red = (long long *)sm;
@@ -365,7 +367,7 @@ extern "C" hs_status hs_cuda_select(const void *scores, hs_dtype score_dtype, in
 
 /* ---- build_tree ------------------------------------------------------------------------------------------ */
 
-__global__ void hs_k_build_tree(const void *tokens, int tdt, const void *parents, int pdt, int64_t M,
+__global__ void HS_BOUNDS(HS_TREE_THREADS) hs_k_build_tree(const void *tokens, int tdt, const void *parents, int pdt, int64_t M,
                                 const void *selected, int sdt, int64_t N, const int64_t *n_dev,
                                 const int64_t *root_dev, int64_t root_token, int64_t *out_tokens,
                                 int64_t *out_parents, int64_t *out_depths, uint8_t *out_mask,
@@ -534,7 +536,7 @@ __device__ int hs_load_tree(const void *tt, int tdt, const void *tp, int pdt, in
 /* Per node row: ws[2*row] = argmax (ties to the lower id), ws[2*row+1] = -1, or the error (argmax -1 and
  * col*2+is_inf, or argmax -2 for an all -inf row). */
 template <int DT>
-__global__ void hs_k_row_argmax(const void *logits, int64_t T, int64_t V, const int64_t *n_dev, long long *ws) {
+__global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_row_argmax(const void *logits, int64_t T, int64_t V, const int64_t *n_dev, long long *ws) {
     char *sm = hs_smem();
     long long *red = (long long *)sm;
     const int64_t row = blockIdx.x, b = row / T, i = row % T;
@@ -575,7 +577,7 @@ __device__ __forceinline__ int hs_row_failed(const long long *st, int64_t row_in
     return 1;
 }
 
-__global__ void hs_k_greedy_walk(const void *tt, int tdt, const void *tp, int pdt, int64_t T, const int64_t *n_dev,
+__global__ void HS_BOUNDS(HS_TREE_THREADS) hs_k_greedy_walk(const void *tt, int tdt, const void *tp, int pdt, int64_t T, const int64_t *n_dev,
                                  int64_t V, const long long *ws, int64_t *out_path, int64_t *out_len,
                                  int64_t *out_next, hs_cuda_error *err) {
     char *sm = hs_smem();
@@ -667,7 +669,7 @@ __device__ __forceinline__ double hs_warp_w(const hs_warp_stats &s, float x, int
 }
 
 template <int DT>
-__global__ void hs_k_warp_stats(const void *logits, int64_t T, int64_t V, const int64_t *n_dev, double temperature,
+__global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_warp_stats(const void *logits, int64_t T, int64_t V, const int64_t *n_dev, double temperature,
                                 int64_t top_k, double top_p, hs_warp_stats *stats) {
     char *sm = hs_smem();
     long long *red = (long long *)sm;
@@ -784,7 +786,7 @@ __global__ void hs_k_warp_stats(const void *logits, int64_t T, int64_t V, const 
 }
 
 template <int DT>
-__global__ void hs_k_sample_walk(const void *tt, int tdt, const void *tp, int pdt, int64_t T, const int64_t *n_dev,
+__global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_sample_walk(const void *tt, int tdt, const void *tp, int pdt, int64_t T, const int64_t *n_dev,
                                  const void *logits, int64_t V, double temperature, const hs_warp_stats *stats,
                                  const uint64_t *seeds_dev, uint64_t seed0, uint64_t *offsets_dev, uint64_t offset0,
                                  int advance, int64_t *out_path, int64_t *out_len, int64_t *out_next,
@@ -950,13 +952,15 @@ extern "C" hs_status hs_cuda_verify_sample(const void *tree_tokens, hs_dtype tok
 
 /* ---- kv_compact ------------------------------------------------------------------------------------------ */
 
+#define HS_KV_THREADS 128
+
 struct hs_kv_batch {
     hs_kv_tensor t[HS_CUDA_KV_MAX_TENSORS];
     int64_t first_block[HS_CUDA_KV_MAX_TENSORS + 1];
     int count;
 };
 
-__global__ void hs_k_kv_compact(hs_kv_batch kb, int64_t prefix, const void *slots, int sdt, int64_t m,
+__global__ void HS_BOUNDS(HS_KV_THREADS) hs_k_kv_compact(hs_kv_batch kb, int64_t prefix, const void *slots, int sdt, int64_t m,
                                 int64_t min_S, hs_cuda_error *err) {
     /* every block validates the slots, so a bad list moves nothing anywhere */
     for (int64_t i = 0; i < m; i++) {
@@ -1023,7 +1027,7 @@ extern "C" hs_status hs_cuda_kv_compact(const hs_kv_tensor *tensors, int64_t cou
         }
         kb.first_block[kb.count] = blocks;
         if (blocks == 0) continue;
-        int rc = HS_LAUNCH(hs_k_kv_compact, blocks, 128, 0, stream, kb, prefix_len, slots, (int)slot_dtype, m, min_S, err);
+        int rc = HS_LAUNCH(hs_k_kv_compact, blocks, HS_KV_THREADS, 0, stream, kb, prefix_len, slots, (int)slot_dtype, m, min_S, err);
         hs_status s = hs_launched(rc, op, herr);
         if (s != HS_OK) return s;
     }
@@ -1032,7 +1036,7 @@ extern "C" hs_status hs_cuda_kv_compact(const hs_kv_tensor *tensors, int64_t cou
 
 /* ---- bucketize ------------------------------------------------------------------------------------------- */
 
-__global__ void hs_k_bucketize(const void *values, int vdt, int64_t N, const void *thr, int tdt, int64_t T,
+__global__ void HS_BOUNDS(HS_TREE_THREADS) hs_k_bucketize(const void *values, int vdt, int64_t N, const void *thr, int tdt, int64_t T,
                                int32_t *out, hs_cuda_error *err) {
     int64_t g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     for (int64_t t = g; t < T; t += (int64_t)gridDim.x * blockDim.x) {

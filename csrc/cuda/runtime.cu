@@ -1,5 +1,5 @@
 /*
- * runtime.cu -- the CUDA runtime glue the binding needs (devices, streams, the device-visible error
+ * runtime.cu -- the CUDA runtime glue the binding needs (devices, streams, the device error
  * record, the module-owned workspace) and the messages of device-side errors.  Kept out of the binding so
  * that csrc/py/ compiles without CUDA headers.  In the emulated build (HS_CUDA_EMU) "device memory" is host
  * memory and there is one emulated device.
@@ -102,17 +102,6 @@ extern "C" int hs_cuda_stream_capturing(void *stream, hs_error *herr) {
 #endif
 }
 
-extern "C" hs_status hs_cuda_stream_sync(void *stream, hs_error *herr) {
-#ifdef HS_CUDA_EMU
-    (void)stream;
-    (void)herr;
-    return HS_OK;
-#else
-    cudaError_t e = cudaStreamSynchronize((cudaStream_t)stream);
-    return e == cudaSuccess ? HS_OK : hs_cuda_fail(herr, "cudaStreamSynchronize", e);
-#endif
-}
-
 extern "C" hs_cuda_error *hs_cuda_error_record(int dev, hs_cuda_error **host_view, hs_error *herr) {
     if (dev < 0 || dev >= HS_MAX_DEVICES) {
         hs_fail(herr, HS_ERR_VALUE, "cuda", "device", "expected a device index < %d, got %d", HS_MAX_DEVICES, dev);
@@ -126,12 +115,18 @@ extern "C" hs_cuda_error *hs_cuda_error_record(int dev, hs_cuda_error **host_vie
             return NULL;
         }
 #else
-        /* pinned host memory mapped into the device: kernels write it, the host reads it after a sync */
+        /* The record lives in device memory (kernels claim it with a device-scope atomicCAS, which needs no
+         * platform support for atomics on host memory); a pinned host mirror receives it when the binding
+         * checks (hs_cuda_error_fetch). */
         void *h = NULL, *d = NULL;
-        cudaError_t e = cudaHostAlloc(&h, sizeof(hs_cuda_error), cudaHostAllocMapped | cudaHostAllocPortable);
-        if (e == cudaSuccess) e = cudaHostGetDevicePointer(&d, h, 0);
+        cudaError_t e = cudaMallocHost(&h, sizeof(hs_cuda_error));
+        if (e == cudaSuccess) e = cudaMalloc(&d, sizeof(hs_cuda_error));
+        if (e == cudaSuccess) e = cudaMemset(d, 0, sizeof(hs_cuda_error));
+        if (e == cudaSuccess) e = cudaDeviceSynchronize(); /* once per device */
         if (e != cudaSuccess) {
-            hs_cuda_fail(herr, "cudaHostAlloc(mapped)", e);
+            if (h) cudaFreeHost(h);
+            if (d) cudaFree(d);
+            hs_cuda_fail(herr, "error record allocation", e);
             return NULL;
         }
         memset(h, 0, sizeof(hs_cuda_error));
@@ -141,6 +136,34 @@ extern "C" hs_cuda_error *hs_cuda_error_record(int dev, hs_cuda_error **host_vie
     }
     *host_view = hs_dev_state[dev].host;
     return hs_dev_state[dev].dev;
+}
+
+extern "C" hs_status hs_cuda_error_fetch(int dev, void *stream, hs_error *herr) {
+#ifdef HS_CUDA_EMU
+    (void)dev;
+    (void)stream;
+    (void)herr;
+    return HS_OK;
+#else
+    cudaError_t e = cudaMemcpyAsync(hs_dev_state[dev].host, hs_dev_state[dev].dev, sizeof(hs_cuda_error),
+                                    cudaMemcpyDeviceToHost, (cudaStream_t)stream);
+    if (e != cudaSuccess) return hs_cuda_fail(herr, "cudaMemcpyAsync(error record)", e);
+    e = cudaStreamSynchronize((cudaStream_t)stream);
+    return e == cudaSuccess ? HS_OK : hs_cuda_fail(herr, "cudaStreamSynchronize", e);
+#endif
+}
+
+extern "C" hs_status hs_cuda_error_clear(int dev, void *stream, hs_error *herr) {
+    memset(hs_dev_state[dev].host, 0, sizeof(hs_cuda_error));
+#ifdef HS_CUDA_EMU
+    (void)stream;
+    (void)herr;
+    return HS_OK;
+#else
+    cudaError_t e = cudaMemsetAsync(hs_dev_state[dev].dev, 0, sizeof(hs_cuda_error), (cudaStream_t)stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize((cudaStream_t)stream);
+    return e == cudaSuccess ? HS_OK : hs_cuda_fail(herr, "cudaMemsetAsync(error record)", e);
+#endif
 }
 
 extern "C" void *hs_cuda_workspace(int dev, size_t bytes, void *stream, hs_error *herr) {

@@ -215,7 +215,14 @@ static int hs_gpu_raise_recorded(hs_gpu *g, const char *op) {
     if (g->err_host->code == 0) return 0;
     char msg[384];
     hs_cuda_error_message(g->err_host, op, msg, sizeof msg);
-    memset(g->err_host, 0, sizeof *g->err_host);
+    hs_error err;
+    hs_status st;
+    Py_BEGIN_ALLOW_THREADS st = hs_cuda_error_clear(g->dev, g->stream, &err);
+    Py_END_ALLOW_THREADS
+    if (st != HS_OK) {
+        hs_raise(st, &err);
+        return -1;
+    }
     PyErr_SetString(PyExc_ValueError, msg);
     return -1;
 }
@@ -234,7 +241,7 @@ static int hs_gpu_sync(hs_gpu *g, const char *op, const char *why) {
         return -1;
     }
     hs_status st;
-    Py_BEGIN_ALLOW_THREADS st = hs_cuda_stream_sync(g->stream, &err);
+    Py_BEGIN_ALLOW_THREADS st = hs_cuda_error_fetch(g->dev, g->stream, &err); /* copies the record, syncs */
     Py_END_ALLOW_THREADS
     if (st != HS_OK) {
         hs_raise(st, &err);

@@ -3,14 +3,14 @@
  *
  * Same names with an hs_cuda_ prefix, same semantics and the same batch-first buffers as heterospec.h,
  * with these differences, all of them for speed on a GPU and for CUDA-graph capture:
- *   - every pointer is a device pointer (or host memory mapped into the device, for `err`); per-row sizes
+ *   - every pointer is a device pointer; per-row sizes
  *     (n, m) are device arrays or NULL for "the full size";
  *   - `stream` is a cudaStream_t passed as void* (this header needs no CUDA include); every function only
  *     enqueues work on it: no synchronisation, no allocation, so calls can be captured in a CUDA graph;
  *   - scratch memory comes from the caller: hs_cuda_*_workspace_bytes say how much (0 for most ops);
  *   - value checks (NaN logits, a non-closed selection, unordered slots...) run on the device: the first
- *     failing thread records a code and its numbers in *err, a device-visible hs_cuda_error; the host reads
- *     it after synchronising and turns it into a message with hs_cuda_error_message.  Outputs of a call
+ *     failing thread records a code and its numbers in *err, an hs_cuda_error in device memory; the host
+ *     copies it back after the work and turns it into a message with hs_cuda_error_message.  Outputs of a call
  *     that recorded an error are unspecified (never out-of-bounds writes).
  *   - the return value is HS_OK, a host-side argument error (message in *herr), or HS_ERR_CUDA with the
  *     CUDA error string in *herr when a launch failed.
@@ -110,10 +110,13 @@ int hs_cuda_device_count(char *why, size_t n);
 int hs_cuda_set_device(int dev, hs_error *herr);
 /* Is `stream` capturing a graph now? (1/0, -1 on error) */
 int hs_cuda_stream_capturing(void *stream, hs_error *herr);
-hs_status hs_cuda_stream_sync(void *stream, hs_error *herr);
-/* Device-visible error record of device `dev` (pinned host memory mapped into the device), created on
- * first use; *host_view is the host side of the same memory. */
+/* Error record of device `dev` in device memory, created on first use; *host_view is its pinned host
+ * mirror, valid after hs_cuda_error_fetch. */
 hs_cuda_error *hs_cuda_error_record(int dev, hs_cuda_error **host_view, hs_error *herr);
+/* Copy the record to its host mirror on `stream` and synchronise the stream. */
+hs_status hs_cuda_error_fetch(int dev, void *stream, hs_error *herr);
+/* Zero the record and its mirror (after a recorded error was raised); synchronises `stream`. */
+hs_status hs_cuda_error_clear(int dev, void *stream, hs_error *herr);
 /* A device buffer of >= bytes, owned by the module, per device and grown on demand (zeroed when grown).
  * Growing is refused while `stream` is capturing a graph. */
 void *hs_cuda_workspace(int dev, size_t bytes, void *stream, hs_error *herr);
