@@ -4,7 +4,9 @@ The cycle (issue 7's shape, EAGLE-3 defaults on a Llama-3-8B-sized pair):
   root expand (1 x Vd) and 7 level expands (10 beams x Vd, k = 10, Vd = 32000, with a d2t map),
   select 59 of the 710 candidates, build_tree, verify_greedy and verify_sample over the 60 tree rows of
   V = 128256 bfloat16 target logits, kv_compact of 32 layers' keys and values [1, 8, 2048, 128] bf16.
-Draft/target logits are random but fixed; only the glue is timed, never a model.
+Draft/target logits are random but fixed (the target is planted to accept up to 4 tokens along the
+deepest path); only the glue is timed, never a model.  Before timing, the torch and ops variants must build
+the same tree and accept the same length (cross_check; tests/test_bench_cuda_cycle.py runs it on the CPU).
 
 Variants, all timed with CUDA events after warm-up, median (and p10/p90) of --iters runs:
   torch     the cycle as the EAGLE reference code writes it (log_softmax + topk per level, cumulative
@@ -25,69 +27,80 @@ import platform
 import statistics
 
 
-
-def make_inputs(torch, dev, Vd=32000, V=128256, k=10, depth=7, n=59, layers=32, seed=0):
+def make_inputs(torch, dev, Vd=32000, V=128256, k=10, depth=7, n=59, layers=32, S=2048, seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     draft = [torch.randn(1 if lvl == 0 else k, Vd, generator=g).mul_(3).to(dev) for lvl in range(depth + 1)]
     target = torch.randn(n + 1, V, generator=g).mul_(3).to(dev, torch.bfloat16)
     d2t = torch.randint(0, 4, (Vd,), generator=g).cumsum(0).to(dev)
-    kv = [torch.randn(1, 8, 2048, 128, generator=g).to(dev, torch.bfloat16) for _ in range(2 * layers)]
-    return dict(draft=draft, target=target, d2t=d2t, kv=kv, k=k, n=n, prefix=1500)
+    kv = [torch.randn(1, 8, S, 128, generator=g).to(dev, torch.bfloat16) for _ in range(2 * layers)]
+    return dict(draft=draft, target=target, d2t=d2t, kv=kv, k=k, n=n, prefix=S * 3 // 4)
+
+
+def make_state(torch, dev):
+    return dict(s0=torch.zeros(1, device=dev), n0=torch.full((1,), -1, dtype=torch.long, device=dev),
+                offset=torch.zeros(1, dtype=torch.long, device=dev),
+                slots=torch.tensor([0, 3, 9, 27, 44], device=dev))
 
 
 def cycle_ops(ops, torch, x, state):
-    """The cycle on heterospec.ops (no host sync anywhere)."""
+    """The cycle on heterospec.ops (no host sync anywhere on a GPU).  Returns what cross_check compares."""
     k = x["k"]
     toks, scs, pars = [], [], []
     scores, nodes = state["s0"], state["n0"]
     offset = 0
-    for lvl, logits in enumerate(x["draft"]):
+    for logits in x["draft"]:
         t, s, p, ent, nb = ops.expand(logits, scores, nodes, k, x["d2t"], offset, check=False)
         toks.append(t), scs.append(s), pars.append(p)
         scores, nodes = s[nb - offset], nb
         offset += t.shape[0]
     tokens, all_scores, parents = torch.cat(toks), torch.cat(scs), torch.cat(pars)
     chosen = ops.select(all_scores, x["n"], check=False)
-    tree, _, _ = ops.build_tree(tokens, parents, chosen, 1, check=False, device_outputs=True)
+    tree, leaves, _ = ops.build_tree(tokens, parents, chosen, 1, check=False, device_outputs=True)
     path, length, nxt = ops.verify_greedy(tree.tokens, tree.parents, x["target"], check=False, device_outputs=True)
+    on_gpu = state["offset"].is_cuda  # a device offset (advanced by the kernel) exists on CUDA only
     ops.verify_sample(tree.tokens, tree.parents, x["target"], temperature=1.0, top_p=0.9, seed=1,
-                      offset=state["offset"], check=False, device_outputs=True, advance_offset=True)
+                      offset=state["offset"] if on_gpu else 0, check=False, device_outputs=True,
+                      advance_offset=on_gpu)
     ops.kv_compact(x["kv"], x["prefix"], state["slots"], check=False)
-    return path
+    return dict(tokens=tree.tokens, parents=tree.parents, retrieve=tree.retrieve, leaves=leaves, length=length)
 
 
 def cycle_torch(torch, x):
-    """The same cycle the way EAGLE's reference (ea_model / utils.py) writes it in torch."""
+    """The same cycle the way EAGLE's reference writes it in torch (shared/reference/eagle3.md section 7):
+    log-softmax + top-k per level, cumulative scores, top-k over each level's k*k children for the next
+    frontier, top-n + sort over all k + depth*k*k candidates, parents by searchsorted, the mask and the
+    retrieve rows built on the host from .tolist(), greedy acceptance by argmax + cumprod, one softmax +
+    multinomial for the sampled path, and index_select + copy_ per KV tensor."""
     k, n = x["k"], x["n"]
-    scores = None
+    d2t = x["d2t"]
     ss_token, scores_list, parents_list = [], [], []
-    for lvl, logits in enumerate(x["draft"]):
+    scores = frontier = None
+    flat = 0  # flat index of this level's first candidate among all candidates
+    for logits in x["draft"]:
         lp = torch.log_softmax(logits.float(), dim=-1)
         top = torch.topk(lp, k, dim=-1)
         probs = torch.softmax(top.values, -1)
-        (-(probs * probs.log()).sum(-1))  # the entropy HeteroSpec reads
-        if scores is None:
-            cu = top.values[0]
-            scores = cu
-            parents_list.append(torch.zeros(1, dtype=torch.long, device=lp.device))
-            ss_token.append(top.indices[0] + x["d2t"][top.indices[0]])
-            scores_list.append(cu[None])
-            continue
-        cu = top.values + scores[:, None]
-        tt = torch.topk(cu.view(-1), k)
-        bias = 1 + k * k * (lvl - 1) + k if lvl > 1 else 1 + k
-        parents_list.append(tt.indices // k + bias - k * 0)
+        (-(probs * probs.log()).sum(-1))  # the top-k entropy HeteroSpec reads
         ids = top.indices.view(-1)
-        ss_token.append(ids + x["d2t"][ids])
-        scores_list.append(cu)
-        scores = tt.values
-    scores_all = torch.cat([s.view(-1) for s in scores_list])
+        ss_token.append(ids + d2t[ids])
+        if scores is None:  # root expansion
+            scores = top.values[0]
+            scores_list.append(scores)
+            parents_list.append(torch.zeros(1, dtype=torch.long, device=lp.device))
+            frontier = torch.arange(k, device=lp.device)
+            flat += k
+            continue
+        parents_list.append(frontier + 1)  # flat index (+1) of each expanded frontier node
+        cu = top.values + scores[:, None]
+        scores_list.append(cu.view(-1))
+        best = torch.topk(cu.view(-1), k)
+        scores, frontier = best.values, best.indices + flat
+        flat += k * k
+    scores_all = torch.cat(scores_list)
     tokens_all = torch.cat(ss_token)
-    top_scores = torch.topk(scores_all, n)
-    idx = torch.sort(top_scores.indices).values
-    draft_tokens = torch.cat((torch.tensor([1], device=idx.device), tokens_all[idx]))
-    parents = torch.cat([p.view(-1) for p in parents_list])
-    draft_parents = parents[idx // k].long()
+    idx = torch.sort(torch.topk(scores_all, n).indices).values
+    draft_tokens = torch.cat((torch.ones(1, dtype=tokens_all.dtype, device=idx.device), tokens_all[idx]))
+    draft_parents = torch.cat(parents_list)[idx // k]
     mask_index = torch.searchsorted(idx, draft_parents - 1, right=False)
     mask_index[draft_parents == 0] = -1
     mask_index = mask_index + 1
@@ -97,34 +110,81 @@ def cycle_torch(torch, x):
     for i in range(n):
         tree_mask[i + 1].add_(tree_mask[mask_list[i]])
     depth = tree_mask.sum(1) - 1
-    leaves = set(range(n + 1)) - set(mask_list)
+    leaves = sorted(set(range(n + 1)) - set(mask_list))
     retrieve = []
-    for leaf in sorted(leaves):  # host loop over leaves, as EAGLE's retrieve_indices
+    for leaf in leaves:  # host loop over leaves, as EAGLE's retrieve_indices
         row, cur = [], leaf
-        while cur != 0 and len(row) <= n:  # bounded: the synthetic parents need not be a tree
+        while cur != 0:
             row.append(cur)
             cur = mask_list[cur - 1]
         retrieve.append([0] + row[::-1])
     width = max(len(r) for r in retrieve)
     ret = torch.tensor([r + [-1] * (width - len(r)) for r in retrieve], device=idx.device)
     tree_mask = tree_mask.to(idx.device)
-    depth.to(idx.device)
+    depth = depth.to(idx.device)
     # greedy acceptance (evaluate_posterior)
     logits = x["target"]
     cand = draft_tokens[ret.clamp(min=0)]
-    post = (cand[:, 1:] == torch.argmax(logits[ret.clamp(min=0)][:, :-1], dim=-1)).int()
-    acc = torch.cumprod(post, dim=1).sum(dim=1)
+    post = (cand[:, 1:] == torch.argmax(logits[ret.clamp(min=0)][:, :-1], dim=-1)) & (ret[:, 1:] >= 0)
+    acc = torch.cumprod(post.int(), dim=1).sum(dim=1)
     best = torch.argmax(acc)
     accept = int(acc[best])
-    # sampled acceptance: EAGLE's per-node softmax + rejection in Python (first level only is enough to
-    # show its cost: one softmax over V and one multinomial per visited node)
+    # sampled acceptance: EAGLE's per-node softmax + rejection in Python (the root only is enough to show
+    # its cost: one softmax over V and one multinomial per visited node)
     p = torch.softmax(logits[0].float(), -1)
     torch.multinomial(p, 1)
     # KV compaction: index_select + copy_ per layer tensor
     sel = ret[best, : accept + 1].clamp(min=0) + x["prefix"]
     for t in x["kv"]:
         t[:, :, x["prefix"] : x["prefix"] + sel.shape[0]].copy_(t.index_select(2, sel))
-    return ret
+    return dict(tokens=draft_tokens, parents=torch.tensor([-1] + mask_list), retrieve=ret, leaves=len(leaves),
+                accept=accept)
+
+
+def plant_accepts(ops, torch, x, state, accept=4):
+    """Make the target accept `accept` tokens (random logits accept nothing): along the path from the root
+    to the deepest node (the lowest-numbered one), raise each node's target logit of the next node's token
+    above every other.  Returns how many were planted (fewer if the tree is shallower)."""
+    t = cycle_ops(ops, torch, dict(x, kv=[]), state)
+    parents = torch.as_tensor(t["parents"]).cpu().tolist()
+    tokens = torch.as_tensor(t["tokens"]).cpu().tolist()
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    path = [depth.index(max(depth))]
+    while path[-1] != 0:
+        path.append(parents[path[-1]])
+    path = path[::-1][: accept + 1]
+    for node, nxt in zip(path, path[1:]):
+        x["target"][node, tokens[nxt]] = 100.0
+    return len(path) - 1
+
+
+def cross_check(ops, torch, x, state):
+    """Both variants must build the same tree and accept the same length; returns the tree's (leaves, accept).
+    KV tensors are copied first (both variants compact them in place)."""
+    kv = x["kv"]
+    x = dict(x, kv=[t.clone() for t in kv])
+    a = cycle_ops(ops, torch, x, state)
+    ops.cuda_check(x["target"].device) if x["target"].is_cuda else None
+    b = cycle_torch(torch, x)
+    ta = torch.as_tensor(a["tokens"]).cpu()
+    pa = torch.as_tensor(a["parents"]).cpu()
+    L = int(torch.as_tensor(a["leaves"]))
+    ra = torch.as_tensor(a["retrieve"]).cpu()[:L, : b["retrieve"].shape[1]]
+    problems = []
+    if not torch.equal(ta, b["tokens"].cpu()):
+        problems.append("tree tokens differ")
+    if not torch.equal(pa, b["parents"].cpu()):
+        problems.append("tree parents differ")
+    if L != b["leaves"] or not torch.equal(ra, b["retrieve"].cpu()):
+        problems.append(f"retrieve rows differ (leaves {L} vs {b['leaves']})")
+    accept = int(torch.as_tensor(a["length"])) - 1
+    if accept != b["accept"]:
+        problems.append(f"accepted length differs ({accept} vs {b['accept']})")
+    if problems:
+        raise AssertionError("the torch baseline and heterospec.ops disagree: " + "; ".join(problems))
+    return L, b["accept"]
 
 
 def timeit(torch, fn, iters, warmup=20):
@@ -158,9 +218,13 @@ def main(argv=None):
         raise SystemExit(f"needs a CUDA GPU and a CUDA build of heterospec (build_info: {info})")
     dev = torch.device("cuda")
     x = make_inputs(torch, dev)
-    state = dict(s0=torch.zeros(1, device=dev), n0=torch.full((1,), -1, dtype=torch.long, device=dev),
-                 offset=torch.zeros(1, dtype=torch.long, device=dev),
-                 slots=torch.tensor([0, 3, 9, 27, 44], device=dev))
+    state = make_state(torch, dev)
+    planted = plant_accepts(ops, torch, x, state)
+    leaves, accept = cross_check(ops, torch, x, state)
+    if accept != planted:
+        raise SystemExit(f"cross-check: expected {planted} accepted tokens, got {accept}")
+    print(f"cross-check: torch and heterospec.ops build the same {x['n'] + 1}-node tree ({leaves} leaves), "
+          f"accept {accept}")
     results = {}
     results["torch"] = timeit(torch, lambda: cycle_torch(torch, x), args.iters)
     results["ops"] = timeit(torch, lambda: cycle_ops(ops, torch, x, state), args.iters)
@@ -179,7 +243,7 @@ def main(argv=None):
         r["speedup_vs_torch"] = results["torch"]["median_us"] / r["median_us"]
     out = dict(
         device=torch.cuda.get_device_name(dev), torch=torch.__version__, cuda=torch.version.cuda,
-        heterospec=info, host=platform.node(), iters=args.iters,
+        heterospec=info, host=platform.node(), iters=args.iters, cross_check=dict(leaves=leaves, accept=accept),
         shape=dict(Vd=32000, k=10, depth=7, n=59, V=128256, target_dtype="bfloat16", kv="32 x 2 x [1,8,2048,128] bf16"),
         results=results,
     )
