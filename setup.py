@@ -13,6 +13,8 @@ Environment switches:
   HETEROSPEC_CUDA=emu     compile the kernels as host C++ (one std::thread per CUDA thread) and treat
                           DLPack "CUDA" tensors as host memory: for testing the kernels' logic on machines
                           without a GPU (tests/test_cuda.py); never for real use
+  HETEROSPEC_EMU_BLOCKS=gpu with HETEROSPEC_CUDA=emu: emulate the GPU's block sizes (1024/256 threads)
+                          instead of 64, so the kernels' large-block paths run too (slow)
   HETEROSPEC_CUDA_ARCHS   compute capabilities to build, default "80,90" (the last one also as PTX)
   HETEROSPEC_SANITIZE=1   build with AddressSanitizer + UndefinedBehaviorSanitizer (CI runs the op tests
                           on such a build; run them with LD_PRELOAD=$(gcc -print-file-name=libasan.so))
@@ -108,6 +110,8 @@ class BuildExt(build_ext):
                     cmd = [os.environ.get("CXX", "g++"), "-std=c++20", "-x", "c++", "-DHS_CUDA_EMU", "-fPIC",
                            "-fvisibility=hidden", "-Wall", "-Wextra", "-I", os.path.join(HERE, "csrc", "include")]
                     cmd += ["-O1", "-g"] + (san if sanitize else [])
+                    if os.environ.get("HETEROSPEC_EMU_BLOCKS") == "gpu":  # the GPU's block sizes (slow)
+                        cmd += ["-DHS_EMU_ROW_THREADS=1024", "-DHS_EMU_TREE_THREADS=256"]
                     if os.environ.get("HETEROSPEC_WERROR") == "1":
                         cmd.append("-Werror")
                 cmd += ["-c", os.path.join(HERE, src), "-o", obj]

@@ -258,6 +258,41 @@ def test_verify_sample_parity_same_uniforms_same_path(dtype, n, V, warp):
         assert (nxt, draws) == (wnext, wdraws)
 
 
+def test_largest_trees_parity():
+    """Trees at the CUDA path's limit (4096 nodes): their walk kernels need more than 48 KB of shared memory
+    on a GPU, which a launch gets only after opting in (cudaFuncSetAttribute); without it they would fail.
+    The emulated build runs 512 nodes (a std::thread per CUDA thread makes 4096 take minutes; 4096 passed
+    there once, by hand)."""
+    rng = np.random.default_rng(4096)
+    T, V = (4096 if REAL else 512), 16
+    parents = np.array([-1] + [(i - 1) // 8 for i in range(1, T)], np.int64)  # 8-ary: shallow, so quick
+    tokens = rng.integers(0, V, T).astype(np.int64)
+    x = rng.normal(0, 2, (T, V)).astype(np.float32)
+    for j in range(1, T):
+        if rng.random() < 0.5:
+            x[parents[j], tokens[j]] += 8.0
+    dev, cpu = D.put_logits(x, "float32")
+    wpath, wnext = ops.verify_greedy(tokens, parents, cpu)
+    path, nxt = ops.verify_greedy(D.put(tokens), D.put(parents), dev)
+    np.testing.assert_array_equal(D.get(path), np.asarray(wpath))
+    assert nxt == wnext
+    kw = dict(temperature=0.9, seed=5, offset=0)
+    want = ops.verify_sample(tokens, parents, cpu, **kw)
+    got = ops.verify_sample(D.put(tokens), D.put(parents), dev, **kw)
+    np.testing.assert_array_equal(D.get(got[0]), np.asarray(want[0]))
+    assert got[1:] == want[1:]
+    # build_tree at its limit (4095 selected + the root), over the same 8-ary candidates
+    sel = np.arange(T - 1, dtype=np.int64)
+    cand_parents = np.array([-1] * 8 + [(c - 8) // 8 for c in range(8, T - 1)], np.int64)
+    wtree = ops.build_tree(tokens[: T - 1], cand_parents, sel, 3)
+    gtree = ops.build_tree(D.put(tokens[: T - 1]), D.put(cand_parents), D.put(sel), 3)
+    for name in ("tokens", "parents", "depths"):
+        np.testing.assert_array_equal(D.get(getattr(gtree, name)), getattr(wtree, name), err_msg=name)
+    with pytest.raises(ValueError, match=r"expected at most 4096 nodes on CUDA, got 4097"):
+        ops.verify_greedy(D.put(np.zeros(4097, np.int64)), D.put(np.zeros(4097, np.int64)),
+                          D.put_logits(np.zeros((4097, V), np.float32), "float32")[0])
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "int64", "uint8"])
 def test_kv_compact_parity_many_tensors_one_launch(dtype):
     rng = np.random.default_rng(5)

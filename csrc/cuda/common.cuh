@@ -85,8 +85,12 @@ inline double __longlong_as_double(unsigned long long u) { double d; memcpy(&d, 
 typedef void *hs_stream_t;
 
 /* Run kernel(args...) on grid x block threads; blocks in order, threads of a block concurrently. */
+/* Launch limits a real GPU enforces, so the emulation refuses what sm_80 would: at most 1024 threads per
+ * block and 163 KB of dynamic shared memory (sm_90 allows 227 KB). */
+#define HS_EMU_SMEM_LIMIT (163 * 1024)
 template <class... P, class... A>
 inline int hs_emu_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
+    if (block.x > 1024 || smem > HS_EMU_SMEM_LIMIT) return 1;
     std::vector<char> buf(smem + 16);
     for (unsigned b = 0; b < grid.x; b++) {
         std::barrier<> barrier((std::ptrdiff_t)block.x);
@@ -109,7 +113,6 @@ inline int hs_emu_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t sme
 }
 #define HS_LAUNCH(kernel, grid, block, smem, stream, ...) ((void)(stream), hs_emu_launch(kernel, dim3(grid), dim3(block), smem, __VA_ARGS__))
 __device__ __forceinline__ char *hs_smem() { return hs_emu::smem; }
-#define HS_EMU_THREADS 64 /* threads per block in the emulation: enough for every code path */
 #define HS_BOUNDS(n)
 #else
 /* ---- CUDA -------------------------------------------------------------------------------------------- */
@@ -143,8 +146,16 @@ __device__ __forceinline__ char *hs_smem() {
 
 /* Threads per block for vocabulary-wide row kernels and for small per-tree kernels. */
 #ifdef HS_CUDA_EMU
-#define HS_ROW_THREADS HS_EMU_THREADS
-#define HS_TREE_THREADS HS_EMU_THREADS
+/* 64 threads per block by default: every code path, fast enough for CI; HETEROSPEC_EMU_BLOCKS=gpu builds the
+ * emulation with the GPU's block sizes (1024/256) to exercise their paths too (slow: a std::thread each). */
+#ifndef HS_EMU_ROW_THREADS
+#define HS_EMU_ROW_THREADS 64
+#endif
+#ifndef HS_EMU_TREE_THREADS
+#define HS_EMU_TREE_THREADS 64
+#endif
+#define HS_ROW_THREADS HS_EMU_ROW_THREADS
+#define HS_TREE_THREADS HS_EMU_TREE_THREADS
 #else
 #define HS_ROW_THREADS 1024
 #define HS_TREE_THREADS 256

@@ -34,13 +34,11 @@ extern "C" hs_status hs_fail(hs_error *err, hs_status status, const char *op, co
 __device__ __forceinline__ float __int_as_float_inf() { return __uint_as_float(0x7f800000u); }
 
 static hs_status hs_launched(int rc, const char *op, hs_error *herr) {
-#ifdef HS_CUDA_EMU
-    (void)rc;
-    (void)op;
-    (void)herr;
-    return HS_OK;
-#else
     if (rc == 0) return HS_OK;
+#ifdef HS_CUDA_EMU
+    return hs_fail(herr, (hs_status)HS_ERR_CUDA, op, "launch",
+                   "expected a successful kernel launch, got one over the emulated sm_80 limits (block or shared memory)");
+#else
     return hs_fail(herr, (hs_status)HS_ERR_CUDA, op, "launch", "expected a successful kernel launch, got %s",
                    cudaGetErrorString((cudaError_t)rc));
 #endif
