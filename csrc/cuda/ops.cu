@@ -68,6 +68,17 @@ __device__ void hs_row_max_check(const void *p, int64_t base, int64_t V, long lo
     *bad_out = bad == 0x7fffffffffffffffll ? -1 : bad;
 }
 
+/* Entropy log Z - S/Z from the threads' partial sums Z = sum e^d and S = sum e^d * d (d <= 0 relative to the
+ * max), clamped at 0 against rounding; thread 0 writes it to *out. */
+__device__ __forceinline__ void hs_block_entropy(double Z, double S, long long *red, float *out) {
+    Z = hs_block_reduce(Z, (double *)red, hs_op_sum());
+    S = hs_block_reduce(S, (double *)red, hs_op_sum());
+    if (threadIdx.x == 0) {
+        double h = log(Z) - S / Z;
+        *out = (float)(h > 0.0 ? h : 0.0);
+    }
+}
+
 template <int DT> struct hs_logit_key {
     const void *p;
     int64_t base;
@@ -105,12 +116,7 @@ __global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_topk_entropy(const void *logits, 
         Z += e;
         S += e * d;
     }
-    Z = hs_block_reduce(Z, (double *)red, hs_op_sum());
-    S = hs_block_reduce(S, (double *)red, hs_op_sum());
-    if (threadIdx.x == 0) {
-        double h = log(Z) - S / Z;
-        out[r] = (float)(h > 0.0 ? h : 0.0);
-    }
+    hs_block_entropy(Z, S, red, out + r);
 }
 
 extern "C" size_t hs_cuda_topk_entropy_workspace_bytes(int64_t rows, int64_t k, int64_t V) {
@@ -241,12 +247,7 @@ __global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_expand(const void *logits, int64_
                 S += e * d;
             }
         }
-        Z = hs_block_reduce(Z, (double *)red, hs_op_sum());
-        S = hs_block_reduce(S, (double *)red, hs_op_sum());
-        if (threadIdx.x == 0) {
-            double h = log(Z) - S / Z;
-            out_entropy[r] = (float)(h > 0.0 ? h : 0.0);
-        }
+        hs_block_entropy(Z, S, red, out_entropy + r);
     }
     /* the last block of request bi to get here picks the next beams from all B*k scores */
     __threadfence();

@@ -139,18 +139,8 @@ extern "C" hs_cuda_error *hs_cuda_error_record(int dev, hs_cuda_error **host_vie
 }
 
 extern "C" hs_status hs_cuda_error_fetch(int dev, void *stream, hs_error *herr) {
-#ifdef HS_CUDA_EMU
-    (void)dev;
-    (void)stream;
-    (void)herr;
-    return HS_OK;
-#else
-    cudaError_t e = cudaMemcpyAsync(hs_dev_state[dev].host, hs_dev_state[dev].dev, sizeof(hs_cuda_error),
-                                    cudaMemcpyDeviceToHost, (cudaStream_t)stream);
-    if (e != cudaSuccess) return hs_cuda_fail(herr, "cudaMemcpyAsync(error record)", e);
-    e = cudaStreamSynchronize((cudaStream_t)stream);
-    return e == cudaSuccess ? HS_OK : hs_cuda_fail(herr, "cudaStreamSynchronize", e);
-#endif
+    if (hs_dev_state[dev].host == hs_dev_state[dev].dev) return HS_OK; /* the emulation: one buffer */
+    return hs_cuda_memcpy_d2h(hs_dev_state[dev].host, hs_dev_state[dev].dev, sizeof(hs_cuda_error), stream, herr);
 }
 
 extern "C" hs_status hs_cuda_error_clear(int dev, void *stream, hs_error *herr) {
