@@ -70,14 +70,7 @@ hs_status hs_bucketize(const void *values, hs_dtype value_dtype, int64_t N, cons
         if (x != x)
             return hs_fail(err, HS_ERR_NONFINITE, op, "values", "expected no NaN, got nan at [%lld]",
                            (long long)i);
-        /* binary search: the number of thresholds < x */
-        int64_t lo = 0, hi = T;
-        while (lo < hi) {
-            int64_t mid = lo + (hi - lo) / 2;
-            if (x > hs_load_real(thresholds, threshold_dtype, mid)) lo = mid + 1;
-            else hi = mid;
-        }
-        out[i] = (int32_t)lo;
+        out[i] = (int32_t)hs_count_below(x, thresholds, threshold_dtype == HS_FLOAT64, T);
     }
     return HS_OK;
 }

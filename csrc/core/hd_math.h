@@ -1,7 +1,7 @@
 /*
  * hd_math.h -- arithmetic that the CPU core and the CUDA kernels must do bit for bit the same way:
- * float16/bfloat16 -> float32 conversion, the float64 exp behind verify_sample's weights, and
- * Philox4x32-10.  Compiled as C11 by the CPU core and as CUDA C++ (host and device) by csrc/cuda/; both
+ * float16/bfloat16 -> float32 conversion, the float64 exp behind verify_sample's weights,
+ * Philox4x32-10 and bucketize's threshold search.  Compiled as C11 by the CPU core and as CUDA C++ (host and device) by csrc/cuda/; both
  * sides evaluate these expressions without FMA contraction (gcc -std=c11 keeps -ffp-contract=off, the CUDA
  * sources are built with -fmad=false), so the same inputs give the same doubles and the same uniforms, and
  * CPU and GPU walk a sampled tree along the same path.
@@ -91,6 +91,19 @@ HS_HD double hs_philox_u(uint64_t seed, uint64_t offset, uint64_t j) {
     uint32_t c[4] = {(uint32_t)ctr, (uint32_t)(ctr >> 32), 0u, 0u};
     hs_philox_rounds(c, (uint32_t)seed, (uint32_t)(seed >> 32));
     return (double)c[0] * 2.3283064365386963e-10; /* 2^-32: exact, so u is in [0, 1) */
+}
+
+/* bucketize's search, shared so CPU and GPU agree on every boundary: the number of thresholds < x, for
+ * ascending float32 (f64 = 0) or float64 (f64 = 1) thresholds[T]. */
+HS_HD int64_t hs_count_below(double x, const void *thresholds, int f64, int64_t T) {
+    int64_t lo = 0, hi = T;
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        double t = f64 ? ((const double *)thresholds)[mid] : (double)((const float *)thresholds)[mid];
+        if (x > t) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
 }
 
 #endif /* HS_CORE_HD_MATH_H */

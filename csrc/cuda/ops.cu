@@ -487,8 +487,9 @@ extern "C" hs_status hs_cuda_build_tree(const void *tokens, hs_dtype token_dtype
                                         int64_t *out_num_leaves, int64_t *out_max_depth, int64_t *out_retrieve,
                                         hs_cuda_error *err, void *stream, hs_error *herr) {
     static const char op[] = "build_tree";
-    if (N + 1 > 4096)
-        return hs_fail(herr, HS_ERR_VALUE, op, "selected", "expected at most 4095 nodes on CUDA, got %lld", (long long)N);
+    if (N + 1 > HS_CUDA_MAX_NODES)
+        return hs_fail(herr, HS_ERR_VALUE, op, "selected", "expected at most %d nodes on CUDA, got %lld",
+                       HS_CUDA_MAX_NODES - 1, (long long)N);
     if (root_dev == nullptr && root_token < 0)
         return hs_fail(herr, HS_ERR_VALUE, op, "root_token", "expected a token id >= 0, got %lld", (long long)root_token);
     if (batch == 0) return HS_OK;
@@ -528,6 +529,16 @@ __device__ int hs_load_tree(const void *tt, int tdt, const void *tp, int pdt, in
     int ok = *flag == 0;
     __syncthreads();
     return ok;
+}
+
+/* The host-side size checks both verify ops make: a tree within the CUDA path's node limit, enough workspace. */
+static hs_status hs_verify_sizes(const char *op, int64_t T, size_t ws_bytes, size_t need, hs_error *herr) {
+    if (T > HS_CUDA_MAX_NODES)
+        return hs_fail(herr, HS_ERR_VALUE, op, "tree_tokens", "expected at most %d nodes on CUDA, got %lld",
+                       HS_CUDA_MAX_NODES, (long long)T);
+    if (ws_bytes < need)
+        return hs_fail(herr, HS_ERR_WORKSPACE, op, "workspace", "expected >= %zu bytes, got %zu", need, ws_bytes);
+    return HS_OK;
 }
 
 /* ---- verify_greedy ----------------------------------------------------------------------------------- */
@@ -620,11 +631,8 @@ extern "C" hs_status hs_cuda_verify_greedy(const void *tree_tokens, hs_dtype tok
                                            int64_t *out_len, int64_t *out_next, void *ws, size_t ws_bytes,
                                            hs_cuda_error *err, void *stream, hs_error *herr) {
     static const char op[] = "verify_greedy";
-    if (T > 4096)
-        return hs_fail(herr, HS_ERR_VALUE, op, "tree_tokens", "expected at most 4096 nodes on CUDA, got %lld", (long long)T);
-    if (ws_bytes < hs_cuda_verify_greedy_workspace_bytes(batch, T))
-        return hs_fail(herr, HS_ERR_WORKSPACE, op, "workspace", "expected >= %zu bytes, got %zu",
-                       hs_cuda_verify_greedy_workspace_bytes(batch, T), ws_bytes);
+    hs_status chk = hs_verify_sizes(op, T, ws_bytes, hs_cuda_verify_greedy_workspace_bytes(batch, T), herr);
+    if (chk != HS_OK) return chk;
     if (batch == 0 || T == 0) return HS_OK;
     unsigned th = HS_ROW_THREADS;
     size_t sm = th * sizeof(long long);
@@ -921,11 +929,8 @@ extern "C" hs_status hs_cuda_verify_sample(const void *tree_tokens, hs_dtype tok
         return hs_fail(herr, HS_ERR_VALUE, op, "top_k", "expected >= 0 (0 disables it), got %lld", (long long)sp.top_k);
     if (!(sp.top_p > 0.0 && sp.top_p <= 1.0))
         return hs_fail(herr, HS_ERR_VALUE, op, "top_p", "expected a value in (0, 1], got %g", sp.top_p);
-    if (T > 4096)
-        return hs_fail(herr, HS_ERR_VALUE, op, "tree_tokens", "expected at most 4096 nodes on CUDA, got %lld", (long long)T);
-    if (ws_bytes < hs_cuda_verify_sample_workspace_bytes(batch, T))
-        return hs_fail(herr, HS_ERR_WORKSPACE, op, "workspace", "expected >= %zu bytes, got %zu",
-                       hs_cuda_verify_sample_workspace_bytes(batch, T), ws_bytes);
+    hs_status chk = hs_verify_sizes(op, T, ws_bytes, hs_cuda_verify_sample_workspace_bytes(batch, T), herr);
+    if (chk != HS_OK) return chk;
     if (batch == 0 || T == 0) return HS_OK;
     unsigned th = HS_ROW_THREADS;
     size_t sm_stats = hs_row_smem(th) + 260 * sizeof(double);
@@ -1049,13 +1054,7 @@ __global__ void HS_BOUNDS(HS_TREE_THREADS) hs_k_bucketize(const void *values, in
         hs_report(err, HS_CE_VALUE_NAN, g);
         return;
     }
-    int64_t lo = 0, hi = T;
-    while (lo < hi) {
-        int64_t mid = lo + (hi - lo) / 2;
-        if (x > hs_ld_real(thr, tdt, mid)) lo = mid + 1;
-        else hi = mid;
-    }
-    out[g] = (int32_t)lo;
+    out[g] = (int32_t)hs_count_below(x, thr, tdt == HS_FLOAT64, T);
 }
 
 extern "C" hs_status hs_cuda_bucketize(const void *values, hs_dtype value_dtype, int64_t N, const void *thresholds,

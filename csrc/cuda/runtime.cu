@@ -200,18 +200,6 @@ extern "C" void *hs_cuda_workspace(int dev, size_t bytes, void *stream, hs_error
     return p;
 }
 
-extern "C" hs_status hs_cuda_memcpy_h2d(void *dst, const void *src, size_t bytes, void *stream, hs_error *herr) {
-#ifdef HS_CUDA_EMU
-    (void)stream;
-    (void)herr;
-    memcpy(dst, src, bytes);
-    return HS_OK;
-#else
-    cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, (cudaStream_t)stream);
-    return e == cudaSuccess ? HS_OK : hs_cuda_fail(herr, "cudaMemcpyAsync", e);
-#endif
-}
-
 extern "C" hs_status hs_cuda_memcpy_d2h(void *dst, const void *src, size_t bytes, void *stream, hs_error *herr) {
 #ifdef HS_CUDA_EMU
     (void)stream;

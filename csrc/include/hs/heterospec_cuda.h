@@ -14,7 +14,8 @@
  *     that recorded an error are unspecified (never out-of-bounds writes).
  *   - the return value is HS_OK, a host-side argument error (message in *herr), or HS_ERR_CUDA with the
  *     CUDA error string in *herr when a launch failed.
- * Size limits of the CUDA path (host-checked): expand k <= 1024 and B * k <= 65536; build_tree n + 1 <= 4096.
+ * Size limits of the CUDA path (host-checked): expand k <= 1024 and B * k <= 65536; trees of at most
+ * HS_CUDA_MAX_NODES nodes (build_tree n + 1, verify_* T).
  */
 #ifndef HS_HETEROSPEC_CUDA_H
 #define HS_HETEROSPEC_CUDA_H
@@ -24,6 +25,8 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+#define HS_CUDA_MAX_NODES 4096
 
 typedef struct hs_cuda_error {
     unsigned long long code; /* 0 = no error; see hs_cuda_error_message */
@@ -120,9 +123,6 @@ hs_status hs_cuda_error_clear(int dev, void *stream, hs_error *herr);
 /* A device buffer of >= bytes, owned by the module, per device and grown on demand (zeroed when grown).
  * Growing is refused while `stream` is capturing a graph. */
 void *hs_cuda_workspace(int dev, size_t bytes, void *stream, hs_error *herr);
-/* Copy bytes host -> device on stream (from pageable memory: returns after the copy is enqueued and the
- * host buffer may be reused). */
-hs_status hs_cuda_memcpy_h2d(void *dst, const void *src, size_t bytes, void *stream, hs_error *herr);
 /* Copy bytes device -> host on stream and wait for it. */
 hs_status hs_cuda_memcpy_d2h(void *dst, const void *src, size_t bytes, void *stream, hs_error *herr);
 /* "sm_80,sm_90,compute_90" etc.: what the fat binary holds; the CUDA runtime version. */
