@@ -37,7 +37,7 @@ import numpy as np
 from . import _C
 from ._types import OP_NAMES, VerifyTree
 
-__all__ = [*OP_NAMES, "VerifyTree"]
+__all__ = [*OP_NAMES, "VerifyTree", "KVTensors"]
 
 
 def _np_alloc(shape, dtype):
@@ -219,11 +219,47 @@ def verify_sample(
 
 def kv_compact(tensors, prefix_len, slots, *, stream=None, check=True):
     """In place, for every tensor ``[..., S, D]`` of ``tensors``: row ``prefix_len + slots[i]`` moves to
-    ``prefix_len + i``.  ``slots`` strictly ascending with ``slots[i] >= i``.  All tensors are validated
-    before any is modified.  On CUDA all tensors move in one launch (pass one stacked tensor or the list of
-    every layer's keys and values)."""
+    ``prefix_len + i``.  ``slots`` strictly ascending with ``slots[i] >= i``, optionally padded with -1 (entries
+    from the first -1 on are ignored and must all be -1: the padded ``path`` of ``verify_*(device_outputs=True)``
+    can be passed as is).  All tensors are validated before any is modified.  On CUDA all tensors move in one
+    launch (pass one stacked tensor or the list of every layer's keys and values).
+
+    ``tensors``: a list or tuple of arrays, or a :class:`KVTensors` (imported once: no per-call import).
+    ``prefix_len``: an int, or an int64 array with exactly one element (shape ``[]`` or ``[1]``) on the device
+    of ``slots``, read when the op runs (on CUDA by the kernel, never copied to the host: the call can be
+    captured in a CUDA graph and replayed after the tensor's value changes; a negative value is a device-side
+    error, raised at ``check`` / :func:`cuda_check`, and moves nothing)."""
     slots = _arr(slots)
+    if isinstance(tensors, KVTensors):
+        tensors = tensors._c
     _C.kv_compact(tensors, prefix_len, slots, _stream(slots, stream), check)
+
+
+class KVTensors:
+    """The tensors of :func:`kv_compact` (a list or tuple of ``[..., S, D]`` arrays, all on one device), validated
+    and imported once, as ``kv_compact`` would per call: pass it to ``kv_compact`` in place of the list so a
+    static cache's per-cycle commit costs one launch and no per-tensor import.  It keeps references to the
+    tensors (and their DLPack exports), so their storage stays alive while it does.  ``stream``: the CUDA stream
+    handed to the producers' ``__dlpack__`` at import (default: the current stream of the first tensor's
+    device); later writes to the tensors must be ordered before each ``kv_compact`` call by the caller, as for
+    any in-place op on the call's stream."""
+
+    __slots__ = ("_c",)
+
+    def __init__(self, tensors, *, stream=None):
+        first = tensors[0] if isinstance(tensors, (list, tuple)) and len(tensors) else None
+        self._c = _C.KVTensors(tensors, _stream(first, stream))
+
+    @property
+    def tensors(self):
+        """The tensors, as a tuple."""
+        return self._c.tensors
+
+    def __len__(self):
+        return len(self._c)
+
+    def __repr__(self):
+        return f"KVTensors({len(self)} tensors)"
 
 
 def bucketize(values, thresholds, *, stream=None, check=True):

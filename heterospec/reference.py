@@ -21,7 +21,7 @@ import numpy as np
 
 from ._types import OP_NAMES, VerifyTree
 
-__all__ = [*OP_NAMES, "VerifyTree"]
+__all__ = [*OP_NAMES, "VerifyTree", "KVTensors"]
 
 _LOGIT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
 _SCORE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -493,11 +493,11 @@ def _verify_sample_host(tree_tokens, tree_parents, target_logits, *, temperature
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _kv_compact_host(tensors, prefix_len, slots):
-    """In place: row prefix_len + i <- row prefix_len + slots[i] of every [..., S, D] tensor. -> None."""
-    op = "kv_compact"
+def _kv_arrays(op, tensors):
+    """The NumPy views of a list/tuple of writable, C-contiguous, non-overlapping [..., S, D] arrays."""
     if not isinstance(tensors, (list, tuple)):
-        _fail(TypeError, op, "tensors", "a list or tuple of arrays", type(tensors).__name__)
+        what = "a list or tuple of arrays" + (" or a KVTensors" if op == "kv_compact" else "")
+        _fail(TypeError, op, "tensors", what, type(tensors).__name__)
     arrays = []
     for i, t in enumerate(tensors):
         if isinstance(t, np.ndarray):
@@ -520,17 +520,78 @@ def _kv_compact_host(tensors, prefix_len, slots):
                 _fail(ValueError, op, f"tensors[{i}]", "tensors that do not overlap in memory",
                       f"memory shared with tensors[{j}]")
         arrays.append(a)
-    prefix_len = _int(op, "prefix_len", prefix_len, 0)
-    s = _ids(op, "slots", slots)
+    return arrays
+
+
+class KVTensors:
+    """The tensors of ``kv_compact`` validated once (the same checks as its 'tensors'), accepted by
+    ``kv_compact`` in place of the list.  Keeps references to the tensors.  ``stream`` is accepted and ignored."""
+
+    __slots__ = ("tensors", "_arrays")
+
+    def __init__(self, tensors, *, stream=None):
+        self._arrays = _kv_arrays("KVTensors", tensors)
+        self.tensors = tuple(tensors)
+
+    def __len__(self):
+        return len(self._arrays)
+
+    def __repr__(self):
+        return f"KVTensors({len(self)} tensors)"
+
+
+def _is_array_like(x):
+    if isinstance(x, (bool, int, np.generic)):
+        return False
+    return isinstance(x, np.ndarray) or hasattr(x, "__dlpack__") or hasattr(x, "__array__")
+
+
+def _prefix_len(op, x):
+    """prefix_len: an int >= 0, or an int64 array with exactly one element (shape [] or [1]) -> (int, array)."""
+    name = "prefix_len"
+    if not _is_array_like(x):
+        return _int(op, name, x, 0), None
+    a = x if isinstance(x, np.ndarray) else _np_view(op, name, x)
+    if a.dtype != np.int64:
+        _fail(TypeError, op, name, "an int or an int64 array with one element", f"dtype {a.dtype}")
+    if a.ndim > 1 or a.size != 1:
+        _fail(ValueError, op, name, "an int or an int64 array with exactly one element (shape [] or [1])",
+              f"shape {tuple(a.shape)}")
+    value = int(a.reshape(-1)[0])
+    if value < 0:
+        _fail(ValueError, op, name, ">= 0", value)
+    return value, a
+
+
+def _kv_compact_host(tensors, prefix_len, slots):
+    """In place: row prefix_len + i <- row prefix_len + slots[i] of every [..., S, D] tensor. -> None."""
+    op = "kv_compact"
+    arrays = tensors._arrays if isinstance(tensors, KVTensors) else _kv_arrays(op, tensors)
+    prefix_len, prefix_arr = _prefix_len(op, prefix_len)
+    slots_arr = _as_array(op, "slots", slots, "ids", _ID_DTYPES, 1)
+    s = slots_arr.astype(np.int64, copy=False)
+    for name, x in (("slots", slots_arr), ("prefix_len", prefix_arr)):  # moving rows would change them mid-call
+        for j, a in enumerate(arrays):
+            if x is not None and np.may_share_memory(x, a):
+                _fail(ValueError, op, name, "memory not shared with the tensors", f"memory shared with tensors[{j}]")
+    pad = np.flatnonzero(s == -1)
+    if pad.size:  # -1 padding: entries from the first -1 on are ignored, and must all be -1
+        first = int(pad[0])
+        after = np.flatnonzero(s[first + 1:] != -1)
+        if after.size:
+            i = first + 1 + int(after[0])
+            _fail(ValueError, op, "slots", "only -1 (padding) after the first -1",
+                  f"{int(s[i])} at [{i}] after -1 at [{first}]")
+        s = s[:first]
     m = s.shape[0]
-    if m == 0:
-        return None
     if m > 1 and (np.diff(s) <= 0).any():
         i = int(np.flatnonzero(np.diff(s) <= 0)[0]) + 1
         _fail(ValueError, op, "slots", "strictly ascending slots", f"{int(s[i - 1])} followed by {int(s[i])}")
     if (s < np.arange(m)).any():
         i = int(np.flatnonzero(s < np.arange(m))[0])
         _fail(ValueError, op, "slots", "slots[i] >= i", f"slots[{i}] = {int(s[i])}")
+    if m == 0:
+        return None
     for i, a in enumerate(arrays):
         if prefix_len + int(s[-1]) >= a.shape[-2]:
             _fail(ValueError, op, "slots", f"prefix_len + slots[-1] < S = {a.shape[-2]} of tensors[{i}]",
@@ -687,7 +748,8 @@ def verify_sample(tree_tokens, tree_parents, target_logits, *, temperature, top_
 
 
 def kv_compact(tensors, prefix_len, slots, *, stream=None, check=True):
-    """In place: row prefix_len + i <- row prefix_len + slots[i] of every [..., S, D] tensor. -> None."""
+    """In place: row prefix_len + i <- row prefix_len + slots[i] of every [..., S, D] tensor (a list/tuple or a
+    KVTensors); slots may be padded with -1; prefix_len an int or a one-element int64 array. -> None."""
     return _kv_compact_host(tensors, prefix_len, slots)
 
 

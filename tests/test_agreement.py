@@ -161,6 +161,43 @@ def test_agree_kv_compact(c_ops, ref_ops):
             np.testing.assert_array_equal(a, b)
 
 
+def test_agree_kv_compact_padded_slots_and_plen_arrays(c_ops, ref_ops):
+    """-1-padded slots (valid, all padding, or padding followed by an entry), int / 0-d / [1] prefixes, lists and
+    KVTensors: the same rows move, or both refuse with the same exception naming the same argument."""
+    rng = np.random.default_rng(108)
+    outcomes = set()
+    for trial in range(200):
+        plen = int(rng.integers(0, 5))
+        m = int(rng.integers(0, 7))
+        slots = (np.arange(m) + rng.integers(0, 4, size=m).cumsum()).astype(np.int64)
+        pad = int(rng.integers(0, 4))
+        slots = np.concatenate([slots, np.full(pad, -1, np.int64)])
+        if pad and rng.random() < 0.2:  # a valid-looking entry after the padding began
+            slots[-1] = int(rng.integers(0, 8))
+        if len(slots) and rng.random() < 0.1:  # out of order
+            slots[int(rng.integers(0, len(slots)))] = int(rng.integers(-1, 9))
+        s_len = plen + int(rng.integers(1, 10))
+        tensors = [rng.normal(size=(2, s_len, 3)).astype(np.float32),
+                   rng.integers(0, 1000, size=(3, s_len + 1, 2)).astype(np.int32)]
+        copies = [t.copy() for t in tensors]
+        kind = trial % 3
+        prefix = plen if kind == 0 else np.array(plen, np.int64) if kind == 1 else np.array([plen], np.int64)
+        slots = slots.astype(rng.choice([np.int32, np.int64]))
+        results = []
+        for ops, ts in ((c_ops, tensors), (ref_ops, copies)):
+            arg = ops.KVTensors(ts) if trial % 2 else ts
+            try:
+                ops.kv_compact(arg, prefix, slots)
+                results.append(None)
+            except ValueError as e:
+                results.append(str(e).split("'")[1])
+        assert results[0] == results[1], (trial, plen, slots, s_len, results)
+        outcomes.add(results[0])
+        for a, b in zip(tensors, copies):
+            np.testing.assert_array_equal(a, b)
+    assert outcomes == {None, "slots"}, outcomes  # both kinds of case were drawn
+
+
 def test_agree_bucketize(c_ops, ref_ops):
     rng = np.random.default_rng(107)
     for trial in range(200):

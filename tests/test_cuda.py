@@ -317,6 +317,130 @@ def test_kv_compact_bad_slots_move_nothing():
     np.testing.assert_array_equal(D.get(d), a)
 
 
+def _set_scalar(p, value):
+    """Change a device scalar in place (what the decoding loop does to its committed length)."""
+    if isinstance(p, EmuCuda):
+        p.arr[...] = value
+    else:
+        p.fill_(value)
+
+
+@pytest.mark.parametrize("shape", [(), (1,)])
+@pytest.mark.parametrize("prepared", [False, True])
+def test_kv_compact_device_plen_and_padded_slots_parity(shape, prepared):
+    rng = np.random.default_rng(6)
+    shapes = [(2, 3, 20, 8), (1, 20, 5), (4, 20, 16)] * (25 if prepared else 2)  # 75: more than one launch
+    host = [(rng.normal(size=s) * 100).astype(np.float32) for s in shapes]
+    devs = [D.put(h) for h in host]
+    slots = np.array([0, 2, 3, 7, 9, -1, -1], np.int64)
+    ops.kv_compact(host, 6, slots[:5])
+    ops.kv_compact(ops.KVTensors(devs) if prepared else devs, D.put(np.full(shape, 6, np.int64)), D.put(slots))
+    for h, d in zip(host, devs):
+        np.testing.assert_array_equal(D.get(d), h)
+
+
+@pytest.mark.parametrize("prepared", [False, True])
+def test_kv_compact_device_plen_is_read_when_the_kernel_runs(prepared):
+    """The device-resident loop: one prefix tensor advanced between calls, check=False, padded paths."""
+    rng = np.random.default_rng(7)
+    host = [rng.normal(size=(2, 40, 8)).astype(np.float32), rng.integers(0, 99, size=(3, 1, 44, 4)).astype(np.int64)]
+    devs = [D.put(h) for h in host]
+    target = ops.KVTensors(devs) if prepared else devs
+    prefix = D.put(np.array([0], np.int64))
+    n, p = 6, 0
+    for step in range(5):
+        length = int(rng.integers(1, n + 1))
+        path = np.full(n, -1, np.int64)
+        path[:length] = [0] + sorted(rng.choice(np.arange(1, n), size=length - 1, replace=False).tolist())
+        ops.kv_compact(host, p, path[:length])
+        ops.kv_compact(target, prefix, D.put(path), check=False)  # prefix is read by the kernel, not here
+        p += length
+        _set_scalar(prefix, p)
+    ops.cuda_check(0)
+    for h, d in zip(host, devs):
+        np.testing.assert_array_equal(D.get(d), h)
+    assert int(D.get(prefix)[0]) == p  # read, never written
+
+
+def test_kv_compact_bad_device_plen_raises_at_cuda_check_and_moves_nothing():
+    a = np.arange(2 * 10 * 4, dtype=np.float32).reshape(2, 10, 4)
+    d = D.put(a)
+    prefix = D.put(np.array([-2], np.int64))
+    ops.kv_compact([d], prefix, D.put(np.array([0, 3, -1], np.int64)), check=False)  # no error yet
+    with pytest.raises(ValueError, match=r"^cuda_check: argument 'prefix_len' expected >= 0, got -2$"):
+        ops.cuda_check(0)  # (the record is raised under the name of the call that checks it)
+    np.testing.assert_array_equal(D.get(d), a)
+    with pytest.raises(ValueError, match=r"argument 'prefix_len' expected >= 0, got -2"):
+        ops.kv_compact(ops.KVTensors([d]), prefix, D.put(np.array([0, 3], np.int32)))
+    # refused even with nothing to move: all padding, no slots, no tensors
+    for tensors, slots in (([d], np.full(3, -1, np.int64)), ([d], np.zeros(0, np.int64)), ([], np.array([1]))):
+        with pytest.raises(ValueError, match=r"argument 'prefix_len' expected >= 0, got -2"):
+            ops.kv_compact(tensors, prefix, D.put(slots))
+    np.testing.assert_array_equal(D.get(d), a)
+    _set_scalar(prefix, 2)  # the same tensor, now valid
+    ops.kv_compact([d], prefix, D.put(np.array([0, 3, -1], np.int64)))
+    a[:, 3] = a[:, 5]
+    np.testing.assert_array_equal(D.get(d), a)
+
+
+def test_kv_compact_device_padding_errors_move_nothing():
+    a = np.arange(2 * 10 * 4, dtype=np.float32).reshape(2, 10, 4)
+    d = D.put(a)
+    with pytest.raises(ValueError, match=r"argument 'slots' expected only -1 \(padding\) after the first -1, got 4 at "
+                                         r"\[2\] after -1 at \[1\]"):
+        ops.kv_compact([d], D.put(np.array(1, np.int64)), D.put(np.array([0, -1, 4, -1], np.int64)))
+    with pytest.raises(ValueError, match=r"argument 'slots' expected only -1"):
+        ops.kv_compact([d], 0, D.put(np.array([-1, 0], np.int32)))
+    for prefix in (2**62, 2**63 - 1):  # prefix + slot would overflow int64: refused, never wrapped
+        with pytest.raises(ValueError, match=r"argument 'slots' expected prefix_len \+ slot < S = 10"):
+            ops.kv_compact([d], D.put(np.array([prefix], np.int64)), D.put(np.array([2**62, -1], np.int64)))
+    np.testing.assert_array_equal(D.get(d), a)
+    ops.kv_compact([d], D.put(np.array([9], np.int64)), D.put(np.full(5, -1, np.int64)))  # all padding: a no-op
+    np.testing.assert_array_equal(D.get(d), a)
+
+
+def test_kv_compact_garbage_inputs_agree_with_the_cpu_core():
+    """Random slot lists (garbage included: negative, huge, unordered, -1 anywhere) and prefixes up to the int64
+    limit: the kernel raises exactly the CPU core's error, or moves exactly the same rows.  On the sanitized
+    emulated build (CI stage 2) an out-of-bounds access or an int64 overflow here aborts the run."""
+    rng = np.random.default_rng(8)
+    pool = np.array([-1, -1, 0, 1, 2, 3, 5, 8, 13, -2, 2**31, 2**62, 2**63 - 1, -(2**63)], np.int64)
+    for trial in range(60):
+        m = int(rng.integers(0, 6))
+        if trial % 3 == 0:  # mostly valid: ascending + padding
+            slots = np.sort(rng.choice(9, size=m, replace=False)).astype(np.int64) if m else np.zeros(0, np.int64)
+            slots = np.concatenate([slots, np.full(int(rng.integers(0, 3)), -1, np.int64)])
+        else:
+            slots = rng.choice(pool, size=m)
+        prefix = int(rng.choice([0, 1, 3, 2**62, 2**63 - 1, -1, -(2**63)]))
+        a = rng.normal(size=(2, 12, 3)).astype(np.float32)
+        host, d = a.copy(), D.put(a)
+        errors = []
+        for fn in (lambda: ops.kv_compact([host], prefix, slots.copy()),
+                   lambda: ops.kv_compact([d], D.put(np.array([prefix], np.int64)), D.put(slots))):
+            try:
+                fn()
+                errors.append(None)
+            except ValueError as e:
+                errors.append(str(e))
+        assert errors[0] == errors[1], (prefix, slots, errors)
+        np.testing.assert_array_equal(D.get(d), host)
+
+
+def test_kv_compact_plen_and_kv_tensors_devices():
+    d = D.put(np.zeros((2, 10, 4), np.float32))
+    with pytest.raises(ValueError, match=r"kv_compact: argument 'prefix_len' expected the device of 'slots'"):
+        ops.kv_compact([d], np.array([1], np.int64), D.put(np.array([0, 1])))
+    with pytest.raises(ValueError, match=r"kv_compact: argument 'slots' expected the device of 'tensors' \(cuda:0\)"):
+        ops.kv_compact(ops.KVTensors([d]), 0, np.array([0, 1]))
+    with pytest.raises(ValueError, match=r"KVTensors: argument 'tensors\[1\]' expected the device of 'tensors\[0\]'"):
+        ops.KVTensors([d, np.zeros((2, 10, 4), np.float32)])
+    with pytest.raises(TypeError, match=r"kv_compact: argument 'prefix_len' expected dtype int64"):
+        ops.kv_compact([d], D.put(np.array([1], np.int32)), D.put(np.array([0, 1])))
+    with pytest.raises(ValueError, match=r"kv_compact: argument 'prefix_len' expected an int or an int64 array with exactly one"):
+        ops.kv_compact([d], D.put(np.array([1, 2], np.int64)), D.put(np.array([0, 1])))
+
+
 @pytest.mark.parametrize("N,T", [(0, 3), (1, 0), (100, 7), (1000, 1)])
 def test_bucketize_parity(N, T):
     rng = np.random.default_rng(N + T)
@@ -436,6 +560,49 @@ def test_graph_capture_of_a_cycle_replays_exactly():
     graph.replay()
     torch.cuda.synchronize()
     assert int(offset) == draws + int(out[4][3])
+
+
+@need_gpu
+def test_graph_captured_kv_compact_follows_the_plen_tensor():
+    """A captured commit (KVTensors, padded device path, device prefix) replayed after the prefix changes."""
+    import torch
+
+    kv = [torch.randn(2, 4, 64, 16, device="cuda") for _ in range(3)] + [torch.randn(64, 7, device="cuda")]
+    kvt = ops.KVTensors(kv)
+    prefix = torch.zeros(1, dtype=torch.int64, device="cuda")
+    path = torch.tensor([0, 2, 5, -1, -1], device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.kv_compact(kvt, prefix, path, check=False)  # warm-up
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            ops.kv_compact(kvt, prefix, path, check=False)
+    torch.cuda.synchronize()
+    for p in (3, 10, 40):
+        want = [t.clone() for t in kv]
+        for w in want:
+            w[..., p:p + 3, :] = w[..., [p, p + 2, p + 5], :].clone()
+        prefix.fill_(p)
+        graph.replay()
+        torch.cuda.synchronize()
+        ops.cuda_check(0)
+        for t, w in zip(kv, want):
+            assert torch.equal(t, w)
+    before = [t.clone() for t in kv]
+    prefix.fill_(-1)
+    graph.replay()
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=r"argument 'prefix_len' expected >= 0, got -1"):
+        ops.cuda_check(0)
+    prefix.fill_(60)  # 60 + 5 >= 64: the slots error, nothing moved
+    graph.replay()
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=r"argument 'slots' expected prefix_len \+ slot < S = 64"):
+        ops.cuda_check(0)
+    for t, b in zip(kv, before):
+        assert torch.equal(t, b)
 
 
 @need_gpu

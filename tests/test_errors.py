@@ -8,6 +8,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 RNG = np.random.default_rng(123)
 L = RNG.normal(size=(3, 7)).astype(np.float32)  # valid logits [3, 7]
@@ -199,6 +200,38 @@ case("kv-slots-past-S", ValueError, "slots",
      lambda m: m.kv_compact([kv_t(20), kv_t(9)], 0, np.array([0, 9])))  # only the second tensor is too short
 case("kv-plen-negative", ValueError, "prefix_len", lambda m: m.kv_compact([kv_t()], -1, SL))
 case("kv-plen-float", TypeError, "prefix_len", lambda m: m.kv_compact([kv_t()], 2.0, SL))
+# -1 padding: entries from the first -1 on are ignored and must all be -1
+case("kv-slots-pad-then-valid", ValueError, "slots",
+     lambda m: m.kv_compact([kv_t()], 2, np.array([0, -1, 3])), lambda m: m.kv_compact([kv_t()], 2, np.array([-1, 0])),
+     lambda m: m.kv_compact([kv_t()], 2, np.array([1, -1, -1, 4], np.int32)),
+     lambda m: m.kv_compact([kv_t()], 2, np.array([1, -2])))  # -2 is no padding: slots[1] >= 1
+case("kv-slots-overflow", ValueError, "slots",  # prefix_len + slot overflows int64: refused, never wrapped
+     lambda m: m.kv_compact([kv_t()], 2**62, np.array([2**62])),
+     lambda m: m.kv_compact([kv_t()], np.array(2**63 - 1), np.array([0, 2**63 - 1])))
+# prefix_len as an int64 array with exactly one element (shape [] or [1])
+case("kv-plen-array-negative", ValueError, "prefix_len",
+     lambda m: m.kv_compact([kv_t()], np.array([-1]), SL), lambda m: m.kv_compact([kv_t()], np.array(-3), SL),
+     lambda m: m.kv_compact([kv_t()], np.array([-1]), np.full(2, -1)))  # refused even when nothing moves
+case("kv-plen-array-dtype", TypeError, "prefix_len",
+     lambda m: m.kv_compact([kv_t()], np.array([2], np.int32), SL),
+     lambda m: m.kv_compact([kv_t()], np.array([2.0]), SL),
+     lambda m: m.kv_compact([kv_t()], np.array([True]), SL),
+     lambda m: m.kv_compact([kv_t()], torch.tensor([2], dtype=torch.int32), SL))
+case("kv-plen-array-size", ValueError, "prefix_len",
+     lambda m: m.kv_compact([kv_t()], np.array([2, 3]), SL), lambda m: m.kv_compact([kv_t()], np.zeros(0, np.int64), SL),
+     lambda m: m.kv_compact([kv_t()], np.array([[2]]), SL),
+     lambda m: m.kv_compact([kv_t()], torch.tensor([1, 2]), SL))
+# KVTensors: the checks of kv_compact's 'tensors', once
+case("kt-not-a-list", TypeError, "tensors", lambda m: m.KVTensors(kv_t()), lambda m: m.KVTensors(5))
+case("kt-element-not-array", TypeError, "tensors", lambda m: m.KVTensors([kv_t(), "x"]))
+case("kt-1d", ValueError, "tensors", lambda m: m.KVTensors([np.zeros(10)]))
+case("kt-noncontig", ValueError, "tensors", lambda m: m.KVTensors([noncontig(kv_t())]))
+case("kt-readonly", BufferError, "tensors", lambda m: m.KVTensors([kv_t(), readonly()]))
+case("kt-overlap", ValueError, "tensors", lambda m: (lambda t: m.KVTensors([t, t[1:]]))(kv_t()))
+case("kv-kvtensors-slots", ValueError, "slots",
+     lambda m: m.kv_compact(m.KVTensors([kv_t()]), 2, np.array([3, 1])),
+     lambda m: m.kv_compact(m.KVTensors([kv_t(20), kv_t(9)]), 0, np.array([0, 9])))
+case("kv-kvtensors-plen", ValueError, "prefix_len", lambda m: m.kv_compact(m.KVTensors([kv_t()]), np.array([-1]), SL))
 
 # ---------------------------------------------------------------------------------------------- bucketize
 V5 = RNG.normal(size=5)
@@ -227,7 +260,7 @@ case("pu-offset", ValueError, "offset", lambda m: m.philox_uniform(2, seed=0, of
 
 
 OPS = dict(te="topk_entropy", ex="expand", se="select", bt="build_tree", vf="verify_(?:greedy|sample)",
-           vs="verify_sample", kv="kv_compact", bu="bucketize", ph="philox4x32", pu="philox_uniform")
+           vs="verify_sample", kv="kv_compact", kt="KVTensors", bu="bucketize", ph="philox4x32", pu="philox_uniform")
 # kv_compact may name the offending element of the list, e.g. argument 'tensors[1]' (the C core does)
 ARG_PATTERNS = {"tensors": r"tensors(?:\[\d+\])?"}
 
@@ -299,6 +332,9 @@ def test_valid_edge_values_accepted(impl):
     vs(impl, top_k=10**9, top_p=1e-12)
     impl.kv_compact([kv_t()], 2, np.array([1, 7]))  # prefix_len + slots[-1] = S - 1
     impl.kv_compact([kv_t()], 0, np.zeros(0, np.int32))
+    impl.kv_compact([kv_t()], np.array(2), np.array([1, 7, -1]))  # a 0-d prefix array, padded slots
+    impl.kv_compact([kv_t()], np.array([0]), np.array([-1, -1], np.int32))
+    impl.kv_compact(impl.KVTensors([kv_t()]), np.array([8], np.int64), np.array([1]))
     impl.bucketize(V5, np.zeros(0))
     impl.bucketize(V5, np.array([-np.inf, np.inf]))
     assert impl.philox4x32((2**32 - 1,) * 4, (2**32 - 1,) * 2) is not None

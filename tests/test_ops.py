@@ -583,6 +583,143 @@ def test_kv_compact_torch_in_place(impl):
     assert torch.equal(t[:, 0], before[:, 0]) and torch.equal(t[:, 4:], before[:, 4:])
 
 
+def _kv_case(rng, plen, slots, extra=3):
+    last = int(np.asarray(slots)[-1]) if len(slots) else 0
+    return [
+        rng.normal(size=(2, 3, plen + last + 1 + extra, 5)).astype(np.float32),
+        rng.integers(-100, 100, size=(plen + last + 2, 3)).astype(np.int8),
+    ]
+
+
+@pytest.mark.parametrize("shape", [(), (1,)])
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_kv_compact_array_plen_equals_int_plen(impl, shape, lib):
+    rng = np.random.default_rng(63)
+    for trial in range(10):
+        plen = int(rng.integers(0, 7))
+        slots = np.array(sorted(set((np.arange(5) + rng.integers(0, 3, size=5).cumsum()).tolist())), np.int64)
+        a = _kv_case(rng, plen, slots)
+        b = [t.copy() for t in a]
+        p = np.full(shape, plen, np.int64)
+        if lib == "torch":
+            p = torch.from_numpy(p)
+        impl.kv_compact(a, plen, slots)
+        assert impl.kv_compact(b, p, slots) is None
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+        assert int(p.reshape(-1)[0]) == plen  # read, never written
+
+
+@pytest.mark.parametrize("slot_dtype", [np.int32, np.int64])
+def test_kv_compact_padded_slots_equal_unpadded(impl, slot_dtype):
+    rng = np.random.default_rng(64)
+    for trial in range(20):
+        plen = int(rng.integers(0, 5))
+        m = int(rng.integers(0, 7))
+        slots = np.array(sorted(set((np.arange(m) + rng.integers(0, 4, size=m).cumsum()).tolist())), slot_dtype)
+        pad = int(rng.integers(1, 6))
+        padded = np.concatenate([slots, np.full(pad, -1, slot_dtype)])
+        a = _kv_case(rng, plen, slots)
+        b = [t.copy() for t in a]
+        impl.kv_compact(a, plen, slots)
+        impl.kv_compact(b, plen if trial % 2 else np.array(plen), padded)
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_kv_compact_all_padding_is_noop(impl):
+    rng = np.random.default_rng(65)
+    t = rng.normal(size=(3, 10, 4)).astype(np.float32)
+    before = t.copy()
+    for slots in (np.full(4, -1, np.int64), np.full(1, -1, np.int32), np.full(10, -1, np.int64)):
+        impl.kv_compact([t], 9, slots)  # 9 + anything past S would be refused if it were read
+        impl.kv_compact([t], np.array([9]), slots)
+        np.testing.assert_array_equal(t, before)
+
+
+def test_kv_compact_takes_the_padded_verify_path(impl):
+    # the device-resident loop: verify's padded path and a prefix array, straight into kv_compact
+    tokens = np.array([0, 5, 6, 7, 9], np.int64)
+    parents = np.array([-1, 0, 0, 1, 3], np.int64)
+    x = np.zeros((5, 12), np.float32)
+    x[0, 5] = x[1, 7] = x[3, 2] = 9.0  # accepts 0 -> 1 -> 3, then next token 2
+    path, length, nxt = impl.verify_greedy(tokens, parents, x, device_outputs=True)
+    assert to_numpy(path).tolist() == [0, 1, 3, -1, -1] and int(length) == 3
+    rng = np.random.default_rng(66)
+    kv = rng.normal(size=(2, 4, 20, 8)).astype(np.float32)
+    want = kv.copy()
+    impl.kv_compact([want], 7, to_numpy(path)[: int(length)])
+    prefix = np.array([7], np.int64)
+    impl.kv_compact([kv], prefix, path)
+    np.testing.assert_array_equal(kv, want)
+
+
+def test_kv_tensors_equals_the_list(impl):
+    rng = np.random.default_rng(67)
+    a = [rng.normal(size=(2, 16, 4)).astype(np.float32), rng.normal(size=(3, 1, 18, 2)).astype(np.float16),
+         torch.arange(5 * 17 * 3, dtype=torch.float32).reshape(5, 17, 3)]
+    b = [t.clone() if isinstance(t, torch.Tensor) else t.copy() for t in a]
+    kvt = impl.KVTensors(b)
+    assert len(kvt) == 3 and len(kvt.tensors) == 3 and kvt.tensors[0] is b[0]
+    prefix = np.array(3, np.int64)
+    for slots in (np.array([1, 4, 5, -1]), np.array([0, 1, 2]), np.array([2, 6, -1, -1], np.int32), np.array([-1])):
+        impl.kv_compact(a, int(prefix), slots)
+        assert impl.kv_compact(kvt, prefix, slots) is None
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(to_numpy(x), to_numpy(y))
+        prefix += 2  # a new value each call, same array
+    # the same checks as kv_compact's list, before anything moves
+    with pytest.raises(ValueError, match=r"argument 'slots' expected prefix_len \+ slot"):
+        impl.kv_compact(kvt, 2, np.array([14]))  # 2 + 14 >= 16 (the shortest S)
+    empty = impl.KVTensors([])
+    assert len(empty) == 0
+    impl.kv_compact(empty, 0, np.array([0, 1]))
+
+
+def test_kv_tensors_keeps_the_tensors_alive(impl):
+    import gc
+
+    base = np.arange(4 * 12 * 2, dtype=np.float64).reshape(4, 12, 2)
+    kvt = impl.KVTensors([torch.from_numpy(base.copy())])  # the only reference to the tensor
+    gc.collect()
+    impl.kv_compact(kvt, 1, np.array([3, 5]))
+    t = to_numpy(kvt.tensors[0])
+    np.testing.assert_array_equal(t[:, 1], base[:, 4])
+    np.testing.assert_array_equal(t[:, 2], base[:, 6])
+    np.testing.assert_array_equal(t[:, 3:], base[:, 3:])
+
+
+def test_kv_compact_releases_what_it_imports(impl):
+    import sys
+
+    t, slots, prefix = np.zeros((2, 10, 4)), np.array([1, 3, -1]), np.array([2])
+    before = [sys.getrefcount(x) for x in (t, slots, prefix)]
+    for _ in range(20):
+        impl.kv_compact([t], prefix, slots)
+        with pytest.raises(ValueError):
+            impl.kv_compact([t], prefix, np.array([0, -1, 1]))
+        with pytest.raises(TypeError):
+            impl.kv_compact([t], prefix.astype(np.int32), slots)
+        with pytest.raises(ValueError):
+            impl.kv_compact([t], np.array([-1]), slots)
+        kvt = impl.KVTensors([t])
+        impl.kv_compact(kvt, prefix, slots)
+        with pytest.raises(ValueError):
+            impl.kv_compact(kvt, prefix, np.array([9]))
+        del kvt
+    assert [sys.getrefcount(x) for x in (t, slots, prefix)] == before
+
+
+def test_kv_compact_rejects_slots_or_plen_inside_a_tensor(impl):
+    kv = np.zeros((2, 10, 4), np.int64)
+    kv[0, 0, :2] = [1, 2]
+    with pytest.raises(ValueError, match=r"argument 'slots' expected memory not shared with the tensors"):
+        impl.kv_compact([kv], 0, kv[0, 0, :2])
+    with pytest.raises(ValueError, match=r"argument 'prefix_len' expected memory not shared with the tensors"):
+        impl.kv_compact([kv], kv[1, 9, 3:], np.array([1, 2]))
+    assert kv.sum() == 3
+
+
 # ---------------------------------------------------------------------------------------------- bucketize
 
 
@@ -612,7 +749,7 @@ def test_bucketize_float64_comparison(impl):
     assert out.tolist() == [0, 1, 1, 2, 2]
 
 
-def test_kv_compact_refuses_overlapping_tensors(impl):
+def test_kv_compact_rejects_overlapping_tensors(impl):
     # the same tensor twice (keys passed as values too) would be compacted twice: refused, nothing moved
     kv = np.arange(2 * 8 * 3, dtype=np.float32).reshape(2, 8, 3)
     before = kv.copy()

@@ -186,6 +186,8 @@ enum {
     HS_CE_THRESH_ORDER,        /* a = index */
     HS_CE_NO_MASS,             /* a = row */
     HS_CE_SIZE,                /* a = value, b = limit: a per-row size out of range */
+    HS_CE_SLOT_PAD,            /* a = slot, b = i, c = index of the first -1 */
+    HS_CE_PREFIX_NEG,          /* a = prefix_len */
 };
 
 /* First failure wins: claim the record with a CAS on code, then fill the numbers (read only after the

@@ -283,6 +283,11 @@ extern "C" void hs_cuda_error_message(const hs_cuda_error *e, const char *op, ch
     case HS_CE_SIZE:
         snprintf(buf, n, "%s: argument 'n' expected a per-row size within the buffers (limit %lld), got %lld", op, b, a);
         break;
+    case HS_CE_SLOT_PAD:
+        snprintf(buf, n, "%s: argument 'slots' expected only -1 (padding) after the first -1, got %lld at [%lld] after -1 at [%lld]",
+                 op, a, b, c);
+        break;
+    case HS_CE_PREFIX_NEG: snprintf(buf, n, "%s: argument 'prefix_len' expected >= 0, got %lld", op, a); break;
     default: snprintf(buf, n, "%s: device error code %llu (a=%lld b=%lld)", op, e->code, a, b); break;
     }
 }

@@ -151,7 +151,9 @@ double hs_philox_uniform(uint64_t seed, uint64_t offset, uint64_t j);
 
 /* In place, for `batch` requests: data is [batch, inner, S, row_bytes] (bytes); for request b and every
  * inner index, row prefix_len[b] + i <- row prefix_len[b] + slots[b, i] for i < m[b] in order.
- * slots [batch, SM] (int32/64) strictly ascending with slots[b, i] >= i and prefix_len[b] + last < S. */
+ * slots [batch, SM] (int32/64) strictly ascending with slots[b, i] >= i and prefix_len[b] + last < S.
+ * Padding: of the first m[b] entries of a row, those from the first -1 on are ignored (they must all be
+ * -1), so a -1-padded accepted path can be passed as is.  slots must not overlap data. */
 hs_status hs_kv_compact(void *data, int64_t batch, int64_t inner, int64_t S, int64_t row_bytes,
                         const int64_t *prefix_len, const void *slots, hs_dtype slot_dtype, int64_t SM,
                         const int64_t *m, hs_error *err);
