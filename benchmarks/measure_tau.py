@@ -23,10 +23,11 @@ FILES = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum")
 def main():
     import torch
 
-    from heterospec.decoding import HeteroSpec, Policy
-    from heterospec.demo import DEFAULT_HEAD, _encode
-    from heterospec.draft import Eagle3Draft
-    from heterospec.models import default_target
+    from heterospec import HeteroSpec, Policy
+    from heterospec.models.default import DEFAULT_HEAD
+from heterospec.tools.prompts import encode as _encode
+    from heterospec.models.draft import Eagle3Draft
+    from heterospec.models.default import default_target
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--draft", default=DEFAULT_HEAD)
@@ -40,7 +41,7 @@ def main():
     model, tok = default_target()
     draft = Eagle3Draft.from_pretrained(a.draft, target=model, dtype=torch.float32)
     if a.policy:
-        from heterospec.calibrate import load_profile
+        from heterospec.policy.calibrate import load_profile
 
         policy = load_profile(a.policy)[0]
     else:

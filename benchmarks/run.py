@@ -5,7 +5,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # a checkout without pip install
 
-from heterospec.cli import main  # noqa: E402
+from heterospec.tools.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(["bench"] + sys.argv[1:]))

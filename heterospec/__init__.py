@@ -8,12 +8,12 @@ from ._types import VerifyTree
 __version__ = "0.1.0"
 
 _LAZY = {  # the torch/transformers side loads on first use, so `import heterospec` needs only NumPy
-    "HeteroSpec": ("decoding", "HeteroSpec"),
-    "Policy": ("decoding", "Policy"),
-    "GenerationStats": ("decoding", "GenerationStats"),
-    "custom_generate": ("decoding", "custom_generate"),
-    "Eagle3Draft": ("draft", "Eagle3Draft"),
-    "Eagle3Config": ("draft", "Eagle3Config"),
+    "HeteroSpec": ("engine", "HeteroSpec"),
+    "GenerationStats": ("engine", "GenerationStats"),
+    "custom_generate": ("engine", "custom_generate"),
+    "Policy": ("policy", "Policy"),
+    "Eagle3Draft": ("models.draft", "Eagle3Draft"),
+    "Eagle3Config": ("models.draft", "Eagle3Config"),
 }
 
 

@@ -16,8 +16,8 @@ pytest.importorskip("matplotlib")
 from test_cli_generate import save_tiny_pair  # noqa: E402
 from test_decoding import THRESHOLDS  # noqa: E402
 
-from heterospec import bench  # noqa: E402
-from heterospec.decoding import HeteroSpec, Policy  # noqa: E402
+from heterospec.tools import bench  # noqa: E402
+from heterospec import HeteroSpec, Policy  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -35,7 +35,7 @@ def _questions(root):
 
 
 def _pair(tmp_path):
-    from heterospec.calibrate import save_profile
+    from heterospec.policy.calibrate import save_profile
 
     save_tiny_pair(tmp_path)
     save_profile(tmp_path / "profile.json", Policy(4, 3, 12, THRESHOLDS, (2, 1, 0), (4, 8, 12), name="calibrated"))
@@ -214,7 +214,7 @@ def test_bench_outputs_equal_the_targets_greedy_answers_turn_by_turn(tmp_path):
     qs = bench.load_questions(_questions(tmp_path)[:1], limit=1)
     q = qs["chat"][0]
     methods = [("ar", Policy.autoregressive()), ("eagle3", Policy.static(3, 3, 8))]
-    from heterospec.draft import Eagle3Draft
+    from heterospec.models.draft import Eagle3Draft
 
     draft = Eagle3Draft.from_pretrained(str(tmp_path / "draft"), target=model)
     r = bench.run_bench(model, tok, draft, methods, qs, max_new_tokens=8, warmup_tokens=0,
@@ -233,7 +233,7 @@ def test_bench_outputs_equal_the_targets_greedy_answers_turn_by_turn(tmp_path):
 def test_bench_reports_a_mismatch_when_a_method_is_broken(tmp_path, monkeypatch, capsys):
     """A method whose output differs from ar's (here: eagle3's third new token changed) is reported in the
     JSON, the markdown and the exit status."""
-    from heterospec import cli
+    from heterospec.tools import cli
 
     pair = _pair(tmp_path)
     qfiles = _questions(tmp_path)
@@ -288,9 +288,9 @@ def _tune_prompts(root):
 def test_tuning_picks_a_measured_tree_from_the_grid(tmp_path):
     """eagle3-tuned's search on a tiny pair: every grid point replayed, the best three by predicted speed
     timed, and the winner the fastest of those; heterospec-tuned calibrated on the winner."""
-    from heterospec.calibrate import CostModel
-    from heterospec.draft import Eagle3Draft
-    from heterospec.trace import record
+    from heterospec.policy.calibrate import CostModel
+    from heterospec.models.draft import Eagle3Draft
+    from heterospec.policy.trace import record
 
     model, tok = save_tiny_pair(tmp_path)
     draft = Eagle3Draft.from_pretrained(str(tmp_path / "draft"), target=model)

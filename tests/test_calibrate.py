@@ -11,9 +11,9 @@ pytest.importorskip("transformers")
 from _doubles import StretchDraft  # noqa: E402
 from test_decoding import prompts, tiny_target  # noqa: E402
 
-from heterospec.calibrate import CostModel, load_profile, optimise_policy, profile_costs, save_profile  # noqa: E402
-from heterospec.decoding import Policy  # noqa: E402
-from heterospec.trace import fit_thresholds, record  # noqa: E402
+from heterospec.policy.calibrate import CostModel, load_profile, optimise_policy, profile_costs, save_profile  # noqa: E402
+from heterospec.policy import Policy  # noqa: E402
+from heterospec.policy.trace import fit_thresholds, record  # noqa: E402
 
 BASE, K, N, LEVELS = 4, 3, 16, 7
 # a CPU-like machine: verifying a tree token costs a tenth of a whole small forward

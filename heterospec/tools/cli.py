@@ -15,6 +15,9 @@ import time
 
 import numpy as np
 
+from ..models.default import load_pair
+from .prompts import encode, read_prompts
+
 
 def _peaked_logits(rng, rows, vocab, sharpness):
     """Logits whose softmax puts most mass on a few tokens, like a trained LM's."""
@@ -29,7 +32,7 @@ def demo(vocab=49152, k=10, depth=6, n_keep=59, seed=0, out=sys.stdout):
     """One EAGLE-3 style cycle on synthetic logits: expand the draft tree level by level, sum the top-k
     entropy along the most confident path (HeteroSpec Eq. 1), rerank, build the verification tree,
     accept greedily and by lossless sampling, and compact a KV cache.  Returns a dict of what happened."""
-    from . import build_info, ops
+    from .. import build_info, ops
 
     rng = np.random.default_rng(seed)
     timings = {}
@@ -97,15 +100,16 @@ def generate_cmd(args, out=sys.stdout):
     """Load target (+ draft), apply the chat template, stream the answer, print the stats."""
     from transformers import TextStreamer
 
-    from .decoding import HeteroSpec, Policy
+    from ..policy import Policy
+    from ..engine.loop import HeteroSpec
 
     if (args.method != "ar" or args.policy) and not args.draft:
         raise SystemExit(f"heterospec generate: --method {args.method} needs --draft PATH")
     if args.method == "ar" and not args.policy:
         args.draft = None
-    tokenizer, target, draft = _load_pair(args)
+    tokenizer, target, draft = load_pair(args)
     if args.policy:
-        from .calibrate import load_profile
+        from ..policy.calibrate import load_profile
 
         policy, _, _ = load_profile(args.policy, target_id=str(args.target), draft_id=str(args.draft))
     elif args.method == "ar":
@@ -117,7 +121,7 @@ def generate_cmd(args, out=sys.stdout):
             raise SystemExit("heterospec generate: --method heterospec needs --thresholds s1,...,s7 "
                              "(the entropy bins of this model pair)")
         policy = Policy.paper(args.depth, args.top_k_tree, args.total_tokens, _parse_floats(args.thresholds))
-    ids = _encode(tokenizer, args.prompt, not args.no_chat_template)
+    ids = encode(tokenizer, args.prompt, not args.no_chat_template)
     streamer = TextStreamer(tokenizer, skip_prompt=True)
     eos = tokenizer.eos_token_id if args.eos else None
     with HeteroSpec(target, draft, policy) as hs:
@@ -132,77 +136,22 @@ def generate_cmd(args, out=sys.stdout):
     return seq, stats
 
 
-def _read_prompts(paths, limit=None):
-    """Prompts from EAGLE question.jsonl files (first turn), JSON lines with a question/prompt/instruction
-    field, or plain text (one prompt per line)."""
-    out = []
-    for path in paths:
-        with open(path) as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                if line.startswith("{"):
-                    rec = json.loads(line)
-                    text = (rec.get("turns") or [None])[0] or rec.get("question") or rec.get("prompt") or rec.get("instruction")
-                    if not text:
-                        raise SystemExit(f"heterospec: no turns/question/prompt/instruction field in a line of {path}")
-                else:
-                    text = line
-                out.append(text)
-                if limit is not None and len(out) >= limit:
-                    return out
-    return out
-
-
-def _encode(tokenizer, text, chat=True):
-    from .bench import encode_turn
-
-    return encode_turn(tokenizer, [text], [], chat)
-
-
-def _load_pair(args, device="cpu"):
-    """(tokenizer, target, draft or None) from ``args.target`` / ``args.gguf_file`` / ``args.dtype`` /
-    ``args.draft`` ('default' = SmolLM2-135M-Instruct / the shipped head), on ``device``; the draft takes
-    the target's dtype."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .draft import Eagle3Draft
-
-    if args.target == "default":
-        from .models import default_target
-
-        target, tokenizer = default_target(device=device, dtype=getattr(torch, args.dtype))
-    else:
-        extra = {"gguf_file": args.gguf_file} if args.gguf_file else {}
-        tokenizer = AutoTokenizer.from_pretrained(args.target, **extra)
-        target = AutoModelForCausalLM.from_pretrained(args.target, attn_implementation="sdpa",
-                                                      dtype=getattr(torch, args.dtype), **extra).eval().to(device)
-    if args.draft == "default":
-        from .demo import DEFAULT_HEAD
-
-        args.draft = DEFAULT_HEAD
-    draft = Eagle3Draft.from_pretrained(args.draft, target=target, dtype=target.dtype) if args.draft else None
-    return tokenizer, target, draft
-
-
 def calibrate_cmd(args, out=sys.stdout):
     """Record a trace on the prompts, fit the entropy bins, measure this machine, optimise per bin, save
     the profile, print the per-bin table and draw the figure."""
     import math
 
-    from .calibrate import optimise_policy, profile_costs, save_profile
-    from .decoding import Policy
-    from .trace import fit_thresholds, record
+    from ..policy.calibrate import optimise_policy, profile_costs, save_profile
+    from ..policy import Policy
+    from ..policy.trace import fit_thresholds, record
 
     if not args.draft:
         raise SystemExit("heterospec calibrate: --draft PATH is required")
-    tokenizer, target, draft = _load_pair(args)
-    texts = _read_prompts(args.prompts, args.max_prompts)
+    tokenizer, target, draft = load_pair(args)
+    texts = read_prompts(args.prompts, args.max_prompts)
     if not texts:
         raise SystemExit("heterospec calibrate: no prompts found in " + ", ".join(args.prompts))
-    ids = [_encode(tokenizer, t, not args.no_chat_template) for t in texts]
+    ids = [encode(tokenizer, t, not args.no_chat_template) for t in texts]
     levels = args.depth + math.ceil(args.depth / 2)
 
     def progress(i, n):
@@ -270,10 +219,10 @@ def train_draft_cmd(args, out=sys.stdout):
     """Train an EAGLE-3 head on the target's own answers to the training prompts."""
     import os
 
-    from .train import collect, load_records, save_records, train_draft
+    from ..models.train import collect, load_records, save_records, train_draft
 
     args.draft = None
-    tokenizer, target, _ = _load_pair(args, args.device)
+    tokenizer, target, _ = load_pair(args, args.device)
 
     def progress(step, steps, loss, accs, elapsed):
         bar = "#" * int(30 * step / steps)
@@ -290,10 +239,10 @@ def train_draft_cmd(args, out=sys.stdout):
     if args.records and os.path.exists(args.records):
         records, _ = load_records(args.records)
     else:
-        texts = _read_prompts(args.data, args.max_prompts)
+        texts = read_prompts(args.data, args.max_prompts)
         if not texts:
             raise SystemExit("heterospec train-draft: no prompts found in " + ", ".join(args.data))
-        ids = [_encode(tokenizer, t, not args.no_chat_template) for t in texts]
+        ids = [encode(tokenizer, t, not args.no_chat_template) for t in texts]
         ids = [i for i in ids if i.shape[1] <= args.max_prompt_tokens]
         records = collect(target, ids, args.max_new_tokens, tokenizer.eos_token_id, batch_size=args.gen_batch_size,
                           topk=args.topk, progress=answering)
@@ -413,7 +362,7 @@ def main(argv=None):
     elif args.cmd == "bench":
         return bench.main(args)
     else:
-        from . import build_info
+        from .. import build_info
 
         print(json.dumps(build_info(), indent=2))
     return 0

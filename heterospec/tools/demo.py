@@ -12,9 +12,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
-DEFAULT_HEAD = os.path.join(DATA_DIR, "smollm2-135m-instruct-eagle3")
-DEFAULT_PROFILE = os.path.join(DEFAULT_HEAD, "profile.json")
+from ..models.default import DATA_DIR, DEFAULT_HEAD, DEFAULT_PROFILE, load_pair as _load_pair
+from .prompts import encode as _encode
+
 DEMO_PROMPTS = os.path.join(DATA_DIR, "demo_prompts.json")
 
 
@@ -47,7 +47,7 @@ class MethodResult:
 def default_methods(draft, policy=None, depth=7, top_k=10, total_tokens=60):
     """[(name, Policy)]: ar, eagle3 (static tree: depth 7, top_k 10, 60 nodes) and, when a HeteroSpec
     ``policy`` is given, heterospec."""
-    from .decoding import Policy
+    from ..policy import Policy
 
     methods = [("ar", Policy.autoregressive())]
     if draft is not None:
@@ -61,8 +61,8 @@ def heterospec_policy(choice, default_profile=None):
     """The HeteroSpec policy for ``choice``: a profile path (``heterospec calibrate --out``), ``"paper"``
     (the paper's rule on the entropy bins of ``default_profile``), or None (``default_profile``'s
     calibrated policy).  Returns (Policy or None, description)."""
-    from .calibrate import load_profile
-    from .decoding import Policy
+    from ..policy.calibrate import load_profile
+    from ..policy import Policy
 
     if choice and choice != "paper":
         return load_profile(choice)[0], f"calibrated profile {choice}"
@@ -82,7 +82,7 @@ def compare(target, draft, input_ids_list, methods, *, max_new_tokens=128, eos_t
     A short untimed warm-up per method comes first.  ``streamer`` (e.g. transformers' TextStreamer)
     streams the first prompt's answer of ``stream_method`` (default: the last method).  ``progress(name,
     i, n, streaming)`` is called before each prompt."""
-    from .decoding import HeteroSpec
+    from ..engine.loop import HeteroSpec
 
     stream_method = stream_method or methods[-1][0]
     results = {}
@@ -193,16 +193,3 @@ def run(args, out=sys.stdout):
     print(f"\n(total {time.perf_counter() - t0:.0f} s; tokens/s = new tokens / decoding time, after a warm-up; "
           f"tau = tokens committed per verification call)", file=out)
     return 1 if bad else 0
-
-
-def _encode(tokenizer, text):
-    """The prompt through the tokenizer's chat template (plain tokenization without one)."""
-    from .cli import _encode as encode
-
-    return encode(tokenizer, text)
-
-
-def _load_pair(args, device):
-    from .cli import _load_pair as load
-
-    return load(args, device)

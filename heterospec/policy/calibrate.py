@@ -21,7 +21,7 @@ import warnings
 
 import numpy as np
 
-from .decoding import Policy
+from ..policy import Policy
 
 PROFILE_VERSION = 1
 
@@ -66,7 +66,7 @@ def profile_costs(target, draft=None, *, tree_tokens=(1, 2, 4, 8, 16, 32, 64, 12
     """Measure this machine and fit a :class:`CostModel` (see the module docstring)."""
     import torch
 
-    from .hf import TargetAdapter
+    from ..models.target import TargetAdapter
 
     adapter = TargetAdapter(target, capture_taps=False)
     vocab = target.config.vocab_size

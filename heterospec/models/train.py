@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .draft import Eagle3Config, Eagle3Draft
-from .hf import TargetAdapter
+from .target import TargetAdapter
 
 
 def build_vocab_maps(token_ids, vocab_size, draft_vocab_size):

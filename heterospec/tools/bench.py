@@ -40,12 +40,14 @@ import sys
 import time
 from collections import Counter
 
+from .prompts import encode_turn, read_prompts
+
 SCHEMA = "heterospec.bench/1"
 METHODS = ("ar", "eagle3", "eagle3-tuned", "heterospec-paper", "heterospec", "heterospec-tuned")
 BENCHMARKS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum")
 LABELS = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "alpaca": "Alpaca",
           "sum": "CNN/DM"}
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the tuning prompts of the default pair: the calibration prompts its profile was fitted on (not benchmarks)
 DEFAULT_TUNE_PROMPTS = os.path.join(REPO, "benchmarks", "data", "smollm2_calib_prompts.jsonl")
 TUNE_DEPTHS = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -109,20 +111,6 @@ def load_questions(paths, limit=None):
     return out
 
 
-def encode_turn(tokenizer, turns, answers, chat=True):
-    """[1, S] ids asking ``turns[len(answers)]`` after the earlier turns and the model's own ``answers``."""
-    k = len(answers)
-    if chat and getattr(tokenizer, "chat_template", None):
-        msgs = []
-        for q, a in zip(turns[:k], answers):
-            msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-        msgs.append({"role": "user", "content": turns[k]})
-        return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt",
-                                             return_dict=True)["input_ids"]
-    text = "".join(f"{q}\n{a}\n\n" for q, a in zip(turns[:k], answers)) + turns[k]
-    return tokenizer(text, return_tensors="pt")["input_ids"]
-
-
 # ---- methods ----------------------------------------------------------------------------------------------
 
 def check_method_names(names):
@@ -136,7 +124,7 @@ def build_methods(names, *, draft=None, profile=None, tuned=None, tuned_profile=
     """[(name, Policy)] for ``names`` (a subset of :data:`METHODS`, in the given order).  ``profile``: the
     calibrated Policy (for ``heterospec``, and the bins of ``heterospec-paper``); ``tuned``: the Policy of
     ``eagle3-tuned``; ``tuned_profile``: that of ``heterospec-tuned``."""
-    from .decoding import Policy
+    from ..policy import Policy
 
     check_method_names(names)
     out = []
@@ -167,7 +155,7 @@ def build_methods(names, *, draft=None, profile=None, tuned=None, tuned_profile=
 
 def parse_tree(text):
     """'DEPTH,TOP_K,NODES' -> Policy.static."""
-    from .decoding import Policy
+    from ..policy import Policy
 
     try:
         d, k, n = (int(v) for v in text.split(","))
@@ -182,7 +170,8 @@ def tune_static_tree(target, draft, prompt_ids, tr, *, cost_model, depths=TUNE_D
     trace (:func:`heterospec.trace.record`, at least ``max(depths)`` levels): every (depth, nodes) of the
     grid is replayed with ``cost_model``; the ``measure`` best by predicted speed are then decoded for real
     (greedy, ``tr.max_new_tokens`` tokens) and the fastest measured one wins.  Returns (Policy, report)."""
-    from .decoding import HeteroSpec, Policy
+    from ..policy import Policy
+    from ..engine.loop import HeteroSpec
 
     timer = timer or Timer("cpu")
     top_k = tr.top_k
@@ -218,8 +207,8 @@ def calibrate_on(tr, base, cost_model):
     """HeteroSpec calibrated on the static tree ``base`` with the trace ``tr``: entropy bins fitted at the
     base depth (paper Eq. 2, as ``heterospec calibrate``), per-bin extra depth and kept nodes optimised.
     Returns (Policy, report)."""
-    from .calibrate import optimise_policy
-    from .trace import fit_thresholds
+    from ..policy.calibrate import optimise_policy
+    from ..policy.trace import fit_thresholds
 
     x, y = tr.features(base.depth, base.total_tokens)
     th = tuple(fit_thresholds(x, y, depth=3, min_leaf=max(5, len(x) // 50)))
@@ -262,7 +251,7 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
     """Answer every question with every method (questions outer, methods inner).  Returns
     {"temperature", "files": {bench: {method: metrics}}, "mean": {method: metrics}, "mismatches": [...],
     "answers": [records]}."""
-    from .decoding import HeteroSpec
+    from ..engine.loop import HeteroSpec
 
     timer = Timer(device)
     total_steps = sum(len(q["turns"]) for qs in questions.values() for q in qs) * len(methods)
@@ -532,7 +521,7 @@ def machine_info(device="cpu"):
             info["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
     except OSError:
         pass
-    from . import __version__, build_info
+    from .. import __version__, build_info
 
     info["heterospec"] = __version__
     info["build"] = build_info()
@@ -613,9 +602,8 @@ def main(args, out=None):
     out = out or sys.stdout
     if args.report:
         return report(args.report, out)
-    from .calibrate import load_profile
-    from .cli import _load_pair
-    from .demo import DEFAULT_HEAD, DEFAULT_PROFILE
+    from ..policy.calibrate import load_profile
+    from ..models.default import DEFAULT_HEAD, DEFAULT_PROFILE, load_pair
 
     t_start = time.perf_counter()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -651,7 +639,7 @@ def main(args, out=None):
         raise SystemExit("heterospec bench: methods heterospec and heterospec-paper need a calibrated profile "
                          "(--profile; heterospec calibrate writes one), or leave them out with --methods")
     torch.manual_seed(args.seed)
-    tokenizer, target, draft = _load_pair(args, args.device)
+    tokenizer, target, draft = load_pair(args, args.device)
     timer = Timer(args.device)
     tuning, tuned, tuned_profile = None, None, None
     if "eagle3-tuned" in names or "heterospec-tuned" in names:
@@ -702,9 +690,8 @@ def main(args, out=None):
 def _tune(args, names, tokenizer, target, draft, timer):
     """eagle3-tuned's tree (searched, or --tuned-tree) and heterospec-tuned's calibration on it, both on the
     tuning prompts.  Returns (report, tuned Policy, heterospec-tuned Policy or None)."""
-    from .calibrate import profile_costs
-    from .cli import _read_prompts
-    from .trace import record
+    from ..policy.calibrate import profile_costs
+    from ..policy.trace import record
 
     given = parse_tree(args.tuned_tree) if args.tuned_tree else None
     tuning = {"how": "given with --tuned-tree"} if given else {}
@@ -717,7 +704,7 @@ def _tune(args, names, tokenizer, target, draft, timer):
     if draft is None:
         raise SystemExit("heterospec bench: tuning needs a draft head (--draft)")
     t0 = time.perf_counter()
-    texts = _read_prompts([tp], args.tune_limit)
+    texts = read_prompts([tp], args.tune_limit)
     ids = [encode_turn(tokenizer, [t], [], not args.no_chat_template).to(args.device) for t in texts]
     bar = _Bar()
     deepest = given.depth if given else max(TUNE_DEPTHS)

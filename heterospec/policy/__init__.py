@@ -1,0 +1,71 @@
+"""Tree-shape policies (EAGLE-3's static tree, HeteroSpec's per-bin rule and calibrated profiles), the traces
+they are replayed on (:mod:`.trace`) and the calibration that fits them (:mod:`.calibrate`)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+GAMMA = (0.3, 0.6, 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Per-cycle tree shape.  ``thresholds`` (ascending, usually 7) bin the path entropy; ``extra[i]`` and
+    ``keep[i]`` give bin i's extra draft levels and kept node count (root included); bins past the tables
+    use (0, total_tokens)."""
+
+    depth: int = 7
+    top_k: int = 10
+    total_tokens: int = 60
+    thresholds: tuple = ()
+    extra: tuple = ()
+    keep: tuple = ()
+    name: str = "static"
+
+    def __post_init__(self):
+        for field, lo in (("depth", 0), ("top_k", 1), ("total_tokens", 1)):
+            v = getattr(self, field)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"Policy: argument '{field}' expected an int >= {lo}, got {v!r}")
+        th = tuple(float(t) for t in self.thresholds)
+        if any(not a < b for a, b in zip(th, th[1:])) or any(math.isnan(t) for t in th):
+            raise ValueError(f"Policy: argument 'thresholds' expected strictly ascending values, got {th}")
+        object.__setattr__(self, "thresholds", th)
+        if len(self.extra) != len(self.keep):
+            raise ValueError(f"Policy: arguments 'extra' and 'keep' expected the same length, got "
+                             f"{len(self.extra)} and {len(self.keep)}")
+        if any(e < 0 for e in self.extra) or any(k < 1 for k in self.keep):
+            raise ValueError(f"Policy: expected extra >= 0 and keep >= 1, got {self.extra} / {self.keep}")
+
+    @classmethod
+    def static(cls, depth=7, top_k=10, total_tokens=60):
+        """EAGLE-3's dynamic tree with a fixed shape (defaults of EaModel.from_pretrained)."""
+        return cls(depth, top_k, total_tokens, name="eagle3")
+
+    @classmethod
+    def paper(cls, depth=7, top_k=10, total_tokens=60, thresholds=(), *, alpha=None, gammas=GAMMA):
+        """HeteroSpec's rule (paper §4.3): α = ⌈depth/2⌉; bins 0-2 draft α−i more levels and keep
+        round(γ_i·N) + (α−i) nodes, γ = 0.3, 0.6, 1.0; other bins unchanged.  ``alpha`` and ``gammas`` (one
+        per low-entropy bin) override the paper's values for ablations.  Where α−i goes negative (α = 1 for
+        depth ≤ 2, bin 2) it is taken as 0 (no extra level, no extra node)."""
+        alpha = math.ceil(depth / 2) if alpha is None else alpha
+        extra = tuple(max(alpha - i, 0) for i in range(len(gammas)))
+        keep = tuple(round(g * total_tokens) + e for g, e in zip(gammas, extra))
+        return cls(depth, top_k, total_tokens, tuple(thresholds), extra, keep, name="heterospec")
+
+    @classmethod
+    def autoregressive(cls):
+        return cls(0, 1, 1, name="ar")
+
+    @property
+    def drafts(self):
+        return self.total_tokens > 1 or any(k > 1 for k in self.keep)
+
+    def plan(self, entropy):
+        """-> (bin, extra levels, kept nodes including the root) for a path entropy."""
+        b = int(np.searchsorted(np.asarray(self.thresholds), entropy, side="left")) if self.thresholds else 0
+        if self.thresholds and b < len(self.extra):
+            return b, self.extra[b], self.keep[b]
+        return b, 0, self.total_tokens
