@@ -1,5 +1,7 @@
-"""Cost model, per-bin optimiser and profiles."""
+"""Cost model, per-bin optimiser and profiles; the cost model's inputs on the model's device and its
+device-synchronised clock (issue 15, crashes 2 and 3)."""
 import json
+import types
 import warnings
 
 import numpy as np
@@ -9,8 +11,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from _doubles import StretchDraft  # noqa: E402
-from test_decoding import prompts, tiny_target  # noqa: E402
+from test_decoding import eagle3_head, prompts, tiny_target  # noqa: E402
 
+from heterospec.policy import calibrate  # noqa: E402
 from heterospec.policy.calibrate import CostModel, load_profile, optimise_policy, profile_costs, save_profile  # noqa: E402
 from heterospec.policy import Policy  # noqa: E402
 from heterospec.policy.trace import fit_thresholds, record  # noqa: E402
@@ -84,3 +87,110 @@ def test_profile_round_trip_and_errors(tmp_path, stretch_trace):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_profile(path, target_id="tiny-llama", draft_id="stretch")  # no warning for the right pair
+
+
+# ---- issue 15, crash 2: every tensor profile_costs makes is made on the model's device ---------------------
+
+
+@pytest.fixture
+def meta_by_default():
+    """A tensor made without an explicit device lands on "meta" (no data) and any op mixing it with the
+    CPU models fails: a CPU-only machine catches what would be a host tensor next to a CUDA model."""
+    torch.set_default_device("meta")
+    try:
+        yield
+    finally:
+        torch.set_default_device(None)
+
+
+@pytest.fixture(scope="module")
+def cpu_pair(tmp_path_factory):
+    with torch.device("cpu"):
+        model = tiny_target("llama").to("cpu")
+        draft = eagle3_head(model, tmp_path_factory.mktemp("draft")).to("cpu")
+    return model, draft
+
+
+def test_profile_costs_makes_its_inputs_on_the_models_device(cpu_pair, meta_by_default):
+    # before the fix: torch.randint(0, vocab, (1, ctx)) -> a meta prompt for a CPU target (and the draft's
+    # hid / ids / pos likewise): "Tensor on device cpu is not on the expected device meta"
+    model, draft = cpu_pair
+    cm = profile_costs(model, draft, tree_tokens=(1, 4), contexts=(12, 20), beams=(1, 2), reps=1)
+    assert all(np.isfinite(cm.verify)) and all(np.isfinite(cm.level))
+    assert torch.zeros(1).device.type == "meta"  # (the trap was armed throughout)
+
+
+def test_profile_costs_gives_the_draft_its_own_dtype(tmp_path):
+    model = tiny_target("llama")
+    draft = eagle3_head(model, tmp_path).to(torch.bfloat16)
+    seen = []
+    draft.register_forward_pre_hook(lambda m, args: seen.append((args[0].dtype, args[0].device)))
+    profile_costs(model, draft, tree_tokens=(1,), contexts=(8,), beams=(1, 2), reps=1)
+    assert seen and all(s == (torch.bfloat16, torch.device("cpu")) for s in seen), seen
+
+
+# ---- issue 15, crash 3: the timers synchronise the device before starting and before stopping ----------------
+
+
+def test_synchronize_waits_for_cuda_and_other_accelerators(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("cuda", device)))
+    fake_cuda = types.SimpleNamespace(type="cuda", index=1)
+    calibrate.synchronize(fake_cuda)
+    assert calls == [("cuda", fake_cuda)]
+    for cpu in ("cpu", torch.device("cpu"), types.SimpleNamespace(type="cpu", index=None)):
+        calibrate.synchronize(cpu)  # the CPU runs ops synchronously: nothing to wait for
+    assert calls == [("cuda", fake_cuda)]
+    if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "synchronize"):
+        monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: calls.append(("accelerator", device)))
+        fake_xpu = types.SimpleNamespace(type="xpu", index=0)
+        calibrate.synchronize(fake_xpu)
+        assert calls[-1] == ("accelerator", fake_xpu)
+
+
+def test_device_timer_brackets_the_work_with_syncs(monkeypatch):
+    log = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("sync"))
+    monkeypatch.setattr(calibrate, "time", types.SimpleNamespace(perf_counter=lambda: log.append("clock") or len(log)))
+    timer = calibrate.device_timer(types.SimpleNamespace(type="cuda", index=0))
+    result, seconds = timer(lambda x: log.append("work") or x + 1, 41)
+    assert result == 42 and seconds == 5 - 2
+    assert log == ["sync", "clock", "work", "sync", "clock"]
+    log.clear()
+    with timer as t:
+        log.append("work")
+    assert log == ["sync", "clock", "work", "sync", "clock"] and t.seconds == 5 - 2
+
+
+def test_profile_costs_synchronises_before_every_clock_read(cpu_pair, monkeypatch):
+    # before the fix the regions were bare perf_counter reads: on a GPU they timed the kernel launches
+    model, draft = cpu_pair
+    log = []
+    monkeypatch.setattr(calibrate, "synchronize", lambda device: log.append(("sync", torch.device(device))))
+    monkeypatch.setattr(calibrate, "time", types.SimpleNamespace(perf_counter=lambda: log.append(("clock",)) or 0.0))
+    hooks = [model.register_forward_pre_hook(lambda m, args, kwargs: log.append(("target", kwargs["input_ids"].shape[1])),
+                                             with_kwargs=True),
+             draft.register_forward_pre_hook(lambda m, args: log.append(("draft", args[1].shape[1])))]
+    trees, contexts, beams, reps = (1, 4), (20, 30), (1, 3), 2
+    try:
+        profile_costs(model, draft, tree_tokens=trees, contexts=contexts, beams=beams, reps=reps)
+    finally:
+        for h in hooks:
+            h.remove()
+    # every clock read comes right after a sync of the model's device
+    for i, e in enumerate(log):
+        if e[0] == "clock":
+            assert i > 0 and log[i - 1] == ("sync", torch.device("cpu")), log[max(0, i - 3): i + 1]
+    # clock reads pair up into regions; each region holds exactly one verify forward or one draft level,
+    # then the sync before the stop; the prompt's prefill stays outside
+    clocks = [i for i, e in enumerate(log) if e[0] == "clock"]
+    assert len(clocks) % 2 == 0
+    work_inside = []
+    for start, stop in zip(clocks[::2], clocks[1::2]):
+        inside = [e for e in log[start + 1: stop] if e[0] != "sync"]
+        assert len(inside) == 1 and log[stop - 1][0] == "sync", log[start: stop + 1]
+        work_inside.append(inside[0])
+    assert sorted(work_inside) == sorted([("target", n) for _ in contexts for n in trees for _ in range(reps + 1)]
+                                         + [("draft", b) for b in beams for _ in range(reps)])
+    prefills = [e for e in log if e[0] == "target" and e[1] in contexts]
+    assert prefills and all(e not in work_inside for e in prefills)

@@ -25,7 +25,7 @@ def test_calibrate_then_generate_with_the_profile(tmp_path):
     res = subprocess.run(
         [sys.executable, "-m", "heterospec", "calibrate", "--target", str(tmp_path / "target"), "--draft",
          str(tmp_path / "draft"), "--prompts", str(questions), "--out", str(profile), "--max-new-tokens", "24",
-         "--depth", "3", "--top-k-tree", "3", "--total-tokens", "8", "--max-prompts", "5"],
+         "--depth", "3", "--top-k-tree", "3", "--total-tokens", "8", "--max-prompts", "5", "--device", "cpu"],
         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     assert "| bin | share of cycles |" in res.stdout and "calibrated: tau" in res.stdout

@@ -35,7 +35,7 @@ def test_generate_command_streams_the_targets_greedy_answer(tmp_path, method):
     cmd = [sys.executable, "-m", "heterospec", "generate", "--target", str(tmp_path / "target"), "--draft",
            str(tmp_path / "draft"), "--prompt", prompt, "--method", method, "--max-new-tokens", "16", "--no-eos",
            "--depth", "4", "--top-k-tree", "3", "--total-tokens", "12",
-           "--thresholds", ",".join(str(t) for t in THRESHOLDS)]
+           "--thresholds", ",".join(str(t) for t in THRESHOLDS), "--device", "cpu"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     ids = tok(prompt, return_tensors="pt")["input_ids"]
@@ -51,3 +51,58 @@ def test_generate_command_needs_thresholds_for_heterospec(tmp_path):
                           "--draft", str(tmp_path / "draft"), "--prompt", "w1", "--method", "heterospec"],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode != 0 and "--thresholds" in res.stderr
+
+
+# ---- --device (issue 15): passed to the models and the inputs; a bad one is a one-line usage error ----------
+
+COMMANDS = {
+    "generate": ["generate", "--target", "T", "--draft", "D", "--prompt", "w1"],
+    "calibrate": ["calibrate", "--target", "T", "--draft", "D", "--prompts", "q.jsonl", "--out", "p.json"],
+    "train-draft": ["train-draft", "--target", "T", "--data", "q.jsonl", "--out", "o"],
+}
+BAD_DEVICES = ["foo", "cuda:x", "meta"] + ([] if torch.cuda.is_available() else ["cuda", "cuda:1"])
+
+
+@pytest.mark.parametrize("device", BAD_DEVICES)
+@pytest.mark.parametrize("cmd", list(COMMANDS))
+def test_a_bad_device_is_a_one_line_usage_error(cmd, device, capsys, monkeypatch):
+    from heterospec.tools import cli
+
+    monkeypatch.setattr(cli, "load_pair", lambda *a, **k: pytest.fail("loaded models with a bad --device"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(COMMANDS[cmd] + ["--device", device])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"heterospec {cmd}: error: argument --device: "), err
+    assert repr(device) in err
+
+
+def test_a_bad_device_has_no_traceback():
+    res = subprocess.run([sys.executable, "-m", "heterospec", "generate", "--target", "T", "--prompt", "w1",
+                          "--device", "cuda:7" if torch.cuda.is_available() else "cuda"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and res.stdout == ""
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "argument --device" in res.stderr
+
+
+class _Loaded(Exception):
+    pass
+
+
+@pytest.mark.parametrize("cmd", list(COMMANDS))
+def test_device_reaches_load_pair(cmd, monkeypatch, tmp_path):
+    from heterospec.tools import cli
+
+    seen = {}
+
+    def load_pair(args, device="cpu"):
+        seen["device"] = device
+        raise _Loaded
+
+    monkeypatch.setattr(cli, "load_pair", load_pair)
+    monkeypatch.setattr("heterospec.models.default.load_pair", load_pair)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(_Loaded):
+        cli.main(COMMANDS[cmd] + ["--device", "cpu:0", "--dtype", "bfloat16"])
+    assert seen["device"] == "cpu:0"

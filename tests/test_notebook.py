@@ -11,9 +11,10 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-# small settings so that each runs within a couple of minutes on a 2-core CPU
-SMALL = {"quickstart.ipynb": {"MAX_NEW_TOKENS": 24, "NUM_PROMPTS": 2},
-         "ablation.ipynb": {"NUM_PROMPTS": 3, "MAX_NEW_TOKENS": 24}}
+# small settings so that each runs within a couple of minutes on a 2-core CPU; DEVICE (default: the GPU when
+# torch sees one) pinned to the CPU, where CI runs them
+SMALL = {"quickstart.ipynb": {"MAX_NEW_TOKENS": 24, "NUM_PROMPTS": 2, "DEVICE": "cpu"},
+         "ablation.ipynb": {"NUM_PROMPTS": 3, "MAX_NEW_TOKENS": 24, "DEVICE": "cpu"}}
 NEEDS_DEFAULT_PAIR = {"quickstart.ipynb", "ablation.ipynb"}
 
 

@@ -14,7 +14,7 @@ from test_decoding import prompts, reference_greedy, tiny_target  # noqa: E402
 
 from heterospec import HeteroSpec, Policy  # noqa: E402
 from heterospec.models.draft import Eagle3Draft  # noqa: E402
-from heterospec.models.train import build_vocab_maps, train_draft  # noqa: E402
+from heterospec.models.train import build_vocab_maps, collect, train_draft  # noqa: E402
 
 
 def test_vocab_maps_hand_checked():
@@ -54,6 +54,29 @@ def test_training_lowers_the_loss_and_gives_a_lossless_head(tmp_path):
     assert log2[0][0] == 121
 
 
+def test_collect_and_train_draft_make_tensors_on_the_targets_device(tmp_path):
+    """Issue 15 (train-draft --device cuda): with torch's default device set to "meta", a tensor made
+    without an explicit device has no data and cannot meet the CPU target, so a CPU run catches what would
+    be host tensors next to a CUDA target (before the fix: collect's prompt batch was built on the default
+    device and moved, and the head was built on the default device)."""
+    with torch.device("cpu"):
+        model = tiny_target("llama").to("cpu")
+        ps = prompts(3)
+    torch.set_default_device("meta")
+    try:
+        records = collect(model, ps, max_new_tokens=6, eos_token_id=int(ps[0][0, 0]), batch_size=2, topk=4)
+        log = train_draft(model, None, tmp_path, records=records, draft_vocab_size=30, steps=2, max_new_tokens=6,
+                          log_every=1, batch_size=2, init=True)
+    finally:
+        torch.set_default_device(None)
+    assert len(records) == 3 and all(np.isfinite(loss) for _, loss, _ in log)
+    for r, p in zip(records, ps):  # records live on the host, whatever the target's device
+        assert all(r[k].device.type == "cpu" for k in ("ids", "taps", "top_ids", "top_lp"))
+        assert r["ids"][: p.shape[1]].tolist() == p[0].tolist() and r["start"] == p.shape[1]
+    draft = Eagle3Draft.from_pretrained(tmp_path, target=model)
+    assert draft.config.draft_vocab_size == 30
+
+
 def test_train_draft_command(tmp_path):
     from test_cli_generate import save_tiny_pair
 
@@ -62,7 +85,7 @@ def test_train_draft_command(tmp_path):
     data.write_text("\n".join(json.dumps({"question": f"w{i} w{i + 3} w{i + 7}"}) for i in range(4)))
     res = subprocess.run([sys.executable, "-m", "heterospec", "train-draft", "--target", str(tmp_path / "target"),
                           "--data", str(data), "--out", str(tmp_path / "trained"), "--steps", "20",
-                          "--max-new-tokens", "16", "--draft-vocab-size", "50", "--lr", "1e-3"],
+                          "--max-new-tokens", "16", "--draft-vocab-size", "50", "--lr", "1e-3", "--device", "cpu"],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "training [" in res.stderr and "loss" in res.stderr

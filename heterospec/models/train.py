@@ -83,12 +83,12 @@ def collect(target, prompts, max_new_tokens=128, eos_token_id=None, batch_size=1
             idx = order[b0: b0 + batch_size]
             ps = [prompts[i].view(-1) for i in idx]
             B, Smax = len(ps), max(p.numel() for p in ps)
-            ids = torch.zeros(B, Smax, dtype=torch.long)
-            mask = torch.zeros(B, Smax, dtype=torch.long)
+            # left-padded on the target's device (one copy per prompt, no CPU batch moved afterwards)
+            ids = torch.zeros(B, Smax, dtype=torch.long, device=dev)
+            mask = torch.zeros(B, Smax, dtype=torch.long, device=dev)
             for r, p in enumerate(ps):
-                ids[r, Smax - p.numel():] = p
+                ids[r, Smax - p.numel():] = p.to(dev)
                 mask[r, Smax - p.numel():] = 1
-            ids, mask = ids.to(dev), mask.to(dev)
             pos = (mask.cumsum(-1) - 1).clamp(min=0)
             try:
                 cache = DynamicCache(config=target.config)
@@ -136,8 +136,8 @@ def collect(target, prompts, max_new_tokens=128, eos_token_id=None, batch_size=1
                 S = Sp + n
                 full_ids = torch.cat([ps[r].cpu(), g[:n]])
                 t = taps[r, Smax - Sp: Smax - 1 + n]                      # positions 0..S-2
-                top_lp = torch.zeros(S - 1, topk, dtype=torch.float16)
-                top_ids = torch.zeros(S - 1, topk, dtype=torch.int32)
+                top_lp = torch.zeros(S - 1, topk, dtype=torch.float16, device="cpu")   # records live on the host
+                top_ids = torch.zeros(S - 1, topk, dtype=torch.int32, device="cpu")
                 top_lp[Sp - 1:] = tops_v[r, :n]
                 top_ids[Sp - 1:] = tops_i[r, :n]
                 records[i] = dict(ids=full_ids, start=Sp, taps=t.clone(), top_ids=top_ids, top_lp=top_lp)
@@ -173,20 +173,22 @@ def init_from_target(draft, target):
         draft.norm.weight.copy_(final_norm.weight.float())
     used = torch.nonzero(draft.t2d).view(-1)
     out = target.get_output_embeddings().weight
-    draft.lm_head.weight.copy_(out[used.to(out.device)].float().cpu())
+    draft.lm_head.weight.copy_(out[used.to(out.device)].to(draft.lm_head.weight.device, torch.float32))
     return True
 
 
 def _batch(records, which, topk, t2d, tmap):
-    """Right-padded training tensors for the records ``which``."""
+    """Right-padded training tensors for the records ``which``, built on the host from the host records
+    (the caller moves the batch to the training device in one copy per tensor)."""
     L = max(records[i]["ids"].numel() for i in which) - 1
     B = len(which)
     H3 = records[which[0]]["taps"].shape[-1]
-    taps = torch.zeros(B, L, H3)
-    ids = torch.zeros(B, L + 1 + 8, dtype=torch.long)   # room for tokens t+1+j past the end
-    tgt_d = torch.zeros(B, L, topk, dtype=torch.long)       # draft ids of the target's top entries
-    tgt_w = torch.full((B, L, topk), -math.inf)             # their log-probabilities (-inf: not in Vd)
-    valid = torch.zeros(B, L, dtype=torch.bool)             # position p holds a trainable target
+    cpu = torch.device("cpu")
+    taps = torch.zeros(B, L, H3, device=cpu)
+    ids = torch.zeros(B, L + 1 + 8, dtype=torch.long, device=cpu)   # room for tokens t+1+j past the end
+    tgt_d = torch.zeros(B, L, topk, dtype=torch.long, device=cpu)   # draft ids of the target's top entries
+    tgt_w = torch.full((B, L, topk), -math.inf, device=cpu)         # their log-probabilities (-inf: not in Vd)
+    valid = torch.zeros(B, L, dtype=torch.bool, device=cpu)         # position p holds a trainable target
     for r, i in enumerate(which):
         rec = records[i]
         S = rec["ids"].numel()
@@ -258,21 +260,23 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
     topk = records[0]["top_ids"].shape[-1]
     answers = np.concatenate([r["ids"][r["start"]:].numpy() for r in records])
     state_path = os.path.join(out_dir, "trainer_state.pt")
+    device = next(target.parameters()).device  # the head trains where the target lives
     if resume and os.path.exists(state_path):
-        draft = Eagle3Draft.from_pretrained(out_dir, target=target, dtype=torch.float32)
-        state = torch.load(state_path, weights_only=True)
+        draft = Eagle3Draft.from_pretrained(out_dir, target=target, dtype=torch.float32, device=device)
+        state = torch.load(state_path, weights_only=True, map_location=device)
         start_step = int(state["step"])
     else:
         d2t, t2d = build_vocab_maps(answers, V, Vd)
-        draft = Eagle3Draft(draft_config_for(target, Vd),
-                            embed_tokens=target.get_input_embeddings().weight.detach().float().cpu())
+        # initialised on the host (the same head for a seed whatever the device), then moved
+        with torch.device("cpu"):
+            draft = Eagle3Draft(draft_config_for(target, Vd),
+                                embed_tokens=target.get_input_embeddings().weight.detach().to("cpu", torch.float32))
         with torch.no_grad():
             draft.d2t.copy_(d2t)
             draft.t2d.copy_(t2d)
         if init:
             init_from_target(draft, target)
         state, start_step = None, 0
-    device = next(target.parameters()).device  # the head trains where the target lives
     draft = draft.to(device)
     t2d = draft.t2d.cpu()
     tmap = (t2d.long().cumsum(0) - 1).clamp(min=0)
@@ -297,16 +301,17 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
                        "max_new_tokens": max_new_tokens, "log": log}, f, indent=1)
         draft.train()
 
-    lengths = torch.tensor([r["ids"].numel() for r in records], dtype=torch.float64)
+    lengths = torch.tensor([r["ids"].numel() for r in records], dtype=torch.float64, device="cpu")
     per_epoch = max(1, len(records) // batch_size)
     for step in range(start_step, steps):
         e = step // per_epoch
         if e != epoch:
             # batches of similar lengths (little padding), jittered so they differ between epochs, in random order
-            g = torch.Generator().manual_seed(seed + e)
-            order = torch.argsort(lengths + 32.0 * torch.rand(len(records), generator=g, dtype=torch.float64))
+            g = torch.Generator(device="cpu").manual_seed(seed + e)
+            jitter = torch.rand(len(records), generator=g, dtype=torch.float64, device="cpu")
+            order = torch.argsort(lengths + 32.0 * jitter)
             chunks = [order[k * batch_size: (k + 1) * batch_size].tolist() for k in range(per_epoch)]
-            perm, epoch = [chunks[k] for k in torch.randperm(per_epoch, generator=g).tolist()], e
+            perm, epoch = [chunks[k] for k in torch.randperm(per_epoch, generator=g, device="cpu").tolist()], e
         which = perm[step % per_epoch]
         batch = [t.to(device) for t in _batch(records, which, topk, t2d, tmap)]
         loss, accs = ttt_loss(draft, *batch, ttt_steps)

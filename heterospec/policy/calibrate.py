@@ -51,39 +51,117 @@ class CostModel:
                    float(d.get("overhead", 0.0)))
 
 
-def _median_time(fn, reps):
+# ---- a device-synchronised clock ------------------------------------------------------------------------
+
+
+def synchronize(device):
+    """Wait until the work queued on ``device`` has finished: ``torch.cuda.synchronize`` on CUDA,
+    ``torch.accelerator.synchronize`` on other accelerators (torch >= 2.6; else the backend module's own
+    ``synchronize`` when it has one), nothing on the CPU (whose ops run synchronously) or meta.
+    ``device``: a ``torch.device``, a string such as ``"cuda:1"``, or anything with a ``.type``."""
+    import torch
+
+    kind = getattr(device, "type", None)
+    if kind is None:
+        device = torch.device(device)
+        kind = device.type
+    if kind in ("cpu", "meta"):
+        return
+    if kind == "cuda":
+        torch.cuda.synchronize(device)
+        return
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "synchronize"):
+        accelerator.synchronize(device)
+        return
+    backend = getattr(torch, kind, None)
+    if backend is not None and hasattr(backend, "synchronize"):
+        backend.synchronize()
+
+
+class DeviceTimer:
+    """Wall-clock seconds of work on ``device``, synchronised at both ends so that a GPU is timed doing
+    the work and not only queueing it: the device is synchronised before the start is read (so earlier
+    queued work is not counted) and before the stop is read (so the timed work has finished).
+
+    ``with timer: ...`` then ``timer.seconds``, or ``result, seconds = timer(fn, *args, **kwargs)``."""
+
+    def __init__(self, device):
+        self.device = device
+        self.seconds = None
+        self._t0 = None
+
+    def __enter__(self):
+        synchronize(self.device)
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            synchronize(self.device)
+            self.seconds = time.perf_counter() - self._t0
+        return False
+
+    def __call__(self, fn, *args, **kwargs):
+        with self:
+            result = fn(*args, **kwargs)
+        return result, self.seconds
+
+
+def device_timer(device):
+    """A :class:`DeviceTimer` for ``device`` (a torch device, a string, or a module's ``.device``)."""
+    return DeviceTimer(device)
+
+
+def _place(module):
+    """(device, floating dtype) of a module: its ``.device`` / ``.dtype`` when it declares them, else its
+    first parameter or buffer (the first floating one for the dtype); CPU / the default dtype without any."""
+    import torch
+
+    tensors = list(module.parameters()) + list(module.buffers()) if isinstance(module, torch.nn.Module) else []
+    device = getattr(module, "device", None)
+    if not isinstance(device, torch.device):
+        device = tensors[0].device if tensors else torch.device("cpu")
+    dtype = getattr(module, "dtype", None)
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        dtype = next((t.dtype for t in tensors if t.is_floating_point()), torch.get_default_dtype())
+    return device, dtype
+
+
+def _median_time(fn, reps, device):
     fn()  # warm-up
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+    timer = device_timer(device)
+    return float(np.median([timer(fn)[1] for _ in range(reps)]))
 
 
 def profile_costs(target, draft=None, *, tree_tokens=(1, 2, 4, 8, 16, 32, 64, 128), contexts=(64, 256),
                   beams=(1, 2, 4, 8, 10), reps=3):
-    """Measure this machine and fit a :class:`CostModel` (see the module docstring)."""
+    """Measure this machine and fit a :class:`CostModel` (see the module docstring).  Every input is made
+    on the model's own device (the draft's inputs in its dtype too), and every timed region is
+    synchronised with the device at both ends (:class:`DeviceTimer`)."""
     import torch
 
     from ..models.target import TargetAdapter
 
     adapter = TargetAdapter(target, capture_taps=False)
+    device, _ = _place(target)
+    timer = device_timer(device)
     vocab = target.config.vocab_size
+    allocate = getattr(adapter, "allocate", None)  # a static cache: sized once for the largest prompt + tree
+    if allocate is not None:
+        allocate(max(contexts) + max(tree_tokens))
     rows = []
     try:
         for ctx in contexts:
-            prompt = torch.randint(0, vocab, (1, ctx))
+            prompt = torch.randint(0, vocab, (1, ctx), device=device)
             for n in tree_tokens:
-                tokens = torch.randint(0, vocab, (n,))
-                depths = torch.arange(n).clamp(max=8)
-                mask = torch.ones(n, n, dtype=torch.bool).tril()
+                tokens = torch.randint(0, vocab, (n,), device=device)
+                depths = torch.arange(n, device=device).clamp(max=8)
+                mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
                 def run():
                     adapter.prefill(prompt)
-                    t0 = time.perf_counter()
-                    adapter.verify(tokens, depths, mask)
-                    return time.perf_counter() - t0
+                    return timer(adapter.verify, tokens, depths, mask)[1]
 
                 run()
                 rows.append((n, ctx, float(np.median([run() for _ in range(reps)]))))
@@ -95,13 +173,14 @@ def profile_costs(target, draft=None, *, tree_tokens=(1, 2, 4, 8, 16, 32, 64, 12
     level = (0.0, 0.0)
     if draft is not None:
         h = getattr(getattr(draft, "config", None), "hidden_size", None) or draft.hidden_size
+        d_device, d_dtype = _place(draft)
         pts = []
         for beam in beams:
-            hid = torch.zeros(1, beam, h)
-            ids = torch.zeros(1, beam, dtype=torch.long)
-            pos = torch.full((1, beam), 64, dtype=torch.long)
+            hid = torch.zeros(1, beam, h, dtype=d_dtype, device=d_device)
+            ids = torch.zeros(1, beam, dtype=torch.long, device=d_device)
+            pos = torch.full((1, beam), 64, dtype=torch.long, device=d_device)
             with torch.no_grad():
-                pts.append((beam, _median_time(lambda: draft(hid, ids, pos), reps)))
+                pts.append((beam, _median_time(lambda: draft(hid, ids, pos), reps, d_device)))
         A = np.array([[1.0, b] for b, _ in pts])
         level = tuple(float(v) for v in np.linalg.lstsq(A, np.array([t for _, t in pts]), rcond=None)[0])
     return CostModel(verify, level, 0.0)

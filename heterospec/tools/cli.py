@@ -92,6 +92,36 @@ def demo(vocab=49152, k=10, depth=6, n_keep=59, seed=0, out=sys.stdout):
             "next_token": int(nxt), "sample_accepted": len(spath) - 1, "timings_us": timings}
 
 
+def check_device(text):
+    """``--device`` -> the canonical torch device string (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...).  Raises
+    ValueError with a one-line reason when torch cannot parse it or this machine does not have it."""
+    import torch
+
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"expected a torch device such as cpu, cuda or cuda:1, got {text!r}") from None
+    if dev.type == "cpu":
+        return str(dev)
+    if dev.type == "meta":
+        raise ValueError(f"{text!r} holds no data; expected cpu or an accelerator such as cuda")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
+            raise ValueError(f"{text!r} requested but {why}")
+        count = torch.cuda.device_count()
+    else:
+        accelerator = getattr(torch, "accelerator", None)
+        current = accelerator.current_accelerator() if accelerator is not None and accelerator.is_available() else None
+        if current is None or current.type != dev.type:
+            raise ValueError(f"{text!r} requested but torch sees no {dev.type} device"
+                             + (f" (this machine has {current.type})" if current is not None else ""))
+        count = accelerator.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ValueError(f"{text!r} requested but torch sees {count} {dev.type} device{'s' if count != 1 else ''}")
+    return str(dev)
+
+
 def _parse_floats(text):
     return tuple(float(t) for t in text.split(",") if t.strip())
 
@@ -101,13 +131,13 @@ def generate_cmd(args, out=sys.stdout):
     from transformers import TextStreamer
 
     from ..policy import Policy
-    from ..engine.loop import HeteroSpec
+    from .. import HeteroSpec
 
     if (args.method != "ar" or args.policy) and not args.draft:
         raise SystemExit(f"heterospec generate: --method {args.method} needs --draft PATH")
     if args.method == "ar" and not args.policy:
         args.draft = None
-    tokenizer, target, draft = load_pair(args)
+    tokenizer, target, draft = load_pair(args, args.device)
     if args.policy:
         from ..policy.calibrate import load_profile
 
@@ -121,7 +151,7 @@ def generate_cmd(args, out=sys.stdout):
             raise SystemExit("heterospec generate: --method heterospec needs --thresholds s1,...,s7 "
                              "(the entropy bins of this model pair)")
         policy = Policy.paper(args.depth, args.top_k_tree, args.total_tokens, _parse_floats(args.thresholds))
-    ids = encode(tokenizer, args.prompt, not args.no_chat_template)
+    ids = encode(tokenizer, args.prompt, not args.no_chat_template).to(args.device)
     streamer = TextStreamer(tokenizer, skip_prompt=True)
     eos = tokenizer.eos_token_id if args.eos else None
     with HeteroSpec(target, draft, policy) as hs:
@@ -147,11 +177,11 @@ def calibrate_cmd(args, out=sys.stdout):
 
     if not args.draft:
         raise SystemExit("heterospec calibrate: --draft PATH is required")
-    tokenizer, target, draft = load_pair(args)
+    tokenizer, target, draft = load_pair(args, args.device)
     texts = read_prompts(args.prompts, args.max_prompts)
     if not texts:
         raise SystemExit("heterospec calibrate: no prompts found in " + ", ".join(args.prompts))
-    ids = [encode(tokenizer, t, not args.no_chat_template) for t in texts]
+    ids = [encode(tokenizer, t, not args.no_chat_template).to(args.device) for t in texts]
     levels = args.depth + math.ceil(args.depth / 2)
 
     def progress(i, n):
@@ -296,6 +326,7 @@ def main(argv=None):
     g.add_argument("--top-k-tree", type=int, default=10, help="draft tree branching / beam width")
     g.add_argument("--total-tokens", type=int, default=60, help="verified tree nodes, root included")
     g.add_argument("--thresholds", default="", help="7 ascending entropy thresholds for --method heterospec")
+    g.add_argument("--device", default="cpu", help="where the target and the draft run: cpu, cuda, cuda:1, ...")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--no-chat-template", action="store_true")
     g.add_argument("--no-eos", dest="eos", action="store_false", help="do not stop at the tokenizer's EOS")
@@ -312,6 +343,8 @@ def main(argv=None):
     c.add_argument("--top-k-tree", type=int, default=10)
     c.add_argument("--total-tokens", type=int, default=60)
     c.add_argument("--fit-target", choices=["rank", "accepted"], default="rank")
+    c.add_argument("--device", default="cpu", help="where the pair runs and is timed: cpu, cuda, cuda:1, ... "
+                   "(calibrate on the device you will generate on: the cost model is this device's)")
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     c.add_argument("--no-chat-template", action="store_true")
     t = sub.add_parser("train-draft", help="train an EAGLE-3 head for a target on the target's own answers")
@@ -345,6 +378,11 @@ def main(argv=None):
                                      "heterospec side by side over question files; JSON, markdown and plots")
     bench.add_arguments(b)
     args = parser.parse_args(argv)
+    if isinstance(getattr(args, "device", None), str):
+        try:
+            args.device = check_device(args.device)
+        except ValueError as e:  # one line, argparse's status, no traceback
+            parser.exit(2, f"heterospec {args.cmd}: error: argument --device: {e}\n")
     args.argv = list(sys.argv[1:] if argv is None else argv)[1:]
     if args.cmd == "demo":
         if args.synthetic:
