@@ -1,5 +1,8 @@
-"""Test doubles with the Eagle3Draft calling convention: ``fuse(taps)`` and
-``forward(hidden, input_ids, position_ids, past_kv=None, attn_mask=None) -> (logits, h_out, (k, v))``.
+"""Test doubles with the Eagle3Draft calling convention: ``fuse(taps)``,
+``forward(hidden, input_ids, position_ids, past_kv=None, attn_mask=None) -> (logits, h_out, (k, v))`` (the
+trace recorder's dynamic cache) and the engine's static-cache pair ``new_cache(capacity)``,
+``step(hidden, input_ids, position_ids, cache, slots, attn_mask) -> h2`` and ``head(h2) -> (logits, h_out)``
+(here h2 is the logits themselves).
 
 OracleDraft proposes the target's own next tokens: for every fed row it runs the target on exactly the
 context that row can see (the committed tokens, plus the row's tree ancestors, plus its own token), so its
@@ -20,15 +23,31 @@ class _DoubleBase(torch.nn.Module):
         self.register_buffer("d2t", torch.zeros(vocab_size, dtype=torch.long))
 
     def fuse(self, taps):
-        return torch.zeros(taps.shape[0], taps.shape[1], self.hidden_size)
+        return torch.zeros(taps.shape[0], taps.shape[1], self.hidden_size, device=taps.device)
+
+    def new_cache(self, capacity, batch=1):
+        return torch.zeros(2, batch, 1, capacity, 1, device=self.d2t.device)
+
+    def step(self, hidden, input_ids, position_ids, cache, slots, attn_mask):
+        cache[0, 0, 0, slots, 0] = input_ids[0].float()   # the "keys" are the fed token ids
+        return self._logits(cache[0, 0, 0, :, 0].long(), attn_mask, input_ids, position_ids)
+
+    def head(self, h2):
+        return h2.float(), torch.zeros(*h2.shape[:-1], self.hidden_size, device=h2.device)
+
+    def forward(self, hidden, input_ids, position_ids, past_kv=None, attn_mask=None):
+        ids, mask, kv = self._rows(past_kv, input_ids, attn_mask)
+        logits = self._logits(ids, mask, input_ids, position_ids)
+        return logits, torch.zeros(1, input_ids.shape[1], self.hidden_size), kv
 
     @staticmethod
     def _rows(past_kv, input_ids, attn_mask):
-        past = past_kv[0][0, 0, :, 0].long() if past_kv is not None else torch.zeros(0, dtype=torch.long)
+        past = (past_kv[0][0, 0, :, 0].long() if past_kv is not None
+                else torch.zeros(0, dtype=torch.long, device=input_ids.device))
         ids = torch.cat([past, input_ids[0].long()])
         P, S = past.shape[0], input_ids.shape[1]
         if attn_mask is None:
-            attn_mask = torch.ones(S, P + S, dtype=torch.bool).tril(diagonal=P)
+            attn_mask = torch.ones(S, P + S, dtype=torch.bool, device=input_ids.device).tril(diagonal=P)
         kv = ids.view(1, 1, -1, 1).float()
         return ids, attn_mask, (kv, kv)
 
@@ -36,6 +55,7 @@ class _DoubleBase(torch.nn.Module):
 class OracleDraft(_DoubleBase):
     def __init__(self, target, boost=30.0):
         super().__init__(target.config.hidden_size, target.config.vocab_size)
+        self.d2t = self.d2t.to(next(target.parameters()).device)
         self.target = target
         self.boost = boost
         self.first = None
@@ -45,33 +65,31 @@ class OracleDraft(_DoubleBase):
         self.first = input_ids[0, :1].long()
 
     @torch.no_grad()
-    def forward(self, hidden, input_ids, position_ids, past_kv=None, attn_mask=None):
-        ids, mask, kv = self._rows(past_kv, input_ids, attn_mask)
+    def _logits(self, ids, mask, input_ids, position_ids):
         S = input_ids.shape[1]
         ctxs = [torch.cat([self.first, ids[mask[s]]]) for s in range(S)]
-        lengths = torch.tensor([c.shape[0] for c in ctxs])
+        lengths = [c.shape[0] for c in ctxs]
         # one right-padded batch: a causal model's logits at a row's last real token ignore the padding
-        batch = torch.zeros(S, int(lengths.max()), dtype=torch.long)
+        batch = torch.zeros(S, max(lengths), dtype=torch.long, device=ids.device)
         for s, c in enumerate(ctxs):
             batch[s, : c.shape[0]] = c
         out = self.target(batch).logits.float()
-        logits = out[torch.arange(S), lengths - 1].clone()
+        rows = torch.arange(S, device=ids.device)
+        logits = out[rows, torch.tensor(lengths, device=ids.device) - 1].clone()
         # the target's argmax boosted: the same top-1, confident enough that the greedy chain wins the
         # Top-N rerank
-        logits[torch.arange(S), logits.argmax(-1)] += self.boost
-        return logits.unsqueeze(0), torch.zeros(1, S, self.hidden_size), kv
+        logits[rows, logits.argmax(-1)] += self.boost
+        return logits.unsqueeze(0)
 
 
 class NoisyDraft(_DoubleBase):
     def __init__(self, hidden_size, vocab_size, seed=0):
         super().__init__(hidden_size, vocab_size)
         g = torch.Generator().manual_seed(seed)
-        self.table = torch.randn(vocab_size, vocab_size, generator=g) * 3.0
+        self.register_buffer("table", torch.randn(vocab_size, vocab_size, generator=g) * 3.0)
 
-    def forward(self, hidden, input_ids, position_ids, past_kv=None, attn_mask=None):
-        ids, mask, kv = self._rows(past_kv, input_ids, attn_mask)
-        logits = self.table[input_ids[0].long()] + 0.1 * position_ids[0].float().view(-1, 1)
-        return logits.unsqueeze(0), torch.zeros(1, input_ids.shape[1], self.hidden_size), kv
+    def _logits(self, ids, mask, input_ids, position_ids):
+        return (self.table[input_ids[0].long()] + 0.1 * position_ids.reshape(-1).float().view(-1, 1)).unsqueeze(0)
 
 
 class StretchDraft(OracleDraft):
@@ -81,12 +99,13 @@ class StretchDraft(OracleDraft):
     def __init__(self, target, period=8, seed=0):
         super().__init__(target)
         g = torch.Generator().manual_seed(seed)
-        self.table = torch.randn(target.config.vocab_size, target.config.vocab_size, generator=g) * 0.5
+        self.register_buffer("table", torch.randn(target.config.vocab_size, target.config.vocab_size, generator=g) * 0.5)
+        self.to(next(target.parameters()).device)
         self.period = period
 
     @torch.no_grad()
-    def forward(self, hidden, input_ids, position_ids, past_kv=None, attn_mask=None):
-        logits, h, kv = super().forward(hidden, input_ids, position_ids, past_kv, attn_mask)
-        hard = ((position_ids[0] // self.period) % 2 == 1).view(-1, 1)
+    def _logits(self, ids, mask, input_ids, position_ids):
+        logits = super()._logits(ids, mask, input_ids, position_ids)
+        hard = ((position_ids.reshape(-1) // self.period) % 2 == 1).view(-1, 1)
         noisy = self.table[input_ids[0].long()]
-        return torch.where(hard, noisy, logits[0]).unsqueeze(0), h, kv
+        return torch.where(hard, noisy, logits[0]).unsqueeze(0)

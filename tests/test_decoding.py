@@ -1,7 +1,11 @@
 """The decoding loop on real transformers models (tiny, random, float32, CPU): lossless greedy output for
 every method and policy on Llama, Qwen2 and Qwen3; distributional equality under sampling; stopping,
 streaming and bad input.  Drafts here are test doubles (tests/_doubles.py); the EAGLE-3 head has its own
-tests."""
+tests.
+
+HETEROSPEC_TEST_DEVICE=cuda runs the same tests with models and prompts on the GPU (.ci/gpu does)."""
+import os
+
 import numpy as np
 import pytest
 
@@ -11,7 +15,11 @@ scipy_stats = pytest.importorskip("scipy.stats")
 
 from _doubles import NoisyDraft, OracleDraft  # noqa: E402
 
-from heterospec import GenerationStats, HeteroSpec, Policy  # noqa: E402
+from heterospec import GenerationStats, HeteroSpec, Policy, build_info  # noqa: E402
+
+DEVICE = torch.device(os.environ.get("HETEROSPEC_TEST_DEVICE", "cpu"))
+if DEVICE.type == "cuda" and not (torch.cuda.is_available() and build_info()["cuda"]):
+    pytest.skip("HETEROSPEC_TEST_DEVICE=cuda needs a GPU and a CUDA build of the core", allow_module_level=True)
 
 V = 97
 N_PROMPTS = 20
@@ -35,20 +43,20 @@ def tiny_target(arch, vocab=V, layers=8, seed=0, sharpen=40.0):
     model = cls(cfg).eval().float()
     with torch.no_grad():
         model.lm_head.weight.mul_(sharpen)
-    return model
+    return model.to(DEVICE)
 
 
 def prompts(n=N_PROMPTS, vocab=V, seed=1):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(3, 24, (n,), generator=g)
-    return [torch.randint(0, vocab, (1, int(s)), generator=g) for s in lengths]
+    return [torch.randint(0, vocab, (1, int(s)), generator=g).to(DEVICE) for s in lengths]
 
 
 def reference_greedy(model, prompt, new=NEW):
     # an explicit all-ones attention mask: otherwise generate() treats prompt tokens equal to the pad id
     # as padding and masks them out
     return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=new,
-                          min_new_tokens=new, pad_token_id=0, eos_token_id=None)
+                          min_new_tokens=new, pad_token_id=0, eos_token_id=None).cpu()
 
 
 def eagle3_head(model, tmp_dir, vd=60, seed=0):
@@ -81,8 +89,8 @@ METHODS = {
     "heterospec-oracle": lambda m: (OracleDraft(m), Policy.paper(5, 3, 16, THRESHOLDS)),
     "deep-9-levels": lambda m: (OracleDraft(m), Policy.static(9, 2, 12)),
     "pruned-to-4": lambda m: (OracleDraft(m), Policy.static(6, 3, 4)),
-    "eagle3-noisy": lambda m: (NoisyDraft(32, V), Policy.static(5, 3, 16)),
-    "heterospec-noisy": lambda m: (NoisyDraft(32, V, seed=3), Policy.paper(4, 4, 20, THRESHOLDS)),
+    "eagle3-noisy": lambda m: (NoisyDraft(32, V).to(DEVICE), Policy.static(5, 3, 16)),
+    "heterospec-noisy": lambda m: (NoisyDraft(32, V, seed=3).to(DEVICE), Policy.paper(4, 4, 20, THRESHOLDS)),
     "eagle3-head": "head",
 }
 
@@ -163,15 +171,16 @@ def test_sampling_matches_the_target_distribution(setting, draft_kind):
     temperature, top_k, top_p = setting
     vocab = 12
     model = tiny_target("llama", vocab=vocab, layers=4, seed=5)
-    prompt = torch.tensor([[3, 7, 1]])
-    draft = OracleDraft(model) if draft_kind == "oracle" else NoisyDraft(32, vocab)
+    prompt = torch.tensor([[3, 7, 1]], device=DEVICE)
+    draft = OracleDraft(model) if draft_kind == "oracle" else NoisyDraft(32, vocab).to(DEVICE)
     hs = HeteroSpec(model, draft, Policy.static(3, 3, 8))
     with torch.no_grad():
         p1 = _warp(model(prompt).logits[0, -1], temperature, top_k, top_p)
         joint = torch.stack([
-            p1[a] * _warp(model(torch.cat([prompt, torch.tensor([[a]])], 1)).logits[0, -1], temperature, top_k, top_p)
+            p1[a] * _warp(model(torch.cat([prompt, torch.tensor([[a]], device=DEVICE)], 1)).logits[0, -1], temperature,
+                          top_k, top_p)
             for a in range(vocab)
-        ]).numpy().ravel()
+        ]).cpu().numpy().ravel()
     counts = np.zeros(vocab * vocab)
     n = 2000
     for seed in range(n):
@@ -322,23 +331,3 @@ def test_custom_generate_eos_from_the_generation_config():
                          draft=OracleDraft(model), policy=heterospec.Policy.static(6, 3, 16), max_new_tokens=30,
                          eos_token_id=eos, pad_token_id=0)
     assert out[0, p.shape[1]:].tolist() == ref[: ref.index(eos) + 1]
-
-
-def test_kv_compact_torch_equals_the_c_core():
-    """The torch fallback used for device caches (until the CUDA kernels land) moves the same slots."""
-    from heterospec import ops
-    from heterospec.models.target import kv_compact_torch
-
-    g = torch.Generator().manual_seed(3)
-    for prefix, path in ((0, [0, 1, 2]), (10, [0, 2, 5, 6]), (7, [0, 9]), (4, [0])):
-        a = [torch.randn(2, 3, 20, 4, generator=g) for _ in range(4)]
-        orig = [t.clone() for t in a]
-        b = [t.clone() for t in a]
-        kv_compact_torch(a, prefix, np.array(path))
-        ops.kv_compact(b, prefix, np.array(path, dtype=np.int64))
-        n = prefix + len(path)
-        for x, y, o in zip(a, b, orig):
-            assert torch.equal(x[:, :, :n], y[:, :, :n])
-            assert torch.equal(x[:, :, :prefix], o[:, :, :prefix])  # the prefix is untouched
-            for i, p in enumerate(path):                              # slot prefix + p moved to prefix + i
-                assert torch.equal(x[:, :, prefix + i], o[:, :, prefix + p])

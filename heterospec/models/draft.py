@@ -717,6 +717,20 @@ class Eagle3Draft(nn.Module):
         else:
             mask = None  # one new row sees everything
 
+        q, k, v, h, hn = self._project(hidden, input_ids, position_ids)
+        if P:
+            k = torch.cat((past_kv[0].to(k.dtype), k), dim=2)
+            v = torch.cat((past_kv[1].to(v.dtype), v), dim=2)
+        logits, h_out = self.head(self._attend(q, k, v, mask, h, hn))
+        return logits, h_out, (k, v)
+
+    def _project(self, hidden, input_ids, position_ids):
+        """The new rows' queries, keys (RoPE at their positions) and values [B, heads, S, hd], with the
+        residual input h and its norm hn."""
+        c = self.config
+        B, S = hidden.shape[0], hidden.shape[1]
+        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        position_ids = position_ids.reshape(-1, S).expand(B, S)
         m = self.midlayer
         dtype = self.dtype
         h = hidden.to(dtype)
@@ -732,6 +746,7 @@ class Eagle3Draft(nn.Module):
             q, k = att.q_norm(q), att.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
 
+        # dynamic RoPE depends on the largest position: a host read (only for rope_type "dynamic")
         seq_len = int(position_ids.max()) + 1 if (c.rope_scaling or {}).get("rope_type") == "dynamic" else 0
         inv = self._inv_freq(q.device, seq_len)
         freqs = position_ids.to(q.device, torch.float32).unsqueeze(-1) * inv      # [B, S, hd/2]
@@ -739,22 +754,51 @@ class Eagle3Draft(nn.Module):
         cos, sin = emb.cos().to(q.dtype).unsqueeze(1), emb.sin().to(q.dtype).unsqueeze(1)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
+        return q, k, v, h, hn
 
-        if P:
-            k = torch.cat((past_kv[0].to(k.dtype), k), dim=2)
-            v = torch.cat((past_kv[1].to(v.dtype), v), dim=2)
-        rep = nh // nkv
+    def _attend(self, q, k, v, mask, h, hn):
+        """Attention of q over all keys k / values v [B, nkv, P+S, hd] under ``mask``, then the MLP: the
+        layer output h2 [B, S, H]."""
+        c = self.config
+        B, S = q.shape[0], q.shape[2]
+        m = self.midlayer
+        rep = c.num_attention_heads // c.num_key_value_heads
         kr = k if rep == 1 else k.repeat_interleave(rep, dim=1)
         vr = v if rep == 1 else v.repeat_interleave(rep, dim=1)
         o = F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
-        o = att.o_proj(o.transpose(1, 2).reshape(B, S, nh * hd))
-
+        o = m.self_attn.o_proj(o.transpose(1, 2).reshape(B, S, c.num_attention_heads * c.head_dim))
         h1 = (hn if c.norm_before_residual else h) + o
-        h2 = h1 + m.mlp(m.post_attention_layernorm(h1))
+        return h1 + m.mlp(m.post_attention_layernorm(h1))
+
+    def head(self, h2):
+        """Layer output h2 [..., H] -> (logits [..., Vd] float32, h_out [..., H]): ``lm_head(norm(h2))``
+        (``lm_head(h2)`` when ``config.norm_output`` is false) and the state to feed back (``h2``, or
+        ``norm(h2)`` when ``config.norm_hidden_out``)."""
+        c = self.config
         normed = self.norm(h2)
         logits = self.lm_head(normed if c.norm_output else h2).float()
-        h_out = normed if c.norm_hidden_out else h2
-        return logits, h_out, (k, v)
+        return logits, (normed if c.norm_hidden_out else h2)
+
+    def new_cache(self, capacity, batch=1):
+        """A static key/value cache for :meth:`step`: one [2, batch, nkv, capacity, hd] tensor in the draft's
+        dtype on its device."""
+        c = self.config
+        return torch.zeros((2, batch, c.num_key_value_heads, capacity, c.head_dim), dtype=self.dtype,
+                           device=self.device)
+
+    def step(self, hidden, input_ids, position_ids, cache, slots, attn_mask):
+        """One draft step on a static cache (the engine's path; no shape depends on the sequence length).
+
+        hidden [B, S, H], input_ids [B, S] (target ids), position_ids [B, S] as in :meth:`forward`;
+        ``cache`` from :meth:`new_cache`; this step's keys and values are written at cache columns
+        ``slots`` [S] (int64, on the device); ``attn_mask`` bool [S, C] or [B, S, C] over all C cache columns
+        (True = may attend; the rows' own columns included).  Returns the layer output h2 [B, S, H]: pass the
+        rows you need through :meth:`head`."""
+        q, k, v, h, hn = self._project(hidden, input_ids, position_ids)
+        cache[0].index_copy_(2, slots, k.to(cache.dtype))
+        cache[1].index_copy_(2, slots, v.to(cache.dtype))
+        mask = attn_mask if attn_mask.dim() == 2 else attn_mask.unsqueeze(1)
+        return self._attend(q, cache[0], cache[1], mask, h, hn)
 
     def map_tokens(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids -> target ids: ``ids + d2t[ids]`` (int64, on ``d2t``'s device)."""
@@ -794,7 +838,8 @@ class Eagle3Draft(nn.Module):
         ``EaModel`` does: it deletes them); a non-identity ``d2t`` there is ignored with a warning.  When
         ``t2d`` is absent it is derived from ``d2t``.
 
-        dtype: None keeps the checkpoint's (that of ``fc.weight``).  device: None = the target
+        dtype: None = the target embedding's dtype when a target is given, else the checkpoint's (that of
+        ``fc.weight``).  device: None = the target
         embedding's device when a target is given, else CPU.
         """
         path = Path(path)
@@ -883,8 +928,8 @@ class Eagle3Draft(nn.Module):
         if problems:
             raise ValueError(f"cannot load the EAGLE-3 draft from {path}:\n" + "\n".join(f"  - {p}" for p in problems))
 
-        if dtype is None:
-            dtype = sd["fc.weight"][0].dtype
+        if dtype is None:  # the draft runs next to its target: take the target's dtype, as its device below
+            dtype = target_embedding.dtype if target_embedding is not None else sd["fc.weight"][0].dtype
         if device is None:
             device = target_embedding.device if target_embedding is not None else torch.device("cpu")
         device = torch.device(device)

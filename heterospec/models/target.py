@@ -1,17 +1,23 @@
-"""The HuggingFace target adapter: taps, tree verification on the model's own DynamicCache, KV commit.
+"""The HuggingFace target: its EAGLE-3 taps, and tree verification on a static key/value cache we own.
 
-One forward verifies a whole draft tree: the N+1 tree tokens go in with explicit ``position_ids`` (prefix
-length + depth), ``cache_position`` and a 4D additive mask whose tree block is the ancestor-or-self mask,
-so each node sees the committed prefix and exactly its ancestors.  After acceptance every layer's keys and
-values are compacted in place with :func:`heterospec.ops.kv_compact` (accepted slots moved behind the
-prefix) and the cache is cropped.  The three EAGLE-3 taps (the residual stream entering layers 2, L//2 and
-L-3 by default) are captured with forward pre-hooks, so the model never has to return all hidden states.
+One forward verifies a whole draft tree: the tree tokens go in with explicit ``position_ids`` (prefix
+length + depth) and a 4D additive mask over the whole cache, in which each node sees the committed prefix
+and exactly its ancestors.  Keys and values live in one preallocated tensor ``[2, layers, 1, kv_heads,
+capacity, head_dim]``; a forward writes its rows at the slots the engine chose (prefix length + row), and
+commit moves the accepted slots behind the prefix with :func:`heterospec.ops.kv_compact` -- one call, one
+launch on a GPU, with the prefix length a device tensor, so nothing in a cycle needs the host.
 
-Tested with transformers 5.x (Llama, Qwen2, Qwen3).
+Why our own cache: transformers' ``StaticCache`` (5.x) writes at a counter it advances on every call and
+ignores ``cache_position``, so it cannot overwrite rejected tree slots, and its layer API changed between
+5.0 and 5.23.  A 4D mask makes every supported version skip its own mask construction, so the model only
+ever calls ``update(keys, values, layer_idx, ...)`` on the cache.
+
+The three EAGLE-3 taps (the residual stream entering layers 2, L//2 and L-3 by default) are captured with
+forward pre-hooks, so the model never has to return all hidden states.
+
+Tested with transformers 5.x (Llama, Qwen2, Qwen3; sdpa and eager attention).
 """
 from __future__ import annotations
-
-import inspect
 
 import torch
 
@@ -36,40 +42,53 @@ def default_tap_layers(num_layers):
     return [2, num_layers // 2, num_layers - 3]
 
 
-def _core_has_cuda():
-    from .. import build_info
+def _cache_base():
+    from transformers import Cache
 
-    return bool(build_info().get("cuda"))
-
-
-_CORE_HAS_CUDA = _core_has_cuda()
+    return Cache
 
 
-def kv_compact_torch(tensors, prefix, path):
-    """:func:`heterospec.ops.kv_compact` in torch ops, for caches on a device the C core was not built
-    for: slots ``prefix + path[i]`` move to ``prefix + i`` along dim 2 of every [B, H, S, D] tensor."""
-    if not tensors:
-        return
-    idx = torch.as_tensor(path, dtype=torch.long).to(tensors[0].device) + prefix
-    n = idx.numel()
-    for t in tensors:
-        t[:, :, prefix:prefix + n] = t.index_select(2, idx)  # index_select copies first: overlap is safe
+class StaticKV(_cache_base()):
+    """A transformers ``Cache`` over our own storage: ``update`` writes the new keys/values of layer
+    ``layer_idx`` at cache columns ``self.slots`` (set by the caller before each forward) and returns the
+    whole layer, which the caller's 4D mask restricts.  ``Cache.__init__`` is deliberately not called: no
+    layer objects, no counters."""
+
+    is_compileable = False
+
+    def __init__(self, kv):
+        self.kv = kv
+        self.slots = None
+        self.layers = []
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = self.kv[0, layer_idx], self.kv[1, layer_idx]
+        if key_states.shape[1] != k.shape[1] or key_states.shape[3] != k.shape[3]:
+            raise ValueError(f"target cache: layer {layer_idx} produced keys {tuple(key_states.shape)}, the cache "
+                             f"holds [1, {k.shape[1]}, S, {k.shape[3]}] (num_key_value_heads / head_dim of the config)")
+        k.index_copy_(2, self.slots, key_states.to(k.dtype))
+        v.index_copy_(2, self.slots, value_states.to(v.dtype))
+        return k, v
+
+    def get_seq_length(self, layer_idx=0):
+        raise RuntimeError("target cache: the engine passes position_ids and a 4D mask, so the model should "
+                           "never ask the cache for its length")
 
 
-def _crop(cache, new_length):
-    """Crop a DynamicCache to new_length positions, across the transformers crop conventions."""
-    current = cache.get_seq_length()
-    if new_length == current:
-        return
-    param = next(iter(inspect.signature(cache.crop).parameters))
-    cache.crop(new_length - current if param == "tokens_to_remove" else new_length)
+def _kv_shape(config):
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    return c.num_hidden_layers, kv_heads, head_dim
 
 
 class TargetAdapter:
-    """Drives a HuggingFace causal LM as the speculative-decoding target (batch 1).
+    """Drives a HuggingFace causal LM as the speculative-decoding target (batch 1) on a static cache.
 
-    ``length`` is the number of committed positions whose keys/values are in the cache.
-    """
+    ``prefix`` is a one-element int64 tensor on the model's device: the number of committed positions.
+    :meth:`allocate` sizes the cache (prompt + new tokens + the largest tree); the engine calls it before
+    decoding, outside the cycle."""
 
     def __init__(self, model, tap_layers=None, capture_taps=True):
         impl = getattr(model.config, "_attn_implementation", None)
@@ -93,11 +112,13 @@ class TargetAdapter:
         if capture_taps:
             for i in self.tap_layers:
                 self._hooks.append(layers[i].register_forward_pre_hook(self._make_hook(i), with_kwargs=True))
-        self.dtype = next(model.parameters()).dtype
-        self.device = next(model.parameters()).device
+        p = next(model.parameters())
+        self.dtype, self.device = p.dtype, p.device
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.capacity = 0
+        self.kv = None
         self.cache = None
-        self.length = 0
+        self.prefix = torch.zeros(1, dtype=torch.long, device=self.device)
 
     def _make_hook(self, i):
         def hook(module, args, kwargs):
@@ -115,70 +136,56 @@ class TargetAdapter:
             return None
         return torch.cat([self._captured[i] for i in self.tap_layers], dim=-1)
 
-    def reset(self):
-        from transformers import DynamicCache
+    def allocate(self, capacity):
+        """Make room for ``capacity`` positions (kept when already large enough; never inside a cycle)."""
+        if capacity <= self.capacity:
+            return
+        layers, kv_heads, head_dim = _kv_shape(self.model.config)
+        self.kv = torch.zeros((2, layers, 1, kv_heads, capacity, head_dim), dtype=self.dtype, device=self.device)
+        self.cache = StaticKV(self.kv)
+        # one tensor for kv_compact, imported once: [2 * layers * kv_heads, capacity, head_dim]
+        self._kv_rows = ops.KVTensors([self.kv.view(-1, capacity, head_dim)])
+        self._cols = torch.arange(capacity, device=self.device)
+        self.capacity = capacity
+        self._neg = torch.finfo(self.dtype).min
 
-        try:
-            self.cache = DynamicCache(config=self.model.config)
-        except TypeError:  # older transformers
-            self.cache = DynamicCache()
-        self.length = 0
+    def _forward(self, ids, positions, slots, allowed, **kw):
+        """ids/positions [1, n], slots [n] cache columns to write, allowed bool [n, capacity]."""
+        self.cache.slots = slots
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, self._neg)
+        return self.model(input_ids=ids, position_ids=positions, cache_position=slots,
+                          attention_mask=mask.view(1, 1, *allowed.shape), past_key_values=self.cache,
+                          use_cache=True, **kw)
 
     @torch.no_grad()
     def prefill(self, input_ids):
-        """Run the prompt [1, S]; returns (logits of the last position [V] float32, taps [1, S, 3H] or None)."""
-        self.reset()
+        """Run the prompt [1, S] (the cache must hold S positions); returns (logits of the last position [V]
+        float32, taps [1, S, 3H] or None).  Sets ``prefix`` to S."""
         S = input_ids.shape[1]
-        out = self.model(
-            input_ids=input_ids,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        self.length = S
+        if S > self.capacity:
+            self.allocate(S)
+        rows = self._cols[:S]
+        allowed = self._cols.view(1, -1) <= rows.view(-1, 1)        # causal over the prompt
+        out = self._forward(input_ids, rows.view(1, S), rows, allowed, logits_to_keep=1)
+        self.prefix.fill_(S)
         return out.logits[0, -1].float(), self._taps()
 
     @torch.no_grad()
     def verify(self, tree_tokens, tree_depths, tree_mask):
-        """One forward over a verification tree. tree_tokens/tree_depths [n] int64, tree_mask [n, n] bool.
-
-        Returns (logits [n, V] float32, taps [1, n, 3H] or None).  The tree's keys/values are appended to the
-        cache at slots length .. length+n-1 until :meth:`commit`."""
+        """One forward over a verification tree: tree_tokens/tree_depths [n] int64, tree_mask [n, n] bool
+        (ancestor-or-self), all on the model's device.  Rows are written at cache columns prefix .. prefix+n-1
+        (until :meth:`commit`).  Returns (logits [n, V] float32, taps [1, n, 3H] or None)."""
         n = tree_tokens.shape[0]
-        P = self.length
-        if self.max_positions is not None and P + n > self.max_positions:
-            raise ValueError(
-                f"target: the sequence would need {P + n} positions, more than max_position_embeddings "
-                f"= {self.max_positions}"
-            )
-        ids = tree_tokens.view(1, n).to(self.device)
-        position_ids = (tree_depths + P).view(1, n).to(self.device)
-        cache_position = torch.arange(P, P + n, device=self.device)
-        mask = torch.zeros((1, 1, n, P + n), dtype=self.dtype, device=self.device)
-        mask[0, 0, :, P:].masked_fill_(~tree_mask.to(self.device), torch.finfo(self.dtype).min)
-        out = self.model(
-            input_ids=ids,
-            position_ids=position_ids,
-            cache_position=cache_position,
-            attention_mask=mask,
-            past_key_values=self.cache,
-            use_cache=True,
-        )
+        P = self.prefix
+        slots = P + self._cols[:n]
+        allowed = (self._cols < P).expand(n, self.capacity).clone()
+        allowed.scatter_(1, slots.expand(n, n), tree_mask)           # the tree block: ancestors and self
+        out = self._forward(tree_tokens.view(1, n), (tree_depths + P).view(1, n), slots, allowed)
         return out.logits[0].float(), self._taps()
 
-    def kv_tensors(self):
-        layers = getattr(self.cache, "layers", None)
-        if layers is not None:
-            return [t for layer in layers for t in (layer.keys, layer.values)]
-        return list(self.cache.key_cache) + list(self.cache.value_cache)  # transformers 4.x
-
-    def commit(self, path):
-        """Keep the tree slots of ``path`` (tree node indices, ascending, starting with the root): move them
-        behind the committed prefix in every layer and crop the rest."""
-        kv = self.kv_tensors()
-        if kv and kv[0].device.type != "cpu" and not _CORE_HAS_CUDA:
-            kv_compact_torch(kv, self.length, path)  # until the CUDA kernels land: torch ops on the device
-        else:
-            ops.kv_compact(kv, self.length, path)
-        self.length += int(path.shape[0])
-        _crop(self.cache, self.length)
+    def commit(self, path, length, *, check=True):
+        """Keep the tree slots of ``path`` (tree node indices, ascending from the root, padded with -1 as the
+        verify ops' device outputs are): move them behind the committed prefix in every layer and advance
+        ``prefix`` by ``length`` (a 0-d / 1-element device tensor)."""
+        ops.kv_compact(self._kv_rows, self.prefix, path, check=check)
+        self.prefix += length

@@ -14,16 +14,122 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections import Counter, defaultdict
 
 import numpy as np
 import torch
 
 from .. import ops
-from ..engine.loop import CandidateTree, HeteroSpec, grow_tree
+from ..engine import HeteroSpec
 from ..models.target import TargetAdapter, _decoder_layers
 
 TRACE_VERSION = 1
+
+
+# ---- the recorded trees --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class CandidateTree:
+    """All candidates of one cycle's draft tree, numbered level by level (the root expansion's K first,
+    then K*K per level), so the tree grown to fewer levels is a prefix of these arrays."""
+
+    tokens: np.ndarray        # int64 [M] target-vocabulary ids
+    scores: np.ndarray        # float32 [M] cumulative log-probabilities
+    parents: np.ndarray       # int64 [M] candidate index of the parent, -1 under the root
+    row_entropy: np.ndarray   # float32 [1 + fed rows]: top-K entropy of each draft row (row 0: the root)
+    row_of: np.ndarray        # int64 [M] fed row of a candidate that became a beam, else -1
+    level_best: np.ndarray    # int64 [levels + 1]: the best-scoring candidate of each level
+    top_k: int
+
+    def size(self, levels):
+        """Number of candidates in the tree grown to ``levels`` levels after the root expansion."""
+        return self.top_k + self.top_k * self.top_k * levels
+
+    def path_entropy(self, levels):
+        """Cumulative top-K entropy (paper Eq. 1) along P* at ``levels``: P* is the path to the
+        best-scoring candidate of that level; the sum runs over the distributions that produced its tokens
+        (the root row and the row of every ancestor).  A walk over depth, not over nodes."""
+        rows = []
+        c = int(self.parents[self.level_best[levels]])
+        while c >= 0:
+            rows.append(1 + int(self.row_of[c]))
+            c = int(self.parents[c])
+        h = float(self.row_entropy[0])
+        for r in reversed(rows):  # root-down, in float64: the engine's order, so both pick the same bin
+            h += float(self.row_entropy[r])
+        return h
+
+
+def grow_tree(draft, kv, root_logits, h_root, P, K, base_depth, d2t, decide=None, stats=None):
+    """Grow one cycle's draft tree on the host for a trace (EAGLE-2/3 dynamic tree, one draft forward +
+    one ``ops.expand`` per level; the engine grows the same tree on the device, heterospec.engine.tree).  ``kv`` is the draft cache of the committed prefix (P positions); ``root_logits`` [1, Vd] and
+    ``h_root`` [1, H] are the draft's output at the last committed position.  After ``base_depth`` levels
+    ``decide(path_entropy)`` (if given) returns how many extra levels to grow."""
+    t1 = time.perf_counter()
+    tok, sc, par, ent, beams = ops.expand(root_logits.float().cpu().numpy(), np.zeros(1, np.float32),
+                                          np.full(1, -1, np.int64), K, d2t, 0)
+    ops_s = time.perf_counter() - t1
+    draft_s = 0.0
+    tokens, scores, parents, src = [tok], [sc], [par], [np.full(K, -1, np.int64)]
+    row_entropy = [ent]                  # per fed row: entropy of its distribution (row 0: the root)
+    row_of = np.full(K, -1, np.int64)    # candidate -> fed tree row (-1: not fed)
+    level_best = [int(beams[0])]
+    h_rows = h_root                      # hidden inputs by source row: index 0 = the root's output
+    dev = h_root.device
+    tree_mask = torch.zeros((0, 0), dtype=torch.bool, device=dev)
+    n_rows, offset, level, depth = 0, K, 0, base_depth
+    candidate = None
+    while level < depth:
+        level += 1
+        all_scores = np.concatenate(scores)
+        all_tokens = np.concatenate(tokens)
+        all_parents = np.concatenate(parents)
+        all_src = np.concatenate(src)
+        # the beams' inputs: their own token, the draft output of the row that produced them
+        t0 = time.perf_counter()
+        parent_rows = np.where(all_parents[beams] >= 0, row_of[np.maximum(all_parents[beams], 0)], -1)
+        prow = torch.from_numpy(parent_rows).to(dev)
+        new_mask = torch.zeros((K, n_rows + K), dtype=torch.bool, device=dev)
+        if n_rows:
+            has = prow >= 0
+            new_mask[has, :n_rows] = tree_mask[prow[has]]
+        new_mask[:, n_rows:] = torch.eye(K, dtype=torch.bool, device=dev)
+        full_mask = torch.cat([torch.ones((K, P), dtype=torch.bool, device=dev), new_mask], dim=1)
+        hid = h_rows[torch.from_numpy(all_src[beams] + 1).to(dev)].unsqueeze(0)
+        ids = torch.from_numpy(all_tokens[beams]).to(dev).view(1, K)
+        pos = torch.full((1, K), P + level - 1, dtype=torch.long, device=dev)
+        lg, hl, kv = draft(hid, ids, pos, past_kv=kv, attn_mask=full_mask)
+        draft_s += time.perf_counter() - t0
+        # bookkeeping of the fed rows
+        grown = torch.zeros((n_rows + K, n_rows + K), dtype=torch.bool, device=dev)
+        grown[:n_rows, :n_rows] = tree_mask
+        grown[n_rows:] = new_mask
+        tree_mask = grown
+        row_of = np.concatenate([row_of, np.full(K * K, -1, np.int64)])
+        row_of[beams] = n_rows + np.arange(K)
+        h_rows = torch.cat([h_rows, hl[0]], dim=0)
+        t1 = time.perf_counter()
+        tok, sc, par, ent, nbeams = ops.expand(lg[0].float().cpu().numpy(), all_scores[beams], beams, K, d2t,
+                                               offset)
+        ops_s += time.perf_counter() - t1
+        tokens.append(tok), scores.append(sc), parents.append(par), row_entropy.append(ent)
+        src.append(n_rows + np.repeat(np.arange(K), K))  # each child's hidden: its parent beam's row
+        n_rows += K
+        offset += K * K
+        beams = nbeams
+        level_best.append(int(nbeams[0]))
+        if level == base_depth and decide is not None:
+            candidate = CandidateTree(np.concatenate(tokens), None, np.concatenate(parents),
+                                      np.concatenate(row_entropy), row_of, np.array(level_best), K)
+            depth = base_depth + decide(candidate.path_entropy(base_depth))
+    if stats is not None:
+        stats.draft_s += draft_s
+        stats.ops_s += ops_s
+    return CandidateTree(np.concatenate(tokens), np.concatenate(scores), np.concatenate(parents),
+                         np.concatenate(row_entropy), row_of, np.array(level_best, dtype=np.int64), K)
+
 
 
 @dataclasses.dataclass

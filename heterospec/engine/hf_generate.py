@@ -1,0 +1,51 @@
+"""``model.generate(..., custom_generate=heterospec.custom_generate)``: the engine behind HuggingFace's
+generate loop."""
+from __future__ import annotations
+
+import torch
+
+from .loop import HeteroSpec
+
+# processors that only warp the distribution the way verify_sample already does (we apply those ourselves);
+# anything else changes the distribution per position (penalties, bans, forced tokens, min length...) and
+# is refused rather than silently ignored
+_WARPERS = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper"}
+_OWN_CRITERIA = {"MaxLengthCriteria", "EosTokenCriteria", "MaxTimeCriteria"}
+
+
+def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
+                    draft=None, policy=None, seed=None, streamer=None, **model_kwargs):
+    """``model.generate(input_ids, custom_generate=heterospec.custom_generate, draft=..., policy=...)``.
+
+    Needs a transformers release whose ``generate`` accepts a callable ``custom_generate`` (5.x; tested
+    with 5.23).  Honours max_new_tokens / max_length, do_sample, temperature, top_k, top_p and the eos ids
+    of the generation config; refuses logits processors that would change the distribution per position
+    (repetition penalty, bad words, min length, ...) with a ValueError.  Batch 1, no padding.
+    Returns the sequences [1, S + new]."""
+    gc = generation_config
+    extra = [type(p).__name__ for p in (logits_processor or []) if type(p).__name__ not in _WARPERS]
+    if extra:
+        raise ValueError(
+            f"custom_generate: logits processors {extra} would change the target's distribution per position, "
+            f"which speculative acceptance cannot reproduce losslessly; remove them from the generation config"
+        )
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"custom_generate: argument 'input_ids' expected batch size 1, got {input_ids.shape[0]}")
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool((mask == 1).all()):
+        raise ValueError("custom_generate: argument 'attention_mask' expected no padding (all ones)")
+    if gc.max_new_tokens is not None:
+        max_new = gc.max_new_tokens
+    else:
+        max_new = gc.max_length - input_ids.shape[1]
+    sample = bool(gc.do_sample)
+    eos = gc.eos_token_id
+    eos = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in torch.as_tensor(eos).view(-1)])
+    criteria = [c for c in (stopping_criteria or []) if type(c).__name__ not in _OWN_CRITERIA]
+    with HeteroSpec(model, draft, policy) as hs:
+        seq, _ = hs.generate(
+            input_ids, max_new_tokens=max_new,
+            temperature=float(gc.temperature if gc.temperature is not None else 1.0) if sample else 0.0,
+            top_k=int(gc.top_k or 0) if sample else 0, top_p=float(gc.top_p if gc.top_p is not None else 1.0) if sample else 1.0,
+            eos_token_id=eos, stopping_criteria=criteria, streamer=streamer, seed=seed)
+    return seq.to(input_ids.device)
