@@ -90,6 +90,12 @@ def test_build_methods_and_their_errors():
     assert m["ar"] == Policy.autoregressive() and m["eagle3"] == Policy.static(7, 10, 60)
     assert m["eagle3-tuned"] is tuned and m["heterospec"] is prof and m["heterospec-tuned"] is hs_tuned
     assert m["heterospec-paper"] == Policy.paper(7, 10, 60, THRESHOLDS)  # the paper's rule on the profile's bins
+    assert m["hf"] == bench.HFMethod("hf") and m["hf-static"].cache_implementation == "static"
+    assert m["hf-lookup"].prompt_lookup_num_tokens == 10 and not m["hf-lookup"].drafts
+    # the HuggingFace baselines need no draft
+    assert [n for n, _ in bench.build_methods(["ar", "hf", "hf-static", "hf-lookup"])] == ["ar", *bench.HF_METHODS]
+    with pytest.raises(ValueError, match="argument 'methods' expected distinct names from .*hf-lookup.*got hf, hf-compiled"):
+        bench.build_methods(["hf", "hf-compiled"])
     with pytest.raises(ValueError, match="argument 'methods' expected distinct names from .*got ar, medusa"):
         bench.build_methods(["ar", "medusa"])
     with pytest.raises(ValueError, match="argument 'methods'"):
@@ -160,8 +166,13 @@ def test_bench_command_writes_json_tables_plots_and_answers(tmp_path):
             assert list(by_m) == names
             for n, m in by_m.items():
                 assert m["questions"] == 2 and m["turns"] == (4 if b == "chat" else 2)
-                assert m["new_tokens"] > 0 and m["seconds"] > 0 and m["verification_calls"] > 0
-                assert m["speedup"] > 0 and len(m["per_question_tokens_per_s"]) == 2
+                assert m["new_tokens"] > 0 and m["seconds"] > 0 and m["speedup"] > 0 and m["speedup_over_hf"] > 0
+                assert len(m["per_question_tokens_per_s"]) == 2
+                if n in bench.HF_METHODS:  # no draft, no verification calls: None, never a made-up number
+                    assert m["tau"] is m["verification_calls"] is m["verified_tokens"] is m["time_split_s"] is None
+                    assert m["bins"] == {} and run["mean"][n]["tau"] is None
+                    continue
+                assert m["verification_calls"] > 0
                 assert set(m["time_split_s"]) == {"prefill", "draft", "verify", "ops", "loop"}
                 assert abs(sum(m["time_split_share"].values()) - 1) < 1e-6
                 if n.startswith("heterospec") and (n != "heterospec-tuned" or ht["thresholds"]):
@@ -172,14 +183,27 @@ def test_bench_command_writes_json_tables_plots_and_answers(tmp_path):
             ar = by_m["ar"]
             assert ar["speedup"] == 1.0 and ar["tau"] == 1.0 and ar["verified_tokens"] == ar["verification_calls"]
             assert by_m["eagle3"]["verified_tokens"] > by_m["eagle3"]["verification_calls"]  # trees of many nodes
+            assert by_m[run["strongest_hf"]]["speedup_over_hf"] == 1.0
+        # the strongest HF baseline: the best mean tokens/s of the three; hf-static warmed up, not compiled on a CPU
+        assert run["strongest_hf"] == max(bench.HF_METHODS, key=lambda n: run["mean"][n]["tokens_per_s"])
+        assert set(run["warmup_s"]) == set(names) and all(v > 0 for v in run["warmup_s"].values())
+        assert run["hf_static"]["compiled"] is False and run["hf_static"]["static_cache_len"] > 10
+        assert r["methods"]["hf-static"]["cache_implementation"] == "static"
     assert r["runs"][0]["mismatches"] == [] and r["runs"][1]["mismatches"] == []  # only checked at T=0
-    # the markdown: Table-1 layout, one row per method, and the identical-output line
+    # the markdown: Table-1 layout (with the speedup over the strongest HF baseline), one row per method, and
+    # the identical-output line
     md = (out / "results.md").read_text()
-    assert "| Method | chat speedup | chat τ | code speedup | code τ | Mean speedup | Mean τ |" in md
+    hf = r["runs"][0]["strongest_hf"]
+    assert (f"| Method | chat speedup | chat vs {hf} | chat τ | code speedup | code vs {hf} | code τ | Mean speedup | "
+            f"Mean vs {hf} | Mean τ |") in md
+    assert f"over {hf} (the strongest HuggingFace baseline in this run" in md
+    assert "hf-static on cpu: static cache of" in md and "not compiled" in md and "Warm-up before the timed run" in md
+    assert "| hf | – | – | – | – | – | – |" in md  # no verification calls for a baseline
     assert "Temperature 1" in md
     for n in names:
         assert md.count(f"| {n} | ") >= 2 * 2 + 2 * 2  # two tables per temperature + time-split rows
-    assert "Identical greedy outputs across ar, eagle3, eagle3-tuned, heterospec-paper, heterospec, heterospec-tuned" in md
+    assert ("Identical greedy outputs across ar, hf, hf-static, hf-lookup, eagle3, eagle3-tuned, heterospec-paper, "
+            "heterospec, heterospec-tuned") in md
     assert "heterospec-tuned: on that base tree, entropy bins" in md
     assert md in res.stdout
     for png in ("speedup.png", "tau_vs_verified.png", "bins.png", "speedup_t1.png", "bins_t1.png"):
@@ -230,6 +254,154 @@ def test_bench_outputs_equal_the_targets_greedy_answers_turn_by_turn(tmp_path):
     assert r["mismatches"] == []
 
 
+# ---- the HuggingFace baselines --------------------------------------------------------------------------------
+
+HF_ALL = ["ar", *bench.HF_METHODS]
+
+
+def _tiny(tmp_path):
+    model, tok = save_tiny_pair(tmp_path)
+    return model, tok, bench.load_questions(_questions(tmp_path), limit=2)
+
+
+def test_hf_baselines_run_and_their_greedy_tokens_equal_ars(tmp_path):
+    """hf, hf-static and hf-lookup through model.generate: the same tokens as ar at T=0 in fp32 (both turns,
+    the second after each method's own first answer), the table's fields where they apply and None where
+    they do not, warm-up times apart, and hf-static uncompiled on the CPU as transformers leaves it."""
+    model, tok, qs = _tiny(tmp_path)
+    r = bench.run_bench(model, tok, None, bench.build_methods(HF_ALL), qs, max_new_tokens=12, warmup_tokens=3,
+                        eos_token_id=tok.eos_token_id)
+    assert r["mismatches"] == []
+    by = {}
+    for a in r["answers"]:
+        by.setdefault((a["bench"], a["question_id"]), {})[a["method"]] = (a["turns"], a["new_tokens"])
+    for key, per_method in by.items():
+        assert set(per_method) == set(HF_ALL)
+        for n in bench.HF_METHODS:
+            assert per_method[n] == per_method["ar"], (key, n)
+    for n in bench.HF_METHODS:
+        for b in qs:
+            m = r["files"][b][n]
+            assert m["new_tokens"] == r["files"][b]["ar"]["new_tokens"] and m["tokens_per_s"] > 0 and m["speedup"] > 0
+            assert m["tau"] is None and m["verification_calls"] is None and m["verified_tokens"] is None
+            assert m["time_split_share"] is None and m["bins"] == {}
+        assert r["mean"][n]["tau"] is None and r["mean"][n]["verification_calls"] is None
+    assert r["mean"]["ar"]["tau"] == 1.0 and r["mean"]["ar"]["verification_calls"] > 0
+    assert set(r["warmup_s"]) == set(HF_ALL)
+    assert r["hf_static"]["compiled"] is False and r["hf_static"]["device"] == "cpu"
+    # the static cache holds the longest conversation: longest prompt + two answers of 12 (+ margin)
+    assert r["hf_static"]["static_cache_len"] >= max(bench.encode_turn(tok, q["turns"], [""] * (len(q["turns"]) - 1)).shape[1]
+                                                     for b in qs for q in qs[b]) + 2 * 12
+    assert r["strongest_hf"] in bench.HF_METHODS
+
+
+def test_hf_baselines_stop_at_the_same_eos_and_budget_as_the_engine(tmp_path):
+    """EOS ids (an int or a list) and max_new_tokens as the engine: tokens up to and including the first
+    EOS, the count includes it; without EOS ids, exactly max_new_tokens tokens."""
+    model, tok, _ = _tiny(tmp_path)
+    ids = tok("w5 w17 w3 w40", return_tensors="pt")["input_ids"]
+    with HeteroSpec(model, None, Policy.autoregressive()) as hs:
+        free, st = hs.generate(ids, max_new_tokens=16)
+        new = free[0, ids.shape[1]:].tolist()
+        assert st.new_tokens == 16
+        eos = new[5]  # a token the model does say: its first appearance ends the answer
+        stop = new.index(eos) + 1
+        for e in (eos, [96, eos]):
+            seq, st = hs.generate(ids, max_new_tokens=16, eos_token_id=e)
+            assert st.new_tokens == stop and seq[0, ids.shape[1]:].tolist() == new[:stop]
+    for n in bench.HF_METHODS:
+        g = bench.HFGenerate(model, bench.HF_BASELINES[n], pad_token_id=0)
+        seq, st = g.generate(ids, max_new_tokens=16)
+        assert st.new_tokens == 16 and seq[0, ids.shape[1]:].tolist() == new, n
+        for e in (eos, [96, eos]):
+            seq, st = g.generate(ids, max_new_tokens=16, eos_token_id=e)
+            assert st.new_tokens == stop and seq[0, ids.shape[1]:].tolist() == new[:stop], (n, e)
+        seq, st = g.generate(ids, max_new_tokens=3, eos_token_id=eos)
+        assert st.new_tokens == 3 and seq[0, ids.shape[1]:].tolist() == new[:3], n
+
+
+def test_hf_baselines_ignore_the_checkpoints_generation_config(tmp_path):
+    """A checkpoint's generation config (repetition penalty, min length, sampling defaults) and forward
+    hooks on its layers change nothing: the baselines decode what the engine decodes; the model is left as
+    it was.  At T > 0 they sample, reproducibly per seed, within the budget."""
+    model, tok, _ = _tiny(tmp_path)
+    ids = tok("w9 w2 w33", return_tensors="pt")["input_ids"]
+    with HeteroSpec(model, None, Policy.autoregressive()) as hs:
+        ref = hs.generate(ids, max_new_tokens=10)[0][0].tolist()
+    gc = model.generation_config
+    gc.repetition_penalty, gc.min_new_tokens, gc.do_sample, gc.top_k = 3.0, 10, True, 2
+    # a forward pre-hook on a layer, as an open drafting engine puts there to capture hidden states: off
+    # during the baselines' calls, back afterwards
+    calls = []
+    handle = model.model.layers[1].register_forward_pre_hook(lambda m, a: calls.append(1))
+    try:
+        for n in bench.HF_METHODS:
+            g = bench.HFGenerate(model, bench.HF_BASELINES[n], pad_token_id=0)
+            assert g.generate(ids, max_new_tokens=10)[0][0].tolist() == ref, n
+            a, sa = g.generate(ids, max_new_tokens=10, temperature=1.5, seed=7)
+            b, _ = g.generate(ids, max_new_tokens=10, temperature=1.5, seed=7)
+            assert a.tolist() == b.tolist() and 1 <= sa.new_tokens <= 10 and a.shape[1] == ids.shape[1] + sa.new_tokens
+            assert model.generation_config is gc and gc.repetition_penalty == 3.0
+        assert calls == []
+        model(ids)
+        assert calls == [1]
+    finally:
+        handle.remove()
+        gc.repetition_penalty, gc.min_new_tokens, gc.do_sample, gc.top_k = 1.0, None, False, 50
+
+
+def test_speedup_over_the_strongest_hf_baseline_is_computed_from_the_measured_numbers():
+    """The strongest HF baseline is the one with the best mean tokens/s; each row's speedup over it is, per
+    file, the mean over questions of the ratio of tokens/s (as the speedup over ar), and in the Mean column
+    the mean over files."""
+    def row(q_tps):
+        return {"per_question_tokens_per_s": q_tps, "tokens_per_s": sum(q_tps) / len(q_tps)}
+
+    files = {"a": {"ar": row([10.0, 20.0]), "hf": row([20.0, 20.0]), "hf-static": row([40.0, 10.0]),
+                   "eagle3": row([30.0, 50.0])},
+             "b": {"ar": row([10.0]), "hf": row([10.0]), "hf-static": row([20.0]), "eagle3": row([30.0])}}
+    mean = {n: {"tokens_per_s": (files["a"][n]["tokens_per_s"] + files["b"][n]["tokens_per_s"]) / 2} for n in files["a"]}
+    # mean tokens/s: hf (20 + 10) / 2 = 15, hf-static (25 + 20) / 2 = 22.5 -> hf-static
+    assert bench.add_speedup_over_hf(files, mean) == "hf-static"
+    assert files["a"]["eagle3"]["speedup_over_hf"] == pytest.approx((30 / 40 + 50 / 10) / 2)
+    assert files["b"]["eagle3"]["speedup_over_hf"] == pytest.approx(30 / 20)
+    assert mean["eagle3"]["speedup_over_hf"] == pytest.approx(((30 / 40 + 50 / 10) / 2 + 1.5) / 2)
+    assert files["a"]["ar"]["speedup_over_hf"] == pytest.approx((10 / 40 + 20 / 10) / 2)
+    assert files["a"]["hf-static"]["speedup_over_hf"] == mean["hf-static"]["speedup_over_hf"] == 1.0
+    assert files["b"]["hf"]["speedup_over_hf"] == pytest.approx(0.5)
+    # a question the baseline did not time (0 tokens/s) is left out, as for ar
+    files["b"]["hf-static"]["per_question_tokens_per_s"] = [0.0]
+    bench.add_speedup_over_hf(files, mean)
+    assert files["b"]["eagle3"]["speedup_over_hf"] is None
+    assert mean["eagle3"]["speedup_over_hf"] == pytest.approx((30 / 40 + 50 / 10) / 2)
+    # no HF baseline in the run: None everywhere, and the markdown keeps the table without the column
+    del mean["hf"], mean["hf-static"]
+    for b in files:
+        del files[b]["hf"], files[b]["hf-static"]
+    assert bench.add_speedup_over_hf(files, mean) is None
+    assert mean["eagle3"]["speedup_over_hf"] is None and files["a"]["ar"]["speedup_over_hf"] is None
+
+
+def test_a_broken_hf_baseline_is_reported_as_a_mismatch(tmp_path, monkeypatch):
+    model, tok, qs = _tiny(tmp_path)
+    real = bench.HFGenerate.generate
+
+    def broken(self, input_ids, **kw):
+        seq, st = real(self, input_ids, **kw)
+        if self.method.name == "hf-lookup" and kw["max_new_tokens"] > 4:
+            seq = seq.clone()
+            seq[0, input_ids.shape[1] + 1] = (seq[0, input_ids.shape[1] + 1] + 1) % 97
+        return seq, st
+
+    monkeypatch.setattr(bench.HFGenerate, "generate", broken)
+    qs = {"code": qs["code"]}
+    r = bench.run_bench(model, tok, None, bench.build_methods(["ar", "hf", "hf-lookup"]), qs, max_new_tokens=6,
+                        warmup_tokens=2, eos_token_id=tok.eos_token_id)
+    assert r["mismatches"] == [{"bench": "code", "question_id": i, "turn": 0, "method": "hf-lookup", "reference": "ar",
+                                "first_diff": 1} for i in range(2)]
+    assert "hf_static" not in r
+
+
 def test_bench_reports_a_mismatch_when_a_method_is_broken(tmp_path, monkeypatch, capsys):
     """A method whose output differs from ar's (here: eagle3's third new token changed) is reported in the
     JSON, the markdown and the exit status."""
@@ -265,6 +437,12 @@ def test_bench_command_refuses_bad_arguments(tmp_path):
     pair = _pair(tmp_path)
     qfiles = [str(p) for p in _questions(tmp_path)]
     base = [sys.executable, "-m", "heterospec", "bench", *pair, "--out", str(tmp_path / "o")]
+    # an unknown method: one line, exit status 2 (a usage error)
+    res = subprocess.run(base + ["--questions", *qfiles, "--methods", "ar,hf-compiled"], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        "heterospec bench: argument 'methods' expected distinct names from " + ", ".join(bench.METHODS)
+        + ", got ar, hf-compiled"], res.stderr
     for extra, needle in (
         (["--questions", *qfiles, "--methods", "ar,beam"], "argument 'methods' expected distinct names"),
         (["--questions", str(tmp_path / "none.jsonl")], "cannot read question file"),
@@ -325,12 +503,13 @@ def test_bench_on_the_default_target_with_tuning(tmp_path):
     res = subprocess.run([sys.executable, "-m", "heterospec", "bench", "--questions", *qfiles, "--limit", "1",
                           "--max-new-tokens", "12", "--tune-prompts", str(tune), "--tune-limit", "2",
                           "--tune-max-new-tokens", "10", "--out", str(tmp_path / "out")],
-                         capture_output=True, text=True, timeout=900, env=dict(os.environ))
+                         capture_output=True, text=True, timeout=1800, env=dict(os.environ))
     assert res.returncode == 0, res.stdout + res.stderr
     r = json.loads((tmp_path / "out" / "results.json").read_text())
     assert r["models"]["target"] == "SmolLM2-135M-Instruct" and r["runs"][0]["mismatches"] == []
     assert r["tuning"]["chosen"]["nodes"] in bench.TUNE_NODES and len(r["tuning"]["grid"]) == 88
-    assert "Identical greedy outputs across ar, eagle3, eagle3-tuned, heterospec-paper, heterospec, heterospec-tuned" in res.stdout
+    assert ("Identical greedy outputs across ar, hf, hf-static, hf-lookup, eagle3, eagle3-tuned, heterospec-paper, "
+            "heterospec, heterospec-tuned") in res.stdout
 
 
 def _questions_text(root):

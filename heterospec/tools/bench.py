@@ -18,9 +18,23 @@ same).  Methods:
   and cost model (entropy bins fitted on the trace at that base depth, per-bin extra depth and kept nodes
   optimised) -- HeteroSpec on top of the machine's best static tree rather than EAGLE-3's default one.
 
-Metrics (DESIGN.md §7): tokens/s = new tokens / decoding wall time (prefill included, after a warm-up;
-CUDA events on a GPU); speedup = the mean over questions of (the method's tokens/s / ar's), a question's
-tokens/s pooling its turns as EAGLE's ``speed.py`` does; tau = committed tokens / verification calls (the
+and the strongest baselines a HuggingFace user already has, no draft, timed with the same timer on the same
+prompts and budget (DESIGN.md §7), through ``model.generate`` with the same EOS ids, ``max_new_tokens``
+and temperature semantics (top-k and top-p off, nothing else from the model's generation config):
+
+- ``hf``: greedy (sampling at T > 0) with the default dynamic cache;
+- ``hf-static``: ``cache_implementation="static"``; transformers compiles the forward (CUDA graphs) where
+  its own criterion says so (on CUDA, not on the CPU), and whether it did is recorded; the warm-up sizes
+  the static cache for the longest conversation of the run, so the timed calls reuse one compiled shape;
+- ``hf-lookup``: prompt-lookup decoding (``prompt_lookup_num_tokens=10``).
+
+They have no verification calls, tau or time split: those are ``None`` in the JSON and '–' in the tables.
+
+Metrics (DESIGN.md §7): tokens/s = new tokens (up to and including EOS) / decoding wall time (prefill
+included, after a warm-up whose time is reported apart; CUDA events on a GPU); speedup = the mean over
+questions of (the method's tokens/s / ar's), a question's tokens/s pooling its turns as EAGLE's ``speed.py``
+does; speedup over HF = the same ratio against the strongest HuggingFace baseline of the run (of ``hf``,
+``hf-static``, ``hf-lookup``, the one with the best mean tokens/s); tau = committed tokens / verification calls (the
 bonus token counts); verification calls and verified tokens; per entropy bin the share of cycles and the
 mean accepted length; the time split into prefill / drafting / verifying / ops / the rest of the loop.
 At temperature 0 every method's tokens are checked against the first method's, and any difference is
@@ -32,6 +46,8 @@ and PNG plots (``speedup.png``, ``tau_vs_verified.png``, ``bins.png``).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -43,7 +59,8 @@ from collections import Counter
 from .prompts import encode_turn, read_prompts
 
 SCHEMA = "heterospec.bench/1"
-METHODS = ("ar", "eagle3", "eagle3-tuned", "heterospec-paper", "heterospec", "heterospec-tuned")
+HF_METHODS = ("hf", "hf-static", "hf-lookup")
+METHODS = ("ar", *HF_METHODS, "eagle3", "eagle3-tuned", "heterospec-paper", "heterospec", "heterospec-tuned")
 BENCHMARKS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum")
 LABELS = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "alpaca": "Alpaca",
           "sum": "CNN/DM"}
@@ -120,15 +137,36 @@ def check_method_names(names):
                          f"{', '.join(names) if names else 'none'}")
 
 
+@dataclasses.dataclass(frozen=True)
+class HFMethod:
+    """A HuggingFace ``model.generate`` baseline (no draft): its cache and prompt-lookup setting."""
+
+    name: str
+    cache_implementation: str | None = None  # None: transformers' default dynamic cache
+    prompt_lookup_num_tokens: int | None = None
+    drafts = False
+
+    def as_dict(self):
+        return {"baseline": "transformers model.generate", "cache_implementation": self.cache_implementation or "dynamic",
+                "prompt_lookup_num_tokens": self.prompt_lookup_num_tokens}
+
+
+HF_BASELINES = {"hf": HFMethod("hf"), "hf-static": HFMethod("hf-static", cache_implementation="static"),
+                "hf-lookup": HFMethod("hf-lookup", prompt_lookup_num_tokens=10)}
+
+
 def build_methods(names, *, draft=None, profile=None, tuned=None, tuned_profile=None):
-    """[(name, Policy)] for ``names`` (a subset of :data:`METHODS`, in the given order).  ``profile``: the
-    calibrated Policy (for ``heterospec``, and the bins of ``heterospec-paper``); ``tuned``: the Policy of
-    ``eagle3-tuned``; ``tuned_profile``: that of ``heterospec-tuned``."""
+    """[(name, Policy or HFMethod)] for ``names`` (a subset of :data:`METHODS`, in the given order).
+    ``profile``: the calibrated Policy (for ``heterospec``, and the bins of ``heterospec-paper``); ``tuned``:
+    the Policy of ``eagle3-tuned``; ``tuned_profile``: that of ``heterospec-tuned``."""
     from ..policy import Policy
 
     check_method_names(names)
     out = []
     for n in names:
+        if n in HF_BASELINES:
+            out.append((n, HF_BASELINES[n]))
+            continue
         if n != "ar" and draft is None:
             raise ValueError(f"bench: method {n!r} needs a draft head (--draft)")
         if n == "ar":
@@ -244,27 +282,186 @@ class Timer:
         return r, time.perf_counter() - t0
 
 
+# ---- HuggingFace baselines ------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class BaselineStats:
+    """What a ``model.generate`` call tells us: the new tokens (up to and including EOS) and, for
+    ``hf-static``'s warm-up, whether transformers compiled the forward (None: not known)."""
+
+    new_tokens: int = 0
+    compiled: bool | None = None
+
+
+def _eos_list(eos_token_id):
+    if eos_token_id is None:
+        return []
+    return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called")
+
+
+@contextlib.contextmanager
+def _plain_model(model):
+    """The model as a user has it during a baseline's call:
+    - its generation config swapped for transformers' defaults, so that nothing from the checkpoint's config
+      (repetition penalty, min length, its EOS or sampling defaults, ...) changes what the baseline decodes,
+      which is what our engine decodes (every setting is passed explicitly);
+    - no forward hooks on its modules: the open engines of the other methods capture the draft's hidden
+      states with forward pre-hooks on the target's layers, which would cost the baseline time (and break
+      the graph transformers compiles on CUDA).
+    Both are put back afterwards."""
+    import collections
+
+    from transformers import GenerationConfig
+
+    saved = model.generation_config
+    stashed = []
+    for m in model.modules():
+        for attr in _HOOK_DICTS:
+            d = getattr(m, attr, None)
+            if d:
+                stashed.append((m, attr, d))
+                setattr(m, attr, collections.OrderedDict())
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+        for m, attr, d in stashed:
+            setattr(m, attr, d)
+
+
+@contextlib.contextmanager
+def _compile_spy(model, seen):
+    """Records in ``seen`` each decision of transformers' own auto-compile criterion
+    (``_valid_auto_compile_criteria``, transformers 5.x) during the block; records nothing where the
+    installed transformers has no such method."""
+    orig = getattr(type(model), "_valid_auto_compile_criteria", None)
+    if orig is None:
+        yield
+        return
+
+    def spy(*a, **kw):
+        r = orig(model, *a, **kw)
+        seen.append(bool(r))
+        return r
+
+    model._valid_auto_compile_criteria = spy
+    try:
+        yield
+    finally:
+        del model._valid_auto_compile_criteria
+
+
+class HFGenerate:
+    """A :class:`HFMethod` with the call shape of ``HeteroSpec.generate``: ``generate(input_ids,
+    max_new_tokens=, temperature=, seed=, eos_token_id=) -> (sequences [1, S + new], BaselineStats)``.
+    Greedy at temperature 0, else sampling at that temperature with top-k and top-p off (as the engine's
+    defaults), seeded with ``torch.manual_seed(seed)``; stops at ``eos_token_id`` (an int or a list; none:
+    no EOS stop) or after ``max_new_tokens`` tokens, EOS included in the count; ``min_new_tokens`` unset."""
+
+    def __init__(self, model, method, *, pad_token_id=0):
+        self.model, self.method, self.pad_token_id = model, method, pad_token_id
+
+    def generate(self, input_ids, *, max_new_tokens, temperature=0.0, seed=None, eos_token_id=None,
+                 cache_len=None, stop_after=None):
+        """``cache_len`` / ``stop_after`` (the warm-up): size the static cache for ``cache_len`` positions
+        (transformers keeps the largest size it has seen for later calls) and stop after ``stop_after`` new
+        tokens."""
+        import torch
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        eos = _eos_list(eos_token_id)
+        n_prompt = input_ids.shape[1]
+        kw = {"max_new_tokens": max_new_tokens, "do_sample": temperature > 0, "eos_token_id": eos or None,
+              "pad_token_id": self.pad_token_id}
+        if temperature > 0:
+            kw.update(temperature=float(temperature), top_k=0, top_p=1.0)
+        if self.method.cache_implementation:
+            kw["cache_implementation"] = self.method.cache_implementation
+        if self.method.prompt_lookup_num_tokens:
+            kw["prompt_lookup_num_tokens"] = self.method.prompt_lookup_num_tokens
+        if cache_len is not None:
+            kw["max_new_tokens"] = max(max_new_tokens, cache_len - n_prompt)
+        if stop_after is not None:
+            class _StopAfter(StoppingCriteria):
+                def __call__(self, ids, scores, **_):
+                    return torch.full((ids.shape[0],), ids.shape[1] >= n_prompt + stop_after, dtype=torch.bool,
+                                      device=ids.device)
+
+            kw["stopping_criteria"] = StoppingCriteriaList([_StopAfter()])
+        if seed is not None:
+            torch.manual_seed(int(seed))
+        seen = []
+        with torch.no_grad(), _plain_model(self.model), _compile_spy(self.model, seen):
+            seq = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kw)
+        new = seq[0, n_prompt:].tolist()
+        # the same stop as the engine's, whatever the transformers version does past an EOS or the budget
+        # (5.23 already crops prompt-lookup's accepted tokens at both)
+        n = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
+        n = min(n, max_new_tokens if stop_after is None else stop_after)
+        return seq[:, :n_prompt + n], BaselineStats(new_tokens=n, compiled=any(seen) if seen else None)
+
+    def close(self):
+        pass
+
+
+def static_cache_len(tokenizer, questions, max_new_tokens, chat=True, max_positions=None):
+    """Positions enough for the longest conversation of ``questions`` (every turn's prompt with earlier
+    answers of ``max_new_tokens`` tokens, plus a margin for re-tokenising them), capped at
+    ``max_positions``: ``hf-static``'s warm-up sizes the static cache with it, so that no timed call
+    allocates a new one (on CUDA that is a recompile inside the timing)."""
+    longest = 0
+    for qs in questions.values():
+        for q in qs:
+            n = len(q["turns"])
+            ids = encode_turn(tokenizer, q["turns"], [""] * (n - 1), chat)
+            longest = max(longest, ids.shape[1] + n * (max_new_tokens + 16))
+    return min(longest, max_positions) if max_positions else longest
+
+
 # ---- the run ------------------------------------------------------------------------------------------------
 
 def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=512, temperature=0.0, seed=0,
               device="cpu", warmup_tokens=32, chat=True, eos_token_id=None, progress=None):
     """Answer every question with every method (questions outer, methods inner).  Returns
     {"temperature", "files": {bench: {method: metrics}}, "mean": {method: metrics}, "mismatches": [...],
-    "answers": [records]}."""
+    "warmup_s": {method: seconds}, "strongest_hf": name or None, "hf_static": {...} (with hf-static),
+    "answers": [records]}.  ``methods``: [(name, Policy or HFMethod)] (:func:`build_methods`)."""
     from ..engine.loop import HeteroSpec
 
     timer = Timer(device)
     total_steps = sum(len(q["turns"]) for qs in questions.values() for q in qs) * len(methods)
     step = 0
     engines = {}
+    warmup_s = {}
+    compiled = []
+    eos = _eos_list(eos_token_id)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    cache_len = None
+    if any(getattr(m, "cache_implementation", None) == "static" for _, m in methods):
+        cache_len = static_cache_len(tokenizer, questions, max_new_tokens, chat,
+                                     getattr(target.config, "max_position_embeddings", None))
     try:
         for name, pol in methods:
-            engines[name] = HeteroSpec(target, draft if pol.drafts else None, pol)
+            if isinstance(pol, HFMethod):
+                engines[name] = HFGenerate(target, pol, pad_token_id=pad)
+            else:
+                engines[name] = HeteroSpec(target, draft if pol.drafts else None, pol)
         if warmup_tokens:
             first = next(iter(questions.values()))[0]
             ids = encode_turn(tokenizer, first["turns"], [], chat).to(device)
-            for name, _ in methods:
-                engines[name].generate(ids, max_new_tokens=warmup_tokens, temperature=temperature, seed=seed)
+            for name, pol in methods:
+                kw = {}
+                if isinstance(pol, HFMethod) and pol.cache_implementation == "static":
+                    kw = {"cache_len": cache_len, "stop_after": warmup_tokens}  # compiles (where it does)
+                (_, st), warmup_s[name] = timer(lambda: engines[name].generate(
+                    ids, max_new_tokens=warmup_tokens, temperature=temperature, seed=seed, **kw))
+                if kw and st.compiled is not None:
+                    compiled.append(st.compiled)
         per_q = {b: {n: [] for n, _ in methods} for b in questions}  # one record per question
         answers = []
         for b, qs in questions.items():
@@ -287,6 +484,8 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
                         rec["new_tokens"].append(st.new_tokens)
                         rec["wall_time"].append(dt)
                         rec["stats"].append(st)
+                        if name == "hf-static" and getattr(st, "compiled", None) is not None:
+                            compiled.append(st.compiled)
                         step += 1
                     rec["turns"] = texts
                     per_q[b][name].append(rec)
@@ -301,15 +500,28 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
     files = {b: {n: _metrics(per_q[b][n], per_q[b]["ar"] if "ar" in names else None) for n in names}
              for b in questions}
     mean = {n: _mean_row([files[b][n] for b in questions]) for n in names}
+    strongest = add_speedup_over_hf(files, mean)
     mism = mismatch_report(per_q, names) if temperature == 0 else []
-    return {"temperature": temperature, "files": files, "mean": mean, "mismatches": mism, "answers": answers}
+    out = {"temperature": temperature, "files": files, "mean": mean, "mismatches": mism, "warmup_s": warmup_s,
+           "strongest_hf": strongest}
+    if "hf-static" in names:
+        out["hf_static"] = {"compiled": any(compiled) if compiled else None, "static_cache_len": cache_len,
+                            "warmup_s": warmup_s.get("hf-static"), "device": str(device)}
+    out["answers"] = answers
+    return out
 
 
 def _metrics(recs, ar_recs):
-    """One method on one benchmark file, from its per-question records."""
+    """One method on one benchmark file, from its per-question records.  A HuggingFace baseline (stats
+    without verification calls) gets None for tau, the counts and the time split."""
     new = sum(sum(r["new_tokens"]) for r in recs)
     secs = sum(sum(r["wall_time"]) for r in recs)
     stats = [s for r in recs for s in r["stats"]]
+    if not all(hasattr(s, "cycles") for s in stats):
+        row = _metrics([dict(r, stats=[]) for r in recs], ar_recs)
+        row.update(turns=len(stats), tau=None, verification_calls=None, verified_tokens=None,
+                   verified_per_new_token=None, time_split_s=None, time_split_share=None)
+        return row
     cycles = sum(s.cycles for s in stats)
     committed = sum(s.committed for s in stats)
     verified = sum(s.verified_tokens for s in stats)
@@ -342,13 +554,41 @@ def _metrics(recs, ar_recs):
 
 
 def _mean_row(rows):
-    """The paper's "Mean" column: the mean of the per-benchmark speedups and taus; totals of the counts."""
-    sp = [r["speedup"] for r in rows if r["speedup"] is not None]
-    return {"speedup": sum(sp) / len(sp) if sp else None, "tau": sum(r["tau"] for r in rows) / len(rows),
+    """The paper's "Mean" column: the mean of the per-benchmark speedups and taus; totals of the counts
+    (None where they do not apply)."""
+    def mean(k):
+        v = [r[k] for r in rows if r.get(k) is not None]
+        return sum(v) / len(v) if v else None
+
+    def total(k):
+        return None if any(r[k] is None for r in rows) else sum(r[k] for r in rows)
+
+    return {"speedup": mean("speedup"), "tau": None if any(r["tau"] is None for r in rows) else mean("tau"),
             "tokens_per_s": sum(r["tokens_per_s"] for r in rows) / len(rows),
-            "verification_calls": sum(r["verification_calls"] for r in rows),
-            "verified_tokens": sum(r["verified_tokens"] for r in rows),
+            "verification_calls": total("verification_calls"), "verified_tokens": total("verified_tokens"),
             "new_tokens": sum(r["new_tokens"] for r in rows)}
+
+
+def add_speedup_over_hf(files, mean):
+    """The strongest HuggingFace baseline present (of :data:`HF_METHODS`, the best mean tokens/s in
+    ``mean``), and every row's ``speedup_over_hf`` set in place: per file the mean over questions of (the
+    method's tokens/s / that baseline's), as the speedup over ar; in ``mean`` the mean over files.  With no
+    HF baseline the rows get None and the result is None."""
+    hf = [n for n in HF_METHODS if n in mean]
+    best = max(hf, key=lambda n: mean[n]["tokens_per_s"]) if hf else None
+    for n in mean:
+        vals = []
+        for b in files:
+            row = files[b][n]
+            row["speedup_over_hf"] = None
+            if best is not None:
+                ratios = [a / c for a, c in zip(row["per_question_tokens_per_s"],
+                                                 files[b][best]["per_question_tokens_per_s"]) if c > 0]
+                if ratios:
+                    row["speedup_over_hf"] = sum(ratios) / len(ratios)
+                    vals.append(row["speedup_over_hf"])
+        mean[n]["speedup_over_hf"] = sum(vals) / len(vals) if vals else None
+    return best
 
 
 def mismatch_report(per_q, names):
@@ -369,8 +609,8 @@ def mismatch_report(per_q, names):
 
 # ---- reports ------------------------------------------------------------------------------------------------
 
-def _fmt(v, spec):
-    return "–" if v is None else format(v, spec)
+def _fmt(v, spec, suffix=""):
+    return "–" if v is None else format(v, spec) + suffix
 
 
 def markdown(result):
@@ -385,13 +625,23 @@ def markdown(result):
         benches = list(run["files"])
         names = list(run["mean"])
         cols = [LABELS.get(b, b) for b in benches] + ["Mean"]
-        lines.append(f"**Temperature {run['temperature']:g}: speedup over ar and tau**")
-        lines.append("")
-        lines.append("| Method | " + " | ".join(f"{c} speedup | {c} τ" for c in cols) + " |")
-        lines.append("|---|" + "---:|---:|" * len(cols))
+        hf = run.get("strongest_hf")
+        if hf:
+            lines.append(f"**Temperature {run['temperature']:g}: speedup over ar, over {hf} (the strongest HuggingFace "
+                         f"baseline in this run, {run['mean'][hf]['tokens_per_s']:.1f} tokens/s mean) and tau**")
+            lines.append("")
+            lines.append("| Method | " + " | ".join(f"{c} speedup | {c} vs {hf} | {c} τ" for c in cols) + " |")
+            lines.append("|---|" + "---:|---:|---:|" * len(cols))
+        else:
+            lines.append(f"**Temperature {run['temperature']:g}: speedup over ar and tau**")
+            lines.append("")
+            lines.append("| Method | " + " | ".join(f"{c} speedup | {c} τ" for c in cols) + " |")
+            lines.append("|---|" + "---:|---:|" * len(cols))
         for n in names:
             cells = [run["files"][b][n] for b in benches] + [run["mean"][n]]
-            lines.append(f"| {n} | " + " | ".join(f"{_fmt(c['speedup'], '.2f')}x | {c['tau']:.2f}" for c in cells) + " |")
+            lines.append(f"| {n} | " + " | ".join(
+                f"{_fmt(c['speedup'], '.2f', 'x')} | " + (f"{_fmt(c.get('speedup_over_hf'), '.2f', 'x')} | " if hf else "")
+                + _fmt(c["tau"], ".2f") for c in cells) + " |")
         lines.append("")
         lines.append(f"**Temperature {run['temperature']:g}: verification calls and verified tokens; tokens/s**")
         lines.append("")
@@ -400,8 +650,8 @@ def markdown(result):
         lines.append("|---|" + "---:|---:|" * len(cols) + "---:|")
         for n in names:
             cells = [run["files"][b][n] for b in benches] + [run["mean"][n]]
-            lines.append(f"| {n} | " + " | ".join(f"{c['verification_calls']} | {c['verified_tokens']}" for c in cells)
-                         + f" | {run['mean'][n]['tokens_per_s']:.1f} |")
+            lines.append(f"| {n} | " + " | ".join(f"{_fmt(c['verification_calls'], 'd')} | {_fmt(c['verified_tokens'], 'd')}"
+                                                  for c in cells) + f" | {run['mean'][n]['tokens_per_s']:.1f} |")
         lines.append("")
         lines.append(f"**Temperature {run['temperature']:g}: time split (share of decoding time) and entropy bins**")
         lines.append("")
@@ -410,11 +660,29 @@ def markdown(result):
         for n in names:
             for b in benches:
                 m = run["files"][b][n]
-                sh = m["time_split_share"]
+                sh = m["time_split_share"] or {}
                 bins = ", ".join(f"{k}: {v['share']:.2f} ({v['mean_accepted']:.2f})" for k, v in m["bins"].items())
-                lines.append(f"| {n} | {LABELS.get(b, b)} | {sh['prefill']:.2f} | {sh['draft']:.2f} | "
-                             f"{sh['verify']:.2f} | {sh['ops']:.2f} | {sh['loop']:.2f} | {bins or '–'} |")
+                lines.append(f"| {n} | {LABELS.get(b, b)} | " + " | ".join(
+                    _fmt(sh.get(k), ".2f") for k in ("prefill", "draft", "verify", "ops", "loop")) + f" | {bins or '–'} |")
         lines.append("")
+        if run.get("warmup_s"):
+            lines.append("Warm-up before the timed run (untimed in the tables): " + ", ".join(
+                f"{n} {v:.2f} s" for n, v in run["warmup_s"].items()) + ".")
+            lines.append("")
+        st = run.get("hf_static")
+        if st:
+            how = {True: "compiled by transformers (its auto-compile criterion held)",
+                   False: "not compiled (transformers' auto-compile criterion did not hold: it compiles on CUDA, "
+                          "XPU or TPU, not on a CPU; run uncompiled, as a user gets it)",
+                   None: "compilation not known (this transformers has no auto-compile criterion to ask)"}[st["compiled"]]
+            lines.append(f"hf-static on {st['device']}: static cache of {st['static_cache_len']} positions, {how}"
+                         + (f"; its warm-up (compiling, where it compiles) took {st['warmup_s']:.2f} s." if
+                            st.get("warmup_s") is not None else "; no warm-up (compiling, where it compiles, is timed)."))
+            lines.append("")
+        if any(n in HF_METHODS for n in names):
+            lines.append("HuggingFace baselines (hf, hf-static, hf-lookup) draft nothing: tau, verification calls and the "
+                         "time split do not apply (–).")
+            lines.append("")
         if run["temperature"] == 0:
             if run["mismatches"]:
                 lines.append(f"**MISMATCH: {len(run['mismatches'])} outputs differ from {run['mismatches'][0]['reference']}'s.**")
@@ -462,6 +730,8 @@ def plots(result, out_dir):
         # 2. tau against verified tokens (per benchmark, one marker per method)
         fig, ax = plt.subplots(figsize=(5.2, 3.8))
         for n in names:
+            if any(run["files"][b][n]["tau"] is None for b in benches):
+                continue  # the HuggingFace baselines verify nothing
             xs = [run["files"][b][n]["verified_per_new_token"] for b in benches]
             ys = [run["files"][b][n]["tau"] for b in benches]
             ax.plot(xs, ys, "o", label=n)
@@ -614,6 +884,11 @@ def main(args, out=None):
     if args.max_new_tokens < 1:
         raise SystemExit(f"heterospec bench: --max-new-tokens expected an int >= 1, got {args.max_new_tokens}")
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    try:
+        check_method_names(names)
+    except ValueError as e:  # a usage error: one line, exit status 2 (as argparse's)
+        print(f"heterospec {e}", file=sys.stderr)  # e: "bench: argument 'methods' ..."
+        raise SystemExit(2) from None
     paths = args.questions or default_question_files()
     if not paths:
         raise SystemExit("heterospec bench: no question files: ../shared/data/benchmarks is not here; pass "
@@ -624,13 +899,12 @@ def main(args, out=None):
         raise SystemExit(f"heterospec bench: {e}") from None
     if args.draft is None and args.target == "default":
         args.draft = DEFAULT_HEAD
-    if args.draft is None and any(n != "ar" for n in names):
-        raise SystemExit("heterospec bench: --draft PATH is required for methods other than ar")
+    if args.draft is None and any(n != "ar" and n not in HF_METHODS for n in names):
+        raise SystemExit("heterospec bench: --draft PATH is required for methods other than ar and the hf baselines")
     profile_path = args.profile or (DEFAULT_PROFILE if args.draft in (DEFAULT_HEAD, "default") else None)
     profile = load_profile(profile_path)[0] if profile_path else None
     # the cheap checks before the models load
     try:
-        check_method_names(names)
         if args.tuned_tree:
             parse_tree(args.tuned_tree)
     except ValueError as e:
@@ -659,8 +933,9 @@ def main(args, out=None):
                       chat=not args.no_chat_template, eos_token_id=tokenizer.eos_token_id, progress=_Bar())
         answers += [dict(a, temperature=temp) for a in r.pop("answers")]
         runs.append(r)
-    policies = {n: {"depth": p.depth, "top_k": p.top_k, "total_tokens": p.total_tokens,
-                    "thresholds": list(p.thresholds), "extra": list(p.extra), "keep": list(p.keep)}
+    policies = {n: p.as_dict() if isinstance(p, HFMethod) else
+                {"depth": p.depth, "top_k": p.top_k, "total_tokens": p.total_tokens, "thresholds": list(p.thresholds),
+                 "extra": list(p.extra), "keep": list(p.keep)}
                 for n, p in methods}
     result = {
         "schema": SCHEMA,
