@@ -195,3 +195,15 @@ def test_bad_buckets(pair, bad):
     model, head = pair
     with pytest.raises(ValueError, match="HeteroSpec: argument 'buckets' expected"):
         HeteroSpec(model, head, buckets=bad)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_eager_attention_target(arch, tmp_path):
+    """The static cache and the 4D tree mask work with eager attention too (not only sdpa)."""
+    model = tiny_target(arch)
+    model.set_attn_implementation("eager")
+    head = eagle3_head(model, tmp_path)
+    for p in prompts(2, seed=4):
+        want = reference_greedy(model, p, NEW)[0].tolist()
+        with HeteroSpec(model, head, _policies()["heterospec"]) as hs:
+            assert hs.generate(p, max_new_tokens=NEW)[0][0].tolist() == want
