@@ -25,7 +25,7 @@ def main():
 
     from heterospec import HeteroSpec, Policy
     from heterospec.models.default import DEFAULT_HEAD
-from heterospec.tools.prompts import encode as _encode
+    from heterospec.tools.prompts import encode as _encode
     from heterospec.models.draft import Eagle3Draft
     from heterospec.models.default import default_target
 
