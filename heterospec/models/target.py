@@ -61,6 +61,8 @@ class StaticKV(_cache_base()):
         self.slots = None
         self.layers = []
 
+    window = None   # columns attended to (None: all); set per forward, see TargetAdapter.verify
+
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         k, v = self.kv[0, layer_idx], self.kv[1, layer_idx]
         if key_states.shape[1] != k.shape[1] or key_states.shape[3] != k.shape[3]:
@@ -68,6 +70,8 @@ class StaticKV(_cache_base()):
                              f"holds [1, {k.shape[1]}, S, {k.shape[3]}] (num_key_value_heads / head_dim of the config)")
         k.index_copy_(2, self.slots, key_states.to(k.dtype))
         v.index_copy_(2, self.slots, value_states.to(v.dtype))
+        if self.window is not None:
+            return k[:, :, :self.window], v[:, :, :self.window]
         return k, v
 
     def get_seq_length(self, layer_idx=0):
@@ -150,8 +154,9 @@ class TargetAdapter:
         self._neg = torch.finfo(self.dtype).min
 
     def _forward(self, ids, positions, slots, allowed, **kw):
-        """ids/positions [1, n], slots [n] cache columns to write, allowed bool [n, capacity]."""
+        """ids/positions [1, n], slots [n] cache columns to write, allowed bool [n, window or capacity]."""
         self.cache.slots = slots
+        self.cache.window = allowed.shape[1] if allowed.shape[1] < self.capacity else None
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, self._neg)
         return self.model(input_ids=ids, position_ids=positions, cache_position=slots,
                           attention_mask=mask.view(1, 1, *allowed.shape), past_key_values=self.cache,
@@ -165,20 +170,24 @@ class TargetAdapter:
         if S > self.capacity:
             self.allocate(S)
         rows = self._cols[:S]
-        allowed = self._cols.view(1, -1) <= rows.view(-1, 1)        # causal over the prompt
+        allowed = self._cols[:S].view(1, -1) <= rows.view(-1, 1)    # causal over the prompt (S columns)
         out = self._forward(input_ids, rows.view(1, S), rows, allowed, logits_to_keep=1)
         self.prefix.fill_(S)
         return out.logits[0, -1].float(), self._taps()
 
     @torch.no_grad()
-    def verify(self, tree_tokens, tree_depths, tree_mask):
+    def verify(self, tree_tokens, tree_depths, tree_mask, window=None):
         """One forward over a verification tree: tree_tokens/tree_depths [n] int64, tree_mask [n, n] bool
         (ancestor-or-self), all on the model's device.  Rows are written at cache columns prefix .. prefix+n-1
-        (until :meth:`commit`).  Returns (logits [n, V] float32, taps [1, n, 3H] or None)."""
+        (until :meth:`commit`).  ``window`` (a host int >= prefix + n, or None = the whole cache): attend to
+        the first ``window`` columns only -- on the CPU, where attention over unused columns is real work;
+        a GPU keeps the whole cache so every cycle has the same shape.  Returns (logits [n, V] float32,
+        taps [1, n, 3H] or None)."""
         n = tree_tokens.shape[0]
         P = self.prefix
+        W = self.capacity if window is None else min(window, self.capacity)
         slots = P + self._cols[:n]
-        allowed = (self._cols < P).expand(n, self.capacity).clone()
+        allowed = (self._cols[:W] < P).expand(n, W).clone()
         allowed.scatter_(1, slots.expand(n, n), tree_mask)           # the tree block: ancestors and self
         out = self._forward(tree_tokens.view(1, n), (tree_depths + P).view(1, n), slots, allowed)
         return out.logits[0].float(), self._taps()
