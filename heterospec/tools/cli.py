@@ -374,8 +374,9 @@ def main(argv=None):
     t.add_argument("--no-chat-template", action="store_true")
     from . import bench
 
-    b = sub.add_parser("bench", help="the paper's evaluation: ar, eagle3, eagle3-tuned, heterospec-paper and "
-                                     "heterospec side by side over question files; JSON, markdown and plots")
+    b = sub.add_parser("bench", help="the paper's evaluation: ar, eagle3, eagle3-tuned, heterospec-paper, "
+                                     "heterospec, heterospec-tuned and the HF baselines (hf, hf-static, hf-lookup) "
+                                     "side by side over question files; JSON, markdown and plots")
     bench.add_arguments(b)
     args = parser.parse_args(argv)
     if isinstance(getattr(args, "device", None), str):
