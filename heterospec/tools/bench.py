@@ -520,7 +520,8 @@ def _metrics(recs, ar_recs):
     if not all(hasattr(s, "cycles") for s in stats):
         row = _metrics([dict(r, stats=[]) for r in recs], ar_recs)
         row.update(turns=len(stats), tau=None, verification_calls=None, verified_tokens=None,
-                   verified_per_new_token=None, time_split_s=None, time_split_share=None)
+                   verified_per_new_token=None, time_split_s=None, time_split_share=None,
+                   host_ms_per_cycle=None)
         return row
     cycles = sum(s.cycles for s in stats)
     committed = sum(s.committed for s in stats)
@@ -533,6 +534,8 @@ def _metrics(recs, ar_recs):
     split = {k: sum(getattr(s, k + "_s") for s in stats) for k in ("prefill", "draft", "verify", "ops")}
     total = sum(s.total_s for s in stats)
     split["loop"] = max(0.0, total - sum(split.values()))  # the Python loop, streaming, stopping checks
+    # host time per cycle outside the declared sync points (on a GPU: what is left to remove by CUDA graphs)
+    host_ms = (1000.0 * sum(s.total_s - s.prefill_s - s.sync_s for s in stats) / cycles) if cycles else None
     def per_question(rs):  # a question's tokens/s pools its turns (EAGLE's speed.py)
         return [sum(r["new_tokens"]) / sum(r["wall_time"]) if sum(r["wall_time"]) else 0.0 for r in rs]
 
@@ -549,6 +552,7 @@ def _metrics(recs, ar_recs):
         "verified_per_new_token": verified / new if new else 0.0,
         "bins": {str(b): {"cycles": c, "share": c / nb, "mean_accepted": bin_acc[b] / c} for b, c in sorted(bins.items())},
         "time_split_s": split, "time_split_share": {k: v / total if total else 0.0 for k, v in split.items()},
+        "host_ms_per_cycle": host_ms,
         "per_question_tokens_per_s": q_tps,
     }
 
@@ -655,15 +659,16 @@ def markdown(result):
         lines.append("")
         lines.append(f"**Temperature {run['temperature']:g}: time split (share of decoding time) and entropy bins**")
         lines.append("")
-        lines.append("| Method | Benchmark | prefill | draft | verify | ops | loop | bin shares (mean accepted) |")
-        lines.append("|---|---|---:|---:|---:|---:|---:|---|")
+        lines.append("| Method | Benchmark | prefill | draft | verify | ops | loop | host ms/cycle | bin shares (mean accepted) |")
+        lines.append("|---|---|---:|---:|---:|---:|---:|---:|---|")
         for n in names:
             for b in benches:
                 m = run["files"][b][n]
                 sh = m["time_split_share"] or {}
                 bins = ", ".join(f"{k}: {v['share']:.2f} ({v['mean_accepted']:.2f})" for k, v in m["bins"].items())
                 lines.append(f"| {n} | {LABELS.get(b, b)} | " + " | ".join(
-                    _fmt(sh.get(k), ".2f") for k in ("prefill", "draft", "verify", "ops", "loop")) + f" | {bins or '–'} |")
+                    _fmt(sh.get(k), ".2f") for k in ("prefill", "draft", "verify", "ops", "loop"))
+                    + f" | {_fmt(m.get('host_ms_per_cycle'), '.2f')} | {bins or '–'} |")
         lines.append("")
         if run.get("warmup_s"):
             lines.append("Warm-up before the timed run (untimed in the tables): " + ", ".join(
