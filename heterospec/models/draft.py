@@ -677,7 +677,7 @@ class Eagle3Draft(nn.Module):
         with.
         """
         c = self.config
-        H, nh, nkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        H, nkv, hd = c.hidden_size, c.num_key_value_heads, c.head_dim
         if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[-1] != H:
             hint = (" (target taps must go through fuse() first)"
                     if isinstance(hidden, torch.Tensor) and hidden.shape[-1] == NUM_TAPS * c.target_hidden_size
