@@ -51,20 +51,15 @@ def _check_generate_args(max_new_tokens, temperature, top_k, top_p):
 
 
 def _check_buckets(buckets, device):
-    if isinstance(buckets, str):
-        if buckets != "auto":
-            raise ValueError(f"HeteroSpec: argument 'buckets' expected 'auto', None or ascending ints >= 1, "
-                             f"got {buckets!r}")
+    if isinstance(buckets, str) and buckets == "auto":
         return GPU_BUCKETS if device.type == "cuda" else ()
-    if buckets is not None and not isinstance(buckets, (tuple, list)):
+    ok = buckets is None or (isinstance(buckets, (tuple, list))
+                             and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in buckets)
+                             and all(x < y for x, y in zip(buckets, buckets[1:])))
+    if not ok:
         raise ValueError(f"HeteroSpec: argument 'buckets' expected 'auto', None or ascending ints >= 1, "
                          f"got {buckets!r}")
-    buckets = tuple(buckets or ())
-    if any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets) \
-            or any(a >= b for a, b in zip(buckets, buckets[1:])):
-        raise ValueError(f"HeteroSpec: argument 'buckets' expected 'auto', None or ascending ints >= 1, "
-                         f"got {buckets!r}")
-    return buckets
+    return tuple(buckets or ())
 
 
 class HeteroSpec:
