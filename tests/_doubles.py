@@ -109,3 +109,34 @@ class StretchDraft(OracleDraft):
         hard = ((position_ids.reshape(-1) // self.period) % 2 == 1).view(-1, 1)
         noisy = self.table[input_ids[0].long()]
         return torch.where(hard, noisy, logits[0]).unsqueeze(0)
+
+
+class ScriptDraft(_DoubleBase):
+    """A draft that is right because it knows the answer: row at position p (fed the token at p + 1)
+    proposes ``script[p + 2]``, the reference continuation loaded with :meth:`load` (in place: the buffer
+    keeps its address, as recorded CUDA graphs need).  Every ``miss_every``-th position it ranks a wrong
+    token first and the right one second, so rejections and sibling acceptance happen too.  Pure device
+    tensor ops on its inputs and buffers: capturable in a CUDA graph, unlike OracleDraft."""
+
+    def __init__(self, vocab_size, length=1024, miss_every=5, boost=20.0):
+        super().__init__(8, vocab_size)
+        self.register_buffer("script", torch.zeros(length, dtype=torch.long))
+        self.miss_every, self.boost = miss_every, boost
+
+    def load(self, sequence):
+        seq = torch.as_tensor(sequence, dtype=torch.long).reshape(-1)
+        self.script.zero_()
+        self.script[: seq.shape[0]].copy_(seq.to(self.script.device))
+        return self
+
+    def _logits(self, ids, mask, input_ids, position_ids):
+        p = position_ids.reshape(-1)
+        S, V = p.shape[0], self.vocab_size
+        right = self.script[(p + 2).clamp(max=self.script.shape[0] - 1)]
+        wrong = (right + 1) % V
+        miss = (p % self.miss_every) == (self.miss_every - 2)
+        logits = torch.zeros(S, V, device=p.device)
+        rows = torch.arange(S, device=p.device)
+        logits[rows, right] = torch.where(miss, self.boost / 2, self.boost)
+        logits[rows, wrong] = torch.where(miss, self.boost, 0.0)
+        return logits.unsqueeze(0)

@@ -11,6 +11,8 @@ A cycle (DESIGN.md §3), every step on the model's device:
   8.   ``TargetAdapter.commit``: ``ops.kv_compact`` with the prefix length as a device tensor; the draft
        catches up on the accepted positions straight from the padded path (fixed shape per tree shape);
 then sync point "accepted": the committed tokens come to the host for streaming, EOS and stopping.
+With ``cuda_graphs`` the same steps are recorded once per tree shape and replayed (:mod:`.graphs`): one
+replay per cycle, or two around the "bin" sync point for HeteroSpec's per-bin plans.
 Autoregressive decoding is the same loop with a root-only tree.  On a GPU the ops run as our CUDA kernels
 with ``check=False``; device-side errors are raised at the end of the call (``ops.cuda_check``).
 
@@ -31,8 +33,9 @@ from .. import ops
 from ..models.target import TargetAdapter, _decoder_layers
 from ..policy import Policy
 from . import sync
+from .graphs import WORKSPACE_BYTES, StepGraphs, warm_up
 from .stats import GenerationStats, PhaseClock
-from .tree import DraftState, bucket_for, verification_tree
+from .tree import DraftState, bucket_for, candidate_count, verification_tree
 
 # tree sizes (root included) a verification is padded to on a GPU: one static shape per bucket.  On the CPU
 # a padded node costs its full share of a compute-bound forward, so trees keep their exact size there.
@@ -48,6 +51,26 @@ def _check_generate_args(max_new_tokens, temperature, top_k, top_p):
         raise ValueError(f"generate: argument 'top_k' expected an int >= 0, got {top_k!r}")
     if not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
         raise ValueError(f"generate: argument 'top_p' expected a value in (0, 1], got {top_p!r}")
+
+
+def _check_graphs(cuda_graphs, device, draft):
+    """-> False, True (CUDA graphs) or "emulate" (the recorded-step plumbing without graphs, any device)."""
+    if cuda_graphs == "emulate":
+        return "emulate"
+    rope = ((getattr(getattr(draft, "config", None), "rope_scaling", None) or {}).get("rope_type")
+            if draft is not None else None)
+    if cuda_graphs == "auto":
+        return device.type == "cuda" and rope != "dynamic"
+    if not isinstance(cuda_graphs, bool):
+        raise ValueError(f"HeteroSpec: argument 'cuda_graphs' expected True, False, 'auto' or 'emulate', "
+                         f"got {cuda_graphs!r}")
+    if cuda_graphs and device.type != "cuda":
+        raise ValueError(f"HeteroSpec: argument 'cuda_graphs' expected False on {device} (CUDA graphs need a "
+                         f"model on a CUDA device; 'emulate' runs the same steps without graphs), got True")
+    if cuda_graphs and rope == "dynamic":
+        raise ValueError("HeteroSpec: argument 'cuda_graphs' expected False for a draft with dynamic RoPE "
+                         "scaling (its frequencies depend on a host read of the position), got True")
+    return cuda_graphs
 
 
 def _check_buckets(buckets, device):
@@ -69,9 +92,16 @@ class HeteroSpec:
     ``Policy.autoregressive()``); with ``draft=None`` decoding is autoregressive whatever the policy.
     ``max_length``: the static caches' size in positions (prompt + new tokens); by default they are sized
     by each call and kept.  ``buckets``: the tree sizes verification is padded to ('auto': a fixed set on a
-    GPU, exact sizes on the CPU; None: exact sizes)."""
+    GPU, exact sizes on the CPU; None: exact sizes).  ``cuda_graphs``: record the cycle's fixed-shape steps
+    once per tree shape and replay them as CUDA graphs (:mod:`.graphs`; True needs a CUDA model, 'auto' = on
+    CUDA unless the draft uses dynamic RoPE, 'emulate' = the same recorded-step plumbing without graphs, for
+    tests on any device; default False: the eager engine).  Recording happens at the first call for each
+    sampling setting and cache size; pass ``max_length`` to record once.  ``compile``: the target's forward
+    through ``torch.compile`` (True = inductor, or a backend name), one specialisation per shape; with
+    ``cuda_graphs`` the compiled forward is what gets captured (fewer kernels per forward)."""
 
-    def __init__(self, target, draft=None, policy=None, *, max_length=None, buckets="auto"):
+    def __init__(self, target, draft=None, policy=None, *, max_length=None, buckets="auto", cuda_graphs=False,
+                 compile=False):
         self.draft = draft
         self.policy = policy if policy is not None else (Policy.static() if draft is not None else
                                                          Policy.autoregressive())
@@ -110,12 +140,16 @@ class HeteroSpec:
         config = getattr(draft, "config", None)
         if config is not None and hasattr(config, "tap_layers"):
             taps = config.tap_layers(len(_decoder_layers(target)))
-        self.target = TargetAdapter(target, tap_layers=taps, capture_taps=draft is not None)
+        if not (isinstance(compile, bool) or (isinstance(compile, str) and compile)):
+            raise ValueError(f"HeteroSpec: argument 'compile' expected a bool or a torch.compile backend name, got "
+                             f"{compile!r}")
+        self.target = TargetAdapter(target, tap_layers=taps, capture_taps=draft is not None, compile=compile)
         self._drafting = draft is not None and self.policy.drafts
         pol = self.policy
         self._levels = pol.depth + max(pol.extra, default=0)
         most = max((pol.total_tokens, *pol.keep))
-        self._max_nodes = bucket_for(min(most, pol.top_k + pol.top_k ** 2 * self._levels + 1), self.buckets)
+        self._max_nodes = bucket_for(min(most, candidate_count(pol.top_k, self._levels) + 1), self.buckets)
+        self._binned = self._drafting and bool(pol.thresholds) and pol.depth >= 1
         self._ds = None
         if self._drafting:
             d2t = getattr(draft, "d2t", None)
@@ -126,6 +160,13 @@ class HeteroSpec:
         self._ar_parents = torch.full((1,), -1, dtype=torch.long, device=self.device)
         self._ar_depths = torch.zeros(1, dtype=torch.long, device=self.device)
         self._ar_mask = torch.ones((1, 1), dtype=torch.bool, device=self.device)
+        # state that crosses steps and cycles, at fixed addresses (read and written by recorded steps)
+        self._root = torch.zeros(1, dtype=torch.long, device=self.device)      # the next tree's root token
+        self._seed = torch.zeros(1, dtype=torch.long, device=self.device)      # Philox key and counter
+        self._offset = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.cuda_graphs = _check_graphs(cuda_graphs, self.device, draft)
+        self._graphs = {}                 # sampling settings -> StepGraphs
+        self._graph_capacity = None
 
     def close(self):
         """Remove the tap hooks from the target (also done on exit of a ``with`` block)."""
@@ -141,6 +182,124 @@ class HeteroSpec:
         """Static cache positions a call needs: every committed token plus the largest tree (or the draft's
         catch-up rows) written past them."""
         return prompt_len + max_new_tokens + max(self._max_nodes, self._levels + 2) + 1
+
+    # ---- the loop -----------------------------------------------------------------------------------
+
+    # ---- the cycle's steps (fixed shapes per key: run eagerly, or recorded once and replayed) ----------
+
+    def _plans(self):
+        """The distinct (extra levels, kept nodes) of the policy: one verification shape each."""
+        pol = self.policy
+        if not self._drafting:
+            return [(0, 1)]
+        if not self._binned:
+            return [(0, pol.total_tokens)]
+        plans = {(e, k) for e, k in zip(pol.extra, pol.keep)}
+        if len(pol.thresholds) + 1 > len(pol.extra):
+            plans.add((0, pol.total_tokens))
+        return sorted(plans)
+
+    def _base(self, clock=None):
+        """Step 1-3 of a binned policy: the root expansion and the base depth; (Growth, path entropy)."""
+        ds = self._ds
+        g = ds.grow(ds.start(), self.policy.depth, self.target.prefix)
+        if clock is not None:
+            clock.lap("draft_s")
+        return g, g.path_entropy()
+
+    def _finish(self, g, extra, keep, settings, window=None, clock=None):
+        """The rest of a cycle for one plan: grow ``extra`` more levels on ``g`` (None: grow the whole tree
+        from the root), the verification tree, the target's forward, acceptance, commit and the draft's
+        catch-up.  Returns ([length, next token, path tokens (R)] int64 on the device, real tree size)."""
+        lap = clock.lap if clock is not None else (lambda field: None)
+        ds, tgt = self._ds, self.target
+        sample, temperature, top_k, top_p = settings
+        check = self.device.type != "cuda"
+        if ds is not None:
+            prefix = tgt.prefix
+            g = ds.grow(ds.start(), self.policy.depth + extra, prefix) if g is None else \
+                ds.grow(g, extra, prefix) if extra else g
+            tokens, parents, depths, mask, size = verification_tree(g, keep, self._root, self.buckets)
+        else:
+            tokens, parents, depths, mask, size = self._root, self._ar_parents, self._ar_depths, self._ar_mask, 1
+        lap("draft_s")
+        logits, vtaps = tgt.verify(tokens, depths, mask, window)
+        lap("verify_s")
+        if sample:
+            path, length, nxt, _ = ops.verify_sample(
+                tokens, parents, logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=self._seed,
+                offset=self._offset, check=check, device_outputs=True, advance_offset=True)
+        else:
+            path, length, nxt = ops.verify_greedy(tokens, parents, logits, check=check, device_outputs=True)
+        # 8: commit; the draft catches up on the accepted positions (before the prefix moves)
+        R = min(tokens.shape[0], g.level + 2) if ds is not None else 1
+        kept = path[:R].clamp(min=0)
+        path_tokens = tokens[kept]
+        if ds is not None:
+            ids = torch.cat([path_tokens[1:], nxt.view(1)])
+            last = (length - 1).view(1)
+            ids.scatter_(0, last, nxt.view(1))
+            lap("ops_s")
+            ds.catch_up(vtaps[:, kept], ids.view(1, R), tgt.prefix, last)
+            lap("draft_s")
+        if size == 1:
+            tgt.prefix += 1
+        else:
+            tgt.commit(path, length, check=check)
+        self._root.copy_(nxt.view(1))
+        lap("ops_s")
+        return torch.cat([length.view(1), nxt.view(1), path_tokens]), size
+
+    def _record(self, settings):
+        """Warm up and record every step of the policy for these sampling settings, on dummy state (the
+        prompt's prefill overwrites it; capture time is reported apart from decoding).  Returns (StepGraphs, whether they
+        were recorded by this call); kept per settings until the caches are reallocated."""
+        tgt, ds, dev = self.target, self._ds, self.device
+        if self._graph_capacity != (tgt.capacity, ds.base if ds is not None else 0):
+            self._graphs.clear()
+            self._graph_capacity = (tgt.capacity, ds.base if ds is not None else 0)
+        steps = self._graphs.get(settings)
+        if steps is not None:
+            return steps, False
+        steps = StepGraphs(dev, emulate=self.cuda_graphs == "emulate")
+        t0 = time.perf_counter()
+        with sync.outside_cycle():
+            if dev.type == "cuda":
+                ops.cuda_reserve(dev, WORKSPACE_BYTES)
+            one = torch.zeros((1, 1), dtype=torch.long, device=dev)
+            _, taps = tgt.prefill(one)                        # dummy state: the real prefill overwrites it
+            if ds is not None:
+                ds.catch_up(taps, one, torch.zeros(1, dtype=torch.long, device=dev), self._ar_depths)
+            plans = self._plans()
+
+            def reset():
+                tgt.prefix.fill_(1)
+                self._root.zero_()
+
+            def run_all():
+                reset()
+                base = self._base() if self._binned else None
+                for extra, keep in plans:
+                    reset()
+                    self._finish(base[0] if base else None, extra, keep, settings)
+
+            warm_up(dev, [run_all, run_all])
+            if self._binned:
+                reset()
+                base = steps.capture(("base",), self._base)
+                for extra, keep in plans:
+                    reset()
+                    steps.capture(("finish", extra, keep),
+                                  lambda e=extra, k=keep: self._finish(base[0], e, k, settings))
+            else:
+                reset()
+                steps.capture(("cycle",) + plans[0], lambda: self._finish(None, *plans[0], settings))
+            reset()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        steps.capture_s = time.perf_counter() - t0
+        self._graphs[settings] = steps
+        return steps, True
 
     # ---- the loop -----------------------------------------------------------------------------------
 
@@ -164,111 +323,92 @@ class HeteroSpec:
             raise ValueError(f"generate: prompt ({S}) + max_new_tokens ({max_new_tokens}) = {S + max_new_tokens} "
                              f"exceed the static caches' max_length ({self.max_length}) given to HeteroSpec")
         need = max(need, self._capacity(0, self.max_length or 0))
+        if self.cuda_graphs and self.max_length is None:
+            need = -(-need // 256) * 256      # fewer distinct capacities: each one is captured anew
         eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
         sample = temperature > 0
+        settings = (sample, float(temperature), int(top_k), float(top_p)) if sample else (False, 0.0, 0, 1.0)
         dev = self.device
-        on_gpu = dev.type == "cuda"
-        check = not on_gpu
-        stats = GenerationStats()
+        graphs = bool(self.cuda_graphs)
+        stats = GenerationStats(graphs=self.cuda_graphs if isinstance(self.cuda_graphs, str) else
+                                ("cuda" if graphs else "off"))
         clock = PhaseClock(dev, stats)
-        start = time.perf_counter()
         tgt, ds = self.target, self._ds
 
         with sync.outside_cycle():
-            rng_seed = int(seed) if seed is not None else int(torch.randint(0, 2**62, (1,), device="cpu").item())
-            rng_offset = 0
-            input_ids = input_ids.to(dev)
             tgt.allocate(need)
             if ds is not None:
                 ds.allocate(need, dev, self.draft.config.hidden_size if hasattr(self.draft, "config")
                             else self.draft.hidden_size)
+            steps = None
+            if graphs:
+                steps, fresh = self._record(settings)
+                stats.capture_s = steps.capture_s if fresh else 0.0
+                stats.captured_steps = len(steps)
+        start = time.perf_counter()
+        with sync.outside_cycle():
+            rng_seed = int(seed) if seed is not None else int(torch.randint(0, 2**62, (1,), device="cpu").item())
+            input_ids = input_ids.to(dev)
             last_logits, taps = tgt.prefill(input_ids)
             if sample:
                 _, root, draws = ops.verify_sample(np.zeros(1, np.int64), np.full(1, -1, np.int64),
                                                    last_logits.view(1, -1).cpu().numpy(), temperature=temperature,
-                                                   top_k=top_k, top_p=top_p, seed=rng_seed, offset=rng_offset)
-                rng_offset += draws
+                                                   top_k=top_k, top_p=top_p, seed=rng_seed, offset=0)
+                self._seed.fill_(rng_seed)
+                self._offset.fill_(draws)   # the cycles' uniforms follow the prefill's
             else:
                 root = int(torch.argmax(last_logits))
             stats.prefill_s = time.perf_counter() - start
             out = input_ids[0].tolist()
-        if sample and on_gpu:  # the kernel reads and advances these: no host round trip per cycle
-            seed_arg = torch.tensor([rng_seed], dtype=torch.long, device=dev)
-            offset_arg = torch.tensor([rng_offset], dtype=torch.long, device=dev)
         generated = [root]
         if streamer is not None:
             streamer.put(input_ids.cpu())
             streamer.put(torch.tensor([root], device="cpu"))
         done = root in eos or len(generated) >= max_new_tokens or self._stop(stopping_criteria, out + generated)
-        root_dev = torch.tensor([root], dtype=torch.long, device=dev)
+        self._root.fill_(root)
         if ds is not None and not done:
             if hasattr(self.draft, "begin_sequence"):
                 self.draft.begin_sequence(input_ids)
             clock.start()
-            ids = torch.cat([input_ids[:, 1:], root_dev.view(1, 1)], dim=1)
+            ids = torch.cat([input_ids[:, 1:], self._root.view(1, 1)], dim=1)
             last = torch.full((1,), S - 1, dtype=torch.long, device=dev)
-            root_logits, root_h = ds.catch_up(taps, ids, torch.zeros(1, dtype=torch.long, device=dev), last)
+            ds.catch_up(taps, ids, torch.zeros(1, dtype=torch.long, device=dev), last)
             clock.lap("draft_s")
+        pol = self.policy
         while not done:
             clock.start()
-            # 1-5: draft tree, bin, plan, verification tree
-            if ds is not None:
-                cand = ds.grow(root_logits, root_h, tgt.prefix, self.policy, stats)
-                tokens, parents, depths, mask, size = verification_tree(cand, root_dev, self.buckets)
-            else:
-                cand, size = None, 1
-                tokens, parents, depths, mask = root_dev, self._ar_parents, self._ar_depths, self._ar_mask
-            clock.lap("draft_s")
-            # 6: verify (on the CPU over the used columns only: a host-known bound, rounded for fewer shapes)
-            window = None if on_gpu else -(-(len(out) + len(generated) + tokens.shape[0]) // 64) * 64
-            logits, vtaps = tgt.verify(tokens, depths, mask, window)
-            clock.lap("verify_s")
-            # 7: accept (device outputs: nothing comes to the host here)
-            if sample:
-                if on_gpu:
-                    path, length, nxt, draws = ops.verify_sample(
-                        tokens, parents, logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed_arg,
-                        offset=offset_arg, check=False, device_outputs=True, advance_offset=True)
+            b, extra, keep = (None, 0, pol.total_tokens) if self._drafting else (None, 0, 1)
+            if graphs:
+                # 1-8 as recorded steps: one replay, or two around the "bin" sync point
+                if self._binned:
+                    _, entropy = steps.replay(("base",))
+                    with sync.point("bin", stats):
+                        b, extra, keep = pol.plan(entropy.item())
+                    acc, size = steps.replay(("finish", extra, keep))
                 else:
-                    path, length, nxt, draws = ops.verify_sample(
-                        tokens, parents, logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=rng_seed,
-                        offset=rng_offset, device_outputs=True)
+                    acc, size = steps.replay(("cycle", extra, keep))
+                clock.lap("graph_s")
             else:
-                path, length, nxt = ops.verify_greedy(tokens, parents, logits, check=check, device_outputs=True)
-            # 8: commit; the draft catches up on the accepted positions (before the prefix moves)
-            R = min(tokens.shape[0], cand.levels + 2) if cand is not None else 1
-            kept = path[:R].clamp(min=0)
-            path_tokens = tokens[kept]
-            if ds is not None:
-                ids = torch.cat([path_tokens[1:], nxt.view(1)])
-                last = (length - 1).view(1)
-                ids.scatter_(0, last, nxt.view(1))
-                clock.lap("ops_s")
-                root_logits, root_h = ds.catch_up(vtaps[:, kept], ids.view(1, R), tgt.prefix, last)
-                clock.lap("draft_s")
-            if size == 1:
-                tgt.prefix += 1
-            else:
-                tgt.commit(path, length, check=check)
-            root_dev = nxt.view(1)
-            clock.lap("ops_s")
+                g = None
+                if self._binned:
+                    g, entropy = self._base(clock)
+                    with sync.point("bin", stats):
+                        b, extra, keep = pol.plan(entropy.item())
+                # on the CPU the target attends over the used columns only: a host-known bound, rounded
+                window = None if dev.type == "cuda" else -(-(len(out) + len(generated) + self._max_nodes) // 64) * 64
+                acc, size = self._finish(g, extra, keep, settings, window, clock)
             # the accepted tokens, for streaming, EOS and stopping criteria
-            packed = [length.view(1), nxt.view(1), path_tokens]
-            if sample and not on_gpu:
-                packed.insert(0, draws.view(1))
             with sync.point("accepted", stats):
-                host = torch.cat(packed).tolist()
-            if sample and not on_gpu:
-                rng_offset += host.pop(0)
+                host = acc.tolist()
             clock.flush()
             n_acc = host[0] - 1
             committed = host[3:3 + n_acc] + [host[1]]
             stats.cycles += 1
             stats.verified_tokens += size
             stats.accepted_hist[n_acc] += 1
-            if cand is not None and cand.bin is not None:
-                stats.bins[cand.bin] += 1
-                stats.bin_accepted[cand.bin] += n_acc
+            if b is not None:
+                stats.bins[b] += 1
+                stats.bin_accepted[b] += n_acc
             # truncate at the budget, at EOS, or where a stopping criterion fires
             for t in committed:
                 generated.append(t)
@@ -277,7 +417,7 @@ class HeteroSpec:
                 if t in eos or len(generated) >= max_new_tokens or self._stop(stopping_criteria, out + generated):
                     done = True
                     break
-        if on_gpu:
+        if dev.type == "cuda":
             ops.cuda_check(dev)   # device-side errors of the check=False launches
         if streamer is not None:
             streamer.end()

@@ -25,7 +25,11 @@ class GenerationStats:
     verify_s: float = 0.0
     ops_s: float = 0.0
     sync_s: float = 0.0        # host time blocked at the declared sync points (on a GPU: waiting for the device)
+    graph_s: float = 0.0       # time in replayed steps (recorded engine: replaces the draft/verify/ops split)
     total_s: float = 0.0
+    graphs: str = "off"        # "off" (eager engine), "cuda" (CUDA graphs) or "emulate"
+    capture_s: float = 0.0     # warm-up and capture of the recorded steps in this call (not in total_s)
+    captured_steps: int = 0    # recorded steps available (one per step key)
 
     @property
     def committed(self):

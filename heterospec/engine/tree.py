@@ -8,7 +8,10 @@ verification: the next catch-up simply writes the accepted positions.
 
 Candidates are numbered as EAGLE numbers them: the root expansion's K first, then K*K per level, so the
 tree grown to fewer levels is a prefix of the arrays.  Every shape here depends only on (K, level, kept
-nodes, bucket): fixed per tree shape, as CUDA graphs need.
+nodes, bucket): fixed per tree shape, as CUDA graphs need.  State that crosses from one step to the next
+lives in static buffers (the root's logits and state after catch-up) or in a :class:`Growth` whose tensors
+are a captured step's outputs; no step mutates a Python object it was given, so a captured step replays
+exactly what it recorded.
 """
 from __future__ import annotations
 
@@ -17,19 +20,33 @@ import dataclasses
 import torch
 
 from .. import ops
-from . import sync
 
 
-@dataclasses.dataclass
-class Candidates:
-    """All candidates of one cycle (device tensors), level by level."""
+@dataclasses.dataclass(frozen=True)
+class Growth:
+    """A candidate tree grown ``level`` levels past the root expansion (device tensors, one per level)."""
 
-    tokens: torch.Tensor      # int64 [M]
-    scores: torch.Tensor      # float32 [M] cumulative log-probabilities
-    parents: torch.Tensor     # int64 [M] candidate index of the parent, -1 under the root
-    levels: int               # expansion levels after the root expansion
-    bin: int | None           # entropy bin chosen after the base depth (None: the policy has no bins)
-    keep: int                 # nodes to keep, root included
+    tokens: tuple             # int64 [K] (root expansion), then [K*K] per level
+    scores: tuple             # float32 cumulative log-probabilities, same shapes
+    parents: tuple            # int64 candidate index of the parent (-1 under the root)
+    cum_h: torch.Tensor       # float64 path entropy (Eq. 1, summed root-down) of the last level's candidates
+    beams: torch.Tensor       # int64 [K] the last level's K best candidates (global numbering)
+    prev_offset: int          # the last level's first candidate index
+    offset: int               # the next level's first candidate index
+    level: int                # expansion levels after the root expansion
+
+    def candidates(self):
+        """(tokens, scores, parents) of every candidate, concatenated level by level."""
+        return torch.cat(self.tokens), torch.cat(self.scores), torch.cat(self.parents)
+
+    def path_entropy(self):
+        """The path entropy of the most confident candidate of the last level (a 0-d float64 tensor)."""
+        return self.cum_h[self.beams[0] - self.prev_offset]
+
+
+def candidate_count(top_k, levels):
+    """Candidates of a tree grown ``levels`` levels past the root expansion."""
+    return top_k + top_k * top_k * levels
 
 
 class DraftState:
@@ -40,6 +57,8 @@ class DraftState:
         self.max_levels = max_levels
         self.base = 0
         self.cache = None
+        self.root_logits = None   # [1, Vd] float32: the root's draft logits, written by catch_up
+        self.root_h = None        # [1, H]: the root's draft state, written by catch_up
 
     def allocate(self, capacity, device, hidden_size):
         """Room for ``capacity`` committed positions plus the scratch rows of the deepest tree."""
@@ -51,7 +70,7 @@ class DraftState:
         self.cols = torch.arange(capacity + R, device=device)
         self.anc = torch.zeros((max(R, 1), max(R, 1)), dtype=torch.bool, device=device)  # scratch ancestry
         self.h_rows = torch.zeros((1 + R, hidden_size), dtype=self.draft_dtype(), device=device)
-        self.row_of = torch.zeros(K + K * K * self.max_levels, dtype=torch.long, device=device)
+        self.row_of = torch.zeros(candidate_count(K, self.max_levels), dtype=torch.long, device=device)
         self.eyeK = torch.eye(K, dtype=torch.bool, device=device)
         self.zero_score = torch.zeros(1, dtype=torch.float32, device=device)
         self.no_parent = torch.full((1,), -1, dtype=torch.long, device=device)
@@ -63,7 +82,8 @@ class DraftState:
     def catch_up(self, taps, ids, prefix, last):
         """Feed the committed positions prefix .. prefix+R-1 (taps [1, R, 3H] of the target, ids [1, R] the
         token after each); rows past the accepted ones are garbage the mask never shows later.  ``last``
-        ([1] int64): the row whose output expands the root.  Returns (root logits [1, Vd], root h [1, H])."""
+        ([1] int64): the row whose output expands the root.  Writes the static ``root_logits`` [1, Vd] and
+        ``root_h`` [1, H] (allocated by the first call, which must not be inside a graph capture)."""
         d = self.draft
         R = ids.shape[1]
         rows = prefix + self.cols[:R]
@@ -71,22 +91,29 @@ class DraftState:
         allowed[:, self.base:] = False
         h2 = d.step(d.fuse(taps), ids, rows.view(1, R), self.cache, rows, allowed)
         logits, h = d.head(h2.index_select(1, last))
-        return logits[0], h[0]
+        if self.root_logits is None or self.root_logits.shape != logits[0].shape:
+            self.root_logits = torch.empty_like(logits[0])
+            self.root_h = torch.empty_like(h[0])
+        self.root_logits.copy_(logits[0])
+        self.root_h.copy_(h[0])
+        return self.root_logits, self.root_h
 
-    def grow(self, root_logits, root_h, prefix, policy, stats):
-        """Grow this cycle's candidate tree (EAGLE-2/3 dynamic tree: one draft step and one ``ops.expand``
-        per level).  After ``policy.depth`` levels the path entropy along the most confident path (paper
-        Eq. 1) is read at the declared "bin" sync point and the policy's plan for its bin says how many
-        more levels to grow and how many nodes to keep."""
-        d, K, check = self.draft, self.K, root_logits.device.type != "cuda"
-        tok, sc, par, ent, beams = ops.expand(root_logits, self.zero_score, self.no_parent, K, self.d2t, 0,
+    def start(self):
+        """Expand the root (the static ``root_logits`` / ``root_h``): a Growth with 0 levels."""
+        K, check = self.K, self.root_logits.device.type != "cuda"
+        tok, sc, par, ent, beams = ops.expand(self.root_logits, self.zero_score, self.no_parent, K, self.d2t, 0,
                                               check=check)
-        tokens, scores, parents = [tok], [sc], [par]
-        cum_h = ent.double().expand(K)    # Eq. 1 summed root-down in float64 along each candidate's path
-        self.h_rows[0] = root_h[0]
-        prev_offset, offset, level, depth = 0, K, 0, policy.depth
-        plan_bin, keep = None, policy.total_tokens
-        while level < depth:
+        self.h_rows[0] = self.root_h[0]
+        # Eq. 1 summed root-down in float64 along each candidate's path
+        return Growth((tok,), (sc,), (par,), ent.double().expand(K), beams, 0, K, 0)
+
+    def grow(self, g, levels, prefix):
+        """Grow ``levels`` more levels (EAGLE-2/3 dynamic tree: one draft step and one ``ops.expand`` per
+        level) on top of ``g``; returns a new Growth (``g`` is left as it is)."""
+        d, K, check = self.draft, self.K, prefix.device.type != "cuda"
+        tokens, scores, parents = list(g.tokens), list(g.scores), list(g.parents)
+        cum_h, beams, prev_offset, offset, level = g.cum_h, g.beams, g.prev_offset, g.offset, g.level
+        for _ in range(levels):
             level += 1
             r0 = (level - 1) * K                                        # this level's scratch rows
             local = beams - prev_offset                                 # beams within the previous level
@@ -113,12 +140,7 @@ class DraftState:
             cum_h = (cum_h[local] + ent.double()).repeat_interleave(K)
             tokens.append(tok), scores.append(sc), parents.append(par)
             prev_offset, offset, beams = offset, offset + K * K, beams_next
-            if level == policy.depth and policy.thresholds:
-                with sync.point("bin", stats):
-                    entropy = cum_h[beams[0] - prev_offset].item()
-                plan_bin, extra, keep = policy.plan(entropy)
-                depth += extra
-        return Candidates(torch.cat(tokens), torch.cat(scores), torch.cat(parents), level, plan_bin, keep)
+        return Growth(tuple(tokens), tuple(scores), tuple(parents), cum_h, beams, prev_offset, offset, level)
 
 
 def bucket_for(size, buckets):
@@ -130,21 +152,27 @@ def bucket_for(size, buckets):
     return size
 
 
-def verification_tree(cand, root, buckets):
-    """Steps 5: ``ops.select`` keeps the best ``keep - 1`` candidates, ``ops.build_tree`` makes the tree
-    (device outputs, root token written from the device), then the tree is padded to its bucket.
+def tree_size(top_k, levels, keep):
+    """Real nodes (root included) of the verification tree kept from a tree grown ``levels`` levels."""
+    return min(keep - 1, candidate_count(top_k, levels)) + 1
+
+
+def verification_tree(g, keep, root, buckets):
+    """Steps 5: ``ops.select`` keeps the best ``keep - 1`` candidates of the Growth ``g``, ``ops.build_tree``
+    makes the tree (device outputs, root token written from the device), then the tree is padded to its
+    bucket.
 
     Padding nodes are children of the root carrying the token of node 1, the root's first child: greedy
     acceptance takes the lowest-index matching child and sampling skips a token already rejected at that
     node, so a padding node is never accepted and costs no random draw.  Each padding row sees the root
     and itself only.  Returns (tokens, parents, depths, mask) of the padded tree and the real node count."""
-    M = cand.scores.shape[0]
-    n = min(cand.keep - 1, M)
+    cand_tokens, cand_scores, cand_parents = g.candidates()
+    n = tree_size(len(g.beams), g.level, keep) - 1
     check = root.device.type != "cuda"
-    sel = ops.select(cand.scores, n, check=check)
-    tree, _, _ = ops.build_tree(cand.tokens, cand.parents, sel, 0, check=check, device_outputs=True)
+    sel = ops.select(cand_scores, n, check=check)
+    tree, _, _ = ops.build_tree(cand_tokens, cand_parents, sel, 0, check=check, device_outputs=True)
     tokens, parents, depths, mask = tree.tokens, tree.parents, tree.depths, tree.mask
-    tokens[0] = root
+    tokens[0] = root[0]
     size = n + 1
     B = bucket_for(size, buckets) if n >= 1 else size
     if B > size:

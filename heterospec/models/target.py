@@ -87,14 +87,26 @@ def _kv_shape(config):
     return c.num_hidden_layers, kv_heads, head_dim
 
 
+def _compiled(model, backend):
+    """``torch.compile(model, dynamic=False)`` with ``backend`` (True: inductor): one specialisation per
+    forward shape (prompt lengths, tree buckets), so the recompile limit is raised to 256 shapes."""
+    import torch._dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
+    return torch.compile(model, dynamic=False, backend="inductor" if backend is True else backend)
+
+
 class TargetAdapter:
     """Drives a HuggingFace causal LM as the speculative-decoding target (batch 1) on a static cache.
 
     ``prefix`` is a one-element int64 tensor on the model's device: the number of committed positions.
     :meth:`allocate` sizes the cache (prompt + new tokens + the largest tree); the engine calls it before
-    decoding, outside the cycle."""
+    decoding, outside the cycle.  ``compile``: run the model's forward through ``torch.compile`` (True or a
+    backend name), fewer kernels per forward before CUDA-graph capture."""
 
-    def __init__(self, model, tap_layers=None, capture_taps=True):
+    def __init__(self, model, tap_layers=None, capture_taps=True, compile=None):
         impl = getattr(model.config, "_attn_implementation", None)
         if impl not in TREE_MASK_ATTN:
             raise ValueError(
@@ -123,6 +135,7 @@ class TargetAdapter:
         self.kv = None
         self.cache = None
         self.prefix = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._call = model if not compile else _compiled(model, compile)
 
     def _make_hook(self, i):
         def hook(module, args, kwargs):
@@ -158,7 +171,7 @@ class TargetAdapter:
         self.cache.slots = slots
         self.cache.window = allowed.shape[1] if allowed.shape[1] < self.capacity else None
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, self._neg)
-        return self.model(input_ids=ids, position_ids=positions, cache_position=slots,
+        return self._call(input_ids=ids, position_ids=positions, cache_position=slots,
                           attention_mask=mask.view(1, 1, *allowed.shape), past_key_values=self.cache,
                           use_cache=True, **kw)
 

@@ -134,17 +134,36 @@ def _median_time(fn, reps, device):
     return float(np.median([timer(fn)[1] for _ in range(reps)]))
 
 
+def _recorded(fn, device):
+    """``fn`` recorded in a CUDA graph after an eager warm-up; returns the replay (what the recorded engine
+    pays for the same work)."""
+    import torch
+
+    from ..engine.graphs import warm_up
+
+    warm_up(device, [fn, fn])
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
 def profile_costs(target, draft=None, *, tree_tokens=(1, 2, 4, 8, 16, 32, 64, 128), contexts=(64, 256),
-                  beams=(1, 2, 4, 8, 10), reps=3):
+                  beams=(1, 2, 4, 8, 10), reps=3, graphs=False):
     """Measure this machine and fit a :class:`CostModel` (see the module docstring).  Every input is made
     on the model's own device (the draft's inputs in its dtype too), and every timed region is
-    synchronised with the device at both ends (:class:`DeviceTimer`)."""
+    synchronised with the device at both ends (:class:`DeviceTimer`).  ``graphs=True`` (a CUDA model)
+    times each verify forward and draft level as a replayed CUDA graph -- the costs of the engine with
+    ``cuda_graphs`` -- instead of eager calls."""
     import torch
 
     from ..models.target import TargetAdapter
 
     adapter = TargetAdapter(target, capture_taps=False)
     device, _ = _place(target)
+    if graphs and device.type != "cuda":
+        raise ValueError(f"profile_costs: argument 'graphs' expected False for a model on {device} (CUDA graphs "
+                         f"need a CUDA device), got True")
     timer = device_timer(device)
     vocab = target.config.vocab_size
     allocate = getattr(adapter, "allocate", None)  # a static cache: sized once for the largest prompt + tree
@@ -159,9 +178,15 @@ def profile_costs(target, draft=None, *, tree_tokens=(1, 2, 4, 8, 16, 32, 64, 12
                 depths = torch.arange(n, device=device).clamp(max=8)
                 mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
+                def forward():
+                    return adapter.verify(tokens, depths, mask)
+
+                adapter.prefill(prompt)
+                call = _recorded(forward, device) if graphs else forward
+
                 def run():
                     adapter.prefill(prompt)
-                    return timer(adapter.verify, tokens, depths, mask)[1]
+                    return timer(call)[1]
 
                 run()
                 rows.append((n, ctx, float(np.median([run() for _ in range(reps)]))))
@@ -180,7 +205,10 @@ def profile_costs(target, draft=None, *, tree_tokens=(1, 2, 4, 8, 16, 32, 64, 12
             ids = torch.zeros(1, beam, dtype=torch.long, device=d_device)
             pos = torch.full((1, beam), 64, dtype=torch.long, device=d_device)
             with torch.no_grad():
-                pts.append((beam, _median_time(lambda: draft(hid, ids, pos), reps, d_device)))
+                def level():
+                    return draft(hid, ids, pos)
+
+                pts.append((beam, _median_time(_recorded(level, d_device) if graphs else level, reps, d_device)))
         A = np.array([[1.0, b] for b, _ in pts])
         level = tuple(float(v) for v in np.linalg.lstsq(A, np.array([t for _, t in pts]), rcond=None)[0])
     return CostModel(verify, level, 0.0)

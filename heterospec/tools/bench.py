@@ -203,7 +203,7 @@ def parse_tree(text):
 
 
 def tune_static_tree(target, draft, prompt_ids, tr, *, cost_model, depths=TUNE_DEPTHS, nodes=TUNE_NODES,
-                     measure=3, timer=None, progress=None):
+                     measure=3, timer=None, progress=None, cuda_graphs=False):
     """The fastest static tree on this machine for ``prompt_ids`` (tuning prompts), ``tr`` their recorded
     trace (:func:`heterospec.trace.record`, at least ``max(depths)`` levels): every (depth, nodes) of the
     grid is replayed with ``cost_model``; the ``measure`` best by predicted speed are then decoded for real
@@ -226,8 +226,9 @@ def tune_static_tree(target, draft, prompt_ids, tr, *, cost_model, depths=TUNE_D
     for j, g in enumerate(grid[:measure]):
         pol = Policy.static(g["depth"], top_k, g["nodes"])
         new, secs = 0, 0.0
-        with HeteroSpec(target, draft, pol) as hs:
-            hs.generate(prompt_ids[0], max_new_tokens=8)  # warm-up
+        longest = max(ids.shape[1] for ids in prompt_ids) + tr.max_new_tokens
+        with HeteroSpec(target, draft, pol, cuda_graphs=cuda_graphs, max_length=longest) as hs:
+            hs.generate(prompt_ids[0], max_new_tokens=8)  # warm-up (and recording, with cuda_graphs)
             for ids in prompt_ids:
                 (_, st), dt = timer(lambda: hs.generate(ids, max_new_tokens=tr.max_new_tokens))
                 new += st.new_tokens
@@ -426,11 +427,13 @@ def static_cache_len(tokenizer, questions, max_new_tokens, chat=True, max_positi
 # ---- the run ------------------------------------------------------------------------------------------------
 
 def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=512, temperature=0.0, seed=0,
-              device="cpu", warmup_tokens=32, chat=True, eos_token_id=None, progress=None):
+              device="cpu", warmup_tokens=32, chat=True, eos_token_id=None, progress=None, cuda_graphs=False):
     """Answer every question with every method (questions outer, methods inner).  Returns
     {"temperature", "files": {bench: {method: metrics}}, "mean": {method: metrics}, "mismatches": [...],
     "warmup_s": {method: seconds}, "strongest_hf": name or None, "hf_static": {...} (with hf-static),
-    "answers": [records]}.  ``methods``: [(name, Policy or HFMethod)] (:func:`build_methods`)."""
+    "answers": [records]}.  ``methods``: [(name, Policy or HFMethod)] (:func:`build_methods`).
+    ``cuda_graphs``: passed to our engines (sized once for the longest conversation, so each tree shape is
+    recorded once, in the warm-up); capture time is kept out of the timings and reported as "capture_s"."""
     from ..engine.loop import HeteroSpec
 
     timer = Timer(device)
@@ -442,6 +445,11 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
     eos = _eos_list(eos_token_id)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     cache_len = None
+    engine_len = None
+    if cuda_graphs:
+        engine_len = static_cache_len(tokenizer, questions, max_new_tokens, chat,
+                                      getattr(target.config, "max_position_embeddings", None))
+    capture_s = {}
     if any(getattr(m, "cache_implementation", None) == "static" for _, m in methods):
         cache_len = static_cache_len(tokenizer, questions, max_new_tokens, chat,
                                      getattr(target.config, "max_position_embeddings", None))
@@ -450,7 +458,8 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
             if isinstance(pol, HFMethod):
                 engines[name] = HFGenerate(target, pol, pad_token_id=pad)
             else:
-                engines[name] = HeteroSpec(target, draft if pol.drafts else None, pol)
+                engines[name] = HeteroSpec(target, draft if pol.drafts else None, pol, cuda_graphs=cuda_graphs,
+                                           max_length=engine_len)
         if warmup_tokens:
             first = next(iter(questions.values()))[0]
             ids = encode_turn(tokenizer, first["turns"], [], chat).to(device)
@@ -460,6 +469,7 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
                     kw = {"cache_len": cache_len, "stop_after": warmup_tokens}  # compiles (where it does)
                 (_, st), warmup_s[name] = timer(lambda: engines[name].generate(
                     ids, max_new_tokens=warmup_tokens, temperature=temperature, seed=seed, **kw))
+                capture_s[name] = capture_s.get(name, 0.0) + getattr(st, "capture_s", 0.0)
                 if kw and st.compiled is not None:
                     compiled.append(st.compiled)
         per_q = {b: {n: [] for n, _ in methods} for b in questions}  # one record per question
@@ -478,6 +488,9 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
                         (seq, st), dt = timer(lambda: engines[name].generate(
                             ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=turn_seed,
                             eos_token_id=eos_token_id))
+                        if getattr(st, "capture_s", 0.0):   # recorded in this call: apart from decoding time
+                            dt -= st.capture_s
+                            capture_s[name] = capture_s.get(name, 0.0) + st.capture_s
                         new = seq[0, ids.shape[1]:].tolist()
                         texts.append(tokenizer.decode(new, skip_special_tokens=True))
                         rec["ids"].append(new)
@@ -503,7 +516,7 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
     strongest = add_speedup_over_hf(files, mean)
     mism = mismatch_report(per_q, names) if temperature == 0 else []
     out = {"temperature": temperature, "files": files, "mean": mean, "mismatches": mism, "warmup_s": warmup_s,
-           "strongest_hf": strongest}
+           "strongest_hf": strongest, "cuda_graphs": cuda_graphs, "capture_s": capture_s}
     if "hf-static" in names:
         out["hf_static"] = {"compiled": any(compiled) if compiled else None, "static_cache_len": cache_len,
                             "warmup_s": warmup_s.get("hf-static"), "device": str(device)}
@@ -531,7 +544,7 @@ def _metrics(recs, ar_recs):
         bins.update(s.bins)
         bin_acc.update(s.bin_accepted)
     nb = sum(bins.values())
-    split = {k: sum(getattr(s, k + "_s") for s in stats) for k in ("prefill", "draft", "verify", "ops")}
+    split = {k: sum(getattr(s, k + "_s", 0.0) for s in stats) for k in ("prefill", "draft", "verify", "ops", "graph")}
     total = sum(s.total_s for s in stats)
     split["loop"] = max(0.0, total - sum(split.values()))  # the Python loop, streaming, stopping checks
     # host time per cycle outside the declared sync points (on a GPU: what is left to remove by CUDA graphs)
@@ -659,17 +672,24 @@ def markdown(result):
         lines.append("")
         lines.append(f"**Temperature {run['temperature']:g}: time split (share of decoding time) and entropy bins**")
         lines.append("")
-        lines.append("| Method | Benchmark | prefill | draft | verify | ops | loop | host ms/cycle | bin shares (mean accepted) |")
-        lines.append("|---|---|---:|---:|---:|---:|---:|---:|---|")
+        lines.append("| Method | Benchmark | prefill | draft | verify | ops | graphs | loop | host ms/cycle | bin shares (mean accepted) |")
+        lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
         for n in names:
             for b in benches:
                 m = run["files"][b][n]
                 sh = m["time_split_share"] or {}
                 bins = ", ".join(f"{k}: {v['share']:.2f} ({v['mean_accepted']:.2f})" for k, v in m["bins"].items())
                 lines.append(f"| {n} | {LABELS.get(b, b)} | " + " | ".join(
-                    _fmt(sh.get(k), ".2f") for k in ("prefill", "draft", "verify", "ops", "loop"))
+                    _fmt(sh.get(k), ".2f") for k in ("prefill", "draft", "verify", "ops", "graph", "loop"))
                     + f" | {_fmt(m.get('host_ms_per_cycle'), '.2f')} | {bins or '–'} |")
         lines.append("")
+        if run.get("cuda_graphs"):
+            caps = {n: v for n, v in (run.get("capture_s") or {}).items() if v}
+            lines.append(f"Our engines ran recorded steps (cuda_graphs={run['cuda_graphs']!r}): the graphs column is "
+                         f"the time in replayed steps (draft, verify and ops inside them); recording took "
+                         + (", ".join(f"{n} {v:.2f} s" for n, v in caps.items()) or "no time in this run")
+                         + " (untimed in the tables).")
+            lines.append("")
         if run.get("warmup_s"):
             lines.append("Warm-up before the timed run (untimed in the tables): " + ", ".join(
                 f"{n} {v:.2f} s" for n, v in run["warmup_s"].items()) + ".")
@@ -917,6 +937,7 @@ def main(args, out=None):
     if profile is None and {"heterospec", "heterospec-paper"} & set(names):
         raise SystemExit("heterospec bench: methods heterospec and heterospec-paper need a calibrated profile "
                          "(--profile; heterospec calibrate writes one), or leave them out with --methods")
+    graphs = getattr(args, "graphs", False)   # --cuda-graphs, resolved and checked by the CLI
     torch.manual_seed(args.seed)
     tokenizer, target, draft = load_pair(args, args.device)
     timer = Timer(args.device)
@@ -935,7 +956,8 @@ def main(args, out=None):
     for temp in args.temperature:
         r = run_bench(target, tokenizer, draft, methods, questions, max_new_tokens=args.max_new_tokens,
                       temperature=temp, seed=args.seed, device=args.device, warmup_tokens=args.warmup_tokens,
-                      chat=not args.no_chat_template, eos_token_id=tokenizer.eos_token_id, progress=_Bar())
+                      chat=not args.no_chat_template, eos_token_id=tokenizer.eos_token_id, progress=_Bar(),
+                      cuda_graphs=graphs)
         answers += [dict(a, temperature=temp) for a in r.pop("answers")]
         runs.append(r)
     policies = {n: p.as_dict() if isinstance(p, HFMethod) else
@@ -947,7 +969,7 @@ def main(args, out=None):
         "command": "heterospec bench " + " ".join(getattr(args, "argv", []) or []),
         "settings": {"methods": names, "questions": {b: os.path.abspath(p) for b, p in zip(questions, paths)},
                      "limit": args.limit, "max_new_tokens": args.max_new_tokens, "temperatures": args.temperature,
-                     "seed": args.seed, "device": args.device, "dtype": args.dtype,
+                     "seed": args.seed, "device": args.device, "dtype": args.dtype, "cuda_graphs": graphs,
                      "warmup_tokens": args.warmup_tokens, "chat_template": not args.no_chat_template,
                      "eos_token_id": tokenizer.eos_token_id},
         "models": {"target": "SmolLM2-135M-Instruct" if args.target == "default" else str(args.target),
@@ -990,11 +1012,14 @@ def _tune(args, names, tokenizer, target, draft, timer):
     deepest = given.depth if given else max(TUNE_DEPTHS)
     tr = record(target, draft, ids, max_new_tokens=args.tune_max_new_tokens, top_k=given.top_k if given else 10,
                 levels=deepest + math.ceil(deepest / 2) + 1, progress=lambda i, n: bar("tuning: trace", i, n))
-    cost = profile_costs(target, draft, reps=2)
+    graphs = getattr(args, "graphs", False)
+    cost = profile_costs(target, draft, reps=2, graphs=graphs)   # what the engine that is timed pays
     if given is None:
-        tuned, tuning = tune_static_tree(target, draft, ids, tr, cost_model=cost, timer=timer, progress=bar)
+        tuned, tuning = tune_static_tree(target, draft, ids, tr, cost_model=cost, timer=timer, progress=bar,
+                                         cuda_graphs=graphs)
         tuning["how"] = (f"replayed {len(TUNE_DEPTHS) * len(TUNE_NODES)} static trees on a trace of {len(ids)} tuning "
-                         f"prompts from {os.path.basename(tp)} with a cost model measured here, then timed the best 3")
+                         f"prompts from {os.path.basename(tp)} with a cost model measured here"
+                         f"{' on captured forwards' if graphs else ''}, then timed the best 3")
     else:
         tuned = given
         tuning["chosen"] = {"depth": given.depth, "top_k": given.top_k, "nodes": given.total_tokens}
@@ -1020,6 +1045,9 @@ def add_arguments(p):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+                   help="our engines' steps recorded once per tree shape and replayed as CUDA graphs "
+                        "(auto: on with a CUDA --device)")
     p.add_argument("--warmup-tokens", type=int, default=32, help="untimed tokens per method before the run")
     p.add_argument("--tune-prompts", default=None, help="prompts for eagle3-tuned and heterospec-tuned (never benchmark "
                                                         "questions; default: the calibration prompts in a checkout)")

@@ -154,7 +154,7 @@ def generate_cmd(args, out=sys.stdout):
     ids = encode(tokenizer, args.prompt, not args.no_chat_template).to(args.device)
     streamer = TextStreamer(tokenizer, skip_prompt=True)
     eos = tokenizer.eos_token_id if args.eos else None
-    with HeteroSpec(target, draft, policy) as hs:
+    with HeteroSpec(target, draft, policy, cuda_graphs=getattr(args, "graphs", False)) as hs:
         seq, stats = hs.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  top_k=args.top_k, top_p=args.top_p, eos_token_id=eos, streamer=streamer,
                                  seed=args.seed)
@@ -193,7 +193,7 @@ def calibrate_cmd(args, out=sys.stdout):
     print(file=sys.stderr)
     x, y = trace.features(args.depth, args.total_tokens, target=args.fit_target)
     thresholds = tuple(fit_thresholds(x, y, depth=3, min_leaf=max(5, len(x) // 50)))
-    cost = profile_costs(target, draft, reps=2)
+    cost = profile_costs(target, draft, reps=2, graphs=getattr(args, "graphs", False))
     policy, predicted = optimise_policy(trace, cost, base_depth=args.depth, total_tokens=args.total_tokens,
                                         thresholds=thresholds)
     static = trace.replay(Policy.static(args.depth, args.top_k_tree, args.total_tokens), cost_model=cost)
@@ -331,6 +331,9 @@ def main(argv=None):
     g.add_argument("--no-chat-template", action="store_true")
     g.add_argument("--no-eos", dest="eos", action="store_false", help="do not stop at the tokenizer's EOS")
     g.add_argument("--policy", default=None, help="a calibrated profile (heterospec calibrate --out)")
+    g.add_argument("--cuda-graphs", default="off", choices=["auto", "on", "off"],
+                   help="record the decoding cycle's steps once per tree shape and replay them as CUDA graphs "
+                        "(auto: on with a CUDA --device)")
     c = sub.add_parser("calibrate", help="fit entropy bins and per-bin tree shapes for a model pair on this machine")
     c.add_argument("--target", required=True)
     c.add_argument("--gguf-file", default=None)
@@ -347,6 +350,9 @@ def main(argv=None):
                    "(calibrate on the device you will generate on: the cost model is this device's)")
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     c.add_argument("--no-chat-template", action="store_true")
+    c.add_argument("--cuda-graphs", default="off", choices=["auto", "on", "off"],
+                   help="time verify forwards and draft levels as replayed CUDA graphs, as the engine with "
+                        "--cuda-graphs runs them (auto: on with a CUDA --device)")
     t = sub.add_parser("train-draft", help="train an EAGLE-3 head for a target on the target's own answers")
     t.add_argument("--target", required=True, help="HF model directory, or 'default' (SmolLM2-135M-Instruct)")
     t.add_argument("--gguf-file", default=None)
@@ -384,6 +390,13 @@ def main(argv=None):
             args.device = check_device(args.device)
         except ValueError as e:  # one line, argparse's status, no traceback
             parser.exit(2, f"heterospec {args.cmd}: error: argument --device: {e}\n")
+    graphs = getattr(args, "cuda_graphs", None)
+    if graphs is not None:
+        on_cuda = str(args.device).startswith("cuda")
+        if graphs == "on" and not on_cuda:
+            parser.exit(2, f"heterospec {args.cmd}: error: argument --cuda-graphs: expected off or auto with --device "
+                           f"{args.device} (CUDA graphs need a CUDA device), got on\n")
+        args.graphs = graphs == "on" or (graphs == "auto" and on_cuda)
     args.argv = list(sys.argv[1:] if argv is None else argv)[1:]
     if args.cmd == "demo":
         if args.synthetic:

@@ -1,0 +1,111 @@
+"""The cycle's fixed-shape steps recorded once and replayed: one CUDA graph per tree shape (the paper's DGO).
+
+A dynamic tree changes shape every cycle; a captured graph needs fixed shapes and fixed addresses.  The
+engine therefore cuts the cycle into steps whose shapes depend only on a small key (the policy's plans: base
+depth, extra levels, kept nodes, bucket), keeps every value that crosses from one step or cycle to the next
+in a static device tensor (prefix length, root token, the root's draft logits and state, the Philox offset,
+the KV caches), and records each step once per model pair, length budget and sampling settings:
+
+* ``("cycle", extra, keep)``: a whole cycle (tree growth, verification tree, target forward, acceptance,
+  commit, draft catch-up) for policies without bins -- EAGLE-3's static tree, and ``ar`` (a root-only tree);
+* ``("base",)`` + ``("finish", extra, keep)``: for HeteroSpec, the tree up to the base depth and its path
+  entropy, then -- after the host reads the bin at the declared "bin" sync point -- the rest of the cycle
+  for that bin's plan.
+
+:class:`StepGraphs` records and replays them.  ``emulate=True`` runs the same plumbing on any device without
+CUDA graphs: a "capture" runs the step once and keeps its outputs, a "replay" runs it again and copies the
+new values into the kept outputs, so a later step that reads a step's outputs reads them where a real
+replay would have written them.  The CPU tests use it to prove the static-buffer engine equals the eager one;
+that a real replay equals eager decoding is tested on a GPU (tests/test_graphs.py under ``.ci/gpu``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+# bytes of heterospec's module workspace reserved before any capture: a graph records the workspace's
+# address, so it must never be regrown while graphs that use it exist
+WORKSPACE_BYTES = 64 << 20
+
+
+def tensors_of(obj):
+    """The tensors of a step's outputs (tensors, tuples, lists, dicts and dataclasses of them), in order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for x in obj for t in tensors_of(x)]
+    if isinstance(obj, dict):
+        return [t for k in sorted(obj) for t in tensors_of(obj[k])]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in tensors_of(getattr(obj, f.name))]
+    return []
+
+
+class StepGraphs:
+    """Recorded steps by key.  ``capture(key, fn)`` records ``fn`` (a step that reads and writes only static
+    tensors and the outputs of earlier captured steps) and returns its outputs; ``replay(key)`` runs the
+    recording and returns the same output objects, now holding this run's values."""
+
+    def __init__(self, device, emulate=False):
+        self.device = torch.device(device)
+        self.emulate = emulate
+        self._steps = {}
+        self.captured = []       # keys in capture order
+        self.capture_s = 0.0     # wall time spent warming up and capturing
+        self.replays = 0
+
+    def __contains__(self, key):
+        return key in self._steps
+
+    def __len__(self):
+        return len(self._steps)
+
+    def capture(self, key, fn):
+        if key in self._steps:
+            raise ValueError(f"StepGraphs: step {key!r} is already captured")
+        t0 = time.perf_counter()
+        if self.emulate:
+            out = fn()
+            self._steps[key] = (fn, out)
+        else:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = fn()
+            self._steps[key] = (g, out)
+        self.captured.append(key)
+        self.capture_s += time.perf_counter() - t0
+        return out
+
+    def replay(self, key):
+        step, out = self._steps[key]
+        if self.emulate:
+            new = step()
+            dst, src = tensors_of(out), tensors_of(new)
+            if len(dst) != len(src):
+                raise RuntimeError(f"StepGraphs: step {key!r} returned {len(src)} tensors, it captured {len(dst)}")
+            for a, b in zip(dst, src):
+                if a is not b:
+                    a.copy_(b)
+        else:
+            step.replay()
+        self.replays += 1
+        return out
+
+    def clear(self):
+        self._steps.clear()
+        self.captured.clear()
+
+
+def warm_up(device, fns):
+    """Run each function once eagerly before capture (cuBLAS handles, lazy buffers, our workspace), on a side
+    stream as torch's capture rules ask.  Returns their outputs."""
+    if torch.device(device).type != "cuda":
+        return [fn() for fn in fns]
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        outs = [fn() for fn in fns]
+    torch.cuda.current_stream(device).wait_stream(side)
+    return outs

@@ -1,0 +1,187 @@
+"""The recorded-step engine (issue 16: one CUDA graph per tree shape) against the eager engine.
+
+On the CPU, ``cuda_graphs="emulate"`` runs the recorded-step plumbing without graphs: every cross-step
+value in a static tensor, each step recorded once per shape and "replayed" by running it again and copying
+its outputs into the recorded ones.  With ``HETEROSPEC_TEST_DEVICE=cuda`` (``.ci/gpu``) the same tests run
+real CUDA graphs (``cuda_graphs=True``).  Either way the recorded engine must give the eager engine's output
+token for token (greedy) and draw for draw (sampling, same seed: the Philox offset lives in a device tensor
+the kernel advances), with the same per-cycle statistics."""
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from _doubles import NoisyDraft, ScriptDraft  # noqa: E402
+from test_decoding import THRESHOLDS, V, eagle3_head, prompts, reference_greedy, tiny_target  # noqa: E402
+
+from heterospec import HeteroSpec, Policy, build_info  # noqa: E402
+from heterospec.engine import sync  # noqa: E402
+from heterospec.engine.graphs import StepGraphs, tensors_of  # noqa: E402
+from heterospec.engine.loop import GPU_BUCKETS  # noqa: E402
+
+DEVICE = torch.device(os.environ.get("HETEROSPEC_TEST_DEVICE", "cpu"))
+if DEVICE.type == "cuda" and not (torch.cuda.is_available() and build_info()["cuda"]):
+    pytest.skip("HETEROSPEC_TEST_DEVICE=cuda needs a GPU and a CUDA build of the core", allow_module_level=True)
+MODE = True if DEVICE.type == "cuda" else "emulate"
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    model = tiny_target("llama")
+    ps = prompts(4)
+    refs = [reference_greedy(model, p, NEW) for p in ps]
+    head = eagle3_head(model, tmp_path_factory.mktemp("head"))
+    return model, ps, refs, head
+
+
+def _method(name, model, head):
+    return {
+        "ar": (None, None),
+        "eagle3-script": (ScriptDraft(V).to(DEVICE), Policy.static(4, 3, 12)),
+        "heterospec-script": (ScriptDraft(V).to(DEVICE), Policy.paper(3, 3, 12, THRESHOLDS)),
+        "eagle3-noisy": (NoisyDraft(32, V).to(DEVICE), Policy.static(3, 3, 10)),
+        "heterospec-head": (head, Policy.paper(4, 3, 16, THRESHOLDS)),
+    }[name]
+
+
+def _run(hs, draft, ps, refs, **kw):
+    out = []
+    for p, ref in zip(ps, refs):
+        if isinstance(draft, ScriptDraft):
+            draft.load(ref[0])
+        seq, st = hs.generate(p, max_new_tokens=NEW, **kw)
+        out.append((seq[0].tolist(), st.cycles, st.verified_tokens, dict(st.accepted_hist), dict(st.bins)))
+    return out
+
+
+METHODS = ["ar", "eagle3-script", "heterospec-script", "eagle3-noisy", "heterospec-head"]
+
+
+@pytest.mark.parametrize("buckets", ["auto", GPU_BUCKETS])
+@pytest.mark.parametrize("name", METHODS)
+def test_recorded_steps_equal_the_eager_engine_greedy(setup, name, buckets):
+    model, ps, refs, head = setup
+    draft, policy = _method(name, model, head)
+    with HeteroSpec(model, draft, policy, buckets=buckets) as hs:
+        eager = _run(hs, draft, ps, refs)
+    with HeteroSpec(model, draft, policy, buckets=buckets, cuda_graphs=MODE) as hs:
+        recorded = _run(hs, draft, ps, refs)
+    for (seq, *_), ref in zip(recorded, refs):
+        assert seq == ref[0].tolist(), f"{name}: recorded engine differs from target.generate"
+    assert recorded == eager, f"{name}: cycles, verified tokens, acceptance or bins differ from the eager engine"
+    if name.endswith("script"):
+        taus = [(len(s) - len(p[0])) / c for (s, c, *_), p in zip(recorded, ps)]
+        assert min(taus) > 2.0, taus      # multi-token commits really happened
+
+
+@pytest.mark.parametrize("name", ["ar", "eagle3-script", "heterospec-head"])
+def test_recorded_steps_equal_the_eager_engine_sampling(setup, name):
+    model, ps, refs, head = setup
+    draft, policy = _method(name, model, head)
+    kw = dict(temperature=0.9, top_k=20, top_p=0.95)
+    runs = {}
+    for mode in (False, MODE):
+        with HeteroSpec(model, draft, policy, cuda_graphs=mode) as hs:
+            runs[mode] = [_run(hs, draft, ps[i:i + 1], refs[i:i + 1], seed=100 + i, **kw) for i in range(3)]
+    assert runs[MODE] == runs[False]
+    # and the seed matters (the offset tensor is not stuck)
+    with HeteroSpec(model, draft, policy, cuda_graphs=MODE) as hs:
+        other = _run(hs, draft, ps[:1], refs[:1], seed=7, **kw)
+    assert other[0][0] != runs[MODE][0][0][0]
+
+
+def test_each_shape_is_recorded_once_and_reported_apart(setup):
+    model, ps, refs, _ = setup
+    draft = ScriptDraft(V).to(DEVICE)
+    policy = Policy.paper(3, 3, 12, THRESHOLDS)
+    with HeteroSpec(model, draft, policy, cuda_graphs=MODE, max_length=128) as hs:
+        plans = hs._plans()
+        assert plans == sorted({(e, k) for e, k in zip(policy.extra, policy.keep)} | {(0, 12)})
+        stats = []
+        for p, ref in zip(ps, refs):
+            draft.load(ref[0])
+            stats.append(hs.generate(p, max_new_tokens=NEW)[1])
+        (steps, _), = [(s, k) for k, s in hs._graphs.items()]
+        assert steps.captured == [("base",)] + [("finish",) + p for p in plans]
+        assert stats[0].capture_s > 0 and all(s.capture_s == 0 for s in stats[1:])
+        assert all(s.captured_steps == 1 + len(plans) for s in stats)
+        assert all(s.graphs == ("cuda" if MODE is True else "emulate") for s in stats)
+        assert steps.replays == sum(s.cycles * 2 for s in stats)   # base + finish per cycle
+        # the prompt's prefill and the first tokens are outside the timed decoding, capture too
+        assert all(s.total_s > 0 and s.graph_s > 0 for s in stats)
+        # new sampling settings record a second set; the greedy set is kept
+        hs.generate(ps[0], max_new_tokens=8, temperature=0.7, seed=1)
+        assert len(hs._graphs) == 2
+
+
+def test_static_policy_and_ar_are_one_step_per_cycle(setup):
+    model, ps, refs, _ = setup
+    draft = ScriptDraft(V).to(DEVICE).load(refs[0][0])
+    for d, pol, key in [(draft, Policy.static(4, 3, 12), ("cycle", 0, 12)), (None, None, ("cycle", 0, 1))]:
+        with HeteroSpec(model, d, pol, cuda_graphs=MODE) as hs:
+            _, st = hs.generate(ps[0], max_new_tokens=NEW)
+            (steps,) = hs._graphs.values()
+            assert steps.captured == [key] and steps.replays == st.cycles
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the host-transfer guard patches torch.Tensor; CPU check")
+@pytest.mark.parametrize("name, per_cycle", [("heterospec-script", ["bin", "accepted"]),
+                                              ("eagle3-script", ["accepted"]), ("ar", ["accepted"])])
+def test_at_most_two_sync_points_per_recorded_cycle(setup, name, per_cycle):
+    model, ps, refs, head = setup
+    draft, policy = _method(name, model, head)
+    if draft is not None:
+        draft.load(refs[0][0])
+    record = []
+    with HeteroSpec(model, draft, policy, cuda_graphs=MODE) as hs:
+        with sync.forbid_host_transfers(record):
+            _, st = hs.generate(ps[0], max_new_tokens=NEW)
+    assert record == per_cycle * st.cycles
+
+
+def test_emulated_replay_writes_into_the_recorded_outputs():
+    """What the emulation promises: a replay's values land in the tensors the capture returned (a later
+    step that kept them reads the new values), and a step that changes its output structure is refused."""
+    steps = StepGraphs("cpu", emulate=True)
+    state = torch.zeros(2)
+    out = steps.capture("a", lambda: (state + 1, [state * 2]))
+    kept = tensors_of(out)
+    state.fill_(5)
+    again = steps.replay("a")
+    assert again is out and tensors_of(again)[0] is kept[0]
+    assert kept[0].tolist() == [6.0, 6.0] and kept[1].tolist() == [10.0, 10.0]
+    with pytest.raises(ValueError, match="already captured"):
+        steps.capture("a", lambda: state)
+    n = [1]
+    steps.capture("b", lambda: tuple(state for _ in range(n[0])))
+    n[0] = 2
+    with pytest.raises(RuntimeError, match="returned 2 tensors, it captured 1"):
+        steps.replay("b")
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="CPU argument checks")
+def test_bad_cuda_graphs_switch(setup):
+    model, *_ = setup
+    with pytest.raises(ValueError, match=r"argument 'cuda_graphs' expected False on cpu .*got True"):
+        HeteroSpec(model, cuda_graphs=True)
+    with pytest.raises(ValueError, match=r"argument 'cuda_graphs' expected True, False, 'auto' or 'emulate', got 'yes'"):
+        HeteroSpec(model, cuda_graphs="yes")
+    assert HeteroSpec(model, cuda_graphs="auto").cuda_graphs is False     # no graphs on the CPU
+
+
+def test_compiled_target_forward_decodes_as_the_plain_one(setup):
+    """``compile=``: the target's forward through torch.compile (here the 'eager' backend: dynamo's tracing of
+    our cache, mask and tap hooks without code generation, so the CPU test stays quick; .ci/gpu runs inductor
+    in the bench).  Taps feed the EAGLE-3 head, so equal statistics mean equal taps too."""
+    model, ps, refs, head = setup
+    policy = Policy.paper(4, 3, 16, THRESHOLDS)
+    with HeteroSpec(model, head, policy) as hs:
+        plain = _run(hs, head, ps[:2], refs[:2])
+    with HeteroSpec(model, head, policy, cuda_graphs=MODE, compile="eager") as hs:
+        compiled = _run(hs, head, ps[:2], refs[:2])
+    assert compiled == plain
+    with pytest.raises(ValueError, match="argument 'compile' expected a bool or a torch.compile backend name"):
+        HeteroSpec(model, compile=3)
