@@ -205,10 +205,11 @@ def profile_costs(target, draft=None, *, tree_tokens=(1, 2, 4, 8, 16, 32, 64, 12
             ids = torch.zeros(1, beam, dtype=torch.long, device=d_device)
             pos = torch.full((1, beam), 64, dtype=torch.long, device=d_device)
             with torch.no_grad():
-                def level():
+                def one_level():
                     return draft(hid, ids, pos)
 
-                pts.append((beam, _median_time(_recorded(level, d_device) if graphs else level, reps, d_device)))
+                call = _recorded(one_level, d_device) if graphs else one_level
+                pts.append((beam, _median_time(call, reps, d_device)))
         A = np.array([[1.0, b] for b, _ in pts])
         level = tuple(float(v) for v in np.linalg.lstsq(A, np.array([t for _, t in pts]), rcond=None)[0])
     return CostModel(verify, level, 0.0)
