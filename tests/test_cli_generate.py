@@ -106,3 +106,48 @@ def test_device_reaches_load_pair(cmd, monkeypatch, tmp_path):
     with pytest.raises(_Loaded):
         cli.main(COMMANDS[cmd] + ["--device", "cpu:0", "--dtype", "bfloat16"])
     assert seen["device"] == "cpu:0"
+
+
+# ---- --cuda-graphs (issue 16) ----------------------------------------------------------------------------------
+
+GRAPH_COMMANDS = {
+    "generate": COMMANDS["generate"],
+    "calibrate": COMMANDS["calibrate"],
+    "bench": ["bench", "--questions", "q.jsonl"],
+}
+
+
+@pytest.mark.parametrize("cmd", list(GRAPH_COMMANDS))
+def test_cuda_graphs_on_without_a_gpu_is_a_one_line_usage_error(cmd, capsys, monkeypatch):
+    from heterospec.tools import cli
+
+    monkeypatch.setattr(cli, "load_pair", lambda *a, **k: pytest.fail("loaded models before checking --cuda-graphs"))
+    monkeypatch.setattr("heterospec.models.default.load_pair", lambda *a, **k: pytest.fail("loaded models"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(GRAPH_COMMANDS[cmd] + ["--device", "cpu", "--cuda-graphs", "on"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"heterospec {cmd}: error: argument --cuda-graphs: "), err
+    assert "expected off or auto with --device cpu" in err and err.rstrip().endswith("got on")
+
+
+@pytest.mark.parametrize("given, want", [("auto", False), ("off", False)])
+def test_cuda_graphs_reaches_the_engine(tmp_path, monkeypatch, given, want):
+    """generate builds HeteroSpec with the resolved switch (auto on the CPU = off)."""
+    from heterospec.tools import cli
+
+    import heterospec
+
+    save_tiny_pair(tmp_path)
+    seen = {}
+    real = heterospec.HeteroSpec
+
+    def spy(*a, **k):
+        seen["cuda_graphs"] = k.get("cuda_graphs")
+        return real(*a, **k)
+
+    monkeypatch.setattr(heterospec, "HeteroSpec", spy)
+    cli.main(["generate", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--prompt",
+              "w5 w17", "--method", "eagle3", "--max-new-tokens", "4", "--depth", "2", "--top-k-tree", "2",
+              "--total-tokens", "4", "--cuda-graphs", given])
+    assert seen["cuda_graphs"] is want

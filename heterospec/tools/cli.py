@@ -28,10 +28,11 @@ def _peaked_logits(rng, rows, vocab, sharpness):
     return x
 
 
-def demo(vocab=49152, k=10, depth=6, n_keep=59, seed=0, out=sys.stdout):
+def demo(vocab=49152, k=10, depth=6, n_keep=59, seed=0, out=None):
     """One EAGLE-3 style cycle on synthetic logits: expand the draft tree level by level, sum the top-k
     entropy along the most confident path (HeteroSpec Eq. 1), rerank, build the verification tree,
     accept greedily and by lossless sampling, and compact a KV cache.  Returns a dict of what happened."""
+    out = sys.stdout if out is None else out   # the stdout of the call, not of the import
     from .. import build_info, ops
 
     rng = np.random.default_rng(seed)
@@ -126,8 +127,9 @@ def _parse_floats(text):
     return tuple(float(t) for t in text.split(",") if t.strip())
 
 
-def generate_cmd(args, out=sys.stdout):
+def generate_cmd(args, out=None):
     """Load target (+ draft), apply the chat template, stream the answer, print the stats."""
+    out = sys.stdout if out is None else out   # the stdout of the call, not of the import
     from transformers import TextStreamer
 
     from ..policy import Policy
@@ -166,9 +168,10 @@ def generate_cmd(args, out=sys.stdout):
     return seq, stats
 
 
-def calibrate_cmd(args, out=sys.stdout):
+def calibrate_cmd(args, out=None):
     """Record a trace on the prompts, fit the entropy bins, measure this machine, optimise per bin, save
     the profile, print the per-bin table and draw the figure."""
+    out = sys.stdout if out is None else out   # the stdout of the call, not of the import
     import math
 
     from ..policy.calibrate import optimise_policy, profile_costs, save_profile
@@ -245,8 +248,9 @@ def _figure(path, x, thresholds, replay):
     plt.close(fig)
 
 
-def train_draft_cmd(args, out=sys.stdout):
+def train_draft_cmd(args, out=None):
     """Train an EAGLE-3 head on the target's own answers to the training prompts."""
+    out = sys.stdout if out is None else out   # the stdout of the call, not of the import
     import os
 
     from ..models.train import collect, load_records, save_records, train_draft

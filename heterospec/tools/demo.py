@@ -138,8 +138,9 @@ def table(results):
     return "\n".join(lines)
 
 
-def run(args, out=sys.stdout):
+def run(args, out=None):
     """The ``heterospec demo`` command.  Returns the process exit status (1 when outputs differ)."""
+    out = sys.stdout if out is None else out   # the stdout of the call, not of the import
     import torch
 
     from transformers import TextStreamer
