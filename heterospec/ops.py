@@ -206,9 +206,12 @@ def verify_sample(
     The emitted tokens follow the warped target distribution exactly.
 
     With ``device_outputs=True``: ``(path[n] padded with -1, length, next_token, draws)``, the last three 0-d
-    int64 arrays.  On CUDA, ``seed`` and ``offset`` may also be 1-element int64 device tensors (read when the
-    kernel runs, so a captured graph can be replayed with new values); with ``advance_offset=True`` the
-    kernel adds ``draws`` to the ``offset`` tensor, so each replay draws fresh uniforms.
+    int64 arrays.  ``seed`` and ``offset`` may also be 1-element int64 tensors on the device of the logits (their
+    int64 bits are the uint64 value).  On CUDA they are read when the kernel runs, so a captured graph can be
+    replayed with new values; with ``advance_offset=True`` the kernel adds ``draws`` to the ``offset`` tensor, so
+    each replay draws fresh uniforms.  On the CPU (a NumPy array or torch CPU tensor) they are read when the op
+    runs, and ``advance_offset=True`` writes ``offset + draws`` back into the (writable) ``offset`` tensor the
+    same way.
     """
     tree_tokens = _arr(tree_tokens)
     return _C.verify_sample(

@@ -735,11 +735,42 @@ def verify_greedy(tree_tokens, tree_parents, target_logits, *, stream=None, chec
 def verify_sample(tree_tokens, tree_parents, target_logits, *, temperature, top_k=0, top_p=1.0, seed, offset,
                   stream=None, check=True, device_outputs=False, advance_offset=False):
     """Lossless tree verification by recursive rejection sampling -> (path int64[len], next_token, draws),
-    or with device_outputs (path[n] padded with -1, length, next_token, draws) as arrays."""
-    if advance_offset:
-        _fail(ValueError, "verify_sample", "advance_offset", "False unless 'offset' is a device tensor", "True")
+    or with device_outputs (path[n] padded with -1, length, next_token, draws) as arrays.
+
+    seed / offset: an int, or a 1-element int64 array (NumPy or a torch CPU tensor; its int64 bits are the
+    uint64 value, as the CUDA kernel reads them), read when the op runs; with advance_offset=True (an array
+    offset only) offset + draws (mod 2^64) is written back into it in place."""
+    op = "verify_sample"
+
+    def scalar(name, x):
+        """-> (the value, the array or None); ints are range-checked by _verify_sample_host."""
+        if not _is_array_like(x):
+            return x, None
+        device = getattr(x, "__dlpack_device__", None)
+        kind, index = (int(d) for d in device()) if device is not None and not isinstance(x, np.ndarray) else (1, 0)
+        if kind not in (1, 3):  # DLPack kDLCPU, kDLCUDAHost: this implementation runs on the host only
+            where = {2: "cuda", 10: "rocm", 13: "cuda_managed"}.get(kind, "device")
+            _fail(ValueError, op, name, "the device of 'tree_tokens' (cpu:0)", f"{where}:{index}")
+        a = x if isinstance(x, np.ndarray) else _np_view(op, name, x)
+        if a.dtype != np.int64:
+            _fail(TypeError, op, name, "dtype int64 (or a Python int)", f"{a.dtype}")
+        if a.size != 1:
+            _fail(ValueError, op, name, "an int or a 1-element int64 tensor", f"{a.size} elements")
+        return int(a.reshape(-1)[0]) % _U64_LIMIT, a
+
+    seed, _ = scalar("seed", seed)
+    offset, offset_arr = scalar("offset", offset)
+    if advance_offset and offset_arr is None:
+        _fail(ValueError, op, "advance_offset", "False unless 'offset' is a 1-element int64 tensor",
+              "True (with an int offset)")
+    if advance_offset and not offset_arr.flags.writeable:
+        _fail(ValueError, op, "offset", "a writable tensor (advance_offset=True writes offset + draws into it)",
+              "a read-only one")
     path, nxt, draws = _verify_sample_host(tree_tokens, tree_parents, target_logits, temperature=temperature,
                                            top_k=top_k, top_p=top_p, seed=seed, offset=offset)
+    if advance_offset:  # offset += draws, mod 2^64, stored as the int64 with those bits (as the kernel does)
+        advanced = (offset + draws) % _U64_LIMIT
+        offset_arr.fill(advanced - _U64_LIMIT if advanced >= 1 << 63 else advanced)
     if not device_outputs:
         return path, nxt, draws
     n = np.asarray(tree_tokens).shape[0]

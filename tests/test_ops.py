@@ -512,6 +512,241 @@ def test_verify_sample_deterministic(impl):
     assert len({(tuple(to_numpy(p).tolist()), nx) for p, nx, _ in a}) > 1
 
 
+# ---- verify_sample: seed / offset as 1-element int64 tensors on the CPU (a CUDA-graph engine's CPU emulation
+#      keeps the Philox offset in a tensor, as it does on the GPU)
+
+TENSOR_KINDS = ["numpy[1]", "numpy[]", "torch[1]", "torch[]"]
+
+
+def as_tensor(kind, value):
+    """value (an int in [0, 2^64)) as a 1-element int64 tensor of `kind` holding its bits."""
+    bits = int(np.array(value, np.uint64).view(np.int64))
+    a = np.array([bits] if kind.endswith("[1]") else bits, np.int64)
+    return torch.from_numpy(a) if kind.startswith("torch") else a
+
+
+def tensor_value(t):
+    """The uint64 value held by a 1-element int64 tensor."""
+    a = t.numpy() if isinstance(t, torch.Tensor) else t
+    return int(a.reshape(-1).view(np.uint64)[0])
+
+
+def sample_case(rng):
+    n, v = int(rng.integers(1, 12)), int(rng.choice([1, 5, 37]))
+    x = (rng.normal(size=(n, v)) * 1.5).astype(np.float32)
+    tokens, parents, _ = random_tree(rng, n, v, p_greedy=0.6, logits=x)
+    return tokens, parents, x
+
+
+def same_sample(a, b):
+    assert len(a) == len(b)
+    assert to_numpy(a[0]).tolist() == to_numpy(b[0]).tolist()
+    for p, q in zip(a[1:], b[1:]):
+        assert int(p) == int(q)
+
+
+SEEDS_OFFSETS = [(0, 0), (5, 123), (2**63 + 11, 2**64 - 3), (2**64 - 1, 2**63 - 1), (0xDEADBEEFCAFEF00D, 2**63)]
+
+
+@pytest.mark.parametrize("kind", TENSOR_KINDS)
+def test_verify_sample_tensor_seed_offset_equal_ints(impl, kind):
+    rng = np.random.default_rng(55)
+    for trial in range(12):
+        tokens, parents, x = sample_case(rng)
+        for seed, offset in SEEDS_OFFSETS:
+            kw = dict(temperature=0.9, top_k=int(rng.integers(0, 4)), top_p=1.0)
+            want = impl.verify_sample(tokens, parents, x, seed=seed, offset=offset, **kw)
+            assert want[1:] == tuple(sample_walk(tokens, parents, x, 0.9, kw["top_k"], 1.0, seed, offset)[1:])
+            s, o = as_tensor(kind, seed), as_tensor(kind, offset)
+            same_sample(impl.verify_sample(tokens, parents, x, seed=s, offset=o, **kw), want)
+            same_sample(impl.verify_sample(tokens, parents, x, seed=s, offset=offset, **kw), want)
+            same_sample(impl.verify_sample(tokens, parents, x, seed=seed, offset=o, **kw), want)
+            got = impl.verify_sample(tokens, parents, x, seed=s, offset=o, **kw)
+            assert type(got[1]) is int and type(got[2]) is int
+            assert (tensor_value(s), tensor_value(o)) == (seed, offset)  # read, never written without advance_offset
+    # NumPy integer scalars stay ints (not tensors); a read-only tensor is fine when nothing is written
+    ro = np.array([7], np.int64)
+    ro.flags.writeable = False
+    same_sample(impl.verify_sample(tokens, parents, x, temperature=1.0, seed=np.uint64(2**64 - 1), offset=ro),
+                impl.verify_sample(tokens, parents, x, temperature=1.0, seed=2**64 - 1, offset=np.int64(7)))
+
+
+@pytest.mark.parametrize("kind", TENSOR_KINDS)
+def test_verify_sample_advance_offset_tensor(impl, kind):
+    """advance_offset=True adds draws to the offset tensor (mod 2^64): two calls in a row equal two calls with
+    int offsets o and o + draws1."""
+    rng = np.random.default_rng(56)
+    for trial in range(15):
+        tokens, parents, x = sample_case(rng)
+        for seed, o in SEEDS_OFFSETS:
+            kw = dict(temperature=1.1, top_p=0.9)
+            s, off = as_tensor(kind, seed), as_tensor(kind, o)
+            first = impl.verify_sample(tokens, parents, x, seed=s, offset=off, advance_offset=True, **kw)
+            want1 = impl.verify_sample(tokens, parents, x, seed=seed, offset=o, **kw)
+            same_sample(first, want1)
+            assert tensor_value(off) == (o + want1[2]) % 2**64
+            second = impl.verify_sample(tokens, parents, x, seed=s, offset=off, advance_offset=True, **kw)
+            want2 = impl.verify_sample(tokens, parents, x, seed=seed, offset=(o + want1[2]) % 2**64, **kw)
+            same_sample(second, want2)
+            assert tensor_value(off) == (o + want1[2] + want2[2]) % 2**64
+            assert tensor_value(s) == seed
+    # the same tensor as seed and offset: both read before the op, the offset written after it
+    t = as_tensor(kind, 40)
+    r = impl.verify_sample(tokens, parents, x, temperature=1.0, seed=t, offset=t, advance_offset=True)
+    same_sample(r, impl.verify_sample(tokens, parents, x, temperature=1.0, seed=40, offset=40))
+    assert tensor_value(t) == 40 + r[2]
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_verify_sample_tensor_offset_device_outputs(impl, lib):
+    rng = np.random.default_rng(57)
+    put = torch.from_numpy if lib == "torch" else (lambda a: a)
+    for trial in range(20):
+        tokens, parents, x = sample_case(rng)
+        seed, o = int(rng.integers(0, 2**63)), int(rng.integers(0, 2**64, dtype=np.uint64))
+        s, off = put(np.array([seed], np.int64)), put(np.array(o, np.uint64).view(np.int64).reshape(1))
+        got = impl.verify_sample(put(tokens), put(parents), put(x), temperature=0.8, seed=s, offset=off,
+                                 device_outputs=True, advance_offset=True)
+        want = impl.verify_sample(tokens, parents, x, temperature=0.8, seed=seed, offset=o, device_outputs=True)
+        assert len(got) == 4
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(to_numpy(g), to_numpy(w))
+        assert tensor_value(off) == (o + int(want[3])) % 2**64
+        # without advance_offset the tensor is only read
+        again = impl.verify_sample(put(tokens), put(parents), put(x), temperature=0.8, seed=s,
+                                   offset=put(np.array(o, np.uint64).view(np.int64).reshape(1)), device_outputs=True)
+        for g, w in zip(again, want):
+            np.testing.assert_array_equal(to_numpy(g), to_numpy(w))
+
+
+def test_verify_sample_failed_call_leaves_offset_tensor(impl):
+    off = np.array([17], np.int64)
+    x = np.zeros((3, 5), np.float32)
+    x[0, 2] = np.nan
+    with pytest.raises(ValueError, match=r"^verify_sample: argument 'target_logits'"):
+        impl.verify_sample(np.array([0, 1, 2]), np.array([-1, 0, 0]), x, temperature=1.0, seed=1, offset=off,
+                           advance_offset=True)
+    with pytest.raises(ValueError, match=r"^verify_sample: argument 'temperature'"):
+        impl.verify_sample(np.array([0]), np.array([-1]), x[1:2], temperature=0.0, seed=1, offset=off,
+                           advance_offset=True)
+    assert off.tolist() == [17]
+
+
+class FakeCudaInt64:
+    """A 1-element int64 DLPack export that claims to live on cuda:0 (its memory is host memory, and must never
+    be read)."""
+
+    def __init__(self):
+        import ctypes
+
+        from _dlpack import _DELETER, _NAME, _Device, _DType, _ManagedVersioned, _PyCapsule_New, _Version
+
+        self._ctypes, self._name, self._new = ctypes, _NAME, _PyCapsule_New
+        self.arr = np.zeros(1, np.int64)
+        self.shape = (ctypes.c_int64 * 1)(1)
+        self._deleter = _DELETER(lambda _p: None)
+        self.m = _ManagedVersioned()
+        self.m.version = _Version(1, 0)
+        self.m.deleter = self._deleter
+        t = self.m.dl_tensor
+        t.data = self.arr.ctypes.data
+        t.device = _Device(2, 0)
+        t.ndim = 1
+        t.dtype = _DType(0, 64, 1)
+        t.shape = self.shape
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    def __dlpack__(self, **kw):
+        return self._new(self._ctypes.addressof(self.m), self._name.value, None)
+
+
+def _read_only(a):
+    a = np.array(a, np.int64)
+    a.flags.writeable = False
+    return a
+
+
+BAD_SEED_OFFSET = [
+    ("float-offset", TypeError, "offset", dict(offset=np.array([1.0]))),
+    ("float-seed-torch", TypeError, "seed", dict(seed=torch.zeros(1))),
+    ("int32-offset", TypeError, "offset", dict(offset=np.array([3], np.int32))),
+    ("uint64-seed", TypeError, "seed", dict(seed=np.array([3], np.uint64))),
+    ("two-elements", ValueError, "offset", dict(offset=np.array([1, 2], np.int64))),
+    ("two-elements-torch-seed", ValueError, "seed", dict(seed=torch.zeros(2, dtype=torch.int64))),
+    ("no-element", ValueError, "offset", dict(offset=np.zeros(0, np.int64))),
+    ("advance-int", ValueError, "advance_offset", dict(offset=3, advance_offset=True)),
+    ("advance-np-scalar", ValueError, "advance_offset", dict(offset=np.int64(3), advance_offset=True)),
+    ("advance-read-only", ValueError, "offset", dict(offset=_read_only([3]), advance_offset=True)),
+    ("other-device", ValueError, "offset", dict(offset="cuda")),
+    ("other-device-seed", ValueError, "seed", dict(seed="cuda")),
+]
+
+
+@pytest.mark.parametrize("exc,arg,kw", [c[1:] for c in BAD_SEED_OFFSET], ids=[c[0] for c in BAD_SEED_OFFSET])
+def test_verify_sample_bad_seed_offset_tensors(impl, exc, arg, kw):
+    kw = {k: FakeCudaInt64() if isinstance(v, str) else v for k, v in kw.items()}
+    args = dict(temperature=1.0, seed=0, offset=0)
+    args.update(kw)
+    with pytest.raises(exc, match=rf"^verify_sample: argument '{arg}' expected .+, got .+") as info:
+        impl.verify_sample(np.array([0, 1, 2]), np.array([-1, 0, 0]), np.zeros((3, 5), np.float32), **args)
+    assert "\n" not in str(info.value)
+    for v in kw.values():
+        if isinstance(v, np.ndarray) and v.size:
+            assert v.reshape(-1)[0] in (1, 3)  # untouched
+
+
+def test_verify_sample_offset_tensor_chain_c_equals_numpy(c_ops, ref_ops):
+    """The C op and the NumPy twin, each advancing its own offset tensor over a chain of calls: identical paths,
+    next tokens, draws and offsets."""
+    rng = np.random.default_rng(58)
+    for chain in range(10):
+        seed = int(rng.integers(0, 2**64, dtype=np.uint64))
+        o = int(rng.integers(0, 2**64, dtype=np.uint64)) if chain % 2 else int(rng.integers(0, 100))
+        oc, on = torch.from_numpy(as_tensor("numpy[1]", o)), as_tensor("numpy[1]", o)
+        sc, sn = as_tensor("torch[]", seed), as_tensor("numpy[]", seed)
+        for step in range(8):
+            tokens, parents, x = sample_case(rng)
+            kw = dict(temperature=float(rng.uniform(0.5, 1.5)), top_k=int(rng.integers(0, 6)), top_p=0.95,
+                      device_outputs=bool(step % 2), advance_offset=True)
+            same_sample(c_ops.verify_sample(tokens, parents, x, seed=sc, offset=oc, **kw),
+                        ref_ops.verify_sample(tokens, parents, x, seed=sn, offset=on, **kw))
+            assert tensor_value(oc) == tensor_value(on)
+        assert tensor_value(oc) != o
+
+
+def test_verify_sample_tensors_not_kept_alive(c_ops):
+    """The C binding releases the seed/offset tensors on success and on every error path."""
+    import sys
+
+    s, o = torch.tensor([3]), np.array([5], np.int64)
+    bad = np.zeros((3, 5), np.float32)
+    bad[0, 1] = np.nan
+    before = (sys.getrefcount(s), sys.getrefcount(o))
+    tt, tp, x = np.array([0, 1, 2]), np.array([-1, 0, 0]), np.zeros((3, 5), np.float32)
+
+    def failing(logits=x, **kw):
+        args = dict(temperature=1.0, seed=s, offset=o, advance_offset=True)
+        args.update(kw)
+        try:
+            c_ops.verify_sample(tt, tp, logits, **args)
+        except (ValueError, TypeError):
+            return
+        raise AssertionError("a bad call did not raise")  # pragma: no cover
+
+    for _ in range(50):
+        c_ops.verify_sample(tt, tp, x, temperature=1.0, seed=s, offset=o, advance_offset=True)
+        c_ops.verify_sample(tt, tp, x, temperature=1.0, seed=s, offset=o, device_outputs=True)
+        failing(logits=bad)
+        failing(top_p=2.0)
+        failing(seed=torch.tensor([1, 2]))
+        failing(offset=torch.tensor([1.0]))
+        failing(offset=FakeCudaInt64())
+        failing(offset=5)
+    assert (sys.getrefcount(s), sys.getrefcount(o)) == before
+
+
 def test_mixed_id_dtypes(impl):
     """docs/ops.md: every id input may be int32 or int64 -- independently of the other id inputs."""
     tokens = np.array([5, 6, 7, 8], np.int32)

@@ -734,16 +734,37 @@ fail:
     return res;
 }
 
-/* seed / offset: a Python int, or (for CUDA graphs) a 1-element uint64/int64 tensor on the logits' device */
-static int hs_parse_seed(hs_views *vs, PyObject *o, const char *op, const char *arg, uint64_t *val, void **dev) {
+/* seed / offset: a Python int (or NumPy integer scalar), or a 1-element int64 tensor on the device of the tree
+ * and logits, its int64 bits taken as the uint64 value.  On CUDA (for CUDA graphs) the kernel reads it (*dev);
+ * on the CPU it is read here, into *val, and *view is kept for advance_offset's write-back. */
+static int hs_parse_seed(hs_views *vs, PyObject *o, const char *op, const char *arg, uint64_t *val, void **dev,
+                         hs_view **view) {
     *dev = NULL;
+    *view = NULL;
     /* a device tensor only: torch tensors also implement __index__, which would synchronise */
     int on_device = 0;
     PyObject *d = PyObject_HasAttrString(o, "__dlpack_device__") ? PyObject_CallMethod(o, "__dlpack_device__", NULL) : NULL;
     if (d != NULL && PyTuple_Check(d) && PyTuple_GET_SIZE(d) >= 1) on_device = PyLong_AsLong(PyTuple_GET_ITEM(d, 0)) == 2;
     Py_XDECREF(d);
     PyErr_Clear();
-    if (!on_device) return hs_parse_u64(o, op, arg, val);
+    if (!on_device) {
+        /* a CPU tensor (NumPy array, torch tensor, any DLPack producer): read now, never through __index__ */
+        int is_array = !PyLong_Check(o) && !PyArray_IsScalar(o, Generic) &&
+                       (PyArray_Check(o) || PyObject_HasAttrString(o, "__dlpack__"));
+        if (!is_array) return hs_parse_u64(o, op, arg, val);
+        hs_view *v = hs_views_add(vs, o, op, arg, 0); /* also: on the device of the tree and logits */
+        if (v == NULL) return -1;
+        if (hs_check_dtype(v, op, arg, HS_MASK(HS_INT64), "int64 (or a Python int)") < 0) return -1;
+        if (hs_view_nbytes(v) != 8) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: argument '%s' expected an int or a 1-element int64 tensor, got %lld elements", op, arg,
+                         (long long)(hs_view_nbytes(v) / 8));
+            return -1;
+        }
+        memcpy(val, v->data, sizeof *val);
+        *view = v;
+        return 0;
+    }
     hs_view *v = hs_views_add(vs, o, op, arg, 1);
     if (v == NULL) return -1;
     if (hs_check_dtype(v, op, arg, HS_MASK(HS_INT64), "int64") < 0) return -1;
@@ -769,6 +790,7 @@ static PyObject *py_verify_sample(PyObject *self, PyObject *args) {
     hs_sampling sp;
     uint64_t seed, offset;
     void *seed_dev = NULL, *off_dev = NULL;
+    hs_view *seed_v = NULL, *off_v = NULL; /* CPU tensors */
     int check, devout, adv;
     if (hs_parse_f64(o_temp, op, "temperature", &sp.temperature) < 0 || hs_parse_i64(o_topk, op, "top_k", &sp.top_k) < 0 ||
         hs_parse_f64(o_topp, op, "top_p", &sp.top_p) < 0 || hs_parse_flag(o_check, op, "check", &check) < 0 ||
@@ -779,14 +801,18 @@ static PyObject *py_verify_sample(PyObject *self, PyObject *args) {
     void *ws = NULL;
     hs_view *tk, *pa, *lg, *opath;
     if (hs_verify_args(&vs, op, o_tok, o_par, o_lg, &tk, &pa, &lg) < 0) goto fail;
-    if (hs_parse_seed(&vs, o_seed, op, "seed", &seed, &seed_dev) < 0 || hs_parse_seed(&vs, o_off, op, "offset", &offset, &off_dev) < 0)
+    /* a tensor must share the device of tree_tokens (hence of target_logits): hs_views_add checks it */
+    if (hs_parse_seed(&vs, o_seed, op, "seed", &seed, &seed_dev, &seed_v) < 0 ||
+        hs_parse_seed(&vs, o_off, op, "offset", &offset, &off_dev, &off_v) < 0)
         goto fail;
-    if ((seed_dev || off_dev) && tk->device_type != 2) {
-        PyErr_Format(PyExc_ValueError, "%s: argument 'offset' expected a Python int for CPU tensors, got an array", op);
+    if (adv && !off_dev && !off_v) {
+        PyErr_Format(PyExc_ValueError, "%s: argument 'advance_offset' expected False unless 'offset' is a 1-element "
+                     "int64 tensor, got True (with an int offset)", op);
         goto fail;
     }
-    if (adv && !off_dev) {
-        PyErr_Format(PyExc_ValueError, "%s: argument 'advance_offset' expected False unless 'offset' is a device tensor, got True", op);
+    if (adv && off_v && off_v->readonly) {
+        PyErr_Format(PyExc_ValueError, "%s: argument 'offset' expected a writable tensor (advance_offset=True writes "
+                     "offset + draws into it), got a read-only one", op);
         goto fail;
     }
     int64_t n = tk->shape[0], V = lg->shape[1], len = 0, next = 0, draws = 0;
@@ -816,6 +842,10 @@ static PyObject *py_verify_sample(PyObject *self, PyObject *args) {
                                 (hs_dtype)lg->dtype, V, sp, &seed, &offset, (int64_t *)opath->data, &len, &next, &draws,
                                 ws, wsb, &err));
         res = hs_verify_result(&vs, alloc, op, devout, path, n, len, next, draws, 1);
+        if (res != NULL && adv && off_v != NULL) { /* as the kernel does: offset += draws, mod 2^64 */
+            uint64_t advanced = offset + (uint64_t)draws;
+            memcpy(off_v->data, &advanced, sizeof advanced);
+        }
     }
 fail:
     hs_gpu_end(&g, op, 0);
