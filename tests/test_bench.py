@@ -173,7 +173,7 @@ def test_bench_command_writes_json_tables_plots_and_answers(tmp_path):
                     assert m["bins"] == {} and run["mean"][n]["tau"] is None
                     continue
                 assert m["verification_calls"] > 0
-                assert set(m["time_split_s"]) == {"prefill", "draft", "verify", "ops", "loop"}
+                assert set(m["time_split_s"]) == {"prefill", "draft", "verify", "ops", "graph", "idle", "loop"}
                 assert abs(sum(m["time_split_share"].values()) - 1) < 1e-6
                 if n.startswith("heterospec") and (n != "heterospec-tuned" or ht["thresholds"]):
                     assert abs(sum(v["share"] for v in m["bins"].values()) - 1) < 1e-9
@@ -517,3 +517,30 @@ def _questions_text(root):
     p.write_text(json.dumps({"question_id": 1, "turns": ["Give me a short tip for learning to cook.",
                                                          "Now make it shorter."]}) + "\n")
     return [str(p)]
+
+
+def test_bench_with_recorded_engines_keeps_capture_out_of_the_timings(tmp_path):
+    """run_bench(cuda_graphs=...) (here "emulate": the recorded-step plumbing on the CPU): engines sized once
+    for the longest conversation, every tree shape recorded in the warm-up (none in the timed run), the
+    recording time reported as capture_s, the same answers as the eager engines and no mismatch."""
+    model, tok = save_tiny_pair(tmp_path)
+    qs = bench.load_questions(_questions(tmp_path), limit=2)
+    from heterospec.models.draft import Eagle3Draft
+
+    draft = Eagle3Draft.from_pretrained(str(tmp_path / "draft"), target=model)
+    methods = [("ar", Policy.autoregressive()), ("eagle3", Policy.static(3, 3, 8)),
+               ("heterospec", Policy(3, 3, 8, THRESHOLDS, (2, 1, 0), (4, 8, 8), name="calibrated"))]
+    runs = {g: bench.run_bench(model, tok, draft, methods, qs, max_new_tokens=10, warmup_tokens=4,
+                               eos_token_id=tok.eos_token_id, cuda_graphs=g) for g in (False, "emulate")}
+    rec = runs["emulate"]
+    assert rec["mismatches"] == [] and rec["cuda_graphs"] == "emulate"
+    assert [a["turns"] for a in rec["answers"]] == [a["turns"] for a in runs[False]["answers"]]
+    assert set(rec["capture_s"]) == {"ar", "eagle3", "heterospec"} and all(v > 0 for v in rec["capture_s"].values())
+    for b in rec["files"]:
+        for n in ("eagle3", "heterospec"):
+            m = rec["files"][b][n]
+            # only the prompt's catch-up runs outside the recorded steps
+            assert m["time_split_s"]["graph"] > m["time_split_s"]["draft"] and m["time_split_s"]["verify"] == 0
+    md = bench.markdown({"settings": {"device": "cpu", "dtype": "float32", "max_new_tokens": 10, "limit": 2, "seed": 0},
+                         "models": {"target": "t", "draft": "d"}, "machine": {"summary": "m"}, "runs": [rec]})
+    assert "recorded steps (cuda_graphs='emulate')" in md and "recording took ar " in md

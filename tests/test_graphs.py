@@ -185,3 +185,18 @@ def test_compiled_target_forward_decodes_as_the_plain_one(setup):
     assert compiled == plain
     with pytest.raises(ValueError, match="argument 'compile' expected a bool or a torch.compile backend name"):
         HeteroSpec(model, compile=3)
+
+
+def test_the_guard_sees_host_reads_inside_torch():
+    """Indexing with a 0-d tensor, boolean masks and tensor repeats read device values inside torch's C++
+    (a host sync on a GPU, an error in graph capture): forbid_host_transfers catches them on the CPU, and
+    lets them pass at a declared sync point."""
+    x = torch.arange(10.0)
+    i = torch.tensor(3)
+    with sync.forbid_host_transfers():
+        for bad in (lambda: x[i], lambda: x[x > 4], lambda: x.repeat_interleave(torch.full((10,), 2))):
+            with pytest.raises(AssertionError, match="host read inside torch"):
+                bad()
+        assert x.index_select(0, i.view(1)).shape == (1,) and x.repeat_interleave(2).shape == (20,)
+        with sync.point("bin"):
+            assert float(x[i]) == 3.0

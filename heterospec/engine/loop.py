@@ -375,20 +375,30 @@ class HeteroSpec:
             ds.catch_up(taps, ids, torch.zeros(1, dtype=torch.long, device=dev), last)
             clock.lap("draft_s")
         pol = self.policy
+        first = True
         while not done:
-            clock.start()
             b, extra, keep = (None, 0, pol.total_tokens) if self._drafting else (None, 0, 1)
             if graphs:
-                # 1-8 as recorded steps: one replay, or two around the "bin" sync point
+                # 1-8 as recorded steps: one replay, or two around the "bin" sync point.  The device's idle
+                # time between replays (the host reading the bin or the accepted tokens, streaming,
+                # stopping checks, launching) is timed as idle_s, from the previous cycle's last replay on.
+                if first:
+                    clock.start()
+                else:
+                    clock.lap("idle_s")
                 if self._binned:
                     _, entropy = steps.replay(("base",))
+                    clock.lap("graph_s")
                     with sync.point("bin", stats):
                         b, extra, keep = pol.plan(entropy.item())
+                    clock.lap("idle_s")
                     acc, size = steps.replay(("finish", extra, keep))
                 else:
                     acc, size = steps.replay(("cycle", extra, keep))
                 clock.lap("graph_s")
+                first = False
             else:
+                clock.start()
                 g = None
                 if self._binned:
                     g, entropy = self._base(clock)

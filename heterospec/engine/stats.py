@@ -26,6 +26,7 @@ class GenerationStats:
     ops_s: float = 0.0
     sync_s: float = 0.0        # host time blocked at the declared sync points (on a GPU: waiting for the device)
     graph_s: float = 0.0       # time in replayed steps (recorded engine: replaces the draft/verify/ops split)
+    idle_s: float = 0.0        # recorded engine: device idle between replays (host work between graphs)
     total_s: float = 0.0
     graphs: str = "off"        # "off" (eager engine), "cuda" (CUDA graphs) or "emulate"
     capture_s: float = 0.0     # warm-up and capture of the recorded steps in this call (not in total_s)

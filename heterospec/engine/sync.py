@@ -48,13 +48,58 @@ def outside_cycle():
 
 # the Tensor methods that copy device data to the host (or block on it)
 _TRANSFERS = ("cpu", "numpy", "item", "tolist", "__int__", "__float__", "__bool__", "__index__")
+# the aten ops that read device data on the host inside torch's own C++ (indexing with a 0-d integer tensor
+# calls item(); boolean masks call nonzero; ...): invisible to the method patches above, and each one a
+# host sync on a GPU -- and an error inside CUDA-graph capture
+_SYNC_OPS = ("_local_scalar_dense", "item", "nonzero", "masked_select", "is_nonzero", "equal", "_unique",
+             "_unique2", "unique_dim", "unique_consecutive", "bincount", "histc")
+
+
+def _sync_op(func):
+    name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+    if name in _SYNC_OPS:
+        return name
+    return None
+
+
+def _host_read(func, args, kwargs):
+    """The name of the host read ``func(*args, **kwargs)`` makes inside torch, or None."""
+    name = _sync_op(func)
+    if name is not None:
+        return name
+    name = getattr(getattr(func, "overloadpacket", None), "__name__", "")
+    # repeats given as a tensor without output_size: the output length is read on the host
+    if name == "repeat_interleave" and func._overloadname in ("Tensor", "self_Tensor") \
+            and (kwargs or {}).get("output_size") is None:
+        return "repeat_interleave (tensor repeats, no output_size)"
+    # boolean-mask indexing turns the mask into indices with nonzero
+    if name in ("index", "index_put", "index_put_", "_index_put_impl_") and len(args) > 1:
+        masks = [i for i in (args[1] or ()) if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)]
+        if masks:
+            return f"{name} with a boolean mask"
+    return None
+
+
+def _no_sync_mode():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class NoSync(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = _host_read(func, args, kwargs)
+            if name is not None and not _allowed():
+                raise AssertionError(f"aten::{name} (a host read inside torch) inside the decoding cycle, outside "
+                                     f"the declared sync points")
+            return func(*args, **(kwargs or {}))
+
+    return NoSync()
 
 
 @contextlib.contextmanager
 def forbid_host_transfers(record=None):
     """Make every host transfer of a tensor raise unless it happens inside :func:`point` or
-    :func:`outside_cycle` (for tests; patches ``torch.Tensor``).  ``record``, a list, receives the names of
-    the sync points passed, in order."""
+    :func:`outside_cycle` (for tests; patches ``torch.Tensor``, and a dispatch mode catches the aten ops that
+    read device values inside torch's C++, e.g. indexing with a 0-d tensor).  ``record``, a list, receives
+    the names of the sync points passed, in order."""
     saved = {name: getattr(torch.Tensor, name) for name in _TRANSFERS}
 
     def guard(name, fn):
@@ -70,7 +115,8 @@ def forbid_host_transfers(record=None):
     try:
         for name, fn in saved.items():
             setattr(torch.Tensor, name, guard(name, fn))
-        yield
+        with _no_sync_mode():
+            yield
     finally:
         for name, fn in saved.items():
             setattr(torch.Tensor, name, fn)

@@ -40,8 +40,9 @@ class Growth:
         return torch.cat(self.tokens), torch.cat(self.scores), torch.cat(self.parents)
 
     def path_entropy(self):
-        """The path entropy of the most confident candidate of the last level (a 0-d float64 tensor)."""
-        return self.cum_h[self.beams[0] - self.prev_offset]
+        """The path entropy of the most confident candidate of the last level (a [1] float64 tensor; an
+        index_select, since indexing with a 0-d tensor would read the index on the host)."""
+        return self.cum_h.index_select(0, self.beams[:1] - self.prev_offset)
 
 
 def candidate_count(top_k, levels):

@@ -544,7 +544,8 @@ def _metrics(recs, ar_recs):
         bins.update(s.bins)
         bin_acc.update(s.bin_accepted)
     nb = sum(bins.values())
-    split = {k: sum(getattr(s, k + "_s", 0.0) for s in stats) for k in ("prefill", "draft", "verify", "ops", "graph")}
+    split = {k: sum(getattr(s, k + "_s", 0.0) for s in stats) for k in ("prefill", "draft", "verify", "ops", "graph",
+                                                                   "idle")}
     total = sum(s.total_s for s in stats)
     split["loop"] = max(0.0, total - sum(split.values()))  # the Python loop, streaming, stopping checks
     # host time per cycle outside the declared sync points (on a GPU: what is left to remove by CUDA graphs)
@@ -672,21 +673,22 @@ def markdown(result):
         lines.append("")
         lines.append(f"**Temperature {run['temperature']:g}: time split (share of decoding time) and entropy bins**")
         lines.append("")
-        lines.append("| Method | Benchmark | prefill | draft | verify | ops | graphs | loop | host ms/cycle | bin shares (mean accepted) |")
-        lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+        lines.append("| Method | Benchmark | prefill | draft | verify | ops | graphs | idle | loop | host ms/cycle | bin shares (mean accepted) |")
+        lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for n in names:
             for b in benches:
                 m = run["files"][b][n]
                 sh = m["time_split_share"] or {}
                 bins = ", ".join(f"{k}: {v['share']:.2f} ({v['mean_accepted']:.2f})" for k, v in m["bins"].items())
                 lines.append(f"| {n} | {LABELS.get(b, b)} | " + " | ".join(
-                    _fmt(sh.get(k), ".2f") for k in ("prefill", "draft", "verify", "ops", "graph", "loop"))
+                    _fmt(sh.get(k), ".2f") for k in ("prefill", "draft", "verify", "ops", "graph", "idle", "loop"))
                     + f" | {_fmt(m.get('host_ms_per_cycle'), '.2f')} | {bins or '–'} |")
         lines.append("")
         if run.get("cuda_graphs"):
             caps = {n: v for n, v in (run.get("capture_s") or {}).items() if v}
             lines.append(f"Our engines ran recorded steps (cuda_graphs={run['cuda_graphs']!r}): the graphs column is "
-                         f"the time in replayed steps (draft, verify and ops inside them); recording took "
+                         f"the time in replayed steps (draft, verify and ops inside them), idle the device's idle "
+                         f"time between replays; recording took "
                          + (", ".join(f"{n} {v:.2f} s" for n, v in caps.items()) or "no time in this run")
                          + " (untimed in the tables).")
             lines.append("")
