@@ -129,11 +129,12 @@ def test_static_policy_and_ar_are_one_step_per_cycle(setup):
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="the host-transfer guard patches torch.Tensor; CPU check")
 @pytest.mark.parametrize("name, per_cycle", [("heterospec-script", ["bin", "accepted"]),
+                                              ("heterospec-head", ["bin", "accepted"]),
                                               ("eagle3-script", ["accepted"]), ("ar", ["accepted"])])
 def test_at_most_two_sync_points_per_recorded_cycle(setup, name, per_cycle):
     model, ps, refs, head = setup
     draft, policy = _method(name, model, head)
-    if draft is not None:
+    if isinstance(draft, ScriptDraft):
         draft.load(refs[0][0])
     record = []
     with HeteroSpec(model, draft, policy, cuda_graphs=MODE) as hs:
