@@ -201,3 +201,24 @@ def test_the_guard_sees_host_reads_inside_torch():
         assert x.index_select(0, i.view(1)).shape == (1,) and x.repeat_interleave(2).shape == (20,)
         with sync.point("bin"):
             assert float(x[i]) == 3.0
+
+
+def test_custom_generate_passes_the_switch(setup, monkeypatch):
+    import heterospec
+    from heterospec.engine import hf_generate
+
+    model, ps, refs, head = setup
+    replays = []
+
+    class Spy(hf_generate.HeteroSpec):
+        def generate(self, *a, **k):
+            seq, st = super().generate(*a, **k)
+            replays.append((self.cuda_graphs, st.captured_steps))
+            return seq, st
+
+    monkeypatch.setattr(hf_generate, "HeteroSpec", Spy)
+    out = model.generate(ps[0], attention_mask=torch.ones_like(ps[0]), custom_generate=heterospec.custom_generate,
+                         draft=head, policy=Policy.paper(4, 3, 16, THRESHOLDS), cuda_graphs=MODE,
+                         max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    assert out.tolist() == refs[0].tolist()
+    assert replays == [(MODE, 4)]   # base + three plans: (2, 7), (1, 11), (0, 16) = bin 2 and the rest

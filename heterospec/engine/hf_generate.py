@@ -14,14 +14,15 @@ _OWN_CRITERIA = {"MaxLengthCriteria", "EosTokenCriteria", "MaxTimeCriteria"}
 
 
 def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
-                    draft=None, policy=None, seed=None, streamer=None, **model_kwargs):
+                    draft=None, policy=None, seed=None, streamer=None, cuda_graphs=False, **model_kwargs):
     """``model.generate(input_ids, custom_generate=heterospec.custom_generate, draft=..., policy=...)``.
 
     Needs a transformers release whose ``generate`` accepts a callable ``custom_generate`` (5.x; tested
     with 5.23).  Honours max_new_tokens / max_length, do_sample, temperature, top_k, top_p and the eos ids
     of the generation config; refuses logits processors that would change the distribution per position
     (repetition penalty, bad words, min length, ...) with a ValueError.  Batch 1, no padding.
-    Returns the sequences [1, S + new]."""
+    ``cuda_graphs`` as in :class:`HeteroSpec` (each call builds its engine, so it records its graphs anew:
+    for many calls keep one ``HeteroSpec`` instead).  Returns the sequences [1, S + new]."""
     gc = generation_config
     extra = [type(p).__name__ for p in (logits_processor or []) if type(p).__name__ not in _WARPERS]
     if extra:
@@ -42,7 +43,7 @@ def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=N
     eos = gc.eos_token_id
     eos = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in torch.as_tensor(eos).view(-1)])
     criteria = [c for c in (stopping_criteria or []) if type(c).__name__ not in _OWN_CRITERIA]
-    with HeteroSpec(model, draft, policy) as hs:
+    with HeteroSpec(model, draft, policy, cuda_graphs=cuda_graphs) as hs:
         seq, _ = hs.generate(
             input_ids, max_new_tokens=max_new,
             temperature=float(gc.temperature if gc.temperature is not None else 1.0) if sample else 0.0,
