@@ -222,3 +222,26 @@ def test_custom_generate_passes_the_switch(setup, monkeypatch):
                          max_new_tokens=NEW, do_sample=False, pad_token_id=0)
     assert out.tolist() == refs[0].tolist()
     assert replays == [(MODE, 4)]   # base + three plans: (2, 7), (1, 11), (0, 16) = bin 2 and the rest
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="CPU argument checks")
+def test_a_dynamic_rope_draft_is_not_recorded(setup):
+    """Dynamic RoPE reads the largest position on the host each step: refused with True, off with 'auto'."""
+    model, *_ = setup
+    draft = NoisyDraft(32, V)
+    draft.config = type("C", (), {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})()
+    with pytest.raises(ValueError, match=r"argument 'cuda_graphs' expected False for a draft with dynamic RoPE"):
+        HeteroSpec(model, draft, Policy.static(3, 3, 8), cuda_graphs=True)
+    assert HeteroSpec(model, draft, Policy.static(3, 3, 8), cuda_graphs="auto").cuda_graphs is False
+
+
+def test_captured_costs_need_a_gpu(setup):
+    from heterospec.policy.calibrate import profile_costs
+
+    model, *_ = setup
+    if DEVICE.type == "cuda":
+        cost = profile_costs(model, tree_tokens=(1, 4), contexts=(16,), reps=2, graphs=True)
+        assert all(v == v for v in cost.verify)          # a finite fit from replayed forwards
+    else:
+        with pytest.raises(ValueError, match=r"profile_costs: argument 'graphs' expected False for a model on cpu"):
+            profile_costs(model, tree_tokens=(1, 4), contexts=(16,), reps=1, graphs=True)

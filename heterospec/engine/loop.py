@@ -64,12 +64,12 @@ def _check_graphs(cuda_graphs, device, draft):
     if not isinstance(cuda_graphs, bool):
         raise ValueError(f"HeteroSpec: argument 'cuda_graphs' expected True, False, 'auto' or 'emulate', "
                          f"got {cuda_graphs!r}")
-    if cuda_graphs and device.type != "cuda":
-        raise ValueError(f"HeteroSpec: argument 'cuda_graphs' expected False on {device} (CUDA graphs need a "
-                         f"model on a CUDA device; 'emulate' runs the same steps without graphs), got True")
     if cuda_graphs and rope == "dynamic":
         raise ValueError("HeteroSpec: argument 'cuda_graphs' expected False for a draft with dynamic RoPE "
                          "scaling (its frequencies depend on a host read of the position), got True")
+    if cuda_graphs and device.type != "cuda":
+        raise ValueError(f"HeteroSpec: argument 'cuda_graphs' expected False on {device} (CUDA graphs need a "
+                         f"model on a CUDA device; 'emulate' runs the same steps without graphs), got True")
     return cuda_graphs
 
 
