@@ -245,3 +245,24 @@ def test_captured_costs_need_a_gpu(setup):
     else:
         with pytest.raises(ValueError, match=r"profile_costs: argument 'graphs' expected False for a model on cpu"):
             profile_costs(model, tree_tokens=(1, 4), contexts=(16,), reps=1, graphs=True)
+
+
+def test_the_graphs_benchmark_runs_its_forward_part(setup):
+    """benchmarks/bench_graphs.py's forward table on the tiny target (eager only on a CPU; all three columns
+    on a GPU), so the script .ci/gpu runs cannot rot."""
+    import sys as _sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.exists(os.path.join(root, "benchmarks", "bench_graphs.py")):
+        pytest.skip("benchmarks/ is not next to tests/")
+    _sys.path.insert(0, root)
+    from benchmarks import bench_graphs
+
+    model, *_ = setup
+    cols = ("eager", "graph") if DEVICE.type == "cuda" else ("eager",)
+    table = bench_graphs.forward_table(torch, model, tokens=(1, 4), context=8, reps=2, columns=cols)
+    assert set(table) == set(cols) and all(set(r) == {1, 4} and min(r.values()) > 0 for r in table.values())
+    md = bench_graphs.markdown({"device_name": "d", "torch": "t", "transformers": "x", "target": "tiny",
+                                "context": 8, "reps": 2, "max_new_tokens": 4, "prompts": 1,
+                                "forward": {"float32": table}, "engine": {}})
+    assert "| 4 | " in md
