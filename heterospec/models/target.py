@@ -103,8 +103,9 @@ class TargetAdapter:
 
     ``prefix`` is a one-element int64 tensor on the model's device: the number of committed positions.
     :meth:`allocate` sizes the cache (prompt + new tokens + the largest tree); the engine calls it before
-    decoding, outside the cycle.  ``compile``: run the model's forward through ``torch.compile`` (True or a
-    backend name), fewer kernels per forward before CUDA-graph capture."""
+    decoding, outside the cycle.  ``compile``: run the verify forward through ``torch.compile`` (True or a
+    backend name; one specialisation per tree size), fewer kernels per forward before CUDA-graph capture.
+    The prefill stays eager: its length changes with every prompt."""
 
     def __init__(self, model, tap_layers=None, capture_taps=True, compile=None):
         impl = getattr(model.config, "_attn_implementation", None)
@@ -166,12 +167,13 @@ class TargetAdapter:
         self.capacity = capacity
         self._neg = torch.finfo(self.dtype).min
 
-    def _forward(self, ids, positions, slots, allowed, **kw):
-        """ids/positions [1, n], slots [n] cache columns to write, allowed bool [n, window or capacity]."""
+    def _forward(self, ids, positions, slots, allowed, call=None, **kw):
+        """ids/positions [1, n], slots [n] cache columns to write, allowed bool [n, window or capacity];
+        ``call``: the model or its compiled forward (default: the model)."""
         self.cache.slots = slots
         self.cache.window = allowed.shape[1] if allowed.shape[1] < self.capacity else None
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, self._neg)
-        return self._call(input_ids=ids, position_ids=positions, cache_position=slots,
+        return (self.model if call is None else call)(input_ids=ids, position_ids=positions, cache_position=slots,
                           attention_mask=mask.view(1, 1, *allowed.shape), past_key_values=self.cache,
                           use_cache=True, **kw)
 
@@ -202,7 +204,7 @@ class TargetAdapter:
         slots = P + self._cols[:n]
         allowed = (self._cols[:W] < P).expand(n, W).clone()
         allowed.scatter_(1, slots.expand(n, n), tree_mask)           # the tree block: ancestors and self
-        out = self._forward(tree_tokens.view(1, n), (tree_depths + P).view(1, n), slots, allowed)
+        out = self._forward(tree_tokens.view(1, n), (tree_depths + P).view(1, n), slots, allowed, call=self._call)
         return out.logits[0].float(), self._taps()
 
     def commit(self, path, length, *, check=True):
