@@ -169,8 +169,10 @@ class HeteroSpec:
         self._graph_capacity = None
 
     def close(self):
-        """Remove the tap hooks from the target (also done on exit of a ``with`` block)."""
+        """Remove the tap hooks from the target and drop the recorded steps (also done on exit of a ``with``
+        block)."""
         self.target.close()
+        self._graphs.clear()
 
     def __enter__(self):
         return self
