@@ -266,3 +266,26 @@ def test_the_graphs_benchmark_runs_its_forward_part(setup):
                                 "context": 8, "reps": 2, "max_new_tokens": 4, "prompts": 1,
                                 "forward": {"float32": table}, "engine": {}})
     assert "| 4 | " in md
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the emulation's check (a real graph would silently read stale memory)")
+def test_the_emulation_refuses_a_tensor_rebound_between_replays(setup):
+    """A draft that loads its state by rebinding an attribute to a new tensor (instead of copy_ into the old
+    one) would leave a recorded graph reading the old memory: the emulation raises at the first replay
+    after the rebind, naming the fix.  The same draft updating in place decodes fine (the tests above)."""
+    model, ps, refs, _ = setup
+
+    class Rebinding(ScriptDraft):
+        def load(self, sequence):
+            self.script = torch.zeros_like(self.script)
+            self.script[: len(sequence)] = torch.as_tensor(sequence).to(self.script.device)
+            return self
+
+    draft = Rebinding(V).to(DEVICE)
+    with HeteroSpec(model, draft, Policy.static(4, 3, 12), cuda_graphs="emulate") as hs:
+        draft.load(refs[0][0])
+        hs.generate(ps[0], max_new_tokens=8)          # recorded after the load: consistent
+        draft.load(refs[1][0])
+        with pytest.raises(RuntimeError, match=r"read 1 tensor\(s\) from outside that it did not read when it "
+                                               r"was recorded.*copy_, fill_"):
+            hs.generate(ps[1], max_new_tokens=8)

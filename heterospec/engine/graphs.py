@@ -15,7 +15,8 @@ the KV caches), and records each step once per model pair, length budget and sam
 :class:`StepGraphs` records and replays them.  ``emulate=True`` runs the same plumbing on any device without
 CUDA graphs: a "capture" runs the step once and keeps its outputs, a "replay" runs it again and copies the
 new values into the kept outputs, so a later step that reads a step's outputs reads them where a real
-replay would have written them.  The CPU tests use it to prove the static-buffer engine equals the eager one;
+replay would have written them; and a replay that reads memory from outside the step that the capture did
+not read (a tensor rebound between cycles, which a real graph would read at its old address) is an error.  The CPU tests use it to prove the static-buffer engine equals the eager one;
 that a real replay equals eager decoding is tested on a GPU (tests/test_graphs.py under ``.ci/gpu``).
 """
 from __future__ import annotations
@@ -43,6 +44,41 @@ def tensors_of(obj):
     return []
 
 
+def _storage(t):
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):      # meta / fake tensors hold no memory
+        return None
+
+
+def _reads(fn):
+    """Run ``fn`` and return (its result, the storages of the tensors it read that it did not create): the
+    memory a recorded graph of ``fn`` would read from outside itself.  Only aten ops are seen."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    created, external = set(), set()
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            # constants made from Python scalars (x[i] = False, ...) are lifted fresh on every call: baked
+            # into a recording, not memory it reads
+            lifted = func.overloadpacket.__name__.startswith("lift_fresh")
+            for t in () if lifted else tensors_of([args, kwargs or {}]):
+                ptr = _storage(t)
+                if ptr is not None and ptr not in created:
+                    external.add(ptr)
+            out = func(*args, **(kwargs or {}))
+            for t in tensors_of(out):
+                ptr = _storage(t)
+                if ptr is not None and ptr not in external:
+                    created.add(ptr)
+            return out
+
+    with Reads():
+        out = fn()
+    return out, external
+
+
 class StepGraphs:
     """Recorded steps by key.  ``capture(key, fn)`` records ``fn`` (a step that reads and writes only static
     tensors and the outputs of earlier captured steps) and returns its outputs; ``replay(key)`` runs the
@@ -52,6 +88,7 @@ class StepGraphs:
         self.device = torch.device(device)
         self.emulate = emulate
         self._steps = {}
+        self._reads = {}         # emulation: the outside memory each step read when it was captured
         self.captured = []       # keys in capture order
         self.capture_s = 0.0     # wall time spent warming up and capturing
         self.replays = 0
@@ -67,8 +104,9 @@ class StepGraphs:
             raise ValueError(f"StepGraphs: step {key!r} is already captured")
         t0 = time.perf_counter()
         if self.emulate:
-            out = fn()
+            out, reads = _reads(fn)
             self._steps[key] = (fn, out)
+            self._reads[key] = reads
         else:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
@@ -81,7 +119,15 @@ class StepGraphs:
     def replay(self, key):
         step, out = self._steps[key]
         if self.emulate:
-            new = step()
+            new, reads = _reads(step)
+            stale = reads - self._reads[key]
+            if stale:
+                # a graph replays the addresses it recorded: a tensor the step now reads from outside that it
+                # did not read at capture (a Python attribute rebound to a new tensor, a tensor made per call)
+                # would be read from its old, recorded address instead
+                raise RuntimeError(f"StepGraphs: step {key!r} read {len(stale)} tensor(s) from outside that it did "
+                                   f"not read when it was recorded; a CUDA graph would read the recorded ones "
+                                   f"(update static tensors in place: copy_, fill_)")
             dst, src = tensors_of(out), tensors_of(new)
             if len(dst) != len(src):
                 raise RuntimeError(f"StepGraphs: step {key!r} returned {len(src)} tensors, it captured {len(dst)}")
@@ -95,6 +141,7 @@ class StepGraphs:
 
     def clear(self):
         self._steps.clear()
+        self._reads.clear()
         self.captured.clear()
 
 
