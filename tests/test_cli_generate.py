@@ -131,9 +131,10 @@ def test_cuda_graphs_on_without_a_gpu_is_a_one_line_usage_error(cmd, capsys, mon
     assert "expected off or auto with --device cpu" in err and err.rstrip().endswith("got on")
 
 
-@pytest.mark.parametrize("given, want", [("auto", False), ("off", False)])
+@pytest.mark.parametrize("given, want", [("auto", "auto"), ("off", False)])
 def test_cuda_graphs_reaches_the_engine(tmp_path, monkeypatch, given, want):
-    """generate builds HeteroSpec with the resolved switch (auto on the CPU = off)."""
+    """generate hands the switch to HeteroSpec ('auto' as such: the engine resolves it, off on the CPU, and
+    falls back to eager decoding if recording fails)."""
     from heterospec.tools import cli
 
     import heterospec
@@ -144,10 +145,12 @@ def test_cuda_graphs_reaches_the_engine(tmp_path, monkeypatch, given, want):
 
     def spy(*a, **k):
         seen["cuda_graphs"] = k.get("cuda_graphs")
-        return real(*a, **k)
+        hs = real(*a, **k)
+        seen["resolved"] = hs.cuda_graphs
+        return hs
 
     monkeypatch.setattr(heterospec, "HeteroSpec", spy)
     cli.main(["generate", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--prompt",
               "w5 w17", "--method", "eagle3", "--max-new-tokens", "4", "--depth", "2", "--top-k-tree", "2",
               "--total-tokens", "4", "--cuda-graphs", given])
-    assert seen["cuda_graphs"] is want
+    assert seen["cuda_graphs"] == want and seen["resolved"] is False

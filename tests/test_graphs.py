@@ -289,3 +289,24 @@ def test_the_emulation_refuses_a_tensor_rebound_between_replays(setup):
         with pytest.raises(RuntimeError, match=r"read 1 tensor\(s\) from outside that it did not read when it "
                                                r"was recorded.*copy_, fill_"):
             hs.generate(ps[1], max_new_tokens=8)
+
+
+def test_auto_falls_back_to_eager_when_recording_fails(setup, monkeypatch):
+    """With cuda_graphs='auto' a recording that fails (an op that cannot be captured, say) warns once and
+    decodes eagerly -- same output; with True the failure is raised."""
+    from heterospec.engine import graphs
+
+    model, ps, refs, head = setup
+
+    def broken(self, key, fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs.StepGraphs, "capture", broken)
+    policy = Policy.paper(4, 3, 16, THRESHOLDS)
+    hs = HeteroSpec(model, head, policy, cuda_graphs=MODE)
+    hs._graphs_fallback = True            # what 'auto' sets where it resolves to graphs (a GPU)
+    with pytest.warns(RuntimeWarning, match="falls back to the eager engine"):
+        seq, st = hs.generate(ps[0], max_new_tokens=NEW)
+    assert seq.tolist() == refs[0].tolist() and st.graphs == "off" and hs.cuda_graphs is False
+    with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
+        HeteroSpec(model, head, policy, cuda_graphs=MODE).generate(ps[0], max_new_tokens=4)

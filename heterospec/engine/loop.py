@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -94,7 +95,8 @@ class HeteroSpec:
     by each call and kept.  ``buckets``: the tree sizes verification is padded to ('auto': a fixed set on a
     GPU, exact sizes on the CPU; None: exact sizes).  ``cuda_graphs``: record the cycle's fixed-shape steps
     once per tree shape and replay them as CUDA graphs (:mod:`.graphs`; True needs a CUDA model, 'auto' = on
-    CUDA unless the draft uses dynamic RoPE, 'emulate' = the same recorded-step plumbing without graphs, for
+    CUDA unless the draft uses dynamic RoPE, falling back to the eager engine with a warning if recording
+    fails, 'emulate' = the same recorded-step plumbing without graphs, for
     tests on any device; default False: the eager engine).  Recording happens at the first call for each
     sampling setting and cache size; pass ``max_length`` to record once.  ``compile``: the target's forward
     through ``torch.compile`` (True = inductor, or a backend name), one specialisation per shape; with
@@ -165,6 +167,7 @@ class HeteroSpec:
         self._seed = torch.zeros(1, dtype=torch.long, device=self.device)      # Philox key and counter
         self._offset = torch.zeros(1, dtype=torch.long, device=self.device)
         self.cuda_graphs = _check_graphs(cuda_graphs, self.device, draft)
+        self._graphs_fallback = cuda_graphs == "auto"    # 'auto': a recording that fails falls back to eager
         self._graphs = {}                 # sampling settings -> StepGraphs
         self._graph_capacity = None
 
@@ -344,9 +347,20 @@ class HeteroSpec:
                             else self.draft.hidden_size)
             steps = None
             if graphs:
-                steps, fresh = self._record(settings)
-                stats.capture_s = steps.capture_s if fresh else 0.0
-                stats.captured_steps = len(steps)
+                try:
+                    steps, fresh = self._record(settings)
+                except Exception as e:  # noqa: BLE001 -- any failure to record: 'auto' decodes eagerly instead
+                    if not self._graphs_fallback:
+                        raise
+                    warnings.warn(f"HeteroSpec: recording the decoding steps as CUDA graphs failed "
+                                  f"({type(e).__name__}: {e}); cuda_graphs='auto' falls back to the eager engine",
+                                  RuntimeWarning, stacklevel=2)
+                    self.cuda_graphs = graphs = False
+                    self._graphs.clear()
+                    stats.graphs = "off"
+                else:
+                    stats.capture_s = steps.capture_s if fresh else 0.0
+                    stats.captured_steps = len(steps)
         start = time.perf_counter()
         with sync.outside_cycle():
             rng_seed = int(seed) if seed is not None else int(torch.randint(0, 2**62, (1,), device="cpu").item())

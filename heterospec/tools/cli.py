@@ -156,7 +156,8 @@ def generate_cmd(args, out=None):
     ids = encode(tokenizer, args.prompt, not args.no_chat_template).to(args.device)
     streamer = TextStreamer(tokenizer, skip_prompt=True)
     eos = tokenizer.eos_token_id if args.eos else None
-    with HeteroSpec(target, draft, policy, cuda_graphs=getattr(args, "graphs", False)) as hs:
+    graphs = {"on": True, "off": False, "auto": "auto"}[getattr(args, "cuda_graphs", "off")]   # auto: falls back
+    with HeteroSpec(target, draft, policy, cuda_graphs=graphs) as hs:
         seq, stats = hs.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  top_k=args.top_k, top_p=args.top_p, eos_token_id=eos, streamer=streamer,
                                  seed=args.seed)
