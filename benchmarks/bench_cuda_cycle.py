@@ -16,7 +16,18 @@ Variants, all timed with CUDA events after warm-up, median (and p10/p90) of --it
   ops       heterospec.ops called eagerly from Python (check=False, device_outputs=True: no host sync);
   ops-graph the same calls captured once in a CUDA graph and replayed.
 
-    python -m benchmarks.bench_cuda_cycle [--iters 200] [--out benchmarks/results/cuda-cycle.json]
+    python -m benchmarks.bench_cuda_cycle [--iters 200] [--out benchmarks/results/cuda-cycle.json] [--per-op]
+
+With --per-op (issue 17) it also times every op of the cycle on its own, on the cycle's own inputs:
+topk_entropy (the 10 x Vd level logits), expand of the root (1 x Vd) and of a level (10 x Vd), select,
+build_tree, verify_greedy, verify_sample, and kv_compact of the accepted rows with one stacked
+[64, 1, 8, 2048, 128] tensor (through ops.KVTensors) and with the list of the 64 per-layer tensors.  For
+each: eager median and p10/p90 us (check=False, device_outputs=True where the op has it), the median us
+of the op replayed alone in a CUDA graph, the bytes it must move at minimum (per_op_bytes: an explicit
+formula from the shapes and dtypes), the achieved bandwidth bytes / graph time, the floor
+max(bytes / copy bandwidth, 5 us) and graph time / floor.  The copy bandwidth is measured here: a 1 GiB
+device-to-device torch copy timed with CUDA events, counted as read + write (2 GiB moved).  The table goes
+to the JSON under "per_op" and is printed as markdown with the device name.
 
 Needs a CUDA GPU and a heterospec build with CUDA (heterospec.build_info()["cuda"]).
 """
@@ -27,12 +38,16 @@ import platform
 import statistics
 
 
+KV_HEADS, HEAD_DIM = 8, 128  # the KV tensors are [1, KV_HEADS, S, HEAD_DIM] bf16
+MIN_FLOOR_US = 5.0  # no op is expected to beat a few kernel launches' worth of time, whatever it moves
+
+
 def make_inputs(torch, dev, Vd=32000, V=128256, k=10, depth=7, n=59, layers=32, S=2048, seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     draft = [torch.randn(1 if lvl == 0 else k, Vd, generator=g).mul_(3).to(dev) for lvl in range(depth + 1)]
     target = torch.randn(n + 1, V, generator=g).mul_(3).to(dev, torch.bfloat16)
     d2t = torch.randint(0, 4, (Vd,), generator=g).cumsum(0).to(dev)
-    kv = [torch.randn(1, 8, S, 128, generator=g).to(dev, torch.bfloat16) for _ in range(2 * layers)]
+    kv = [torch.randn(1, KV_HEADS, S, HEAD_DIM, generator=g).to(dev, torch.bfloat16) for _ in range(2 * layers)]
     return dict(draft=draft, target=target, d2t=d2t, kv=kv, k=k, n=n, prefix=S * 3 // 4)
 
 
@@ -203,10 +218,196 @@ def timeit(torch, fn, iters, warmup=20):
     return dict(median_us=statistics.median(times), p10_us=times[len(times) // 10], p90_us=times[9 * len(times) // 10])
 
 
+# --- --per-op (issue 17): every op of the cycle alone --------------------------------------------------------
+# The pure functions (per_op_bytes, per_op_shape, floor_us, per_op_rows, per_op_markdown) take shapes and
+# timings only, so tests/test_bench_cuda_cycle.py checks them on the CPU.
+
+PER_OPS = ("topk_entropy", "expand root", "expand level", "select", "build_tree", "verify_greedy", "verify_sample",
+           "kv_compact stacked", "kv_compact list")
+
+PER_OP_FORMULAS = {  # what per_op_bytes counts, in words (T = n + 1 tree nodes, M = k + depth*k*k candidates)
+    "topk_entropy": "logits[k, Vd] fp32 read + entropy fp32[k] written",
+    "expand root": "B=1: logits[B, Vd] fp32 + beam scores fp32[B] + beam nodes int64[B] + d2t int64 at the B*k "
+                   "chosen ids read; tokens, parents int64[B*k] + scores fp32[B*k] + entropy fp32[B] + "
+                   "next beams int64[k] written",
+    "expand level": "as expand root with B=k",
+    "select": "scores fp32[M] read + int64[n] written",
+    "build_tree": "selected, and the tokens and parents of the selected, int64[n] each read; tokens, parents, "
+                  "depths int64[T] + mask bool[T, T] + retrieve int64[T, T] + 2 int64 counts written",
+    "verify_greedy": "target logits[T, V] (2 bytes for bf16) + tree tokens, parents int64[T] read; path int64[T] "
+                     "+ length, next token int64 written",
+    "verify_sample": "as verify_greedy + the Philox offset int64 read and written + draws int64 written",
+    "kv_compact stacked": "rows that move (slots[i] != i) x 2*layers tensors x heads x head_dim x 2 bytes, read "
+                          "and written + slots int64 read",
+    "kv_compact list": "as kv_compact stacked",
+}
+
+
+def per_op_bytes(Vd=32000, V=128256, k=10, depth=7, n=59, layers=32, heads=KV_HEADS, head_dim=HEAD_DIM,
+                 moved_rows=4, slots=5, logit_bytes=2, kv_bytes=2):
+    """The bytes each op of the cycle must move at minimum (reads + writes of its inputs and outputs), from
+    the shapes and dtypes of bench's cycle (PER_OP_FORMULAS says it in words).  Defaults: issue 7's shape
+    and make_state's slots [0, 3, 9, 27, 44] (5 slots, 4 rows that move; the root's row stays)."""
+    def expand(B):
+        return (B * Vd * 4  # logits[B, Vd] fp32 read
+                + B * (4 + 8)  # beam scores fp32[B], beam nodes int64[B] read
+                + B * k * 8  # d2t int64 read at the B*k chosen ids
+                + B * k * (8 + 4 + 8)  # tokens int64, scores fp32, parents int64 [B*k] written
+                + B * 4 + k * 8)  # entropy fp32[B], next beams int64[k] written
+
+    M = k + depth * k * k  # the candidates: k from the root, k*k from each of depth levels
+    T = n + 1  # tree nodes: the root and the n selected; the target logits have T rows
+    logits = T * V * logit_bytes
+    kv = 2 * moved_rows * (2 * layers) * heads * head_dim * kv_bytes + slots * 8
+    return {
+        "topk_entropy": k * Vd * 4 + k * 4,
+        "expand root": expand(1),
+        "expand level": expand(k),
+        "select": M * 4 + n * 8,
+        "build_tree": 3 * n * 8 + 3 * T * 8 + T * T + T * T * 8 + 2 * 8,
+        "verify_greedy": logits + 2 * T * 8 + T * 8 + 2 * 8,
+        "verify_sample": logits + 2 * T * 8 + 8 + T * 8 + 3 * 8 + 8,
+        "kv_compact stacked": kv,
+        "kv_compact list": kv,
+    }
+
+
+def per_op_shape(x, slots):
+    """per_op_bytes' keyword arguments for make_inputs' x and the kv_compact slots (a list of ints)."""
+    kv = x["kv"][0]
+    return dict(Vd=x["draft"][0].shape[1], V=x["target"].shape[1], k=x["k"], depth=len(x["draft"]) - 1, n=x["n"],
+                layers=len(x["kv"]) // 2, heads=kv.shape[1], head_dim=kv.shape[-1],
+                moved_rows=sum(1 for i, s in enumerate(slots) if s != i), slots=len(slots),
+                logit_bytes=x["target"].element_size(), kv_bytes=kv.element_size())
+
+
+def floor_us(nbytes, copy_GBs, min_us=MIN_FLOOR_US):
+    """The time an op moving nbytes cannot beat: max(nbytes / copy bandwidth, min_us), in microseconds."""
+    return max(nbytes / (copy_GBs * 1e3), min_us)  # bytes / (GB/s * 1e9) s = bytes / (GB/s * 1e3) us
+
+
+def per_op_rows(nbytes, timings, copy_GBs, min_us=MIN_FLOOR_US):
+    """One row per op of nbytes (per_op_bytes' order): timings[op] = {"eager": timeit(...), "graph":
+    timeit(...)}; achieved bandwidth = bytes / graph median, ratio = graph median / floor."""
+    rows = []
+    for op, b in nbytes.items():
+        e, g = timings[op]["eager"], timings[op]["graph"]["median_us"]
+        floor = floor_us(b, copy_GBs, min_us)
+        rows.append(dict(op=op, bytes=b, eager_median_us=e["median_us"], eager_p10_us=e["p10_us"],
+                         eager_p90_us=e["p90_us"], graph_median_us=g, achieved_GBs=b / (g * 1e3), floor_us=floor,
+                         graph_over_floor=g / floor))
+    return rows
+
+
+def per_op_markdown(rows, device, copy_GBs, iters, min_us=MIN_FLOOR_US):
+    """The per-op table as markdown: a line naming the device and the copy bandwidth, then one row per op."""
+    lines = [f"Per-op on {device}: CUDA events, {iters} runs after warm-up; copy bandwidth {copy_GBs:.0f} GB/s "
+             f"(1 GiB device-to-device copy, read + write); floor = max(bytes / copy bandwidth, {min_us:g} us)",
+             "",
+             "| op | bytes | eager median us | eager p10 | eager p90 | graph us | achieved GB/s | floor us "
+             "| graph / floor |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['op']} | {r['bytes']} | {r['eager_median_us']:.1f} | {r['eager_p10_us']:.1f} | "
+                     f"{r['eager_p90_us']:.1f} | {r['graph_median_us']:.1f} | {r['achieved_GBs']:.1f} | "
+                     f"{r['floor_us']:.1f} | {r['graph_over_floor']:.2f} |")
+    return "\n".join(lines)
+
+
+def per_op_calls(ops, torch, x, state, kv_stacked):
+    """Each op of cycle_ops as a zero-argument call on the cycle's own inputs (the intermediates are computed
+    once here, eagerly), keyed as PER_OPS.  kv_stacked: one [2*layers, ...] tensor, compacted through a
+    KVTensors; "kv_compact list" compacts the list x["kv"] as the cycle does."""
+    k, n, d2t, target = x["k"], x["n"], x["d2t"], x["target"]
+    toks, scs, pars, beams = [], [], [], []
+    scores, nodes = state["s0"], state["n0"]
+    offset = 0
+    for logits in x["draft"]:
+        beams.append((scores, nodes, offset))
+        t, s, p, _, nb = ops.expand(logits, scores, nodes, k, d2t, offset, check=False)
+        toks.append(t), scs.append(s), pars.append(p)
+        scores, nodes = s[nb - offset], nb
+        offset += t.shape[0]
+    tokens, all_scores, parents = torch.cat(toks), torch.cat(scs), torch.cat(pars)
+    chosen = ops.select(all_scores, n, check=False)
+    tree, _, _ = ops.build_tree(tokens, parents, chosen, 1, check=False, device_outputs=True)
+    on_gpu = state["offset"].is_cuda
+    kvt = ops.KVTensors([kv_stacked])
+    root, level = x["draft"][0], x["draft"][1]
+    s1, n1, o1 = beams[1]
+    calls = {
+        "topk_entropy": lambda: ops.topk_entropy(level, k, check=False),
+        "expand root": lambda: ops.expand(root, state["s0"], state["n0"], k, d2t, 0, check=False),
+        "expand level": lambda: ops.expand(level, s1, n1, k, d2t, o1, check=False),
+        "select": lambda: ops.select(all_scores, n, check=False),
+        "build_tree": lambda: ops.build_tree(tokens, parents, chosen, 1, check=False, device_outputs=True),
+        "verify_greedy": lambda: ops.verify_greedy(tree.tokens, tree.parents, target, check=False,
+                                                   device_outputs=True),
+        "verify_sample": lambda: ops.verify_sample(
+            tree.tokens, tree.parents, target, temperature=1.0, top_p=0.9, seed=1,
+            offset=state["offset"] if on_gpu else 0, check=False, device_outputs=True, advance_offset=on_gpu),
+        "kv_compact stacked": lambda: ops.kv_compact(kvt, x["prefix"], state["slots"], check=False),
+        "kv_compact list": lambda: ops.kv_compact(x["kv"], x["prefix"], state["slots"], check=False),
+    }
+    assert tuple(calls) == PER_OPS
+    return calls
+
+
+def capture(torch, fn):
+    """fn captured alone in a CUDA graph (run once first on the capture stream: the ops grow their scratch
+    outside capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    return graph
+
+
+def copy_bandwidth(torch, dev, nbytes=1 << 30, iters=20):
+    """The device's copy bandwidth: a device-to-device copy of nbytes timed with CUDA events (median of
+    iters), counted as 2 * nbytes moved (read + write)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    t = timeit(torch, lambda d=dst, s=src: d.copy_(s), iters, warmup=3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return dict(copy_bytes=nbytes, moved_bytes=2 * nbytes, median_us=t["median_us"],
+                GBs=2 * nbytes / (t["median_us"] * 1e3))
+
+
+def run_per_op(ops, torch, x, state, dev, iters):
+    """--per-op on the GPU: copy bandwidth, then every op eager and replayed alone in a CUDA graph."""
+    bw = copy_bandwidth(torch, dev)
+    slots = state["slots"].tolist()
+    nbytes = per_op_bytes(**per_op_shape(x, slots))
+    kv_stacked = torch.stack(x["kv"])
+    calls = per_op_calls(ops, torch, x, state, kv_stacked)
+    ops.cuda_check(dev)
+    timings = {}
+    for op, fn in calls.items():
+        eager = timeit(torch, fn, iters)
+        ops.cuda_check(dev)
+        graph = capture(torch, fn)
+        timings[op] = dict(eager=eager, graph=timeit(torch, graph.replay, iters))
+        ops.cuda_check(dev)
+        del graph
+    rows = per_op_rows(nbytes, timings, bw["GBs"])
+    return dict(copy_bandwidth=bw, floor_min_us=MIN_FLOOR_US, shape=dict(per_op_shape(x, slots), slots=slots),
+                formulas=PER_OP_FORMULAS, rows=rows, timings=timings)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--out", default=os.path.join("benchmarks", "results", "cuda-cycle.json"))
+    ap.add_argument("--per-op", action="store_true",
+                    help="also time every op of the cycle alone, eager and in a CUDA graph, against its bytes floor")
     args = ap.parse_args(argv)
     import torch
 
@@ -254,6 +455,12 @@ def main(argv=None):
     print("| variant | median us | p10 | p90 | vs torch |\n|---|---|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {r['median_us']:.1f} | {r['p10_us']:.1f} | {r['p90_us']:.1f} | {r['speedup_vs_torch']:.1f}x |")
+    if args.per_op:  # after the cycle's JSON is written, so a failure here cannot lose it
+        p = out["per_op"] = run_per_op(ops, torch, x, state, dev, args.iters)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
+        print()
+        print(per_op_markdown(p["rows"], out["device"], p["copy_bandwidth"]["GBs"], args.iters))
     return out
 
 
