@@ -177,7 +177,18 @@ def build_tree(tokens, parents, selected, root_token, *, stream=None, check=True
     return VerifyTree(*out)
 
 
-def verify_greedy(tree_tokens, tree_parents, target_logits, *, stream=None, check=True, device_outputs=False):
+def _batched(x):
+    """Whether an op's leading argument carries a batch dimension (2-D trees)."""
+    return getattr(x, "ndim", None) == 2
+
+
+def _no_n(n, op):
+    if n is not None:
+        raise ValueError(f"{op}: argument 'n' expected None for an unbatched tree (a [T] tree_tokens), got an array; "
+                         f"pass [batch, T] trees to give per-row node counts")
+
+
+def verify_greedy(tree_tokens, tree_parents, target_logits, *, n=None, stream=None, check=True, device_outputs=False):
     """Greedy acceptance: ``(path int64[len], next_token int)``.
 
     From node 0, repeatedly moves to the child (lowest index first) whose token is the argmax of the
@@ -186,8 +197,18 @@ def verify_greedy(tree_tokens, tree_parents, target_logits, *, stream=None, chec
 
     With ``device_outputs=True``: ``(path[n] padded with -1, length, next_token)``, the last two 0-d int64
     arrays on the input's device (no host sync on CUDA).
+
+    Batched (the C ABI's batch-first form): ``tree_tokens``, ``tree_parents`` ``[batch, T]``, ``target_logits``
+    ``[batch, T, V]``, ``n`` None (every row has T nodes) or an int64 ``[batch]`` array on the inputs' device
+    (nodes per row; the rest of a row is ignored).  Returns arrays on the inputs' device: ``(path [batch, T]
+    padded with -1, length [batch], next_token [batch])``; each row is what the unbatched call gives for
+    that row's first ``n[b]`` nodes.  ``device_outputs`` does not apply (batched results are always arrays).
     """
     tree_tokens = _arr(tree_tokens)
+    if _batched(tree_tokens):
+        return _C.verify_greedy_batch(tree_tokens, _arr(tree_parents), target_logits, _arr(n), _allocator(tree_tokens),
+                                      _stream(tree_tokens, stream), check)
+    _no_n(n, "verify_greedy")
     return _C.verify_greedy(
         tree_tokens, _arr(tree_parents), target_logits, _allocator(tree_tokens), _stream(tree_tokens, stream),
         check, device_outputs,
@@ -195,8 +216,8 @@ def verify_greedy(tree_tokens, tree_parents, target_logits, *, stream=None, chec
 
 
 def verify_sample(
-    tree_tokens, tree_parents, target_logits, *, temperature, top_k=0, top_p=1.0, seed, offset, stream=None,
-    check=True, device_outputs=False, advance_offset=False,
+    tree_tokens, tree_parents, target_logits, *, temperature, top_k=0, top_p=1.0, seed, offset, n=None,
+    stream=None, check=True, device_outputs=False, advance_offset=False,
 ):
     """Lossless tree acceptance under sampling: ``(path int64[len], next_token int, draws int)``.
 
@@ -212,8 +233,19 @@ def verify_sample(
     each replay draws fresh uniforms.  On the CPU (a NumPy array or torch CPU tensor) they are read when the op
     runs, and ``advance_offset=True`` writes ``offset + draws`` back into the (writable) ``offset`` tensor the
     same way.
+
+    Batched: trees and logits as in :func:`verify_greedy`; ``seed`` and ``offset`` each a Python int (the
+    same for every row) or an int64 ``[batch]`` array on the inputs' device (per row; ``advance_offset=True``
+    needs ``offset`` as an array and advances each row by its own draws).  Returns ``(path [batch, T] padded
+    with -1, length, next_token, draws)``, the last three ``[batch]``; row b equals the unbatched call on row
+    b with ``seed[b]``, ``offset[b]``.
     """
     tree_tokens = _arr(tree_tokens)
+    if _batched(tree_tokens):
+        return _C.verify_sample_batch(
+            tree_tokens, _arr(tree_parents), target_logits, _arr(n), temperature, top_k, top_p, seed, offset,
+            _allocator(tree_tokens), _stream(tree_tokens, stream), check, advance_offset)
+    _no_n(n, "verify_sample")
     return _C.verify_sample(
         tree_tokens, _arr(tree_parents), target_logits, temperature, top_k, top_p, seed, offset,
         _allocator(tree_tokens), _stream(tree_tokens, stream), check, device_outputs, advance_offset,

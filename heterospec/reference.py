@@ -722,9 +722,65 @@ def _padded(path, n):
     return out
 
 
-def verify_greedy(tree_tokens, tree_parents, target_logits, *, stream=None, check=True, device_outputs=False):
+def _batch_rows(op, tree_tokens, tree_parents, target_logits, n):
+    """Batched trees: ([batch, T] tokens, [batch, T] parents, [batch, T, V] logits, node counts [batch])."""
+    tok = _np_view(op, "tree_tokens", tree_tokens)
+    par = _np_view(op, "tree_parents", tree_parents)
+    x = _np_view(op, "target_logits", target_logits)
+    B, T = tok.shape
+    if par.ndim != 2:
+        _fail(ValueError, op, "tree_parents", "an array [batch, T] with ndim 2", f"ndim {par.ndim}")
+    if par.shape != (B, T):
+        _fail(ValueError, op, "tree_parents", f"shape ({B}, {T}) (one parent per tree node)", f"{tuple(par.shape)}")
+    if x.ndim != 3:
+        _fail(ValueError, op, "target_logits", "an array [batch, T, V] with ndim 3", f"ndim {x.ndim}")
+    if x.shape[:2] != (B, T):
+        _fail(ValueError, op, "target_logits", f"shape ({B}, {T}, V) (one logits row per tree node)",
+              f"{tuple(x.shape)}")
+    if T < 1:
+        _fail(ValueError, op, "tree_tokens", "at least the root node", "T = 0")
+    if n is None:
+        counts = [T] * B
+    else:
+        a = _np_view(op, "n", n)
+        if a.dtype != np.int64:
+            _fail(TypeError, op, "n", "dtype int64", f"{a.dtype}")
+        if a.shape != (B,):
+            _fail(ValueError, op, "n", f"shape ({B},) (one node count per batch row)", f"{tuple(a.shape)}")
+        counts = [int(v) for v in a]
+        bad = [c for c in counts if not 1 <= c <= T]
+        if bad:
+            _fail(ValueError, op, "n", f"node counts in [1, {T}]", bad[0])
+    return tok, par, x, counts
+
+
+def _batch_values(op, name, x, B):
+    """seed / offset of a batched verify_sample: an int (every row) or an int64 [batch] array -> (values, array)."""
+    if not _is_array_like(x):
+        return [x] * B, None
+    a = x if isinstance(x, np.ndarray) else _np_view(op, name, x)
+    if a.dtype != np.int64:
+        _fail(TypeError, op, name, "dtype int64 (or a Python int)", f"{a.dtype}")
+    if a.shape != (B,):
+        _fail(ValueError, op, name, f"shape ({B},) (one value per batch row)", f"{tuple(a.shape)}")
+    return [int(v) % _U64_LIMIT for v in a], a
+
+
+def verify_greedy(tree_tokens, tree_parents, target_logits, *, n=None, stream=None, check=True,
+                  device_outputs=False):
     """Greedy tree verification -> (path int64[len], next_token int), or with device_outputs
-    (path[n] padded with -1, length, next_token) as arrays."""
+    (path[n] padded with -1, length, next_token) as arrays.  Batched ([batch, T] trees, [batch, T, V] logits,
+    n None or int64 [batch]): (path [batch, T] padded with -1, length [batch], next_token [batch])."""
+    if np.ndim(tree_tokens) == 2:
+        tok, par, x, counts = _batch_rows("verify_greedy", tree_tokens, tree_parents, target_logits, n)
+        B, T = tok.shape
+        out = np.full((B, T), -1, dtype=np.int64), np.zeros(B, np.int64), np.zeros(B, np.int64)
+        for b, c in enumerate(counts):
+            path, nxt = _verify_greedy_host(tok[b, :c], par[b, :c], x[b, :c])
+            out[0][b, : path.shape[0]], out[1][b], out[2][b] = path, path.shape[0], nxt
+        return out
+    if n is not None:
+        _fail(ValueError, "verify_greedy", "n", "None for an unbatched tree (a [T] tree_tokens)", "an array")
     path, nxt = _verify_greedy_host(tree_tokens, tree_parents, target_logits)
     if not device_outputs:
         return path, nxt
@@ -732,7 +788,7 @@ def verify_greedy(tree_tokens, tree_parents, target_logits, *, stream=None, chec
     return _padded(path, n), np.array(path.shape[0], dtype=np.int64), np.array(nxt, dtype=np.int64)
 
 
-def verify_sample(tree_tokens, tree_parents, target_logits, *, temperature, top_k=0, top_p=1.0, seed, offset,
+def verify_sample(tree_tokens, tree_parents, target_logits, *, temperature, top_k=0, top_p=1.0, seed, offset, n=None,
                   stream=None, check=True, device_outputs=False, advance_offset=False):
     """Lossless tree verification by recursive rejection sampling -> (path int64[len], next_token, draws),
     or with device_outputs (path[n] padded with -1, length, next_token, draws) as arrays.
@@ -741,6 +797,28 @@ def verify_sample(tree_tokens, tree_parents, target_logits, *, temperature, top_
     uint64 value, as the CUDA kernel reads them), read when the op runs; with advance_offset=True (an array
     offset only) offset + draws (mod 2^64) is written back into it in place."""
     op = "verify_sample"
+    if np.ndim(tree_tokens) == 2:
+        tok, par, x, counts = _batch_rows(op, tree_tokens, tree_parents, target_logits, n)
+        B, T = tok.shape
+        seeds, _ = _batch_values(op, "seed", seed, B)
+        offsets, offset_arr = _batch_values(op, "offset", offset, B)
+        if advance_offset and offset_arr is None:
+            _fail(ValueError, op, "advance_offset", "False unless 'offset' is an int64 [batch] array", "True")
+        if advance_offset and not offset_arr.flags.writeable:
+            _fail(ValueError, op, "offset", "a writable array with advance_offset=True", "a read-only one")
+        out = (np.full((B, T), -1, dtype=np.int64), np.zeros(B, np.int64), np.zeros(B, np.int64),
+               np.zeros(B, np.int64))
+        for b, c in enumerate(counts):
+            path, nxt, draws = _verify_sample_host(tok[b, :c], par[b, :c], x[b, :c], temperature=temperature,
+                                                   top_k=top_k, top_p=top_p, seed=seeds[b], offset=offsets[b])
+            out[0][b, : path.shape[0]], out[1][b], out[2][b], out[3][b] = path, path.shape[0], nxt, draws
+        if advance_offset:
+            for b in range(B):
+                adv = (offsets[b] + int(out[3][b])) % _U64_LIMIT
+                offset_arr[b] = adv - _U64_LIMIT if adv >= 1 << 63 else adv
+        return out
+    if n is not None:
+        _fail(ValueError, op, "n", "None for an unbatched tree (a [T] tree_tokens)", "an array")
 
     def scalar(name, x):
         """-> (the value, the array or None); ints are range-checked by _verify_sample_host."""

@@ -59,6 +59,7 @@ class EmuCuda:
         self.bf16 = bf16
         self.device_id = device_id
         self.streams = []
+        self.ndim, self.shape = arr.ndim, arr.shape
         self._shape = (ctypes.c_int64 * max(arr.ndim, 1))(*arr.shape)
         self.m = _Managed()
         self.m.version = _Version(1, 0)
@@ -631,3 +632,38 @@ def test_sampled_tokens_have_the_target_distribution_on_gpu():
     # expected counts that sum to the observed total exactly (scipy checks the two sums to 1.5e-8 relative:
     # p * n from float32 logits missed by 8e-8 on the first GPU run)
     assert stats.chisquare(counts, p / p.sum() * counts.sum()).pvalue > 1e-3
+
+
+# ---- the batch-first ABI on the device (issue 17) ------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", LOGIT_DTYPES)
+def test_batched_verify_on_the_device_equals_the_cpu_batch(dtype):
+    """verify_greedy / verify_sample over [batch, T] trees with per-row node counts, seeds and offsets (device
+    arrays, advance_offset per row) give the CPU core's batched results, which tests/test_batch.py shows equal
+    the rows called one by one."""
+    from test_batch import _batch
+
+    rng = np.random.default_rng(21)
+    B, T, V = 6, 8, 40
+    counts = rng.integers(1, T + 1, B).astype(np.int64)
+    tok, par, x = _batch(rng, B, T, V, counts)
+    x = np.nan_to_num(x, nan=0.0)                     # the padding rows' values do not matter
+    dx, cpu_x = D.put_logits(x.reshape(B * T, V), dtype)
+    dx = dx.reshape(B, T, V) if REAL else EmuCuda(D.get(dx).reshape(B, T, V), bf16=dtype == "bfloat16")
+    cx = cpu_x.reshape(B, T, V)                       # the same values in the same dtype, on the CPU
+    g_dev = [D.get(a) for a in ops.verify_greedy(D.put(tok), D.put(par), dx, n=D.put(counts))]
+    g_cpu = ops.verify_greedy(tok, par, cx, n=counts)
+    for a, b in zip(g_dev, g_cpu):
+        assert np.array_equal(a, D.get(b))
+    seeds = rng.integers(0, 2**62, B).astype(np.int64)
+    offsets = rng.integers(0, 100, B).astype(np.int64)
+    d_off = D.put(offsets.copy())   # (the emulated device array shares the host memory it was made from)
+    s_dev = [D.get(a) for a in ops.verify_sample(D.put(tok), D.put(par), dx, n=D.put(counts), temperature=0.8,
+                                                  top_k=10, top_p=0.9, seed=D.put(seeds), offset=d_off,
+                                                  advance_offset=True)]
+    c_off = offsets.copy()
+    s_cpu = ops.verify_sample(tok, par, cx, n=counts, temperature=0.8, top_k=10, top_p=0.9, seed=seeds, offset=c_off,
+                              advance_offset=True)
+    for a, b in zip(s_dev, s_cpu):
+        assert np.array_equal(a, D.get(b))
+    assert np.array_equal(D.get(d_off), c_off) and (c_off == offsets + D.get(s_cpu[3])).all()

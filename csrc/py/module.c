@@ -856,6 +856,243 @@ fail:
     return res;
 }
 
+/* ---- batched acceptance: verify_greedy / verify_sample over [batch, T] trees ----------------------------
+ * The batch-first C ABI reached from Python: tree_tokens, tree_parents [batch, T], target_logits [batch, T, V],
+ * n (None: every row has T nodes, or an int64 [batch] array on the inputs' device: nodes per row).  Results
+ * are always arrays on the inputs' device: path [batch, T] (-1 past each row's length), length, next_token
+ * (and draws) [batch]. */
+
+static int hs_verify_batch_args(hs_views *vs, const char *op, PyObject *o_tok, PyObject *o_par, PyObject *o_lg,
+                                PyObject *o_n, hs_view **tk, hs_view **pa, hs_view **lg, hs_view **nv) {
+    if (!(*tk = hs_views_add(vs, o_tok, op, "tree_tokens", 0)) ||
+        hs_check_ndim(*tk, op, "tree_tokens", 2, "[batch, T]") < 0 ||
+        hs_check_dtype(*tk, op, "tree_tokens", HS_ID_DTYPES, "int32 or int64") < 0)
+        return -1;
+    int64_t B = (*tk)->shape[0], T = (*tk)->shape[1];
+    if (!(*pa = hs_views_add(vs, o_par, op, "tree_parents", 0)) ||
+        hs_check_ndim(*pa, op, "tree_parents", 2, "[batch, T]") < 0 ||
+        hs_check_dtype(*pa, op, "tree_parents", HS_ID_DTYPES, "int32 or int64") < 0 ||
+        hs_check_dim(*pa, op, "tree_parents", 0, B, "one tree per batch row") < 0 ||
+        hs_check_dim(*pa, op, "tree_parents", 1, T, "one parent per tree node") < 0)
+        return -1;
+    if (!(*lg = hs_views_add(vs, o_lg, op, "target_logits", 0)) ||
+        hs_check_ndim(*lg, op, "target_logits", 3, "[batch, T, V]") < 0 ||
+        hs_check_dtype(*lg, op, "target_logits", HS_LOGIT_DTYPES, "float16, bfloat16 or float32") < 0 ||
+        hs_check_dim(*lg, op, "target_logits", 0, B, "one tree per batch row") < 0 ||
+        hs_check_dim(*lg, op, "target_logits", 1, T, "one logits row per tree node") < 0)
+        return -1;
+    if (T < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: argument 'tree_tokens' expected at least the root node, got T = 0", op);
+        return -1;
+    }
+    if ((*lg)->shape[2] < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: argument 'target_logits' expected V >= 1, got 0", op);
+        return -1;
+    }
+    *nv = NULL;
+    if (o_n != Py_None) {
+        if (!(*nv = hs_views_add(vs, o_n, op, "n", 0)) || hs_check_ndim(*nv, op, "n", 1, "[batch]") < 0 ||
+            hs_check_dtype(*nv, op, "n", HS_MASK(HS_INT64), "int64") < 0 ||
+            hs_check_dim(*nv, op, "n", 0, B, "one node count per batch row") < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* Host copies of the per-row node counts (T for every row without n); NULL with an exception on failure. */
+static int64_t *hs_batch_counts(const char *op, const hs_view *nv, int64_t B, int64_t T) {
+    int64_t *nh = PyMem_Malloc((size_t)(B > 0 ? B : 1) * sizeof(int64_t));
+    if (nh == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (int64_t b = 0; b < B; b++) {
+        nh[b] = nv ? ((const int64_t *)nv->data)[b] : T;
+        if (nh[b] < 1 || nh[b] > T) {
+            PyErr_Format(PyExc_ValueError, "%s: argument 'n' expected node counts in [1, %lld], got %lld", op,
+                         (long long)T, (long long)nh[b]);
+            PyMem_Free(nh);
+            return NULL;
+        }
+    }
+    return nh;
+}
+
+static void hs_batch_pad_paths(int64_t *path, const int64_t *len, int64_t B, int64_t T) {
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = len[b] > 0 ? len[b] : 0; i < T; i++) path[b * T + i] = -1;
+}
+
+static PyObject *hs_batch_result(PyObject **outs, int k) {
+    PyObject *res = PyTuple_New(k);
+    if (res == NULL) return NULL;
+    for (int i = 0; i < k; i++) {
+        Py_INCREF(outs[i]);
+        PyTuple_SET_ITEM(res, i, outs[i]);
+    }
+    return res;
+}
+
+static PyObject *py_verify_greedy_batch(PyObject *self, PyObject *args) {
+    (void)self;
+    static const char op[] = "verify_greedy";
+    PyObject *o_tok, *o_par, *o_lg, *o_n, *alloc, *o_stream, *o_check, *res = NULL;
+    PyObject *outs[3] = {NULL, NULL, NULL};
+    if (!PyArg_ParseTuple(args, "OOOOOOO", &o_tok, &o_par, &o_lg, &o_n, &alloc, &o_stream, &o_check)) return NULL;
+    int check;
+    if (hs_parse_flag(o_check, op, "check", &check) < 0) return NULL;
+    hs_views vs = {.n = 0, .stream = o_stream};
+    hs_gpu g = {0};
+    int64_t *nh = NULL;
+    hs_view *tk, *pa, *lg, *nv, *ov[3];
+    if (hs_verify_batch_args(&vs, op, o_tok, o_par, o_lg, o_n, &tk, &pa, &lg, &nv) < 0) goto fail;
+    int64_t B = tk->shape[0], T = tk->shape[1], V = lg->shape[2], shp[2] = {B, T};
+    if (!(outs[0] = hs_views_alloc(&vs, alloc, op, "path", 2, shp, HS_INT64, &ov[0])) ||
+        !(outs[1] = hs_views_alloc(&vs, alloc, op, "length", 1, &B, HS_INT64, &ov[1])) ||
+        !(outs[2] = hs_views_alloc(&vs, alloc, op, "next_token", 1, &B, HS_INT64, &ov[2])))
+        goto fail;
+    if (hs_gpu_begin(&g, tk, o_stream, op) < 0) goto fail;
+    if (g.on) {
+#ifdef HS_WITH_CUDA
+        size_t wsb = hs_cuda_verify_greedy_workspace_bytes(B, T);
+        void *gws = hs_gpu_workspace(&g, wsb);
+        if (gws == NULL) goto fail;
+        if (B > 0)
+            HS_CALL(hs_cuda_verify_greedy(tk->data, (hs_dtype)tk->dtype, pa->data, (hs_dtype)pa->dtype, B, T,
+                                          nv ? (const int64_t *)nv->data : NULL, lg->data, (hs_dtype)lg->dtype, V,
+                                          (int64_t *)ov[0]->data, (int64_t *)ov[1]->data, (int64_t *)ov[2]->data,
+                                          (char *)gws + HS_WS_COUNTERS, wsb, g.err, g.stream, &err));
+        if (hs_gpu_end(&g, op, check) < 0) goto fail;
+#endif
+    } else {
+        if (!(nh = hs_batch_counts(op, nv, B, T))) goto fail;
+        HS_CALL(hs_verify_greedy(tk->data, (hs_dtype)tk->dtype, pa->data, (hs_dtype)pa->dtype, B, T, nh, lg->data,
+                                (hs_dtype)lg->dtype, V, (int64_t *)ov[0]->data, (int64_t *)ov[1]->data,
+                                (int64_t *)ov[2]->data, &err));
+        hs_batch_pad_paths((int64_t *)ov[0]->data, (const int64_t *)ov[1]->data, B, T);
+    }
+    res = hs_batch_result(outs, 3);
+fail:
+    hs_gpu_end(&g, op, 0);
+    hs_views_release(&vs);
+    PyMem_Free(nh);
+    for (int i = 0; i < 3; i++) Py_XDECREF(outs[i]);
+    return res;
+}
+
+/* seeds / offsets of a batched verify_sample: a Python int (every row) or an int64 [batch] array on the
+ * inputs' device.  On the CPU the values are copied to *host (B entries); on CUDA a device array is passed to
+ * the kernel as *dev and an int as *val. */
+static int hs_parse_batch_seeds(hs_views *vs, PyObject *o, const char *op, const char *arg, int64_t B, int on_gpu,
+                                uint64_t *host, uint64_t *val, void **dev, hs_view **view) {
+    *dev = NULL;
+    *view = NULL;
+    *val = 0;
+    int is_array = !PyLong_Check(o) && !PyArray_IsScalar(o, Generic) &&
+                   (PyArray_Check(o) || PyObject_HasAttrString(o, "__dlpack__"));
+    if (!is_array) {
+        if (hs_parse_u64(o, op, arg, val) < 0) return -1;
+        for (int64_t b = 0; b < B; b++) host[b] = *val;
+        return 0;
+    }
+    hs_view *v = hs_views_add(vs, o, op, arg, 0);
+    if (v == NULL || hs_check_ndim(v, op, arg, 1, "[batch]") < 0 ||
+        hs_check_dtype(v, op, arg, HS_MASK(HS_INT64), "int64 (or a Python int)") < 0 ||
+        hs_check_dim(v, op, arg, 0, B, "one value per batch row") < 0)
+        return -1;
+    *view = v;
+    if (on_gpu) *dev = v->data;
+    else memcpy(host, v->data, (size_t)B * sizeof(uint64_t));
+    return 0;
+}
+
+static PyObject *py_verify_sample_batch(PyObject *self, PyObject *args) {
+    (void)self;
+    static const char op[] = "verify_sample";
+    PyObject *o_tok, *o_par, *o_lg, *o_n, *o_temp, *o_topk, *o_topp, *o_seed, *o_off, *alloc, *o_stream, *o_check,
+        *o_adv, *res = NULL;
+    PyObject *outs[4] = {NULL, NULL, NULL, NULL};
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOO", &o_tok, &o_par, &o_lg, &o_n, &o_temp, &o_topk, &o_topp, &o_seed, &o_off,
+                          &alloc, &o_stream, &o_check, &o_adv))
+        return NULL;
+    hs_sampling sp;
+    int check, adv;
+    if (hs_parse_f64(o_temp, op, "temperature", &sp.temperature) < 0 || hs_parse_i64(o_topk, op, "top_k", &sp.top_k) < 0 ||
+        hs_parse_f64(o_topp, op, "top_p", &sp.top_p) < 0 || hs_parse_flag(o_check, op, "check", &check) < 0 ||
+        hs_parse_flag(o_adv, op, "advance_offset", &adv) < 0)
+        return NULL;
+    hs_views vs = {.n = 0, .stream = o_stream};
+    hs_gpu g = {0};
+    int64_t *nh = NULL;
+    uint64_t *seeds = NULL, *offs = NULL, seed0 = 0, off0 = 0;
+    void *seed_dev = NULL, *off_dev = NULL, *ws = NULL;
+    hs_view *tk, *pa, *lg, *nv, *ov[4], *sview, *oview;
+    if (hs_verify_batch_args(&vs, op, o_tok, o_par, o_lg, o_n, &tk, &pa, &lg, &nv) < 0) goto fail;
+    int64_t B = tk->shape[0], T = tk->shape[1], V = lg->shape[2], shp[2] = {B, T};
+    int on_gpu = tk->device_type == 2;
+    seeds = PyMem_Malloc((size_t)(B > 0 ? B : 1) * sizeof(uint64_t));
+    offs = PyMem_Malloc((size_t)(B > 0 ? B : 1) * sizeof(uint64_t));
+    if (seeds == NULL || offs == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    if (hs_parse_batch_seeds(&vs, o_seed, op, "seed", B, on_gpu, seeds, &seed0, &seed_dev, &sview) < 0 ||
+        hs_parse_batch_seeds(&vs, o_off, op, "offset", B, on_gpu, offs, &off0, &off_dev, &oview) < 0)
+        goto fail;
+    if (adv && oview == NULL) {
+        PyErr_Format(PyExc_ValueError, "%s: argument 'advance_offset' expected False unless 'offset' is an int64 "
+                     "[batch] array, got True", op);
+        goto fail;
+    }
+    if (adv && oview->readonly) {
+        PyErr_Format(PyExc_ValueError, "%s: argument 'offset' expected a writable array with advance_offset=True, "
+                     "got a read-only one", op);
+        goto fail;
+    }
+    if (!(outs[0] = hs_views_alloc(&vs, alloc, op, "path", 2, shp, HS_INT64, &ov[0])) ||
+        !(outs[1] = hs_views_alloc(&vs, alloc, op, "length", 1, &B, HS_INT64, &ov[1])) ||
+        !(outs[2] = hs_views_alloc(&vs, alloc, op, "next_token", 1, &B, HS_INT64, &ov[2])) ||
+        !(outs[3] = hs_views_alloc(&vs, alloc, op, "draws", 1, &B, HS_INT64, &ov[3])))
+        goto fail;
+    if (hs_gpu_begin(&g, tk, o_stream, op) < 0) goto fail;
+    if (g.on) {
+#ifdef HS_WITH_CUDA
+        size_t wsb = hs_cuda_verify_sample_workspace_bytes(B, T);
+        void *gws = hs_gpu_workspace(&g, wsb);
+        if (gws == NULL) goto fail;
+        if (B > 0)
+            HS_CALL(hs_cuda_verify_sample(tk->data, (hs_dtype)tk->dtype, pa->data, (hs_dtype)pa->dtype, B, T,
+                                          nv ? (const int64_t *)nv->data : NULL, lg->data, (hs_dtype)lg->dtype, V, sp,
+                                          (const uint64_t *)seed_dev, seed0, (uint64_t *)off_dev, off0, adv,
+                                          (int64_t *)ov[0]->data, (int64_t *)ov[1]->data, (int64_t *)ov[2]->data,
+                                          (int64_t *)ov[3]->data, (char *)gws + HS_WS_COUNTERS, wsb, g.err, g.stream,
+                                          &err));
+        if (hs_gpu_end(&g, op, check) < 0) goto fail;
+#endif
+    } else {
+        if (!(nh = hs_batch_counts(op, nv, B, T))) goto fail;
+        size_t wsb = hs_verify_sample_workspace_bytes(T, V);
+        if (!(ws = hs_workspace(wsb))) goto fail;
+        HS_CALL(hs_verify_sample(tk->data, (hs_dtype)tk->dtype, pa->data, (hs_dtype)pa->dtype, B, T, nh, lg->data,
+                                (hs_dtype)lg->dtype, V, sp, seeds, offs, (int64_t *)ov[0]->data, (int64_t *)ov[1]->data,
+                                (int64_t *)ov[2]->data, (int64_t *)ov[3]->data, ws, wsb, &err));
+        hs_batch_pad_paths((int64_t *)ov[0]->data, (const int64_t *)ov[1]->data, B, T);
+        if (adv)
+            for (int64_t b = 0; b < B; b++)
+                ((uint64_t *)oview->data)[b] = offs[b] + (uint64_t)((const int64_t *)ov[3]->data)[b];
+    }
+    res = hs_batch_result(outs, 4);
+fail:
+    hs_gpu_end(&g, op, 0);
+    PyMem_RawFree(ws);
+    hs_views_release(&vs);
+    PyMem_Free(nh);
+    PyMem_Free(seeds);
+    PyMem_Free(offs);
+    for (int i = 0; i < 4; i++) Py_XDECREF(outs[i]);
+    return res;
+}
+
 /* ---- kv_compact(tensors, prefix_len, slots) and KVTensors ---------------------------------------------
  * The tensors of a call are an hs_kv_set: imported and validated either per call (a list or tuple) or once,
  * by a KVTensors object that keeps the imports (and the tensors) alive, so that a static cache's per-cycle
@@ -1314,6 +1551,11 @@ static PyMethodDef hs_methods[] = {
     {"select", py_select, METH_VARARGS, "select(scores, n, alloc) -> out"},
     {"build_tree", py_build_tree, METH_VARARGS, "build_tree(tokens, parents, selected, root_token, alloc)"},
     {"verify_greedy", py_verify_greedy, METH_VARARGS, "verify_greedy(tree_tokens, tree_parents, target_logits, alloc)"},
+    {"verify_greedy_batch", py_verify_greedy_batch, METH_VARARGS,
+     "verify_greedy_batch(tree_tokens, tree_parents, target_logits, n, alloc, stream, check)"},
+    {"verify_sample_batch", py_verify_sample_batch, METH_VARARGS,
+     "verify_sample_batch(tree_tokens, tree_parents, target_logits, n, temperature, top_k, top_p, seed, offset, alloc, "
+     "stream, check, advance_offset)"},
     {"verify_sample", py_verify_sample, METH_VARARGS,
      "verify_sample(tree_tokens, tree_parents, target_logits, temperature, top_k, top_p, seed, offset, alloc)"},
     {"kv_compact", py_kv_compact, METH_VARARGS, "kv_compact(tensors or KVTensors, prefix_len, slots, stream, check)"},

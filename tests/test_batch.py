@@ -1,0 +1,106 @@
+"""The batch-first ABI from Python (issue 17): verify_greedy / verify_sample over [batch, T] trees equal the
+same calls made row by row, on both implementations (C core and NumPy twin); per-row node counts ``n``,
+per-row seeds and offsets, advance_offset per row; bad batched input named in one line.  The CUDA side of
+the same calls is in tests/test_cuda.py."""
+import numpy as np
+import pytest
+
+from _oracles import random_tree
+from conftest import to_numpy
+
+
+def _batch(rng, B, T, V, counts=None):
+    toks, pars, lgs = [], [], []
+    for b in range(B):
+        c = T if counts is None else counts[b]
+        t, p, x = random_tree(rng, c, V)
+        pad = T - c   # the rest of a row is garbage the op must ignore
+        toks.append(np.concatenate([t, rng.integers(0, V, pad)]))
+        pars.append(np.concatenate([p, np.full(pad, 7, np.int64)]))
+        lgs.append(np.concatenate([x, np.full((pad, V), np.nan, np.float32)]))
+    return np.stack(toks), np.stack(pars), np.stack(lgs)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("ragged", [False, True])
+def test_greedy_batch_equals_its_rows(impl, seed, ragged):
+    rng = np.random.default_rng(seed)
+    B, T, V = 5, 9, 30
+    counts = rng.integers(1, T + 1, B) if ragged else None
+    tok, par, x = _batch(rng, B, T, V, counts)
+    n = None if counts is None else np.asarray(counts, np.int64)
+    path, length, nxt = (to_numpy(a) for a in impl.verify_greedy(tok, par, x, n=n))
+    assert path.shape == (B, T) and length.shape == (B,) and nxt.shape == (B,)
+    for b in range(B):
+        c = T if counts is None else int(counts[b])
+        want_path, want_next = impl.verify_greedy(tok[b, :c], par[b, :c], x[b, :c])
+        want_path = to_numpy(want_path)
+        assert length[b] == len(want_path) and nxt[b] == want_next
+        assert path[b, : length[b]].tolist() == want_path.tolist()
+        assert (path[b, length[b]:] == -1).all()
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("setting", [(1.0, 0, 1.0), (0.7, 5, 0.9)])
+def test_sample_batch_equals_its_rows_with_per_row_seeds(impl, seed, setting):
+    temperature, top_k, top_p = setting
+    rng = np.random.default_rng(10 + seed)
+    B, T, V = 4, 7, 25
+    counts = rng.integers(1, T + 1, B)
+    tok, par, x = _batch(rng, B, T, V, counts)
+    seeds = rng.integers(0, 2**62, B).astype(np.int64)
+    offsets = rng.integers(0, 1000, B).astype(np.int64)
+    start = offsets.copy()
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    path, length, nxt, draws = (to_numpy(a) for a in impl.verify_sample(
+        tok, par, x, n=counts.astype(np.int64), seed=seeds, offset=offsets, advance_offset=True, **kw))
+    for b in range(B):
+        c = int(counts[b])
+        wp, wn, wd = impl.verify_sample(tok[b, :c], par[b, :c], x[b, :c], seed=int(seeds[b]), offset=int(start[b]),
+                                        **kw)
+        assert path[b, : length[b]].tolist() == to_numpy(wp).tolist() and (path[b, length[b]:] == -1).all()
+        assert (nxt[b], draws[b]) == (wn, wd)
+    assert (offsets == start + draws).all()        # each row advanced by its own draws
+
+
+def test_sample_batch_with_one_seed_for_every_row(impl):
+    rng = np.random.default_rng(5)
+    tok, par, x = _batch(rng, 3, 6, 20)
+    path, length, nxt, draws = (to_numpy(a) for a in impl.verify_sample(tok, par, x, temperature=1.0, seed=9,
+                                                                           offset=4))
+    for b in range(3):
+        wp, wn, wd = impl.verify_sample(tok[b], par[b], x[b], temperature=1.0, seed=9, offset=4)
+        assert path[b, : length[b]].tolist() == to_numpy(wp).tolist() and (nxt[b], draws[b]) == (wn, wd)
+
+
+def test_a_batch_of_zero_rows(impl):
+    tok = np.zeros((0, 4), np.int64)
+    path, length, nxt = (to_numpy(a) for a in impl.verify_greedy(tok, tok.copy(), np.zeros((0, 4, 8), np.float32)))
+    assert path.shape == (0, 4) and length.shape == (0,) and nxt.shape == (0,)
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(n=np.array([3, 9], np.int64)), ValueError, r"verify_greedy: argument 'n' expected"),
+    (dict(n=np.array([3], np.int64)), ValueError, r"verify_greedy: argument 'n' expected .*one node count per batch row|verify_greedy: argument 'n' expected shape"),
+    (dict(n=np.array([3, 2], np.int32)), TypeError, r"verify_greedy: argument 'n' expected .*int64"),
+])
+def test_bad_batched_greedy_input(impl, kw, exc, match):
+    rng = np.random.default_rng(0)
+    tok, par, x = _batch(rng, 2, 5, 10)
+    with pytest.raises(exc, match=match):
+        impl.verify_greedy(tok, par, x, **kw)
+
+
+def test_bad_batched_shapes_and_seeds(impl):
+    rng = np.random.default_rng(1)
+    tok, par, x = _batch(rng, 2, 5, 10)
+    with pytest.raises(ValueError, match=r"verify_greedy: argument 'target_logits' expected"):
+        impl.verify_greedy(tok, par, x[0])
+    with pytest.raises(ValueError, match=r"verify_greedy: argument 'tree_parents' expected"):
+        impl.verify_greedy(tok, par[:, :4], x)
+    with pytest.raises(ValueError, match=r"verify_sample: argument 'seed' expected"):
+        impl.verify_sample(tok, par, x, temperature=1.0, seed=np.arange(3, dtype=np.int64), offset=0)
+    with pytest.raises(ValueError, match=r"verify_sample: argument 'advance_offset' expected False"):
+        impl.verify_sample(tok, par, x, temperature=1.0, seed=1, offset=0, advance_offset=True)
+    with pytest.raises(ValueError, match=r"verify_greedy: argument 'n' expected None for an unbatched tree"):
+        impl.verify_greedy(tok[0], par[0], x[0], n=np.array([5], np.int64))
