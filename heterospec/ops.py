@@ -142,6 +142,10 @@ def expand(logits, beam_scores, beam_nodes, k, d2t=None, node_offset=0, *, strea
     most likely token (ties to the lower id), numbered ``node_offset + b*k + j``; its token is mapped through
     ``d2t`` (draft->target offsets) when given; its score is ``beam_scores[b] + log_softmax(logits[b])[id]``;
     its parent is ``beam_nodes[b]``.  ``next_beams`` are the node numbers of the k best scores.
+
+    Batched: ``logits[batch, B, Vd]``, ``beam_scores`` / ``beam_nodes`` ``[batch, B]`` -> every output with a
+    leading batch dimension (``tokens[batch, B*k]`` ... ``next_beams[batch, k]``), row b as the unbatched
+    call on row b (``d2t`` and ``node_offset`` shared by the rows).
     """
     logits = _arr(logits)
     return _C.expand(
@@ -151,7 +155,9 @@ def expand(logits, beam_scores, beam_nodes, k, d2t=None, node_offset=0, *, strea
 
 
 def select(scores, n, *, stream=None, check=True):
-    """Indices of the ``n`` highest ``scores[M]`` (ties to the lower index), in ascending order -> int64[n]."""
+    """Indices of the ``n`` highest ``scores[M]`` (ties to the lower index), in ascending order -> int64[n].
+    Batched: ``scores[batch, M]`` with the same ``n`` for every row -> ``int64[batch, n]``, row by row.
+    """
     scores = _arr(scores)
     return _C.select(scores, n, _allocator(scores), _stream(scores, stream), check)
 

@@ -694,12 +694,35 @@ def topk_entropy(logits, k, temperature=1.0, *, stream=None, check=True):
 
 
 def expand(logits, beam_scores, beam_nodes, k, d2t=None, node_offset=0, *, stream=None, check=True):
-    """One EAGLE-2/3 dynamic-tree level -> (tokens, scores, parents, entropy, next_beams)."""
+    """One EAGLE-2/3 dynamic-tree level -> (tokens, scores, parents, entropy, next_beams).  Batched
+    (logits [batch, B, Vd], beams [batch, B]): each output gains a leading batch dimension, row by row."""
+    if np.ndim(logits) == 3:
+        op = "expand"
+        x = _np_view(op, "logits", logits)
+        sc = _np_view(op, "beam_scores", beam_scores)
+        nd = _np_view(op, "beam_nodes", beam_nodes)
+        nb, B = x.shape[:2]
+        for name, a in (("beam_scores", sc), ("beam_nodes", nd)):
+            if a.ndim != 2:
+                _fail(ValueError, op, name, "an array [batch, B] with ndim 2", f"ndim {a.ndim}")
+            if a.shape != (nb, B):
+                _fail(ValueError, op, name, f"shape ({nb}, {B}) (one row of beams per batch row)", f"{tuple(a.shape)}")
+        rows = [_expand_host(x[b], sc[b], nd[b], k, d2t, node_offset) for b in range(nb)]
+        if not rows:
+            kk = _int(op, "k", k, 1)
+            return (np.zeros((0, B * kk), np.int64), np.zeros((0, B * kk), np.float32), np.zeros((0, B * kk), np.int64),
+                    np.zeros((0, B), np.float32), np.zeros((0, kk), np.int64))
+        return tuple(np.stack(parts) for parts in zip(*rows))
     return _expand_host(logits, beam_scores, beam_nodes, k, d2t, node_offset)
 
 
 def select(scores, n, *, stream=None, check=True):
-    """Indices of the n highest scores (ties to the lower index), in ascending index order -> int64[n]."""
+    """Indices of the n highest scores (ties to the lower index), in ascending index order -> int64[n].
+    Batched (scores [batch, M], the same n for every row): int64 [batch, n], row by row."""
+    if np.ndim(scores) == 2:
+        x = _np_view("select", "scores", scores)
+        rows = [_select_host(x[b], n) for b in range(x.shape[0])]
+        return np.stack(rows) if rows else np.zeros((0, _int("select", "n", n, 0)), np.int64)
     return _select_host(scores, n)
 
 

@@ -104,3 +104,42 @@ def test_bad_batched_shapes_and_seeds(impl):
         impl.verify_sample(tok, par, x, temperature=1.0, seed=1, offset=0, advance_offset=True)
     with pytest.raises(ValueError, match=r"verify_greedy: argument 'n' expected None for an unbatched tree"):
         impl.verify_greedy(tok[0], par[0], x[0], n=np.array([5], np.int64))
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("with_d2t", [False, True])
+def test_expand_batch_equals_its_rows(impl, seed, with_d2t):
+    rng = np.random.default_rng(30 + seed)
+    nb, B, Vd, k = 4, 3, 50, 4
+    x = rng.normal(0, 2, (nb, B, Vd)).astype(np.float32)
+    scores = rng.normal(-3, 1, (nb, B)).astype(np.float32)
+    nodes = rng.integers(-1, 20, (nb, B)).astype(np.int64)
+    d2t = np.sort(rng.integers(0, 5, Vd)).astype(np.int64) if with_d2t else None
+    out = [to_numpy(a) for a in impl.expand(x, scores, nodes, k, d2t, 7)]
+    shapes = [(nb, B * k), (nb, B * k), (nb, B * k), (nb, B), (nb, k)]
+    assert [a.shape for a in out] == shapes
+    for b in range(nb):
+        want = [to_numpy(a) for a in impl.expand(x[b], scores[b], nodes[b], k, d2t, 7)]
+        for got, w in zip(out, want):
+            assert np.array_equal(got[b], w)
+
+
+def test_bad_batched_expand(impl):
+    x = np.zeros((2, 3, 10), np.float32)
+    with pytest.raises(ValueError, match=r"expand: argument 'beam_scores' expected"):
+        impl.expand(x, np.zeros(3, np.float32), np.zeros((2, 3), np.int64), 2)
+    with pytest.raises(ValueError, match=r"expand: argument 'beam_nodes' expected"):
+        impl.expand(x, np.zeros((2, 3), np.float32), np.zeros((3, 3), np.int64), 2)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_select_batch_equals_its_rows(impl, seed):
+    rng = np.random.default_rng(40 + seed)
+    x = rng.integers(-5, 5, (5, 30)).astype(np.float32)      # ties: the lower index wins in every row
+    out = to_numpy(impl.select(x, 7))
+    assert out.shape == (5, 7)
+    for b in range(5):
+        assert out[b].tolist() == to_numpy(impl.select(x[b], 7)).tolist()
+    assert to_numpy(impl.select(np.zeros((0, 4), np.float32), 2)).shape == (0, 2)
+    with pytest.raises(ValueError, match=r"select: argument 'n' expected .*30.*got 31"):
+        impl.select(x, 31)

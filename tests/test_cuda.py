@@ -667,3 +667,30 @@ def test_batched_verify_on_the_device_equals_the_cpu_batch(dtype):
     for a, b in zip(s_dev, s_cpu):
         assert np.array_equal(a, D.get(b))
     assert np.array_equal(D.get(d_off), c_off) and (c_off == offsets + D.get(s_cpu[3])).all()
+
+
+@pytest.mark.parametrize("dtype", LOGIT_DTYPES)
+def test_batched_expand_on_the_device_equals_the_cpu_batch(dtype):
+    rng = np.random.default_rng(31)
+    nb, B, Vd, k = 3, 4, 300, 5
+    x = rng.normal(0, 2, (nb * B, Vd)).astype(np.float32)
+    dx, cpu_x = D.put_logits(x, dtype)
+    dx = dx.reshape(nb, B, Vd) if REAL else EmuCuda(D.get(dx).reshape(nb, B, Vd), bf16=dtype == "bfloat16")
+    scores = rng.normal(-3, 1, (nb, B)).astype(np.float32)
+    nodes = rng.integers(-1, 9, (nb, B)).astype(np.int64)
+    d2t = np.sort(rng.integers(0, 4, Vd)).astype(np.int64)
+    dev = [D.get(a) for a in ops.expand(dx, D.put(scores), D.put(nodes), k, D.put(d2t), 3)]
+    cpu = [D.get(a) for a in ops.expand(cpu_x.reshape(nb, B, Vd), scores, nodes, k, d2t, 3)]
+    for a, b in zip(dev[:3] + dev[4:], cpu[:3] + cpu[4:]):
+        if a.dtype.kind == "f":
+            close(a, b)
+        else:
+            assert np.array_equal(a, b)
+    close(dev[3], cpu[3])
+
+
+def test_batched_select_on_the_device_equals_the_cpu_batch():
+    rng = np.random.default_rng(41)
+    x = rng.integers(-5, 5, (4, 200)).astype(np.float32)
+    dev = D.get(ops.select(D.put(x), 31))
+    assert np.array_equal(dev, ops.select(x, 31)) and dev.shape == (4, 31)

@@ -104,7 +104,7 @@ case("ex-noncontig-beam-nodes", ValueError, "beam_nodes", lambda m: m.expand(L, 
 # ---------------------------------------------------------------------------------------------- select
 S = RNG.normal(size=6)
 case("se-int-scores", TypeError, "scores", lambda m: m.select(np.arange(6), 2))
-case("se-2d", ValueError, "scores", lambda m: m.select(S.reshape(2, 3), 2))
+case("se-3d", ValueError, "scores", lambda m: m.select(S.reshape(1, 2, 3), 2))  # 2-D is the batched form
 case("se-n-range", ValueError, "n", lambda m: m.select(S, -1), lambda m: m.select(S, 7))
 case("se-n-float", TypeError, "n", lambda m: m.select(S, 2.0))
 case("se-nan", ValueError, "scores", lambda m: m.select(with_value(S, 4, np.nan), 2))

@@ -364,18 +364,24 @@ static PyObject *py_expand(PyObject *self, PyObject *args) {
     hs_gpu g = {0};
     void *ws = NULL;
     hs_view *lg, *sc, *nd, *d2t = NULL, *ot, *os, *op_, *oe, *ob;
-    if (!(lg = hs_views_add(&vs, o_logits, op, "logits", 0)) || hs_check_ndim(lg, op, "logits", 2, "[B, Vd]") < 0 ||
+    if (!(lg = hs_views_add(&vs, o_logits, op, "logits", 0))) goto fail;
+    /* batched (the C ABI's batch-first form): logits [batch, B, Vd], beams [batch, B], outputs [batch, ...] */
+    const int bt = lg->ndim == 3;
+    if (hs_check_ndim(lg, op, "logits", bt ? 3 : 2, bt ? "[batch, B, Vd]" : "[B, Vd]") < 0 ||
         hs_check_dtype(lg, op, "logits", HS_LOGIT_DTYPES, "float16, bfloat16 or float32") < 0)
         goto fail;
-    int64_t B = lg->shape[0], Vd = lg->shape[1];
+    int64_t nb = bt ? lg->shape[0] : 1, B = lg->shape[bt], Vd = lg->shape[bt + 1];
     if (!(sc = hs_views_add(&vs, o_scores, op, "beam_scores", 0)) ||
-        hs_check_ndim(sc, op, "beam_scores", 1, "[B]") < 0 ||
+        hs_check_ndim(sc, op, "beam_scores", 1 + bt, bt ? "[batch, B]" : "[B]") < 0 ||
         hs_check_dtype(sc, op, "beam_scores", HS_REAL_DTYPES, "float32 or float64") < 0 ||
-        hs_check_dim(sc, op, "beam_scores", 0, B, "one score per logits row") < 0)
+        (bt && hs_check_dim(sc, op, "beam_scores", 0, nb, "one row of beams per batch row") < 0) ||
+        hs_check_dim(sc, op, "beam_scores", bt, B, "one score per logits row") < 0)
         goto fail;
-    if (!(nd = hs_views_add(&vs, o_nodes, op, "beam_nodes", 0)) || hs_check_ndim(nd, op, "beam_nodes", 1, "[B]") < 0 ||
+    if (!(nd = hs_views_add(&vs, o_nodes, op, "beam_nodes", 0)) ||
+        hs_check_ndim(nd, op, "beam_nodes", 1 + bt, bt ? "[batch, B]" : "[B]") < 0 ||
         hs_check_dtype(nd, op, "beam_nodes", HS_ID_DTYPES, "int32 or int64") < 0 ||
-        hs_check_dim(nd, op, "beam_nodes", 0, B, "one node per logits row") < 0)
+        (bt && hs_check_dim(nd, op, "beam_nodes", 0, nb, "one row of beams per batch row") < 0) ||
+        hs_check_dim(nd, op, "beam_nodes", bt, B, "one node per logits row") < 0)
         goto fail;
     if (o_d2t != Py_None) {
         if (!(d2t = hs_views_add(&vs, o_d2t, op, "d2t", 0)) || hs_check_ndim(d2t, op, "d2t", 1, "[Vd]") < 0 ||
@@ -393,19 +399,21 @@ static PyObject *py_expand(PyObject *self, PyObject *args) {
                      (long long)k);
         goto fail;
     }
-    int64_t Bk = B * k;
-    if (!(outs[0] = hs_views_alloc(&vs, alloc, op, "tokens", 1, &Bk, HS_INT64, &ot)) ||
-        !(outs[1] = hs_views_alloc(&vs, alloc, op, "scores", 1, &Bk, HS_FLOAT32, &os)) ||
-        !(outs[2] = hs_views_alloc(&vs, alloc, op, "parents", 1, &Bk, HS_INT64, &op_)) ||
-        !(outs[3] = hs_views_alloc(&vs, alloc, op, "entropy", 1, &B, HS_FLOAT32, &oe)) ||
-        !(outs[4] = hs_views_alloc(&vs, alloc, op, "next_beams", 1, &k, HS_INT64, &ob)))
+    int64_t sBk[2] = {nb, B * k}, sB[2] = {nb, B}, sk[2] = {nb, k};
+    const int od = 1 + bt, o0 = bt ? 0 : 1; /* unbatched outputs drop the batch dimension */
+    if (!(outs[0] = hs_views_alloc(&vs, alloc, op, "tokens", od, sBk + o0, HS_INT64, &ot)) ||
+        !(outs[1] = hs_views_alloc(&vs, alloc, op, "scores", od, sBk + o0, HS_FLOAT32, &os)) ||
+        !(outs[2] = hs_views_alloc(&vs, alloc, op, "parents", od, sBk + o0, HS_INT64, &op_)) ||
+        !(outs[3] = hs_views_alloc(&vs, alloc, op, "entropy", od, sB + o0, HS_FLOAT32, &oe)) ||
+        !(outs[4] = hs_views_alloc(&vs, alloc, op, "next_beams", od, sk + o0, HS_INT64, &ob)))
         goto fail;
     if (hs_gpu_begin(&g, lg, o_stream, op) < 0) goto fail;
     if (g.on) {
 #ifdef HS_WITH_CUDA
         void *gws = hs_gpu_workspace(&g, 0);
         if (gws == NULL) goto fail;
-        HS_CALL(hs_cuda_expand(lg->data, (hs_dtype)lg->dtype, 1, B, Vd, sc->data, (hs_dtype)sc->dtype, nd->data,
+        if (nb > 0)
+        HS_CALL(hs_cuda_expand(lg->data, (hs_dtype)lg->dtype, nb, B, Vd, sc->data, (hs_dtype)sc->dtype, nd->data,
                                (hs_dtype)nd->dtype, k, d2t ? d2t->data : NULL, d2t ? (hs_dtype)d2t->dtype : HS_INT64, off,
                                (int64_t *)ot->data, (float *)os->data, (int64_t *)op_->data, (float *)oe->data,
                                (int64_t *)ob->data, gws, HS_WS_COUNTERS, g.err, g.stream, &err));
@@ -416,7 +424,7 @@ static PyObject *py_expand(PyObject *self, PyObject *args) {
     }
     size_t wsb = hs_expand_workspace_bytes(B, k, Vd);
     if (!(ws = hs_workspace(wsb))) goto fail;
-    HS_CALL(hs_expand(lg->data, (hs_dtype)lg->dtype, 1, B, Vd, sc->data, (hs_dtype)sc->dtype, nd->data,
+    HS_CALL(hs_expand(lg->data, (hs_dtype)lg->dtype, nb, B, Vd, sc->data, (hs_dtype)sc->dtype, nd->data,
                      (hs_dtype)nd->dtype, k, d2t ? d2t->data : NULL, d2t ? (hs_dtype)d2t->dtype : HS_INT64, off,
                      (int64_t *)ot->data, (float *)os->data, (int64_t *)op_->data, (float *)oe->data,
                      (int64_t *)ob->data, ws, wsb, &err));
@@ -444,21 +452,28 @@ static PyObject *py_select(PyObject *self, PyObject *args) {
     hs_views vs = {.n = 0, .stream = o_stream};
     hs_gpu g = {0};
     void *ws = NULL;
+    int64_t *nh = NULL;
     hs_view *sc, *ov;
-    if (!(sc = hs_views_add(&vs, o_scores, op, "scores", 0)) || hs_check_ndim(sc, op, "scores", 1, "[M]") < 0 ||
+    if (!(sc = hs_views_add(&vs, o_scores, op, "scores", 0))) goto fail;
+    /* batched: scores [batch, M], the same n for every row, out [batch, n] */
+    const int bt = sc->ndim == 2;
+    if (hs_check_ndim(sc, op, "scores", 1 + bt, bt ? "[batch, M]" : "[M]") < 0 ||
         hs_check_dtype(sc, op, "scores", HS_REAL_DTYPES, "float32 or float64") < 0)
         goto fail;
-    int64_t M = sc->shape[0];
+    int64_t nb = bt ? sc->shape[0] : 1, M = sc->shape[bt];
     if (n < 0 || n > M) {
         PyErr_Format(PyExc_ValueError, "%s: argument 'n' expected 0 <= n <= M = %lld, got %lld", op, (long long)M,
                      (long long)n);
         goto fail;
     }
-    if (!(out = hs_views_alloc(&vs, alloc, op, "out", 1, &n, HS_INT64, &ov))) goto fail;
+    int64_t shp[2] = {nb, n};
+    if (!(out = hs_views_alloc(&vs, alloc, op, "out", 1 + bt, shp + (bt ? 0 : 1), HS_INT64, &ov))) goto fail;
     if (hs_gpu_begin(&g, sc, o_stream, op) < 0) goto fail;
     if (g.on) {
 #ifdef HS_WITH_CUDA
-        HS_CALL(hs_cuda_select(sc->data, (hs_dtype)sc->dtype, 1, M, NULL, NULL, n, (int64_t *)ov->data, g.err, g.stream, &err));
+        if (nb > 0)
+            HS_CALL(hs_cuda_select(sc->data, (hs_dtype)sc->dtype, nb, M, NULL, NULL, n, (int64_t *)ov->data, g.err,
+                                   g.stream, &err));
 #endif
         if (hs_gpu_end(&g, op, check) < 0) goto fail;
         hs_views_release(&vs);
@@ -466,13 +481,20 @@ static PyObject *py_select(PyObject *self, PyObject *args) {
     }
     size_t wsb = hs_select_workspace_bytes(M);
     if (!(ws = hs_workspace(wsb))) goto fail;
-    HS_CALL(hs_select(sc->data, (hs_dtype)sc->dtype, 1, M, NULL, &n, n, (int64_t *)ov->data, ws, wsb, &err));
+    if (!(nh = PyMem_Malloc((size_t)(nb > 0 ? nb : 1) * sizeof(int64_t)))) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (int64_t b = 0; b < nb; b++) nh[b] = n;
+    HS_CALL(hs_select(sc->data, (hs_dtype)sc->dtype, nb, M, NULL, nh, n, (int64_t *)ov->data, ws, wsb, &err));
     PyMem_RawFree(ws);
+    PyMem_Free(nh);
     hs_views_release(&vs);
     return out;
 fail:
     hs_gpu_end(&g, op, 0);
     PyMem_RawFree(ws);
+    PyMem_Free(nh);
     hs_views_release(&vs);
     Py_XDECREF(out);
     return NULL;
