@@ -146,7 +146,7 @@ def test_at_most_two_sync_points_per_recorded_cycle(setup, name, per_cycle):
 def test_emulated_replay_writes_into_the_recorded_outputs():
     """What the emulation promises: a replay's values land in the tensors the capture returned (a later
     step that kept them reads the new values), and a step that changes its output structure is refused."""
-    steps = StepGraphs("cpu", emulate=True)
+    steps = StepGraphs(emulate=True)
     state = torch.zeros(2)
     out = steps.capture("a", lambda: (state + 1, [state * 2]))
     kept = tensors_of(out)

@@ -945,6 +945,17 @@ static void hs_batch_pad_paths(int64_t *path, const int64_t *len, int64_t B, int
         for (int64_t i = len[b] > 0 ? len[b] : 0; i < T; i++) path[b * T + i] = -1;
 }
 
+/* The outputs of a batched verify: path [batch, T], then `k` int64 [batch] arrays (length, next_token, draws). */
+static int hs_batch_outputs(hs_views *vs, PyObject *alloc, const char *op, int64_t B, int64_t T, int k,
+                            PyObject **outs, hs_view **ov) {
+    static const char *names[3] = {"length", "next_token", "draws"};
+    int64_t shp[2] = {B, T};
+    if (!(outs[0] = hs_views_alloc(vs, alloc, op, "path", 2, shp, HS_INT64, &ov[0]))) return -1;
+    for (int i = 0; i < k; i++)
+        if (!(outs[i + 1] = hs_views_alloc(vs, alloc, op, names[i], 1, &B, HS_INT64, &ov[i + 1]))) return -1;
+    return 0;
+}
+
 static PyObject *hs_batch_result(PyObject **outs, int k) {
     PyObject *res = PyTuple_New(k);
     if (res == NULL) return NULL;
@@ -968,11 +979,8 @@ static PyObject *py_verify_greedy_batch(PyObject *self, PyObject *args) {
     int64_t *nh = NULL;
     hs_view *tk, *pa, *lg, *nv, *ov[3];
     if (hs_verify_batch_args(&vs, op, o_tok, o_par, o_lg, o_n, &tk, &pa, &lg, &nv) < 0) goto fail;
-    int64_t B = tk->shape[0], T = tk->shape[1], V = lg->shape[2], shp[2] = {B, T};
-    if (!(outs[0] = hs_views_alloc(&vs, alloc, op, "path", 2, shp, HS_INT64, &ov[0])) ||
-        !(outs[1] = hs_views_alloc(&vs, alloc, op, "length", 1, &B, HS_INT64, &ov[1])) ||
-        !(outs[2] = hs_views_alloc(&vs, alloc, op, "next_token", 1, &B, HS_INT64, &ov[2])))
-        goto fail;
+    int64_t B = tk->shape[0], T = tk->shape[1], V = lg->shape[2];
+    if (hs_batch_outputs(&vs, alloc, op, B, T, 2, outs, ov) < 0) goto fail;
     if (hs_gpu_begin(&g, tk, o_stream, op) < 0) goto fail;
     if (g.on) {
 #ifdef HS_WITH_CUDA
@@ -1050,7 +1058,7 @@ static PyObject *py_verify_sample_batch(PyObject *self, PyObject *args) {
     void *seed_dev = NULL, *off_dev = NULL, *ws = NULL;
     hs_view *tk, *pa, *lg, *nv, *ov[4], *sview, *oview;
     if (hs_verify_batch_args(&vs, op, o_tok, o_par, o_lg, o_n, &tk, &pa, &lg, &nv) < 0) goto fail;
-    int64_t B = tk->shape[0], T = tk->shape[1], V = lg->shape[2], shp[2] = {B, T};
+    int64_t B = tk->shape[0], T = tk->shape[1], V = lg->shape[2];
     int on_gpu = tk->device_type == 2;
     seeds = PyMem_Malloc((size_t)(B > 0 ? B : 1) * sizeof(uint64_t));
     offs = PyMem_Malloc((size_t)(B > 0 ? B : 1) * sizeof(uint64_t));
@@ -1071,11 +1079,7 @@ static PyObject *py_verify_sample_batch(PyObject *self, PyObject *args) {
                      "got a read-only one", op);
         goto fail;
     }
-    if (!(outs[0] = hs_views_alloc(&vs, alloc, op, "path", 2, shp, HS_INT64, &ov[0])) ||
-        !(outs[1] = hs_views_alloc(&vs, alloc, op, "length", 1, &B, HS_INT64, &ov[1])) ||
-        !(outs[2] = hs_views_alloc(&vs, alloc, op, "next_token", 1, &B, HS_INT64, &ov[2])) ||
-        !(outs[3] = hs_views_alloc(&vs, alloc, op, "draws", 1, &B, HS_INT64, &ov[3])))
-        goto fail;
+    if (hs_batch_outputs(&vs, alloc, op, B, T, 3, outs, ov) < 0) goto fail;
     if (hs_gpu_begin(&g, tk, o_stream, op) < 0) goto fail;
     if (g.on) {
 #ifdef HS_WITH_CUDA

@@ -16,13 +16,13 @@ the KV caches), and records each step once per model pair, length budget and sam
 CUDA graphs: a "capture" runs the step once and keeps its outputs, a "replay" runs it again and copies the
 new values into the kept outputs, so a later step that reads a step's outputs reads them where a real
 replay would have written them; and a replay that reads memory from outside the step that the capture did
-not read (a tensor rebound between cycles, which a real graph would read at its old address) is an error.  The CPU tests use it to prove the static-buffer engine equals the eager one;
-that a real replay equals eager decoding is tested on a GPU (tests/test_graphs.py under ``.ci/gpu``).
+not read (a tensor rebound between cycles, which a real graph would read at its old address) is an error.
+The CPU tests use it to prove the static-buffer engine equals the eager one; that a real replay equals
+eager decoding is tested on a GPU (tests/test_graphs.py under ``.ci/gpu``).
 """
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import torch
 
@@ -84,17 +84,13 @@ class StepGraphs:
     tensors and the outputs of earlier captured steps) and returns its outputs; ``replay(key)`` runs the
     recording and returns the same output objects, now holding this run's values."""
 
-    def __init__(self, device, emulate=False):
-        self.device = torch.device(device)
+    def __init__(self, emulate=False):
         self.emulate = emulate
         self._steps = {}
         self._reads = {}         # emulation: the outside memory each step read when it was captured
         self.captured = []       # keys in capture order
-        self.capture_s = 0.0     # wall time spent warming up and capturing
+        self.capture_s = 0.0     # warm-up and capture time, set by the caller that ran both
         self.replays = 0
-
-    def __contains__(self, key):
-        return key in self._steps
 
     def __len__(self):
         return len(self._steps)
@@ -102,7 +98,6 @@ class StepGraphs:
     def capture(self, key, fn):
         if key in self._steps:
             raise ValueError(f"StepGraphs: step {key!r} is already captured")
-        t0 = time.perf_counter()
         if self.emulate:
             out, reads = _reads(fn)
             self._steps[key] = (fn, out)
@@ -113,7 +108,6 @@ class StepGraphs:
                 out = fn()
             self._steps[key] = (g, out)
         self.captured.append(key)
-        self.capture_s += time.perf_counter() - t0
         return out
 
     def replay(self, key):

@@ -266,7 +266,7 @@ class HeteroSpec:
         steps = self._graphs.get(settings)
         if steps is not None:
             return steps, False
-        steps = StepGraphs(dev, emulate=self.cuda_graphs == "emulate")
+        steps = StepGraphs(emulate=self.cuda_graphs == "emulate")
         t0 = time.perf_counter()
         with sync.outside_cycle():
             if dev.type == "cuda":

@@ -55,19 +55,11 @@ _SYNC_OPS = ("_local_scalar_dense", "item", "nonzero", "masked_select", "is_nonz
              "_unique2", "unique_dim", "unique_consecutive", "bincount", "histc")
 
 
-def _sync_op(func):
-    name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
-    if name in _SYNC_OPS:
-        return name
-    return None
-
-
 def _host_read(func, args, kwargs):
     """The name of the host read ``func(*args, **kwargs)`` makes inside torch, or None."""
-    name = _sync_op(func)
-    if name is not None:
-        return name
     name = getattr(getattr(func, "overloadpacket", None), "__name__", "")
+    if name in _SYNC_OPS:
+        return name
     # repeats given as a tensor without output_size: the output length is read on the host
     if name == "repeat_interleave" and func._overloadname in ("Tensor", "self_Tensor") \
             and (kwargs or {}).get("output_size") is None:
