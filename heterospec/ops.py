@@ -91,6 +91,10 @@ def _stream(like, stream):
             return None
         import torch
 
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the raw handle, without a Stream object
+        if raw is not None:
+            index = like.device.index
+            return raw(torch.cuda.current_device() if index is None else index)
         return torch.cuda.current_stream(like.device).cuda_stream
     if lib == "cupy":
         import cupy

@@ -164,14 +164,18 @@ def test_expand_parity(dtype, B, V, k, ties):
     nodes = rng.integers(-1, 50, B).astype(np.int64)
     d2t = rng.integers(0, 40, V).astype(np.int64)
     for d in (None, d2t):
-        want = ops.expand(cpu, scores, nodes, k, d, 7)
-        got = ops.expand(dev, D.put(scores), D.put(nodes), k, None if d is None else D.put(d), 7)
-        for name, w, g in zip(("tokens", "scores", "parents", "entropy", "next_beams"), want, got):
-            w, g = w.numpy() if hasattr(w, "numpy") else np.asarray(w), D.get(g)
-            if name in ("scores", "entropy"):
-                close(g, w)
-            else:
-                np.testing.assert_array_equal(g, w, err_msg=name)
+        _expand_matches_cpu(dev, cpu, scores, nodes, k, d)
+
+
+def _expand_matches_cpu(dev, cpu, scores, nodes, k, d2t=None):
+    want = ops.expand(cpu, scores, nodes, k, d2t, 7)
+    got = ops.expand(dev, D.put(scores), D.put(nodes), k, None if d2t is None else D.put(d2t), 7)
+    for name, w, g in zip(("tokens", "scores", "parents", "entropy", "next_beams"), want, got):
+        w, g = w.numpy() if hasattr(w, "numpy") else np.asarray(w), D.get(g)
+        if name in ("scores", "entropy"):
+            close(g, w)
+        else:
+            np.testing.assert_array_equal(g, w, err_msg=name)
 
 
 @pytest.mark.parametrize("M,n", [(1, 0), (1, 1), (10, 4), (333, 59), (1000, 1000), (700, 1)])
@@ -694,3 +698,135 @@ def test_batched_select_on_the_device_equals_the_cpu_batch():
     x = rng.integers(-5, 5, (4, 200)).astype(np.float32)
     dev = D.get(ops.select(D.put(x), 31))
     assert np.array_equal(dev, ops.select(x, 31)) and dev.shape == (4, 31)
+
+
+# ---- split rows (issue 17): rows cut into chunks, merged from candidates, with exact fallbacks ---------------
+# The kernels cut each row into chunks (256 entries in the emulated build, so V = 3001 is 12 chunks) and decide
+# a row from its chunks' candidates where those are enough; these inputs drive every branch: peaked rows (the
+# candidates decide), flat rows (a nucleus wider than the candidates: the whole-row fallback), integer logits
+# (ties at the k-th value across chunk boundaries: the tie fallback; argmax ties across chunks), top_k above
+# the split path's 256 (the unsplit kernels), padded batch rows (skipped).
+
+def _split_logits(rng, shape, n, V, tokens, parents):
+    if shape == "peaked":
+        x = rng.normal(0, 3, (n, V))
+        for j in range(1, n):
+            x[parents[j], tokens[j]] += 12.0
+    elif shape == "flat":
+        x = rng.normal(0, 0.05, (n, V))
+    else:  # ties: a handful of values, each shared by hundreds of tokens in every chunk
+        x = rng.integers(-2, 3, (n, V)).astype(np.float64)
+        for j in range(1, n):
+            x[parents[j], tokens[j]] = 2.0
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", ["peaked", "flat", "ties"])
+@pytest.mark.parametrize("warp", [dict(), dict(top_p=0.9), dict(top_p=0.999), dict(top_k=7),
+                                  dict(top_k=200, top_p=0.8), dict(top_k=300), dict(top_k=7, top_p=0.5)])
+def test_split_rows_verify_sample_parity(dtype, shape, warp):
+    rng = np.random.default_rng(hash((dtype, shape, str(warp))) % 2**32)
+    n, V = 6, 3001
+    for trial in range(3):
+        parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)], np.int64)
+        tokens = rng.integers(0, V, n).astype(np.int64)
+        x = _split_logits(rng, shape, n, V, tokens, parents)
+        dev, cpu = D.put_logits(x, dtype)
+        kw = dict(temperature=0.9, seed=77 + trial, offset=trial * 10, **warp)
+        want = ops.verify_sample(tokens, parents, cpu, **kw)
+        got = ops.verify_sample(D.put(tokens), D.put(parents), dev, **kw)
+        np.testing.assert_array_equal(D.get(got[0]), np.asarray(want[0]), err_msg=f"trial {trial}")
+        assert got[1:] == want[1:], f"trial {trial}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", ["peaked", "ties"])
+def test_split_rows_verify_greedy_parity(dtype, shape):
+    rng = np.random.default_rng(5 if shape == "ties" else 6)
+    n, V = 8, 3001
+    for _ in range(3):
+        parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)], np.int64)
+        tokens = rng.integers(0, V, n).astype(np.int64)
+        x = _split_logits(rng, shape, n, V, tokens, parents)
+        if shape == "ties":  # the row max appears in several chunks: the lowest id must win
+            x[:, 2900] = x[:, 1700] = x[:, 300] = 2.0
+        dev, cpu = D.put_logits(x, dtype)
+        wpath, wnext = ops.verify_greedy(tokens, parents, cpu)
+        path, nxt = ops.verify_greedy(D.put(tokens), D.put(parents), dev)
+        np.testing.assert_array_equal(D.get(path), np.asarray(wpath))
+        assert nxt == wnext
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("k", [1, 10, 200, 300])
+@pytest.mark.parametrize("ties", [False, True])
+def test_split_rows_expand_parity(dtype, k, ties):
+    rng = np.random.default_rng(k * 2 + ties)
+    B, V = 3, 3001
+    x = logits(rng, B, V, ties)
+    dev, cpu = D.put_logits(x, dtype)
+    scores = (-rng.random(B) * 3).astype(np.float64)
+    nodes = rng.integers(-1, 50, B).astype(np.int64)
+    _expand_matches_cpu(dev, cpu, scores, nodes, k)
+
+
+@pytest.mark.parametrize("warp", [dict(top_p=0.9), dict(top_k=20, top_p=0.95)])
+def test_split_rows_batched_sampling_skips_padding_rows(warp):
+    """A batch of 3 requests over V = 3001 with ragged node counts: the padding rows hold NaN, which the chunk
+    kernels must skip (the CPU core ignores them too); seeds and offsets differ per row."""
+    from test_batch import _batch
+
+    rng = np.random.default_rng(12)
+    B, T, V = 3, 7, 3001
+    counts = np.array([7, 2, 5], np.int64)
+    tok, par, x = _batch(rng, B, T, V, counts)
+    dx, cpu_x = D.put_logits(x.reshape(B * T, V), "float32")
+    dx = dx.reshape(B, T, V) if REAL else EmuCuda(D.get(dx).reshape(B, T, V))
+    cx = cpu_x.reshape(B, T, V)
+    seeds = np.array([3, 4, 5], np.int64)
+    offsets = np.array([0, 10, 20], np.int64)
+    for temperature in (0.7, 1.5):
+        s_dev = [D.get(a) for a in ops.verify_sample(D.put(tok), D.put(par), dx, n=D.put(counts),
+                                                      temperature=temperature, seed=D.put(seeds),
+                                                      offset=D.put(offsets.copy()), **warp)]
+        s_cpu = ops.verify_sample(tok, par, cx, n=counts, temperature=temperature, seed=seeds, offset=offsets.copy(),
+                                  **warp)
+        for a, b in zip(s_dev, s_cpu):
+            assert np.array_equal(a, D.get(b))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("k", [1, 10, 200, 300])
+@pytest.mark.parametrize("ties", [False, True])
+def test_split_rows_topk_entropy_parity(dtype, k, ties):
+    rng = np.random.default_rng(k + 1000 * ties)
+    x = logits(rng, 4, 3001, ties)
+    x[1, ::7] = -np.inf          # whole stretches of -inf, and chunks that hold fewer than k finite values
+    x[2, 256:1024] = -np.inf
+    dev, cpu = D.put_logits(x, dtype)
+    for t in (1.0, 0.6):
+        close(D.get(ops.topk_entropy(dev, k, t)), ops.topk_entropy(cpu, k, t).numpy())
+
+
+@need_gpu
+@pytest.mark.parametrize("warp", [dict(top_p=0.9), dict(top_k=50), dict()])
+def test_split_rows_at_the_benchmark_shape(warp):
+    """60 nodes x 128256 bf16 (Llama-3's vocabulary, the cycle benchmark's shape): 9 chunks per row on a GPU;
+    greedy and sampled verification equal the CPU core's."""
+    rng = np.random.default_rng(60)
+    n, V = 60, 128256
+    parents = np.array([-1] + [int(rng.integers(max(0, i - 10), i)) for i in range(1, n)], np.int64)
+    tokens = rng.integers(0, V, n).astype(np.int64)
+    x = _split_logits(rng, "peaked", n, V, tokens, parents)
+    dev, cpu = D.put_logits(x, "bfloat16")
+    wpath, wnext = ops.verify_greedy(tokens, parents, cpu)
+    path, nxt = ops.verify_greedy(D.put(tokens), D.put(parents), dev)
+    np.testing.assert_array_equal(D.get(path), np.asarray(wpath))
+    assert nxt == wnext
+    for trial in range(5):
+        kw = dict(temperature=1.0, seed=trial, offset=0, **warp)
+        want = ops.verify_sample(tokens, parents, cpu, **kw)
+        got = ops.verify_sample(D.put(tokens), D.put(parents), dev, **kw)
+        np.testing.assert_array_equal(D.get(got[0]), np.asarray(want[0]))
+        assert got[1:] == want[1:]

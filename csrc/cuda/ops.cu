@@ -2,21 +2,26 @@
  * ops.cu -- the heterospec ops as CUDA kernels (semantics: docs/ops.md; CPU twins: csrc/core/).
  *
  * Layout of the work:
+ *   split rows     the vocabulary-wide kernels cut every row into chunks (hs_chunk_len: enough blocks to
+ *                  fill the device, at most 32 per row), one block per (row, chunk), and merge per row from
+ *                  the chunks' partials and best-K candidates; see "split rows" below for why and how.
  *   topk_entropy   one block per row: row max + checks, a radix select of the k-th largest logit, then
  *                  the entropy over the taken set (ties at the k-th value counted `need` times).
- *   expand         one block per beam row, fusing max, log-sum-exp, the row's top-k (radix select, then a
- *                  rank sort of the k), the entropy and the outputs; the last block of a request to finish
- *                  (a counter in the workspace, reset by that block) picks the next beams from all B*k
- *                  scores the same way, so one launch does a whole level.
+ *   expand         k <= 256: chunks (max, sum of exponentials, k best by a threshold from the threads'
+ *                  maxima), then one block per beam row merging them into the outputs and the entropy; the
+ *                  last block of a request to finish (a counter in the workspace, reset by that block) picks
+ *                  the next beams from all B*k scores, so two launches do a whole level.  Larger k: one
+ *                  block per beam row doing all of it (the unsplit kernel).
  *   select         one block per request: radix select over float64 keys, ordered compaction.
  *   build_tree     one block per request: closure checks by binary search in the (ascending) selection,
  *                  depths, ancestor mask, leaves and retrieve rows, all in parallel over nodes.
- *   verify_greedy  all node rows' argmax in parallel (one block per row), then one block per request
- *                  follows the accepted children.
- *   verify_sample  every node row's warp statistics in parallel (max, top-k cut, top-p cut by a
- *                  mass-weighted radix descent, the kept mass R), then one block per request walks the
- *                  tree drawing the same Philox uniforms as the CPU; only the final residual draw reads a
- *                  whole row again.
+ *   verify_greedy  argmax of every (node row, chunk) in parallel, a fold of each row's chunks, then one block
+ *                  per request follows the accepted children.
+ *   verify_sample  chunks of every node row (max, kept mass, the best K for the top-k / top-p cuts), one
+ *                  block per node row deciding its statistics from those candidates (or, when they cannot
+ *                  decide, from the whole row as the unsplit kernel does), one block per request walking the
+ *                  tree with the CPU's Philox uniforms, then the residual draw split the same way (chunk
+ *                  masses, then one block per request finds the chunk and the token by inverse CDF).
  *   kv_compact     one launch for up to 64 tensors (descriptors passed by value, so a captured graph keeps
  *                  them), one block per (tensor, leading index); every block checks the prefix (a device
  *                  value read when the kernel runs, or a host int) and the -1-padded slots first, in
@@ -86,6 +91,17 @@ template <int DT> struct hs_logit_key {
     __device__ __forceinline__ uint32_t operator()(int64_t i) const { return hs_key32(hs_ld<DT>(p, base + i)); }
 };
 
+/* A row's failure as the CPU reports it (thread 0): a NaN/+inf entry, else all -inf; returns 1 if the row is
+ * fine.  Block-uniform. */
+__device__ __forceinline__ int hs_row_ok(long long bad, float m, int64_t r, hs_cuda_error *err) {
+    if (bad < 0 && m != -HS_INF) return 1;
+    if (threadIdx.x == 0) {
+        if (bad >= 0) hs_report(err, HS_CE_LOGIT_NONFINITE, r, bad >> 1, bad & 1);
+        else hs_report(err, HS_CE_LOGIT_ALLNEG, r);
+    }
+    return 0;
+}
+
 /* ---- topk_entropy ------------------------------------------------------------------------------------- */
 
 template <int DT>
@@ -98,13 +114,7 @@ __global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_topk_entropy(const void *logits, 
     float m;
     long long bad;
     hs_row_max_check<DT>(logits, base, V, red, &m, &bad);
-    if (bad >= 0 || m == -HS_INF) {
-        if (threadIdx.x == 0) {
-            if (bad >= 0) hs_report(err, HS_CE_LOGIT_NONFINITE, r, bad >> 1, bad & 1);
-            else hs_report(err, HS_CE_LOGIT_ALLNEG, r);
-        }
-        return;
-    }
+    if (!hs_row_ok(bad, m, r, err)) return;
     hs_logit_key<DT> key{logits, base};
     hs_radix<uint32_t> sel;
     hs_block_radix_select(key, V, k, scratch, red, &sel);
@@ -118,36 +128,6 @@ __global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_topk_entropy(const void *logits, 
         S += e * d;
     }
     hs_block_entropy(Z, S, red, out + r);
-}
-
-extern "C" size_t hs_cuda_topk_entropy_workspace_bytes(int64_t rows, int64_t k, int64_t V) {
-    (void)rows;
-    (void)k;
-    (void)V;
-    return 0;
-}
-
-static size_t hs_row_smem(unsigned threads) { return threads * sizeof(long long) + HS_RADIX_SMEM; }
-
-extern "C" hs_status hs_cuda_topk_entropy(const void *logits, hs_dtype dtype, int64_t rows, int64_t V, int64_t k,
-                                          double temperature, float *out, hs_cuda_error *err, void *stream,
-                                          hs_error *herr) {
-    static const char op[] = "topk_entropy";
-    if (k < 1 || k > V)
-        return hs_fail(herr, HS_ERR_VALUE, op, "k", "expected 1 <= k <= V = %lld, got %lld", (long long)V, (long long)k);
-    if (!(temperature > 0.0) || !isfinite(temperature))
-        return hs_fail(herr, HS_ERR_VALUE, op, "temperature", "expected a finite value > 0, got %g", temperature);
-    if (rows == 0) return HS_OK;
-    unsigned th = HS_ROW_THREADS;
-    size_t sm = hs_row_smem(th);
-    int rc;
-    switch (dtype) {
-    case HS_FLOAT32: rc = HS_LAUNCH(hs_k_topk_entropy<HS_FLOAT32>, rows, th, sm, stream, logits, V, k, temperature, out, err); break;
-    case HS_FLOAT16: rc = HS_LAUNCH(hs_k_topk_entropy<HS_FLOAT16>, rows, th, sm, stream, logits, V, k, temperature, out, err); break;
-    case HS_BFLOAT16: rc = HS_LAUNCH(hs_k_topk_entropy<HS_BFLOAT16>, rows, th, sm, stream, logits, V, k, temperature, out, err); break;
-    default: return hs_fail(herr, HS_ERR_DTYPE, op, "logits", "expected float16, bfloat16 or float32, got %s", hs_dtype_name(dtype));
-    }
-    return hs_launched(rc, op, herr);
 }
 
 /* ---- expand ---------------------------------------------------------------------------------------------- */
@@ -179,12 +159,378 @@ __device__ void hs_collect_sorted(const KeyFn &key, int64_t n, int64_t k, const 
     __syncthreads();
 }
 
+/* ---- split rows ----------------------------------------------------------------------------------------
+ * One block per row leaves most of a GPU idle when a call has few rows (a level expand: 10 rows; a verify: 60
+ * rows on 132 SMs) and makes each block walk a whole 128k-entry row several times.  The row kernels below
+ * cut every row into chunks (hs_chunk_len: enough blocks to fill the device, at most HS_MAX_CHUNKS per row),
+ * one block per (row, chunk), each writing a partial (its max, first bad entry, a sum of exponentials
+ * relative to its own max) and its K best entries; a merge kernel per row then works on C partials and C*K
+ * candidates instead of V entries.  The row's top-K is exactly the top-K of the union of the chunks' top-K
+ * (an entry beaten by fewer than K entries of the row is beaten by fewer than K of its chunk).
+ *
+ * A chunk's top-K avoids the radix histogram, whose first passes send most entries to a few bins (the
+ * exponent byte of the logits) and so serialise on shared-memory atomics: the K-th largest of the threads'
+ * own maxima is a lower bound for the chunk's K-th largest entry (they are K distinct entries), so only the
+ * entries at or above it (a few times K for real logits) are appended to a shared list and ranked there.  A
+ * list that overflows (many equal values) falls back to the radix select.                                */
+#ifdef HS_CUDA_EMU
+#define HS_CHUNK_MIN 256     /* small chunks, so that the tests' rows of a few thousand entries are split */
+#define HS_TARGET_BLOCKS 1
+#else
+#define HS_CHUNK_MIN 1024
+#define HS_TARGET_BLOCKS 528 /* four blocks per SM of an H100 (132 SMs) */
+#endif
+#define HS_MAX_CHUNKS 32
+#define HS_CAND_MAX 256   /* the largest K the split path takes (expand k, verify_sample top_k) */
+#define HS_TOPP_CAND 128  /* candidates per chunk for a top-p cut without top-k */
+#define HS_FILTER_CAP 2048
+#define HS_SORT_MAX 2048  /* sorted candidates a verify_sample merge keeps */
+#define HS_CHUNK_THREADS HS_TREE_THREADS
+
+/* Entries per chunk for `rows` rows of V: spread over about HS_TARGET_BLOCKS blocks, at least HS_CHUNK_MIN
+ * entries, at most HS_MAX_CHUNKS chunks per row. */
+static int64_t hs_chunk_len(int64_t rows, int64_t V) {
+    if (V < 1) return 1;
+    int64_t c = rows > 0 && rows <= INT64_MAX / V ? (rows * V + HS_TARGET_BLOCKS - 1) / HS_TARGET_BLOCKS : V;
+    int64_t lo = (V + HS_MAX_CHUNKS - 1) / HS_MAX_CHUNKS;
+    c = c < lo ? lo : c;
+    c = c < HS_CHUNK_MIN ? HS_CHUNK_MIN : c;
+    return c > V ? V : c;
+}
+static int64_t hs_nchunks(int64_t V, int64_t len) { return V < 1 ? 1 : (V + len - 1) / len; }
+__host__ __device__ static inline size_t hs_al16(size_t n) { return (n + 15) & ~(size_t)15; }
+
+/* What one (row, chunk) block leaves for the merge. */
+struct hs_part {
+    double s;      /* sum of exponentials relative to m (the op's form), when asked for */
+    float m;       /* max over the entries that are neither NaN nor +inf (-inf if none) */
+    int count;     /* candidates written: min(K, entries of the chunk), 0 for a bad chunk */
+    long long bad; /* the chunk's lowest NaN/+inf entry of the row as col*2 + is_inf, or -1 */
+};
+
+/* The K best of n keys (key desc, index asc) into out_key / out_idx (index + idx0), best first.  tmax: this
+ * thread's largest key over the entries it read with the same stride (0 if none).  Shared: red, scratch
+ * (HS_RADIX_SMEM), tk (blockDim), fk/fi (HS_FILTER_CAP), cand/cval/rank (K) and two ints.  Every thread calls it. */
+template <class KeyFn>
+__device__ int hs_chunk_topk(const KeyFn &key, int64_t n, int K, uint32_t tmax, int64_t idx0, long long *red, char *scratch,
+                             uint32_t *tk, uint32_t *fk, int *fi, int64_t *cand, uint32_t *cval, int *rank, int *ints,
+                             uint32_t *out_key, int64_t *out_idx) {
+    const int want = n < K ? (int)n : K;
+    if (want <= 0) return 0;
+    uint32_t thr = 0; /* every entry passes when no bound is known */
+    if (n > K && K <= (int)blockDim.x) {
+        tk[threadIdx.x] = tmax;
+        __syncthreads();
+        int r = 0; /* rank of this thread's maximum among all threads' (ties by thread): one thread has K - 1 */
+        for (unsigned j = 0; j < blockDim.x; j++) r += tk[j] > tmax || (tk[j] == tmax && j < threadIdx.x);
+        if (r == K - 1) ints[1] = (int)tmax;
+        __syncthreads();
+        thr = (uint32_t)ints[1];
+    }
+    if (threadIdx.x == 0) ints[0] = 0;
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        uint32_t kk = key(i);
+        if (kk >= thr) {
+            int p = atomicAdd(&ints[0], 1);
+            if (p < HS_FILTER_CAP) {
+                fk[p] = kk;
+                fi[p] = (int)i;
+            }
+        }
+    }
+    __syncthreads();
+    const int nf = ints[0];
+    __syncthreads();
+    if (nf <= HS_FILTER_CAP) {
+        for (int e = threadIdx.x; e < nf; e += blockDim.x) {
+            const uint32_t a = fk[e];
+            const int ai = fi[e];
+            int r = 0;
+            for (int j = 0; j < nf; j++) r += fk[j] > a || (fk[j] == a && fi[j] < ai);
+            if (r < want) {
+                out_key[r] = a;
+                out_idx[r] = idx0 + ai;
+            }
+        }
+    } else {
+        hs_radix<uint32_t> sel;
+        hs_block_radix_select(key, n, want, scratch, red, &sel);
+        hs_collect_sorted(key, n, want, sel, cand, cval, rank, ints);
+        for (int c = threadIdx.x; c < want; c += blockDim.x) {
+            out_key[rank[c]] = cval[c];
+            out_idx[rank[c]] = idx0 + cand[c];
+        }
+    }
+    __syncthreads();
+    return want;
+}
+
+static size_t hs_chunk_smem(unsigned th, int K) {
+    return hs_al16(th * sizeof(long long) + HS_RADIX_SMEM) + hs_al16(th * 4) + (size_t)HS_FILTER_CAP * 8 +
+           (size_t)(K > 0 ? K : 1) * 16 + 16;
+}
+
+/* With `sum`: s = sum of expf(x - m) (MODE 0: expand) or of exp(x/t - m/t) in float64 (MODE 1: verify_sample).  Rows i >= n_dev[i / T] of a verify call are skipped.  Grid: rows * C blocks. */
+template <int DT, int MODE>
+__global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_chunks(const void *logits, int64_t V, int64_t len, int64_t C, int64_t T,
+                                                        const int64_t *n_dev, int K, int sum, double temperature,
+                                                        hs_part *parts, uint32_t *ckey, int64_t *cidx) {
+    char *sm = hs_smem();
+    long long *red = (long long *)sm;
+    char *scratch = sm + blockDim.x * sizeof(long long);
+    uint32_t *tk = (uint32_t *)(sm + hs_al16(blockDim.x * sizeof(long long) + HS_RADIX_SMEM));
+    uint32_t *fk = tk + ((blockDim.x + 3) & ~3u);
+    int *fi = (int *)(fk + HS_FILTER_CAP);
+    int64_t *cand = (int64_t *)(fi + HS_FILTER_CAP);
+    uint32_t *cval = (uint32_t *)(cand + (K > 0 ? K : 1));
+    int *rank = (int *)(cval + (K > 0 ? K : 1));
+    int *ints = rank + (K > 0 ? K : 1);
+    const int64_t rc = blockIdx.x, row = rc / C, c = rc % C;
+    if (n_dev && row % T >= n_dev[row / T]) return;
+    const int64_t c0 = c * len, n = V - c0 < len ? V - c0 : len, base = row * V + c0;
+    float m = -HS_INF;
+    long long bad = 0x7fffffffffffffffll;
+    uint32_t tmax = 0;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        float x = hs_ld<DT>(logits, base + i);
+        if (x != x || x == HS_INF) {
+            long long code = (long long)(c0 + i) * 2 + (x == HS_INF);
+            bad = code < bad ? code : bad;
+        } else {
+            m = x > m ? x : m;
+            uint32_t kk = hs_key32(x);
+            tmax = kk > tmax ? kk : tmax;
+        }
+    }
+    bad = hs_block_reduce(bad, red, hs_op_min());
+    m = hs_block_reduce(m, (float *)red, hs_op_max());
+    double s = 0.0;
+    int count = 0;
+    if (bad == 0x7fffffffffffffffll) {
+        if (m != -HS_INF && sum) {
+            const double zm = (double)m / temperature;
+            for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+                float x = hs_ld<DT>(logits, base + i);
+                s += MODE == 0 ? (double)expf(x - m) : hs_exp_nonpos_f64((double)x / temperature - zm);
+            }
+            s = hs_block_reduce(s, (double *)red, hs_op_sum());
+        }
+        hs_logit_key<DT> key{logits, base};
+        count = hs_chunk_topk(key, n, K, tmax, c0, red, scratch, tk, fk, fi, cand, cval, rank, ints,
+                              ckey + rc * (int64_t)K, cidx + rc * (int64_t)K);
+    }
+    if (threadIdx.x == 0) {
+        hs_part p;
+        p.s = s;
+        p.m = m;
+        p.count = count;
+        p.bad = bad == 0x7fffffffffffffffll ? -1 : bad;
+        parts[rc] = p;
+    }
+}
+
+/* A row's merged max and first bad entry, from its C partials (every thread gets them). */
+__device__ __forceinline__ void hs_merge_max(const hs_part *P, int64_t C, long long *red, float *m_out, long long *bad_out) {
+    float m = -HS_INF;
+    long long bad = 0x7fffffffffffffffll;
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+        m = P[c].m > m ? P[c].m : m;
+        if (P[c].bad >= 0 && P[c].bad < bad) bad = P[c].bad;
+    }
+    bad = hs_block_reduce(bad, red, hs_op_min());
+    *m_out = hs_block_reduce(m, (float *)red, hs_op_max());
+    *bad_out = bad == 0x7fffffffffffffffll ? -1 : bad;
+}
+
+/* Rank of candidate (key, id) among all chunks' sorted lists: entries before it in its own list (j) plus, in
+ * every other list, the prefix that beats it (key desc, id asc), found by binary search. */
+__device__ __forceinline__ int64_t hs_merge_rank(const uint32_t *CK, const int64_t *CI, const hs_part *P, int64_t C, int K,
+                                                 int64_t c, int64_t j) {
+    const uint32_t key = CK[c * K + j];
+    const int64_t id = CI[c * K + j];
+    int64_t r = j;
+    for (int64_t o = 0; o < C; o++) {
+        if (o == c) continue;
+        const uint32_t *ok = CK + o * K;
+        const int64_t *oi = CI + o * K;
+        int lo = 0, hi = P[o].count;
+        while (lo < hi) {
+            int mid = (lo + hi) >> 1;
+            if (ok[mid] > key || (ok[mid] == key && oi[mid] < id)) lo = mid + 1;
+            else hi = mid;
+        }
+        r += lo;
+    }
+    return r;
+}
+
+/* The first half of a split topk_entropy / expand: carve partials and k-best lists for rows x C chunks out of
+ * ws and launch the chunk kernel (MODE 0, the sum of expf(x - m) when `sum`). */
+struct hs_chunk_out {
+    hs_part *parts;
+    uint32_t *ck;
+    int64_t *ci;
+    int64_t C;
+};
+static size_t hs_chunk_out_bytes(int64_t rows, int64_t V, int64_t k) {
+    const int64_t C = hs_nchunks(V, hs_chunk_len(rows, V));
+    return hs_al16((size_t)(rows * C) * sizeof(hs_part)) + hs_al16((size_t)(rows * C * k) * 4) +
+           hs_al16((size_t)(rows * C * k) * 8);
+}
+static hs_status hs_launch_chunks(const char *op, const void *logits, hs_dtype dtype, int64_t rows, int64_t V, int64_t k,
+                                  int sum, void *ws, hs_chunk_out *o, void *stream, hs_error *herr) {
+    const int64_t len = hs_chunk_len(rows, V), C = hs_nchunks(V, len);
+    if (rows * C > 0x7fffffffll)
+        return hs_fail(herr, HS_ERR_VALUE, op, "logits", "expected at most 2^31 - 1 (row, chunk) blocks, got %lld",
+                       (long long)(rows * C));
+    char *p = (char *)ws;
+    o->C = C;
+    o->parts = (hs_part *)p;
+    o->ck = (uint32_t *)(p += hs_al16((size_t)(rows * C) * sizeof(hs_part)));
+    o->ci = (int64_t *)(p + hs_al16((size_t)(rows * C * k) * 4));
+    const unsigned tc = HS_CHUNK_THREADS;
+    const size_t smc = hs_chunk_smem(tc, (int)k);
+    int rc;
+#define HS_CHUNK_ARGS logits, V, len, C, (int64_t)1, (const int64_t *)nullptr, (int)k, sum, 1.0, o->parts, o->ck, o->ci
+    switch (dtype) {
+    case HS_FLOAT32: rc = HS_LAUNCH((hs_k_chunks<HS_FLOAT32, 0>), rows * C, tc, smc, stream, HS_CHUNK_ARGS); break;
+    case HS_FLOAT16: rc = HS_LAUNCH((hs_k_chunks<HS_FLOAT16, 0>), rows * C, tc, smc, stream, HS_CHUNK_ARGS); break;
+    case HS_BFLOAT16: rc = HS_LAUNCH((hs_k_chunks<HS_BFLOAT16, 0>), rows * C, tc, smc, stream, HS_CHUNK_ARGS); break;
+    default: return hs_fail(herr, HS_ERR_DTYPE, op, "logits", "expected float16, bfloat16 or float32, got %s", hs_dtype_name(dtype));
+    }
+#undef HS_CHUNK_ARGS
+    return hs_launched(rc, op, herr);
+}
+
+/* The split topk_entropy's merge, one block per row: the entropy over the row's k best candidates. */
+__global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_entropy_merge(int64_t C, int64_t k, double temperature, const hs_part *parts,
+                                                               const uint32_t *ckey, const int64_t *cidx, float *out,
+                                                               hs_cuda_error *err) {
+    long long *red = (long long *)hs_smem();
+    const int64_t r = blockIdx.x;
+    const hs_part *P = parts + r * C;
+    float m;
+    long long bad;
+    hs_merge_max(P, C, red, &m, &bad);
+    if (!hs_row_ok(bad, m, r, err)) return;
+    const uint32_t *CK = ckey + r * C * k;
+    const int64_t *CI = cidx + r * C * k;
+    const double zmax = (double)m / temperature;
+    double Z = 0.0, S = 0.0;
+    for (int64_t e = threadIdx.x; e < C * k; e += blockDim.x) {
+        const int64_t c = e / k, j = e % k;
+        if (j >= P[c].count || hs_merge_rank(CK, CI, P, C, (int)k, c, j) >= k) continue;
+        const float x = hs_unkey32(CK[e]);
+        if (x == -HS_INF) continue;
+        double d = (double)x / temperature - zmax, ex = exp(d);
+        Z += ex;
+        S += ex * d;
+    }
+    hs_block_entropy(Z, S, red, out + r);
+}
+
+static size_t hs_row_smem(unsigned threads) { return threads * sizeof(long long) + HS_RADIX_SMEM; }
+
+/* Workspace (k <= 256, the split path): partials [rows * C] and candidates [rows * C * k]. */
+extern "C" size_t hs_cuda_topk_entropy_workspace_bytes(int64_t rows, int64_t k, int64_t V) {
+    if (rows < 1 || k < 1 || k > HS_CAND_MAX || V < 1) return 0;
+    return hs_chunk_out_bytes(rows, V, k);
+}
+
+extern "C" hs_status hs_cuda_topk_entropy(const void *logits, hs_dtype dtype, int64_t rows, int64_t V, int64_t k,
+                                          double temperature, float *out, void *ws, size_t ws_bytes,
+                                          hs_cuda_error *err, void *stream, hs_error *herr) {
+    static const char op[] = "topk_entropy";
+    if (k < 1 || k > V)
+        return hs_fail(herr, HS_ERR_VALUE, op, "k", "expected 1 <= k <= V = %lld, got %lld", (long long)V, (long long)k);
+    if (!(temperature > 0.0) || !isfinite(temperature))
+        return hs_fail(herr, HS_ERR_VALUE, op, "temperature", "expected a finite value > 0, got %g", temperature);
+    if (ws_bytes < hs_cuda_topk_entropy_workspace_bytes(rows, k, V))
+        return hs_fail(herr, HS_ERR_WORKSPACE, op, "workspace", "expected >= %zu bytes, got %zu",
+                       hs_cuda_topk_entropy_workspace_bytes(rows, k, V), ws_bytes);
+    if (rows == 0) return HS_OK;
+    int rc;
+    if (k <= HS_CAND_MAX) {
+        hs_chunk_out o;
+        hs_status st = hs_launch_chunks(op, logits, dtype, rows, V, k, 0, ws, &o, stream, herr);
+        if (st != HS_OK) return st;
+        rc = HS_LAUNCH(hs_k_entropy_merge, rows, HS_CHUNK_THREADS, HS_CHUNK_THREADS * sizeof(long long), stream, o.C, k,
+                       temperature, (const hs_part *)o.parts, (const uint32_t *)o.ck, (const int64_t *)o.ci, out, err);
+        return hs_launched(rc, op, herr);
+    }
+    unsigned th = HS_ROW_THREADS;
+    size_t sm = hs_row_smem(th);
+    switch (dtype) {
+    case HS_FLOAT32: rc = HS_LAUNCH(hs_k_topk_entropy<HS_FLOAT32>, rows, th, sm, stream, logits, V, k, temperature, out, err); break;
+    case HS_FLOAT16: rc = HS_LAUNCH(hs_k_topk_entropy<HS_FLOAT16>, rows, th, sm, stream, logits, V, k, temperature, out, err); break;
+    case HS_BFLOAT16: rc = HS_LAUNCH(hs_k_topk_entropy<HS_BFLOAT16>, rows, th, sm, stream, logits, V, k, temperature, out, err); break;
+    default: return hs_fail(herr, HS_ERR_DTYPE, op, "logits", "expected float16, bfloat16 or float32, got %s", hs_dtype_name(dtype));
+    }
+    return hs_launched(rc, op, herr);
+}
+
 /* The last block of a request reads the scores other blocks wrote in this launch: volatile loads, so they
  * come from L2 after the fence, never from a stale L1 line or a register. */
 struct hs_score_key {
     const volatile float *p;
     __device__ __forceinline__ uint32_t operator()(int64_t i) const { return hs_key32(p[i]); }
 };
+
+/* Write one expand candidate (the id-th draft token, logit x, at output o) and add its entropy terms. */
+__device__ __forceinline__ void hs_expand_out(int64_t id, float x, int64_t o, float m, double lse, double base, int64_t node,
+                                              const void *d2t, int d2t_dt, int64_t *out_tokens, float *out_scores,
+                                              int64_t *out_parents, double *Z, double *S, hs_cuda_error *err) {
+    int64_t t = id;
+    if (d2t != nullptr) {
+        int64_t off = hs_ld_id(d2t, d2t_dt, id);
+        t = id + off;
+        if (t < 0) hs_report(err, HS_CE_D2T, id, off);
+    }
+    out_tokens[o] = t;
+    out_scores[o] = (float)(base + (((double)x - (double)m) - lse));
+    out_parents[o] = node;
+    if (x != -HS_INF) { /* relative to the row max, which is the best candidate */
+        double d = (double)x - (double)m, e = exp(d);
+        *Z += e;
+        *S += e * d;
+    }
+}
+
+/* expand's checks of a beam row's score and node (thread 0 reports); 1 if both are fine. */
+__device__ __forceinline__ int hs_beam_ok(double base, int64_t node, int64_t r, hs_cuda_error *err) {
+    int ok = 1;
+    if (base != base || base == (double)HS_INF) {
+        if (threadIdx.x == 0) hs_report(err, HS_CE_BEAM_SCORE, r);
+        ok = 0;
+    }
+    if (node < -1) {
+        if (threadIdx.x == 0) hs_report(err, HS_CE_BEAM_NODE, node, r);
+        ok = 0;
+    }
+    return ok;
+}
+
+/* The last block of request bi to get here (a counter per request, reset by that block, so the next launch
+ * and a graph replay start from zero) picks the next beams from all B*k scores of the request. */
+__device__ void hs_pick_next_beams(int64_t B, int64_t k, int64_t bi, int64_t node_offset, float *out_scores,
+                                   int64_t *out_next_beams, unsigned *counters, char *scratch, long long *red,
+                                   int64_t *cand, uint32_t *cval, int *rank, int *shared_int) {
+    const int64_t Bk = B * k;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) shared_int[1] = atomicAdd(&counters[bi], 1u) == (unsigned)(B - 1);
+    __syncthreads();
+    if (!shared_int[1]) return;
+    __threadfence();
+    if (threadIdx.x == 0) counters[bi] = 0; /* ready for the next launch (and graph replay) */ /* ready for the next launch (and graph replay) */
+    hs_score_key skey{out_scores + bi * Bk};
+    hs_radix<uint32_t> sel;
+    hs_block_radix_select(skey, Bk, k, scratch, red, &sel);
+    hs_collect_sorted(skey, Bk, k, sel, cand, cval, rank, shared_int);
+    for (int c = threadIdx.x; c < k; c += blockDim.x) out_next_beams[bi * k + rank[c]] = node_offset + cand[c];
+}
+
 
 template <int DT>
 __global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_expand(const void *logits, int64_t B, int64_t Vd, const void *beam_scores, int score_dt,
@@ -199,27 +545,13 @@ __global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_expand(const void *logits, int64_
     int *rank = (int *)(cval + k);
     int *shared_int = rank + k; /* [0] count, [1] last-block flag */
     const int64_t r = blockIdx.x, bi = r / B, b = r % B, Bk = B * k;
-    double base = hs_ld_real(beam_scores, score_dt, r);
-    int64_t node = hs_ld_id(beam_nodes, node_dt, r);
-    int ok = 1;
-    if (base != base || base == (double)HS_INF) {
-        if (threadIdx.x == 0) hs_report(err, HS_CE_BEAM_SCORE, r);
-        ok = 0;
-    }
-    if (node < -1) {
-        if (threadIdx.x == 0) hs_report(err, HS_CE_BEAM_NODE, node, r);
-        ok = 0;
-    }
+    const double base = hs_ld_real(beam_scores, score_dt, r);
+    const int64_t node = hs_ld_id(beam_nodes, node_dt, r);
+    int ok = hs_beam_ok(base, node, r, err);
     float m;
     long long bad;
     hs_row_max_check<DT>(logits, r * Vd, Vd, red, &m, &bad);
-    if (bad >= 0 || m == -HS_INF) {
-        if (threadIdx.x == 0) {
-            if (bad >= 0) hs_report(err, HS_CE_LOGIT_NONFINITE, r, bad >> 1, bad & 1);
-            else hs_report(err, HS_CE_LOGIT_ALLNEG, r);
-        }
-        ok = 0;
-    }
+    if (!hs_row_ok(bad, m, r, err)) ok = 0;
     if (ok) {
         double s = 0.0;
         for (int64_t i = threadIdx.x; i < Vd; i += blockDim.x) s += (double)expf(hs_ld<DT>(logits, r * Vd + i) - m);
@@ -230,46 +562,74 @@ __global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_expand(const void *logits, int64_
         hs_block_radix_select(key, Vd, k, scratch, red, &sel);
         hs_collect_sorted(key, Vd, k, sel, cand, cval, rank, shared_int);
         double Z = 0.0, S = 0.0;
-        const double top = (double)m; /* the best candidate is the row max */
-        for (int c = threadIdx.x; c < k; c += blockDim.x) {
-            int64_t id = cand[c], o = bi * Bk + b * k + rank[c], t = id;
-            float x = hs_unkey32(cval[c]);
-            if (d2t != nullptr) {
-                int64_t off = hs_ld_id(d2t, d2t_dt, id);
-                t = id + off;
-                if (t < 0) hs_report(err, HS_CE_D2T, id, off);
-            }
-            out_tokens[o] = t;
-            out_scores[o] = (float)(base + (((double)x - (double)m) - lse));
-            out_parents[o] = node;
-            if (x != -HS_INF) {
-                double d = (double)x - top, e = exp(d);
-                Z += e;
-                S += e * d;
-            }
-        }
+        for (int c = threadIdx.x; c < k; c += blockDim.x)
+            hs_expand_out(cand[c], hs_unkey32(cval[c]), bi * Bk + b * k + rank[c], m, lse, base, node, d2t, d2t_dt,
+                          out_tokens, out_scores, out_parents, &Z, &S, err);
         hs_block_entropy(Z, S, red, out_entropy + r);
     }
     /* the last block of request bi to get here picks the next beams from all B*k scores */
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) shared_int[1] = atomicAdd(&counters[bi], 1u) == (unsigned)(B - 1);
-    __syncthreads();
-    if (!shared_int[1]) return;
-    __threadfence();
-    if (threadIdx.x == 0) counters[bi] = 0; /* ready for the next launch (and graph replay) */
-    hs_score_key skey{out_scores + bi * Bk};
-    hs_radix<uint32_t> sel;
-    hs_block_radix_select(skey, Bk, k, scratch, red, &sel);
-    hs_collect_sorted(skey, Bk, k, sel, cand, cval, rank, shared_int);
-    for (int c = threadIdx.x; c < k; c += blockDim.x) out_next_beams[bi * k + rank[c]] = node_offset + cand[c];
+    hs_pick_next_beams(B, k, bi, node_offset, out_scores, out_next_beams, counters, scratch, red, cand, cval, rank,
+                       shared_int);
 }
 
+/* The split expand's second half: one block per beam row merges its chunks' partials and k-best lists into
+ * the row's outputs; the last block of a request picks the next beams, as hs_k_expand does. */
+__global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_expand_merge(int64_t B, int64_t C, const hs_part *parts, const uint32_t *ckey,
+                                                              const int64_t *cidx, const void *beam_scores, int score_dt,
+                                                              const void *beam_nodes, int node_dt, int64_t k, const void *d2t,
+                                                              int d2t_dt, int64_t node_offset, int64_t *out_tokens,
+                                                              float *out_scores, int64_t *out_parents, float *out_entropy,
+                                                              int64_t *out_next_beams, unsigned *counters, hs_cuda_error *err) {
+    char *sm = hs_smem();
+    long long *red = (long long *)sm;
+    char *scratch = sm + blockDim.x * sizeof(long long);
+    int64_t *cand = (int64_t *)(scratch + HS_RADIX_SMEM);
+    uint32_t *cval = (uint32_t *)(cand + k);
+    int *rank = (int *)(cval + k);
+    int *shared_int = rank + k; /* [0] count, [1] last-block flag */
+    const int64_t r = blockIdx.x, bi = r / B, b = r % B, Bk = B * k;
+    const hs_part *P = parts + r * C;
+    const double base = hs_ld_real(beam_scores, score_dt, r);
+    const int64_t node = hs_ld_id(beam_nodes, node_dt, r);
+    int ok = hs_beam_ok(base, node, r, err);
+    float m;
+    long long bad;
+    hs_merge_max(P, C, red, &m, &bad);
+    if (!hs_row_ok(bad, m, r, err)) ok = 0;
+    if (ok) {
+        double s = 0.0;
+        for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
+            if (P[c].m != -HS_INF) s += P[c].s * exp((double)P[c].m - (double)m);
+        s = hs_block_reduce(s, (double *)red, hs_op_sum());
+        const double lse = log(s);
+        const uint32_t *CK = ckey + r * C * k;
+        const int64_t *CI = cidx + r * C * k;
+        double Z = 0.0, S = 0.0;
+        for (int64_t e = threadIdx.x; e < C * k; e += blockDim.x) {
+            const int64_t c = e / k, j = e % k;
+            if (j >= P[c].count) continue;
+            const int64_t rk = hs_merge_rank(CK, CI, P, C, (int)k, c, j);
+            if (rk >= k) continue;
+            hs_expand_out(CI[e], hs_unkey32(CK[e]), bi * Bk + b * k + rk, m, lse, base, node, d2t, d2t_dt, out_tokens,
+                          out_scores, out_parents, &Z, &S, err);
+        }
+        hs_block_entropy(Z, S, red, out_entropy + r);
+    }
+    hs_pick_next_beams(B, k, bi, node_offset, out_scores, out_next_beams, counters, scratch, red, cand, cval, rank,
+                       shared_int);
+}
+
+/* Workspace: the per-request counters (zero; the kernel leaves them zero) in the first 64 KB per 16384
+ * requests, then the split path's partials [rows * C] and candidates [rows * C * k] (rows = batch * B). */
+static size_t hs_expand_ctr_bytes(int64_t batch) {
+    return ((size_t)(batch > 0 ? batch : 1) * sizeof(unsigned) + 65535) & ~(size_t)65535;
+}
+static int hs_expand_split(int64_t k) { return k <= HS_CAND_MAX; }
+
 extern "C" size_t hs_cuda_expand_workspace_bytes(int64_t batch, int64_t B, int64_t k, int64_t Vd) {
-    (void)B;
-    (void)k;
-    (void)Vd;
-    return (size_t)(batch > 0 ? batch : 1) * sizeof(unsigned);
+    size_t need = hs_expand_ctr_bytes(batch);
+    if (hs_expand_split(k) && batch > 0 && B > 0 && k > 0 && Vd > 0) need += hs_chunk_out_bytes(batch * B, Vd, k);
+    return need;
 }
 
 extern "C" hs_status hs_cuda_expand(const void *logits, hs_dtype logit_dtype, int64_t batch, int64_t B, int64_t Vd,
@@ -291,11 +651,24 @@ extern "C" hs_status hs_cuda_expand(const void *logits, hs_dtype logit_dtype, in
         return hs_fail(herr, HS_ERR_WORKSPACE, op, "workspace", "expected >= %zu bytes, got %zu",
                        hs_cuda_expand_workspace_bytes(batch, B, k, Vd), ws_bytes);
     if (batch == 0) return HS_OK;
-    unsigned th = HS_ROW_THREADS;
-    size_t sm = hs_row_smem(th) + (size_t)k * (8 + 4 + 4) + 16;
     int64_t rows = batch * B;
     unsigned *ctr = (unsigned *)ws;
     int rc;
+    if (hs_expand_split(k)) {
+        /* one block per (beam row, chunk), then one per beam row (the last of a request picks the next beams) */
+        hs_chunk_out o;
+        hs_status st = hs_launch_chunks(op, logits, logit_dtype, rows, Vd, k, 1, (char *)ws + hs_expand_ctr_bytes(batch), &o,
+                                        stream, herr);
+        if (st != HS_OK) return st;
+        const unsigned tc = HS_CHUNK_THREADS;
+        rc = HS_LAUNCH(hs_k_expand_merge, rows, tc, hs_row_smem(tc) + (size_t)k * (8 + 4 + 4) + 16, stream, B, o.C,
+                       (const hs_part *)o.parts, (const uint32_t *)o.ck, (const int64_t *)o.ci, beam_scores, (int)score_dtype,
+                       beam_nodes, (int)node_dtype, k, d2t, (int)d2t_dtype, node_offset, out_tokens, out_scores,
+                       out_parents, out_entropy, out_next_beams, ctr, err);
+        return hs_launched(rc, op, herr);
+    }
+    unsigned th = HS_ROW_THREADS;
+    size_t sm = hs_row_smem(th) + (size_t)k * (8 + 4 + 4) + 16;
 #define HS_EXPAND_ARGS logits, B, Vd, beam_scores, (int)score_dtype, beam_nodes, (int)node_dtype, k, d2t, (int)d2t_dtype, \
         node_offset, out_tokens, out_scores, out_parents, out_entropy, out_next_beams, ctr, err
     switch (logit_dtype) {
@@ -544,21 +917,23 @@ static hs_status hs_verify_sizes(const char *op, int64_t T, size_t ws_bytes, siz
 
 /* ---- verify_greedy ----------------------------------------------------------------------------------- */
 
-/* Per node row: ws[2*row] = argmax (ties to the lower id), ws[2*row+1] = -1, or the error (argmax -1 and
- * col*2+is_inf, or argmax -2 for an all -inf row). */
+/* Row argmax, split: one block per (node row, chunk) leaves the chunk's best entry packed as key << 32 |
+ * ~col (ties to the lower id) and its first bad entry; hs_k_argmax_merge folds a row's chunks into
+ * ws[2*row] = argmax, ws[2*row+1] = -1, or the error (argmax -1 and col*2+is_inf, or -2 for an all -inf row). */
 template <int DT>
-__global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_row_argmax(const void *logits, int64_t T, int64_t V, const int64_t *n_dev, long long *ws) {
-    char *sm = hs_smem();
-    long long *red = (long long *)sm;
-    const int64_t row = blockIdx.x, b = row / T, i = row % T;
-    if (n_dev && i >= n_dev[b]) return;
+__global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_argmax_chunks(const void *logits, int64_t T, int64_t V, int64_t len, int64_t C,
+                                                               const int64_t *n_dev, unsigned long long *pbest, long long *pbad) {
+    long long *red = (long long *)hs_smem();
+    const int64_t rc = blockIdx.x, row = rc / C, c = rc % C;
+    if (n_dev && row % T >= n_dev[row / T]) return;
+    const int64_t c0 = c * len, c1 = V - c0 < len ? V : c0 + len;
     unsigned long long best = 0;
     long long bad = 0x7fffffffffffffffll;
-    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
+    for (int64_t v = c0 + threadIdx.x; v < c1; v += blockDim.x) {
         float x = hs_ld<DT>(logits, row * V + v);
         if (x != x || x == HS_INF) {
-            long long c = (long long)v * 2 + (x == HS_INF);
-            bad = c < bad ? c : bad;
+            long long code = (long long)v * 2 + (x == HS_INF);
+            bad = code < bad ? code : bad;
         } else {
             unsigned long long pk = ((unsigned long long)hs_key32(x) << 32) | (0xffffffffull - (unsigned long long)v);
             best = pk > best ? pk : best;
@@ -567,16 +942,31 @@ __global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_row_argmax(const void *logits, in
     bad = hs_block_reduce(bad, red, hs_op_min());
     best = hs_block_reduce(best, (unsigned long long *)red, hs_op_max());
     if (threadIdx.x == 0) {
-        if (bad != 0x7fffffffffffffffll) {
-            ws[2 * row] = -1;
-            ws[2 * row + 1] = bad;
-        } else if ((uint32_t)(best >> 32) == hs_key32(-HS_INF)) {
-            ws[2 * row] = -2;
-            ws[2 * row + 1] = 0;
-        } else {
-            ws[2 * row] = (long long)(0xffffffffull - (best & 0xffffffffull));
-            ws[2 * row + 1] = -1;
-        }
+        pbest[rc] = best;
+        pbad[rc] = bad;
+    }
+}
+
+__global__ void HS_BOUNDS(HS_TREE_THREADS) hs_k_argmax_merge(int64_t rows, int64_t T, int64_t C, const int64_t *n_dev,
+                                                             const unsigned long long *pbest, const long long *pbad,
+                                                             long long *ws) {
+    const int64_t row = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= rows || (n_dev && row % T >= n_dev[row / T])) return;
+    unsigned long long best = 0;
+    long long bad = 0x7fffffffffffffffll;
+    for (int64_t c = 0; c < C; c++) {
+        best = pbest[row * C + c] > best ? pbest[row * C + c] : best;
+        bad = pbad[row * C + c] < bad ? pbad[row * C + c] : bad;
+    }
+    if (bad != 0x7fffffffffffffffll) {
+        ws[2 * row] = -1;
+        ws[2 * row + 1] = bad;
+    } else if ((uint32_t)(best >> 32) == hs_key32(-HS_INF)) {
+        ws[2 * row] = -2;
+        ws[2 * row + 1] = 0;
+    } else {
+        ws[2 * row] = (long long)(0xffffffffull - (best & 0xffffffffull));
+        ws[2 * row + 1] = -1;
     }
 }
 
@@ -620,8 +1010,10 @@ __global__ void HS_BOUNDS(HS_TREE_THREADS) hs_k_greedy_walk(const void *tt, int 
     out_next[b] = ws[2 * (b * T + cur)];
 }
 
-extern "C" size_t hs_cuda_verify_greedy_workspace_bytes(int64_t batch, int64_t T) {
-    return (size_t)(batch * T > 0 ? batch * T : 1) * 2 * sizeof(long long);
+/* Workspace: the merged per-row results [rows][2], then the chunks' best [rows * C] and bad [rows * C]. */
+extern "C" size_t hs_cuda_verify_greedy_workspace_bytes(int64_t batch, int64_t T, int64_t V) {
+    const int64_t rows = batch * T > 0 ? batch * T : 1, C = hs_nchunks(V, hs_chunk_len(rows, V));
+    return hs_al16((size_t)rows * 2 * sizeof(long long)) + 2 * hs_al16((size_t)(rows * C) * 8);
 }
 
 static size_t hs_walk_smem(int64_t T) { return (size_t)(2 * T + 1) * sizeof(int) + 8 + (size_t)T * 8; }
@@ -632,20 +1024,31 @@ extern "C" hs_status hs_cuda_verify_greedy(const void *tree_tokens, hs_dtype tok
                                            int64_t *out_len, int64_t *out_next, void *ws, size_t ws_bytes,
                                            hs_cuda_error *err, void *stream, hs_error *herr) {
     static const char op[] = "verify_greedy";
-    hs_status chk = hs_verify_sizes(op, T, ws_bytes, hs_cuda_verify_greedy_workspace_bytes(batch, T), herr);
+    hs_status chk = hs_verify_sizes(op, T, ws_bytes, hs_cuda_verify_greedy_workspace_bytes(batch, T, V), herr);
     if (chk != HS_OK) return chk;
     if (batch == 0 || T == 0) return HS_OK;
-    unsigned th = HS_ROW_THREADS;
-    size_t sm = th * sizeof(long long);
+    const int64_t rows = batch * T, len = hs_chunk_len(rows, V), C = hs_nchunks(V, len);
+    if (rows * C > 0x7fffffffll)
+        return hs_fail(herr, HS_ERR_VALUE, op, "tree_tokens", "expected at most 2^31 - 1 (node, chunk) blocks, got %lld",
+                       (long long)(rows * C));
+    const unsigned tc = HS_CHUNK_THREADS;
     long long *st = (long long *)ws;
+    unsigned long long *pbest = (unsigned long long *)((char *)ws + hs_al16((size_t)rows * 2 * sizeof(long long)));
+    long long *pbad = (long long *)((char *)pbest + hs_al16((size_t)(rows * C) * 8));
     int rc;
+#define HS_ARGMAX_ARGS logits, T, V, len, C, n_dev, pbest, pbad
     switch (logit_dtype) {
-    case HS_FLOAT32: rc = HS_LAUNCH(hs_k_row_argmax<HS_FLOAT32>, batch * T, th, sm, stream, logits, T, V, n_dev, st); break;
-    case HS_FLOAT16: rc = HS_LAUNCH(hs_k_row_argmax<HS_FLOAT16>, batch * T, th, sm, stream, logits, T, V, n_dev, st); break;
-    case HS_BFLOAT16: rc = HS_LAUNCH(hs_k_row_argmax<HS_BFLOAT16>, batch * T, th, sm, stream, logits, T, V, n_dev, st); break;
+    case HS_FLOAT32: rc = HS_LAUNCH(hs_k_argmax_chunks<HS_FLOAT32>, rows * C, tc, tc * sizeof(long long), stream, HS_ARGMAX_ARGS); break;
+    case HS_FLOAT16: rc = HS_LAUNCH(hs_k_argmax_chunks<HS_FLOAT16>, rows * C, tc, tc * sizeof(long long), stream, HS_ARGMAX_ARGS); break;
+    case HS_BFLOAT16: rc = HS_LAUNCH(hs_k_argmax_chunks<HS_BFLOAT16>, rows * C, tc, tc * sizeof(long long), stream, HS_ARGMAX_ARGS); break;
     default: return hs_fail(herr, HS_ERR_DTYPE, op, "target_logits", "expected float16, bfloat16 or float32, got %s", hs_dtype_name(logit_dtype));
     }
+#undef HS_ARGMAX_ARGS
     hs_status s = hs_launched(rc, op, herr);
+    if (s != HS_OK) return s;
+    rc = HS_LAUNCH(hs_k_argmax_merge, (rows + tc - 1) / tc, tc, 0, stream, rows, T, C, n_dev,
+                   (const unsigned long long *)pbest, (const long long *)pbad, st);
+    s = hs_launched(rc, op, herr);
     if (s != HS_OK) return s;
     rc = HS_LAUNCH(hs_k_greedy_walk, batch, HS_TREE_THREADS, hs_walk_smem(T), stream, tree_tokens, (int)token_dtype,
                    tree_parents, (int)parent_dtype, T, n_dev, V, (const long long *)st, out_path, out_len, out_next, err);
@@ -676,15 +1079,15 @@ __device__ __forceinline__ double hs_warp_w(const hs_warp_stats &s, float x, int
     return hs_exp_nonpos_f64((double)x / temperature - zmax);
 }
 
+/* One row's statistics by one block over the whole row (shared: red, radix scratch, 260 doubles from sm).
+ * The split path (hs_k_chunks + hs_k_sample_merge) falls back to it for rows its candidates cannot decide. */
 template <int DT>
-__global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_warp_stats(const void *logits, int64_t T, int64_t V, const int64_t *n_dev, double temperature,
-                                int64_t top_k, double top_p, hs_warp_stats *stats) {
-    char *sm = hs_smem();
+__device__ void hs_warp_stats_row(const void *logits, int64_t row, int64_t V, double temperature, int64_t top_k,
+                                  double top_p, char *sm, hs_warp_stats *stats) {
     long long *red = (long long *)sm;
     char *scratch = sm + blockDim.x * sizeof(long long);
     double *hm = (double *)(scratch + HS_RADIX_SMEM); /* 256 bin masses + [256] pick */
-    const int64_t row = blockIdx.x, b = row / T, i = row % T, base = row * V;
-    if (n_dev && i >= n_dev[b]) return;
+    const int64_t base = row * V;
     hs_warp_stats s;
     memset(&s, 0, sizeof s);
     s.kshift = 32;
@@ -767,9 +1170,9 @@ __global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_warp_stats(const void *logits, in
                 c += wv / W;
                 q++;
             }
-            /* the q-th token with this key, in id order */
-            long long cut = -1, seen = 0;
-            for (int64_t t0 = 0; t0 < V && seen < q; t0 += blockDim.x) {
+            /* the q-th token with this key, in id order (all of them: no ordered scan needed) */
+            long long cut = q < cnt ? -1 : V - 1, seen = 0;
+            for (int64_t t0 = 0; q < cnt && t0 < V && seen < q; t0 += blockDim.x) {
                 int64_t v = t0 + threadIdx.x;
                 long long f = v < V && hs_key32(hs_ld<DT>(logits, base + v)) == pfx;
                 long long total;
@@ -793,21 +1196,287 @@ __global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_warp_stats(const void *logits, in
     if (threadIdx.x == 0) stats[row] = s;
 }
 
+/* The unsplit statistics: one block per node row (top_k > HS_CAND_MAX). */
 template <int DT>
-__global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_sample_walk(const void *tt, int tdt, const void *tp, int pdt, int64_t T, const int64_t *n_dev,
-                                 const void *logits, int64_t V, double temperature, const hs_warp_stats *stats,
-                                 const uint64_t *seeds_dev, uint64_t seed0, uint64_t *offsets_dev, uint64_t offset0,
-                                 int advance, int64_t *out_path, int64_t *out_len, int64_t *out_next,
-                                 int64_t *out_draws, hs_cuda_error *err) {
+__global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_warp_stats(const void *logits, int64_t T, int64_t V, const int64_t *n_dev,
+                                                          double temperature, int64_t top_k, double top_p,
+                                                          hs_warp_stats *stats) {
+    const int64_t row = blockIdx.x, b = row / T, i = row % T;
+    if (n_dev && i >= n_dev[b]) return;
+    hs_warp_stats_row<DT>(logits, row, V, temperature, top_k, top_p, hs_smem(), stats);
+}
+
+/* The split statistics' second half, one block per node row: the row's max and first bad entry from its
+ * chunks; the top-k cut, the kept mass and the top-p cut from the chunks' candidates sorted by rank.  The
+ * candidates decide the row exactly when every token the cuts depend on is among them:
+ *   - top-k (k <= HS_CAND_MAX, each chunk's k best kept): the survivors are the keys >= the k-th largest;
+ *     they all are candidates unless a chunk that was cut short ends on the k-th value itself (more equal
+ *     values may follow there);
+ *   - top-p without top-k: the chunks kept their HS_TOPP_CAND best; every key above theta (the largest
+ *     last key of a chunk that was cut short) is a candidate, so a crossing above theta is exact.
+ * Otherwise (a flat row whose nucleus is wider than the candidates, many equal values) the block computes
+ * the row as the unsplit kernel does (hs_warp_stats_row): same semantics, slower. */
+template <int DT>
+__global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_sample_merge(const void *logits, int64_t T, int64_t V, const int64_t *n_dev,
+                                                            double temperature, int64_t top_k, double top_p, int64_t len,
+                                                            int64_t C, int K, const hs_part *parts, const uint32_t *ckey,
+                                                            const int64_t *cidx, hs_warp_stats *stats) {
     char *sm = hs_smem();
     long long *red = (long long *)sm;
-    long long *sh = red + blockDim.x; /* [0] state, [1] cur, [2] draws, [3] nrej, [4] len, [5] found */
+    double *sw = (double *)(sm + hs_al16(blockDim.x * sizeof(long long) + HS_RADIX_SMEM + 260 * sizeof(double)));
+    int64_t *sid = (int64_t *)(sw + HS_SORT_MAX);
+    uint32_t *sk = (uint32_t *)(sid + HS_SORT_MAX);
+    double *shd = (double *)(sk + HS_SORT_MAX); /* [0] the inclusive mass at the crossing */
+    const int64_t row = blockIdx.x, b = row / T, i = row % T;
+    if (n_dev && i >= n_dev[b]) return;
+    const hs_part *P = parts + row * C;
+    float m;
+    long long bad;
+    hs_merge_max(P, C, red, &m, &bad);
+    hs_warp_stats s;
+    memset(&s, 0, sizeof s);
+    s.kshift = 32;
+    s.m = m;
+    if (bad >= 0 || m == -HS_INF) {
+        s.status = bad >= 0 ? -1 : -2;
+        s.bad = bad;
+        if (threadIdx.x == 0) stats[row] = s;
+        return;
+    }
+    const double zmax = (double)m / temperature;
+    const int topk = top_k > 0 && top_k < V;
+    const uint32_t *CK = ckey + row * C * K;
+    const int64_t *CI = cidx + row * C * K;
+    long long nc = 0, theta = -1;
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+        const int64_t nch = V - c * len < len ? V - c * len : len;
+        nc += P[c].count;
+        if (P[c].count > 0 && nch > P[c].count) {
+            long long last = (long long)CK[c * K + P[c].count - 1];
+            theta = last > theta ? last : theta;
+        }
+    }
+    nc = hs_block_reduce(nc, red, hs_op_sum());
+    theta = hs_block_reduce(theta, red, hs_op_max());
+    for (int64_t e = threadIdx.x; e < C * K; e += blockDim.x) {
+        const int64_t c = e / K, j = e % K;
+        if (j >= P[c].count) continue;
+        const int64_t rk = hs_merge_rank(CK, CI, P, C, K, c, j);
+        if (rk < HS_SORT_MAX) {
+            sk[rk] = CK[e];
+            sid[rk] = CI[e];
+            sw[rk] = hs_exp_nonpos_f64((double)hs_unkey32(CK[e]) / temperature - zmax);
+        }
+    }
+    __syncthreads();
+    const long long placed = nc < HS_SORT_MAX ? nc : HS_SORT_MAX;
+    int ok = 1, complete;
+    long long L; /* positions [0, L): survivors, best first */
+    double W = 0.0;
+    if (topk) { /* the host made K = top_k */
+        const uint32_t kth = sk[top_k - 1];
+        long long ns = 0;
+        for (long long p = threadIdx.x; p < placed; p += blockDim.x) ns += sk[p] >= kth;
+        ns = hs_block_reduce(ns, red, hs_op_sum());
+        if (theta >= (long long)kth || (ns == placed && nc > placed)) ok = 0;
+        L = ns;
+        complete = 1;
+        for (long long p = threadIdx.x; p < L; p += blockDim.x) W += sw[p];
+        s.kshift = 0;
+        s.kpfx = kth;
+    } else {
+        for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
+            if (P[c].m != -HS_INF) W += P[c].s * exp((double)P[c].m / temperature - zmax);
+        L = placed;
+        complete = theta < 0 && nc <= HS_SORT_MAX;
+    }
+    W = hs_block_reduce(W, (double *)red, hs_op_sum());
+    double R = W;
+    if (ok && top_p < 1.0) {
+        long long pos = 0x7fffffffffffffffll;
+        double before = 0.0;
+        for (long long t0 = 0; t0 < L; t0 += blockDim.x) {
+            const long long p = t0 + threadIdx.x;
+            const double v = p < L ? sw[p] : 0.0;
+            double tot;
+            const double ex = hs_block_exscan(v, (double *)red, &tot);
+            const double incl = before + ex + v;
+            long long hit = p < L && incl / W >= top_p ? p : 0x7fffffffffffffffll;
+            hit = hs_block_reduce(hit, red, hs_op_min());
+            if (hit != 0x7fffffffffffffffll) {
+                if (p == hit) shd[0] = incl;
+                __syncthreads();
+                pos = hit;
+                break;
+            }
+            before += tot;
+        }
+        if (pos != 0x7fffffffffffffffll) {
+            if (!topk && theta >= 0 && (long long)sk[pos] <= theta) ok = 0;
+            else {
+                s.pmode = 1;
+                s.pkey = sk[pos];
+                s.ptie = sid[pos];
+                R = shd[0];
+            }
+        } else if (!complete) {
+            ok = 0;
+        } /* else rounding left the total short of top_p: every survivor is kept */
+    }
+    if (!ok) {
+        __syncthreads();
+        hs_warp_stats_row<DT>(logits, row, V, temperature, top_k, top_p, sm, stats);
+        return;
+    }
+    s.R = R;
+    s.status = 0;
+    if (threadIdx.x == 0) stats[row] = s;
+}
+
+/* Where a request's walk ended, for the residual draw. */
+struct hs_walk_rec {
+    long long ok, cur, nrej, draw, len;
+};
+
+/* The residual draw's first half: the residual mass of each chunk of the row the walk ended at (rejected
+ * tokens removed) and its last token with mass.  Grid: batch * C blocks. */
+template <int DT>
+__global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_resid_chunks(const void *logits, int64_t T, int64_t V, int64_t len, int64_t C,
+                                                              double temperature, const hs_warp_stats *stats,
+                                                              const hs_walk_rec *rec, const int64_t *rejg, double *rmass,
+                                                              long long *rlast) {
+    long long *red = (long long *)hs_smem();
+    int64_t *rej = (int64_t *)(red + blockDim.x);
+    const int64_t rc = blockIdx.x, b = rc / C, c = rc % C;
+    const hs_walk_rec r = rec[b];
+    if (!r.ok) return;
+    for (int64_t q = threadIdx.x; q < r.nrej; q += blockDim.x) rej[q] = rejg[b * T + q];
+    __syncthreads();
+    const int64_t row = b * T + r.cur, c0 = c * len, c1 = V - c0 < len ? V : c0 + len;
+    const hs_warp_stats s = stats[row];
+    const double zmax = (double)s.m / temperature;
+    double local = 0.0;
+    long long last = -1;
+    for (int64_t v = c0 + threadIdx.x; v < c1; v += blockDim.x) {
+        double w = hs_warp_w(s, hs_ld<DT>(logits, row * V + v), v, temperature, zmax);
+        for (int64_t q = 0; q < r.nrej && w > 0.0; q++) w = rej[q] == v ? 0.0 : w;
+        if (w > 0.0) last = v;
+        local += w;
+    }
+    local = hs_block_reduce(local, (double *)red, hs_op_sum());
+    last = hs_block_reduce(last, red, hs_op_max());
+    if (threadIdx.x == 0) {
+        rmass[rc] = local;
+        rlast[rc] = last;
+    }
+}
+
+/* The residual draw's second half, one block per request: u * S (S the chunks' masses in chunk order) falls in
+ * one chunk; the inverse CDF in id order inside it gives the token.  Writes the request's outputs and
+ * advances its offset. */
+template <int DT>
+__global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_resid_pick(const void *logits, int64_t T, int64_t V, int64_t len, int64_t C,
+                                                            double temperature, const hs_warp_stats *stats,
+                                                            const hs_walk_rec *rec, const int64_t *rejg, const double *rmass,
+                                                            const long long *rlast, const uint64_t *seeds_dev, uint64_t seed0,
+                                                            uint64_t *offsets_dev, uint64_t offset0, int advance,
+                                                            int64_t *out_len, int64_t *out_next, int64_t *out_draws,
+                                                            hs_cuda_error *err) {
+    long long *red = (long long *)hs_smem();
+    int64_t *rej = (int64_t *)(red + blockDim.x);
+    const long long NONE = 0x7fffffffffffffffll;
+    const int64_t b = blockIdx.x;
+    const hs_walk_rec r = rec[b];
+    if (!r.ok) return;
+    const uint64_t seed = seeds_dev ? seeds_dev[b] : seed0, offset = offsets_dev ? offsets_dev[b] : offset0;
+    for (int64_t q = threadIdx.x; q < r.nrej; q += blockDim.x) rej[q] = rejg[b * T + q];
+    const double *M = rmass + b * C;
+    /* S, and the first chunk whose cumulative mass passes u * S */
+    double S = 0.0;
+    long long lastall = -1;
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+        S += M[c];
+        lastall = rlast[b * C + c] > lastall ? rlast[b * C + c] : lastall;
+    }
+    S = hs_block_reduce(S, (double *)red, hs_op_sum());
+    lastall = hs_block_reduce(lastall, red, hs_op_max());
+    const double u = hs_philox_u(seed, offset, (uint64_t)r.draw), target = u * S;
+    long long pick = NONE;
+    if (S > 0.0) {
+        long long cstar = NONE;
+        double before = 0.0, at = 0.0;
+        for (int64_t t0 = 0; t0 < C; t0 += blockDim.x) {
+            const int64_t c = t0 + threadIdx.x;
+            const double v = c < C ? M[c] : 0.0;
+            double tot;
+            const double ex = hs_block_exscan(v, (double *)red, &tot);
+            long long hit = c < C && v > 0.0 && before + ex + v > target ? c : NONE;
+            hit = hs_block_reduce(hit, red, hs_op_min());
+            if (hit != NONE) {
+                if (c == hit) ((double *)(rej + T))[0] = before + ex;
+                __syncthreads();
+                cstar = hit;
+                at = ((double *)(rej + T))[0];
+                break;
+            }
+            before += tot;
+        }
+        if (cstar == NONE) pick = lastall; /* rounding: the sums fell short of u * S */
+        else {
+            const int64_t row = b * T + r.cur, c0 = cstar * len, c1 = V - c0 < len ? V : c0 + len;
+            const hs_warp_stats s = stats[row];
+            const double zmax = (double)s.m / temperature;
+            for (int64_t t0 = c0; t0 < c1 && pick == NONE; t0 += blockDim.x) {
+                const int64_t v = t0 + threadIdx.x;
+                double w = 0.0;
+                if (v < c1) {
+                    w = hs_warp_w(s, hs_ld<DT>(logits, row * V + v), v, temperature, zmax);
+                    for (int64_t q = 0; q < r.nrej && w > 0.0; q++) w = rej[q] == v ? 0.0 : w;
+                }
+                double tot;
+                const double ex = hs_block_exscan(w, (double *)red, &tot);
+                long long hit = v < c1 && w > 0.0 && at + ex + w > target ? v : NONE;
+                pick = hs_block_reduce(hit, red, hs_op_min());
+                at += tot;
+            }
+            if (pick == NONE) pick = rlast[b * C + cstar];
+        }
+    }
+    if (threadIdx.x != 0) return;
+    long long next;
+    if (S > 0.0) next = pick;
+    else if (r.nrej > 0) next = rej[r.nrej - 1];
+    else {
+        hs_report(err, HS_CE_NO_MASS, r.cur);
+        return;
+    }
+    out_next[b] = next;
+    out_len[b] = r.len;
+    out_draws[b] = r.draw + 1;
+    if (advance && offsets_dev) offsets_dev[b] = offset + (uint64_t)r.draw + 1;
+}
+
+
+/* One block per request walks its tree drawing the CPU's Philox uniforms (thread 0: the children of the
+ * current node in index order, one uniform each) and records where it ended for the residual draw. */
+template <int DT>
+__global__ void HS_BOUNDS(HS_TREE_THREADS) hs_k_sample_walk(const void *tt, int tdt, const void *tp, int pdt, int64_t T,
+                                                           const int64_t *n_dev, const void *logits, int64_t V,
+                                                           double temperature, const hs_warp_stats *stats,
+                                                           const uint64_t *seeds_dev, uint64_t seed0,
+                                                           const uint64_t *offsets_dev, uint64_t offset0,
+                                                           int64_t *out_path, hs_walk_rec *rec, int64_t *rejg,
+                                                           hs_cuda_error *err) {
+    char *sm = hs_smem();
+    long long *red = (long long *)sm;
+    long long *sh = red + blockDim.x; /* [0] state, [1] cur, [2] draws, [3] nrej, [4] len */
     int64_t *tok = (int64_t *)(sh + 8);
     int64_t *rej = tok + T;
     int *par = (int *)(rej + T);
     int *flag = par + T;
     const int64_t b = blockIdx.x, nb = n_dev ? n_dev[b] : T;
     const uint64_t seed = seeds_dev ? seeds_dev[b] : seed0, offset = offsets_dev ? offsets_dev[b] : offset0;
+    if (threadIdx.x == 0) rec[b].ok = 0; /* until the walk ends well */
     for (int64_t i = threadIdx.x; i < T; i += blockDim.x) out_path[b * T + i] = -1;
     if (!hs_load_tree(tt, tdt, tp, pdt, b, T, nb, V, par, tok, flag, err)) return;
     if (threadIdx.x == 0) {
@@ -861,58 +1530,62 @@ __global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_sample_walk(const void *tt, int t
         if (state >= 0) continue;
         break;
     }
-    /* residual draw at cur over the row with the rejected tokens removed: inverse CDF in id order */
-    const int64_t cur = sh[1], nrej = sh[3], row = b * T + cur;
-    const uint64_t draw = (uint64_t)sh[2];
-    const hs_warp_stats &s = stats[row];
-    const double zmax = (double)s.m / temperature;
-    const double u = hs_philox_u(seed, offset, draw);
-    const int64_t C = (V + blockDim.x - 1) / blockDim.x, lo = threadIdx.x * C, hi = lo + C < V ? lo + C : V;
-    double local = 0.0;
-    long long last = -1;
-    for (int64_t v = lo; v < hi; v++) {
-        double w = hs_warp_w(s, hs_ld<DT>(logits, row * V + v), v, temperature, zmax);
-        for (int64_t q = 0; q < nrej && w > 0.0; q++) w = rej[q] == v ? 0.0 : w;
-        if (w > 0.0) last = v;
-        local += w;
+    const long long nrej = sh[3];
+    for (int64_t q = threadIdx.x; q < nrej; q += blockDim.x) rejg[b * T + q] = rej[q];
+    if (threadIdx.x == 0) {
+        hs_walk_rec r;
+        r.ok = 1;
+        r.cur = sh[1];
+        r.nrej = nrej;
+        r.draw = sh[2];
+        r.len = sh[4];
+        rec[b] = r;
     }
-    double S;
-    double ex = hs_block_exscan(local, (double *)red, &S);
-    last = hs_block_reduce(last, red, hs_op_max());
-    long long pick = 0x7fffffffffffffffll;
-    if (S > 0.0) {
-        const double target = u * S;
-        if (ex + local > target && lo < hi) {
-            double c = ex;
-            for (int64_t v = lo; v < hi; v++) {
-                double w = hs_warp_w(s, hs_ld<DT>(logits, row * V + v), v, temperature, zmax);
-                for (int64_t q = 0; q < nrej && w > 0.0; q++) w = rej[q] == v ? 0.0 : w;
-                if (w <= 0.0) continue;
-                c += w;
-                if (c > target) {
-                    pick = v;
-                    break;
-                }
-            }
-        }
-    }
-    pick = hs_block_reduce(pick, red, hs_op_min());
-    if (threadIdx.x != 0) return;
-    long long next;
-    if (S > 0.0) next = pick != 0x7fffffffffffffffll ? pick : last;
-    else if (nrej > 0) next = rej[nrej - 1];
-    else {
-        hs_report(err, HS_CE_NO_MASS, cur);
-        return;
-    }
-    out_next[b] = next;
-    out_len[b] = sh[4];
-    out_draws[b] = (int64_t)(draw + 1);
-    if (advance && offsets_dev) offsets_dev[b] = offset + draw + 1;
 }
 
-extern "C" size_t hs_cuda_verify_sample_workspace_bytes(int64_t batch, int64_t T) {
-    return (size_t)(batch * T > 0 ? batch * T : 1) * sizeof(hs_warp_stats);
+/* Workspace of the split verify_sample, in order: stats [rows], partials [rows * C], candidate keys and ids
+ * [rows * C * HS_CAND_MAX], walk records [batch], rejected tokens [batch * T], residual masses and last
+ * tokens [batch * C2] (rows = batch * T). */
+struct hs_sample_ws {
+    hs_warp_stats *stats;
+    hs_part *parts;
+    uint32_t *ckey;
+    int64_t *cidx;
+    hs_walk_rec *rec;
+    int64_t *rejg;
+    double *rmass;
+    long long *rlast;
+    int64_t len, C, len2, C2;
+    size_t bytes;
+};
+
+static hs_sample_ws hs_sample_layout(void *ws, int64_t batch, int64_t T, int64_t V) {
+    hs_sample_ws w;
+    const int64_t rows = batch * T > 0 ? batch * T : 1, nb = batch > 0 ? batch : 1;
+    w.len = hs_chunk_len(rows, V);
+    w.C = hs_nchunks(V, w.len);
+    w.len2 = hs_chunk_len(nb, V);
+    w.C2 = hs_nchunks(V, w.len2);
+    char *p = (char *)ws;
+    size_t off = 0;
+#define HS_TAKE(field, type, count)                                                                                  \
+    w.field = (type *)(p ? p + off : nullptr);                                                                        \
+    off += hs_al16((size_t)(count) * sizeof(type));
+    HS_TAKE(stats, hs_warp_stats, rows)
+    HS_TAKE(parts, hs_part, rows * w.C)
+    HS_TAKE(ckey, uint32_t, rows * w.C * HS_CAND_MAX)
+    HS_TAKE(cidx, int64_t, rows * w.C * HS_CAND_MAX)
+    HS_TAKE(rec, hs_walk_rec, nb)
+    HS_TAKE(rejg, int64_t, nb * (T > 0 ? T : 1))
+    HS_TAKE(rmass, double, nb * w.C2)
+    HS_TAKE(rlast, long long, nb * w.C2)
+#undef HS_TAKE
+    w.bytes = off;
+    return w;
+}
+
+extern "C" size_t hs_cuda_verify_sample_workspace_bytes(int64_t batch, int64_t T, int64_t V) {
+    return hs_sample_layout(nullptr, batch, T, V).bytes;
 }
 
 extern "C" hs_status hs_cuda_verify_sample(const void *tree_tokens, hs_dtype token_dtype, const void *tree_parents,
@@ -930,21 +1603,50 @@ extern "C" hs_status hs_cuda_verify_sample(const void *tree_tokens, hs_dtype tok
         return hs_fail(herr, HS_ERR_VALUE, op, "top_k", "expected >= 0 (0 disables it), got %lld", (long long)sp.top_k);
     if (!(sp.top_p > 0.0 && sp.top_p <= 1.0))
         return hs_fail(herr, HS_ERR_VALUE, op, "top_p", "expected a value in (0, 1], got %g", sp.top_p);
-    hs_status chk = hs_verify_sizes(op, T, ws_bytes, hs_cuda_verify_sample_workspace_bytes(batch, T), herr);
+    hs_status chk = hs_verify_sizes(op, T, ws_bytes, hs_cuda_verify_sample_workspace_bytes(batch, T, V), herr);
     if (chk != HS_OK) return chk;
     if (batch == 0 || T == 0) return HS_OK;
-    unsigned th = HS_ROW_THREADS;
-    size_t sm_stats = hs_row_smem(th) + 260 * sizeof(double);
-    size_t sm_walk = th * sizeof(long long) + 8 * 8 + (size_t)T * 16 + (size_t)(T + 1) * sizeof(int);
-    hs_warp_stats *st = (hs_warp_stats *)ws;
-    int rc, rc2;
-#define HS_SAMPLE_LAUNCH(DT)                                                                                         \
-    rc = HS_LAUNCH(hs_k_warp_stats<DT>, batch * T, th, sm_stats, stream, logits, T, V, n_dev, sp.temperature,     \
-                   sp.top_k, sp.top_p, st);                                                                          \
-    rc2 = rc ? rc : HS_LAUNCH(hs_k_sample_walk<DT>, batch, th, sm_walk, stream, tree_tokens, (int)token_dtype,     \
-                              tree_parents, (int)parent_dtype, T, n_dev, logits, V, sp.temperature,                \
-                              (const hs_warp_stats *)st, seeds_dev, seed, offsets_dev, offset, advance_offsets,     \
-                              out_path, out_len, out_next, out_draws, err);
+    const hs_sample_ws w = hs_sample_layout(ws, batch, T, V);
+    const int64_t rows = batch * T;
+    if (rows * w.C > 0x7fffffffll || batch * w.C2 > 0x7fffffffll)
+        return hs_fail(herr, HS_ERR_VALUE, op, "tree_tokens", "expected at most 2^31 - 1 (node, chunk) blocks, got %lld",
+                       (long long)(rows * w.C));
+    const int topk = sp.top_k > 0 && sp.top_k < V;
+    const int split = !topk || sp.top_k <= HS_CAND_MAX;
+    const int K = topk ? (int)sp.top_k : (sp.top_p < 1.0 ? HS_TOPP_CAND : 0);
+    const unsigned th = HS_ROW_THREADS, tc = HS_CHUNK_THREADS;
+    const size_t sm_stats = hs_row_smem(th) + 260 * sizeof(double);
+    const size_t sm_merge = hs_al16(th * sizeof(long long) + HS_RADIX_SMEM + 260 * sizeof(double)) +
+                            (size_t)HS_SORT_MAX * (8 + 8 + 4) + 16;
+    const size_t sm_walk = HS_TREE_THREADS * sizeof(long long) + 8 * 8 + (size_t)T * 16 + (size_t)(T + 1) * sizeof(int);
+    const size_t sm_resid = tc * sizeof(long long) + (size_t)T * 8 + 16;
+    int rc = 0;
+#define HS_SAMPLE_LAUNCH(DT)                                                                                          \
+    if (split) {                                                                                                      \
+        rc = HS_LAUNCH((hs_k_chunks<DT, 1>), rows * w.C, tc, hs_chunk_smem(tc, K), stream, logits, V, w.len, w.C, T,  \
+                       n_dev, K, !topk, sp.temperature, w.parts, w.ckey, w.cidx);                                     \
+        if (!rc)                                                                                                      \
+            rc = HS_LAUNCH(hs_k_sample_merge<DT>, rows, th, sm_merge, stream, logits, T, V, n_dev, sp.temperature,    \
+                           sp.top_k, sp.top_p, w.len, w.C, K, (const hs_part *)w.parts, (const uint32_t *)w.ckey,     \
+                           (const int64_t *)w.cidx, w.stats);                                                          \
+    } else {                                                                                                          \
+        rc = HS_LAUNCH(hs_k_warp_stats<DT>, rows, th, sm_stats, stream, logits, T, V, n_dev, sp.temperature,          \
+                       sp.top_k, sp.top_p, w.stats);                                                                  \
+    }                                                                                                                 \
+    if (!rc)                                                                                                          \
+        rc = HS_LAUNCH(hs_k_sample_walk<DT>, batch, HS_TREE_THREADS, sm_walk, stream, tree_tokens, (int)token_dtype,  \
+                       tree_parents, (int)parent_dtype, T, n_dev, logits, V, sp.temperature,                          \
+                       (const hs_warp_stats *)w.stats, seeds_dev, seed, (const uint64_t *)offsets_dev, offset,        \
+                       out_path, w.rec, w.rejg, err);                                                                 \
+    if (!rc)                                                                                                          \
+        rc = HS_LAUNCH(hs_k_resid_chunks<DT>, batch * w.C2, tc, sm_resid, stream, logits, T, V, w.len2, w.C2,         \
+                       sp.temperature, (const hs_warp_stats *)w.stats, (const hs_walk_rec *)w.rec,                    \
+                       (const int64_t *)w.rejg, w.rmass, w.rlast);                                                    \
+    if (!rc)                                                                                                          \
+        rc = HS_LAUNCH(hs_k_resid_pick<DT>, batch, tc, sm_resid, stream, logits, T, V, w.len2, w.C2, sp.temperature,  \
+                       (const hs_warp_stats *)w.stats, (const hs_walk_rec *)w.rec, (const int64_t *)w.rejg,           \
+                       (const double *)w.rmass, (const long long *)w.rlast, seeds_dev, seed, offsets_dev, offset,     \
+                       advance_offsets, out_len, out_next, out_draws, err);
     switch (logit_dtype) {
     case HS_FLOAT32: HS_SAMPLE_LAUNCH(HS_FLOAT32) break;
     case HS_FLOAT16: HS_SAMPLE_LAUNCH(HS_FLOAT16) break;
@@ -952,7 +1654,7 @@ extern "C" hs_status hs_cuda_verify_sample(const void *tree_tokens, hs_dtype tok
     default: return hs_fail(herr, HS_ERR_DTYPE, op, "target_logits", "expected float16, bfloat16 or float32, got %s", hs_dtype_name(logit_dtype));
     }
 #undef HS_SAMPLE_LAUNCH
-    return hs_launched(rc2, op, herr);
+    return hs_launched(rc, op, herr);
 }
 
 /* ---- kv_compact ------------------------------------------------------------------------------------------ */

@@ -326,7 +326,11 @@ static PyObject *py_topk_entropy(PyObject *self, PyObject *args) {
     if (hs_gpu_begin(&g, lg, o_stream, op) < 0) goto fail;
     if (g.on) {
 #ifdef HS_WITH_CUDA
-        HS_CALL(hs_cuda_topk_entropy(lg->data, (hs_dtype)lg->dtype, N, V, k, temp, (float *)ov->data, g.err, g.stream, &err));
+        size_t wsb = hs_cuda_topk_entropy_workspace_bytes(N, k, V);
+        void *gws = hs_gpu_workspace(&g, wsb);
+        if (gws == NULL) goto fail;
+        HS_CALL(hs_cuda_topk_entropy(lg->data, (hs_dtype)lg->dtype, N, V, k, temp, (float *)ov->data,
+                                     (char *)gws + HS_WS_COUNTERS, wsb, g.err, g.stream, &err));
 #endif
         if (hs_gpu_end(&g, op, check) < 0) goto fail;
     } else {
@@ -410,13 +414,17 @@ static PyObject *py_expand(PyObject *self, PyObject *args) {
     if (hs_gpu_begin(&g, lg, o_stream, op) < 0) goto fail;
     if (g.on) {
 #ifdef HS_WITH_CUDA
-        void *gws = hs_gpu_workspace(&g, 0);
+        /* expand's counters live in the workspace's first HS_WS_COUNTERS bytes (zero between calls), its split
+         * path's partials after them; more than HS_WS_COUNTERS / 4 requests is refused by the op (workspace) */
+        size_t need = hs_cuda_expand_workspace_bytes(nb, B, k, Vd), extra = need > HS_WS_COUNTERS ? need - HS_WS_COUNTERS : 0;
+        size_t wsb = (size_t)nb * sizeof(unsigned) <= HS_WS_COUNTERS ? HS_WS_COUNTERS + extra : HS_WS_COUNTERS;
+        void *gws = hs_gpu_workspace(&g, extra);
         if (gws == NULL) goto fail;
         if (nb > 0)
         HS_CALL(hs_cuda_expand(lg->data, (hs_dtype)lg->dtype, nb, B, Vd, sc->data, (hs_dtype)sc->dtype, nd->data,
                                (hs_dtype)nd->dtype, k, d2t ? d2t->data : NULL, d2t ? (hs_dtype)d2t->dtype : HS_INT64, off,
                                (int64_t *)ot->data, (float *)os->data, (int64_t *)op_->data, (float *)oe->data,
-                               (int64_t *)ob->data, gws, HS_WS_COUNTERS, g.err, g.stream, &err));
+                               (int64_t *)ob->data, gws, wsb, g.err, g.stream, &err));
 #endif
         if (hs_gpu_end(&g, op, check) < 0) goto fail;
         hs_views_release(&vs);
@@ -734,12 +742,12 @@ static PyObject *py_verify_greedy(PyObject *self, PyObject *args) {
         if (!(outs[0] = hs_views_alloc(&vs, alloc, op, "length", 0, &one, HS_INT64, &ov[0])) ||
             !(outs[1] = hs_views_alloc(&vs, alloc, op, "next_token", 0, &one, HS_INT64, &ov[1])))
             goto fail;
-        void *gws = hs_gpu_workspace(&g, hs_cuda_verify_greedy_workspace_bytes(1, n));
+        void *gws = hs_gpu_workspace(&g, hs_cuda_verify_greedy_workspace_bytes(1, n, V));
         if (gws == NULL) goto fail;
         HS_CALL(hs_cuda_verify_greedy(tk->data, (hs_dtype)tk->dtype, pa->data, (hs_dtype)pa->dtype, 1, n, NULL, lg->data,
                                       (hs_dtype)lg->dtype, V, (int64_t *)opath->data, (int64_t *)ov[0]->data,
                                       (int64_t *)ov[1]->data, (char *)gws + HS_WS_COUNTERS,
-                                      hs_cuda_verify_greedy_workspace_bytes(1, n), g.err, g.stream, &err));
+                                      hs_cuda_verify_greedy_workspace_bytes(1, n, V), g.err, g.stream, &err));
         res = hs_verify_gpu_result(&g, &vs, op, devout, check, path, outs, ov, 0);
 #endif
     } else {
@@ -848,7 +856,7 @@ static PyObject *py_verify_sample(PyObject *self, PyObject *args) {
             !(outs[1] = hs_views_alloc(&vs, alloc, op, "next_token", 0, &one, HS_INT64, &ov[1])) ||
             !(outs[2] = hs_views_alloc(&vs, alloc, op, "draws", 0, &one, HS_INT64, &ov[2])))
             goto fail;
-        size_t wsb = hs_cuda_verify_sample_workspace_bytes(1, n);
+        size_t wsb = hs_cuda_verify_sample_workspace_bytes(1, n, V);
         void *gws = hs_gpu_workspace(&g, wsb);
         if (gws == NULL) goto fail;
         HS_CALL(hs_cuda_verify_sample(tk->data, (hs_dtype)tk->dtype, pa->data, (hs_dtype)pa->dtype, 1, n, NULL, lg->data,
@@ -984,7 +992,7 @@ static PyObject *py_verify_greedy_batch(PyObject *self, PyObject *args) {
     if (hs_gpu_begin(&g, tk, o_stream, op) < 0) goto fail;
     if (g.on) {
 #ifdef HS_WITH_CUDA
-        size_t wsb = hs_cuda_verify_greedy_workspace_bytes(B, T);
+        size_t wsb = hs_cuda_verify_greedy_workspace_bytes(B, T, V);
         void *gws = hs_gpu_workspace(&g, wsb);
         if (gws == NULL) goto fail;
         if (B > 0)
@@ -1083,7 +1091,7 @@ static PyObject *py_verify_sample_batch(PyObject *self, PyObject *args) {
     if (hs_gpu_begin(&g, tk, o_stream, op) < 0) goto fail;
     if (g.on) {
 #ifdef HS_WITH_CUDA
-        size_t wsb = hs_cuda_verify_sample_workspace_bytes(B, T);
+        size_t wsb = hs_cuda_verify_sample_workspace_bytes(B, T, V);
         void *gws = hs_gpu_workspace(&g, wsb);
         if (gws == NULL) goto fail;
         if (B > 0)

@@ -39,12 +39,14 @@ void hs_cuda_error_message(const hs_cuda_error *e, const char *op, char *buf, si
 /* Largest block any kernel uses (the emulated build uses fewer threads). */
 int hs_cuda_max_threads(void);
 
+/* Workspace: the split path's partials and candidates (k <= 256; 0 otherwise). */
 size_t hs_cuda_topk_entropy_workspace_bytes(int64_t rows, int64_t k, int64_t V);
 hs_status hs_cuda_topk_entropy(const void *logits, hs_dtype dtype, int64_t rows, int64_t V, int64_t k,
-                               double temperature, float *out, hs_cuda_error *err, void *stream,
-                               hs_error *herr);
+                               double temperature, float *out, void *ws, size_t ws_bytes, hs_cuda_error *err,
+                               void *stream, hs_error *herr);
 
-/* Workspace: one counter per batch row (zero once; the kernel leaves it zero). */
+/* Workspace: one counter per batch row in the first 64 KB per 16384 rows (zero once; the kernel leaves it
+ * zero), then the split path's partials and candidates (see hs_cuda_expand_workspace_bytes). */
 size_t hs_cuda_expand_workspace_bytes(int64_t batch, int64_t B, int64_t k, int64_t Vd);
 hs_status hs_cuda_expand(const void *logits, hs_dtype logit_dtype, int64_t batch, int64_t B, int64_t Vd,
                          const void *beam_scores, hs_dtype score_dtype, const void *beam_nodes,
@@ -68,9 +70,9 @@ hs_status hs_cuda_build_tree(const void *tokens, hs_dtype token_dtype, const voi
                              int64_t *out_num_leaves, int64_t *out_max_depth, int64_t *out_retrieve,
                              hs_cuda_error *err, void *stream, hs_error *herr);
 
-/* Workspace: per-row argmax results for every node of every tree. out_path [batch, T] is filled with -1
+/* Workspace: per-row (and per-chunk) argmax results for every node of every tree. out_path [batch, T] is filled with -1
  * past out_len[b]. n_dev NULL: T nodes in every row. */
-size_t hs_cuda_verify_greedy_workspace_bytes(int64_t batch, int64_t T);
+size_t hs_cuda_verify_greedy_workspace_bytes(int64_t batch, int64_t T, int64_t V);
 hs_status hs_cuda_verify_greedy(const void *tree_tokens, hs_dtype token_dtype, const void *tree_parents,
                                 hs_dtype parent_dtype, int64_t batch, int64_t T, const int64_t *n_dev,
                                 const void *logits, hs_dtype logit_dtype, int64_t V, int64_t *out_path,
@@ -80,7 +82,7 @@ hs_status hs_cuda_verify_greedy(const void *tree_tokens, hs_dtype token_dtype, c
 /* Seeds and offsets: device arrays [batch] (seeds_dev / offsets_dev), or NULL to use the host values
  * seed / offset for every row.  With advance_offsets, offsets_dev[b] += draws after the walk, so a
  * replayed CUDA graph draws fresh uniforms each time. */
-size_t hs_cuda_verify_sample_workspace_bytes(int64_t batch, int64_t T);
+size_t hs_cuda_verify_sample_workspace_bytes(int64_t batch, int64_t T, int64_t V);
 hs_status hs_cuda_verify_sample(const void *tree_tokens, hs_dtype token_dtype, const void *tree_parents,
                                 hs_dtype parent_dtype, int64_t batch, int64_t T, const int64_t *n_dev,
                                 const void *logits, hs_dtype logit_dtype, int64_t V, hs_sampling params,
