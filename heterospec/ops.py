@@ -166,7 +166,7 @@ def select(scores, n, *, stream=None, check=True):
     return _C.select(scores, n, _allocator(scores), _stream(scores, stream), check)
 
 
-def build_tree(tokens, parents, selected, root_token, *, stream=None, check=True, device_outputs=False):
+def build_tree(tokens, parents, selected, root_token, *, n=None, stream=None, check=True, device_outputs=False):
     """Verification tree of a parent-closed selection of candidates -> :class:`VerifyTree`.
 
     ``tokens[M]``, ``parents[M]`` (candidate index or -1), ``selected[n]`` (strictly ascending) ->
@@ -176,8 +176,19 @@ def build_tree(tokens, parents, selected, root_token, *, stream=None, check=True
     With ``device_outputs=True``: ``(VerifyTree, num_leaves, max_depth)`` where ``retrieve`` is padded to
     ``[n+1, n+1]`` (rows past the leaves all -1) and the two counts are 0-d arrays, so no host sync is needed.
     On CUDA without it, ``retrieve`` is a ``[:L, :D+1]`` view of the padded rows.
+
+    Batched: ``tokens`` / ``parents`` ``[batch, M]``, ``selected[batch, N]`` with ``n`` (int64 ``[batch]`` on the
+    inputs' device, or None for N) valid entries per row and ``root_token`` an int or an int64 ``[batch]`` array
+    -> always ``(VerifyTree(tokens[batch, N+1], ..., mask[batch, N+1, N+1], retrieve[batch, N+1, N+1]),
+    num_leaves[batch], max_depth[batch])``: row b's first ``n[b]+1`` nodes are the unbatched call's on that
+    row's first ``n[b]`` entries, the rest -1 (mask False); ``device_outputs`` does not apply.
     """
     tokens = _arr(tokens)
+    if _batched(tokens):
+        out = _C.build_tree_batch(tokens, _arr(parents), _arr(selected), _arr(root_token), _arr(n), _allocator(tokens),
+                                  _stream(tokens, stream), check)
+        return VerifyTree(*out[:5]), out[5], out[6]
+    _no_n(n, "build_tree", "[M] tokens")
     out = _C.build_tree(
         tokens, _arr(parents), _arr(selected), root_token, _allocator(tokens), _stream(tokens, stream), check,
         device_outputs,
@@ -192,10 +203,10 @@ def _batched(x):
     return getattr(x, "ndim", None) == 2
 
 
-def _no_n(n, op):
+def _no_n(n, op, first="a [T] tree_tokens"):
     if n is not None:
-        raise ValueError(f"{op}: argument 'n' expected None for an unbatched tree (a [T] tree_tokens), got an array; "
-                         f"pass [batch, T] trees to give per-row node counts")
+        raise ValueError(f"{op}: argument 'n' expected None for an unbatched tree ({first}), got an array; "
+                         f"pass a leading batch dimension to give per-row sizes")
 
 
 def verify_greedy(tree_tokens, tree_parents, target_logits, *, n=None, stream=None, check=True, device_outputs=False):

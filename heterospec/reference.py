@@ -726,9 +726,16 @@ def select(scores, n, *, stream=None, check=True):
     return _select_host(scores, n)
 
 
-def build_tree(tokens, parents, selected, root_token, *, stream=None, check=True, device_outputs=False):
+def build_tree(tokens, parents, selected, root_token, *, n=None, stream=None, check=True, device_outputs=False):
     """Build the verification tree (root + selected candidates) -> VerifyTree (or, with device_outputs,
-    (VerifyTree with retrieve padded to [n+1, n+1], num_leaves, max_depth))."""
+    (VerifyTree with retrieve padded to [n+1, n+1], num_leaves, max_depth)).  Batched ([batch, M] candidates,
+    selected [batch, N], n None or int64 [batch], root_token an int or int64 [batch]): (VerifyTree of
+    [batch, N+1] / [batch, N+1, N+1] arrays, rows past n[b]+1 -1 and mask False, num_leaves [batch],
+    max_depth [batch]), each row the unbatched call with device_outputs on its first n[b] entries."""
+    if np.ndim(tokens) == 2:
+        return _build_tree_batch(tokens, parents, selected, root_token, n)
+    if n is not None:
+        _fail(ValueError, "build_tree", "n", "None for an unbatched tree ([M] tokens)", "an array")
     tree = _build_tree_host(tokens, parents, selected, root_token)
     if not device_outputs:
         return tree
@@ -737,6 +744,49 @@ def build_tree(tokens, parents, selected, root_token, *, stream=None, check=True
     padded = np.full((t, t), -1, dtype=np.int64)
     padded[:leaves, :width] = tree.retrieve
     return tree._replace(retrieve=padded), np.array(leaves, dtype=np.int64), np.array(width - 1, dtype=np.int64)
+
+
+def _row_ints(op, name, x, B):
+    """An int for every row, or an int64 [batch] array -> B Python ints (range checks are the caller's)."""
+    if not _is_array_like(x):
+        return [_int(op, name, x)] * B
+    a = _np_view(op, name, x)
+    if a.dtype != np.int64:
+        _fail(TypeError, op, name, "dtype int64 (or a Python int)", f"{a.dtype}")
+    if a.shape != (B,):
+        _fail(ValueError, op, name, f"shape ({B},) (one value per batch row)", f"{tuple(a.shape)}")
+    return [int(v) for v in a]
+
+
+def _build_tree_batch(tokens, parents, selected, root_token, n):
+    op = "build_tree"
+    tok = _np_view(op, "tokens", tokens)
+    par = _np_view(op, "parents", parents)
+    sel = _np_view(op, "selected", selected)
+    B, M = tok.shape
+    if par.ndim != 2 or par.shape != (B, M):
+        _fail(ValueError, op, "parents", f"shape ({B}, {M}) (one parent per candidate token)", f"{tuple(par.shape)}")
+    if sel.ndim != 2 or sel.shape[0] != B:
+        _fail(ValueError, op, "selected", f"shape ({B}, N) (one row per batch row)", f"{tuple(sel.shape)}")
+    N = sel.shape[1]
+    if N > M:
+        _fail(ValueError, op, "selected", f"at most M = {M} entries per row", f"{N}")
+    counts = _row_ints(op, "n", N if n is None else n, B)
+    if any(not 0 <= c <= N for c in counts):
+        _fail(ValueError, op, "n", f"selection sizes in [0, {N}]", [c for c in counts if not 0 <= c <= N][0])
+    roots = _row_ints(op, "root_token", root_token, B)
+    T = N + 1
+    out = [np.full((B, T), -1, np.int64) for _ in range(3)]
+    mask, retrieve = np.zeros((B, T, T), bool), np.full((B, T, T), -1, np.int64)
+    leaves, depth = np.zeros(B, np.int64), np.zeros(B, np.int64)
+    for b in range(B):
+        c = counts[b]
+        tree, leaves[b], depth[b] = build_tree(tok[b], par[b], sel[b, :c], roots[b], device_outputs=True)
+        for o, a in zip(out, (tree.tokens, tree.parents, tree.depths)):
+            o[b, : c + 1] = a
+        mask[b, : c + 1, : c + 1] = tree.mask
+        retrieve[b, : c + 1, : c + 1] = tree.retrieve
+    return VerifyTree(*out, mask, retrieve), leaves, depth
 
 
 def _padded(path, n):

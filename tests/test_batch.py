@@ -143,3 +143,83 @@ def test_select_batch_equals_its_rows(impl, seed):
     assert to_numpy(impl.select(np.zeros((0, 4), np.float32), 2)).shape == (0, 2)
     with pytest.raises(ValueError, match=r"select: argument 'n' expected .*30.*got 31"):
         impl.select(x, 31)
+
+
+def _closed_selection(rng, parents, n):
+    """A parent-closed, ascending selection of n candidates (n <= M)."""
+    chosen = set()
+    for c in rng.permutation(len(parents)):
+        chain, p = [], int(c)
+        while p >= 0 and p not in chosen:
+            chain.append(p)
+            p = int(parents[p])
+        if len(chosen) + len(chain) <= n:
+            chosen.update(chain)
+        if len(chosen) == n:
+            break
+    return np.array(sorted(chosen), np.int64)
+
+
+def _candidate_batch(rng, B, M, N, counts):
+    tok = rng.integers(0, 50, (B, M)).astype(np.int64)
+    par = np.stack([np.array([-1] + [int(rng.integers(-1, c)) for c in range(1, M)], np.int64) for _ in range(B)])
+    sel = np.full((B, N), M + 5, np.int64)      # past n[b]: out of range, so a read of it would be an error
+    for b in range(B):
+        s = _closed_selection(rng, par[b], int(counts[b]))
+        sel[b, : len(s)] = s
+        counts[b] = len(s)
+    return tok, par, sel
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("per_row_root", [False, True])
+def test_build_tree_batch_equals_its_rows(impl, seed, per_row_root):
+    """build_tree over [batch, M] candidates with per-row selection sizes (0 included) and roots: row b is the
+    unbatched call (device_outputs form) on its first n[b] entries, padded past n[b]+1 with -1 / False."""
+    rng = np.random.default_rng(70 + seed)
+    B, M, N = 5, 12, 8
+    counts = rng.integers(0, N + 1, B).astype(np.int64)
+    tok, par, sel = _candidate_batch(rng, B, M, N, counts)
+    roots = rng.integers(0, 50, B).astype(np.int64) if per_row_root else 3
+    tree, leaves, depth = impl.build_tree(tok, par, sel, roots, n=counts)
+    fields = [to_numpy(a) for a in tree]
+    assert [f.shape for f in fields] == [(B, N + 1)] * 3 + [(B, N + 1, N + 1)] * 2
+    leaves, depth = to_numpy(leaves), to_numpy(depth)
+    for b in range(B):
+        c = int(counts[b])
+        want, wl, wd = impl.build_tree(tok[b], par[b], sel[b, :c], int(roots[b]) if per_row_root else 3,
+                                       device_outputs=True)
+        for name, got, w in zip(tree._fields, fields, (to_numpy(a) for a in want)):
+            if name in ("mask", "retrieve"):
+                np.testing.assert_array_equal(got[b, : c + 1, : c + 1], w, err_msg=name)
+                assert (got[b, c + 1:] == (False if name == "mask" else -1)).all()
+            else:
+                np.testing.assert_array_equal(got[b, : c + 1], w, err_msg=name)
+                assert (got[b, c + 1:] == -1).all()
+        assert (leaves[b], depth[b]) == (int(to_numpy(wl)), int(to_numpy(wd)))
+    # without n: every row's N entries (all valid here)
+    full = np.tile(np.arange(N, dtype=np.int64), (2, 1))
+    chain = np.tile(np.array([-1] + list(range(M - 1)), np.int64), (2, 1))
+    t2, l2, d2 = impl.build_tree(tok[:2], chain, full, 1)
+    assert to_numpy(d2).tolist() == [N, N] and to_numpy(l2).tolist() == [1, 1]
+    assert to_numpy(t2.retrieve)[0, 0].tolist() == list(range(N + 1))
+
+
+def test_bad_batched_build_tree(impl):
+    tok = np.zeros((2, 5), np.int64)
+    par = np.array([[-1, 0, 1, 2, 3]] * 2, np.int64)
+    sel = np.array([[0, 1], [0, 1]], np.int64)
+    with pytest.raises(ValueError, match=r"build_tree: argument 'n' expected selection sizes in \[0, 2\], got 3"):
+        impl.build_tree(tok, par, sel, 1, n=np.array([1, 3], np.int64))
+    with pytest.raises(TypeError, match=r"build_tree: argument 'n' expected dtype int64"):
+        impl.build_tree(tok, par, sel, 1, n=np.array([1, 2], np.int32))
+    with pytest.raises(ValueError, match=r"build_tree: argument 'root_token' expected (a token id >= 0|an int in \[0, inf\])"):
+        impl.build_tree(tok, par, sel, np.array([1, -4], np.int64))
+    with pytest.raises(ValueError, match=r"build_tree: argument 'root_token' expected .*\(2,\)|build_tree: argument 'root_token' expected.*one root token per batch row"):
+        impl.build_tree(tok, par, sel, np.array([1, 2, 3], np.int64))
+    with pytest.raises(ValueError, match=r"build_tree: argument 'parents' expected"):
+        impl.build_tree(tok, par[:1], sel, 1)
+    with pytest.raises(ValueError, match=r"build_tree: argument 'n' expected None for an unbatched tree"):
+        impl.build_tree(tok[0], par[0], sel[0], 1, n=np.array([1], np.int64))
+    with pytest.raises(ValueError, match=r"build_tree: argument 'selected' expected a parent-closed"):
+        impl.build_tree(tok, par, np.array([[0, 1], [0, 2]], np.int64), 1)

@@ -830,3 +830,24 @@ def test_split_rows_at_the_benchmark_shape(warp):
         got = ops.verify_sample(D.put(tokens), D.put(parents), dev, **kw)
         np.testing.assert_array_equal(D.get(got[0]), np.asarray(want[0]))
         assert got[1:] == want[1:]
+
+
+def test_batched_build_tree_on_the_device_equals_the_cpu_batch():
+    """build_tree over [batch, M] with per-row selection sizes and roots as device arrays: every output equals
+    the CPU core's batch (tests/test_batch.py shows that equals the rows), padding rows included; a negative
+    root on the device is a recorded error naming root_token."""
+    from test_batch import _candidate_batch
+
+    rng = np.random.default_rng(41)
+    B, M, N = 4, 30, 12
+    counts = np.array([12, 0, 5, 9], np.int64)
+    tok, par, sel = _candidate_batch(rng, B, M, N, counts)
+    roots = np.array([7, 8, 9, 10], np.int64)
+    want = ops.build_tree(tok, par, sel, roots, n=counts)
+    got = ops.build_tree(D.put(tok), D.put(par), D.put(sel), D.put(roots), n=D.put(counts))
+    for name, w, g in zip(want[0]._fields, want[0], got[0]):
+        np.testing.assert_array_equal(D.get(g), np.asarray(w), err_msg=name)
+    for w, g in zip(want[1:], got[1:]):
+        np.testing.assert_array_equal(D.get(g), np.asarray(w))
+    with pytest.raises(ValueError, match=r"build_tree: argument 'root_token' expected a token id >= 0, got -2 \(row 1\)"):
+        ops.build_tree(D.put(tok), D.put(par), D.put(sel), D.put(np.array([1, -2, 3, 4], np.int64)), n=D.put(counts))

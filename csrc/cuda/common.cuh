@@ -188,6 +188,7 @@ enum {
     HS_CE_SIZE,                /* a = value, b = limit: a per-row size out of range */
     HS_CE_SLOT_PAD,            /* a = slot, b = i, c = index of the first -1 */
     HS_CE_PREFIX_NEG,          /* a = prefix_len */
+    HS_CE_ROOT_NEG,            /* a = root token, b = row */
 };
 
 /* First failure wins: claim the record with a CAS on code, then fill the numbers (read only after the

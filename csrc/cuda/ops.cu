@@ -763,6 +763,13 @@ __global__ void HS_BOUNDS(HS_TREE_THREADS) hs_k_build_tree(const void *tokens, i
     const char *se = (const char *)selected;
     const int64_t sbase = b * N, cbase = b * M;
     int64_t *ot = out_tokens + b * T, *op_ = out_parents + b * T, *od = out_depths + b * T;
+    /* rows past the tree: -1 and no mask bits (a batch's shorter rows) */
+    for (int64_t i = Tb + threadIdx.x; i < T; i += blockDim.x) ot[i] = op_[i] = od[i] = -1;
+    for (int64_t e = Tb * T + threadIdx.x; e < T * T; e += blockDim.x) out_mask[b * T * T + e] = 0;
+    if (R < 0) {
+        if (threadIdx.x == 0) hs_report(err, HS_CE_ROOT_NEG, R, b);
+        return;
+    }
     __syncthreads();
     for (int64_t i = 1 + threadIdx.x; i < Tb; i += blockDim.x) {
         int64_t c = hs_ld_id(se, sdt, sbase + i - 1);

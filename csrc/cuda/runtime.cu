@@ -280,6 +280,9 @@ extern "C" void hs_cuda_error_message(const hs_cuda_error *e, const char *op, ch
     case HS_CE_NO_MASS:
         snprintf(buf, n, "%s: argument '%s' expected a row with probability mass, got none at row %lld", op, lg, a);
         break;
+    case HS_CE_ROOT_NEG:
+        snprintf(buf, n, "%s: argument 'root_token' expected a token id >= 0, got %lld (row %lld)", op, a, b);
+        break;
     case HS_CE_SIZE:
         snprintf(buf, n, "%s: argument 'n' expected a per-row size within the buffers (limit %lld), got %lld", op, b, a);
         break;

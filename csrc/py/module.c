@@ -624,6 +624,124 @@ fail:
     return NULL;
 }
 
+/* build_tree over a batch: tokens, parents [batch, M]; selected [batch, N] with n[b] <= N valid entries (n: None
+ * for N in every row, or int64 [batch] on the inputs' device); root_token an int or an int64 [batch] array there.
+ * -> (tokens, parents, depths [batch, N+1], mask [batch, N+1, N+1], retrieve [batch, N+1, N+1], num_leaves,
+ * max_depth [batch]); row b's first n[b]+1 nodes are the unbatched call's, the rest -1 (mask False), and its
+ * retrieve rows are padded with -1 as with device_outputs. */
+static PyObject *hs_batch_result(PyObject **outs, int k);
+
+static PyObject *py_build_tree_batch(PyObject *self, PyObject *args) {
+    (void)self;
+    static const char op[] = "build_tree";
+    PyObject *o_tok, *o_par, *o_sel, *o_root, *o_n, *alloc, *o_stream, *o_check, *res = NULL;
+    PyObject *outs[7] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    if (!PyArg_ParseTuple(args, "OOOOOOOO", &o_tok, &o_par, &o_sel, &o_root, &o_n, &alloc, &o_stream, &o_check))
+        return NULL;
+    int check;
+    if (hs_parse_flag(o_check, op, "check", &check) < 0) return NULL;
+    hs_views vs = {.n = 0, .stream = o_stream};
+    hs_gpu g = {0};
+    void *ws = NULL;
+    int64_t *host = NULL, root = 0;
+    hs_view *tk, *pa, *se, *rv = NULL, *nv = NULL, *ov[7];
+    if (!(tk = hs_views_add(&vs, o_tok, op, "tokens", 0)) || hs_check_ndim(tk, op, "tokens", 2, "[batch, M]") < 0 ||
+        hs_check_dtype(tk, op, "tokens", HS_ID_DTYPES, "int32 or int64") < 0)
+        goto fail;
+    const int64_t B = tk->shape[0], M = tk->shape[1];
+    if (!(pa = hs_views_add(&vs, o_par, op, "parents", 0)) || hs_check_ndim(pa, op, "parents", 2, "[batch, M]") < 0 ||
+        hs_check_dtype(pa, op, "parents", HS_ID_DTYPES, "int32 or int64") < 0 ||
+        hs_check_dim(pa, op, "parents", 0, B, "one row per batch row") < 0 ||
+        hs_check_dim(pa, op, "parents", 1, M, "one parent per candidate token") < 0)
+        goto fail;
+    if (!(se = hs_views_add(&vs, o_sel, op, "selected", 0)) || hs_check_ndim(se, op, "selected", 2, "[batch, N]") < 0 ||
+        hs_check_dtype(se, op, "selected", HS_ID_DTYPES, "int32 or int64") < 0 ||
+        hs_check_dim(se, op, "selected", 0, B, "one row per batch row") < 0)
+        goto fail;
+    const int64_t N = se->shape[1], T = N + 1;
+    if (N > M) {
+        PyErr_Format(PyExc_ValueError, "%s: argument 'selected' expected at most M = %lld entries per row, got %lld", op,
+                     (long long)M, (long long)N);
+        goto fail;
+    }
+    if (PyLong_Check(o_root) || PyArray_IsScalar(o_root, Integer)) {
+        if (hs_parse_i64(o_root, op, "root_token", &root) < 0) goto fail;
+        if (root < 0) {
+            PyErr_Format(PyExc_ValueError, "%s: argument 'root_token' expected a token id >= 0, got %lld", op, (long long)root);
+            goto fail;
+        }
+    } else if (!(rv = hs_views_add(&vs, o_root, op, "root_token", 0)) ||
+               hs_check_ndim(rv, op, "root_token", 1, "[batch] (or an int)") < 0 ||
+               hs_check_dtype(rv, op, "root_token", HS_MASK(HS_INT64), "int64") < 0 ||
+               hs_check_dim(rv, op, "root_token", 0, B, "one root token per batch row") < 0) {
+        goto fail;
+    }
+    if (o_n != Py_None && (!(nv = hs_views_add(&vs, o_n, op, "n", 0)) || hs_check_ndim(nv, op, "n", 1, "[batch]") < 0 ||
+                           hs_check_dtype(nv, op, "n", HS_MASK(HS_INT64), "int64") < 0 ||
+                           hs_check_dim(nv, op, "n", 0, B, "one selection size per batch row") < 0))
+        goto fail;
+    {
+        static const char *names[7] = {"tokens", "parents", "depths", "mask", "retrieve", "num_leaves", "max_depth"};
+        int64_t shp[3] = {B, T, T};
+        for (int i = 0; i < 7; i++) {
+            const int nd = i < 3 ? 2 : i < 5 ? 3 : 1;
+            if (!(outs[i] = hs_views_alloc(&vs, alloc, op, names[i], nd, shp, i == 3 ? HS_BOOL : HS_INT64, &ov[i])))
+                goto fail;
+        }
+    }
+    if (hs_gpu_begin(&g, tk, o_stream, op) < 0) goto fail;
+    if (g.on) {
+#ifdef HS_WITH_CUDA
+        if (B > 0)
+            HS_CALL(hs_cuda_build_tree(tk->data, (hs_dtype)tk->dtype, pa->data, (hs_dtype)pa->dtype, B, M, se->data,
+                                       (hs_dtype)se->dtype, N, nv ? (const int64_t *)nv->data : NULL,
+                                       rv ? (const int64_t *)rv->data : NULL, root, (int64_t *)ov[0]->data,
+                                       (int64_t *)ov[1]->data, (int64_t *)ov[2]->data, (uint8_t *)ov[3]->data,
+                                       (int64_t *)ov[5]->data, (int64_t *)ov[6]->data, (int64_t *)ov[4]->data, g.err,
+                                       g.stream, &err));
+        if (hs_gpu_end(&g, op, check) < 0) goto fail;
+#endif
+    } else if (B > 0) {
+        /* host copies: selection sizes, node counts (n + 1) and roots */
+        if (!(host = PyMem_Malloc((size_t)B * 3 * sizeof(int64_t)))) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        int64_t *nh = host, *th = host + B, *rh = host + 2 * B;
+        for (int64_t b = 0; b < B; b++) {
+            nh[b] = nv ? ((const int64_t *)nv->data)[b] : N;
+            if (nh[b] < 0 || nh[b] > N) {
+                PyErr_Format(PyExc_ValueError, "%s: argument 'n' expected selection sizes in [0, %lld], got %lld", op,
+                             (long long)N, (long long)nh[b]);
+                goto fail;
+            }
+            th[b] = nh[b] + 1;
+            rh[b] = rv ? ((const int64_t *)rv->data)[b] : root;
+        }
+        size_t wsb = hs_build_tree_workspace_bytes(M), wsr = hs_tree_retrieve_workspace_bytes(T);
+        if (!(ws = hs_workspace(wsb > wsr ? wsb : wsr))) goto fail;
+        HS_CALL(hs_build_tree(tk->data, (hs_dtype)tk->dtype, pa->data, (hs_dtype)pa->dtype, B, M, se->data,
+                             (hs_dtype)se->dtype, N, nh, rh, (int64_t *)ov[0]->data, (int64_t *)ov[1]->data,
+                             (int64_t *)ov[2]->data, (uint8_t *)ov[3]->data, (int64_t *)ov[5]->data,
+                             (int64_t *)ov[6]->data, ws, wsb, &err));
+        for (int64_t b = 0; b < B; b++) { /* rows past each tree, as the kernel pads them */
+            for (int64_t i = th[b]; i < T; i++)
+                for (int k = 0; k < 3; k++) ((int64_t *)ov[k]->data)[b * T + i] = -1;
+            memset((uint8_t *)ov[3]->data + (b * T + th[b]) * T, 0, (size_t)((T - th[b]) * T));
+        }
+        HS_CALL(hs_tree_retrieve((int64_t *)ov[1]->data, (int64_t *)ov[2]->data, B, T, th, T, T, (int64_t *)ov[4]->data,
+                                ws, wsr, &err));
+    }
+    res = hs_batch_result(outs, 7);
+fail:
+    hs_gpu_end(&g, op, 0);
+    hs_views_release(&vs);
+    PyMem_Free(host);
+    PyMem_RawFree(ws);
+    for (int i = 0; i < 7; i++) Py_XDECREF(outs[i]);
+    return res;
+}
+
 /* ---- verification ---------------------------------------------------------------------------------- */
 
 /* Shared argument handling of verify_greedy / verify_sample: imports and checks the tree and logits. */
@@ -1585,6 +1703,7 @@ static PyMethodDef hs_methods[] = {
     {"select", py_select, METH_VARARGS, "select(scores, n, alloc) -> out"},
     {"build_tree", py_build_tree, METH_VARARGS, "build_tree(tokens, parents, selected, root_token, alloc)"},
     {"verify_greedy", py_verify_greedy, METH_VARARGS, "verify_greedy(tree_tokens, tree_parents, target_logits, alloc)"},
+    {"build_tree_batch", py_build_tree_batch, METH_VARARGS, "build_tree over [batch, M] candidates"},
     {"verify_greedy_batch", py_verify_greedy_batch, METH_VARARGS,
      "verify_greedy_batch(tree_tokens, tree_parents, target_logits, n, alloc, stream, check)"},
     {"verify_sample_batch", py_verify_sample_batch, METH_VARARGS,
