@@ -158,11 +158,24 @@ def expand(logits, beam_scores, beam_nodes, k, d2t=None, node_offset=0, *, strea
     )
 
 
-def select(scores, n, *, stream=None, check=True):
+def select(scores, n, *, m=None, width=None, stream=None, check=True):
     """Indices of the ``n`` highest ``scores[M]`` (ties to the lower index), in ascending order -> int64[n].
     Batched: ``scores[batch, M]`` with the same ``n`` for every row -> ``int64[batch, n]``, row by row.
+
+    Per-row sizes (batched only): ``n`` an int64 ``[batch]`` array and/or ``m`` an int64 ``[batch]`` array (row b
+    selects among its first ``m[b]`` scores), both on the scores' device -> ``int64[batch, width]`` (``width``
+    defaults to M for an array ``n``, to ``n`` for an int), row b's first ``n[b]`` entries as the unbatched call
+    on ``scores[b, :m[b]]`` gives them, the rest -1.
     """
     scores = _arr(scores)
+    n, m = _arr(n), _arr(m)
+    if m is not None or width is not None or hasattr(n, "__dlpack__") or isinstance(n, np.ndarray):
+        if not _batched(scores):
+            raise ValueError("select: argument 'n' expected an int for unbatched scores ([M]); per-row sizes (an "
+                             "array n, m or width) need [batch, M] scores")
+        if width is None:
+            width = scores.shape[1] if (hasattr(n, "__dlpack__") or isinstance(n, np.ndarray)) else n
+        return _C.select_batch(scores, n, m, width, _allocator(scores), _stream(scores, stream), check)
     return _C.select(scores, n, _allocator(scores), _stream(scores, stream), check)
 
 

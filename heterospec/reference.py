@@ -716,9 +716,40 @@ def expand(logits, beam_scores, beam_nodes, k, d2t=None, node_offset=0, *, strea
     return _expand_host(logits, beam_scores, beam_nodes, k, d2t, node_offset)
 
 
-def select(scores, n, *, stream=None, check=True):
+def select(scores, n, *, m=None, width=None, stream=None, check=True):
     """Indices of the n highest scores (ties to the lower index), in ascending index order -> int64[n].
-    Batched (scores [batch, M], the same n for every row): int64 [batch, n], row by row."""
+    Batched (scores [batch, M], the same n for every row): int64 [batch, n], row by row.  Per-row sizes (n and/or
+    m int64 [batch], output width default M for an array n, n for an int): int64 [batch, width], row b the
+    unbatched call on scores[b, :m[b]] with n[b], padded with -1."""
+    op = "select"
+    if m is not None or width is not None or _is_array_like(n):
+        if np.ndim(scores) != 2:
+            _fail(ValueError, op, "n", "an int for unbatched scores ([M]); per-row sizes (an array n, m or width) "
+                  "need [batch, M] scores", "per-row sizes")
+        x = _np_view(op, "scores", scores)
+        B, M = x.shape
+        if width is None:
+            width = M if _is_array_like(n) else n
+        width = _int(op, "width", width)
+        if not 0 <= width <= M:
+            _fail(ValueError, op, "width", f"0 <= width <= M = {M}", width)
+        if not _is_array_like(n):
+            if not 0 <= _int(op, "n", n) <= M:
+                _fail(ValueError, op, "n", f"0 <= n <= M = {M}", n)
+            if n != width:
+                _fail(ValueError, op, "width", f"n = {n} for an int n (per-row counts as an int64 [batch] array allow "
+                      "a wider output)", width)
+        counts = _row_ints(op, "n", n, B)
+        ms = _row_ints(op, "m", M if m is None else m, B)
+        out = np.full((B, width), -1, np.int64)
+        for b in range(B):
+            if not 0 <= ms[b] <= M:
+                _fail(ValueError, op, "m", f"candidate counts in [0, {M}]", ms[b])
+            if not 0 <= counts[b] <= min(ms[b], width):
+                _fail(ValueError, op, "n", f"0 <= n[b] <= min(m[b], width) = {min(ms[b], width)}",
+                      f"{counts[b]} at row {b}")
+            out[b, : counts[b]] = _select_host(x[b, : ms[b]], counts[b])
+        return out
     if np.ndim(scores) == 2:
         x = _np_view("select", "scores", scores)
         rows = [_select_host(x[b], n) for b in range(x.shape[0])]

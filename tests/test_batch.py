@@ -223,3 +223,38 @@ def test_bad_batched_build_tree(impl):
         impl.build_tree(tok[0], par[0], sel[0], 1, n=np.array([1], np.int64))
     with pytest.raises(ValueError, match=r"build_tree: argument 'selected' expected a parent-closed"):
         impl.build_tree(tok, par, np.array([[0, 1], [0, 2]], np.int64), 1)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_select_with_per_row_sizes_equals_its_rows(impl, seed):
+    """select over [batch, M] with per-row counts n and candidate counts m (ragged candidate lists): row b is
+    the unbatched call on scores[b, :m[b]], padded with -1 to the output width."""
+    rng = np.random.default_rng(90 + seed)
+    B, M = 6, 40
+    x = rng.integers(-4, 4, (B, M)).astype(np.float64)       # ties
+    m = rng.integers(0, M + 1, B).astype(np.int64)
+    n = np.array([int(rng.integers(0, c + 1)) for c in m], np.int64)
+    for kw, width in ((dict(n=n, m=m), M), (dict(n=n, m=m, width=int(n.max())), int(n.max())), (dict(n=n), M)):
+        mm = kw.get("m", np.full(B, M, np.int64))
+        out = to_numpy(impl.select(x, **kw))
+        assert out.shape == (B, width)
+        for b in range(B):
+            c = int(n[b])
+            assert out[b, :c].tolist() == to_numpy(impl.select(x[b, : mm[b]], c)).tolist()
+            assert (out[b, c:] == -1).all()
+    same = to_numpy(impl.select(x, 3, m=np.full(B, 10, np.int64)))
+    assert same.shape == (B, 3) and same.tolist() == to_numpy(impl.select(np.ascontiguousarray(x[:, :10]), 3)).tolist()
+
+
+def test_bad_per_row_select(impl):
+    x = np.zeros((2, 5))
+    with pytest.raises(ValueError, match=r"select: argument 'n' expected 0 <= n\[b\] <= min\(m\[b\], width\) = 2, got 3 at row 1"):
+        impl.select(x, np.array([1, 3], np.int64), m=np.array([5, 2], np.int64))
+    with pytest.raises(ValueError, match=r"select: argument 'm' expected candidate counts in \[0, 5\], got 6"):
+        impl.select(x, np.array([1, 1], np.int64), m=np.array([6, 2], np.int64))
+    with pytest.raises(ValueError, match=r"select: argument 'width' expected n = 2 for an int n"):
+        impl.select(x, 2, width=4)
+    with pytest.raises(TypeError, match=r"select: argument 'n' expected .*int64"):
+        impl.select(x, np.array([1, 1], np.int32))
+    with pytest.raises(ValueError, match=r"select: argument 'n' expected an int for unbatched scores"):
+        impl.select(x[0], np.array([1], np.int64))

@@ -851,3 +851,16 @@ def test_batched_build_tree_on_the_device_equals_the_cpu_batch():
         np.testing.assert_array_equal(D.get(g), np.asarray(w))
     with pytest.raises(ValueError, match=r"build_tree: argument 'root_token' expected a token id >= 0, got -2 \(row 1\)"):
         ops.build_tree(D.put(tok), D.put(par), D.put(sel), D.put(np.array([1, -2, 3, 4], np.int64)), n=D.put(counts))
+
+
+def test_select_with_per_row_sizes_on_the_device_equals_the_cpu():
+    rng = np.random.default_rng(43)
+    B, M = 5, 300
+    x = rng.integers(-3, 3, (B, M)).astype(np.float32)
+    m = np.array([300, 0, 17, 299, 120], np.int64)
+    n = np.array([59, 0, 17, 1, 60], np.int64)
+    want = ops.select(x, n, m=m, width=64)
+    got = ops.select(D.put(x), D.put(n), m=D.put(m), width=64)
+    np.testing.assert_array_equal(D.get(got), want)
+    with pytest.raises(ValueError, match=r"select: argument 'n' expected a per-row size within the buffers"):
+        ops.select(D.put(x), D.put(np.array([59, 1, 17, 1, 60], np.int64)), m=D.put(m), width=64)

@@ -700,6 +700,7 @@ __global__ void HS_BOUNDS(HS_TREE_THREADS) hs_k_select(const void *scores, int d
         if (threadIdx.x == 0) hs_report(err, HS_CE_SIZE, nb, mb);
         return;
     }
+    for (int64_t i = nb + threadIdx.x; i < N; i += blockDim.x) out[b * N + i] = -1; /* past the row's count */
     long long nan_at = 0x7fffffffffffffffll;
     for (int64_t i = threadIdx.x; i < mb; i += blockDim.x) {
         double s = hs_ld_real(scores, dt, b * M + i);

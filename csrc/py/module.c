@@ -508,6 +508,105 @@ fail:
     return NULL;
 }
 
+/* select with per-row sizes: scores [batch, M]; n an int or int64 [batch], m None (M) or int64 [batch] (row b
+ * looks at its first m[b] scores), both on the scores' device; out [batch, width], row b's first n[b] entries
+ * the ascending indices, the rest -1. */
+static PyObject *py_select_batch(PyObject *self, PyObject *args) {
+    (void)self;
+    static const char op[] = "select";
+    PyObject *o_scores, *o_n, *o_m, *o_width, *alloc, *o_stream, *o_check, *out = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOOO", &o_scores, &o_n, &o_m, &o_width, &alloc, &o_stream, &o_check)) return NULL;
+    int check;
+    int64_t width, nval = 0;
+    if (hs_parse_i64(o_width, op, "width", &width) < 0 || hs_parse_flag(o_check, op, "check", &check) < 0) return NULL;
+    hs_views vs = {.n = 0, .stream = o_stream};
+    hs_gpu g = {0};
+    void *ws = NULL;
+    int64_t *host = NULL;
+    hs_view *sc, *nv = NULL, *mv = NULL, *ov;
+    if (!(sc = hs_views_add(&vs, o_scores, op, "scores", 0)) || hs_check_ndim(sc, op, "scores", 2, "[batch, M]") < 0 ||
+        hs_check_dtype(sc, op, "scores", HS_REAL_DTYPES, "float32 or float64") < 0)
+        goto fail;
+    const int64_t B = sc->shape[0], M = sc->shape[1];
+    if (width < 0 || width > M) {
+        PyErr_Format(PyExc_ValueError, "%s: argument 'width' expected 0 <= width <= M = %lld, got %lld", op, (long long)M,
+                     (long long)width);
+        goto fail;
+    }
+    if (PyLong_Check(o_n) || PyArray_IsScalar(o_n, Integer)) {
+        if (hs_parse_i64(o_n, op, "n", &nval) < 0) goto fail;
+        if (nval < 0 || nval > M) {
+            PyErr_Format(PyExc_ValueError, "%s: argument 'n' expected 0 <= n <= M = %lld, got %lld", op, (long long)M,
+                         (long long)nval);
+            goto fail;
+        }
+    } else if (!(nv = hs_views_add(&vs, o_n, op, "n", 0)) || hs_check_ndim(nv, op, "n", 1, "[batch] (or an int)") < 0 ||
+               hs_check_dtype(nv, op, "n", HS_MASK(HS_INT64), "int64") < 0 ||
+               hs_check_dim(nv, op, "n", 0, B, "one count per batch row") < 0) {
+        goto fail;
+    }
+    if (o_m != Py_None && (!(mv = hs_views_add(&vs, o_m, op, "m", 0)) || hs_check_ndim(mv, op, "m", 1, "[batch]") < 0 ||
+                           hs_check_dtype(mv, op, "m", HS_MASK(HS_INT64), "int64") < 0 ||
+                           hs_check_dim(mv, op, "m", 0, B, "one candidate count per batch row") < 0))
+        goto fail;
+    if (nv == NULL && nval != width) { /* the kernel reads "no per-row n" as n = width */
+        PyErr_Format(PyExc_ValueError, "%s: argument 'width' expected n = %lld for an int n (per-row counts as an int64 "
+                     "[batch] array allow a wider output), got %lld", op, (long long)nval, (long long)width);
+        goto fail;
+    }
+    int64_t shp[2] = {B, width};
+    if (!(out = hs_views_alloc(&vs, alloc, op, "out", 2, shp, HS_INT64, &ov))) goto fail;
+    if (hs_gpu_begin(&g, sc, o_stream, op) < 0) goto fail;
+    if (g.on) {
+#ifdef HS_WITH_CUDA
+        if (B > 0)
+            HS_CALL(hs_cuda_select(sc->data, (hs_dtype)sc->dtype, B, M, mv ? (const int64_t *)mv->data : NULL,
+                                   nv ? (const int64_t *)nv->data : NULL, width, (int64_t *)ov->data, g.err, g.stream,
+                                   &err));
+#endif
+        if (hs_gpu_end(&g, op, check) < 0) goto fail;
+        hs_views_release(&vs);
+        return out;
+    }
+    if (B > 0) {
+        if (!(host = PyMem_Malloc((size_t)B * 2 * sizeof(int64_t)))) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        int64_t *nh = host, *mh = host + B;
+        for (int64_t b = 0; b < B; b++) {
+            nh[b] = nv ? ((const int64_t *)nv->data)[b] : nval;
+            mh[b] = mv ? ((const int64_t *)mv->data)[b] : M;
+            if (mh[b] < 0 || mh[b] > M) {
+                PyErr_Format(PyExc_ValueError, "%s: argument 'm' expected candidate counts in [0, %lld], got %lld", op,
+                             (long long)M, (long long)mh[b]);
+                goto fail;
+            }
+            if (nh[b] < 0 || nh[b] > mh[b] || nh[b] > width) {
+                PyErr_Format(PyExc_ValueError, "%s: argument 'n' expected 0 <= n[b] <= min(m[b], width) = %lld, got %lld at row %lld",
+                             op, (long long)(mh[b] < width ? mh[b] : width), (long long)nh[b], (long long)b);
+                goto fail;
+            }
+        }
+        size_t wsb = hs_select_workspace_bytes(M);
+        if (!(ws = hs_workspace(wsb))) goto fail;
+        HS_CALL(hs_select(sc->data, (hs_dtype)sc->dtype, B, M, mh, nh, width, (int64_t *)ov->data, ws, wsb, &err));
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t i = nh[b]; i < width; i++) ((int64_t *)ov->data)[b * width + i] = -1;
+    }
+    PyMem_RawFree(ws);
+    PyMem_Free(host);
+    hs_views_release(&vs);
+    return out;
+fail:
+    hs_gpu_end(&g, op, 0);
+    PyMem_RawFree(ws);
+    PyMem_Free(host);
+    hs_views_release(&vs);
+    Py_XDECREF(out);
+    return NULL;
+}
+
 /* ---- build_tree(tokens, parents, selected, root_token, alloc) -> 5 arrays -------------------------- */
 
 static PyObject *py_build_tree(PyObject *self, PyObject *args) {
@@ -1703,6 +1802,7 @@ static PyMethodDef hs_methods[] = {
     {"select", py_select, METH_VARARGS, "select(scores, n, alloc) -> out"},
     {"build_tree", py_build_tree, METH_VARARGS, "build_tree(tokens, parents, selected, root_token, alloc)"},
     {"verify_greedy", py_verify_greedy, METH_VARARGS, "verify_greedy(tree_tokens, tree_parents, target_logits, alloc)"},
+    {"select_batch", py_select_batch, METH_VARARGS, "select with per-row sizes over [batch, M] scores"},
     {"build_tree_batch", py_build_tree_batch, METH_VARARGS, "build_tree over [batch, M] candidates"},
     {"verify_greedy_batch", py_verify_greedy_batch, METH_VARARGS,
      "verify_greedy_batch(tree_tokens, tree_parents, target_logits, n, alloc, stream, check)"},
