@@ -297,7 +297,12 @@ def kv_compact(tensors, prefix_len, slots, *, stream=None, check=True):
     ``prefix_len``: an int, or an int64 array with exactly one element (shape ``[]`` or ``[1]``) on the device
     of ``slots``, read when the op runs (on CUDA by the kernel, never copied to the host: the call can be
     captured in a CUDA graph and replayed after the tensor's value changes; a negative value is a device-side
-    error, raised at ``check`` / :func:`cuda_check`, and moves nothing)."""
+    error, raised at ``check`` / :func:`cuda_check`, and moves nothing).
+
+    Batched: ``slots[batch, m]`` (each row -1-padded on its own), every tensor ``[batch, ..., S, D]`` and
+    ``prefix_len`` an int or an int64 ``[batch]`` array (on CUDA read by the kernel): request b's rows of every
+    tensor move as the unbatched call with ``slots[b]`` and ``prefix_len[b]`` would move them; every request is
+    checked before any row moves, and an error names the first failing request's problem."""
     slots = _arr(slots)
     if isinstance(tensors, KVTensors):
         tensors = tensors._c

@@ -563,17 +563,8 @@ def _prefix_len(op, x):
     return value, a
 
 
-def _kv_compact_host(tensors, prefix_len, slots):
-    """In place: row prefix_len + i <- row prefix_len + slots[i] of every [..., S, D] tensor. -> None."""
-    op = "kv_compact"
-    arrays = tensors._arrays if isinstance(tensors, KVTensors) else _kv_arrays(op, tensors)
-    prefix_len, prefix_arr = _prefix_len(op, prefix_len)
-    slots_arr = _as_array(op, "slots", slots, "ids", _ID_DTYPES, 1)
-    s = slots_arr.astype(np.int64, copy=False)
-    for name, x in (("slots", slots_arr), ("prefix_len", prefix_arr)):  # moving rows would change them mid-call
-        for j, a in enumerate(arrays):
-            if x is not None and np.may_share_memory(x, a):
-                _fail(ValueError, op, name, "memory not shared with the tensors", f"memory shared with tensors[{j}]")
+def _kv_valid_slots(op, s):
+    """One request's slot list (int64) checked as the C core does -> its valid entries (before the -1 padding)."""
     pad = np.flatnonzero(s == -1)
     if pad.size:  # -1 padding: entries from the first -1 on are ignored, and must all be -1
         first = int(pad[0])
@@ -590,18 +581,52 @@ def _kv_compact_host(tensors, prefix_len, slots):
     if (s < np.arange(m)).any():
         i = int(np.flatnonzero(s < np.arange(m))[0])
         _fail(ValueError, op, "slots", "slots[i] >= i", f"slots[{i}] = {int(s[i])}")
-    if m == 0:
-        return None
-    for i, a in enumerate(arrays):
-        if prefix_len + int(s[-1]) >= a.shape[-2]:
-            _fail(ValueError, op, "slots", f"prefix_len + slots[-1] < S = {a.shape[-2]} of tensors[{i}]",
-                  f"{prefix_len} + {int(s[-1])}")
-    dst = prefix_len + np.arange(m)
-    src = prefix_len + s
-    for a in arrays:
-        # Sequential "for i in order: row dst[i] <- row src[i]" equals this gather-then-scatter because
-        # slots is strictly ascending with slots[i] >= i: a source row is never overwritten before it is read.
-        a[..., dst, :] = a[..., src, :]
+    return s
+
+
+def _kv_compact_host(tensors, prefix_len, slots):
+    """In place: row prefix_len + i <- row prefix_len + slots[i] of every [..., S, D] tensor. -> None.  Batched
+    (slots [batch, m], every tensor [batch, ..., S, D], prefix_len an int or int64 [batch]): row b of every
+    tensor with slots[b] and prefix_len[b]; every request is checked before any row moves."""
+    op = "kv_compact"
+    arrays = tensors._arrays if isinstance(tensors, KVTensors) else _kv_arrays(op, tensors)
+    batched = np.ndim(slots) == 2
+    slots_arr = _as_array(op, "slots", slots, "ids", _ID_DTYPES, 2 if batched else 1)
+    if batched:
+        B = slots_arr.shape[0]
+        prefixes = _row_ints(op, "prefix_len", prefix_len, B)
+        prefix_arr = prefix_len if _is_array_like(prefix_len) else None
+        for j, a in enumerate(arrays):
+            if a.ndim < 3 or a.shape[0] != B:
+                _fail(ValueError, op, f"tensors[{j}]", f"an array [batch = {B}, ..., S, D] for batched slots",
+                      f"shape {tuple(a.shape)}")
+        rows = slots_arr.astype(np.int64, copy=False)
+    else:
+        value, prefix_arr = _prefix_len(op, prefix_len)
+        prefixes, rows = [value], slots_arr.astype(np.int64, copy=False)[None]
+    for name, x in (("slots", slots_arr), ("prefix_len", prefix_arr)):  # moving rows would change them mid-call
+        for j, a in enumerate(arrays):
+            if x is not None and np.may_share_memory(np.asarray(x), a):
+                _fail(ValueError, op, name, "memory not shared with the tensors", f"memory shared with tensors[{j}]")
+    if any(p < 0 for p in prefixes):
+        _fail(ValueError, op, "prefix_len", ">= 0", [p for p in prefixes if p < 0][0])
+    valid = []
+    for b, p in enumerate(prefixes):  # every request checked before anything moves
+        s = _kv_valid_slots(op, rows[b])
+        for i, a in enumerate(arrays):
+            if s.shape[0] and p + int(s[-1]) >= a.shape[-2]:
+                _fail(ValueError, op, "slots", f"prefix_len + slots[-1] < S = {a.shape[-2]} of tensors[{i}]",
+                      f"{p} + {int(s[-1])}")
+        valid.append(s)
+    for b, (p, s) in enumerate(zip(prefixes, valid)):
+        if s.shape[0] == 0:
+            continue
+        dst, src = p + np.arange(s.shape[0]), p + s
+        for a in arrays:
+            # Sequential "for i in order: row dst[i] <- row src[i]" equals this gather-then-scatter because
+            # slots is strictly ascending with slots[i] >= i: a source row is never overwritten before it is read.
+            row = a[b] if batched else a
+            row[..., dst, :] = row[..., src, :]
     return None
 
 

@@ -258,3 +258,48 @@ def test_bad_per_row_select(impl):
         impl.select(x, np.array([1, 1], np.int32))
     with pytest.raises(ValueError, match=r"select: argument 'n' expected an int for unbatched scores"):
         impl.select(x[0], np.array([1], np.int64))
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("per_row_prefix", [False, True])
+def test_kv_compact_batch_equals_its_rows(impl, seed, per_row_prefix):
+    """kv_compact with slots [batch, m] (rows -1-padded differently) on [batch, ..., S, D] tensors: request b of
+    every tensor ends as the unbatched call with slots[b] and prefix_len[b] leaves it."""
+    rng = np.random.default_rng(110 + seed)
+    B, S, m = 4, 24, 6
+    prefixes = rng.integers(0, 8, B).astype(np.int64) if per_row_prefix else 5
+    slots = np.full((B, m), -1, np.int64)
+    for b in range(B):
+        k = int(rng.integers(0, m + 1))
+        slots[b, :k] = np.sort(rng.choice(10, k, replace=False))     # distinct, ascending: slots[i] >= i
+    kv = [rng.normal(size=(B, 2, S, 4)).astype(np.float32), rng.normal(size=(B, S, 3)).astype(np.float16)]
+    want = [a.copy() for a in kv]
+    for b in range(B):
+        p = int(prefixes[b]) if per_row_prefix else 5
+        rows = [w[b] for w in want]
+        impl.kv_compact(rows, p, slots[b])
+        for w, r in zip(want, rows):
+            w[b] = r
+    impl.kv_compact(kv, prefixes, slots)
+    for got, w in zip(kv, want):
+        np.testing.assert_array_equal(got, w)
+
+
+def test_bad_batched_kv_compact(impl):
+    kv = [np.zeros((2, 10, 4), np.float32)]
+    good = np.array([[0, 2], [1, -1]], np.int64)
+    with pytest.raises(ValueError, match=r"kv_compact: argument 'slots' expected strictly ascending"):
+        impl.kv_compact(kv, 1, np.array([[0, 2], [3, 3]], np.int64))
+    with pytest.raises(ValueError, match=r"kv_compact: argument 'slots' expected prefix_len \+ slot"
+                                         r"|kv_compact: argument 'slots' expected prefix_len \+ slots\[-1\]"):
+        impl.kv_compact(kv, np.array([1, 9], np.int64), good)
+    with pytest.raises(ValueError, match=r"kv_compact: argument 'prefix_len' expected"):
+        impl.kv_compact(kv, np.array([1, 2, 3], np.int64), good)
+    with pytest.raises(ValueError, match=r"kv_compact: argument 'prefix_len' expected >= 0"):
+        impl.kv_compact(kv, np.array([1, -2], np.int64), good)
+    with pytest.raises(ValueError, match=r"kv_compact: argument 'tensors\[0\]' expected an array \[batch = 3"):
+        impl.kv_compact(kv, 1, np.zeros((3, 2), np.int64))
+    before = kv[0].copy()
+    with pytest.raises(ValueError):           # request 1 is bad: request 0 must not have moved either
+        impl.kv_compact(kv, 1, np.array([[1, 2], [5, 4]], np.int64))
+    np.testing.assert_array_equal(kv[0], before)

@@ -864,3 +864,26 @@ def test_select_with_per_row_sizes_on_the_device_equals_the_cpu():
     np.testing.assert_array_equal(D.get(got), want)
     with pytest.raises(ValueError, match=r"select: argument 'n' expected a per-row size within the buffers"):
         ops.select(D.put(x), D.put(np.array([59, 1, 17, 1, 60], np.int64)), m=D.put(m), width=64)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "uint8"])
+def test_batched_kv_compact_on_the_device_equals_the_cpu_batch(dtype):
+    """kv_compact with slots [batch, m] and a device prefix array [batch] over 65 [batch, ..., S, D] tensors (two
+    launches; 16-byte and odd rows): the CPU core's batch (tests/test_batch.py: equal to the rows); a bad request
+    moves nothing in any request."""
+    rng = np.random.default_rng(8)
+    B = 3
+    shapes = [(B, 20, 8), (B, 20, 5)] * 32 + [(B, 1, 20, 8)]
+    host = [(rng.normal(size=s) * 100).astype(dtype) for s in shapes]
+    devs = [D.put(h) for h in host]
+    slots = np.array([[0, 2, 3, -1], [1, 4, 6, 9], [-1, -1, -1, -1]], np.int64)
+    prefix = np.array([6, 2, 19], np.int64)
+    ops.kv_compact(host, prefix, slots)
+    ops.kv_compact(devs, D.put(prefix), D.put(slots))
+    for h, d in zip(host, devs):
+        np.testing.assert_array_equal(D.get(d), h)
+    before = [D.get(d).copy() for d in devs]
+    with pytest.raises(ValueError, match=r"kv_compact: argument 'slots' expected prefix_len \+ slot < S = 20, got 12 \+ 9"):
+        ops.kv_compact(devs, D.put(np.array([0, 12, 0], np.int64)), D.put(slots))
+    for b, d in zip(before, devs):
+        np.testing.assert_array_equal(D.get(d), b)

@@ -190,7 +190,7 @@ case("kv-1d", ValueError, "tensors", lambda m: m.kv_compact([np.zeros(10)], 2, S
 case("kv-noncontig", ValueError, "tensors", lambda m: m.kv_compact([kv_t(), noncontig(kv_t())], 2, SL))
 case("kv-readonly", BufferError, "tensors", lambda m: m.kv_compact([readonly()], 2, SL))
 case("kv-slots-float", TypeError, "slots", lambda m: m.kv_compact([kv_t()], 2, SL.astype(np.float64)))
-case("kv-slots-2d", ValueError, "slots", lambda m: m.kv_compact([kv_t()], 2, SL.reshape(1, 2)))
+case("kv-slots-3d", ValueError, "slots", lambda m: m.kv_compact([kv_t()], 2, SL.reshape(1, 1, 2)))
 case("kv-slots-order", ValueError, "slots",
      lambda m: m.kv_compact([kv_t()], 2, np.array([3, 1])), lambda m: m.kv_compact([kv_t()], 2, np.array([2, 2])))
 case("kv-slots-below-i", ValueError, "slots",

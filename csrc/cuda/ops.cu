@@ -1676,48 +1676,60 @@ struct hs_kv_batch {
     int count;
 };
 
-/* Blocks [0, first_block[count]) move the rows of one (tensor, leading index) each; a launch for no rows has one
- * block that only checks.  Every block first checks prefix and slots (in parallel over the entries, two block
- * reductions), so a bad call moves nothing anywhere; block 0 records the error the CPU core would raise (the
- * first -1 entry ends the list; a non-(-1) entry after it first, then the valid entries in order). */
-__global__ void HS_BOUNDS(HS_KV_THREADS) hs_k_kv_compact(hs_kv_batch kb, const int64_t *prefix_dev, int64_t prefix_host,
-                                                         const void *slots, int sdt, int64_t m, int64_t min_S,
-                                                         hs_cuda_error *err) {
-    long long *red = (long long *)hs_smem();
-    const int64_t prefix = prefix_dev ? *prefix_dev : prefix_host; /* read when the kernel runs (graph replays) */
+/* One request's slot list: its first -1 (*mv: the valid count) and the first violation as a key (HS_KV_NONE if
+ * none): -1 a negative prefix, i a non-(-1) entry after the padding began, m + i an invalid entry i < mv.  In
+ * parallel over the entries (two block reductions); every thread gets the results. */
+__device__ long long hs_kv_row_check(const void *slots, int sdt, int64_t base, int64_t m, int64_t prefix, int64_t min_S,
+                                     long long *red, int64_t *mv_out) {
     const int64_t t0 = threadIdx.x, step = blockDim.x;
     long long first = HS_KV_NONE; /* the first -1: this thread's first hit is its lowest */
     for (int64_t i = t0; i < m; i += step)
-        if (hs_ld_id(slots, sdt, i) == -1) {
+        if (hs_ld_id(slots, sdt, base + i) == -1) {
             first = i;
             break;
         }
     first = hs_block_reduce(first, red, hs_op_min());
     const int64_t mv = first == HS_KV_NONE ? m : first;
-    /* the first violation as a key: -1 a negative prefix, i a non-(-1) entry after the padding began, m + i an
-     * invalid entry i < mv */
     long long bad = prefix < 0 ? -1 : HS_KV_NONE;
     if (prefix >= 0) {
         const int64_t lim = min_S - prefix; /* prefix + s < min_S <=> s < lim, without overflow */
         for (int64_t i = t0; i < m; i += step) {
-            const int64_t s = hs_ld_id(slots, sdt, i);
+            const int64_t s = hs_ld_id(slots, sdt, base + i);
             long long key = HS_KV_NONE;
             if (i > mv) key = s != -1 ? i : HS_KV_NONE;
-            else if (i < mv && (s < i || (i > 0 && s <= hs_ld_id(slots, sdt, i - 1)) || s >= lim)) key = m + i;
+            else if (i < mv && (s < i || (i > 0 && s <= hs_ld_id(slots, sdt, base + i - 1)) || s >= lim)) key = m + i;
             bad = key < bad ? key : bad;
         }
     }
-    bad = hs_block_reduce(bad, red, hs_op_min());
-    if (bad != HS_KV_NONE) {
+    *mv_out = mv;
+    return hs_block_reduce(bad, red, hs_op_min());
+}
+
+/* Blocks [0, first_block[count]) move the rows of one (tensor, leading index) each; a launch for no rows has one
+ * block that only checks.  Every block first checks the prefixes and slots of every request (in order, in
+ * parallel over the entries), so a bad call moves nothing anywhere; block 0 records the error the CPU core
+ * would raise (the first failing request; in it the first -1 entry ends the list; a non-(-1) entry after it
+ * first, then the valid entries in order).  Each tensor is [batch * inner', S, row]: leading index h belongs
+ * to request h / inner'. */
+__global__ void HS_BOUNDS(HS_KV_THREADS) hs_k_kv_compact(hs_kv_batch kb, int64_t batch, const int64_t *prefix_dev,
+                                                         int64_t prefix_host, const void *slots, int sdt, int64_t m,
+                                                         int64_t min_S, hs_cuda_error *err) {
+    long long *red = (long long *)hs_smem();
+    for (int64_t rb = 0; rb < batch; rb++) {
+        const int64_t prefix = prefix_dev ? prefix_dev[rb] : prefix_host; /* read when the kernel runs (graph replays) */
+        int64_t mv;
+        const long long bad = hs_kv_row_check(slots, sdt, rb * m, m, prefix, min_S, red, &mv);
+        if (bad == HS_KV_NONE) continue;
         if (blockIdx.x == 0 && threadIdx.x == 0) {
+            const int64_t base = rb * m;
             if (bad < 0) {
                 hs_report(err, HS_CE_PREFIX_NEG, prefix);
             } else if (bad < m) {
-                hs_report(err, HS_CE_SLOT_PAD, hs_ld_id(slots, sdt, bad), bad, mv);
+                hs_report(err, HS_CE_SLOT_PAD, hs_ld_id(slots, sdt, base + bad), bad, mv);
             } else {
-                const int64_t i = bad - m, s = hs_ld_id(slots, sdt, i);
+                const int64_t i = bad - m, s = hs_ld_id(slots, sdt, base + i);
                 if (s < i) hs_report(err, HS_CE_SLOT_LT_I, i, s);
-                else if (i > 0 && s <= hs_ld_id(slots, sdt, i - 1)) hs_report(err, HS_CE_SLOT_ORDER, s, i, hs_ld_id(slots, sdt, i - 1));
+                else if (i > 0 && s <= hs_ld_id(slots, sdt, base + i - 1)) hs_report(err, HS_CE_SLOT_ORDER, s, i, hs_ld_id(slots, sdt, base + i - 1));
                 else hs_report(err, HS_CE_SLOT_RANGE, prefix, s, i, min_S);
             }
         }
@@ -1727,12 +1739,15 @@ __global__ void HS_BOUNDS(HS_KV_THREADS) hs_k_kv_compact(hs_kv_batch kb, const i
     int ti = 0;
     while (ti + 1 < kb.count && (int64_t)blockIdx.x >= kb.first_block[ti + 1]) ti++;
     const hs_kv_tensor t = kb.t[ti];
-    const int64_t h = blockIdx.x - kb.first_block[ti];
+    const int64_t h = blockIdx.x - kb.first_block[ti], rb = h / (t.inner / batch), base = rb * m;
+    const int64_t prefix = prefix_dev ? prefix_dev[rb] : prefix_host;
+    int64_t mv;
+    (void)hs_kv_row_check(slots, sdt, base, m, prefix, min_S, red, &mv); /* this block's request's count */
     char *seq = (char *)t.data + (size_t)h * (size_t)t.S * (size_t)t.row_bytes;
     /* each thread moves the same byte range of every row, in row order: the in-place order of the CPU */
     const int wide = ((uintptr_t)t.data % 16 == 0) && (t.row_bytes % 16 == 0);
     for (int64_t i = 0; i < mv; i++) {
-        int64_t s = hs_ld_id(slots, sdt, i);
+        int64_t s = hs_ld_id(slots, sdt, base + i);
         /* cannot fail after the checks above; re-tested on the value used, so that no write can ever leave the
          * tensor (even if the slot memory changed under us) */
         if (s < i || s >= t.S - prefix) break;
@@ -1754,10 +1769,12 @@ __global__ void HS_BOUNDS(HS_KV_THREADS) hs_k_kv_compact(hs_kv_batch kb, const i
     }
 }
 
-extern "C" hs_status hs_cuda_kv_compact(const hs_kv_tensor *tensors, int64_t count, const int64_t *prefix_dev,
-                                        int64_t prefix_len, const void *slots, hs_dtype slot_dtype, int64_t m,
-                                        hs_cuda_error *err, void *stream, hs_error *herr) {
+extern "C" hs_status hs_cuda_kv_compact(const hs_kv_tensor *tensors, int64_t count, int64_t batch,
+                                        const int64_t *prefix_dev, int64_t prefix_len, const void *slots,
+                                        hs_dtype slot_dtype, int64_t m, hs_cuda_error *err, void *stream, hs_error *herr) {
     static const char op[] = "kv_compact";
+    if (batch < 1)
+        return hs_fail(herr, HS_ERR_VALUE, op, "slots", "expected at least one request, got batch %lld", (long long)batch);
     if (slot_dtype != HS_INT32 && slot_dtype != HS_INT64)
         return hs_fail(herr, HS_ERR_DTYPE, op, "slots", "expected int32 or int64, got %s", hs_dtype_name(slot_dtype));
     if (prefix_dev == NULL && prefix_len < 0)
@@ -1770,6 +1787,9 @@ extern "C" hs_status hs_cuda_kv_compact(const hs_kv_tensor *tensors, int64_t cou
         if (tensors[i].S < 0 || tensors[i].inner < 0 || tensors[i].row_bytes < 0)
             return hs_fail(herr, HS_ERR_VALUE, op, "tensors", "expected non-negative sizes, got S %lld, inner %lld, row %lld bytes",
                            (long long)tensors[i].S, (long long)tensors[i].inner, (long long)tensors[i].row_bytes);
+        if (tensors[i].inner % batch != 0)
+            return hs_fail(herr, HS_ERR_VALUE, op, "tensors", "expected leading rows in whole requests (a multiple of "
+                           "batch = %lld), got %lld", (long long)batch, (long long)tensors[i].inner);
         min_S = tensors[i].S < min_S ? tensors[i].S : min_S;
     }
     if (m == 0 && prefix_dev == NULL) return HS_OK; /* nothing to check, nothing to move */
@@ -1790,7 +1810,7 @@ extern "C" hs_status hs_cuda_kv_compact(const hs_kv_tensor *tensors, int64_t cou
                            (long long)blocks);
         /* at least one block: the checks run (and a bad device prefix is recorded) even with nothing to move */
         int rc = HS_LAUNCH(hs_k_kv_compact, blocks > 0 ? blocks : 1, HS_KV_THREADS, HS_KV_THREADS * sizeof(long long),
-                           stream, kb, prefix_dev, prefix_len, slots, (int)slot_dtype, m, min_S, err);
+                           stream, kb, batch, prefix_dev, prefix_len, slots, (int)slot_dtype, m, min_S, err);
         hs_status s = hs_launched(rc, op, herr);
         if (s != HS_OK) return s;
         first += kb.count;

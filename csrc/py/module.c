@@ -1453,25 +1453,34 @@ static int hs_kv_check_disjoint(const hs_kv_set *ks, const hs_view *v, const cha
     return 0;
 }
 
-/* prefix_len: a Python int (or NumPy integer scalar), or an int64 array with exactly one element (shape [] or
- * [1]) on the device of 'slots'.  A CPU array is read now; a CUDA one is left to the kernel (*dev). */
-static int hs_parse_prefix(hs_views *vs, PyObject *o, const char *op, int64_t *val, const int64_t **dev, hs_view **view) {
+/* prefix_len: a Python int (or NumPy integer scalar), or an int64 array on the device of 'slots': exactly one
+ * element (shape [] or [1]) for unbatched slots, [batch] for batched ones (B > 0).  A CPU array is copied to
+ * host[0..B) (host[0] for unbatched); a CUDA one is left to the kernel (*dev).  An int goes to host[0..B). */
+static int hs_parse_prefix(hs_views *vs, PyObject *o, const char *op, int64_t B, int64_t *host, const int64_t **dev,
+                           hs_view **view) {
     static const char arg[] = "prefix_len";
+    const int64_t rows = B > 0 ? B : 1;
     *dev = NULL;
     *view = NULL;
-    *val = 0;
     int is_array = !PyLong_Check(o) && !PyArray_IsScalar(o, Generic) &&
                    (PyArray_Check(o) || PyObject_HasAttrString(o, "__dlpack__"));
     if (!is_array) {
-        if (hs_parse_i64(o, op, arg, val) < 0) return -1;
+        int64_t val;
+        if (hs_parse_i64(o, op, arg, &val) < 0) return -1;
+        for (int64_t b = 0; b < rows; b++) host[b] = val;
     } else {
         hs_view *v = hs_views_add(vs, o, op, arg, 0);
         if (v == NULL) return -1;
         if (hs_check_dtype(v, op, arg, HS_MASK(HS_INT64), "int64 (or a Python int)") < 0) return -1;
-        if (v->ndim > 1 || hs_view_nbytes(v) != 8) {
-            PyErr_Format(PyExc_ValueError, "%s: argument '%s' expected an int or an int64 array with exactly one "
-                         "element (shape [] or [1]), got %d-D with %lld elements", op, arg, v->ndim,
-                         (long long)(hs_view_nbytes(v) / 8));
+        if (B > 0 ? (v->ndim != 1 || v->shape[0] != B) : (v->ndim > 1 || hs_view_nbytes(v) != 8)) {
+            if (B > 0)
+                PyErr_Format(PyExc_ValueError, "%s: argument '%s' expected an int or an int64 array [batch] = [%lld] "
+                             "(one prefix length per request), got %d-D with %lld elements", op, arg, (long long)B,
+                             v->ndim, (long long)(hs_view_nbytes(v) / 8));
+            else
+                PyErr_Format(PyExc_ValueError, "%s: argument '%s' expected an int or an int64 array with exactly one "
+                             "element (shape [] or [1]), got %d-D with %lld elements", op, arg, v->ndim,
+                             (long long)(hs_view_nbytes(v) / 8));
             return -1;
         }
         *view = v;
@@ -1479,12 +1488,13 @@ static int hs_parse_prefix(hs_views *vs, PyObject *o, const char *op, int64_t *v
             *dev = (const int64_t *)v->data;
             return 0;
         }
-        *val = *(const int64_t *)v->data;
+        memcpy(host, v->data, (size_t)rows * sizeof(int64_t));
     }
-    if (*val < 0) {
-        PyErr_Format(PyExc_ValueError, "%s: argument '%s' expected >= 0, got %lld", op, arg, (long long)*val);
-        return -1;
-    }
+    for (int64_t b = 0; b < rows; b++)
+        if (host[b] < 0) {
+            PyErr_Format(PyExc_ValueError, "%s: argument '%s' expected >= 0, got %lld", op, arg, (long long)host[b]);
+            return -1;
+        }
     return 0;
 }
 
@@ -1517,7 +1527,7 @@ static PyObject *py_kv_compact(PyObject *self, PyObject *args) {
     const hs_kv_set *ks = prepared ? &((hs_kvt_object *)o_tensors)->set : &own;
     hs_view *sl, *pv = NULL;
     const int64_t *prefix_dev = NULL;
-    int64_t prefix = 0;
+    int64_t *host = NULL; /* prefix lengths [B], then the slot counts [B] */
     PyObject *result = NULL;
     if (prepared && ks->device_type != 0) {
         /* slots must live where the prepared tensors do */
@@ -1530,28 +1540,48 @@ static PyObject *py_kv_compact(PyObject *self, PyObject *args) {
     } else if (!(sl = hs_views_add(&vs, o_slots, op, "slots", 0))) {
         goto fail;
     }
-    if (hs_check_ndim(sl, op, "slots", 1, "[m]") < 0 || hs_check_dtype(sl, op, "slots", HS_ID_DTYPES, "int32 or int64") < 0)
+    /* batched: slots [batch, m], every tensor [batch, ..., S, D], prefix_len an int or int64 [batch] */
+    const int bt = sl->ndim == 2;
+    if (hs_check_ndim(sl, op, "slots", bt ? 2 : 1, bt ? "[batch, m]" : "[m]") < 0 ||
+        hs_check_dtype(sl, op, "slots", HS_ID_DTYPES, "int32 or int64") < 0)
         goto fail;
-    if (hs_parse_prefix(&vs, o_prefix, op, &prefix, &prefix_dev, &pv) < 0) goto fail;
+    const int64_t B = bt ? sl->shape[0] : 1, m = sl->shape[bt];
+    if (!(host = PyMem_Malloc((size_t)(B > 0 ? B : 1) * 2 * sizeof(int64_t)))) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    if (hs_parse_prefix(&vs, o_prefix, op, bt ? B : 0, host, &prefix_dev, &pv) < 0) goto fail;
     if (!prepared && hs_kv_set_import(&own, o_tensors, op, o_stream, sl, "slots") < 0) goto fail;
     if (hs_kv_check_disjoint(ks, sl, op, "slots") < 0 || (pv && hs_kv_check_disjoint(ks, pv, op, "prefix_len") < 0))
         goto fail;
-    int64_t m = sl->shape[0];
+    for (Py_ssize_t i = 0; bt && i < ks->count; i++)
+        if (ks->views[i].ndim < 3 || ks->views[i].shape[0] != B) {
+            PyErr_Format(PyExc_ValueError, "%s: argument 'tensors[%zd]' expected an array [batch = %lld, ..., S, D] for "
+                         "batched slots, got ndim %d with leading size %lld", op, i, (long long)B, ks->views[i].ndim,
+                         (long long)ks->views[i].shape[0]);
+            goto fail;
+        }
+    if (B == 0) {
+        result = Py_NewRef(Py_None);
+        goto fail;
+    }
     if (hs_gpu_begin(&g, sl, o_stream, op) < 0) goto fail;
     if (g.on) {
 #ifdef HS_WITH_CUDA
-        /* the kernel checks prefix and slots against every S before it moves anything */
-        HS_CALL(hs_cuda_kv_compact(ks->desc, ks->count, prefix_dev, prefix, sl->data, (hs_dtype)sl->dtype, m, g.err,
+        /* the kernel checks prefixes and slots against every S before it moves anything */
+        HS_CALL(hs_cuda_kv_compact(ks->desc, ks->count, B, prefix_dev, host[0], sl->data, (hs_dtype)sl->dtype, m, g.err,
                                    g.stream, &err));
 #endif
         if (hs_gpu_end(&g, op, check) < 0) goto fail;
         result = Py_NewRef(Py_None);
         goto fail;
     }
+    int64_t *counts = host + B;
+    for (int64_t b = 0; b < B; b++) counts[b] = m;
     {
         /* validate against the shortest S before any tensor is modified (also without tensors) */
         hs_error err;
-        hs_status st = hs_kv_compact_check(1, ks->min_S, &prefix, sl->data, (hs_dtype)sl->dtype, m, &m, &err);
+        hs_status st = hs_kv_compact_check(B, ks->min_S, host, sl->data, (hs_dtype)sl->dtype, m, counts, &err);
         if (st != HS_OK) {
             hs_raise(st, &err);
             goto fail;
@@ -1560,13 +1590,15 @@ static PyObject *py_kv_compact(PyObject *self, PyObject *args) {
     /* every tensor validated: now move the rows */
     for (Py_ssize_t i = 0; i < ks->count; i++) {
         const hs_kv_desc *d = &ks->desc[i];
-        HS_CALL(hs_kv_compact(d->data, 1, d->inner, d->S, d->row_bytes, &prefix, sl->data, (hs_dtype)sl->dtype, m, &m, &err));
+        HS_CALL(hs_kv_compact(d->data, B, d->inner / B, d->S, d->row_bytes, host, sl->data, (hs_dtype)sl->dtype, m,
+                              counts, &err));
     }
     result = Py_NewRef(Py_None);
 fail:
     hs_gpu_end(&g, op, 0);
     hs_kv_set_release(&own);
     hs_views_release(&vs);
+    PyMem_Free(host);
     return result;
 }
 

@@ -98,14 +98,16 @@ typedef struct hs_kv_tensor {
 } hs_kv_tensor;
 #define HS_CUDA_KV_MAX_TENSORS 64 /* per launch; hs_cuda_kv_compact launches once per 64 tensors */
 
-/* Every tensor in one launch (batch 1): slots [m] on the device, -1-padded as in hs_kv_compact, checked on
- * the device against every tensor's S before any row moves (a bad slot list moves nothing).  prefix_dev: a
- * device int64 read by the kernel when it runs (so a captured graph sees its current value; a negative one
- * is a recorded error), or NULL for the host value prefix_len.  slots and *prefix_dev must not overlap a
- * tensor (the binding refuses it); even then every row index is bounds-checked before it is written. */
-hs_status hs_cuda_kv_compact(const hs_kv_tensor *tensors, int64_t count, const int64_t *prefix_dev, int64_t prefix_len,
-                             const void *slots, hs_dtype slot_dtype, int64_t m, hs_cuda_error *err, void *stream,
-                             hs_error *herr);
+/* Every tensor in one launch, for `batch` requests: slots [batch, m] on the device, each row -1-padded as in
+ * hs_kv_compact, checked on the device against every tensor's S before any row moves (a bad slot list moves
+ * nothing); each tensor is [batch * inner', S, row_bytes] (its leading rows in request order, inner a multiple
+ * of batch).  prefix_dev: device int64 [batch] read by the kernel when it runs (so a captured graph sees the
+ * current values; a negative one is a recorded error), or NULL for the host value prefix_len in every row.
+ * slots and *prefix_dev must not overlap a tensor (the binding refuses it); even then every row index is
+ * bounds-checked before it is written. */
+hs_status hs_cuda_kv_compact(const hs_kv_tensor *tensors, int64_t count, int64_t batch, const int64_t *prefix_dev,
+                             int64_t prefix_len, const void *slots, hs_dtype slot_dtype, int64_t m, hs_cuda_error *err,
+                             void *stream, hs_error *herr);
 
 hs_status hs_cuda_bucketize(const void *values, hs_dtype value_dtype, int64_t N, const void *thresholds,
                             hs_dtype threshold_dtype, int64_t T, int32_t *out, hs_cuda_error *err, void *stream,
