@@ -114,7 +114,7 @@ case("se-noncontig", ValueError, "scores", lambda m: m.select(noncontig(S), 2))
 case("bt-float-tokens", TypeError, "tokens", lambda m: m.build_tree(BT_TOK.astype(np.float32), BT_PAR, BT_SEL, 0))
 case("bt-float-parents", TypeError, "parents", lambda m: m.build_tree(BT_TOK, BT_PAR.astype(np.float64), BT_SEL, 0))
 case("bt-float-selected", TypeError, "selected", lambda m: m.build_tree(BT_TOK, BT_PAR, BT_SEL.astype(np.float64), 0))
-case("bt-tokens-2d", ValueError, "tokens", lambda m: m.build_tree(BT_TOK.reshape(2, 2), BT_PAR, BT_SEL, 0))
+case("bt-tokens-3d", ValueError, "tokens", lambda m: m.build_tree(BT_TOK.reshape(1, 2, 2), BT_PAR, BT_SEL, 0))
 case("bt-parents-len", ValueError, "parents", lambda m: m.build_tree(BT_TOK, BT_PAR[:3], np.array([0, 1]), 0))
 case("bt-selected-order", ValueError, "selected",
      lambda m: m.build_tree(BT_TOK, BT_PAR, np.array([1, 0]), 0),
