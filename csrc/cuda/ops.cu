@@ -184,7 +184,7 @@ __device__ void hs_collect_sorted(const KeyFn &key, int64_t n, int64_t k, const 
 #define HS_CAND_MAX 256   /* the largest K the split path takes (expand k, verify_sample top_k) */
 #define HS_TOPP_CAND 128  /* candidates per chunk for a top-p cut without top-k */
 #define HS_FILTER_CAP 2048
-#define HS_SORT_MAX 2048  /* sorted candidates a verify_sample merge keeps */
+#define HS_SORT_MAX 1536  /* sorted candidates a verify_sample merge keeps (its shared memory stays under 48 KB) */
 #define HS_CHUNK_THREADS HS_TREE_THREADS
 
 /* Entries per chunk for `rows` rows of V: spread over about HS_TARGET_BLOCKS blocks, at least HS_CHUNK_MIN
