@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -123,8 +124,139 @@ def check_device(text):
     return str(dev)
 
 
-def _parse_floats(text):
-    return tuple(float(t) for t in text.split(",") if t.strip())
+class UsageError(ValueError):
+    """A bad command-line argument: ``str(e)`` is "argument --x: expected ..., got ..." (one line)."""
+
+    def __init__(self, arg, msg):
+        super().__init__(f"argument {arg}: {msg}")
+
+
+def _need(cond, arg, expected, got):
+    if not cond:
+        raise UsageError(arg, f"expected {expected}, got {got}")
+
+
+def _check_target(args):
+    """--target 'default' or an HF model directory (with --gguf-file inside it, if given)."""
+    import os
+
+    if args.target == "default":
+        return
+    _need(os.path.isdir(args.target), "--target", "'default' (SmolLM2-135M-Instruct) or an HF model directory",
+          f"{args.target!r} (no such directory)")
+    if getattr(args, "gguf_file", None):
+        path = os.path.join(args.target, args.gguf_file)
+        _need(os.path.isfile(path), "--gguf-file", f"a GGUF file inside --target {args.target!r}",
+              f"{args.gguf_file!r} (no such file)")
+
+
+def _check_draft(draft):
+    """--draft 'default' or an EAGLE-3 head directory whose config.json is a JSON object."""
+    import os
+
+    if draft in (None, "default"):
+        return
+    cfg = os.path.join(draft, "config.json")
+    _need(os.path.isdir(draft), "--draft", "'default' (the shipped head) or an EAGLE-3 head directory",
+          f"{draft!r} (no such directory)")
+    _need(os.path.isfile(cfg), "--draft", "an EAGLE-3 head directory with config.json and weights",
+          f"{draft!r} (no config.json in it)")
+    try:
+        with open(cfg) as f:
+            ok = isinstance(json.load(f), dict)
+    except (OSError, ValueError) as e:
+        raise UsageError("--draft", f"expected a JSON object in {cfg}, got unreadable JSON ({e})") from None
+    _need(ok, "--draft", f"a JSON object in {cfg}", "another JSON value")
+
+
+def _check_tree(args):
+    _need(args.depth >= 1, "--depth", "an int >= 1", args.depth)
+    _need(args.top_k_tree >= 1, "--top-k-tree", "an int >= 1", args.top_k_tree)
+    _need(args.total_tokens >= 2, "--total-tokens", "an int >= 2 (the root and at least one draft node)",
+          args.total_tokens)
+
+
+def _thresholds(text):
+    try:
+        values = tuple(float(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise UsageError("--thresholds", f"expected comma-separated numbers such as 0.5,1.2,2.0, got {text!r}") from None
+    import math
+
+    _need(1 <= len(values) <= 7 and all(math.isfinite(v) for v in values)
+          and all(a < b for a, b in zip(values, values[1:])),
+          "--thresholds", "1 to 7 finite, strictly ascending entropy thresholds", repr(text))
+    return values
+
+
+def _load_policy(path, args):
+    from ..policy.calibrate import load_profile
+
+    try:
+        return load_profile(path, target_id=str(args.target), draft_id=str(args.draft))[0]
+    except ValueError as e:
+        raise UsageError("--policy", "expected a profile JSON written by heterospec calibrate, or 'paper', got "
+                         f"{path!r} ({str(e).split(': ', 1)[-1]})") from None
+
+
+def resolve_generate(args):
+    """Check `generate`'s arguments before any model loads and decide what runs: sets ``args.method``,
+    ``args.draft`` and ``args.policy_obj`` (a Policy) and ``args.policy_what``.  Raises UsageError.
+
+    The method is --method (default heterospec).  ``--policy PROFILE|paper`` means what it means in ``demo``
+    and needs --method heterospec; without it heterospec uses --thresholds (the paper's rule on them) or, with
+    the shipped head, the shipped calibrated profile.  --draft defaults to the shipped head for --target
+    default."""
+    from ..models.default import DEFAULT_HEAD, DEFAULT_PROFILE
+    from ..policy import Policy
+
+    _need(args.max_new_tokens >= 1, "--max-new-tokens", "an int >= 1", args.max_new_tokens)
+    import math
+
+    _need(math.isfinite(args.temperature) and args.temperature >= 0, "--temperature",
+          "a finite value >= 0 (0: greedy)", args.temperature)
+    _need(args.top_k >= 0, "--top-k", "an int >= 0 (0: off)", args.top_k)
+    _need(0 < args.top_p <= 1, "--top-p", "a value in (0, 1]", args.top_p)
+    _check_tree(args)
+    _check_target(args)
+    method = args.method or "heterospec"
+    if args.policy and method != "heterospec":
+        raise UsageError("--policy", f"expected it only with --method heterospec (a policy shapes HeteroSpec's "
+                                     f"trees), got --method {method} with --policy {args.policy}")
+    thresholds = _thresholds(args.thresholds) if args.thresholds else None
+    if method == "ar":
+        args.draft = None
+    elif args.draft is None:
+        if args.target != "default":
+            raise UsageError("--draft", f"expected an EAGLE-3 head directory for --method {method} with --target "
+                                        f"{args.target} ('default' is the shipped head for SmolLM2-135M-Instruct; "
+                                        "--method ar needs none), got none")
+        args.draft = "default"
+    _check_draft(args.draft)
+    shipped = args.draft == "default" or (args.draft and os.path.abspath(args.draft) == os.path.abspath(DEFAULT_HEAD))
+    if method == "ar":
+        policy, what = Policy.autoregressive(), "autoregressive"
+    elif method == "eagle3":
+        policy = Policy.static(args.depth, args.top_k_tree, args.total_tokens)
+        what = f"static tree depth {args.depth}, top_k {args.top_k_tree}, {args.total_tokens} nodes"
+    elif args.policy and args.policy != "paper":
+        policy, what = _load_policy(args.policy, args), f"calibrated profile {args.policy}"
+    elif thresholds is not None or args.policy == "paper":
+        if thresholds is None:
+            if not shipped:
+                raise UsageError("--policy", "expected --thresholds s1,...,s7 with --policy paper for a draft other "
+                                             f"than the shipped head, got --draft {args.draft} without them")
+            thresholds = _load_policy(DEFAULT_PROFILE, args).thresholds
+        policy = Policy.paper(args.depth, args.top_k_tree, args.total_tokens, thresholds)
+        what = f"the paper's rule on entropy bins {', '.join(f'{t:.3g}' for t in thresholds)}"
+    elif shipped:
+        policy, what = _load_policy(DEFAULT_PROFILE, args), "the shipped calibrated profile"
+    else:
+        raise UsageError("--method", f"expected a profile for HeteroSpec with --draft {args.draft}: pass --policy "
+                                     "PROFILE (heterospec calibrate), --thresholds s1,...,s7 (the paper's rule) or "
+                                     "--method eagle3, got --method heterospec without them")
+    args.method, args.policy_obj, args.policy_what = method, policy, what
+    return args
 
 
 def generate_cmd(args, out=None):
@@ -132,32 +264,18 @@ def generate_cmd(args, out=None):
     out = sys.stdout if out is None else out   # the stdout of the call, not of the import
     from transformers import TextStreamer
 
-    from ..policy import Policy
     from .. import HeteroSpec
 
-    if (args.method != "ar" or args.policy) and not args.draft:
-        raise SystemExit(f"heterospec generate: --method {args.method} needs --draft PATH")
-    if args.method == "ar" and not args.policy:
-        args.draft = None
+    if not hasattr(args, "policy_obj"):
+        resolve_generate(args)
     tokenizer, target, draft = load_pair(args, args.device)
-    if args.policy:
-        from ..policy.calibrate import load_profile
-
-        policy, _, _ = load_profile(args.policy, target_id=str(args.target), draft_id=str(args.draft))
-    elif args.method == "ar":
-        policy = Policy.autoregressive()
-    elif args.method == "eagle3":
-        policy = Policy.static(args.depth, args.top_k_tree, args.total_tokens)
-    else:
-        if not args.thresholds:
-            raise SystemExit("heterospec generate: --method heterospec needs --thresholds s1,...,s7 "
-                             "(the entropy bins of this model pair)")
-        policy = Policy.paper(args.depth, args.top_k_tree, args.total_tokens, _parse_floats(args.thresholds))
+    policy = args.policy_obj
     ids = encode(tokenizer, args.prompt, not args.no_chat_template).to(args.device)
     streamer = TextStreamer(tokenizer, skip_prompt=True)
     eos = tokenizer.eos_token_id if args.eos else None
     graphs = {"on": True, "off": False, "auto": "auto"}[getattr(args, "cuda_graphs", "off")]   # auto: falls back
-    with HeteroSpec(target, draft, policy, cuda_graphs=graphs) as hs:
+    print(f"[{args.method}] {args.policy_what}", file=out)
+    with HeteroSpec(target, draft if policy.drafts else None, policy, cuda_graphs=graphs) as hs:
         seq, stats = hs.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  top_k=args.top_k, top_p=args.top_p, eos_token_id=eos, streamer=streamer,
                                  seed=args.seed)
@@ -319,9 +437,10 @@ def main(argv=None):
                    "'default' (SmolLM2-135M-Instruct)")
     g.add_argument("--gguf-file", default=None)
     g.add_argument("--draft", default=None, help="EAGLE-3 draft directory (config.json + weights), or 'default' "
-                   "(the shipped head)")
+                   "(the shipped head; the default with --target default)")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--method", choices=["ar", "eagle3", "heterospec"], default="eagle3")
+    g.add_argument("--method", choices=["ar", "eagle3", "heterospec"], default=None,
+                   help="ar (no draft), eagle3 (static tree) or heterospec (entropy-adaptive trees; the default)")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0, help="sampling top-k (0: off)")
@@ -330,12 +449,16 @@ def main(argv=None):
     g.add_argument("--depth", type=int, default=7)
     g.add_argument("--top-k-tree", type=int, default=10, help="draft tree branching / beam width")
     g.add_argument("--total-tokens", type=int, default=60, help="verified tree nodes, root included")
-    g.add_argument("--thresholds", default="", help="7 ascending entropy thresholds for --method heterospec")
+    g.add_argument("--thresholds", default="",
+                   help="1 to 7 ascending entropy thresholds: --method heterospec with the paper's rule on them")
     g.add_argument("--device", default="cpu", help="where the target and the draft run: cpu, cuda, cuda:1, ...")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--no-chat-template", action="store_true")
     g.add_argument("--no-eos", dest="eos", action="store_false", help="do not stop at the tokenizer's EOS")
-    g.add_argument("--policy", default=None, help="a calibrated profile (heterospec calibrate --out)")
+    g.add_argument("--policy", default=None,
+                   help="--method heterospec's policy: a profile JSON (heterospec calibrate --out), or 'paper' for "
+                        "the paper's rule on --thresholds (or on the shipped bins with the shipped head); default: "
+                        "the shipped calibrated profile with the shipped head")
     g.add_argument("--cuda-graphs", default="off", choices=["auto", "on", "off"],
                    help="record the decoding cycle's steps once per tree shape and replay them as CUDA graphs "
                         "(auto: on with a CUDA --device)")
@@ -402,6 +525,11 @@ def main(argv=None):
             parser.exit(2, f"heterospec {args.cmd}: error: argument --cuda-graphs: expected off or auto with --device "
                            f"{args.device} (CUDA graphs need a CUDA device), got on\n")
         args.graphs = graphs == "on" or (graphs == "auto" and on_cuda)
+    try:  # the checks that need no model: one line, argparse's status 2, before anything loads
+        if args.cmd == "generate":
+            resolve_generate(args)
+    except UsageError as e:
+        parser.exit(2, f"heterospec {args.cmd}: error: {e}\n")
     args.argv = list(sys.argv[1:] if argv is None else argv)[1:]
     if args.cmd == "demo":
         if args.synthetic:
