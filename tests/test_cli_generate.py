@@ -73,8 +73,7 @@ def _profile(tmp_path, thresholds=(0.5, 1.5), extra=(1, 0, 0), keep=(6, 8, 12)):
     from heterospec.policy.calibrate import save_profile
 
     path = tmp_path / "profile.json"
-    save_profile(path, Policy(3, 3, 12, tuple(thresholds), tuple(extra), tuple(keep), name="calibrated"), None,
-                 target_id="t", draft_id="d")
+    save_profile(path, Policy(3, 3, 12, tuple(thresholds), tuple(extra), tuple(keep), name="calibrated"), None)
     return path
 
 

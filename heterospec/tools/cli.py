@@ -190,13 +190,26 @@ def _thresholds(text):
 
 
 def _load_policy(path, args):
+    """The profile's Policy; its raw dict is kept in ``args.profile`` for the pair check once the models load."""
     from ..policy.calibrate import load_profile
 
     try:
-        return load_profile(path, target_id=str(args.target), draft_id=str(args.draft))[0]
+        policy, _, raw = load_profile(path)
     except ValueError as e:
         raise UsageError("--policy", "expected a profile JSON written by heterospec calibrate, or 'paper', got "
                          f"{path!r} ({str(e).split(': ', 1)[-1]})") from None
+    args.profile = (path, raw)
+    return policy
+
+
+def pair_identity(args, target):
+    """(target, draft) model identities of the loaded pair, as profiles store them (never paths)."""
+    from ..models.default import DEFAULT_HEAD
+    from ..policy.calibrate import head_identity, model_identity
+
+    name = "SmolLM2-135M-Instruct" if args.target == "default" else os.path.basename(os.path.normpath(args.target))
+    draft_dir = DEFAULT_HEAD if args.draft == "default" else args.draft
+    return model_identity(target.config, name), (head_identity(draft_dir) if draft_dir else None)
 
 
 def resolve_generate(args):
@@ -270,6 +283,11 @@ def generate_cmd(args, out=None):
         resolve_generate(args)
     tokenizer, target, draft = load_pair(args, args.device)
     policy = args.policy_obj
+    if getattr(args, "profile", None) is not None:  # warn if the profile was calibrated for another pair
+        from ..policy.calibrate import check_profile_pair
+
+        t_id, d_id = pair_identity(args, target)
+        check_profile_pair(args.profile[1], args.profile[0], target=t_id, draft=d_id)
     ids = encode(tokenizer, args.prompt, not args.no_chat_template).to(args.device)
     streamer = TextStreamer(tokenizer, skip_prompt=True)
     eos = tokenizer.eos_token_id if args.eos else None
@@ -322,7 +340,8 @@ def calibrate_cmd(args, out=None):
     paper = trace.replay(Policy.paper(args.depth, args.top_k_tree, args.total_tokens, thresholds), cost_model=cost)
     calibrated = trace.replay(policy, cost_model=cost)
     name = lambda m: getattr(m.config, "_name_or_path", "") or type(m).__name__  # noqa: E731
-    save_profile(args.out, policy, cost, target_id=str(args.target), draft_id=str(args.draft),
+    t_id, d_id = pair_identity(args, target)
+    save_profile(args.out, policy, cost, target=t_id, draft=d_id,
                  notes={"prompts": len(texts), "positions": int(len(x)), "fit_target": args.fit_target,
                         "predicted_tokens_per_s": {"static": static.predicted_tokens_per_s,
                                                    "paper": paper.predicted_tokens_per_s,
