@@ -256,8 +256,9 @@ def optimise_policy(trace, cost_model, *, base_depth=None, total_tokens=None, th
 
 
 # The fields that fix a model's architecture and vocabulary: a profile's costs and bins hold for any copy of a model
-# with the same values, wherever it is installed and whatever transformers adds to its config.
-_IDENTITY_FIELDS = ("model_type", "architectures", "vocab_size", "draft_vocab_size", "hidden_size",
+# with the same values, wherever it is installed and whatever transformers adds to its config (not
+# `architectures`: transformers 5.0 leaves it unset when converting a GGUF, 5.23 sets it).
+_IDENTITY_FIELDS = ("model_type", "vocab_size", "draft_vocab_size", "hidden_size",
                     "target_hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                     "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings")
 
