@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from ..models.default import load_pair
+from .progress import Progress
 from .prompts import encode, read_prompts
 
 
@@ -324,13 +325,14 @@ def calibrate_cmd(args, out=None):
     ids = [encode(tokenizer, t, not args.no_chat_template).to(args.device) for t in texts]
     levels = args.depth + math.ceil(args.depth / 2)
 
+    line = Progress()
+
     def progress(i, n):
-        bar = "#" * int(30 * i / n)
-        print(f"\rrecording traces [{bar:<30}] {i}/{n}", end="", file=sys.stderr, flush=True)
+        line(f"recording traces [{'#' * int(30 * i / n):<30}] {i}/{n}", i, n)
 
     trace = record(target, draft, ids, max_new_tokens=args.max_new_tokens, top_k=args.top_k_tree, levels=levels,
                    progress=progress)
-    print(file=sys.stderr)
+    line.done()
     x, y = trace.features(args.depth, args.total_tokens, target=args.fit_target)
     thresholds = tuple(fit_thresholds(x, y, depth=3, min_leaf=max(5, len(x) // 50)))
     cost = profile_costs(target, draft, reps=2, graphs=getattr(args, "graphs", False))
@@ -396,17 +398,18 @@ def train_draft_cmd(args, out=None):
     args.draft = None
     tokenizer, target, _ = load_pair(args, args.device)
 
+    train_line, answer_line = Progress(), Progress()
+
     def progress(step, steps, loss, accs, elapsed):
-        bar = "#" * int(30 * step / steps)
         acc = " ".join(f"{a:.2f}" for a in accs)
-        print(f"\rtraining [{bar:<30}] {step}/{steps} loss {loss:.3f} acc/step {acc} ({elapsed:.0f} s)", end="",
-              file=sys.stderr, flush=True)
+        train_line(f"training [{'#' * int(30 * step / steps):<30}] {step}/{steps} loss {loss:.3f} acc/step {acc} "
+                   f"({elapsed:.0f} s)", step, steps)
 
     t0 = time.time()
 
     def answering(i, n):
-        print(f"\rthe target answers the prompts [{'#' * int(30 * i / n):<30}] {i}/{n} ({time.time() - t0:.0f} s)",
-              end="", file=sys.stderr, flush=True)
+        answer_line(f"the target answers the prompts [{'#' * int(30 * i / n):<30}] {i}/{n} ({time.time() - t0:.0f} s)",
+                    i, n)
 
     if args.records and os.path.exists(args.records):
         records, _ = load_records(args.records)
@@ -418,14 +421,14 @@ def train_draft_cmd(args, out=None):
         ids = [i for i in ids if i.shape[1] <= args.max_prompt_tokens]
         records = collect(target, ids, args.max_new_tokens, tokenizer.eos_token_id, batch_size=args.gen_batch_size,
                           topk=args.topk, progress=answering)
-        print(file=sys.stderr)
+        answer_line.done()
         if args.records:
             save_records(args.records, records, {"data": [str(d) for d in args.data], "max_new_tokens": args.max_new_tokens})
     train_draft(target, None, args.out, records=records, draft_vocab_size=args.draft_vocab_size, steps=args.steps,
                 lr=args.lr, ttt_steps=args.ttt_steps, max_new_tokens=args.max_new_tokens, resume=args.resume,
                 log_every=max(1, min(10, args.steps // 50)), progress=progress, batch_size=args.batch_size,
                 warmup=args.warmup, init=args.init_from_target, save_every=args.save_every, seed=args.seed)
-    print(file=sys.stderr)
+    train_line.done()
     print(f"draft written to {args.out}", file=out)
 
 
