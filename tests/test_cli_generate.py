@@ -246,6 +246,7 @@ def test_device_reaches_load_pair(cmd, monkeypatch, tmp_path):
     (tmp_path / "T").mkdir()              # generate checks that these exist before it loads anything
     (tmp_path / "D").mkdir()
     (tmp_path / "D" / "config.json").write_text("{}")
+    (tmp_path / "q.jsonl").write_text('{"turns": ["w1"]}\n')
     with pytest.raises(_Loaded):
         cli.main(COMMANDS[cmd] + ["--device", "cpu:0", "--dtype", "bfloat16"])
     assert seen["device"] == "cpu:0"
@@ -297,3 +298,24 @@ def test_cuda_graphs_reaches_the_engine(tmp_path, monkeypatch, given, want):
               "w5 w17", "--method", "eagle3", "--max-new-tokens", "4", "--depth", "2", "--top-k-tree", "2",
               "--total-tokens", "4", "--cuda-graphs", given])
     assert seen["cuda_graphs"] == want and seen["resolved"] is False
+
+
+@pytest.mark.parametrize("argv, arg", [
+    (["demo", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["demo", "--num-prompts", "9"], "--num-prompts"),
+    (["demo", "--draft", "/no/such/head"], "--draft"),
+    (["demo", "--policy", "/no/such/profile.json"], "--policy"),
+    (["demo", "--target", "/no/such/model", "--draft", "/no/such/head"], "--target"),
+    (["calibrate", "--target", "default", "--draft", "default", "--prompts", "/no/q.jsonl", "--out", "p.json"],
+     "--prompts"),
+    (["calibrate", "--target", "default", "--draft", "default", "--prompts", "Q", "--out", "p.json", "--depth", "0"],
+     "--depth"),
+    (["calibrate", "--target", "default", "--draft", "default", "--prompts", "Q", "--out", "/no/dir/p.json"], "--out"),
+    (["train-draft", "--target", "default", "--data", "Q", "--out", "o", "--steps", "0"], "--steps"),
+    (["train-draft", "--target", "default", "--data", "/no/q.jsonl", "--out", "o"], "--data"),
+])
+def test_bad_input_to_other_commands_is_one_line_before_loading(tmp_path, argv, arg):
+    """Issue 18.4 for demo, calibrate and train-draft: the checks that need no model run first."""
+    (tmp_path / "q.jsonl").write_text('{"turns": ["w1"]}\n')
+    res = _run(*[str(tmp_path / "q.jsonl") if a == "Q" else a for a in argv])
+    _one_line_usage_error(res, arg)

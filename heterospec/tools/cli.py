@@ -273,6 +273,46 @@ def resolve_generate(args):
     return args
 
 
+def _check_files(arg, paths):
+    for path in paths:
+        _need(os.path.isfile(path), arg, "existing files (question.jsonl / JSON lines / text)", f"{path!r} (no such file)")
+
+
+def check_demo(args):
+    """demo's checks that need no model (the synthetic walk needs none of them)."""
+    if args.synthetic:
+        _need(args.vocab >= 16, "--vocab", "an int >= 16", args.vocab)
+        return
+    _need(args.max_new_tokens >= 1, "--max-new-tokens", "an int >= 1", args.max_new_tokens)
+    _need(1 <= args.num_prompts <= 6, "--num-prompts", "an int in [1, 6] (the built-in prompts)", args.num_prompts)
+    _check_target(args)
+    _check_draft(args.draft)
+    if args.policy and args.policy != "paper":
+        _load_policy(args.policy, args)
+
+
+def check_calibrate(args):
+    _need(args.max_new_tokens >= 1, "--max-new-tokens", "an int >= 1", args.max_new_tokens)
+    _need(args.max_prompts is None or args.max_prompts >= 1, "--max-prompts", "an int >= 1", args.max_prompts)
+    _check_tree(args)
+    _check_target(args)
+    _check_draft(args.draft)
+    _check_files("--prompts", args.prompts)
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    _need(os.path.isdir(out_dir), "--out", "a path in an existing directory", f"{args.out!r}")
+
+
+def check_train_draft(args):
+    _need(args.steps >= 1, "--steps", "an int >= 1", args.steps)
+    _need(args.max_new_tokens >= 1, "--max-new-tokens", "an int >= 1", args.max_new_tokens)
+    _need(args.lr > 0, "--lr", "a learning rate > 0", args.lr)
+    _need(args.batch_size >= 1, "--batch-size", "an int >= 1", args.batch_size)
+    _need(args.ttt_steps >= 1, "--ttt-steps", "an int >= 1", args.ttt_steps)
+    _check_target(args)
+    if not (args.records and os.path.exists(args.records)):
+        _check_files("--data", args.data)
+
+
 def generate_cmd(args, out=None):
     """Load target (+ draft), apply the chat template, stream the answer, print the stats."""
     out = sys.stdout if out is None else out   # the stdout of the call, not of the import
@@ -548,8 +588,10 @@ def main(argv=None):
                            f"{args.device} (CUDA graphs need a CUDA device), got on\n")
         args.graphs = graphs == "on" or (graphs == "auto" and on_cuda)
     try:  # the checks that need no model: one line, argparse's status 2, before anything loads
-        if args.cmd == "generate":
-            resolve_generate(args)
+        check = {"generate": resolve_generate, "demo": check_demo, "calibrate": check_calibrate,
+                 "train-draft": check_train_draft}.get(args.cmd)
+        if check is not None:
+            check(args)
     except UsageError as e:
         parser.exit(2, f"heterospec {args.cmd}: error: {e}\n")
     args.argv = list(sys.argv[1:] if argv is None else argv)[1:]
