@@ -17,12 +17,17 @@ _LAZY = {  # the torch/transformers side loads on first use, so `import heterosp
 }
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
+_SUBMODULES = ("ops", "reference")  # `import heterospec; heterospec.ops.select(...)` works without importing them
 
+
+def __getattr__(name):
+    import importlib
+
+    if name in _LAZY:
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(f".{module}", __name__), attr)
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'heterospec' has no attribute {name!r}")
 
 
@@ -32,7 +37,23 @@ def build_info():
 
     info = dict(_C.build_info())
     info["package_version"] = __version__
+    info["cuda_status"] = _cuda_status(info)
     return info
 
 
-__all__ = ["VerifyTree", "build_info", "__version__", *_LAZY]
+def _cuda_status(info):
+    """One sentence on the CUDA path: compiled or not, and whether a GPU is usable here (a CUDA build on a
+    machine without a GPU or driver is a normal state, not a broken install)."""
+    if not info.get("cuda"):
+        return "compiled without CUDA (CPU ops only; rebuild with nvcc on PATH, or HETEROSPEC_CUDA=1, for GPU ops)"
+    if info.get("cuda_emulated"):
+        return "CUDA kernels compiled in host emulation (HETEROSPEC_CUDA=emu: a test build, CPU speed)"
+    n = int(info.get("cuda_devices") or 0)
+    archs = info.get("cuda_archs") or "?"
+    if n > 0:
+        return f"compiled with CUDA ({archs}); {n} GPU{'s' if n != 1 else ''} usable here"
+    why = info.get("cuda_unavailable_reason") or "no CUDA device"
+    return f"compiled with CUDA ({archs}); no GPU usable here ({why}): the CPU ops work, GPU ops need a GPU machine"
+
+
+__all__ = ["VerifyTree", "build_info", "__version__", *_LAZY, *_SUBMODULES]

@@ -129,12 +129,24 @@ def _arr(x):
     return np.asarray(x) if isinstance(x, (list, tuple)) else x
 
 
+def _logits_arr(x, op, name):
+    """Logits given as a Python list become float32 (np.asarray would make float64, which no logits op takes,
+    and the error would name a dtype the caller never wrote)."""
+    if not isinstance(x, (list, tuple)):
+        return x
+    try:
+        return np.asarray(x, dtype=np.float32)
+    except (TypeError, ValueError):
+        raise TypeError(f"{op}: argument '{name}' expected numbers (a list of rows of logits), got "
+                        f"{type(x).__name__} that is not one") from None
+
+
 def topk_entropy(logits, k, temperature=1.0, *, stream=None, check=True):
     """Per-row entropy (nats) of softmax over the ``k`` largest logits divided by ``temperature``.
 
     ``logits[N, V]`` float16/bfloat16/float32 -> ``float32[N]``.  The per-step term of HeteroSpec's Eq. 1.
     """
-    logits = _arr(logits)
+    logits = _logits_arr(logits, "topk_entropy", "logits")
     return _C.topk_entropy(logits, k, temperature, _allocator(logits), _stream(logits, stream), check)
 
 
@@ -151,7 +163,7 @@ def expand(logits, beam_scores, beam_nodes, k, d2t=None, node_offset=0, *, strea
     leading batch dimension (``tokens[batch, B*k]`` ... ``next_beams[batch, k]``), row b as the unbatched
     call on row b (``d2t`` and ``node_offset`` shared by the rows).
     """
-    logits = _arr(logits)
+    logits = _logits_arr(logits, "expand", "logits")
     return _C.expand(
         logits, _arr(beam_scores), _arr(beam_nodes), k, _arr(d2t), node_offset, _allocator(logits),
         _stream(logits, stream), check,
@@ -238,6 +250,7 @@ def verify_greedy(tree_tokens, tree_parents, target_logits, *, n=None, stream=No
     padded with -1, length [batch], next_token [batch])``; each row is what the unbatched call gives for
     that row's first ``n[b]`` nodes.  ``device_outputs`` does not apply (batched results are always arrays).
     """
+    target_logits = _logits_arr(target_logits, "verify_greedy", "target_logits")
     tree_tokens = _arr(tree_tokens)
     if _batched(tree_tokens):
         return _C.verify_greedy_batch(tree_tokens, _arr(tree_parents), target_logits, _arr(n), _allocator(tree_tokens),
@@ -274,6 +287,7 @@ def verify_sample(
     with -1, length, next_token, draws)``, the last three ``[batch]``; row b equals the unbatched call on row
     b with ``seed[b]``, ``offset[b]``.
     """
+    target_logits = _logits_arr(target_logits, "verify_sample", "target_logits")
     tree_tokens = _arr(tree_tokens)
     if _batched(tree_tokens):
         return _C.verify_sample_batch(

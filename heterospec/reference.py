@@ -83,7 +83,16 @@ def _as_array(op, name, x, kind, dtypes, ndim):
 
 
 def _logits(op, name, x, ndim=2):
+    if isinstance(x, (list, tuple)):  # Python numbers as logits: float32, as heterospec.ops takes them
+        x = _list_logits(op, name, x)
     return _as_array(op, name, x, "logits", _LOGIT_DTYPES, ndim)
+
+
+def _list_logits(op, name, x):
+    try:
+        return np.asarray(x, dtype=np.float32)
+    except (TypeError, ValueError):
+        _fail(TypeError, op, name, "numbers (a list of rows of logits)", _describe(x))
 
 
 def _scores(op, name, x):

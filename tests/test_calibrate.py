@@ -14,7 +14,8 @@ from _doubles import StretchDraft  # noqa: E402
 from test_decoding import eagle3_head, prompts, tiny_target  # noqa: E402
 
 from heterospec.policy import calibrate  # noqa: E402
-from heterospec.policy.calibrate import CostModel, load_profile, optimise_policy, profile_costs, save_profile  # noqa: E402
+from heterospec.policy.calibrate import (  # noqa: E402
+    CostModel, head_identity, load_profile, model_identity, optimise_policy, profile_costs, save_profile)
 from heterospec.policy import Policy  # noqa: E402
 from heterospec.policy.trace import fit_thresholds, record  # noqa: E402
 
@@ -60,14 +61,54 @@ def test_optimiser_deepens_and_prunes_the_easy_bins(stretch_trace):
     assert policy.extra[easy] >= 1 and policy.keep[easy] < N
 
 
+def test_model_identity_is_stable_and_pathless(tmp_path):
+    """Issue 18.3: a profile names its pair by what fixes the model (architecture fields hashed, vocabulary
+    sizes), never a path: the same config in another directory or with fields transformers adds or drops
+    (dtype, version, _name_or_path) has the same identity; another vocabulary does not."""
+    cfg = {"model_type": "llama", "vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 2,
+           "rope_theta": 100000.0}
+    a = model_identity(dict(cfg, _name_or_path="/home/a/m", torch_dtype="float32", transformers_version="5.0"), "m")
+    b = model_identity(dict(cfg, _name_or_path="/opt/b/m", dtype="bfloat16", transformers_version="5.23"), "m")
+    assert a == b and a["vocab_size"] == 97 and "/" not in json.dumps(a)
+    assert model_identity(dict(cfg, vocab_size=98), "m")["config_sha256"] != a["config_sha256"]
+    assert model_identity(dict(cfg, rope_theta=10000.0), "m")["config_sha256"] != a["config_sha256"]
+    head = tmp_path / "some" / "where" / "my-head"
+    head.mkdir(parents=True)
+    (head / "config.json").write_text(json.dumps({"hidden_size": 32, "vocab_size": 97, "draft_vocab_size": 40}))
+    ident = head_identity(head)
+    assert ident["name"] == "my-head" and ident["draft_vocab_size"] == 40 and str(tmp_path) not in json.dumps(ident)
+
+
+def test_the_shipped_profile_names_its_pair_without_paths():
+    """Issue 18.3: the shipped profile's pair is the default target and the shipped head by identity, so an
+    installed copy (another path) loads it without a warning."""
+    from heterospec.models.default import DEFAULT_HEAD, DEFAULT_PROFILE
+
+    raw = json.loads(open(DEFAULT_PROFILE).read())
+    pair = raw["model_pair"]
+    assert isinstance(pair["target"], dict) and isinstance(pair["draft"], dict)
+    assert "/" not in json.dumps(pair), pair
+    assert pair["draft"] == head_identity(DEFAULT_HEAD)
+    assert pair["target"]["name"] == "SmolLM2-135M-Instruct" and pair["target"]["vocab_size"] == 49152
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_profile(DEFAULT_PROFILE, draft=head_identity(DEFAULT_HEAD), target=pair["target"])
+
+
 def test_profile_round_trip_and_errors(tmp_path, stretch_trace):
     pol = Policy(BASE, K, N, (0.5, 1.0, 2.0), (3, 2, 0, 0), (6, 9, 16, 16), name="calibrated")
     path = tmp_path / "p.json"
-    save_profile(path, pol, CPU_LIKE, target_id="tiny-llama", draft_id="stretch")
-    again, cost, raw = load_profile(path, target_id="tiny-llama", draft_id="stretch")
+    t_id = model_identity({"model_type": "llama", "vocab_size": 97, "hidden_size": 32}, "tiny-llama")
+    d_id = model_identity({"hidden_size": 32, "vocab_size": 97, "draft_vocab_size": 40}, "stretch")
+    save_profile(path, pol, CPU_LIKE, target=t_id, draft=d_id)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # the same pair: no warning
+        again, cost, raw = load_profile(path, target=t_id, draft=d_id)
     assert again == pol and cost == CPU_LIKE and raw["machine"]["platform"]
-    with pytest.warns(UserWarning, match="calibrated for target"):
-        load_profile(path, target_id="another-model")
+    with pytest.warns(UserWarning, match="calibrated for target 'tiny-llama', not 'another-model'"):
+        load_profile(path, target=model_identity({"model_type": "llama", "vocab_size": 98}, "another-model"))
+    with pytest.raises(TypeError, match="save_profile: argument 'draft' expected a model_identity dict"):
+        save_profile(path, pol, CPU_LIKE, draft="/home/someone/heads/stretch")
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="could not read"):
         load_profile(tmp_path / "bad.json")
@@ -86,7 +127,9 @@ def test_profile_round_trip_and_errors(tmp_path, stretch_trace):
         load_profile(tmp_path / "order.json")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        load_profile(path, target_id="tiny-llama", draft_id="stretch")  # no warning for the right pair
+        load_profile(path, target="tiny-llama", draft="stretch")  # names only: compared by name, no warning
+    with pytest.warns(UserWarning, match="calibrated for draft 'stretch', not 'other'"):
+        load_profile(path, draft="other")
 
 
 # ---- issue 15, crash 2: every tensor profile_costs makes is made on the model's device ---------------------

@@ -30,7 +30,9 @@ def test_calibrate_then_generate_with_the_profile(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "| bin | share of cycles |" in res.stdout and "calibrated: tau" in res.stdout
     assert "recording traces" in res.stderr  # the progress bar
-    policy, cost, raw = load_profile(profile, target_id=str(tmp_path / "target"), draft_id=str(tmp_path / "draft"))
+    policy, cost, raw = load_profile(profile)
+    assert raw["model_pair"]["draft"]["name"] == "draft" and raw["model_pair"]["target"]["name"] == "target"
+    assert str(tmp_path) not in json.dumps(raw["model_pair"])      # identities, never paths (issue 18.3)
     assert policy.depth == 3 and policy.top_k == 3 and cost is not None
     assert raw["notes"]["prompts"] == 5 and raw["notes"]["positions"] == 5 * 23
     png = tmp_path / "profile.png"

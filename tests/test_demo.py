@@ -100,7 +100,8 @@ def test_demo_refuses_a_missing_head(tmp_path):
     save_tiny_pair(tmp_path)
     res = subprocess.run([sys.executable, "-m", "heterospec", "demo", "--target", str(tmp_path / "target"),
                           "--draft", str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=300)
-    assert res.returncode != 0 and "no EAGLE-3 head at" in res.stderr
+    assert res.returncode == 2 and "argument --draft: expected" in res.stderr and "no such directory" in res.stderr
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
 
 
 def test_synthetic_demo_needs_no_models():
@@ -164,3 +165,23 @@ def test_shipped_head_loads_against_the_default_target():
     sp, st = HeteroSpec(model, draft, Policy.static()).generate(ids, max_new_tokens=24)
     assert sp.tolist() == ar.tolist()
     assert st.tau > 1.5  # a trained head: well above the 1.0 of a head that never gets a token accepted
+
+
+def test_default_target_pair_matches_the_shipped_profile_without_a_warning():
+    """Issue 18.3: the shipped profile names its pair by identity (never a path), and the identity of the default
+    target as this transformers converts it, with the shipped head, is that pair: no 'calibrated for' warning
+    from an installed copy."""
+    import argparse
+    import warnings
+
+    from heterospec.models import default as models
+    from heterospec.tools.cli import pair_identity
+
+    need_default_target()
+    model, _ = models.default_target()
+    t_id, d_id = pair_identity(argparse.Namespace(target="default", draft="default"), model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from heterospec.policy.calibrate import load_profile
+
+        load_profile(demo.DEFAULT_PROFILE, target=t_id, draft=d_id)

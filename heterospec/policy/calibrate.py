@@ -13,7 +13,9 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import os
 import math
 import platform
 import time
@@ -253,14 +255,53 @@ def optimise_policy(trace, cost_model, *, base_depth=None, total_tokens=None, th
 # ---- profiles ----------------------------------------------------------------------------------------------
 
 
-def save_profile(path, policy, cost_model=None, *, target_id="", draft_id="", notes=None):
+# The fields that fix a model's architecture and vocabulary: a profile's costs and bins hold for any copy of a model
+# with the same values, wherever it is installed and whatever transformers adds to its config (not
+# `architectures`: transformers 5.0 leaves it unset when converting a GGUF, 5.23 sets it).
+_IDENTITY_FIELDS = ("model_type", "vocab_size", "draft_vocab_size", "hidden_size",
+                    "target_hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings")
+
+
+def model_identity(config, name):
+    """A model's stable identity for a profile: ``{"name", "config_sha256", "vocab_size"[, "draft_vocab_size"]}``.
+    ``config``: a transformers config, an EAGLE-3 head's config, or a config dict (a head's config.json);
+    ``name``: what a person would call it (a directory's base name, a hub id).  Never a path."""
+    d = config if isinstance(config, dict) else (config.to_dict() if hasattr(config, "to_dict") else vars(config))
+    core = {k: d[k] for k in _IDENTITY_FIELDS if k in d and d[k] is not None}
+    # the RoPE base, wherever this transformers release keeps it (rope_theta, or rope_parameters in 5.x)
+    rope = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta")
+    if rope is not None:
+        core["rope_theta"] = float(rope)
+    blob = json.dumps(core, sort_keys=True, default=str).encode()
+    ident = {"name": str(name), "config_sha256": hashlib.sha256(blob).hexdigest()}
+    for k in ("vocab_size", "draft_vocab_size"):
+        if isinstance(d.get(k), int):
+            ident[k] = d[k]
+    return ident
+
+
+def head_identity(directory, name=None):
+    """model_identity of an EAGLE-3 head directory (its config.json), named by the directory's base name."""
+    with open(os.path.join(directory, "config.json")) as f:
+        cfg = json.load(f)
+    return model_identity(cfg, name or os.path.basename(os.path.normpath(str(directory))))
+
+
+def save_profile(path, policy, cost_model=None, *, target=None, draft=None, notes=None):
+    """Write a profile: the policy, the cost model, the model pair (``target`` / ``draft``: model_identity
+    dicts) and the machine."""
+    for what, ident in (("target", target), ("draft", draft)):
+        if ident is not None and not isinstance(ident, dict):
+            raise TypeError(f"save_profile: argument '{what}' expected a model_identity dict (never a path), "
+                            f"got {type(ident).__name__}")
     d = {
         "version": PROFILE_VERSION,
         "policy": {"depth": policy.depth, "top_k": policy.top_k, "total_tokens": policy.total_tokens,
                    "thresholds": list(policy.thresholds), "extra": list(policy.extra), "keep": list(policy.keep),
                    "name": policy.name},
         "cost_model": cost_model.to_dict() if cost_model is not None else None,
-        "model_pair": {"target": target_id, "draft": draft_id},
+        "model_pair": {"target": target, "draft": draft},
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()},
         "notes": notes or {},
     }
@@ -268,8 +309,30 @@ def save_profile(path, policy, cost_model=None, *, target_id="", draft_id="", no
         json.dump(d, f, indent=1)
 
 
-def load_profile(path, *, target_id=None, draft_id=None):
-    """-> (Policy, CostModel or None, raw dict).  Warns when the profile was made for another model pair."""
+def _same_model(stored, given):
+    """Whether a profile's stored model (an identity dict, or a string in profiles from before identities)
+    is the given one (an identity dict or a string)."""
+    if isinstance(stored, dict) and isinstance(given, dict):
+        return stored.get("config_sha256") == given.get("config_sha256")
+    name = lambda x: x.get("name") if isinstance(x, dict) else os.path.basename(os.path.normpath(str(x)))  # noqa: E731
+    return name(stored) == name(given)
+
+
+def check_profile_pair(raw, path, *, target=None, draft=None):
+    """Warn when the profile ``raw`` (load_profile's third value) was calibrated for another target or draft
+    (``target`` / ``draft``: model_identity dicts, or names)."""
+    pair = raw.get("model_pair") or {}
+    for what, given in (("target", target), ("draft", draft)):
+        stored = pair.get(what)
+        if given is not None and stored and not _same_model(stored, given):
+            show = lambda x: x.get("name") if isinstance(x, dict) else x  # noqa: E731
+            warnings.warn(f"load_profile: {str(path)!r} was calibrated for {what} {show(stored)!r}, not "
+                          f"{show(given)!r} (its bins and tree shapes may not fit this pair)", stacklevel=3)
+
+
+def load_profile(path, *, target=None, draft=None):
+    """-> (Policy, CostModel or None, raw dict).  Warns when the profile was made for another model pair
+    (``target`` / ``draft``: model_identity dicts or names; None skips the check)."""
     try:
         with open(path) as f:
             d = json.load(f)
@@ -289,9 +352,5 @@ def load_profile(path, *, target_id=None, draft_id=None):
         cost = CostModel.from_dict(d["cost_model"]) if d.get("cost_model") else None
     except (TypeError, ValueError, KeyError) as e:
         raise ValueError(f"load_profile: malformed profile {str(path)!r}: {e}") from None
-    pair = d.get("model_pair") or {}
-    for name, want in (("target", target_id), ("draft", draft_id)):
-        if want is not None and pair.get(name) and pair.get(name) != want:
-            warnings.warn(f"load_profile: {str(path)!r} was calibrated for {name} {pair.get(name)!r}, not {want!r}",
-                          stacklevel=2)
+    check_profile_pair(d, path, target=target, draft=draft)
     return policy, cost, d

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 import numpy as np
 
 from ..models.default import load_pair
+from .progress import Progress
 from .prompts import encode, read_prompts
 
 
@@ -123,8 +125,192 @@ def check_device(text):
     return str(dev)
 
 
-def _parse_floats(text):
-    return tuple(float(t) for t in text.split(",") if t.strip())
+class UsageError(ValueError):
+    """A bad command-line argument: ``str(e)`` is "argument --x: expected ..., got ..." (one line)."""
+
+    def __init__(self, arg, msg):
+        super().__init__(f"argument {arg}: {msg}")
+
+
+def _need(cond, arg, expected, got):
+    if not cond:
+        raise UsageError(arg, f"expected {expected}, got {got}")
+
+
+def _check_target(args):
+    """--target 'default' or an HF model directory (with --gguf-file inside it, if given)."""
+    import os
+
+    if args.target == "default":
+        return
+    _need(os.path.isdir(args.target), "--target", "'default' (SmolLM2-135M-Instruct) or an HF model directory",
+          f"{args.target!r} (no such directory)")
+    if getattr(args, "gguf_file", None):
+        path = os.path.join(args.target, args.gguf_file)
+        _need(os.path.isfile(path), "--gguf-file", f"a GGUF file inside --target {args.target!r}",
+              f"{args.gguf_file!r} (no such file)")
+
+
+def _check_draft(draft):
+    """--draft 'default' or an EAGLE-3 head directory whose config.json is a JSON object."""
+    import os
+
+    if draft in (None, "default"):
+        return
+    cfg = os.path.join(draft, "config.json")
+    _need(os.path.isdir(draft), "--draft", "'default' (the shipped head) or an EAGLE-3 head directory",
+          f"{draft!r} (no such directory)")
+    _need(os.path.isfile(cfg), "--draft", "an EAGLE-3 head directory with config.json and weights",
+          f"{draft!r} (no config.json in it)")
+    try:
+        with open(cfg) as f:
+            ok = isinstance(json.load(f), dict)
+    except (OSError, ValueError) as e:
+        raise UsageError("--draft", f"expected a JSON object in {cfg}, got unreadable JSON ({e})") from None
+    _need(ok, "--draft", f"a JSON object in {cfg}", "another JSON value")
+
+
+def _check_tree(args):
+    _need(args.depth >= 1, "--depth", "an int >= 1", args.depth)
+    _need(args.top_k_tree >= 1, "--top-k-tree", "an int >= 1", args.top_k_tree)
+    _need(args.total_tokens >= 2, "--total-tokens", "an int >= 2 (the root and at least one draft node)",
+          args.total_tokens)
+
+
+def _thresholds(text):
+    try:
+        values = tuple(float(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise UsageError("--thresholds", f"expected comma-separated numbers such as 0.5,1.2,2.0, got {text!r}") from None
+    import math
+
+    _need(1 <= len(values) <= 7 and all(math.isfinite(v) for v in values)
+          and all(a < b for a, b in zip(values, values[1:])),
+          "--thresholds", "1 to 7 finite, strictly ascending entropy thresholds", repr(text))
+    return values
+
+
+def _load_policy(path, args):
+    """The profile's Policy; its raw dict is kept in ``args.profile`` for the pair check once the models load."""
+    from ..policy.calibrate import load_profile
+
+    try:
+        policy, _, raw = load_profile(path)
+    except ValueError as e:
+        raise UsageError("--policy", "expected a profile JSON written by heterospec calibrate, or 'paper', got "
+                         f"{path!r} ({str(e).split(': ', 1)[-1]})") from None
+    args.profile = (path, raw)
+    return policy
+
+
+def pair_identity(args, target):
+    """(target, draft) model identities of the loaded pair, as profiles store them (never paths)."""
+    from ..models.default import DEFAULT_HEAD
+    from ..policy.calibrate import head_identity, model_identity
+
+    name = "SmolLM2-135M-Instruct" if args.target == "default" else os.path.basename(os.path.normpath(args.target))
+    draft_dir = DEFAULT_HEAD if args.draft == "default" else args.draft
+    return model_identity(target.config, name), (head_identity(draft_dir) if draft_dir else None)
+
+
+def resolve_generate(args):
+    """Check `generate`'s arguments before any model loads and decide what runs: sets ``args.method``,
+    ``args.draft`` and ``args.policy_obj`` (a Policy) and ``args.policy_what``.  Raises UsageError.
+
+    The method is --method (default heterospec).  ``--policy PROFILE|paper`` means what it means in ``demo``
+    and needs --method heterospec; without it heterospec uses --thresholds (the paper's rule on them) or, with
+    the shipped head, the shipped calibrated profile.  --draft defaults to the shipped head for --target
+    default."""
+    from ..models.default import DEFAULT_HEAD, DEFAULT_PROFILE
+    from ..policy import Policy
+
+    _need(args.max_new_tokens >= 1, "--max-new-tokens", "an int >= 1", args.max_new_tokens)
+    import math
+
+    _need(math.isfinite(args.temperature) and args.temperature >= 0, "--temperature",
+          "a finite value >= 0 (0: greedy)", args.temperature)
+    _need(args.top_k >= 0, "--top-k", "an int >= 0 (0: off)", args.top_k)
+    _need(0 < args.top_p <= 1, "--top-p", "a value in (0, 1]", args.top_p)
+    _check_tree(args)
+    _check_target(args)
+    method = args.method or "heterospec"
+    if args.policy and method != "heterospec":
+        raise UsageError("--policy", f"expected it only with --method heterospec (a policy shapes HeteroSpec's "
+                                     f"trees), got --method {method} with --policy {args.policy}")
+    thresholds = _thresholds(args.thresholds) if args.thresholds else None
+    if method == "ar":
+        args.draft = None
+    elif args.draft is None:
+        if args.target != "default":
+            raise UsageError("--draft", f"expected an EAGLE-3 head directory for --method {method} with --target "
+                                        f"{args.target} ('default' is the shipped head for SmolLM2-135M-Instruct; "
+                                        "--method ar needs none), got none")
+        args.draft = "default"
+    _check_draft(args.draft)
+    shipped = args.draft == "default" or (args.draft and os.path.abspath(args.draft) == os.path.abspath(DEFAULT_HEAD))
+    if method == "ar":
+        policy, what = Policy.autoregressive(), "autoregressive"
+    elif method == "eagle3":
+        policy = Policy.static(args.depth, args.top_k_tree, args.total_tokens)
+        what = f"static tree depth {args.depth}, top_k {args.top_k_tree}, {args.total_tokens} nodes"
+    elif args.policy and args.policy != "paper":
+        policy, what = _load_policy(args.policy, args), f"calibrated profile {args.policy}"
+    elif thresholds is not None or args.policy == "paper":
+        if thresholds is None:
+            if not shipped:
+                raise UsageError("--policy", "expected --thresholds s1,...,s7 with --policy paper for a draft other "
+                                             f"than the shipped head, got --draft {args.draft} without them")
+            thresholds = _load_policy(DEFAULT_PROFILE, args).thresholds
+        policy = Policy.paper(args.depth, args.top_k_tree, args.total_tokens, thresholds)
+        what = f"the paper's rule on entropy bins {', '.join(f'{t:.3g}' for t in thresholds)}"
+    elif shipped:
+        policy, what = _load_policy(DEFAULT_PROFILE, args), "the shipped calibrated profile"
+    else:
+        raise UsageError("--method", f"expected a profile for HeteroSpec with --draft {args.draft}: pass --policy "
+                                     "PROFILE (heterospec calibrate), --thresholds s1,...,s7 (the paper's rule) or "
+                                     "--method eagle3, got --method heterospec without them")
+    args.method, args.policy_obj, args.policy_what = method, policy, what
+    return args
+
+
+def _check_files(arg, paths):
+    for path in paths:
+        _need(os.path.isfile(path), arg, "existing files (question.jsonl / JSON lines / text)", f"{path!r} (no such file)")
+
+
+def check_demo(args):
+    """demo's checks that need no model (the synthetic walk needs none of them)."""
+    if args.synthetic:
+        _need(args.vocab >= 16, "--vocab", "an int >= 16", args.vocab)
+        return
+    _need(args.max_new_tokens >= 1, "--max-new-tokens", "an int >= 1", args.max_new_tokens)
+    _need(1 <= args.num_prompts <= 6, "--num-prompts", "an int in [1, 6] (the built-in prompts)", args.num_prompts)
+    _check_target(args)
+    _check_draft(args.draft)
+    if args.policy and args.policy != "paper":
+        _load_policy(args.policy, args)
+
+
+def check_calibrate(args):
+    _need(args.max_new_tokens >= 1, "--max-new-tokens", "an int >= 1", args.max_new_tokens)
+    _need(args.max_prompts is None or args.max_prompts >= 1, "--max-prompts", "an int >= 1", args.max_prompts)
+    _check_tree(args)
+    _check_target(args)
+    _check_draft(args.draft)
+    _check_files("--prompts", args.prompts)
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    _need(os.path.isdir(out_dir), "--out", "a path in an existing directory", f"{args.out!r}")
+
+
+def check_train_draft(args):
+    _need(args.steps >= 1, "--steps", "an int >= 1", args.steps)
+    _need(args.max_new_tokens >= 1, "--max-new-tokens", "an int >= 1", args.max_new_tokens)
+    _need(args.lr > 0, "--lr", "a learning rate > 0", args.lr)
+    _need(args.batch_size >= 1, "--batch-size", "an int >= 1", args.batch_size)
+    _need(args.ttt_steps >= 1, "--ttt-steps", "an int >= 1", args.ttt_steps)
+    _check_target(args)
+    if not (args.records and os.path.exists(args.records)):
+        _check_files("--data", args.data)
 
 
 def generate_cmd(args, out=None):
@@ -132,32 +318,23 @@ def generate_cmd(args, out=None):
     out = sys.stdout if out is None else out   # the stdout of the call, not of the import
     from transformers import TextStreamer
 
-    from ..policy import Policy
     from .. import HeteroSpec
 
-    if (args.method != "ar" or args.policy) and not args.draft:
-        raise SystemExit(f"heterospec generate: --method {args.method} needs --draft PATH")
-    if args.method == "ar" and not args.policy:
-        args.draft = None
+    if not hasattr(args, "policy_obj"):
+        resolve_generate(args)
     tokenizer, target, draft = load_pair(args, args.device)
-    if args.policy:
-        from ..policy.calibrate import load_profile
+    policy = args.policy_obj
+    if getattr(args, "profile", None) is not None:  # warn if the profile was calibrated for another pair
+        from ..policy.calibrate import check_profile_pair
 
-        policy, _, _ = load_profile(args.policy, target_id=str(args.target), draft_id=str(args.draft))
-    elif args.method == "ar":
-        policy = Policy.autoregressive()
-    elif args.method == "eagle3":
-        policy = Policy.static(args.depth, args.top_k_tree, args.total_tokens)
-    else:
-        if not args.thresholds:
-            raise SystemExit("heterospec generate: --method heterospec needs --thresholds s1,...,s7 "
-                             "(the entropy bins of this model pair)")
-        policy = Policy.paper(args.depth, args.top_k_tree, args.total_tokens, _parse_floats(args.thresholds))
+        t_id, d_id = pair_identity(args, target)
+        check_profile_pair(args.profile[1], args.profile[0], target=t_id, draft=d_id)
     ids = encode(tokenizer, args.prompt, not args.no_chat_template).to(args.device)
     streamer = TextStreamer(tokenizer, skip_prompt=True)
     eos = tokenizer.eos_token_id if args.eos else None
     graphs = {"on": True, "off": False, "auto": "auto"}[getattr(args, "cuda_graphs", "off")]   # auto: falls back
-    with HeteroSpec(target, draft, policy, cuda_graphs=graphs) as hs:
+    print(f"[{args.method}] {args.policy_what}", file=out)
+    with HeteroSpec(target, draft if policy.drafts else None, policy, cuda_graphs=graphs) as hs:
         seq, stats = hs.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  top_k=args.top_k, top_p=args.top_p, eos_token_id=eos, streamer=streamer,
                                  seed=args.seed)
@@ -188,13 +365,14 @@ def calibrate_cmd(args, out=None):
     ids = [encode(tokenizer, t, not args.no_chat_template).to(args.device) for t in texts]
     levels = args.depth + math.ceil(args.depth / 2)
 
+    line = Progress()
+
     def progress(i, n):
-        bar = "#" * int(30 * i / n)
-        print(f"\rrecording traces [{bar:<30}] {i}/{n}", end="", file=sys.stderr, flush=True)
+        line(f"recording traces [{'#' * int(30 * i / n):<30}] {i}/{n}", i, n)
 
     trace = record(target, draft, ids, max_new_tokens=args.max_new_tokens, top_k=args.top_k_tree, levels=levels,
                    progress=progress)
-    print(file=sys.stderr)
+    line.done()
     x, y = trace.features(args.depth, args.total_tokens, target=args.fit_target)
     thresholds = tuple(fit_thresholds(x, y, depth=3, min_leaf=max(5, len(x) // 50)))
     cost = profile_costs(target, draft, reps=2, graphs=getattr(args, "graphs", False))
@@ -204,7 +382,8 @@ def calibrate_cmd(args, out=None):
     paper = trace.replay(Policy.paper(args.depth, args.top_k_tree, args.total_tokens, thresholds), cost_model=cost)
     calibrated = trace.replay(policy, cost_model=cost)
     name = lambda m: getattr(m.config, "_name_or_path", "") or type(m).__name__  # noqa: E731
-    save_profile(args.out, policy, cost, target_id=str(args.target), draft_id=str(args.draft),
+    t_id, d_id = pair_identity(args, target)
+    save_profile(args.out, policy, cost, target=t_id, draft=d_id,
                  notes={"prompts": len(texts), "positions": int(len(x)), "fit_target": args.fit_target,
                         "predicted_tokens_per_s": {"static": static.predicted_tokens_per_s,
                                                    "paper": paper.predicted_tokens_per_s,
@@ -259,17 +438,18 @@ def train_draft_cmd(args, out=None):
     args.draft = None
     tokenizer, target, _ = load_pair(args, args.device)
 
+    train_line, answer_line = Progress(), Progress()
+
     def progress(step, steps, loss, accs, elapsed):
-        bar = "#" * int(30 * step / steps)
         acc = " ".join(f"{a:.2f}" for a in accs)
-        print(f"\rtraining [{bar:<30}] {step}/{steps} loss {loss:.3f} acc/step {acc} ({elapsed:.0f} s)", end="",
-              file=sys.stderr, flush=True)
+        train_line(f"training [{'#' * int(30 * step / steps):<30}] {step}/{steps} loss {loss:.3f} acc/step {acc} "
+                   f"({elapsed:.0f} s)", step, steps)
 
     t0 = time.time()
 
     def answering(i, n):
-        print(f"\rthe target answers the prompts [{'#' * int(30 * i / n):<30}] {i}/{n} ({time.time() - t0:.0f} s)",
-              end="", file=sys.stderr, flush=True)
+        answer_line(f"the target answers the prompts [{'#' * int(30 * i / n):<30}] {i}/{n} ({time.time() - t0:.0f} s)",
+                    i, n)
 
     if args.records and os.path.exists(args.records):
         records, _ = load_records(args.records)
@@ -281,14 +461,14 @@ def train_draft_cmd(args, out=None):
         ids = [i for i in ids if i.shape[1] <= args.max_prompt_tokens]
         records = collect(target, ids, args.max_new_tokens, tokenizer.eos_token_id, batch_size=args.gen_batch_size,
                           topk=args.topk, progress=answering)
-        print(file=sys.stderr)
+        answer_line.done()
         if args.records:
             save_records(args.records, records, {"data": [str(d) for d in args.data], "max_new_tokens": args.max_new_tokens})
     train_draft(target, None, args.out, records=records, draft_vocab_size=args.draft_vocab_size, steps=args.steps,
                 lr=args.lr, ttt_steps=args.ttt_steps, max_new_tokens=args.max_new_tokens, resume=args.resume,
                 log_every=max(1, min(10, args.steps // 50)), progress=progress, batch_size=args.batch_size,
                 warmup=args.warmup, init=args.init_from_target, save_every=args.save_every, seed=args.seed)
-    print(file=sys.stderr)
+    train_line.done()
     print(f"draft written to {args.out}", file=out)
 
 
@@ -319,9 +499,10 @@ def main(argv=None):
                    "'default' (SmolLM2-135M-Instruct)")
     g.add_argument("--gguf-file", default=None)
     g.add_argument("--draft", default=None, help="EAGLE-3 draft directory (config.json + weights), or 'default' "
-                   "(the shipped head)")
+                   "(the shipped head; the default with --target default)")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--method", choices=["ar", "eagle3", "heterospec"], default="eagle3")
+    g.add_argument("--method", choices=["ar", "eagle3", "heterospec"], default=None,
+                   help="ar (no draft), eagle3 (static tree) or heterospec (entropy-adaptive trees; the default)")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0, help="sampling top-k (0: off)")
@@ -330,12 +511,16 @@ def main(argv=None):
     g.add_argument("--depth", type=int, default=7)
     g.add_argument("--top-k-tree", type=int, default=10, help="draft tree branching / beam width")
     g.add_argument("--total-tokens", type=int, default=60, help="verified tree nodes, root included")
-    g.add_argument("--thresholds", default="", help="7 ascending entropy thresholds for --method heterospec")
+    g.add_argument("--thresholds", default="",
+                   help="1 to 7 ascending entropy thresholds: --method heterospec with the paper's rule on them")
     g.add_argument("--device", default="cpu", help="where the target and the draft run: cpu, cuda, cuda:1, ...")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--no-chat-template", action="store_true")
     g.add_argument("--no-eos", dest="eos", action="store_false", help="do not stop at the tokenizer's EOS")
-    g.add_argument("--policy", default=None, help="a calibrated profile (heterospec calibrate --out)")
+    g.add_argument("--policy", default=None,
+                   help="--method heterospec's policy: a profile JSON (heterospec calibrate --out), or 'paper' for "
+                        "the paper's rule on --thresholds (or on the shipped bins with the shipped head); default: "
+                        "the shipped calibrated profile with the shipped head")
     g.add_argument("--cuda-graphs", default="off", choices=["auto", "on", "off"],
                    help="record the decoding cycle's steps once per tree shape and replay them as CUDA graphs "
                         "(auto: on with a CUDA --device)")
@@ -402,6 +587,13 @@ def main(argv=None):
             parser.exit(2, f"heterospec {args.cmd}: error: argument --cuda-graphs: expected off or auto with --device "
                            f"{args.device} (CUDA graphs need a CUDA device), got on\n")
         args.graphs = graphs == "on" or (graphs == "auto" and on_cuda)
+    try:  # the checks that need no model: one line, argparse's status 2, before anything loads
+        check = {"generate": resolve_generate, "demo": check_demo, "calibrate": check_calibrate,
+                 "train-draft": check_train_draft}.get(args.cmd)
+        if check is not None:
+            check(args)
+    except UsageError as e:
+        parser.exit(2, f"heterospec {args.cmd}: error: {e}\n")
     args.argv = list(sys.argv[1:] if argv is None else argv)[1:]
     if args.cmd == "demo":
         if args.synthetic:

@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from .progress import Progress
 from ..models.default import DATA_DIR, DEFAULT_HEAD, DEFAULT_PROFILE, load_pair as _load_pair
 from .prompts import encode as _encode
 
@@ -168,16 +169,18 @@ def run(args, out=None):
     print(f"  eagle3: static tree depth 7, top_k 10, 60 nodes; heterospec: {hs_what}{th}", file=out)
     streamer = None if args.no_stream else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
+    line = Progress()
+
     def progress(name, i, n, streaming):
-        print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)
+        line.clear()
         if streaming:
             print(f"[{name}, streamed] >>> {texts[0]}\n", file=out, flush=True)
         else:
-            print(f"  {name}: prompt {i + 1}/{n}", end="", file=sys.stderr, flush=True)
+            line(f"  {name}: prompt {i + 1}/{n}", i + 1, n)
 
     results = compare(target, draft, ids, methods, max_new_tokens=args.max_new_tokens,
                       eos_token_id=tokenizer.eos_token_id, streamer=streamer, progress=progress)
-    print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
+    line.clear()
     if args.no_stream:
         first = results[methods[-1][0]].sequences[0]
         print(f"[{methods[-1][0]}] >>> {texts[0]}\n", file=out)

@@ -1,0 +1,93 @@
+"""Issue 18: what a new user trips over, each with a test that fails without its fix (the CLI ones, which
+need models, are in tests/test_cli_generate.py and tests/test_calibrate.py)."""
+import io
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+
+def test_heterospec_ops_is_an_attribute_of_the_package():
+    """18.5: `import heterospec; heterospec.ops.topk_entropy(...)` (a fresh interpreter, nothing else imported)."""
+    code = ("import heterospec; print(heterospec.ops.select([3.0, 1.0, 2.0], 2).tolist(), "
+            "type(heterospec.reference.select([3.0, 1.0, 2.0], 2)).__name__)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[0, 2] ndarray"
+    import heterospec
+
+    assert "ops" in heterospec.__all__ and "reference" in heterospec.__all__
+    with pytest.raises(AttributeError, match="no attribute 'opz'"):
+        heterospec.opz
+
+
+def test_info_says_what_the_cuda_path_can_do_here():
+    """18.7: `heterospec info` on a machine with nvcc but no GPU: a CUDA build without a usable GPU is stated as
+    such (the CPU ops work), not a bare "cuda": true next to a driver error that reads as a broken install."""
+    res = subprocess.run([sys.executable, "-m", "heterospec", "info"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    info = json.loads(res.stdout)
+    status = info["cuda_status"]
+    if not info["cuda"]:
+        assert status.startswith("compiled without CUDA")
+    elif info.get("cuda_emulated"):
+        assert "emulation" in status
+    elif info.get("cuda_devices"):
+        assert "usable here" in status and "no GPU" not in status
+    else:
+        assert status.startswith("compiled with CUDA") and "no GPU usable here" in status
+        assert "the CPU ops work" in status and info["cuda_unavailable_reason"] in status
+
+
+def test_cuda_status_sentences():
+    from heterospec import _cuda_status
+
+    assert _cuda_status({"cuda": False}).startswith("compiled without CUDA")
+    s = _cuda_status({"cuda": True, "cuda_archs": "sm_90", "cuda_devices": 0,
+                      "cuda_unavailable_reason": "CUDA driver version is insufficient for CUDA runtime version"})
+    assert s == ("compiled with CUDA (sm_90); no GPU usable here (CUDA driver version is insufficient for CUDA "
+                 "runtime version): the CPU ops work, GPU ops need a GPU machine")
+    assert _cuda_status({"cuda": True, "cuda_archs": "sm_90", "cuda_devices": 2}).endswith("2 GPUs usable here")
+
+
+@pytest.mark.parametrize("impl_name", ["ops", "reference"])
+def test_logits_given_as_python_lists_are_float32(impl_name):
+    """18.8: a Python list of logits used to be refused as "got float64" (a dtype the caller never wrote)."""
+    import importlib
+
+    impl = importlib.import_module(f"heterospec.{impl_name}")
+    rows = [[1.0, 2.0, 3.0], [0.0, 0.0, 1.0]]
+    np.testing.assert_allclose(np.asarray(impl.topk_entropy(rows, 2)),
+                               np.asarray(impl.topk_entropy(np.array(rows, np.float32), 2)))
+    path, nxt = impl.verify_greedy([1, 2], [-1, 0], [[0, 0, 5], [1, 0, 0]])   # ints too
+    assert np.asarray(path).tolist() == [0, 1] and nxt == 0
+    out = impl.expand([[0.0, 1.0, 2.0]], np.zeros(1, np.float32), np.array([-1]), 2)
+    assert np.asarray(out[0]).tolist() == [2, 1]
+    with pytest.raises(TypeError, match=r"topk_entropy: argument 'logits' expected numbers"):
+        impl.topk_entropy([["a", "b"]], 1)
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_redraws_on_a_terminal_and_writes_few_lines_to_a_log():
+    """18.8: progress written with \\r cluttered logs (hundreds of overwritten lines in CI output)."""
+    from heterospec.tools.progress import Progress
+
+    log = io.StringIO()
+    p = Progress(log)
+    for i in range(1, 501):
+        p(f"step {i}/500", i, 500)
+    p.done()
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue() and len(lines) <= 11 and lines[-1] == "step 500/500"
+    tty = _Tty()
+    p = Progress(tty)
+    for i in range(1, 4):
+        p(f"step {i}/3", i, 3)
+    p.done()
+    assert tty.getvalue() == "\rstep 1/3\rstep 2/3\rstep 3/3\n"
