@@ -91,3 +91,34 @@ def test_progress_redraws_on_a_terminal_and_writes_few_lines_to_a_log():
         p(f"step {i}/3", i, 3)
     p.done()
     assert tty.getvalue() == "\rstep 1/3\rstep 2/3\rstep 3/3\n"
+
+
+def test_bench_help_lists_every_method():
+    """18.8: bench's --help named every method but heterospec-tuned."""
+    from heterospec.tools.bench import METHODS
+
+    res = subprocess.run([sys.executable, "-m", "heterospec", "bench", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0
+    text = " ".join(res.stdout.split())
+    for m in METHODS:
+        assert m in text, m
+    top = subprocess.run([sys.executable, "-m", "heterospec", "--help"], capture_output=True, text=True, timeout=120)
+    assert "heterospec-tuned" in " ".join(top.stdout.split())
+
+
+def test_readme_documents_what_a_newcomer_meets():
+    """18.6 / 18.8: the README names the machine beside its numbers, says what the shipped profile does, has a
+    Troubleshooting section whose messages are the CLI's own, and documents HETEROSPEC_CACHE."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "## Troubleshooting" in readme and "HETEROSPEC_CACHE" in readme
+    assert "4 bins with extra depth 0 in every bin" in readme          # what the shipped profile does
+    assert "about a minute" not in readme and "2-core AMD EPYC" in readme and "2-core Intel" in readme
+    for message in ("argument --policy: expected it only with --method heterospec",
+                    "argument --method: expected a profile for HeteroSpec with --draft",
+                    "argument --cuda-graphs: expected off or auto with --device cpu"):
+        assert message in readme, message
+    cli = (Path(__file__).resolve().parents[1] / "heterospec" / "tools" / "cli.py").read_text()
+    assert "expected it only with --method heterospec" in cli and "expected a profile for HeteroSpec with --draft" in cli

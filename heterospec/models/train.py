@@ -49,12 +49,22 @@ def build_vocab_maps(token_ids, vocab_size, draft_vocab_size):
 
 def draft_config_for(target, draft_vocab_size, **overrides):
     """An EAGLE-3 config shaped after the target (one decoder layer of the target's width)."""
+    from .draft import _Problems, read_rope
+
     c = target.config
+    # the RoPE base and scaling as the loader reads them, under every transformers release (5.x keeps them in
+    # rope_parameters: a getattr(c, "rope_theta", 10000) silently took 10000 for a 100000 target, issue 19)
+    problems = _Problems()
+    theta, scaling = read_rope(c.to_dict(), c.max_position_embeddings, problems, "target config.", default_theta=None)
+    problems.raise_if_any("draft_config_for: the target's RoPE settings")
+    if theta is None:
+        raise ValueError("draft_config_for: the target's config has no RoPE base (rope_theta or "
+                         "rope_parameters.rope_theta); pass rope_theta= explicitly")
     d = dict(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
              num_attention_heads=c.num_attention_heads,
              num_key_value_heads=getattr(c, "num_key_value_heads", c.num_attention_heads),
              head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-             rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6), rope_theta=float(getattr(c, "rope_theta", 10000.0) or 10000.0),
+             rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
              max_position_embeddings=c.max_position_embeddings, vocab_size=c.vocab_size,
              draft_vocab_size=draft_vocab_size)
     d.update(overrides)
