@@ -47,3 +47,30 @@ def test_calibrate_then_generate_with_the_profile(tmp_path):
     ids = tok(prompt, return_tensors="pt")["input_ids"]
     expected = tok.decode(reference_greedy(model, ids, 12)[0, ids.shape[1]:])
     assert expected.strip() in res.stdout
+
+
+def test_calibrate_searches_the_base_tree_first(tmp_path):
+    """Issue 19.4: --search-base-tree finds the static base tree that is fastest here (as bench's eagle3-tuned)
+    before fitting the bins: the profile's base tree is the search's choice, one of the grid's trees, and
+    the search (grid replayed, best trees timed) is recorded in the profile's notes."""
+    from heterospec.tools.bench import TUNE_DEPTHS, TUNE_NODES
+
+    save_tiny_pair(tmp_path)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"turns": [f"w{i} w{i + 7} w{i + 3}"]}) for i in range(4)) + "\n")
+    profile = tmp_path / "searched.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "heterospec", "calibrate", "--target", str(tmp_path / "target"), "--draft",
+         str(tmp_path / "draft"), "--prompts", str(questions), "--out", str(profile), "--max-new-tokens", "12",
+         "--top-k-tree", "3", "--search-base-tree", "--search-prompts", "2", "--device", "cpu"],
+        capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr
+    policy, _, raw = load_profile(profile)
+    search = raw["notes"]["base_tree_search"]
+    chosen = search["chosen"]
+    assert (policy.depth, policy.top_k, policy.total_tokens) == (chosen["depth"], 3, chosen["nodes"])
+    assert chosen["depth"] in TUNE_DEPTHS and chosen["nodes"] in TUNE_NODES
+    assert len(search["grid"]) == len(TUNE_DEPTHS) * len(TUNE_NODES) and len(search["measured"]) == 3
+    best = max(search["measured"], key=lambda g: g["measured_tokens_per_s"])
+    assert (best["depth"], best["nodes"]) == (chosen["depth"], chosen["nodes"])
+    assert f"base tree searched on this machine: depth {chosen['depth']}, top_k 3, {chosen['nodes']} nodes" in res.stdout

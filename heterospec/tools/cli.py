@@ -294,6 +294,7 @@ def check_demo(args):
 def check_calibrate(args):
     _need(args.max_new_tokens >= 1, "--max-new-tokens", "an int >= 1", args.max_new_tokens)
     _need(args.max_prompts is None or args.max_prompts >= 1, "--max-prompts", "an int >= 1", args.max_prompts)
+    _need(args.search_prompts >= 1, "--search-prompts", "an int >= 1", args.search_prompts)
     _check_tree(args)
     _check_target(args)
     _check_draft(args.draft)
@@ -364,6 +365,11 @@ def calibrate_cmd(args, out=None):
         raise SystemExit("heterospec calibrate: no prompts found in " + ", ".join(args.prompts))
     ids = [encode(tokenizer, t, not args.no_chat_template).to(args.device) for t in texts]
     levels = args.depth + math.ceil(args.depth / 2)
+    search = getattr(args, "search_base_tree", False)
+    if search:  # the trace must hold the deepest tree of the search grid and its extra levels
+        from .bench import TUNE_DEPTHS
+
+        levels = max(levels, max(TUNE_DEPTHS) + math.ceil(max(TUNE_DEPTHS) / 2) + 1)
 
     line = Progress()
 
@@ -373,9 +379,21 @@ def calibrate_cmd(args, out=None):
     trace = record(target, draft, ids, max_new_tokens=args.max_new_tokens, top_k=args.top_k_tree, levels=levels,
                    progress=progress)
     line.done()
+    cost = profile_costs(target, draft, reps=2, graphs=getattr(args, "graphs", False))
+    searched = None
+    if search:
+        # the static base tree that is fastest here, as bench's eagle3-tuned finds it: every (depth, nodes) of the
+        # grid replayed on the trace with this machine's cost model, the best 3 decoded for real
+        from .bench import Timer, tune_static_tree
+
+        base, searched = tune_static_tree(target, draft, ids[: args.search_prompts], trace, cost_model=cost,
+                                          timer=Timer(args.device), cuda_graphs=getattr(args, "graphs", False))
+        args.depth, args.total_tokens = base.depth, base.total_tokens
+        print(f"base tree searched on this machine: depth {base.depth}, top_k {base.top_k}, {base.total_tokens} nodes "
+              f"({len(searched['grid'])} trees replayed, {len(searched['measured'])} timed on "
+              f"{min(len(ids), args.search_prompts)} prompts)", file=out)
     x, y = trace.features(args.depth, args.total_tokens, target=args.fit_target)
     thresholds = tuple(fit_thresholds(x, y, depth=3, min_leaf=max(5, len(x) // 50)))
-    cost = profile_costs(target, draft, reps=2, graphs=getattr(args, "graphs", False))
     policy, predicted = optimise_policy(trace, cost, base_depth=args.depth, total_tokens=args.total_tokens,
                                         thresholds=thresholds)
     static = trace.replay(Policy.static(args.depth, args.top_k_tree, args.total_tokens), cost_model=cost)
@@ -388,7 +406,8 @@ def calibrate_cmd(args, out=None):
                         "predicted_tokens_per_s": {"static": static.predicted_tokens_per_s,
                                                    "paper": paper.predicted_tokens_per_s,
                                                    "calibrated": calibrated.predicted_tokens_per_s},
-                        "target_name": name(target)})
+                        "target_name": name(target),
+                        **({"base_tree_search": searched} if searched is not None else {})})
     total = max(1, calibrated.cycles)
     print(f"entropy thresholds: {', '.join(f'{t:.4g}' for t in thresholds)}", file=out)
     print("| bin | share of cycles | mean accepted | extra depth | kept nodes |", file=out)
@@ -536,6 +555,13 @@ def main(argv=None):
     c.add_argument("--top-k-tree", type=int, default=10)
     c.add_argument("--total-tokens", type=int, default=60)
     c.add_argument("--fit-target", choices=["rank", "accepted"], default="rank")
+    c.add_argument("--search-base-tree", action="store_true",
+                   help="first find the static base tree (depth, nodes) that is fastest on this machine, as bench's "
+                        "eagle3-tuned does (the grid replayed on the trace with the measured cost model, the best 3 "
+                        "decoded for real), then fit the bins and per-bin plans on it; --depth / --total-tokens are "
+                        "then only the search's starting point")
+    c.add_argument("--search-prompts", type=int, default=4,
+                   help="--search-base-tree: prompts the best trees are decoded on for timing")
     c.add_argument("--device", default="cpu", help="where the pair runs and is timed: cpu, cuda, cuda:1, ... "
                    "(calibrate on the device you will generate on: the cost model is this device's)")
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
