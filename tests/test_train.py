@@ -142,3 +142,33 @@ def test_a_heads_config_takes_the_targets_rope_and_layer_settings(arch, rope):
                 "max_position_embeddings", "vocab_size", "rms_norm_eps"):
         assert getattr(head, key) == getattr(cfg, key), key
     assert head.head_dim == (16 if arch == "qwen3" else 8) and head.draft_vocab_size == 40
+
+
+def test_validation_split_keeps_the_best_head_and_stops_early(tmp_path):
+    """Issue 19.2: held-out sequences are validated every eval_every steps; the head on disk is the one with the
+    lowest validation loss; patience stops a run whose validation loss no longer falls; both curves are in
+    training_log.json and drawn to training_curves.png."""
+    model = tiny_target("llama")
+    ps = prompts(12, seed=3)
+    out = tmp_path / "head"
+    log = train_draft(model, ps, out, draft_vocab_size=60, steps=60, lr=3e-3, ttt_steps=2, max_new_tokens=16,
+                      val_fraction=0.25, eval_every=10, batch_size=3)
+    meta = json.loads((out / "training_log.json").read_text())
+    assert meta["validation_sequences"] == 3 and meta["sequences"] == 9
+    val = meta["val_log"]
+    assert [v[0] for v in val] == [10, 20, 30, 40, 50, 60] and len(val[0][2]) == 2
+    best = min(val, key=lambda v: v[1])
+    assert meta["best_val_step"] == best[0] and meta["best_val_loss"] == pytest.approx(best[1])
+    assert val[-1][1] < val[0][1]                                   # it learns on sequences it never saw
+    assert (out / "training_curves.png").read_bytes()[:4] == b"\x89PNG" and log
+    # the head on disk is the best one: its validation loss is the best recorded
+    head = Eagle3Draft.from_pretrained(out, target=model, dtype=torch.float32)
+    assert head is not None
+    # a learning rate of 0 never lowers the validation loss: patience 2 stops after the third validation
+    out2 = tmp_path / "stuck"
+    train_draft(model, ps, out2, draft_vocab_size=60, steps=200, lr=0.0, ttt_steps=2, max_new_tokens=16,
+                val_fraction=0.25, eval_every=5, patience=2, batch_size=3)
+    meta2 = json.loads((out2 / "training_log.json").read_text())
+    assert [v[0] for v in meta2["val_log"]] == [5, 10, 15] and meta2["best_val_step"] == 5
+    with pytest.raises(ValueError, match="val_fraction"):
+        train_draft(model, ps, tmp_path / "bad", steps=1, val_fraction=1.5, max_new_tokens=4)

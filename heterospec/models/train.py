@@ -254,12 +254,17 @@ def ttt_loss(draft, taps, ids, tgt_d, tgt_w, valid, ttt_steps):
 def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, lr=3e-4, ttt_steps=3,
                 max_new_tokens=128, seed=0, resume=False, log_every=10, progress=None, eos_token_id=None,
                 answer_progress=None, batch_size=4, gen_batch_size=16, topk=32, warmup=None, records=None,
-                init=False, save_every=None):
+                init=False, save_every=None, val_fraction=0.0, eval_every=None, patience=None):
     """Train an EAGLE-3 head for ``target`` on the target's own answers to ``prompts`` ([1, S] tensors),
     or on ``records`` from :func:`collect` when given; writes ``out_dir`` (loadable with
     ``Eagle3Draft.from_pretrained(out_dir, target=target)``).  ``batch_size`` sequences per optimiser
     step; the learning rate warms up linearly over ``warmup`` steps (default steps // 20) and then decays
-    on a cosine to lr / 10.  Returns the list of (step, loss, accuracies) logged."""
+    on a cosine to lr / 10.  Returns the list of (step, loss, accuracies) logged.
+
+    ``val_fraction`` > 0 holds that share of the sequences out (seeded) and measures the loss and per-step
+    accuracy on them every ``eval_every`` steps (default steps // 20); the head written is then the one with
+    the lowest validation loss, and with ``patience`` training stops after that many evaluations without a
+    lower one.  ``training_log.json`` keeps both curves and ``training_curves.png`` draws them (matplotlib)."""
     torch.manual_seed(seed)
     os.makedirs(out_dir, exist_ok=True)
     V = target.config.vocab_size
@@ -268,6 +273,17 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
         records = collect(target, prompts, max_new_tokens, eos_token_id, batch_size=gen_batch_size, topk=topk,
                           progress=answer_progress)
     topk = records[0]["top_ids"].shape[-1]
+    val_records = []
+    if val_fraction > 0:
+        if not 0 < val_fraction < 1:
+            raise ValueError(f"train_draft: argument 'val_fraction' expected a value in [0, 1), got {val_fraction}")
+        order = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed + 7919)).tolist()
+        n_val = max(1, int(round(val_fraction * len(records))))
+        if n_val >= len(records):
+            raise ValueError(f"train_draft: argument 'val_fraction' leaves no training sequences "
+                             f"({len(records)} sequences, {n_val} held out)")
+        val_records = [records[i] for i in order[:n_val]]
+        records = [records[i] for i in order[n_val:]]
     answers = np.concatenate([r["ids"][r["start"]:].numpy() for r in records])
     state_path = os.path.join(out_dir, "trainer_state.pt")
     device = next(target.parameters()).device  # the head trains where the target lives
@@ -296,20 +312,45 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
     sched = lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, steps)))))  # noqa: E731
     if state is not None:
         opt.load_state_dict(state["optimizer"])
-    log = []
+    log, val_log = [], []
+    best = {"loss": math.inf, "step": None}
     draft.train()
     t0 = time.time()
     perm, epoch = None, -1
 
-    def save(step):
-        draft.eval()
-        draft.save_pretrained(out_dir)
-        torch.save({"step": step, "optimizer": opt.state_dict()}, state_path)
+    def write_log(step):
         with open(os.path.join(out_dir, "training_log.json"), "w") as f:
             json.dump({"steps": step, "lr": lr, "ttt_steps": ttt_steps, "draft_vocab_size": Vd, "batch_size": batch_size,
-                       "sequences": len(records), "answer_tokens": int(answers.size), "topk": topk,
-                       "max_new_tokens": max_new_tokens, "log": log}, f, indent=1)
+                       "sequences": len(records), "validation_sequences": len(val_records),
+                       "answer_tokens": int(answers.size), "topk": topk, "max_new_tokens": max_new_tokens, "log": log,
+                       "val_log": val_log, "best_val_step": best["step"], "best_val_loss":
+                       None if best["step"] is None else best["loss"]}, f, indent=1)
+
+    def save(step, head=True):
+        draft.eval()
+        if head:
+            draft.save_pretrained(out_dir)
+        torch.save({"step": step, "optimizer": opt.state_dict()}, state_path)
+        write_log(step)
         draft.train()
+
+    def validate():
+        """Mean loss and per-step accuracy over the held-out sequences (weighted by batch)."""
+        draft.eval()
+        tot, accs, n = 0.0, None, 0
+        with torch.no_grad():
+            for k in range(0, len(val_records), batch_size):
+                which = list(range(k, min(k + batch_size, len(val_records))))
+                vb = [t.to(device) for t in _batch(val_records, which, topk, t2d, tmap)]
+                loss_v, acc_v = ttt_loss(draft, *vb, ttt_steps)
+                tot += float(loss_v) * len(which)
+                accs = [a * len(which) for a in acc_v] if accs is None else [a + b * len(which) for a, b in zip(accs, acc_v)]
+                n += len(which)
+        draft.train()
+        return tot / n, [a / n for a in accs]
+
+    eval_every = max(1, steps // 20) if eval_every is None else max(1, eval_every)
+    stale = 0
 
     lengths = torch.tensor([r["ids"].numel() for r in records], dtype=torch.float64, device="cpu")
     per_epoch = max(1, len(records) // batch_size)
@@ -335,8 +376,57 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
             log.append((step + 1, float(loss.detach()), accs))
             if progress is not None:
                 progress(step + 1, steps, float(loss.detach()), accs, time.time() - t0)
+        if val_records and ((step + 1) % eval_every == 0 or step + 1 == steps):
+            v_loss, v_accs = validate()
+            val_log.append((step + 1, v_loss, v_accs))
+            if v_loss < best["loss"]:
+                best.update(loss=v_loss, step=step + 1)
+                stale = 0
+                save(step + 1)               # the best head so far is the one on disk
+            else:
+                stale += 1
+                if patience is not None and stale >= patience:
+                    break                    # early stop: the head on disk is the best one
         if save_every and (step + 1) % save_every == 0 and step + 1 < steps:
-            save(step + 1)
+            save(step + 1, head=not val_records)
     draft.eval()
-    save(steps)
+    done = log[-1][0] if log else steps
+    if val_records:
+        done = val_log[-1][0] if val_log else done
+        write_log(done)
+    else:
+        save(steps)
+    _plot_curves(os.path.join(out_dir, "training_curves.png"), log, val_log, ttt_steps)
     return log
+
+
+def _plot_curves(path, log, val_log, ttt_steps):
+    """Training and validation loss, and per-step accuracy, as a PNG beside the head (skipped without
+    matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    if log:
+        a.plot([r[0] for r in log], [r[1] for r in log], label="train", color="#4477aa")
+    if val_log:
+        a.plot([r[0] for r in val_log], [r[1] for r in val_log], "o-", label="validation", color="#cc3311")
+    a.set_xlabel("step")
+    a.set_ylabel("loss")
+    a.set_title("training-time-test loss")
+    a.legend()
+    rows = val_log or log
+    for j in range(min(ttt_steps, len(rows[0][2]) if rows else 0)):
+        b.plot([r[0] for r in rows], [r[2][j] for r in rows], label=f"step {j + 1}")
+    b.set_xlabel("step")
+    b.set_ylabel("accuracy" + (" (validation)" if val_log else " (training)"))
+    b.set_title("accuracy per drafted step")
+    if rows:
+        b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -309,6 +309,9 @@ def check_train_draft(args):
     _need(args.lr > 0, "--lr", "a learning rate > 0", args.lr)
     _need(args.batch_size >= 1, "--batch-size", "an int >= 1", args.batch_size)
     _need(args.ttt_steps >= 1, "--ttt-steps", "an int >= 1", args.ttt_steps)
+    _need(0 <= args.val_fraction < 0.5, "--val-fraction", "a share in [0, 0.5)", args.val_fraction)
+    _need(args.eval_every is None or args.eval_every >= 1, "--eval-every", "an int >= 1", args.eval_every)
+    _need(args.patience >= 0, "--patience", "an int >= 0", args.patience)
     _check_target(args)
     if not (args.records and os.path.exists(args.records)):
         _check_files("--data", args.data)
@@ -486,9 +489,10 @@ def train_draft_cmd(args, out=None):
     train_draft(target, None, args.out, records=records, draft_vocab_size=args.draft_vocab_size, steps=args.steps,
                 lr=args.lr, ttt_steps=args.ttt_steps, max_new_tokens=args.max_new_tokens, resume=args.resume,
                 log_every=max(1, min(10, args.steps // 50)), progress=progress, batch_size=args.batch_size,
-                warmup=args.warmup, init=args.init_from_target, save_every=args.save_every, seed=args.seed)
+                warmup=args.warmup, init=args.init_from_target, save_every=args.save_every, seed=args.seed,
+                val_fraction=args.val_fraction, eval_every=args.eval_every, patience=args.patience or None)
     train_line.done()
-    print(f"draft written to {args.out}", file=out)
+    print(f"draft written to {args.out} (training curves: {os.path.join(args.out, 'training_curves.png')})", file=out)
 
 
 def main(argv=None):
@@ -579,7 +583,13 @@ def main(argv=None):
     t.add_argument("--draft-vocab-size", type=int, default=None)
     t.add_argument("--steps", type=int, default=1000)
     t.add_argument("--lr", type=float, default=3e-4)
-    t.add_argument("--ttt-steps", type=int, default=3)
+    t.add_argument("--ttt-steps", type=int, default=7, help="training-time-test steps (EAGLE-3 uses 7)")
+    t.add_argument("--val-fraction", type=float, default=0.05,
+                   help="share of the answered prompts held out for validation (0: none); the head written is the "
+                        "one with the lowest validation loss")
+    t.add_argument("--eval-every", type=int, default=None, help="validate every N steps (default steps // 20)")
+    t.add_argument("--patience", type=int, default=5,
+                   help="stop after this many validations without a lower loss (0: never stop early)")
     t.add_argument("--resume", action="store_true")
     t.add_argument("--batch-size", type=int, default=8, help="sequences per optimiser step")
     t.add_argument("--gen-batch-size", type=int, default=32, help="prompts the target answers at once")
