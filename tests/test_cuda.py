@@ -193,18 +193,9 @@ def _random_tree_inputs(rng, M, n):
     for c in range(M):
         parents[c] = rng.integers(-1, c) if c else -1
     tokens = rng.integers(0, 50, M).astype(np.int64)
-    chosen = set()
-    order = rng.permutation(M)
-    for c in order:
-        if len(chosen) == n:
-            break
-        chain, p = [], int(c)
-        while p >= 0 and p not in chosen:
-            chain.append(p)
-            p = int(parents[p])
-        if len(chosen) + len(chain) <= n:
-            chosen.update(chain)
-    return tokens, parents, np.array(sorted(chosen), np.int64)
+    from test_batch import _closed_selection
+
+    return tokens, parents, _closed_selection(rng, parents, n)
 
 
 @pytest.mark.parametrize("M,n", [(1, 0), (5, 3), (60, 20), (300, 59), (200, 127)])
