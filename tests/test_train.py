@@ -85,7 +85,7 @@ def test_train_draft_command(tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(json.dumps({"question": f"w{i} w{i + 3} w{i + 7}"}) for i in range(4)))
     res = subprocess.run([sys.executable, "-m", "heterospec", "train-draft", "--target", str(tmp_path / "target"),
-                          "--data", str(data), "--out", str(tmp_path / "trained"), "--steps", "20",
+                          "--data", str(data), "self:3", "--out", str(tmp_path / "trained"), "--steps", "20",
                           "--max-new-tokens", "16", "--draft-vocab-size", "50", "--lr", "1e-3", "--device", "cpu"],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
@@ -95,6 +95,9 @@ def test_train_draft_command(tmp_path):
     target = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "target", attn_implementation="sdpa")
     draft = Eagle3Draft.from_pretrained(tmp_path / "trained", target=target)
     assert draft.config.draft_vocab_size == 50
+    meta = json.loads((tmp_path / "trained" / "training_log.json").read_text())
+    assert meta["sequences"] + meta["validation_sequences"] > 4          # the 4 file prompts + self-written ones
+    assert (tmp_path / "trained" / "training_curves.png").exists()
 
 
 def test_default_target_loads_smollm2():
@@ -172,3 +175,26 @@ def test_validation_split_keeps_the_best_head_and_stops_early(tmp_path):
     assert [v[0] for v in meta2["val_log"]] == [5, 10, 15] and meta2["best_val_step"] == 5
     with pytest.raises(ValueError, match="val_fraction"):
         train_draft(model, ps, tmp_path / "bad", steps=1, val_fraction=1.5, max_new_tokens=4)
+
+
+def test_the_target_writes_training_prompts_for_itself(tmp_path):
+    """Issue 19.2: prompts the target writes for itself -- its chat template opened at a user turn (from its
+    BOS without one), sampled, the turn's text decoded; distinct and non-empty, reproducible for a seed."""
+    from test_cli_generate import save_tiny_pair
+
+    from heterospec.tools.prompts import self_written_prompts, user_turn_prefix
+
+    model, tok = save_tiny_pair(tmp_path)
+    a = self_written_prompts(model, tok, 5, max_new_tokens=6, seed=3, batch_size=4)
+    assert 1 <= len(a) <= 5 and len(set(a)) == len(a) and all(t.strip() for t in a)
+    assert all(w.startswith("w") or w in ("<s>",) for t in a for w in t.split())
+    assert self_written_prompts(model, tok, 5, max_new_tokens=6, seed=3, batch_size=4) == a
+
+    class Templated:
+        chat_template = "x"
+
+        def apply_chat_template(self, messages, tokenize=False):
+            return "<sys>be brief</sys><user>" + messages[0]["content"] + "</user><bot>"
+
+    assert user_turn_prefix(Templated()) == ("<sys>be brief</sys><user>", "</user><bot>")
+    assert user_turn_prefix(tok) == (None, None)

