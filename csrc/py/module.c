@@ -1527,7 +1527,8 @@ static PyObject *py_kv_compact(PyObject *self, PyObject *args) {
     const hs_kv_set *ks = prepared ? &((hs_kvt_object *)o_tensors)->set : &own;
     hs_view *sl, *pv = NULL;
     const int64_t *prefix_dev = NULL;
-    int64_t *host = NULL; /* prefix lengths [B], then the slot counts [B] */
+    int64_t local[16], *host = NULL; /* prefix lengths [B], then the slot counts [B]: on the stack for B <= 8
+                                         (the decoding loop's per-cycle commit), else allocated */
     PyObject *result = NULL;
     if (prepared && ks->device_type != 0) {
         /* slots must live where the prepared tensors do */
@@ -1546,7 +1547,9 @@ static PyObject *py_kv_compact(PyObject *self, PyObject *args) {
         hs_check_dtype(sl, op, "slots", HS_ID_DTYPES, "int32 or int64") < 0)
         goto fail;
     const int64_t B = bt ? sl->shape[0] : 1, m = sl->shape[bt];
-    if (!(host = PyMem_Malloc((size_t)(B > 0 ? B : 1) * 2 * sizeof(int64_t)))) {
+    if (B <= 8) {
+        host = local;
+    } else if (!(host = PyMem_Malloc((size_t)B * 2 * sizeof(int64_t)))) {
         PyErr_NoMemory();
         goto fail;
     }
@@ -1598,7 +1601,7 @@ fail:
     hs_gpu_end(&g, op, 0);
     hs_kv_set_release(&own);
     hs_views_release(&vs);
-    PyMem_Free(host);
+    if (host != local) PyMem_Free(host);
     return result;
 }
 
