@@ -36,9 +36,13 @@ def main():
     json.dump(cfg, open(os.path.join(a.dst, "config.json"), "w"), indent=1)
     log = json.load(open(os.path.join(a.src, "training_log.json")))
     shutil.copy(os.path.join(a.src, "training_log.json"), os.path.join(a.dst, "training_log.json"))
+    curves = os.path.join(a.src, "training_curves.png")
+    if os.path.exists(curves):
+        shutil.copy(curves, os.path.join(a.dst, "training_curves.png"))
     sha = hashlib.sha256(open(out, "rb").read()).hexdigest()
-    settings = {k: v for k, v in log.items() if k != "log"}
+    settings = {k: v for k, v in log.items() if k not in ("log", "val_log")}
     last = log["log"][-1] if log.get("log") else None
+    best = [r for r in log.get("val_log") or [] if r[0] == log.get("best_val_step")]
     lines = [
         "# Provenance of the shipped EAGLE-3 head for SmolLM2-135M-Instruct", "",
         "Trained by heterospec itself (`heterospec train-draft`) on the target's own greedy answers; "
@@ -49,11 +53,16 @@ def main():
         "## Training settings (training_log.json)", "", "```json", json.dumps(settings, indent=1), "```", "",
         f"Last logged step: {last[0]}, loss {last[1]:.3f}, accuracy per unrolled step "
         f"{', '.join(f'{x:.2f}' for x in last[2])}." if last else "", "",
+        (f"Shipped: the head of step {best[0][0]}, the lowest validation loss ({best[0][1]:.3f}; accuracy per "
+         f"unrolled step on the held-out sequences {', '.join(f'{x:.2f}' for x in best[0][2])}). The loss and "
+         "accuracy curves are in `training_curves.png`.") if best else "", "",
         "## Files", "",
         f"- `model.safetensors`: float16 (cast from the float32 checkpoint), {os.path.getsize(out) / 2**20:.1f} MiB, "
         f"sha256 `{sha}`; the token embedding is not stored (it is the target's, shared at load).",
         "- `config.json`: the SafeAILab EAGLE-3 layout that `Eagle3Draft.from_pretrained` loads.",
-        "- `training_log.json`: settings and the logged (step, loss, accuracy per unrolled step).",
+        "- `training_log.json`: settings and the logged (step, loss, accuracy per unrolled step), training and "
+        "validation.",
+        "- `training_curves.png`: those curves drawn (when the run wrote them).",
         "- `profile.json`: the calibrated HeteroSpec policy (`heterospec calibrate`), when present.", "",
     ]
     if a.note:

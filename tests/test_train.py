@@ -52,7 +52,8 @@ def test_training_lowers_the_loss_and_gives_a_lossless_head(tmp_path):
     # resume continues from the saved optimizer state
     log2 = train_draft(model, ps, tmp_path, draft_vocab_size=60, steps=130, lr=3e-3, max_new_tokens=32,
                        resume=True, log_every=5)
-    assert log2[0][0] == 121
+    assert [r[0] for r in log2[:len(log)]] == [r[0] for r in log]  # the curve goes on from the checkpoint's
+    assert log2[len(log)][0] == 121
 
 
 def test_collect_and_train_draft_make_tensors_on_the_targets_device(tmp_path):
@@ -285,3 +286,32 @@ def test_train_draft_collects_into_a_directory_and_trains_on_a_sample(tmp_path):
     assert res.returncode == 2 and "--shard-size" in res.stderr and "Traceback" not in res.stderr
     res = subprocess.run(base + ["--init-head", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "--init-head" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_stopped_run_with_validation_resumes_where_it_was(tmp_path):
+    """A run stopped between checkpoints and resumed ends exactly as an unstopped one: the checkpoint keeps the
+    current head (out_dir/last; out_dir holds the best one), the optimizer, the curves and the early-stopping
+    state, so the resumed run neither restarts from the best head nor forgets the validations before it."""
+    model = tiny_target("llama")
+    records = collect(model, prompts(8, seed=5), max_new_tokens=10, eos_token_id=None, batch_size=4, topk=4)
+    kw = dict(records=records, draft_vocab_size=50, steps=30, lr=3e-3, ttt_steps=2, val_fraction=0.25, eval_every=10,
+              save_every=10, batch_size=2, log_every=1)
+    train_draft(model, None, tmp_path / "a", **kw)
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_25(step, *rest):
+        if step == 25:
+            raise Stop
+
+    with pytest.raises(Stop):
+        train_draft(model, None, tmp_path / "b", progress=stop_at_25, **kw)
+    assert json.loads((tmp_path / "b" / "training_log.json").read_text())["steps"] == 20
+    train_draft(model, None, tmp_path / "b", resume=True, **kw)
+    a, b = (json.loads((tmp_path / d / "training_log.json").read_text()) for d in "ab")
+    assert [v[0] for v in b["val_log"]] == [10, 20, 30] and b["val_log"] == a["val_log"]
+    assert b["best_val_step"] == a["best_val_step"]
+    ha, hb = (Eagle3Draft.from_pretrained(tmp_path / d, target=model, dtype=torch.float32) for d in "ab")
+    for (n, p), (_, q) in zip(ha.named_parameters(), hb.named_parameters()):
+        assert torch.equal(p, q), n

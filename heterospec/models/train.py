@@ -352,8 +352,10 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
     answers = np.concatenate([r["ids"][r["start"]:].numpy() for r in records])
     state_path = os.path.join(out_dir, "trainer_state.pt")
     device = next(target.parameters()).device  # the head trains where the target lives
+    last_dir = os.path.join(out_dir, "last")  # with validation: the head to resume from (out_dir holds the best)
     if resume and os.path.exists(state_path):
-        draft = Eagle3Draft.from_pretrained(out_dir, target=target, dtype=torch.float32, device=device)
+        src = last_dir if val_records and os.path.isdir(last_dir) else out_dir
+        draft = Eagle3Draft.from_pretrained(src, target=target, dtype=torch.float32, device=device)
         state = torch.load(state_path, weights_only=True, map_location=device)
         start_step = int(state["step"])
     elif init_head is not None:
@@ -386,6 +388,10 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
         opt.load_state_dict(state["optimizer"])
     log, val_log = [], []
     best = {"loss": math.inf, "step": None}
+    stale = 0
+    if state is not None and "best" in state:   # the run's curves and early-stopping state go on too
+        log, val_log = [tuple(r) for r in state["log"]], [tuple(r) for r in state["val_log"]]
+        best, stale = dict(state["best"]), int(state["stale"])
     draft.train()
     t0 = time.time()
     perm, epoch = None, -1
@@ -398,11 +404,21 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
                        "val_log": val_log, "best_val_step": best["step"], "best_val_loss":
                        None if best["step"] is None else best["loss"]}, f, indent=1)
 
-    def save(step, head=True):
+    def save(step):
+        """The head in out_dir (the final one, or with validation the best so far) and the log."""
         draft.eval()
-        if head:
-            draft.save_pretrained(out_dir)
-        torch.save({"step": step, "optimizer": opt.state_dict()}, state_path)
+        draft.save_pretrained(out_dir)
+        write_log(step)
+        draft.train()
+
+    def checkpoint(step):
+        """What --resume needs: the current head (in out_dir/last with validation, where out_dir holds the
+        best one), the optimizer, the step, the curves and the early-stopping state."""
+        draft.eval()
+        draft.save_pretrained(last_dir if val_records else out_dir)
+        torch.save({"step": step, "optimizer": opt.state_dict(), "log": log, "val_log": val_log, "best": best,
+                    "stale": stale}, state_path + ".tmp")
+        os.replace(state_path + ".tmp", state_path)
         write_log(step)
         draft.train()
 
@@ -422,7 +438,6 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
         return tot / n, [a / n for a in accs]
 
     eval_every = max(1, steps // 20) if eval_every is None else max(1, eval_every)
-    stale = 0
 
     lengths = torch.tensor([r["ids"].numel() for r in records], dtype=torch.float64, device="cpu")
     per_epoch = max(1, len(records) // batch_size)
@@ -460,14 +475,12 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
                 if patience is not None and stale >= patience:
                     break                    # early stop: the head on disk is the best one
         if save_every and (step + 1) % save_every == 0 and step + 1 < steps:
-            save(step + 1, head=not val_records)
+            checkpoint(step + 1)
     draft.eval()
     done = log[-1][0] if log else steps
     if val_records:
         done = val_log[-1][0] if val_log else done
-        write_log(done)
-    else:
-        save(steps)
+    checkpoint(done)    # the head (without validation), and what --resume to a larger --steps needs
     _plot_curves(os.path.join(out_dir, "training_curves.png"), log, val_log, ttt_steps)
     return log
 
