@@ -205,7 +205,6 @@ def _load_policy(path, args):
 
 def pair_identity(args, target):
     """(target, draft) model identities of the loaded pair, as profiles store them (never paths)."""
-    from ..models.default import DEFAULT_HEAD
     from ..policy.calibrate import head_identity, model_identity
 
     name = "SmolLM2-135M-Instruct" if args.target == "default" else os.path.basename(os.path.normpath(args.target))
@@ -221,7 +220,7 @@ def resolve_generate(args):
     and needs --method heterospec; without it heterospec uses --thresholds (the paper's rule on them) or, with
     the shipped head, the shipped calibrated profile.  --draft defaults to the shipped head for --target
     default."""
-    from ..models.default import DEFAULT_HEAD, DEFAULT_PROFILE
+    from ..models.default import DEFAULT_PROFILE
     from ..policy import Policy
 
     _need(args.max_new_tokens >= 1, "--max-new-tokens", "an int >= 1", args.max_new_tokens)
@@ -474,8 +473,6 @@ def training_prompts(args, target, tokenizer):
     source.  With a shard directory as ``--records`` the list is written there (prompts.json) on the first run
     and read back on later ones: the target's self-written prompts are sampled once, and a resumed run answers
     exactly the prompts the finished shards were cut from."""
-    import json
-    import os
     import random
 
     saved = os.path.join(args.records, "prompts.json") if args.records and not args.records.endswith(".pt") else None
@@ -501,7 +498,6 @@ def training_prompts(args, target, tokenizer):
 def train_draft_cmd(args, out=None):
     """Train an EAGLE-3 head on the target's own answers to the training prompts."""
     out = sys.stdout if out is None else out   # the stdout of the call, not of the import
-    import os
 
     from ..models.train import collect, collect_shards, load_records, save_records, train_draft
 
