@@ -302,6 +302,11 @@ def check_calibrate(args):
     _need(os.path.isdir(out_dir), "--out", "a path in an existing directory", f"{args.out!r}")
 
 
+def _records_dir(args):
+    """--records as a directory of shards (anything but a FILE.pt), else None."""
+    return args.records if args.records and not args.records.endswith(".pt") else None
+
+
 def check_train_draft(args):
     _need(args.steps >= 1, "--steps", "an int >= 1", args.steps)
     _need(args.max_new_tokens >= 1, "--max-new-tokens", "an int >= 1", args.max_new_tokens)
@@ -317,8 +322,8 @@ def check_train_draft(args):
     if args.init_head is not None:
         _check_draft(args.init_head, "--init-head")
     _check_target(args)
-    if not (args.records and os.path.exists(args.records if args.records.endswith(".pt")
-                                            else os.path.join(args.records, "prompts.json"))):
+    shards = _records_dir(args)
+    if not (args.records and os.path.exists(os.path.join(shards, "prompts.json") if shards else args.records)):
         from .prompts import SHAREGPT
 
         for d in args.data:
@@ -475,7 +480,8 @@ def training_prompts(args, target, tokenizer):
     exactly the prompts the finished shards were cut from."""
     import random
 
-    saved = os.path.join(args.records, "prompts.json") if args.records and not args.records.endswith(".pt") else None
+    shards = _records_dir(args)
+    saved = os.path.join(shards, "prompts.json") if shards else None
     if saved and os.path.exists(saved):
         with open(saved) as f:
             return json.load(f)["prompts"]
@@ -488,7 +494,7 @@ def training_prompts(args, target, tokenizer):
         raise SystemExit("heterospec train-draft: no prompts found in " + ", ".join(args.data))
     random.Random(args.seed).shuffle(texts)
     if saved:
-        os.makedirs(args.records, exist_ok=True)
+        os.makedirs(shards, exist_ok=True)
         with open(saved + ".tmp", "w") as f:
             json.dump({"data": list(args.data), "seed": args.seed, "prompts": texts}, f)
         os.replace(saved + ".tmp", saved)
@@ -517,7 +523,7 @@ def train_draft_cmd(args, out=None):
         answer_line(f"the target answers the prompts [{'#' * int(30 * i / n):<30}] {i}/{n} ({time.time() - t0:.0f} s)",
                     i, n)
 
-    sharded = bool(args.records) and not args.records.endswith(".pt")
+    sharded = _records_dir(args) is not None
     if args.records and not sharded and os.path.exists(args.records):
         records, _ = load_records(args.records)
     else:
