@@ -4,6 +4,7 @@ temperatures), the eagle3-tuned search, the identical-output check firing on a b
 small run on the real default pair (CI's last stage)."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -178,6 +179,10 @@ def test_bench_command_writes_json_tables_plots_and_answers(tmp_path):
                 if n.startswith("heterospec") and (n != "heterospec-tuned" or ht["thresholds"]):
                     assert abs(sum(v["share"] for v in m["bins"].values()) - 1) < 1e-9
                     assert sum(v["cycles"] for v in m["bins"].values()) == m["verification_calls"]
+                    # measured per bin: tau from the accepted tokens, tokens/s over the bin's cycles' time
+                    assert sum(v["seconds"] for v in m["bins"].values()) <= m["seconds"]
+                    for v in m["bins"].values():
+                        assert v["tau"] == pytest.approx(1 + v["mean_accepted"]) and v["tokens_per_s"] > 0
                 else:
                     assert m["bins"] == {}
             ar = by_m["ar"]
@@ -205,6 +210,8 @@ def test_bench_command_writes_json_tables_plots_and_answers(tmp_path):
     assert ("Identical greedy outputs across ar, hf, hf-static, hf-lookup, eagle3, eagle3-tuned, heterospec-paper, "
             "heterospec, heterospec-tuned") in md
     assert "heterospec-tuned: on that base tree, entropy bins" in md
+    assert "per entropy bin, measured (all files pooled)" in md
+    assert re.search(r"\| heterospec \| \d \| [01]\.\d{3} \| \d+\.\d\d \| \d+\.\d \|", md)
     assert md in res.stdout
     for png in ("speedup.png", "tau_vs_verified.png", "bins.png", "speedup_t1.png", "bins_t1.png"):
         data = (out / png).read_bytes()
@@ -544,3 +551,15 @@ def test_bench_with_recorded_engines_keeps_capture_out_of_the_timings(tmp_path):
     md = bench.markdown({"settings": {"device": "cpu", "dtype": "float32", "max_new_tokens": 10, "limit": 2, "seed": 0},
                          "models": {"target": "t", "draft": "d"}, "machine": {"summary": "m"}, "runs": [rec]})
     assert "recorded steps (cuda_graphs='emulate')" in md and "recording took ar " in md
+
+
+def test_pooled_bins_weigh_files_by_their_cycles():
+    """The per-bin table pools files by cycles, not by averaging their means."""
+    a = {"0": {"cycles": 30, "mean_accepted": 2.0, "seconds": 3.0}, "2": {"cycles": 10, "mean_accepted": 0.0, "seconds": 2.0}}
+    b = {"0": {"cycles": 10, "mean_accepted": 4.0, "seconds": 1.0}}
+    p = bench._pooled_bins([a, b])
+    assert list(p) == ["0", "2"]
+    assert p["0"]["share"] == pytest.approx(40 / 50) and p["2"]["share"] == pytest.approx(10 / 50)
+    assert p["0"]["tau"] == pytest.approx(1 + (60 + 40) / 40)            # 3.5 committed per cycle
+    assert p["0"]["tokens_per_s"] == pytest.approx((100 + 40) / 4.0)     # committed over 4 s
+    assert p["2"]["tau"] == 1.0 and p["2"]["tokens_per_s"] == pytest.approx(10 / 2.0)

@@ -237,3 +237,21 @@ def test_profile_costs_synchronises_before_every_clock_read(cpu_pair, monkeypatc
                                          + [("draft", b) for b in beams for _ in range(reps)])
     prefills = [e for e in log if e[0] == "target" and e[1] in contexts]
     assert prefills and all(e not in work_inside for e in prefills)
+
+
+def test_replay_predicts_each_bins_tokens_per_second(stretch_trace):
+    """Issue 19.4's per-bin table: with a cost model a replay charges every cycle's predicted seconds to its
+    bin.  A flat cost of 0.25 s per cycle makes a bin's tokens/s its committed tokens per cycle over 0.25."""
+    x, acc = stretch_trace.features(BASE, N, target="accepted")
+    thresholds = tuple(fit_thresholds(x, acc, depth=3, min_leaf=10))
+    flat = lambda nodes, context, levels, beam: 0.25  # noqa: E731
+    r = stretch_trace.replay(Policy.paper(BASE, K, N, thresholds), cost_model=flat)
+    assert len(r.per_bin) >= 2
+    for b, v in r.per_bin.items():
+        assert v["seconds"] == pytest.approx(0.25 * v["cycles"])
+        assert v["predicted_tokens_per_s"] == pytest.approx((v["mean_accepted"] + 1) / 0.25)
+    assert sum(v["cycles"] for v in r.per_bin.values()) == r.cycles
+    # no cost model: no prediction anywhere
+    bare = stretch_trace.replay(Policy.paper(BASE, K, N, thresholds))
+    assert bare.predicted_tokens_per_s is None
+    assert all("predicted_tokens_per_s" not in v for v in bare.per_bin.values())

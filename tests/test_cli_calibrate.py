@@ -35,6 +35,12 @@ def test_calibrate_then_generate_with_the_profile(tmp_path):
     assert str(tmp_path) not in json.dumps(raw["model_pair"])      # identities, never paths (issue 18.3)
     assert policy.depth == 3 and policy.top_k == 3 and cost is not None
     assert raw["notes"]["prompts"] == 5 and raw["notes"]["positions"] == 5 * 23
+    # the per-bin table has the predicted tau and tokens/s, and the profile keeps them (issue 19.4)
+    assert "| predicted tau | predicted tokens/s |" in res.stdout
+    per_bin = raw["notes"]["per_bin"]
+    assert per_bin and sum(v["cycles"] for v in per_bin.values()) > 0
+    assert all(v["predicted_tokens_per_s"] > 0 for v in per_bin.values())
+    assert len(per_bin) <= len(policy.thresholds) + 1
     png = tmp_path / "profile.png"
     assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
 

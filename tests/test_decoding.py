@@ -144,6 +144,9 @@ def test_heterospec_policy_bins_and_shapes():
     hs = HeteroSpec(model, OracleDraft(model), pol)
     _, stats = hs.generate(prompts(1)[0], max_new_tokens=32)
     assert sum(stats.bins.values()) == stats.cycles
+    # every binned cycle's wall time is charged to its bin, and the cycles fit inside the call (issue 19.4)
+    assert set(stats.bin_s) == set(stats.bins) and all(v > 0 for v in stats.bin_s.values())
+    assert sum(stats.bin_s.values()) <= stats.total_s - stats.prefill_s
     assert pol.plan(0.1) == (0, 4, 22) and pol.plan(100.0) == (7, 0, 60)
 
 

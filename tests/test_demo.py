@@ -185,3 +185,26 @@ def test_default_target_pair_matches_the_shipped_profile_without_a_warning():
         from heterospec.policy.calibrate import load_profile
 
         load_profile(demo.DEFAULT_PROFILE, target=t_id, draft=d_id)
+
+
+def test_shipped_head_config_is_the_default_targets():
+    """Issue 19.1: the shipped head attends with the target's own RoPE base and layer shapes.  The file alone:
+    SmolLM2-135M-Instruct's published config has rope_theta 100000 (the head before issue 19 said 10000).
+    With the default target: every field the head copies equals the target's, read here from the target's
+    config directly (transformers 5 keeps the base in rope_parameters, 4.x in rope_theta)."""
+    cfg = json.load(open(os.path.join(demo.DEFAULT_HEAD, "config.json")))
+    assert cfg["rope_theta"] == 100000.0 and cfg["rope_scaling"] is None
+    log = json.load(open(os.path.join(demo.DEFAULT_HEAD, "training_log.json")))
+    assert log["ttt_steps"] == 7 and log["best_val_step"] is not None   # 7 training-time-test steps, validated
+
+    from heterospec.models import default as models
+
+    need_default_target()
+    model, _ = models.default_target()
+    t = model.config
+    theta = (getattr(t, "rope_parameters", None) or {}).get("rope_theta", getattr(t, "rope_theta", None))
+    assert cfg["rope_theta"] == float(theta)
+    for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+        assert cfg[k] == getattr(t, k), k
+    assert cfg["head_dim"] == getattr(t, "head_dim", t.hidden_size // t.num_attention_heads)
+    assert cfg["rms_norm_eps"] == pytest.approx(t.rms_norm_eps)

@@ -393,6 +393,7 @@ class HeteroSpec:
         pol = self.policy
         first = True
         while not done:
+            t_cycle = time.perf_counter()   # the cycle's wall time, host and device, ends at the accepted sync
             b, extra, keep = (None, 0, pol.total_tokens) if self._drafting else (None, 0, 1)
             if graphs:
                 # 1-8 as recorded steps: one replay, or two around the "bin" sync point.  The device's idle
@@ -435,6 +436,7 @@ class HeteroSpec:
             if b is not None:
                 stats.bins[b] += 1
                 stats.bin_accepted[b] += n_acc
+                stats.bin_s[b] += time.perf_counter() - t_cycle
             # truncate at the budget, at EOS, or where a stopping criterion fires
             for t in committed:
                 generated.append(t)

@@ -20,6 +20,7 @@ class GenerationStats:
     accepted_hist: Counter = dataclasses.field(default_factory=Counter)  # accepted draft tokens per cycle
     bins: Counter = dataclasses.field(default_factory=Counter)          # cycles per entropy bin
     bin_accepted: Counter = dataclasses.field(default_factory=Counter)  # accepted draft tokens per entropy bin
+    bin_s: Counter = dataclasses.field(default_factory=Counter)  # wall seconds of the cycles per entropy bin
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -47,6 +48,7 @@ class GenerationStats:
         d["accepted_hist"] = dict(sorted(self.accepted_hist.items()))
         d["bins"] = dict(sorted(self.bins.items()))
         d["bin_accepted"] = dict(sorted(self.bin_accepted.items()))
+        d["bin_s"] = dict(sorted(self.bin_s.items()))
         d["tau"] = self.tau
         d["tokens_per_s"] = self.new_tokens / self.total_s if self.total_s else 0.0
         d["host_s_per_cycle"] = self.host_s_per_cycle

@@ -139,7 +139,7 @@ class ReplayStats:
     verified_tokens: int
     accepted_hist: Counter
     bins: Counter
-    per_bin: dict  # bin -> {"cycles", "mean_accepted", "mean_nodes"}
+    per_bin: dict  # bin -> {"cycles", "mean_accepted", "mean_nodes"[, "seconds", "predicted_tokens_per_s"]}
     predicted_tokens_per_s: float | None = None
 
     @property
@@ -181,7 +181,7 @@ class Trace:
             need = policy.depth + max(policy.extra or (0,))
             if need > self.levels:
                 raise ValueError(f"replay: argument 'policy' needs {need} levels, the trace has {self.levels}")
-        hist, bins, per_bin = Counter(), Counter(), defaultdict(lambda: [0, 0, 0])
+        hist, bins, per_bin = Counter(), Counter(), defaultdict(lambda: [0, 0, 0, 0.0])
         cycles = verified = new = 0
         seconds = 0.0
         for prompt, out, trees in zip(self.prompts, self.outputs, self.trees):
@@ -206,18 +206,26 @@ class Trace:
                 cycles += 1
                 verified += nodes
                 hist[accepted] += 1
+                cost = (cost_model(nodes, len(prompt) + t, levels, self.top_k if drafts else 0)
+                        if cost_model is not None else 0.0)
+                seconds += cost
                 if b is not None:
                     bins[b] += 1
                     pb = per_bin[b]
                     pb[0] += 1
                     pb[1] += accepted
                     pb[2] += nodes
-                if cost_model is not None:
-                    seconds += cost_model(nodes, len(prompt) + t, levels, self.top_k if drafts else 0)
+                    pb[3] += cost
                 t += accepted + 1
+
+        def bin_stats(c, a, n, s):
+            d = {"cycles": c, "mean_accepted": a / c, "mean_nodes": n / c}
+            if cost_model is not None:   # committed tokens (accepted + the bonus) per predicted second of the bin
+                d.update(seconds=s, predicted_tokens_per_s=(a + c) / s if s > 0 else None)
+            return d
+
         return ReplayStats(
-            new, cycles, verified, hist, bins,
-            {b: {"cycles": c, "mean_accepted": a / c, "mean_nodes": n / c} for b, (c, a, n) in sorted(per_bin.items())},
+            new, cycles, verified, hist, bins, {b: bin_stats(*v) for b, v in sorted(per_bin.items())},
             new / seconds if cost_model is not None and seconds > 0 else None)
 
     # ---- features for fitting bins ------------------------------------------------------------------

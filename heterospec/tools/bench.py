@@ -539,10 +539,11 @@ def _metrics(recs, ar_recs):
     cycles = sum(s.cycles for s in stats)
     committed = sum(s.committed for s in stats)
     verified = sum(s.verified_tokens for s in stats)
-    bins, bin_acc = Counter(), Counter()
+    bins, bin_acc, bin_s = Counter(), Counter(), Counter()
     for s in stats:
         bins.update(s.bins)
         bin_acc.update(s.bin_accepted)
+        bin_s.update(getattr(s, "bin_s", {}))
     nb = sum(bins.values())
     split = {k: sum(getattr(s, k + "_s", 0.0) for s in stats) for k in ("prefill", "draft", "verify", "ops", "graph",
                                                                    "idle")}
@@ -564,11 +565,30 @@ def _metrics(recs, ar_recs):
         "tokens_per_s": new / secs if secs else 0.0, "speedup": speedup,
         "tau": committed / cycles if cycles else 0.0, "verification_calls": cycles, "verified_tokens": verified,
         "verified_per_new_token": verified / new if new else 0.0,
-        "bins": {str(b): {"cycles": c, "share": c / nb, "mean_accepted": bin_acc[b] / c} for b, c in sorted(bins.items())},
+        # per bin also the measured tau and committed tokens per second of the bin's cycles (wall time of each
+        # cycle up to its accepted-tokens sync)
+        "bins": {str(b): {"cycles": c, "share": c / nb, "mean_accepted": bin_acc[b] / c, "seconds": bin_s[b],
+                          "tau": 1 + bin_acc[b] / c,
+                          "tokens_per_s": (bin_acc[b] + c) / bin_s[b] if bin_s[b] > 0 else None}
+                 for b, c in sorted(bins.items())},
         "time_split_s": split, "time_split_share": {k: v / total if total else 0.0 for k, v in split.items()},
         "host_ms_per_cycle": host_ms,
         "per_question_tokens_per_s": q_tps,
     }
+
+
+def _pooled_bins(per_file):
+    """{bin: share, tau, tokens_per_s} pooled over files' ``bins`` dicts (cycles, mean_accepted, seconds)."""
+    cyc, acc, sec = Counter(), Counter(), Counter()
+    for bins in per_file:
+        for k, v in bins.items():
+            cyc[k] += v["cycles"]
+            acc[k] += v["mean_accepted"] * v["cycles"]
+            sec[k] += v.get("seconds") or 0.0
+    total = sum(cyc.values())
+    return {k: {"share": cyc[k] / total, "tau": 1 + acc[k] / cyc[k],
+                "tokens_per_s": (acc[k] + cyc[k]) / sec[k] if sec[k] > 0 else None}
+            for k in sorted(cyc, key=int)}
 
 
 def _mean_row(rows):
@@ -684,6 +704,20 @@ def markdown(result):
                     _fmt(sh.get(k), ".2f") for k in ("prefill", "draft", "verify", "ops", "graph", "idle", "loop"))
                     + f" | {_fmt(m.get('host_ms_per_cycle'), '.2f')} | {bins or '–'} |")
         lines.append("")
+        binned = [n for n in names if any(run["files"][b][n]["bins"] for b in benches)]
+        if binned:
+            lines.append(f"**Temperature {run['temperature']:g}: per entropy bin, measured (all files pooled)**")
+            lines.append("")
+            lines.append("| Method | bin | share of cycles | tau | tokens/s in the bin's cycles |")
+            lines.append("|---|---:|---:|---:|---:|")
+            for n in binned:
+                for k, v in _pooled_bins([run["files"][b][n]["bins"] for b in benches]).items():
+                    lines.append(f"| {n} | {k} | {v['share']:.3f} | {v['tau']:.2f} | {_fmt(v['tokens_per_s'], '.1f')} |")
+            lines.append("")
+            lines.append("τ and tokens/s of a bin count the committed tokens (accepted + the bonus) of the cycles in "
+                         "that bin, over those cycles' wall time (drafting, verification and the ops up to the "
+                         "accepted-tokens sync; the prefill is outside every bin).")
+            lines.append("")
         if run.get("cuda_graphs"):
             caps = {n: v for n, v in (run.get("capture_s") or {}).items() if v}
             lines.append(f"Our engines ran recorded steps (cuda_graphs={run['cuda_graphs']!r}): the graphs column is "

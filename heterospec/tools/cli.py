@@ -433,14 +433,12 @@ def calibrate_cmd(args, out=None):
                                                    "paper": paper.predicted_tokens_per_s,
                                                    "calibrated": calibrated.predicted_tokens_per_s},
                         "target_name": name(target),
+                        "per_bin": {str(b): {k: v[k] for k in ("cycles", "mean_accepted", "mean_nodes",
+                                                               "predicted_tokens_per_s")}
+                                    for b, v in calibrated.per_bin.items()},
                         **({"base_tree_search": searched} if searched is not None else {})})
-    total = max(1, calibrated.cycles)
     print(f"entropy thresholds: {', '.join(f'{t:.4g}' for t in thresholds)}", file=out)
-    print("| bin | share of cycles | mean accepted | extra depth | kept nodes |", file=out)
-    print("|---:|---:|---:|---:|---:|", file=out)
-    for b, v in calibrated.per_bin.items():
-        print(f"| {b} | {v['cycles'] / total:.2f} | {v['mean_accepted']:.2f} | {policy.extra[b] if b < len(policy.extra) else 0} "
-              f"| {policy.keep[b] if b < len(policy.keep) else policy.total_tokens} |", file=out)
+    print(bin_table(calibrated, policy), file=out)
     for label, r in (("static EAGLE-3", static), ("paper rule", paper), ("calibrated", calibrated)):
         print(f"{label}: tau {r.tau:.2f}, calls {r.cycles}, verified tokens {r.verified_tokens}, "
               f"predicted {r.predicted_tokens_per_s:.1f} tok/s", file=out)
@@ -448,6 +446,20 @@ def calibrate_cmd(args, out=None):
     _figure(png, x, thresholds, calibrated)
     print(f"profile: {args.out}; figure: {png}", file=out)
     return policy
+
+
+def bin_table(replay, policy):
+    """The calibration's per-bin markdown table: share of cycles, extra depth, kept nodes, and the replay's
+    predicted tau and tokens/s of the bin's cycles (committed tokens per predicted second)."""
+    total = max(1, replay.cycles)
+    rows = ["| bin | share of cycles | extra depth | kept nodes | predicted tau | predicted tokens/s |",
+            "|---:|---:|---:|---:|---:|---:|"]
+    for b, v in replay.per_bin.items():
+        tps = v.get("predicted_tokens_per_s")
+        rows.append(f"| {b} | {v['cycles'] / total:.2f} | {policy.extra[b] if b < len(policy.extra) else 0} "
+                    f"| {policy.keep[b] if b < len(policy.keep) else policy.total_tokens} | {v['mean_accepted'] + 1:.2f} "
+                    f"| {'–' if tps is None else f'{tps:.1f}'} |")
+    return "\n".join(rows)
 
 
 def _figure(path, x, thresholds, replay):
