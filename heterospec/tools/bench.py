@@ -543,8 +543,7 @@ def _metrics(recs, ar_recs):
     for s in stats:
         bins.update(s.bins)
         bin_acc.update(s.bin_accepted)
-        bin_s.update(getattr(s, "bin_s", {}))
-    nb = sum(bins.values())
+        bin_s.update(s.bin_s)
     split = {k: sum(getattr(s, k + "_s", 0.0) for s in stats) for k in ("prefill", "draft", "verify", "ops", "graph",
                                                                    "idle")}
     total = sum(s.total_s for s in stats)
@@ -565,30 +564,33 @@ def _metrics(recs, ar_recs):
         "tokens_per_s": new / secs if secs else 0.0, "speedup": speedup,
         "tau": committed / cycles if cycles else 0.0, "verification_calls": cycles, "verified_tokens": verified,
         "verified_per_new_token": verified / new if new else 0.0,
-        # per bin also the measured tau and committed tokens per second of the bin's cycles (wall time of each
-        # cycle up to its accepted-tokens sync)
-        "bins": {str(b): {"cycles": c, "share": c / nb, "mean_accepted": bin_acc[b] / c, "seconds": bin_s[b],
-                          "tau": 1 + bin_acc[b] / c,
-                          "tokens_per_s": (bin_acc[b] + c) / bin_s[b] if bin_s[b] > 0 else None}
-                 for b, c in sorted(bins.items())},
+        "bins": _bin_summary(bins, bin_acc, bin_s),
         "time_split_s": split, "time_split_share": {k: v / total if total else 0.0 for k, v in split.items()},
         "host_ms_per_cycle": host_ms,
         "per_question_tokens_per_s": q_tps,
     }
 
 
+def _bin_summary(cycles, accepted, seconds):
+    """{"bin": cycles, share, mean_accepted, seconds, tau, tokens_per_s} from per-bin Counters of cycles,
+    accepted draft tokens and wall seconds: tau and tokens/s count the committed tokens (accepted + the
+    bonus) of the bin's cycles, over those cycles' time (each cycle up to its accepted-tokens sync)."""
+    total = sum(cycles.values())
+    return {str(k): {"cycles": c, "share": c / total, "mean_accepted": accepted[k] / c, "seconds": seconds[k],
+                     "tau": 1 + accepted[k] / c,
+                     "tokens_per_s": (accepted[k] + c) / seconds[k] if seconds[k] > 0 else None}
+            for k, c in sorted(cycles.items(), key=lambda kc: int(kc[0]))}
+
+
 def _pooled_bins(per_file):
-    """{bin: share, tau, tokens_per_s} pooled over files' ``bins`` dicts (cycles, mean_accepted, seconds)."""
+    """:func:`_bin_summary` pooled over files' ``bins`` dicts (weighted by their cycles)."""
     cyc, acc, sec = Counter(), Counter(), Counter()
     for bins in per_file:
         for k, v in bins.items():
             cyc[k] += v["cycles"]
             acc[k] += v["mean_accepted"] * v["cycles"]
             sec[k] += v.get("seconds") or 0.0
-    total = sum(cyc.values())
-    return {k: {"share": cyc[k] / total, "tau": 1 + acc[k] / cyc[k],
-                "tokens_per_s": (acc[k] + cyc[k]) / sec[k] if sec[k] > 0 else None}
-            for k in sorted(cyc, key=int)}
+    return _bin_summary(cyc, acc, sec)
 
 
 def _mean_row(rows):
