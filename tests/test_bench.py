@@ -563,3 +563,18 @@ def test_pooled_bins_weigh_files_by_their_cycles():
     assert p["0"]["tau"] == pytest.approx(1 + (60 + 40) / 40)            # 3.5 committed per cycle
     assert p["0"]["tokens_per_s"] == pytest.approx((100 + 40) / 4.0)     # committed over 4 s
     assert p["2"]["tau"] == 1.0 and p["2"]["tokens_per_s"] == pytest.approx(10 / 2.0)
+
+
+def test_questions_may_be_a_directory_of_the_five_files(tmp_path):
+    from heterospec.tools import bench
+
+    for n in bench.BENCHMARKS:
+        (tmp_path / f"{n}.jsonl").write_text("")
+    other = tmp_path / "extra.jsonl"
+    other.write_text("")
+    got = bench.question_paths([str(tmp_path), str(other)])
+    assert got == [str(tmp_path / f"{n}.jsonl") for n in
+                   ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum")] + [str(other)]
+    (tmp_path / "sum.jsonl").unlink()
+    with pytest.raises(ValueError, match="argument --questions: .*sum.jsonl.*without them"):
+        bench.question_paths([str(tmp_path)])

@@ -73,15 +73,35 @@ TUNE_NODES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 60)
 
 # ---- questions ----------------------------------------------------------------------------------------------
 
+def benchmark_files(d):
+    """The five benchmark files in directory ``d`` (the paper's order), or [] when one is missing."""
+    files = [os.path.normpath(os.path.join(d, n + ".jsonl")) for n in BENCHMARKS]
+    return files if all(os.path.isfile(f) for f in files) else []
+
+
 def default_question_files():
     """The five benchmark files of ../shared/data/benchmarks (next to the working directory or the
     checkout), or [] when neither has them."""
     for root in (os.getcwd(), REPO):
-        d = os.path.join(root, "..", "shared", "data", "benchmarks")
-        files = [os.path.join(d, n + ".jsonl") for n in BENCHMARKS]
-        if all(os.path.isfile(f) for f in files):
-            return [os.path.normpath(f) for f in files]
+        files = benchmark_files(os.path.join(root, "..", "shared", "data", "benchmarks"))
+        if files:
+            return files
     return []
+
+
+def question_paths(args):
+    """--questions as files: a directory stands for its five benchmark files (an error if one is missing)."""
+    paths = []
+    for p in args or []:
+        if os.path.isdir(p):
+            files = benchmark_files(p)
+            if not files:
+                raise ValueError(f"argument --questions: expected a question file or a directory holding "
+                                 f"{', '.join(n + '.jsonl' for n in BENCHMARKS)}, got the directory {p!r} without them")
+            paths += files
+        else:
+            paths.append(p)
+    return paths
 
 
 def _bench_name(path):
@@ -609,25 +629,31 @@ def _mean_row(rows):
             "new_tokens": sum(r["new_tokens"] for r in rows)}
 
 
+def speedup_over(files, name, baseline):
+    """Method ``name`` against method ``baseline`` in a run's ``files`` ({bench: {method: metrics}}): per file
+    the mean over questions of (name's tokens/s / baseline's), as the speedup over ar.  Returns
+    ({bench: ratio or None}, the mean over the files that have one, or None)."""
+    per = {}
+    for b, rows in files.items():
+        ratios = [a / c for a, c in zip(rows[name]["per_question_tokens_per_s"],
+                                         rows[baseline]["per_question_tokens_per_s"]) if c > 0]
+        per[b] = sum(ratios) / len(ratios) if ratios else None
+    vals = [v for v in per.values() if v is not None]
+    return per, (sum(vals) / len(vals) if vals else None)
+
+
 def add_speedup_over_hf(files, mean):
     """The strongest HuggingFace baseline present (of :data:`HF_METHODS`, the best mean tokens/s in
-    ``mean``), and every row's ``speedup_over_hf`` set in place: per file the mean over questions of (the
-    method's tokens/s / that baseline's), as the speedup over ar; in ``mean`` the mean over files.  With no
-    HF baseline the rows get None and the result is None."""
+    ``mean``), and every row's ``speedup_over_hf`` set in place (:func:`speedup_over` that baseline): per
+    file in ``files``, the mean over files in ``mean``.  With no HF baseline the rows get None and the
+    result is None."""
     hf = [n for n in HF_METHODS if n in mean]
     best = max(hf, key=lambda n: mean[n]["tokens_per_s"]) if hf else None
     for n in mean:
-        vals = []
+        per, avg = speedup_over(files, n, best) if best is not None else ({b: None for b in files}, None)
         for b in files:
-            row = files[b][n]
-            row["speedup_over_hf"] = None
-            if best is not None:
-                ratios = [a / c for a, c in zip(row["per_question_tokens_per_s"],
-                                                 files[b][best]["per_question_tokens_per_s"]) if c > 0]
-                if ratios:
-                    row["speedup_over_hf"] = sum(ratios) / len(ratios)
-                    vals.append(row["speedup_over_hf"])
-        mean[n]["speedup_over_hf"] = sum(vals) / len(vals) if vals else None
+            files[b][n]["speedup_over_hf"] = per[b]
+        mean[n]["speedup_over_hf"] = avg
     return best
 
 
@@ -952,7 +978,11 @@ def main(args, out=None):
     except ValueError as e:  # a usage error: one line, exit status 2 (as argparse's)
         print(f"heterospec {e}", file=sys.stderr)  # e: "bench: argument 'methods' ..."
         raise SystemExit(2) from None
-    paths = args.questions or default_question_files()
+    try:
+        paths = question_paths(args.questions) or default_question_files()
+    except ValueError as e:
+        print(f"heterospec bench: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     if not paths:
         raise SystemExit("heterospec bench: no question files: ../shared/data/benchmarks is not here; pass "
                          "--questions PATH [PATH ...] (EAGLE question.jsonl format)")
@@ -1076,7 +1106,8 @@ def add_arguments(p):
                                                    "(default: the shipped head's)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
     p.add_argument("--questions", nargs="+", default=None,
-                   help="EAGLE question.jsonl files (default: the five of ../shared/data/benchmarks)")
+                   help="EAGLE question.jsonl files, or a directory of the five benchmark files (default: "
+                        "the five of ../shared/data/benchmarks)")
     p.add_argument("--limit", type=int, default=None, help="questions per file")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one run per value, e.g. 0 1")

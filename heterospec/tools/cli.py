@@ -568,7 +568,8 @@ def train_draft_cmd(args, out=None):
     print(f"draft written to {args.out} (training curves: {os.path.join(args.out, 'training_curves.png')})", file=out)
 
 
-def main(argv=None):
+def build_parser():
+    """The ``heterospec`` command line (argparse only: the checks that need no model run in :func:`main`)."""
     parser = argparse.ArgumentParser(prog="heterospec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="the default pair (SmolLM2-135M-Instruct + shipped EAGLE-3 head): "
@@ -695,6 +696,11 @@ def main(argv=None):
                                      "heterospec, heterospec-tuned and the HF baselines (hf, hf-static, hf-lookup) "
                                      "side by side over question files; JSON, markdown and plots")
     bench.add_arguments(b)
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if isinstance(getattr(args, "device", None), str):
         try:
@@ -730,6 +736,8 @@ def main(argv=None):
     elif args.cmd == "train-draft":
         train_draft_cmd(args)
     elif args.cmd == "bench":
+        from . import bench
+
         return bench.main(args)
     else:
         from .. import build_info

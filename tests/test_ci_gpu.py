@@ -1,0 +1,419 @@
+"""The GPU half of CI's plumbing, on the CPU: .ci/gpu's phases (listing, bounded runs, background and wait,
+results collected into $OUT, summaries against the goals) and .ci/gpu_carry.py's bundles (split, stash,
+reassemble, checksum, offline install).  The phases themselves need a GPU; their command lines are checked
+here against the real command-line parser so they cannot rot."""
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CI = os.path.join(REPO, ".ci")
+
+
+def _module(name):
+    spec = importlib.util.spec_from_file_location("_ci_" + name, os.path.join(CI, name + ".py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["_ci_" + name] = mod       # dataclasses look their module up
+    sys.path.insert(0, CI)
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(CI)
+    return mod
+
+
+phases = _module("gpu_phases")
+carry = _module("gpu_carry")
+
+
+def _gpu(args, tmp_path, env=None, timeout=120):
+    e = dict(os.environ, HETEROSPEC_GPU_WORK=str(tmp_path / "work"), OUT=str(tmp_path / "out"),
+             PYTHON=sys.executable)
+    e.pop("HETEROSPEC_WHEELS", None)
+    e.update(env or {})
+    os.makedirs(e["OUT"], exist_ok=True)
+    return subprocess.run(["bash", os.path.join(CI, "gpu"), *args], cwd=REPO, env=e, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _phases_file(tmp_path, table):
+    p = tmp_path / "phases.json"
+    p.write_text(json.dumps(table))
+    return str(p)
+
+
+# ---- the built-in table -----------------------------------------------------------------------------------
+
+def test_list_works_without_a_gpu_and_names_every_phase_with_its_minutes():
+    r = subprocess.run(["bash", os.path.join(CI, "gpu"), "--list"], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHON=sys.executable))
+    assert r.returncode == 0, r.stderr
+    rows = {line.split()[0]: line.split() for line in r.stdout.splitlines()[2:] if line.strip() and
+            not line.startswith("Each")}
+    for name in ("build", "kernels", "engine", "graphs", "bench", "bench-eager", "bench-bf16", "bench-tuned",
+                 "graphs-bench", "smoke", "head"):
+        assert name in rows, r.stdout
+        assert 0 < float(rows[name][1]) <= 9
+    assert rows["head"][2] == "no" and rows["build"][2] == "yes"
+
+
+def test_every_phase_is_bounded_by_one_device_call():
+    assert phases.PHASE_LIMIT_S <= 9 * 60
+    assert all(p.minutes <= 9 for p in phases.PHASES)
+    assert phases.PHASES[0].name == "build"   # a bare run builds first
+
+
+def _commands(cmd):
+    """The simple commands of a bash line, each a word list (split on && || | ; outside quotes)."""
+    lex = shlex.shlex(cmd, posix=True, punctuation_chars=True)
+    lex.whitespace_split = True
+    cmds, cur = [], []
+    for tok in lex:
+        if tok in ("&&", "||", "|", ";"):
+            cmds.append(cur)
+            cur = []
+        else:
+            cur.append(tok)
+    return [c for c in cmds + [cur] if c]
+
+
+def _heterospec_calls(cmd):
+    """The argument lists of every `-m heterospec SUB ...` in a bash line."""
+    return [w[w.index("-m") + 2:] for w in _commands(cmd) if "-m" in w and w[w.index("-m") + 1] == "heterospec"]
+
+
+def test_every_phase_command_parses_with_the_real_command_line(tmp_path, monkeypatch):
+    from heterospec.tools import cli
+
+    monkeypatch.setenv("HETEROSPEC_GPU_WORK", str(tmp_path))
+    monkeypatch.setenv("HETEROSPEC_QUESTIONS", str(tmp_path))
+    ctx = phases.make_context()
+    parser = cli.build_parser()
+    seen = set()
+    for ph in phases.PHASES:
+        for step in ph.steps:
+            cmd = ctx.fill(step.cmd, str(tmp_path / ph.name)).replace("${HEAD_PROMPTS:-8192}", "8192") \
+                .replace("${HEAD_STEPS:-3000}", "3000")
+            for argv in _heterospec_calls(cmd):
+                args = parser.parse_args(argv)       # an unknown flag or a bad choice exits here
+                seen.add(args.cmd)
+            words = _commands(cmd)[0]
+            if "pytest" in words:
+                tests = [w for w in words if w.startswith("tests/")]
+                assert tests and all(os.path.isfile(os.path.join(REPO, t)) for t in tests), cmd
+            if "-m" in words and words[words.index("-m") + 1].startswith("benchmarks."):
+                mod = words[words.index("-m") + 1]
+                assert os.path.isfile(os.path.join(REPO, *mod.split(".")) + ".py"), cmd
+    assert {"bench", "demo", "generate", "calibrate", "train-draft", "info"} <= seen
+
+
+def test_the_bench_phases_run_on_cuda_and_check_identity_at_fp32():
+    by = phases.BY_NAME
+    for name in ("bench", "bench-eager", "bench-tuned"):
+        assert "--device cuda" in phases.bench_args() and by[name].steps[0].ok == "rc == 0"
+    assert "hf-static" in by["bench"].steps[0].cmd and "--dtype bfloat16" in by["bench-bf16"].steps[0].cmd
+    assert "--cuda-graphs off" in by["bench-eager"].steps[0].cmd
+
+
+# ---- running phases ---------------------------------------------------------------------------------------
+
+KILLED_LOG = """$ python3 -m pytest -v tests/test_x.py
+tests/test_x.py::test_a PASSED                                        [ 25%]
+tests/test_x.py::test_b[cuda-1] FAILED                                [ 50%]
+tests/test_x.py::test_c SKIPPED (no GPU)                              [ 75%]
+tests/test_x.py::test_d PASSED                                        [100%]
+"""
+
+
+def test_a_foreground_run_records_pass_fail_and_timeout_and_kills_the_whole_step(tmp_path):
+    pidfile = tmp_path / "grandchild.pid"
+    tiny = tmp_path / "test_tiny.py"
+    tiny.write_text("def test_a():\n    pass\n\ndef test_b():\n    pass\n\ndef test_c():\n    assert 1 == 2\n")
+    table = [
+        {"name": "ok", "minutes": 1, "steps": [["echo", "echo fine"], ["true", "true"]]},
+        {"name": "bad", "minutes": 1, "steps": [["first", "exit 3"], ["second", "echo still runs"],
+                                                ["pytest", f"{{py}} -m pytest -v -p no:cacheprovider "
+                                                           f"--junitxml={{dir}}/junit-t.xml {tiny}"]]},
+        {"name": "slow", "minutes": 1, "steps": [["sleep", f"(sleep 60 & echo $! > {pidfile}; wait) ; true"],
+                                                 ["never", "echo never"]]},
+    ]
+    t0 = time.monotonic()
+    r = _gpu(["--phases-file", _phases_file(tmp_path, table)], tmp_path, {"HETEROSPEC_GPU_PHASE_LIMIT": "3"})
+    assert time.monotonic() - t0 < 40
+    assert r.returncode == 1, r.stdout + r.stderr
+    work = tmp_path / "work"
+    st = {n: json.loads((work / n / "status.json").read_text()) for n in ("ok", "bad", "slow")}
+    assert st["ok"]["state"] == "pass" and [s["state"] for s in st["ok"]["steps"]] == ["pass", "pass"]
+    # a failed step fails the phase, and the later steps still run (one call yields everything)
+    assert st["bad"]["state"] == "fail" and [s["rc"] for s in st["bad"]["steps"]] == [3, 0, 1]
+    assert "Tests: 2 passed, 1 failed, 0 errors, 0 skipped." in (work / "bad" / "summary.md").read_text()
+    # the limit kills the step's process group (the backgrounded sleep too) and ends the phase
+    assert st["slow"]["state"] == "timeout" and [s["step"] for s in st["slow"]["steps"]] == ["sleep"]
+    pid = int(pidfile.read_text())
+    time.sleep(0.5)
+    assert not phases._alive(pid)
+    assert "Tests:" not in (work / "ok" / "summary.md").read_text()   # it ran no tests
+    # results: two files in $OUT whatever the number of phases
+    out = tmp_path / "out"
+    assert sorted(os.listdir(out)) == ["gpu-results.tar.gz", "summary.md"]
+    text = (out / "summary.md").read_text()
+    assert "| ok | pass |" in text and "| bad | fail |" in text and "| slow | timeout |" in text
+    assert "# Phase `slow`: TIMEOUT" in text
+    with tarfile.open(out / "gpu-results.tar.gz") as tar:
+        names = tar.getnames()
+    assert {"ok/status.json", "ok/summary.md", "bad/first.log", "slow/sleep.log"} <= set(names)
+    assert all(n.count("/") <= 1 for n in names)   # flat enough to come back
+
+
+def test_only_the_named_phases_run_and_a_passing_run_exits_zero(tmp_path):
+    table = [{"name": "a", "steps": [["x", "true"]]}, {"name": "b", "steps": [["x", "false"]]},
+             {"name": "c", "default": False, "steps": [["x", "true"]]}]
+    f = _phases_file(tmp_path, table)
+    r = _gpu(["--phases-file", f, "a"], tmp_path)
+    assert r.returncode == 0, r.stdout
+    assert sorted(os.listdir(tmp_path / "work")) == ["a", "state"]
+    r = _gpu(["--phases-file", f], tmp_path)           # no argument: the default phases, in order
+    assert r.returncode == 1 and "phase c" not in r.stdout
+    assert r.stdout.index("phase a") < r.stdout.index("phase b")
+
+
+def test_a_cuda_phase_builds_first_and_is_skipped_when_the_build_fails(tmp_path):
+    table = [{"name": "build", "steps": [["build", "echo building"]]},
+             {"name": "k", "needs": ["cuda"], "steps": [["x", "echo kernels"]]}]
+    r = _gpu(["--phases-file", _phases_file(tmp_path, table), "k"], tmp_path)
+    assert "running `build` first" in r.stdout and r.stdout.index("phase build") < r.stdout.index("phase k")
+    assert json.loads((tmp_path / "work" / "k" / "status.json").read_text())["state"] == "pass"
+    table[0]["steps"] = [["build", "exit 1"]]
+    r = _gpu(["--phases-file", _phases_file(tmp_path, table), "k"], tmp_path)
+    st = json.loads((tmp_path / "work" / "k" / "status.json").read_text())
+    assert r.returncode == 1 and st["state"] == "skip" and st["reason"] == "the build phase failed"
+
+
+def test_a_phase_without_its_questions_is_skipped_saying_why(tmp_path):
+    empty = tmp_path / "noquestions"
+    empty.mkdir()
+    table = [{"name": "b", "needs": ["questions"], "steps": [["x", "echo {questions}"]]}]
+    r = _gpu(["--phases-file", _phases_file(tmp_path, table)], tmp_path, {"HETEROSPEC_QUESTIONS": str(empty)})
+    st = json.loads((tmp_path / "work" / "b" / "status.json").read_text())
+    assert r.returncode == 1 and st["state"] == "skip" and "HETEROSPEC_QUESTIONS" in st["reason"]
+    assert "Skipped:" in (tmp_path / "out" / "summary.md").read_text()
+    (empty / "mt_bench.jsonl").write_text("{}\n")
+    r = _gpu(["--phases-file", _phases_file(tmp_path, table)], tmp_path, {"HETEROSPEC_QUESTIONS": str(empty)})
+    assert r.returncode == 0 and str(empty) in (tmp_path / "work" / "b" / "x.log").read_text()
+
+
+def test_background_returns_at_once_and_wait_reports(tmp_path):
+    table = [{"name": "quick", "steps": [["x", "echo quick"]]},
+             {"name": "slow", "steps": [["x", "sleep 4; echo done"]]}]
+    f = _phases_file(tmp_path, table)
+    t0 = time.monotonic()
+    r = _gpu(["--phases-file", f, "--background", "quick", "slow"], tmp_path)
+    assert r.returncode == 0 and time.monotonic() - t0 < 3.5, r.stdout + r.stderr
+    # a second run while it goes would share the GPU and the folders: refused, one line
+    r2 = _gpu(["--phases-file", f, "quick"], tmp_path)
+    assert r2.returncode == 2 and "still going" in r2.stderr and len(r2.stderr.strip().splitlines()) == 1
+    r3 = _gpu(["--phases-file", f, "--wait", "0"], tmp_path)
+    assert r3.returncode == phases.STILL_RUNNING, r3.stdout
+    r4 = _gpu(["--phases-file", f, "--wait", "60"], tmp_path)
+    assert r4.returncode == 0, r4.stdout + r4.stderr
+    assert "# Phase `quick`: PASS" in r4.stdout and "# Phase `slow`: PASS" in r4.stdout
+    assert "done" in (tmp_path / "work" / "slow" / "x.log").read_text()
+    text = (tmp_path / "out" / "summary.md").read_text()
+    assert "background run of quick, slow: finished" in text
+
+
+def test_a_killed_background_run_leaves_its_phase_interrupted_not_running(tmp_path):
+    table = [{"name": "slow", "steps": [["x", "sleep 60"]]}]
+    f = _phases_file(tmp_path, table)
+    assert _gpu(["--phases-file", f, "--background", "slow"], tmp_path).returncode == 0
+    bg = json.loads((tmp_path / "work" / "background.json").read_text())
+    for _ in range(50):
+        if (tmp_path / "work" / "slow" / "x.log").exists():
+            break
+        time.sleep(0.1)
+    os.killpg(bg["pid"], 9)
+    r = _gpu(["--phases-file", f, "--wait", "10"], tmp_path)
+    assert r.returncode == 1
+    assert json.loads((tmp_path / "work" / "slow" / "status.json").read_text())["state"] == "interrupted"
+
+
+@pytest.mark.parametrize("args, arg", [(["nope"], "phase"), (["--wait", "-1"], "--wait"),
+                                       (["--wait", "5", "build"], "--wait")])
+def test_bad_arguments_are_one_line_with_status_2(tmp_path, args, arg):
+    r = _gpu(args, tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and arg in r.stderr
+
+
+# ---- summaries --------------------------------------------------------------------------------------------
+
+def test_test_counts_come_from_junit_or_from_a_killed_pytests_log(tmp_path):
+    (tmp_path / "pytest.log").write_text(KILLED_LOG)
+    assert phases.test_counts(str(tmp_path)) == {"passed": 2, "failed": 1, "errors": 0, "skipped": 1}
+    (tmp_path / "junit-k.xml").write_text(
+        '<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="10" failures="2" errors="1" '
+        'skipped="3"></testsuite></testsuites>')
+    assert phases.test_counts(str(tmp_path)) == {"passed": 4, "failed": 2, "errors": 1, "skipped": 3}
+    empty = tmp_path / "none"
+    empty.mkdir()
+    assert phases.test_counts(str(empty)) is None
+
+
+def _metrics(tps, host=None, calls=10, tau=None):
+    return {"tokens_per_s": sum(tps) / len(tps), "per_question_tokens_per_s": tps, "host_ms_per_cycle": host,
+            "verification_calls": calls, "tau": tau}
+
+
+def test_bench_numbers_are_against_hf_static_and_the_goals(tmp_path):
+    files = {"mt_bench": {"ar": _metrics([60, 40], 0.2, tau=1.0), "hf-static": _metrics([50, 40]),
+                          "eagle3": _metrics([100, 60], 0.5, tau=2.5), "heterospec": _metrics([120, 90], 0.25, tau=3.0)},
+             "gsm8k": {"ar": _metrics([30], 0.2, tau=1.0), "hf-static": _metrics([20]),
+                       "eagle3": _metrics([40], 0.1, tau=2.0), "heterospec": _metrics([50], 0.2, tau=2.5)}}
+    mean = {n: {"tokens_per_s": 1.0, "tau": None} for n in ("ar", "hf-static", "eagle3", "heterospec")}
+    result = {"settings": {"device": "cuda", "dtype": "float32", "cuda_graphs": True, "limit": 2,
+                           "max_new_tokens": 256}, "machine": {"gpu": "NVIDIA H100"},
+              "runs": [{"temperature": 0.0, "files": files, "mean": mean, "mismatches": []}]}
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "results.json").write_text(json.dumps(result))
+    text = "\n".join(phases.bench_numbers(str(tmp_path)))
+    # heterospec over hf-static: mt_bench (120/50 + 90/40) / 2 = 2.325, gsm8k 50/20 = 2.5; mean 2.4125
+    assert "| heterospec | 1.0 | 2.41 |" in text and "| ≥ 2× | yes |" in text
+    # eagle3: ((100/50 + 60/40) / 2 + 40/20) / 2 = 1.875 >= 1.5; ar: ((60/50 + 40/40)/2 + 30/20) / 2 = 1.3 >= 1.2
+    assert "| eagle3 | 1.0 | 1.88 |" in text and "| ar | 1.0 | 1.30 |" in text
+    # host ms per cycle: eagle3 worst file 0.5 > 0.3
+    assert "| host time per cycle (eagle3, heterospec; worst file) | 0.5 ms | ≤ 0.3 ms | NO |" in text
+    assert "0 outputs differ" in text
+
+
+def test_kernel_numbers_read_the_cycle_and_verify_sample(tmp_path):
+    r = {"device": "NVIDIA H100", "torch": "2.11", "cuda": "13.0", "iters": 200,
+         "results": {"torch": {"median_us": 900.0}, "ops": {"median_us": 300.0}, "ops-graph": {"median_us": 42.0}},
+         "per_op": {"rows": [{"op": "expand", "graph_median_us": 5.0}, {"op": "verify_sample", "graph_median_us": 31.5}]}}
+    (tmp_path / "cuda-cycle.json").write_text(json.dumps(r))
+    text = "\n".join(phases.kernel_numbers(str(tmp_path)))
+    assert "| the C core's cycle in a CUDA graph | 42 µs | ≤ 50 µs | yes |" in text
+    assert "| verify_sample in a graph | 31.5 µs | ≤ 20 µs | NO |" in text
+
+
+def test_a_summary_survives_unreadable_numbers(tmp_path):
+    (tmp_path / "status.json").write_text(json.dumps({"phase": "bench", "state": "pass", "steps": []}))
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "results.json").write_text(json.dumps({"settings": {}}))
+    text = phases.phase_summary(str(tmp_path))
+    assert text.startswith("# Phase `bench`: PASS") and "could not be read" in text
+
+
+# ---- carried bundles --------------------------------------------------------------------------------------
+
+def test_plan_splits_only_what_does_not_fit_and_keeps_every_byte():
+    layout = carry.plan([("a", 30), ("big", 250), ("c", 10), ("d", 0)], 100)
+    assert layout == [[("a", 0, 0, 30), ("big", 0, 0, 70)], [("big", 1, 70, 100)],
+                      [("big", 2, 170, 80), ("c", 0, 0, 10), ("d", 0, 0, 0)]]
+    assert all(sum(n for *_, n in b) <= 100 for b in layout)
+    # a whole file that fits a fresh bundle is not split across two
+    assert carry.plan([("a", 60), ("b", 60)], 100) == [[("a", 0, 0, 60)], [("b", 0, 0, 60)]]
+    with pytest.raises(carry.CarryError, match="max bytes per bundle"):
+        carry.plan([("a", 1)], 0)
+
+
+def _wheel(path, name="hsfake", value=42):
+    dist = f"{name}-1.0.dist-info"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name}/__init__.py", f"VALUE = {value}\n")
+        z.writestr(f"{dist}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        z.writestr(f"{dist}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{dist}/RECORD", f"{name}/__init__.py,,\n{dist}/METADATA,,\n{dist}/WHEEL,,\n{dist}/RECORD,,\n")
+
+
+def _pack(tmp_path, max_bytes):
+    w = tmp_path / "hsfake-1.0-py3-none-any.whl"
+    _wheel(w)
+    q = tmp_path / "q.jsonl"
+    q.write_text('{"question_id": 1, "turns": ["hi"]}\n')
+    sources = {"wheels/" + w.name: str(w), "questions/mt_bench.jsonl": str(q)}
+    return carry.pack(sources, str(tmp_path / "carry"), max_bytes), w
+
+
+def test_bundles_reassemble_in_any_order_and_install_offline(tmp_path):
+    m, w = _pack(tmp_path, max_bytes=300)
+    whl = m["files"]["wheels/" + w.name]
+    assert m["bundles"] >= 3 and len(whl["parts"]) >= 2
+    for b in range(1, m["bundles"] + 1):
+        d = tmp_path / "carry" / str(b)
+        size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(d) for f in fs if f != "MANIFEST.json")
+        assert size <= m["max_bytes"]
+    store = tmp_path / "store"
+    order = list(range(m["bundles"], 0, -1))              # the last bundle first
+    for i, b in enumerate(order):
+        r = carry.stash(str(tmp_path / "carry" / str(b)), str(store))
+        if i < len(order) - 1:
+            assert "wheels/" + w.name in r["waiting"] or "wheels/" + w.name in r["complete"]
+    assert set(r["complete"]) == {"wheels/" + w.name, "questions/mt_bench.jsonl"} and not r["waiting"]
+    assert carry.sha256(store / "files" / "wheels" / w.name) == carry.sha256(w)
+    site = tmp_path / "site"
+    assert carry.install(str(store), str(site)) == [w.name]
+    assert carry.install(str(store), str(site)) == []       # installed once
+    out = subprocess.run([sys.executable, "-c", "import hsfake; print(hsfake.VALUE)"], capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=str(site)))
+    assert out.stdout.strip() == "42"
+
+
+def test_a_corrupted_part_is_refused_naming_the_file_and_the_bundle(tmp_path):
+    m, w = _pack(tmp_path, max_bytes=300)
+    parts = m["files"]["wheels/" + w.name]["parts"]
+    assert len(parts) >= 2
+    victim = tmp_path / "carry" / str(parts[1]["bundle"]) / parts[1]["file"]
+    data = bytearray(victim.read_bytes())
+    data[0] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    store = str(tmp_path / "store")
+    with pytest.raises(carry.CarryError, match=rf"{w.name}: part .*bundle {parts[1]['bundle']}: expected sha256"):
+        for b in range(1, m["bundles"] + 1):
+            carry.stash(str(tmp_path / "carry" / str(b)), store)
+
+
+def test_a_directory_that_is_not_a_bundle_is_one_line(tmp_path):
+    with pytest.raises(carry.CarryError, match="MANIFEST.json"):
+        carry.stash(str(tmp_path), str(tmp_path / "store"))
+
+
+def test_gpu_stashes_one_bundle_per_call_and_the_phases_see_what_is_installed(tmp_path):
+    m, w = _pack(tmp_path, max_bytes=700)
+    assert m["bundles"] >= 2
+    table = [{"name": "use", "steps": [["x", "{py} -c 'import hsfake; print(hsfake.VALUE)' && echo {questions}"]]}]
+    f = _phases_file(tmp_path, table)
+    for b in range(1, m["bundles"]):
+        r = _gpu(["--phases-file", f, "--dry-run", "use"], tmp_path,
+                 {"HETEROSPEC_WHEELS": str(tmp_path / "carry" / str(b))})
+        assert r.returncode == 0 and "not carried yet" in r.stdout, r.stdout + r.stderr
+    r = _gpu(["--phases-file", f, "use"], tmp_path, {"HETEROSPEC_WHEELS": str(tmp_path / "carry" / str(m["bundles"]))})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "installed " + w.name in r.stdout
+    log = (tmp_path / "work" / "use" / "x.log").read_text()
+    assert "42" in log and os.path.join("carry", "files", "questions") in log
+    r = _gpu(["--phases-file", f, "use"], tmp_path, {"HETEROSPEC_WHEELS": str(tmp_path)})
+    assert r.returncode == 2 and "HETEROSPEC_WHEELS" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_prepare_packs_local_wheels_and_the_shared_data(tmp_path):
+    wd = tmp_path / "wheels"
+    wd.mkdir()
+    _wheel(wd / "hsfake-1.0-py3-none-any.whl")
+    out = tmp_path / "bundles"
+    r = subprocess.run([sys.executable, os.path.join(CI, "gpu_carry.py"), "prepare", "--from", str(wd), "--out",
+                        str(out), "--max-mb", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    m = json.loads((out / "1" / "MANIFEST.json").read_text())
+    assert "wheels/hsfake-1.0-py3-none-any.whl" in m["files"]
+    shared = os.path.join(REPO, "..", "shared", "data", "benchmarks")
+    if os.path.isdir(shared):
+        assert "questions/mt_bench.jsonl" in m["files"]
+    assert "HETEROSPEC_WHEELS=" in r.stdout and m["bundles"] == len(os.listdir(out))
