@@ -90,7 +90,8 @@ class Phase:
     default: bool = True      # run by a bare `bash .ci/gpu`
 
 
-PYTEST = "{py} -m pytest -v -rs -p no:cacheprovider --junitxml={dir}/junit-%s.xml"
+# faulthandler: a test stuck past 5 minutes (a GPU hang) has its traceback dumped in the log before the limit
+PYTEST = "{py} -m pytest -v -rs -p no:cacheprovider -o faulthandler_timeout=300 --junitxml={dir}/junit-%s.xml"
 BENCH = "{py} -m heterospec bench {bench} --questions {questions} --no-plots"
 # a bench exits 1 on a T=0 mismatch after writing results.json: a failure at fp32, a report in bf16
 BENCH_WROTE = "rc == 0 or (rc == 1 and os.path.isfile(os.path.join(dir, 'bench', 'results.json')))"
