@@ -119,9 +119,11 @@ def cuda_check(device=0, stream=None):
 
 
 def cuda_reserve(device, nbytes):
-    """Grow the module's GPU workspace on ``device`` to ``nbytes`` now, before capturing a CUDA graph."""
+    """Grow the module's GPU workspace on ``device`` to ``nbytes`` now, before capturing a CUDA graph.  Returns
+    (the workspace's bytes, how many earlier workspaces are kept): a workspace replaced by a larger one is never
+    freed, since graphs recorded with it still read its address."""
     index = getattr(device, "index", device)
-    _C.cuda_reserve(0 if index is None else int(index), int(nbytes))
+    return _C.cuda_reserve(0 if index is None else int(index), int(nbytes))
 
 
 def _arr(x):

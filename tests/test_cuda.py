@@ -878,3 +878,76 @@ def test_batched_kv_compact_on_the_device_equals_the_cpu_batch(dtype):
         ops.kv_compact(devs, D.put(np.array([0, 12, 0], np.int64)), D.put(slots))
     for b, d in zip(before, devs):
         np.testing.assert_array_equal(D.get(d), b)
+
+
+# ---- defences for the first contact with a GPU (issue 26) ------------------------------------------------
+
+def test_rows_are_split_into_chunks_as_on_a_gpu():
+    """The split-row merge paths run on every GPU cycle; the emulation must take them too (it once kept every
+    row whole).  Hand-computed: chunk = max(ceil(rows * V / 528), ceil(V / 32), minimum chunk), at most V;
+    the minimum chunk is 256 entries emulated and 1024 on a GPU."""
+    chunks = heterospec._C.cuda_chunks
+    assert chunks(1, 100) == 1
+    if EMU:
+        assert chunks(6, 3001) == 12        # ceil(3001 / 256): the split_rows tests' shape
+        assert chunks(1, 3001) == 12
+        assert chunks(60, 128256) == 9      # ceil(60 * 128256 / 528) = 14575 entries a chunk
+    else:
+        assert chunks(6, 3001) == 3         # ceil(3001 / 1024)
+        assert chunks(60, 128256) == 9      # the cycle benchmark's shape (test_split_rows_at_the_benchmark_shape)
+    assert chunks(1, 49152) == 32           # SmolLM2's vocabulary, one row: the 32-chunk cap (1536 entries)
+
+
+def _poisoned_outputs(monkeypatch):
+    """Outputs allocated full of -777, so an output a kernel leaves unwritten shows."""
+    if REAL:
+        import torch
+
+        dev = torch.device("cuda", 0)
+        dts = {"float32": torch.float32, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
+        monkeypatch.setitem(ops._torch_allocs, dev,
+                            lambda shape, dtype: torch.full(shape, -777, dtype=torch.int64, device=dev).to(dts[dtype]))
+    else:
+        monkeypatch.setitem(ops._ALLOCATORS, EmuCuda,
+                            lambda like: (lambda shape, dtype: EmuCuda(np.full(shape, -777).astype(dtype))))
+
+
+@pytest.mark.parametrize("bad", ["nan", "allneg"])
+@pytest.mark.parametrize("sample", [False, True])
+@pytest.mark.parametrize("V", [50, 3001])
+def test_a_failed_verify_row_leaves_outputs_later_ops_can_index_and_the_error_recorded(bad, sample, V, monkeypatch):
+    """The engine runs verification with check=False and indexes with its outputs on the device before the
+    host looks (a scatter at length - 1, the next root token).  A row that fails (a NaN, a row of -inf) must
+    leave the root alone and token 0 -- never the allocator's garbage, which would turn into a device-side
+    assert of torch's that kills the context -- and its error must be what cuda_check raises."""
+    _poisoned_outputs(monkeypatch)
+    rng = np.random.default_rng(V)
+    tokens = np.array([5, 6, 7], np.int64)
+    parents = np.array([-1, 0, 1], np.int64)
+    x = rng.normal(0, 1, (3, V)).astype(np.float32)
+    if bad == "nan":
+        x[0, 11] = np.nan
+    else:
+        x[0, :] = -np.inf
+    dev, _ = D.put_logits(x, "float32")
+    if sample:
+        path, length, nxt, draws = ops.verify_sample(D.put(tokens), D.put(parents), dev, temperature=1.0, seed=3,
+                                                      offset=0, check=False, device_outputs=True)
+        assert int(D.get(draws).reshape(-1)[0]) == 0
+    else:
+        path, length, nxt = ops.verify_greedy(D.put(tokens), D.put(parents), dev, check=False, device_outputs=True)
+    assert int(D.get(length).reshape(-1)[0]) == 1 and int(D.get(nxt).reshape(-1)[0]) == 0
+    assert int(D.get(path).reshape(-1)[0]) == 0
+    with pytest.raises(ValueError, match="expected finite" if bad == "nan" else "at least one"):
+        ops.cuda_check(0, stream=0)
+    ops.cuda_check(0, stream=0)    # consumed
+
+
+def test_a_grown_workspace_keeps_the_old_one_for_recorded_graphs():
+    """A CUDA graph keeps the address of the workspace it was recorded with: growing must not free it.  Each
+    growth at least doubles (so the kept ones together are smaller than the current one)."""
+    have, kept = ops.cuda_reserve(0, 1)
+    bigger = 2 * have + 12345
+    have2, kept2 = ops.cuda_reserve(0, bigger)
+    assert have2 >= bigger and have2 >= 2 * have and kept2 == kept + 1
+    assert ops.cuda_reserve(0, bigger) == (have2, kept2)          # big enough: nothing changes

@@ -175,11 +175,13 @@ __device__ void hs_collect_sorted(const KeyFn &key, int64_t n, int64_t k, const 
  * list that overflows (many equal values) falls back to the radix select.                                */
 #ifdef HS_CUDA_EMU
 #define HS_CHUNK_MIN 256     /* small chunks, so that the tests' rows of a few thousand entries are split */
-#define HS_TARGET_BLOCKS 1
 #else
 #define HS_CHUNK_MIN 1024
-#define HS_TARGET_BLOCKS 528 /* four blocks per SM of an H100 (132 SMs) */
 #endif
+/* four blocks per SM of an H100 (132 SMs); the emulation uses the same target, so that its rows are split as
+ * a GPU's are (with a target of 1 block, rows * V / 1 >= V kept every row in one chunk and the merge paths
+ * were never run off a GPU: tests/test_cuda.py checks hs_cuda_chunks) */
+#define HS_TARGET_BLOCKS 528
 #define HS_MAX_CHUNKS 32
 #define HS_CAND_MAX 256   /* the largest K the split path takes (expand k, verify_sample top_k) */
 #define HS_TOPP_CAND 128  /* candidates per chunk for a top-p cut without top-k */
@@ -198,6 +200,7 @@ static int64_t hs_chunk_len(int64_t rows, int64_t V) {
     return c > V ? V : c;
 }
 static int64_t hs_nchunks(int64_t V, int64_t len) { return V < 1 ? 1 : (V + len - 1) / len; }
+extern "C" int64_t hs_cuda_chunks(int64_t rows, int64_t V) { return hs_nchunks(V, hs_chunk_len(rows, V)); }
 __host__ __device__ static inline size_t hs_al16(size_t n) { return (n + 15) & ~(size_t)15; }
 
 /* What one (row, chunk) block leaves for the merge. */
@@ -996,6 +999,14 @@ __global__ void HS_BOUNDS(HS_TREE_THREADS) hs_k_greedy_walk(const void *tt, int 
     int64_t *tok = (int64_t *)(((uintptr_t)(flag + 1) + 7) & ~(uintptr_t)7);
     const int64_t b = blockIdx.x, nb = n_dev ? n_dev[b] : T;
     for (int64_t i = threadIdx.x; i < T; i += blockDim.x) out_path[b * T + i] = -1;
+    if (threadIdx.x == 0) {
+        /* what a failed row leaves (its error is in *err): the root alone and token 0, values every later
+         * device op can index with, so the recorded error is what the host reports, not a device assert of
+         * torch's (an uninitialised length indexing a scatter) that poisons the context */
+        out_path[b * T] = 0;
+        out_len[b] = 1;
+        out_next[b] = 0;
+    }
     if (!hs_load_tree(tt, tdt, tp, pdt, b, T, nb, V, par, tok, flag, err)) return;
     for (int64_t i = threadIdx.x; i < nb; i += blockDim.x) child[i] = 0x7fffffff;
     __syncthreads();
@@ -1395,7 +1406,14 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_resid_pick(const void *logits, 
     const long long NONE = 0x7fffffffffffffffll;
     const int64_t b = blockIdx.x;
     const hs_walk_rec r = rec[b];
-    if (!r.ok) return;
+    if (!r.ok) { /* a failed walk (its error is in *err): safe values, as hs_k_greedy_walk leaves them */
+        if (threadIdx.x == 0) {
+            out_len[b] = 1;
+            out_next[b] = 0;
+            out_draws[b] = 0;
+        }
+        return;
+    }
     const uint64_t seed = seeds_dev ? seeds_dev[b] : seed0, offset = offsets_dev ? offsets_dev[b] : offset0;
     for (int64_t q = threadIdx.x; q < r.nrej; q += blockDim.x) rej[q] = rejg[b * T + q];
     const double *M = rmass + b * C;

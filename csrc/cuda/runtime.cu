@@ -17,6 +17,11 @@ static struct {
     hs_cuda_error *host, *dev;
     void *ws;
     size_t ws_bytes;
+    /* earlier workspaces, never freed: a recorded CUDA graph keeps the address of the workspace it was captured
+     * with, so a buffer replaced by a larger one must stay valid for as long as such graphs may be replayed
+     * (growth doubles, so all of them together are smaller than the current one) */
+    void *retired[64];
+    int nretired;
 } hs_dev_state[HS_MAX_DEVICES];
 
 #ifndef HS_CUDA_EMU
@@ -173,19 +178,20 @@ extern "C" void *hs_cuda_workspace(int dev, size_t bytes, void *stream, hs_error
         return NULL;
     }
     size_t grow = bytes < ((size_t)1 << 20) ? ((size_t)1 << 20) : bytes; /* at least 1 MiB: fewer regrowths */
+    if (grow < 2 * hs_dev_state[dev].ws_bytes) grow = 2 * hs_dev_state[dev].ws_bytes;
+    if (hs_dev_state[dev].ws != NULL && hs_dev_state[dev].nretired >= 64) {
+        hs_fail(herr, HS_ERR_VALUE, "cuda", "workspace", "expected fewer than 64 regrowths, got a request for %zu bytes "
+                "(call heterospec.ops.cuda_reserve(device, bytes) once with the largest size)", bytes);
+        return NULL;
+    }
 #ifdef HS_CUDA_EMU
     (void)stream;
-    free(hs_dev_state[dev].ws);
     void *p = calloc(1, grow);
     if (p == NULL) {
         hs_fail(herr, HS_ERR_CUDA, "cuda", "workspace", "failed: out of memory");
         return NULL;
     }
 #else
-    /* work queued on other streams may still use the old buffer: cudaFree waits for the device */
-    if (hs_dev_state[dev].ws) cudaFree(hs_dev_state[dev].ws);
-    hs_dev_state[dev].ws = NULL;
-    hs_dev_state[dev].ws_bytes = 0;
     void *p = NULL;
     cudaError_t e = cudaMalloc(&p, grow);
     if (e == cudaSuccess) e = cudaMemset(p, 0, grow);
@@ -195,9 +201,16 @@ extern "C" void *hs_cuda_workspace(int dev, size_t bytes, void *stream, hs_error
         return NULL;
     }
 #endif
+    if (hs_dev_state[dev].ws != NULL) hs_dev_state[dev].retired[hs_dev_state[dev].nretired++] = hs_dev_state[dev].ws;
     hs_dev_state[dev].ws = p;
     hs_dev_state[dev].ws_bytes = grow;
     return p;
+}
+
+extern "C" void hs_cuda_workspace_info(int dev, size_t *bytes, int *retired) {
+    int ok = dev >= 0 && dev < HS_MAX_DEVICES;
+    *bytes = ok ? hs_dev_state[dev].ws_bytes : 0;
+    *retired = ok ? hs_dev_state[dev].nretired : 0;
 }
 
 extern "C" hs_status hs_cuda_memcpy_d2h(void *dst, const void *src, size_t bytes, void *stream, hs_error *herr) {

@@ -1806,7 +1806,8 @@ static PyObject *py_cuda_check(PyObject *self, PyObject *args) {
 #endif
 }
 
-/* cuda_reserve(device, bytes): grow the module workspace now (outside any graph capture). */
+/* cuda_reserve(device, bytes): grow the module workspace now (outside any graph capture); returns (its bytes, the
+ * earlier workspaces kept alive for recorded graphs). */
 static PyObject *py_cuda_reserve(PyObject *self, PyObject *args) {
     (void)self;
     int dev;
@@ -1822,11 +1823,29 @@ static PyObject *py_cuda_reserve(PyObject *self, PyObject *args) {
         hs_raise(HS_ERR_CUDA, &err);
         return NULL;
     }
-    Py_RETURN_NONE;
+    size_t have;
+    int retired;
+    hs_cuda_workspace_info(dev, &have, &retired);
+    return Py_BuildValue("(Ki)", (unsigned long long)have, retired);
 #else
     (void)dev;
     (void)bytes;
     PyErr_SetString(PyExc_ValueError, "cuda_reserve: this build of heterospec has no CUDA ops");
+    return NULL;
+#endif
+}
+
+/* cuda_chunks(rows, V): the chunks the split-row kernels cut each row into (tests: the emulation splits too). */
+static PyObject *py_cuda_chunks(PyObject *self, PyObject *args) {
+    (void)self;
+    long long rows, V;
+    if (!PyArg_ParseTuple(args, "LL", &rows, &V)) return NULL;
+#ifdef HS_WITH_CUDA
+    return PyLong_FromLongLong((long long)hs_cuda_chunks(rows, V));
+#else
+    (void)rows;
+    (void)V;
+    PyErr_SetString(PyExc_ValueError, "cuda_chunks: this build of heterospec has no CUDA ops");
     return NULL;
 #endif
 }
@@ -1853,6 +1872,7 @@ static PyMethodDef hs_methods[] = {
     {"build_info", py_build_info, METH_NOARGS, "what this extension was compiled with"},
     {"cuda_check", py_cuda_check, METH_VARARGS, "cuda_check(device, stream): sync and raise recorded device errors"},
     {"cuda_reserve", py_cuda_reserve, METH_VARARGS, "cuda_reserve(device, bytes): grow the CUDA workspace now"},
+    {"cuda_chunks", py_cuda_chunks, METH_VARARGS, "cuda_chunks(rows, V): chunks per row of the split-row kernels"},
     {NULL, NULL, 0, NULL},
 };
 

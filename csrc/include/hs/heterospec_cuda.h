@@ -38,6 +38,8 @@ void hs_cuda_error_message(const hs_cuda_error *e, const char *op, char *buf, si
 
 /* Largest block any kernel uses (the emulated build uses fewer threads). */
 int hs_cuda_max_threads(void);
+/* The chunks each of `rows` rows of V entries is cut into by the split-row kernels (a diagnostic for tests). */
+int64_t hs_cuda_chunks(int64_t rows, int64_t V);
 
 /* Workspace: the split path's partials and candidates (k <= 256; 0 otherwise). */
 size_t hs_cuda_topk_entropy_workspace_bytes(int64_t rows, int64_t k, int64_t V);
@@ -131,6 +133,8 @@ hs_status hs_cuda_error_clear(int dev, void *stream, hs_error *herr);
 /* A device buffer of >= bytes, owned by the module, per device and grown on demand (zeroed when grown).
  * Growing is refused while `stream` is capturing a graph. */
 void *hs_cuda_workspace(int dev, size_t bytes, void *stream, hs_error *herr);
+/* The workspace's size and how many earlier (smaller) workspaces are kept alive for recorded graphs. */
+void hs_cuda_workspace_info(int dev, size_t *bytes, int *retired);
 /* Copy bytes device -> host on stream and wait for it. */
 hs_status hs_cuda_memcpy_d2h(void *dst, const void *src, size_t bytes, void *stream, hs_error *herr);
 /* "sm_80,sm_90,compute_90" etc.: what the fat binary holds; the CUDA runtime version. */
