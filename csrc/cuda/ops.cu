@@ -28,7 +28,9 @@
  *                  parallel over the entries, so a bad call moves nothing.
  *   bucketize      one thread per value, binary search.
  * Sums that the CPU does in a fixed sequential order are parallel here: floats agree to ~1e-7 relative,
- * and a sampled path or a top-p cut can only differ when a uniform lands within ~1e-15 of a boundary.
+ * and a sampled path can only differ when a uniform lands within ~1e-15 of a boundary.  The top-p cut is
+ * the exception that needs care: at a run of equal logits it can fall exactly on top_p, so its crossing is
+ * taken in the CPU's token-by-token order (hs_k_sample_merge, hs_warp_stats_row).
  */
 #include "common.cuh"
 
@@ -1331,7 +1333,38 @@ __global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_sample_merge(const void *logits, 
             before += tot;
         }
         if (pos != 0x7fffffffffffffffll) {
-            if (!topk && theta >= 0 && (long long)sk[pos] <= theta) ok = 0;
+            /* The scan summed weights and divided once; the CPU (docs/ops.md "Warp") adds w / W token by token,
+             * best first.  The two differ in the last bits, and where the crossing's key is shared by many
+             * tokens (equal weights: integer or flat rows, bf16 ties) the cut can fall exactly on top_p in real
+             * arithmetic, so those bits move it by a token.  Redo the crossing in the CPU's order from the start
+             * of the crossing key's run (a run earlier if the mass before it already reaches top_p). */
+            long long g0 = pos;
+            while (g0 > 0 && sk[g0 - 1] == sk[pos]) g0--;
+            double A;
+            for (;;) {
+                double a = 0.0;
+                for (long long p = threadIdx.x; p < g0; p += blockDim.x) a += sw[p];
+                A = hs_block_reduce(a, (double *)red, hs_op_sum());
+                if (g0 == 0 || A / W < top_p) break;
+                const uint32_t run = sk[g0 - 1];
+                while (g0 > 0 && sk[g0 - 1] == run) g0--;
+            }
+            if (threadIdx.x == 0) {
+                double c = A / W, r = A;
+                long long q = g0;
+                while (q < L && c < top_p) {
+                    c += sw[q] / W;
+                    r += sw[q];
+                    q++;
+                }
+                shd[0] = r;
+                shd[1] = c >= top_p ? (double)(q - 1) : -1.0; /* -1: the sums fell short of top_p */
+            }
+            __syncthreads();
+            pos = (long long)shd[1];
+            if (pos < 0) {
+                if (!complete) ok = 0; /* else rounding left the total short of top_p: every survivor is kept */
+            } else if (!topk && theta >= 0 && (long long)sk[pos] <= theta) ok = 0;
             else {
                 s.pmode = 1;
                 s.pkey = sk[pos];
