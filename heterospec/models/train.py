@@ -209,6 +209,97 @@ def collect_shards(target, prompts, directory, *, shard_size=256, max_new_tokens
     return out[:n]
 
 
+@torch.no_grad()
+def teacher_forced(target, seqs, topk=32, token_budget=2048, progress=None):
+    """What training needs from the target, for answers already written (``seqs``: [(ids [S], start)]): one
+    teacher-forced forward per batch of sequences (sorted by length, right-padded, at most ``token_budget``
+    positions a batch) instead of decoding token by token.  Returns (records as :func:`collect` writes them,
+    agree, total): ``agree`` of the ``total`` answer positions have the target's argmax here (in its dtype now)
+    equal to the answer's next token (how far the answers' own dtype agrees with this one's greedy)."""
+    adapter = TargetAdapter(target, tap_layers=None)
+    dev = next(target.parameters()).device
+    V = target.config.vocab_size
+    topk = min(topk, V)
+    order = sorted(range(len(seqs)), key=lambda i: seqs[i][0].numel())
+    records = [None] * len(seqs)
+    agree = total = done = 0
+    try:
+        b0 = 0
+        while b0 < len(order):
+            L = seqs[order[b0]][0].numel()
+            b1 = b0 + 1
+            while b1 < len(order) and (b1 - b0 + 1) * seqs[order[b1]][0].numel() <= token_budget:
+                b1 += 1
+            idx = order[b0:b1]
+            L = max(seqs[i][0].numel() for i in idx)
+            ids = torch.zeros(len(idx), L, dtype=torch.long)
+            mask = torch.zeros(len(idx), L, dtype=torch.long)
+            for r, i in enumerate(idx):
+                n = seqs[i][0].numel()
+                ids[r, :n] = seqs[i][0]
+                mask[r, :n] = 1
+            out = target(input_ids=ids.to(dev), attention_mask=mask.to(dev), use_cache=False)
+            taps = adapter._taps().to(torch.float16).cpu()
+            for r, i in enumerate(idx):
+                full, start = seqs[i]
+                S = full.numel()
+                lp = torch.log_softmax(out.logits[r, start - 1: S - 1].float(), -1)
+                tv, ti = lp.topk(topk, -1)
+                top_lp = torch.zeros(S - 1, topk, dtype=torch.float16)
+                top_ids = torch.zeros(S - 1, topk, dtype=torch.int32)
+                top_lp[start - 1:] = tv.to(torch.float16).cpu()
+                top_ids[start - 1:] = ti.to(torch.int32).cpu()
+                agree += int((ti[:, 0].cpu() == full[start:]).sum())
+                total += S - start
+                records[i] = dict(ids=full.clone(), start=start, taps=taps[r, : S - 1].clone(), top_ids=top_ids,
+                                  top_lp=top_lp)
+            del out
+            done += len(idx)
+            b0 = b1
+            if progress is not None:
+                progress(done, len(seqs))
+    finally:
+        adapter.close()
+    return records, agree, total
+
+
+def store_features(target, store, cache_dir, identity, *, topk=32, limit=None, token_budget=2048, progress=None,
+                   log=None):
+    """The training records of every answered shard of ``store`` (an :class:`~heterospec.models.answers.AnswerStore`)
+    covering the first ``limit`` prompts, each shard's features computed once by :func:`teacher_forced` and cached
+    in ``cache_dir/features-NNNNN.pt``, keyed by the shard's sha256, the target's ``identity``, its dtype and
+    ``topk`` (a cache entry for anything else is recomputed).  Returns (records, agree, total) summed over the
+    shards; ``log(k, seconds, positions, cached)`` hears of each shard."""
+    os.makedirs(cache_dir, exist_ok=True)
+    records, agree, total = [], 0, 0
+    dtype = str(target.dtype).replace("torch.", "")
+    for k in range(store.n_shards(limit)):
+        info = store.manifest.get("shards", {}).get(f"{k:05d}")
+        if info is None or not os.path.exists(store.shard_path(k)):
+            continue
+        key = {"answers_sha256": info["sha256"], "target": identity, "dtype": dtype, "topk": topk, "format": 1}
+        path = os.path.join(cache_dir, f"features-{k:05d}.pt")
+        t0 = time.perf_counter()
+        recs = None
+        if os.path.exists(path):
+            recs, meta = load_records(path)
+            if meta.get("key") != key:
+                recs = None
+        cached = recs is not None
+        if recs is None:
+            seqs = [(ids, start) for _, ids, start in store.load_shard(k)]
+            recs, a, n = teacher_forced(target, seqs, topk=topk, token_budget=token_budget, progress=progress)
+            save_records(path + ".tmp", recs, {"key": key, "agree": a, "total": n})
+            os.replace(path + ".tmp", path)
+            meta = {"agree": a, "total": n}
+        agree += meta.get("agree", 0)
+        total += meta.get("total", 0)
+        records += recs
+        if log is not None:
+            log(k, time.perf_counter() - t0, sum(r["ids"].numel() for r in recs), cached)
+    return records, agree, total
+
+
 def save_records(path, records, meta=None):
     torch.save({"records": records, "meta": meta or {}}, path)
 

@@ -318,12 +318,29 @@ def check_train_draft(args):
     _need(args.patience >= 0, "--patience", "an int >= 0", args.patience)
     _need(args.shard_size >= 1, "--shard-size", "an int >= 1", args.shard_size)
     _need(args.max_prompts is None or args.max_prompts >= 1, "--max-prompts", "an int >= 1", args.max_prompts)
-    _need(not args.collect_only or bool(args.records), "--collect-only", "--records to collect into", "no --records")
+    _need(not args.collect_only or bool(args.records or args.answers), "--collect-only",
+          "--answers (or --records) to collect into", "neither")
+    _need(not (args.records and args.answers), "--answers", "no --records with it (--answers replaces them)",
+          "both")
+    _need(args.features is None or bool(args.answers), "--features", "--answers to compute features from",
+          "no --answers")
     if args.init_head is not None:
         _check_draft(args.init_head, "--init-head")
     _check_target(args)
     shards = _records_dir(args)
-    if not (args.records and os.path.exists(os.path.join(shards, "prompts.json") if shards else args.records)):
+    if args.answers:
+        from ..models.answers import MANIFEST, PROMPTS, AnswerStore
+
+        have_prompts = os.path.exists(os.path.join(args.answers, PROMPTS))
+        if os.path.exists(os.path.join(args.answers, MANIFEST)):   # the settings the answers there were written with
+            m = AnswerStore.read_manifest(args.answers)
+            for arg, have, now in (("--max-new-tokens", m["generation"]["max_new_tokens"], args.max_new_tokens),
+                                   ("--shard-size", m["shard_size"], args.shard_size),
+                                   ("--answer-dtype", m["dtype"], args.answer_dtype or args.dtype)):
+                _need(have == now, arg, f"{have} (the answers in {args.answers} were written with it)", now)
+    else:
+        have_prompts = args.records and os.path.exists(os.path.join(shards, "prompts.json") if shards else args.records)
+    if not have_prompts:
         from .prompts import SHAREGPT
 
         for d in args.data:
@@ -490,13 +507,24 @@ def training_prompts(args, target, tokenizer):
     source.  With a shard directory as ``--records`` the list is written there (prompts.json) on the first run
     and read back on later ones: the target's self-written prompts are sampled once, and a resumed run answers
     exactly the prompts the finished shards were cut from."""
-    import random
-
     shards = _records_dir(args)
     saved = os.path.join(shards, "prompts.json") if shards else None
     if saved and os.path.exists(saved):
         with open(saved) as f:
             return json.load(f)["prompts"]
+    texts = _prompt_texts(args, target, tokenizer)
+    if saved:
+        os.makedirs(shards, exist_ok=True)
+        with open(saved + ".tmp", "w") as f:
+            json.dump({"data": list(args.data), "seed": args.seed, "prompts": texts}, f)
+        os.replace(saved + ".tmp", saved)
+    return texts
+
+
+def _prompt_texts(args, target, tokenizer):
+    """The prompts of --data (files, 'sharegpt', self:N), shuffled with --seed."""
+    import random
+
     files = [d for d in args.data if not d.startswith(SELF)]
     texts = read_prompts(files) if files else []
     for d in args.data:
@@ -505,12 +533,78 @@ def training_prompts(args, target, tokenizer):
     if not texts:
         raise SystemExit("heterospec train-draft: no prompts found in " + ", ".join(args.data))
     random.Random(args.seed).shuffle(texts)
-    if saved:
-        os.makedirs(shards, exist_ok=True)
-        with open(saved + ".tmp", "w") as f:
-            json.dump({"data": list(args.data), "seed": args.seed, "prompts": texts}, f)
-        os.replace(saved + ".tmp", saved)
     return texts
+
+
+def collect_answers(args, target, tokenizer, progress, out):
+    """--answers DIR: the answer store for the training prompts (the list kept in DIR/prompts.json.gz, made from
+    --data on the first run), with the shards covering the first --max-prompts prompts answered."""
+    import torch
+
+    from ..models.answers import AnswerStore
+    from ..policy.calibrate import model_identity
+
+    saved = AnswerStore.read_prompts(args.answers)
+    if saved is not None:
+        texts = saved["prompts"]
+    else:
+        texts = _prompt_texts(args, target, tokenizer)
+    ids = [encode(tokenizer, t, not args.no_chat_template).view(-1).numpy() for t in texts]
+    name = "SmolLM2-135M-Instruct" if args.target == "default" else os.path.basename(os.path.normpath(args.target))
+    answerer = target
+    if args.answer_dtype and getattr(torch, args.answer_dtype) != target.dtype:
+        import copy
+
+        answerer = copy.deepcopy(target).to(getattr(torch, args.answer_dtype))   # the target stays as loaded
+    store = AnswerStore.open(args.answers, prompt_ids=ids, target=model_identity(target.config, name),
+                             dtype=str(answerer.dtype).replace("torch.", ""), max_new_tokens=args.max_new_tokens,
+                             eos_token_id=tokenizer.eos_token_id, shard_size=args.shard_size,
+                             vocab_size=target.config.vocab_size,
+                             texts=None if saved is not None else {"data": list(args.data), "seed": args.seed,
+                                                                   "chat_template": not args.no_chat_template,
+                                                                   "prompts": texts})
+    limit = args.max_prompts
+    todo = [k for k in range(store.n_shards(limit)) if not os.path.exists(store.shard_path(k))]
+    print(f"{args.answers}: {len(store.present())} of {store.n_shards()} shards answered "
+          f"({store.answer_tokens()} answer tokens); {len(todo)} to answer now", file=out)
+
+    def log(k, seconds, ntok):
+        print(f"shard {k}: {ntok} answer tokens in {seconds:.0f} s ({ntok / seconds:.1f} tokens/s, "
+              f"{answerer.dtype}, batch {args.gen_batch_size}, {torch.get_num_threads()} threads)", file=out, flush=True)
+
+    store.collect(answerer, ids, batch_size=args.gen_batch_size, limit=limit,
+                  keep=lambda i: ids[i].size <= args.max_prompt_tokens,
+                  progress=lambda k, i, n: progress(i, n), log=log)
+    del answerer
+    return store, ids
+
+
+def answer_records(args, target, store, out):
+    """The training records of --answers: each answered shard's features by one teacher-forced forward of the
+    target (in --dtype), cached in --features."""
+    from ..models.default import _cache_dir
+    from ..models.train import store_features
+
+    ident = store.manifest["target"]
+    dtype = str(target.dtype).replace("torch.", "")
+    cache = args.features or os.path.join(_cache_dir(), "features",
+                                          f"{ident['name']}-{ident['config_sha256'][:12]}-{dtype}")
+    t0 = time.time()
+
+    def log(k, seconds, positions, cached):
+        what = "cached" if cached else f"computed in {seconds:.0f} s ({positions / max(seconds, 1e-9):.0f} positions/s)"
+        print(f"features of shard {k}: {positions} positions, {what}", file=out, flush=True)
+
+    records, agree, total = store_features(target, store, cache, ident, topk=args.topk, limit=args.max_prompts,
+                                           log=log)
+    if total:
+        print(f"{len(records)} sequences, {total} answer tokens ({time.time() - t0:.0f} s); the answers "
+              f"({store.manifest['dtype']}) equal the target's {dtype} greedy token at {100 * agree / total:.2f} % "
+              f"of their positions", file=out)
+    if not records:
+        raise SystemExit(f"heterospec train-draft: {args.answers} holds no answered shard yet (run with "
+                         f"--collect-only first)")
+    return records
 
 
 def train_draft_cmd(args, out=None):
@@ -535,8 +629,16 @@ def train_draft_cmd(args, out=None):
         answer_line(f"the target answers the prompts [{'#' * int(30 * i / n):<30}] {i}/{n} ({time.time() - t0:.0f} s)",
                     i, n)
 
+    if args.answers:
+        store, ids = collect_answers(args, target, tokenizer, answering, out)
+        answer_line.done()
+        if args.collect_only:
+            return
+        records = answer_records(args, target, store, out)
     sharded = _records_dir(args) is not None
-    if args.records and not sharded and os.path.exists(args.records):
+    if args.answers:
+        pass
+    elif args.records and not sharded and os.path.exists(args.records):
         records, _ = load_records(args.records)
     else:
         texts = training_prompts(args, target, tokenizer)
@@ -677,7 +779,17 @@ def build_parser():
                    help="cache of the target's answers, taps and distributions: a directory of shards saved as they "
                         "are answered (a rerun resumes at the first missing shard; the shuffled prompt list is kept "
                         "there too), or a single FILE.pt reused when it exists, else written")
-    t.add_argument("--shard-size", type=int, default=256, help="prompts per shard of a --records directory")
+    t.add_argument("--answers", default=None,
+                   help="a directory of the target's answers as token ids (kept in the repository: "
+                        "benchmarks/answers/...), grown shard by shard across runs and machines; the prompt list and "
+                        "the settings are pinned in it; training computes the features from it (cached in --features)")
+    t.add_argument("--answer-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="with --answers: the dtype the target answers in (default --dtype; bfloat16 doubles the "
+                        "speed on a CPU with AMX or AVX512-BF16); the features and training use --dtype")
+    t.add_argument("--features", default=None,
+                   help="with --answers: where the target's features of each answer shard are cached "
+                        "(default: $HETEROSPEC_CACHE/features/<target>)")
+    t.add_argument("--shard-size", type=int, default=256, help="prompts per shard of --answers or a --records directory")
     t.add_argument("--collect-only", action="store_true",
                    help="only answer the prompts into --records (resumable), do not train")
     t.add_argument("--init-head", default=None,

@@ -1,0 +1,230 @@
+"""The target's own answers to the training prompts, kept as token ids in a directory that grows across runs.
+
+A draft head learns from the target's answers.  Generating them is the slow part of training on a CPU (the
+target decodes token by token), so they are kept, compactly, where the next run finds them: a directory with
+
+- ``manifest.json``: what the answers depend on, pinned: the prompt list (count and sha256 of the prompts'
+  token ids), the target's identity, the dtype it answered in, the generation settings (greedy,
+  ``max_new_tokens``, the end-of-turn id, the cache) and the shard size.  A run with other prompts, another
+  target or other settings is refused, never mixed in.
+- ``prompts.json.gz``: the training prompts (texts, shuffled once, seeded) with their sources, so the prompts of
+  the shards still to answer are the same on every machine, whatever is installed there.
+- ``shard-NNNNN.npz``: the answers to prompts ``[N * shard_size, (N + 1) * shard_size)`` of that list (those
+  the caller kept, e.g. not too long): for each, the prompt and answer ids concatenated (``tokens``, uint16
+  when the vocabulary fits, else int32), where each sequence ``offsets`` and where its answer ``starts``, and
+  its ``prompt_index`` in the list.  Written whole under a temporary name, then renamed: a stopped run resumes
+  at the first missing shard.
+
+No hidden states are kept: the features training needs are one teacher-forced forward of these sequences away
+(:func:`heterospec.models.train.shard_features`), cached outside the repository.
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import time
+
+import numpy as np
+import torch
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+PROMPTS = "prompts.json.gz"
+
+
+def prompts_sha256(prompt_ids):
+    """sha256 over the prompts' token ids (each as int64 bytes, '|'-separated): the list the shards are cut from."""
+    h = hashlib.sha256()
+    for p in prompt_ids:
+        h.update(np.ascontiguousarray(np.asarray(p).reshape(-1), dtype=np.int64).tobytes())
+        h.update(b"|")
+    return h.hexdigest()
+
+
+def file_sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@torch.no_grad()
+def answer(target, prompts, *, max_new_tokens, eos_token_id, batch_size=64, static_cache=True, progress=None):
+    """Greedy answers of ``target`` (in its own dtype) to ``prompts`` (1-D int token arrays), batched with left
+    padding (prompts sorted by length, so a batch pads little) through HuggingFace's ``generate`` on the static
+    cache.  Returns one int64 array per prompt, in prompt order: the answer up to and including the first
+    ``eos_token_id``, or ``max_new_tokens`` tokens."""
+    dev = next(target.parameters()).device
+    prompts = [torch.as_tensor(np.asarray(p).reshape(-1), dtype=torch.long) for p in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: prompts[i].numel())
+    out = [None] * len(prompts)
+    pad = eos_token_id if eos_token_id is not None else 0
+    extra = {"cache_implementation": "static"} if static_cache else {}
+    done = 0
+    for b0 in range(0, len(order), batch_size):
+        idx = order[b0: b0 + batch_size]
+        S = max(prompts[i].numel() for i in idx)
+        ids = torch.full((len(idx), S), pad, dtype=torch.long)
+        mask = torch.zeros(len(idx), S, dtype=torch.long)
+        for r, i in enumerate(idx):
+            n = prompts[i].numel()
+            ids[r, S - n:] = prompts[i]
+            mask[r, S - n:] = 1
+        gen = target.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=max_new_tokens,
+                              do_sample=False, temperature=None, top_p=None, top_k=None, eos_token_id=eos_token_id,
+                              pad_token_id=pad, **extra)[:, S:].cpu().numpy()
+        for r, i in enumerate(idx):
+            a = gen[r]
+            if eos_token_id is not None:
+                hit = np.flatnonzero(a == eos_token_id)
+                a = a[: hit[0] + 1] if hit.size else a
+            out[i] = a.astype(np.int64)
+        done += len(idx)
+        if progress is not None:
+            progress(done, len(prompts))
+    return out
+
+
+def _token_dtype(vocab_size):
+    return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
+
+
+class AnswerStore:
+    """A directory of the target's answers (see the module's docstring).  ``open`` checks or writes the
+    manifest; ``collect`` answers the missing shards; ``sequences`` reads what is there."""
+
+    def __init__(self, directory, manifest):
+        self.directory = directory
+        self.manifest = manifest
+
+    # -- the manifest ---------------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, directory, *, prompt_ids, target, dtype, max_new_tokens, eos_token_id, shard_size=256,
+             vocab_size=None, texts=None, create=True):
+        """The store in ``directory`` for these prompts (token ids; ``texts`` with their sources are written to
+        ``prompts.json.gz`` on creation) and settings.  ``target`` is the target's identity (a dict, as profiles
+        store it, never a path).  A directory written for other prompts or settings raises ValueError naming
+        every field that differs."""
+        if shard_size < 1:
+            raise ValueError(f"AnswerStore: argument 'shard_size' expected an int >= 1, got {shard_size}")
+        want = {"format": FORMAT, "target": target, "dtype": str(dtype).replace("torch.", ""),
+                "generation": {"greedy": True, "max_new_tokens": int(max_new_tokens),
+                               "eos_token_id": None if eos_token_id is None else int(eos_token_id),
+                               "cache": "static", "padding": "left"},
+                "prompts": len(prompt_ids), "prompts_sha256": prompts_sha256(prompt_ids),
+                "shard_size": int(shard_size), "vocab_size": vocab_size}
+        path = os.path.join(directory, MANIFEST)
+        if os.path.exists(path):
+            with open(path) as f:
+                have = json.load(f)
+            pinned = {k: v for k, v in have.items() if k in want}
+            diff = [k for k in want if pinned.get(k) != want[k]]
+            if diff:
+                raise ValueError(f"AnswerStore: {directory} holds answers for other prompts or settings "
+                                 f"({'; '.join(f'{k}: {pinned.get(k)!r} there, {want[k]!r} now' for k in diff)}); "
+                                 f"use another directory")
+            return cls(directory, have)
+        if not create:
+            raise FileNotFoundError(f"AnswerStore: {directory} has no {MANIFEST}")
+        os.makedirs(directory, exist_ok=True)
+        if texts is not None:
+            with gzip.open(os.path.join(directory, PROMPTS + ".tmp"), "wt", encoding="utf-8") as f:
+                json.dump(texts, f)
+            os.replace(os.path.join(directory, PROMPTS + ".tmp"), os.path.join(directory, PROMPTS))
+        want["shards"] = {}
+        store = cls(directory, want)
+        store._write_manifest()
+        return store
+
+    @staticmethod
+    def read_manifest(directory):
+        with open(os.path.join(directory, MANIFEST)) as f:
+            return json.load(f)
+
+    @staticmethod
+    def read_prompts(directory):
+        """The ``prompts.json.gz`` of a store (whatever it holds: by convention {"data", "seed", "prompts"}), or
+        None."""
+        path = os.path.join(directory, PROMPTS)
+        if not os.path.exists(path):
+            return None
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return json.load(f)
+
+    def _write_manifest(self):
+        tmp = os.path.join(self.directory, MANIFEST + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(self.manifest, f, indent=1)
+        os.replace(tmp, os.path.join(self.directory, MANIFEST))
+
+    # -- shards -----------------------------------------------------------------------------------------------
+    def shard_path(self, k):
+        return os.path.join(self.directory, f"shard-{k:05d}.npz")
+
+    def n_shards(self, limit=None):
+        n = self.manifest["prompts"] if limit is None else min(limit, self.manifest["prompts"])
+        return -(-n // self.manifest["shard_size"])
+
+    def present(self):
+        """Indices of the shards on disk."""
+        return sorted(int(f[6:11]) for f in os.listdir(self.directory) if f.startswith("shard-") and f.endswith(".npz"))
+
+    def collect(self, target, prompt_ids, *, batch_size=64, limit=None, keep=None, progress=None, log=None):
+        """Answer the shards covering the first ``limit`` prompts (all by default) that are not on disk yet,
+        in order, each saved as soon as it is answered.  ``keep(i)`` says whether prompt ``i`` is answered (a
+        skipped prompt is simply absent from its shard).  ``log(k, seconds, answer_tokens)`` hears of each new
+        shard.  Returns the indices of the shards written."""
+        m = self.manifest
+        if len(prompt_ids) != m["prompts"]:
+            raise ValueError(f"AnswerStore.collect: argument 'prompt_ids' expected the {m['prompts']} prompts of "
+                             f"{self.directory}, got {len(prompt_ids)}")
+        gen = m["generation"]
+        S = m["shard_size"]
+        written = []
+        for k in range(self.n_shards(limit)):
+            if os.path.exists(self.shard_path(k)):
+                continue
+            which = [i for i in range(k * S, min((k + 1) * S, m["prompts"])) if keep is None or keep(i)]
+            t0 = time.perf_counter()
+            inner = None if progress is None else (lambda i, n, k=k: progress(k, i, n))
+            ans = answer(target, [prompt_ids[i] for i in which], max_new_tokens=gen["max_new_tokens"],
+                         eos_token_id=gen["eos_token_id"], batch_size=batch_size, progress=inner)
+            seqs = [np.concatenate([np.asarray(prompt_ids[i]).reshape(-1), a]) for i, a in zip(which, ans)]
+            starts = [int(np.asarray(prompt_ids[i]).size) for i in which]
+            self._save(k, which, seqs, starts)
+            seconds = time.perf_counter() - t0
+            ntok = int(sum(a.size for a in ans))
+            m["shards"][f"{k:05d}"] = {"sha256": file_sha256(self.shard_path(k)), "sequences": len(which),
+                                       "answer_tokens": ntok, "seconds": round(seconds, 1)}
+            self._write_manifest()
+            written.append(k)
+            if log is not None:
+                log(k, seconds, ntok)
+        return written
+
+    def _save(self, k, which, seqs, starts):
+        dt = _token_dtype(self.manifest.get("vocab_size") or 2**31)
+        lengths = np.array([s.size for s in seqs], np.int64)
+        tokens = np.concatenate(seqs).astype(dt) if seqs else np.zeros(0, dt)
+        tmp = self.shard_path(k)[:-4] + ".tmp.npz"
+        np.savez_compressed(tmp, tokens=tokens, offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+                            starts=np.array(starts, np.int32), prompt_index=np.array(which, np.int32))
+        os.replace(tmp, self.shard_path(k))
+
+    def load_shard(self, k):
+        """[(prompt_index, ids int64 tensor [S], start)] of shard ``k``, checked against the manifest's sha256."""
+        path = self.shard_path(k)
+        want = self.manifest.get("shards", {}).get(f"{k:05d}", {}).get("sha256")
+        if want is not None and file_sha256(path) != want:
+            raise ValueError(f"AnswerStore: {path} does not match the sha256 in {MANIFEST} (a changed or "
+                             f"truncated file); delete it to answer that shard again")
+        with np.load(path) as z:
+            tokens, offsets, starts, index = z["tokens"], z["offsets"], z["starts"], z["prompt_index"]
+        return [(int(index[j]), torch.from_numpy(tokens[offsets[j]: offsets[j + 1]].astype(np.int64)), int(starts[j]))
+                for j in range(starts.size)]
+
+    def answer_tokens(self):
+        return sum(s["answer_tokens"] for s in self.manifest.get("shards", {}).values())
