@@ -165,3 +165,26 @@ def test_train_draft_on_answers_command(tmp_path):
     res = subprocess.run(base + ["--answer-dtype", "bfloat16", "--collect-only"], capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 2 and "--answer-dtype: expected float32" in res.stderr
+
+
+def test_training_under_bf16_autocast_lowers_the_loss(tmp_path, monkeypatch):
+    """--autocast bfloat16: the head's forward runs in bf16 (seen by the linear layers), its weights stay fp32, and
+    training still learns; anything but bfloat16 / float16 / None is refused."""
+    model = tiny_target("llama")
+    ps = prompts(6)
+    records = tr.collect(model, ps, max_new_tokens=32, eos_token_id=None, batch_size=3, topk=8)
+    seen = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda x, w, b=None: (seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
+                                                          else None), real(x, w, b))[1])
+    log = tr.train_draft(model, None, tmp_path, records=records, draft_vocab_size=60, steps=100, lr=3e-3,
+                         ttt_steps=3, log_every=10, autocast="bfloat16")
+    assert seen and set(seen) == {torch.bfloat16}
+    first, last = log[0][1], np.mean([loss for _, loss, _ in log[-3:]])
+    assert last < 0.7 * first, log
+    head = torch.load(tmp_path / "trainer_state.pt", weights_only=True)["optimizer"]["state"][0]["exp_avg"]
+    assert head.dtype == torch.float32
+    assert json.loads((tmp_path / "training_log.json").read_text())["autocast"] == "bfloat16"
+    with pytest.raises(ValueError, match="argument 'autocast' expected"):
+        tr.train_draft(model, None, tmp_path / "x", records=records, steps=1, autocast="int8")

@@ -664,6 +664,7 @@ def train_draft_cmd(args, out=None):
                 log_every=max(1, min(10, args.steps // 50)), progress=progress, batch_size=args.batch_size,
                 warmup=args.warmup, init=args.init_from_target, save_every=args.save_every, seed=args.seed,
                 val_fraction=args.val_fraction, eval_every=args.eval_every, patience=args.patience or None,
+                autocast=None if args.autocast == "off" else args.autocast,
                 init_head=None if args.init_head is None else
                 (DEFAULT_HEAD if args.init_head == "default" else args.init_head))
     train_line.done()
@@ -795,6 +796,9 @@ def build_parser():
     t.add_argument("--init-head", default=None,
                    help="start from this head's weights and vocabulary (more training for an existing head; the "
                         "RoPE settings are the target's)")
+    t.add_argument("--autocast", default="off", choices=["off", "bfloat16", "float16"],
+                   help="train the head under torch.autocast in this dtype (weights and optimiser stay float32): "
+                        "1.7x faster on a CPU with AMX, and on GPUs")
     t.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: steps // 20)")
     t.add_argument("--save-every", type=int, default=None, help="checkpoint every N steps")
     t.add_argument("--init-from-target", action="store_true", help="start norm and lm_head from the target's")
