@@ -235,6 +235,47 @@ def test_a_dynamic_rope_draft_is_not_recorded(setup):
     assert HeteroSpec(model, draft, Policy.static(3, 3, 8), cuda_graphs="auto").cuda_graphs is False
 
 
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="CPU argument checks")
+@pytest.mark.parametrize("field", ["rope_parameters", "rope_scaling"])
+@pytest.mark.parametrize("rope", ["dynamic", "longrope"])
+def test_a_host_reading_rope_target_is_not_recorded(field, rope):
+    """The target's RoPE counts as much as the draft's: transformers' dynamic and longrope variants pick their
+    frequencies from a host read of the largest position in every forward (rope_parameters in transformers 5,
+    rope_scaling before; per layer type in some models)."""
+    model = tiny_target("llama")
+    spec = {"rope_type": rope, "factor": 2.0, "rope_theta": 10000.0}
+    setattr(model.config, field, {"full_attention": spec} if field == "rope_parameters" else spec)
+    draft = NoisyDraft(32, V)
+    with pytest.raises(ValueError, match=rf"argument 'cuda_graphs' expected False for a target with {rope} RoPE"):
+        HeteroSpec(model, draft, Policy.static(3, 3, 8), cuda_graphs=True)
+    assert HeteroSpec(model, draft, Policy.static(3, 3, 8), cuda_graphs="auto").cuda_graphs is False
+
+
+def test_recorded_sets_are_kept_for_the_latest_sampling_settings_only(setup):
+    """Each sampling setting records its own steps (and, on a GPU, its own graph memory pool): a sweep over
+    temperatures keeps the MAX_GRAPH_SETS most recently used and drops the rest, and a setting used again after
+    being dropped is recorded again and draws what it drew the first time."""
+    from heterospec.engine.loop import MAX_GRAPH_SETS
+
+    model, ps, refs, head = setup
+    temps = [0.5 + 0.1 * i for i in range(MAX_GRAPH_SETS + 2)]
+    with HeteroSpec(model, head, Policy.static(3, 3, 8), cuda_graphs=MODE, max_length=64) as hs:
+        first = hs.generate(ps[0], max_new_tokens=8, temperature=temps[0], seed=3)[0].tolist()
+        for t in temps[1:]:
+            hs.generate(ps[0], max_new_tokens=8, temperature=t, seed=3)
+            assert len(hs._graphs) <= MAX_GRAPH_SETS
+        assert len(hs._graphs) == MAX_GRAPH_SETS
+        kept = [s[1] for s in hs._graphs]
+        assert kept == pytest.approx(temps[-MAX_GRAPH_SETS:])
+        again, st = hs.generate(ps[0], max_new_tokens=8, temperature=temps[0], seed=3)
+        assert again.tolist() == first
+        assert st.capture_s > 0                            # dropped, so recorded again
+        hit = temps[-MAX_GRAPH_SETS + 1]                   # kept and not the newest
+        st = hs.generate(ps[0], max_new_tokens=8, temperature=hit, seed=3)[1]
+        assert st.capture_s == 0.0                         # replayed, not recorded
+        assert [s[1] for s in hs._graphs][-1] == pytest.approx(hit)   # a hit becomes the most recent
+
+
 def test_captured_costs_need_a_gpu(setup):
     from heterospec.policy.calibrate import profile_costs
 

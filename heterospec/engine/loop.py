@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -42,6 +43,14 @@ from .tree import DraftState, bucket_for, candidate_count, verification_tree
 # a padded node costs its full share of a compute-bound forward, so trees keep their exact size there.
 GPU_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
+# recorded step sets kept at once, one per sampling setting (each holds its own graph memory pool): the least
+# recently used is dropped beyond this, so a sweep over temperatures cannot exhaust GPU memory
+MAX_GRAPH_SETS = 4
+
+# RoPE variants whose forward reads a position on the host to pick or rescale its frequencies (transformers'
+# dynamic_rope_update): a recorded graph would keep the frequencies of the recording
+HOST_READ_ROPE = ("dynamic", "longrope")
+
 
 def _check_generate_args(max_new_tokens, temperature, top_k, top_p):
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
@@ -54,20 +63,36 @@ def _check_generate_args(max_new_tokens, temperature, top_k, top_p):
         raise ValueError(f"generate: argument 'top_p' expected a value in (0, 1], got {top_p!r}")
 
 
-def _check_graphs(cuda_graphs, device, draft):
+def _rope_types(model):
+    """The RoPE variants a model's config names, from ``rope_parameters`` (transformers 5; a dict per layer
+    type in some models) or ``rope_scaling`` (4.x)."""
+    cfg = getattr(model, "config", None)
+    found, todo = set(), [getattr(cfg, f, None) for f in ("rope_parameters", "rope_scaling")]
+    while todo:
+        rp = todo.pop()
+        if isinstance(rp, dict):
+            kind = rp.get("rope_type") or rp.get("type")
+            if isinstance(kind, str):
+                found.add(kind)
+            todo.extend(v for v in rp.values() if isinstance(v, dict))
+    return found
+
+
+def _check_graphs(cuda_graphs, device, draft, target=None):
     """-> False, True (CUDA graphs) or "emulate" (the recorded-step plumbing without graphs, any device)."""
     if cuda_graphs == "emulate":
         return "emulate"
-    rope = ((getattr(getattr(draft, "config", None), "rope_scaling", None) or {}).get("rope_type")
-            if draft is not None else None)
+    host_read = [(who, rope) for who, m in (("target", target), ("draft", draft)) if m is not None
+                 for rope in sorted(_rope_types(m) & set(HOST_READ_ROPE))]
     if cuda_graphs == "auto":
-        return device.type == "cuda" and rope != "dynamic"
+        return device.type == "cuda" and not host_read
     if not isinstance(cuda_graphs, bool):
         raise ValueError(f"HeteroSpec: argument 'cuda_graphs' expected True, False, 'auto' or 'emulate', "
                          f"got {cuda_graphs!r}")
-    if cuda_graphs and rope == "dynamic":
-        raise ValueError("HeteroSpec: argument 'cuda_graphs' expected False for a draft with dynamic RoPE "
-                         "scaling (its frequencies depend on a host read of the position), got True")
+    if cuda_graphs and host_read:
+        who, rope = host_read[0]
+        raise ValueError(f"HeteroSpec: argument 'cuda_graphs' expected False for a {who} with {rope} RoPE "
+                         f"scaling (its frequencies depend on a host read of the position), got True")
     if cuda_graphs and device.type != "cuda":
         raise ValueError(f"HeteroSpec: argument 'cuda_graphs' expected False on {device} (CUDA graphs need a "
                          f"model on a CUDA device; 'emulate' runs the same steps without graphs), got True")
@@ -95,8 +120,8 @@ class HeteroSpec:
     by each call and kept.  ``buckets``: the tree sizes verification is padded to ('auto': a fixed set on a
     GPU, exact sizes on the CPU; None: exact sizes).  ``cuda_graphs``: record the cycle's fixed-shape steps
     once per tree shape and replay them as CUDA graphs (:mod:`.graphs`; True needs a CUDA model, 'auto' = on
-    CUDA unless the draft uses dynamic RoPE, falling back to the eager engine with a warning if recording
-    fails, 'emulate' = the same recorded-step plumbing without graphs, for
+    CUDA unless the target or the draft uses dynamic or longrope RoPE, falling back to the eager engine with a
+    warning if recording fails, 'emulate' = the same recorded-step plumbing without graphs, for
     tests on any device; default False: the eager engine).  Recording happens at the first call for each
     sampling setting and cache size; pass ``max_length`` to record once.  ``compile``: the target's forward
     through ``torch.compile`` (True = inductor, or a backend name), one specialisation per shape; with
@@ -166,9 +191,9 @@ class HeteroSpec:
         self._root = torch.zeros(1, dtype=torch.long, device=self.device)      # the next tree's root token
         self._seed = torch.zeros(1, dtype=torch.long, device=self.device)      # Philox key and counter
         self._offset = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.cuda_graphs = _check_graphs(cuda_graphs, self.device, draft)
+        self.cuda_graphs = _check_graphs(cuda_graphs, self.device, draft, target)
         self._graphs_fallback = cuda_graphs == "auto"    # 'auto': a recording that fails falls back to eager
-        self._graphs = {}                 # sampling settings -> StepGraphs
+        self._graphs = OrderedDict()      # sampling settings -> StepGraphs, least recently used first
         self._graph_capacity = None
 
     def close(self):
@@ -265,7 +290,10 @@ class HeteroSpec:
             self._graph_capacity = (tgt.capacity, ds.base if ds is not None else 0)
         steps = self._graphs.get(settings)
         if steps is not None:
+            self._graphs.move_to_end(settings)
             return steps, False
+        while len(self._graphs) >= MAX_GRAPH_SETS:     # drop the least recently used set and its memory pool
+            self._graphs.popitem(last=False)
         steps = StepGraphs(emulate=self.cuda_graphs == "emulate")
         t0 = time.perf_counter()
         with sync.outside_cycle():
