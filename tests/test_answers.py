@@ -156,6 +156,17 @@ def test_train_draft_on_answers_command(tmp_path):
     assert sorted(p.name for p in (tmp_path / "feat").glob("*.pt")) == ["features-00000.pt", "features-00001.pt"]
     meta = json.loads((tmp_path / "trained" / "training_log.json").read_text())
     assert meta["sequences"] + meta["validation_sequences"] == 6
+    # without --max-prompts a training run answers nothing new: it trains on the answered shards, --epochs
+    # passes over them (6 sequences, batches of 4: 2 epochs = 3 steps)
+    res = subprocess.run(base + ["--epochs", "2", "--batch-size", "4", "--val-fraction", "0", "--draft-vocab-size",
+                                 "40", "--out", str(tmp_path / "epochs")], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "2 of 3 shards answered" in res.stdout and "0 to answer now" in res.stdout
+    assert am.AnswerStore(ans, am.AnswerStore.read_manifest(ans)).present() == [0, 1]
+    meta = json.loads((tmp_path / "epochs" / "training_log.json").read_text())
+    assert meta["sequences"] == 6 and meta["steps"] == 3
+    res = subprocess.run(base + ["--epochs", "0"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "--epochs: expected a number > 0, got 0" in res.stderr
     res = subprocess.run(base + ["--records", str(tmp_path / "rec")], capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "--answers" in res.stderr and "Traceback" not in res.stderr
     res = subprocess.run(base + ["--max-new-tokens", "9", "--collect-only"], capture_output=True, text=True,

@@ -198,7 +198,8 @@ class AnswerStore:
             seconds = time.perf_counter() - t0
             ntok = int(sum(a.size for a in ans))
             m["shards"][f"{k:05d}"] = {"sha256": file_sha256(self.shard_path(k)), "sequences": len(which),
-                                       "answer_tokens": ntok, "seconds": round(seconds, 1)}
+                                       "answer_tokens": ntok, "seconds": round(seconds, 1),
+                                       "device": next(target.parameters()).device.type}
             self._write_manifest()
             written.append(k)
             if log is not None:

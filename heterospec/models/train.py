@@ -405,10 +405,10 @@ def ttt_loss(draft, taps, ids, tgt_d, tgt_w, valid, ttt_steps):
 
 
 def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, lr=3e-4, ttt_steps=3,
-                max_new_tokens=128, seed=0, resume=False, log_every=10, progress=None, eos_token_id=None,
+                max_new_tokens=128, seed=0, resume=False, log_every=None, progress=None, eos_token_id=None,
                 answer_progress=None, batch_size=4, gen_batch_size=16, topk=32, warmup=None, records=None,
                 init=False, save_every=None, val_fraction=0.0, eval_every=None, patience=None, init_head=None,
-                autocast=None):
+                autocast=None, epochs=None):
     """Train an EAGLE-3 head for ``target`` on the target's own answers to ``prompts`` ([1, S] tensors),
     or on ``records`` from :func:`collect` when given; writes ``out_dir`` (loadable with
     ``Eagle3Draft.from_pretrained(out_dir, target=target)``).  ``batch_size`` sequences per optimiser
@@ -425,7 +425,9 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
 
     ``autocast`` ("bfloat16" or "float16") runs the head's forward under ``torch.autocast`` on the training
     device (the weights and the optimiser stay float32; softmax and the loss are float32): 1.7x the positions
-    per second on a CPU with AMX, as on a GPU."""
+    per second on a CPU with AMX, as on a GPU.
+
+    ``epochs`` sets ``steps`` to that many passes over the training sequences (after the validation split)."""
     if autocast not in (None, "bfloat16", "float16"):
         raise ValueError(f"train_draft: argument 'autocast' expected None, 'bfloat16' or 'float16', got {autocast!r}")
     torch.manual_seed(seed)
@@ -447,6 +449,12 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
                              f"({len(records)} sequences, {n_val} held out)")
         val_records = [records[i] for i in order[:n_val]]
         records = [records[i] for i in order[n_val:]]
+    if epochs is not None:   # the schedule in passes over the training sequences
+        if not epochs > 0:
+            raise ValueError(f"train_draft: argument 'epochs' expected a number > 0, got {epochs}")
+        steps = max(1, int(math.ceil(epochs * len(records) / batch_size)))
+    if log_every is None:       # a point every steps // 50 steps, at most 10 apart
+        log_every = max(1, min(10, steps // 50))
     answers = np.concatenate([r["ids"][r["start"]:].numpy() for r in records])
     state_path = os.path.join(out_dir, "trainer_state.pt")
     device = next(target.parameters()).device  # the head trains where the target lives
@@ -546,6 +554,7 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
 
     lengths = torch.tensor([r["ids"].numel() for r in records], dtype=torch.float64, device="cpu")
     per_epoch = max(1, len(records) // batch_size)
+    done = start_step                        # the steps taken so far (the log keeps every log_every-th)
     for step in range(start_step, steps):
         e = step // per_epoch
         if e != epoch:
@@ -565,6 +574,7 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
+        done = step + 1
         if (step + 1) % log_every == 0 or step == start_step:
             log.append((step + 1, float(loss.detach()), accs))
             if progress is not None:
@@ -583,9 +593,6 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
         if save_every and (step + 1) % save_every == 0 and step + 1 < steps:
             checkpoint(step + 1)
     draft.eval()
-    done = log[-1][0] if log else steps
-    if val_records:
-        done = val_log[-1][0] if val_log else done
     checkpoint(done)    # the head (without validation), and what --resume to a larger --steps needs
     _plot_curves(os.path.join(out_dir, "training_curves.png"), log, val_log, ttt_steps)
     return log

