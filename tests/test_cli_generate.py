@@ -314,6 +314,8 @@ def test_cuda_graphs_reaches_the_engine(tmp_path, monkeypatch, given, want):
     (["train-draft", "--target", "default", "--data", "Q", "--out", "o", "--steps", "0"], "--steps"),
     (["train-draft", "--target", "default", "--data", "/no/q.jsonl", "--out", "o"], "--data"),
     (["train-draft", "--target", "default", "--data", "self:0", "--out", "o"], "--data"),
+    (["train-draft", "--target", "default", "--out", "o"], "--data"),             # no prompts, no --answers
+    (["train-draft", "--target", "default", "--data", "Q", "--out", "o", "--epochs", "-1"], "--epochs"),
 ])
 def test_bad_input_to_other_commands_is_one_line_before_loading(tmp_path, argv, arg):
     """Issue 18.4 for demo, calibrate and train-draft: the checks that need no model run first."""
