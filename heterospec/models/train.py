@@ -424,8 +424,8 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
     head (:func:`head_from`): more training for a head already shipped.
 
     ``autocast`` ("bfloat16" or "float16") runs the head's forward under ``torch.autocast`` on the training
-    device (the weights and the optimiser stay float32; softmax and the loss are float32): 1.7x the positions
-    per second on a CPU with AMX, as on a GPU.
+    device (the weights and the optimiser stay float32; softmax and the loss are float32): 1.5x the positions
+    per second on a 2-core CPU with AVX512-BF16 (benchmarks/bench_training.py), more on a GPU.
 
     ``epochs`` sets ``steps`` to that many passes over the training sequences (after the validation split)."""
     if autocast not in (None, "bfloat16", "float16"):
