@@ -10,9 +10,10 @@
 # Settings (environment): DEVICE (cpu | cuda), PROMPTS (use the first N prompts of the list), EPOCHS (2),
 # GEN_BATCH (prompts answered at once: 64 on a CPU, 256 on a GPU), BATCH (sequences per step: 8 on a CPU, 32 on
 # a GPU; LR scales with it), OUT (the head; default head-recipe/out), FEATURES (the feature cache).  Extra
-# arguments go to `heterospec train-draft` as they are.  The answers are generated in bfloat16 (2.2x on a CPU with
-# AMX, 98.8 % of positions equal to the float32 greedy token); features and the loss are float32, the head's
-# forward under bfloat16 autocast.
+# arguments go to `heterospec train-draft` as they are.  The answers are generated in bfloat16 (1.46x on our
+# 2-core AVX512-BF16 CPU, 98.9 % of positions equal to the float32 greedy token: benchmarks/bench_training.py);
+# features and the loss are float32, the head's forward under bfloat16 autocast (1.49x).  Run one torch job at a
+# time on a small CPU: two at once fight over the cores and each runs several times slower.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=all
