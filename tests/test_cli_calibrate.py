@@ -33,6 +33,7 @@ def test_calibrate_then_generate_with_the_profile(tmp_path):
     policy, cost, raw = load_profile(profile)
     assert raw["model_pair"]["draft"]["name"] == "draft" and raw["model_pair"]["target"]["name"] == "target"
     assert str(tmp_path) not in json.dumps(raw["model_pair"])      # identities, never paths (issue 18.3)
+    assert str(tmp_path) not in json.dumps(raw["notes"]) and raw["notes"]["target_name"] == "target"  # 28.6
     assert policy.depth == 3 and policy.top_k == 3 and cost is not None
     assert raw["notes"]["prompts"] == 5 and raw["notes"]["positions"] == 5 * 23
     # the per-bin table has the predicted tau and tokens/s, and the profile keeps them (issue 19.4)

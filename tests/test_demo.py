@@ -208,3 +208,21 @@ def test_shipped_head_config_is_the_default_targets():
         assert cfg[k] == getattr(t, k), k
     assert cfg["head_dim"] == getattr(t, "head_dim", t.hidden_size // t.num_attention_heads)
     assert cfg["rms_norm_eps"] == pytest.approx(t.rms_norm_eps)
+
+
+def test_no_machine_path_in_any_shipped_file():
+    """Issue 28.6: nothing the package ships names a path on the machine that made it (the profile's
+    notes.target_name held the conversion cache's absolute path until issue 27's re-calibration)."""
+    import re
+
+    data = os.path.join(os.path.dirname(demo.DEFAULT_HEAD))
+    pattern = re.compile(r"(/root/|/home/|/work/|/tmp/|/Users/|[A-Za-z]:\\\\)")
+    found = []
+    for root, _, files in os.walk(data):
+        for f in files:
+            if f.endswith((".json", ".md", ".jinja", ".txt")):
+                text = open(os.path.join(root, f), encoding="utf-8").read()
+                found += [(f, m.group(0)) for m in pattern.finditer(text)]
+    assert found == []
+    prof = json.load(open(demo.DEFAULT_PROFILE))
+    assert prof["notes"]["target_name"] == "SmolLM2-135M-Instruct"

@@ -449,14 +449,13 @@ def calibrate_cmd(args, out=None):
     static = trace.replay(Policy.static(args.depth, args.top_k_tree, args.total_tokens), cost_model=cost)
     paper = trace.replay(Policy.paper(args.depth, args.top_k_tree, args.total_tokens, thresholds), cost_model=cost)
     calibrated = trace.replay(policy, cost_model=cost)
-    name = lambda m: getattr(m.config, "_name_or_path", "") or type(m).__name__  # noqa: E731
     t_id, d_id = pair_identity(args, target)
     save_profile(args.out, policy, cost, target=t_id, draft=d_id,
                  notes={"prompts": len(texts), "positions": int(len(x)), "fit_target": args.fit_target,
                         "predicted_tokens_per_s": {"static": static.predicted_tokens_per_s,
                                                    "paper": paper.predicted_tokens_per_s,
                                                    "calibrated": calibrated.predicted_tokens_per_s},
-                        "target_name": name(target),
+                        "target_name": target_name(args),   # what a person calls it, never a path
                         "per_bin": {str(b): {k: v[k] for k in ("cycles", "mean_accepted", "mean_nodes",
                                                                "predicted_tokens_per_s")}
                                     for b, v in calibrated.per_bin.items()},
