@@ -9,7 +9,8 @@
 #
 # Settings (environment): DEVICE (cpu | cuda), PROMPTS (use the first N prompts of the list), EPOCHS (2),
 # GEN_BATCH (prompts answered at once: 64 on a CPU, 256 on a GPU), BATCH (sequences per step: 8 on a CPU, 32 on
-# a GPU; LR scales with it), OUT (the head; default head-recipe/out), FEATURES (the feature cache).  Extra
+# a GPU; LR scales with it), OUT (the head; default head-recipe/out), FEATURES (the feature cache), INIT (the head
+# to warm-start from: default = the shipped head; a head of an earlier commit to reproduce a shipped one).  Extra
 # arguments go to `heterospec train-draft` as they are.  The answers are generated in bfloat16 (1.46x on our
 # 2-core AVX512-BF16 CPU, 98.9 % of positions equal to the float32 greedy token: benchmarks/bench_training.py);
 # features and the loss are float32, the head's forward under bfloat16 autocast (1.49x).  Run one torch job at a
@@ -37,7 +38,7 @@ if [[ $what == collect || $what == all ]]; then
 fi
 if [[ $what == train || $what == all ]]; then
   # only the answered shards are trained on; --resume continues a stopped run from its last checkpoint
-  python3 -m heterospec train-draft "${common[@]}" --init-head default --ttt-steps 7 --epochs "${EPOCHS:-2}" \
+  python3 -m heterospec train-draft "${common[@]}" --init-head "${INIT:-default}" --ttt-steps 7 --epochs "${EPOCHS:-2}" \
     --batch-size "$BATCH" --lr "$LR" --autocast bfloat16 --val-fraction 0.02 --eval-every 200 --patience 5 \
     --save-every 100 --resume "$@"
 fi
