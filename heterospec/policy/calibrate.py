@@ -151,12 +151,22 @@ def _recorded(fn, device):
 
 
 def profile_costs(target, draft=None, *, tree_tokens=(1, 2, 4, 8, 16, 32, 64, 128), contexts=(64, 256),
-                  beams=(1, 2, 4, 8, 10), reps=3, graphs=False):
+                  beams=(1, 2, 4, 8, 10), reps=3, graphs=False, cpu_gemm="auto"):
     """Measure this machine and fit a :class:`CostModel` (see the module docstring).  Every input is made
     on the model's own device (the draft's inputs in its dtype too), and every timed region is
     synchronised with the device at both ends (:class:`DeviceTimer`).  ``graphs=True`` (a CUDA model)
     times each verify forward and draft level as a replayed CUDA graph -- the costs of the engine with
-    ``cuda_graphs`` -- instead of eager calls."""
+    ``cuda_graphs`` -- instead of eager calls.  ``cpu_gemm``: time the linear layers the way the engine runs
+    them with the same setting (:mod:`heterospec.models.cpu_gemm`)."""
+    from ..models import cpu_gemm as gemm
+
+    packed = gemm.PackedLinears([target, draft] if gemm.wanted(cpu_gemm, target) else [])
+    packed.prepare()
+    with packed:
+        return _profile_costs(target, draft, tree_tokens, contexts, beams, reps, graphs)
+
+
+def _profile_costs(target, draft, tree_tokens, contexts, beams, reps, graphs):
     import torch
 
     from ..models.target import TargetAdapter
