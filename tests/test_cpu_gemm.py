@@ -84,3 +84,12 @@ def test_heterospec_refuses_cpu_gemm_true_where_it_cannot_run():
     model = tiny_target("llama").to(torch.float16)
     with pytest.raises(ValueError, match="argument 'cpu_gemm'"):
         HeteroSpec(model, cpu_gemm=True)
+
+
+def test_auto_packs_bfloat16_only_where_onednn_runs_it(monkeypatch):
+    model = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False, raising=False)
+    assert cpu_gemm.wanted("auto", model) is False
+    with pytest.raises(ValueError, match=r"argument 'cpu_gemm' expected 'auto' or False here .*bfloat16.*got True"):
+        cpu_gemm.wanted(True, model)
+    assert cpu_gemm.wanted("auto", model.to(torch.float32)) is cpu_gemm.available()

@@ -40,10 +40,13 @@ def wanted(setting, module):
         return False
     p = next(module.parameters(), None)
     fits = p is not None and p.device.type == "cpu" and p.dtype in PACKED_DTYPES
+    if fits and p.dtype == torch.bfloat16:   # oneDNN refuses bfloat16 on CPUs without AVX-512 (or ARM's bf16)
+        check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+        fits = bool(check()) if check is not None else False
     if setting is True and not (fits and available()):
         why = ("this torch build has no oneDNN packed linear" if not available() else
-               f"it needs a CPU model in float32 or bfloat16, got {getattr(p, 'device', None)} "
-               f"{getattr(p, 'dtype', None)}")
+               f"it needs a CPU model in float32, or in bfloat16 on a CPU that oneDNN runs bfloat16 on, got "
+               f"{getattr(p, 'device', None)} {getattr(p, 'dtype', None)}")
         raise ValueError(f"HeteroSpec: argument 'cpu_gemm' expected 'auto' or False here ({why}), got True")
     return fits and available()
 
