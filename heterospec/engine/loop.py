@@ -178,8 +178,7 @@ class HeteroSpec:
                              f"{compile!r}")
         self.target = TargetAdapter(target, tap_layers=taps, capture_taps=draft is not None, compile=compile)
         # packed once here (outside any timed call), routed only inside generate
-        self._gemm = gemm.PackedLinears([target, draft] if gemm.wanted(cpu_gemm, target) else [])
-        self._gemm.prepare()
+        self._gemm = gemm.for_models(cpu_gemm, target, draft)
         self._drafting = draft is not None and self.policy.drafts
         pol = self.policy
         self._levels = pol.depth + max(pol.extra, default=0)

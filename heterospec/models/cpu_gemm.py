@@ -115,3 +115,12 @@ class PackedLinears:
             if "forward" in vars(lin):
                 del lin.forward
         self._patched = []
+
+
+def for_models(setting, target, *others):
+    """The packed layers of ``target`` and ``others`` (None skipped) for a ``cpu_gemm`` setting (:func:`wanted`
+    decides from the target), packed now: the one way the engine and the cost profile set it up."""
+    packed = PackedLinears([target, *others] if wanted(setting, target) else [])
+    packed.prepare()
+    return packed
+

@@ -160,9 +160,7 @@ def profile_costs(target, draft=None, *, tree_tokens=(1, 2, 4, 8, 16, 32, 64, 12
     them with the same setting (:mod:`heterospec.models.cpu_gemm`)."""
     from ..models import cpu_gemm as gemm
 
-    packed = gemm.PackedLinears([target, draft] if gemm.wanted(cpu_gemm, target) else [])
-    packed.prepare()
-    with packed:
+    with gemm.for_models(cpu_gemm, target, draft):
         return _profile_costs(target, draft, tree_tokens, contexts, beams, reps, graphs)
 
 
