@@ -28,7 +28,6 @@ import gc
 import importlib
 import json
 import os
-import platform
 import random
 import sys
 import time
@@ -742,36 +741,15 @@ def background_load(before, after, wall_s):
 # Machine info and output
 # ---------------------------------------------------------------------------------------------------
 def machine_info(ops_mod) -> dict:
-    cpu = platform.processor() or "?"
+    """heterospec's own machine description (heterospec.measure.machine_info), plus the CPUs this process may
+    use and which ops module was timed."""
+    from heterospec.measure import machine_info as heterospec_machine
+
+    info = heterospec_machine()
     try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        affinity = len(os.sched_getaffinity(0))
+        info["cpus_usable"] = len(os.sched_getaffinity(0))
     except AttributeError:
-        affinity = None
-    info = dict(cpu=cpu, cpu_count=os.cpu_count(), cpus_usable=affinity, platform=platform.platform(),
-                python=platform.python_version(), numpy=np.__version__, torch=torch.__version__,
-                torch_default_threads=torch.get_num_threads())
-    build = None
-    for modname in ("heterospec", "heterospec.ops"):
-        try:
-            mod = importlib.import_module(modname)
-        except Exception:
-            continue
-        fn = getattr(mod, "build_info", None)
-        if callable(fn):
-            try:
-                build = fn()
-                break
-            except Exception as e:  # pragma: no cover
-                build = f"build_info() failed: {e!r}"
-    info["heterospec_build_info"] = build
+        info["cpus_usable"] = None
     info["ops_module"] = getattr(ops_mod, "__name__", None)
     return info
 

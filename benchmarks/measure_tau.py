@@ -41,7 +41,7 @@ def main():
     model, tok = default_target()
     draft = Eagle3Draft.from_pretrained(a.draft, target=model, dtype=torch.float32)
     if a.policy:
-        from heterospec.policy.calibrate import load_profile
+        from heterospec.policy.profile import load_profile
 
         policy = load_profile(a.policy)[0]
     else:

@@ -36,7 +36,7 @@ def _questions(root):
 
 
 def _pair(tmp_path):
-    from heterospec.policy.calibrate import save_profile
+    from heterospec.policy.profile import save_profile
 
     save_tiny_pair(tmp_path)
     save_profile(tmp_path / "profile.json", Policy(4, 3, 12, THRESHOLDS, (2, 1, 0), (4, 8, 12), name="calibrated"))
@@ -473,9 +473,9 @@ def _tune_prompts(root):
 def test_tuning_picks_a_measured_tree_from_the_grid(tmp_path):
     """eagle3-tuned's search on a tiny pair: every grid point replayed, the best three by predicted speed
     timed, and the winner the fastest of those; heterospec-tuned calibrated on the winner."""
-    from heterospec.policy.calibrate import CostModel
+    from heterospec.policy.profile import CostModel
     from heterospec.models.draft import Eagle3Draft
-    from heterospec.policy.trace import record
+    from heterospec.tune.trace import record
 
     model, tok = save_tiny_pair(tmp_path)
     draft = Eagle3Draft.from_pretrained(str(tmp_path / "draft"), target=model)
@@ -495,7 +495,7 @@ def test_tuning_picks_a_measured_tree_from_the_grid(tmp_path):
     hs, info = bench.calibrate_on(tr, Policy.static(2, 3, 4), cost)
     assert (hs.depth, hs.top_k, hs.total_tokens, hs.name) == (2, 3, 4, "heterospec-tuned")
     assert list(hs.thresholds) == info["thresholds"] and len(hs.extra) == len(hs.thresholds) + 1
-    assert max(hs.extra) <= 2 and info["predicted_tokens_per_s"] >= tr.replay(Policy.paper(2, 3, 4, hs.thresholds), cost).predicted_tokens_per_s - 1e-9
+    assert max(hs.extra) <= 2 and info["predicted_tokens_per_s"] >= tr.replay(Policy.paper(2, 3, 4, hs.thresholds), cost).tokens_per_s - 1e-9
 
 
 # ---- the real default pair (CI's last stage) ------------------------------------------------------------------

@@ -13,11 +13,13 @@ pytest.importorskip("transformers")
 from _doubles import StretchDraft  # noqa: E402
 from test_decoding import eagle3_head, prompts, tiny_target  # noqa: E402
 
-from heterospec.policy import calibrate  # noqa: E402
-from heterospec.policy.calibrate import (  # noqa: E402
-    CostModel, head_identity, load_profile, model_identity, optimise_policy, profile_costs, save_profile)
+from heterospec import measure  # noqa: E402
+from heterospec.policy.profile import CostModel, head_identity, load_profile, model_identity, save_profile  # noqa: E402
+from heterospec.tune.costs import profile_costs  # noqa: E402
+from heterospec.tune.optimise import optimise_policy  # noqa: E402
 from heterospec.policy import Policy  # noqa: E402
-from heterospec.policy.trace import fit_thresholds, record  # noqa: E402
+from heterospec.tune.bins import fit_thresholds  # noqa: E402
+from heterospec.tune.trace import record  # noqa: E402
 
 BASE, K, N, LEVELS = 4, 3, 16, 7
 # a CPU-like machine: verifying a tree token costs a tenth of a whole small forward
@@ -50,14 +52,14 @@ def test_optimiser_deepens_and_prunes_the_easy_bins(stretch_trace):
     assert len(thresholds) >= 1
     policy, predicted = optimise_policy(stretch_trace, CPU_LIKE, base_depth=BASE, total_tokens=N,
                                         thresholds=thresholds)
-    static = stretch_trace.replay(Policy.static(BASE, K, N), cost_model=CPU_LIKE).predicted_tokens_per_s
-    paper = stretch_trace.replay(Policy.paper(BASE, K, N, thresholds), cost_model=CPU_LIKE).predicted_tokens_per_s
+    static = stretch_trace.replay(Policy.static(BASE, K, N), cost_model=CPU_LIKE).tokens_per_s
+    paper = stretch_trace.replay(Policy.paper(BASE, K, N, thresholds), cost_model=CPU_LIKE).tokens_per_s
     assert predicted >= paper >= 0 and predicted >= static
     r = stretch_trace.replay(policy, cost_model=CPU_LIKE)
-    assert r.predicted_tokens_per_s == pytest.approx(predicted)
+    assert r.tokens_per_s == pytest.approx(predicted)
     # the easiest populated bin (lowest entropy, long acceptance) drafts deeper and verifies fewer nodes
-    easy = min(r.per_bin)
-    assert r.per_bin[easy]["mean_accepted"] > 2.0
+    easy = min(r.per_bin())
+    assert r.per_bin()[easy]["mean_accepted"] > 2.0
     assert policy.extra[easy] >= 1 and policy.keep[easy] < N
 
 
@@ -179,23 +181,23 @@ def test_synchronize_waits_for_cuda_and_other_accelerators(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("cuda", device)))
     fake_cuda = types.SimpleNamespace(type="cuda", index=1)
-    calibrate.synchronize(fake_cuda)
+    measure.synchronize(fake_cuda)
     assert calls == [("cuda", fake_cuda)]
     for cpu in ("cpu", torch.device("cpu"), types.SimpleNamespace(type="cpu", index=None)):
-        calibrate.synchronize(cpu)  # the CPU runs ops synchronously: nothing to wait for
+        measure.synchronize(cpu)  # the CPU runs ops synchronously: nothing to wait for
     assert calls == [("cuda", fake_cuda)]
     if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "synchronize"):
         monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: calls.append(("accelerator", device)))
         fake_xpu = types.SimpleNamespace(type="xpu", index=0)
-        calibrate.synchronize(fake_xpu)
+        measure.synchronize(fake_xpu)
         assert calls[-1] == ("accelerator", fake_xpu)
 
 
 def test_device_timer_brackets_the_work_with_syncs(monkeypatch):
     log = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("sync"))
-    monkeypatch.setattr(calibrate, "time", types.SimpleNamespace(perf_counter=lambda: log.append("clock") or len(log)))
-    timer = calibrate.device_timer(types.SimpleNamespace(type="cuda", index=0))
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: log.append("clock") or len(log)))
+    timer = measure.device_timer(types.SimpleNamespace(type="cuda", index=0))
     result, seconds = timer(lambda x: log.append("work") or x + 1, 41)
     assert result == 42 and seconds == 5 - 2
     assert log == ["sync", "clock", "work", "sync", "clock"]
@@ -209,8 +211,8 @@ def test_profile_costs_synchronises_before_every_clock_read(cpu_pair, monkeypatc
     # before the fix the regions were bare perf_counter reads: on a GPU they timed the kernel launches
     model, draft = cpu_pair
     log = []
-    monkeypatch.setattr(calibrate, "synchronize", lambda device: log.append(("sync", torch.device(device))))
-    monkeypatch.setattr(calibrate, "time", types.SimpleNamespace(perf_counter=lambda: log.append(("clock",)) or 0.0))
+    monkeypatch.setattr(measure, "synchronize", lambda device: log.append(("sync", torch.device(device))))
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: log.append(("clock",)) or 0.0))
     hooks = [model.register_forward_pre_hook(lambda m, args, kwargs: log.append(("target", kwargs["input_ids"].shape[1])),
                                              with_kwargs=True),
              draft.register_forward_pre_hook(lambda m, args: log.append(("draft", args[1].shape[1])))]
@@ -246,12 +248,12 @@ def test_replay_predicts_each_bins_tokens_per_second(stretch_trace):
     thresholds = tuple(fit_thresholds(x, acc, depth=3, min_leaf=10))
     flat = lambda nodes, context, levels, beam: 0.25  # noqa: E731
     r = stretch_trace.replay(Policy.paper(BASE, K, N, thresholds), cost_model=flat)
-    assert len(r.per_bin) >= 2
-    for b, v in r.per_bin.items():
+    assert len(r.per_bin()) >= 2 and r.predicted
+    for b, v in r.per_bin().items():
         assert v["seconds"] == pytest.approx(0.25 * v["cycles"])
-        assert v["predicted_tokens_per_s"] == pytest.approx((v["mean_accepted"] + 1) / 0.25)
-    assert sum(v["cycles"] for v in r.per_bin.values()) == r.cycles
+        assert v["tokens_per_s"] == pytest.approx((v["mean_accepted"] + 1) / 0.25)
+    assert sum(v["cycles"] for v in r.per_bin().values()) == r.cycles
     # no cost model: no prediction anywhere
     bare = stretch_trace.replay(Policy.paper(BASE, K, N, thresholds))
-    assert bare.predicted_tokens_per_s is None
-    assert all("predicted_tokens_per_s" not in v for v in bare.per_bin.values())
+    assert bare.tokens_per_s is None and not bare.predicted
+    assert all(v["tokens_per_s"] is None for v in bare.per_bin().values())

@@ -12,7 +12,7 @@ pytest.importorskip("matplotlib")
 from test_cli_generate import save_tiny_pair  # noqa: E402
 from test_decoding import reference_greedy  # noqa: E402
 
-from heterospec.policy.calibrate import load_profile  # noqa: E402
+from heterospec.policy.profile import load_profile  # noqa: E402
 
 
 def test_calibrate_then_generate_with_the_profile(tmp_path):

@@ -70,7 +70,7 @@ def _one_line_usage_error(res, arg):
 
 def _profile(tmp_path, thresholds=(0.5, 1.5), extra=(1, 0, 0), keep=(6, 8, 12)):
     from heterospec.policy import Policy
-    from heterospec.policy.calibrate import save_profile
+    from heterospec.policy.profile import save_profile
 
     path = tmp_path / "profile.json"
     save_profile(path, Policy(3, 3, 12, tuple(thresholds), tuple(extra), tuple(keep), name="calibrated"), None)
@@ -116,7 +116,7 @@ def test_the_shipped_head_gets_the_shipped_profile_without_flags():
     shipped calibrated profile; --policy paper takes the shipped bins; --thresholds of any count 1..7 work.
     Checked on the resolved arguments: nothing is loaded."""
     from heterospec.models.default import DEFAULT_PROFILE
-    from heterospec.policy.calibrate import load_profile
+    from heterospec.policy.profile import load_profile
     from heterospec.tools import cli
 
     parse = lambda *a: cli.resolve_generate(_parsed(["generate", "--target", "default", "--prompt", "hi", *a]))  # noqa: E731

@@ -73,7 +73,7 @@ def test_demo_prompts_are_not_benchmark_prompts():
 def test_demo_command_on_a_tiny_pair(tmp_path):
     from test_cli_generate import save_tiny_pair
 
-    from heterospec.policy.calibrate import save_profile
+    from heterospec.policy.profile import save_profile
 
     save_tiny_pair(tmp_path)
     profile = tmp_path / "profile.json"
@@ -126,7 +126,7 @@ def test_shipped_head_files_and_provenance():
     assert dtypes <= {"F16", "I64", "BOOL"}, dtypes
     prov = open(os.path.join(d, "PROVENANCE.md")).read()
     assert "heterospec train-draft" in prov and "machine" in prov.lower()
-    from heterospec.policy.calibrate import load_profile
+    from heterospec.policy.profile import load_profile
 
     policy, cost, raw = load_profile(demo.DEFAULT_PROFILE)
     # the Eq. 2 fit may merge bins (up to 7 thresholds); the policy keeps fewer nodes than the static tree
@@ -182,7 +182,7 @@ def test_default_target_pair_matches_the_shipped_profile_without_a_warning():
     t_id, d_id = pair_identity(argparse.Namespace(target="default", draft="default"), model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        from heterospec.policy.calibrate import load_profile
+        from heterospec.policy.profile import load_profile
 
         load_profile(demo.DEFAULT_PROFILE, target=t_id, draft=d_id)
 

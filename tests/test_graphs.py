@@ -277,7 +277,7 @@ def test_recorded_sets_are_kept_for_the_latest_sampling_settings_only(setup):
 
 
 def test_captured_costs_need_a_gpu(setup):
-    from heterospec.policy.calibrate import profile_costs
+    from heterospec.tune.costs import profile_costs
 
     model, *_ = setup
     if DEVICE.type == "cuda":

@@ -33,11 +33,12 @@ import torch
 
 from .. import ops
 from ..models import cpu_gemm as gemm
+from ..measure import PhaseClock
 from ..models.target import TargetAdapter, _decoder_layers
 from ..policy import Policy
 from . import sync
 from .graphs import WORKSPACE_BYTES, StepGraphs, warm_up
-from .stats import GenerationStats, PhaseClock
+from .stats import GenerationStats
 from .tree import DraftState, bucket_for, candidate_count, verification_tree
 
 # tree sizes (root included) a verification is padded to on a GPU: one static shape per bucket.  On the CPU
@@ -478,6 +479,7 @@ class HeteroSpec:
             if b is not None:
                 stats.bins[b] += 1
                 stats.bin_accepted[b] += n_acc
+                stats.bin_verified[b] += size
                 stats.bin_s[b] += time.perf_counter() - t_cycle
             # truncate at the budget, at EOS, or where a stopping criterion fires
             for t in committed:

@@ -1,15 +1,11 @@
-"""What a generate call reports, and how the engine times its phases without adding host syncs.
-
-On a GPU, phase boundaries are CUDA events recorded on the stream (no sync); their times are read after
-the cycle's accepted-tokens sync, when they are complete.  On the CPU they are ``perf_counter`` stamps.
-"""
+"""What a decoding run reports: :class:`GenerationStats`, the one stats type of a ``generate`` call, of
+a trace's replay (:meth:`heterospec.tune.Trace.replay`, with the times a cost model predicts) and of a
+benchmark's pooled runs (:meth:`GenerationStats.pooled`).  The engine times its phases with
+:class:`heterospec.measure.PhaseClock`."""
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections import Counter
-
-import torch
 
 
 @dataclasses.dataclass
@@ -20,6 +16,7 @@ class GenerationStats:
     accepted_hist: Counter = dataclasses.field(default_factory=Counter)  # accepted draft tokens per cycle
     bins: Counter = dataclasses.field(default_factory=Counter)          # cycles per entropy bin
     bin_accepted: Counter = dataclasses.field(default_factory=Counter)  # accepted draft tokens per entropy bin
+    bin_verified: Counter = dataclasses.field(default_factory=Counter)  # verified tree tokens per entropy bin
     bin_s: Counter = dataclasses.field(default_factory=Counter)  # wall seconds of the cycles per entropy bin
     prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -32,6 +29,7 @@ class GenerationStats:
     graphs: str = "off"        # "off" (eager engine), "cuda" (CUDA graphs) or "emulate"
     capture_s: float = 0.0     # warm-up and capture of the recorded steps in this call (not in total_s)
     captured_steps: int = 0    # recorded steps available (one per step key)
+    predicted: bool = False    # the times are a cost model's prediction (a trace's replay), not measured
 
     @property
     def committed(self):
@@ -43,14 +41,44 @@ class GenerationStats:
         """Committed tokens per verification call (the bonus token counts)."""
         return self.committed / self.cycles if self.cycles else 0.0
 
+    @property
+    def tokens_per_s(self):
+        """New tokens per second of ``total_s`` (predicted seconds for a replay); None without a time."""
+        return self.new_tokens / self.total_s if self.total_s > 0 else None
+
+    def per_bin(self):
+        """{bin: {"cycles", "share", "mean_accepted", "mean_nodes", "seconds", "tau", "tokens_per_s"}}: tau and
+        tokens/s count the committed tokens (accepted + the bonus) of the bin's cycles over those cycles' time
+        (each cycle up to its accepted-tokens sync; predicted seconds for a replay)."""
+        total = sum(self.bins.values())
+        out = {}
+        for b, c in sorted(self.bins.items()):
+            acc, sec = self.bin_accepted[b], self.bin_s[b]
+            out[b] = {"cycles": c, "share": c / total, "mean_accepted": acc / c,
+                      "mean_nodes": self.bin_verified[b] / c, "seconds": sec, "tau": 1 + acc / c,
+                      "tokens_per_s": (acc + c) / sec if sec > 0 else None}
+        return out
+
+    @classmethod
+    def pooled(cls, runs):
+        """One GenerationStats of several runs: counts, histograms and times summed."""
+        out = cls()
+        for r in runs:
+            for f in dataclasses.fields(cls):
+                v = getattr(r, f.name)
+                if isinstance(v, Counter):
+                    getattr(out, f.name).update(v)
+                elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                    setattr(out, f.name, getattr(out, f.name) + v)
+            out.graphs, out.predicted = r.graphs, r.predicted
+        return out
+
     def as_dict(self):
         d = dataclasses.asdict(self)
-        d["accepted_hist"] = dict(sorted(self.accepted_hist.items()))
-        d["bins"] = dict(sorted(self.bins.items()))
-        d["bin_accepted"] = dict(sorted(self.bin_accepted.items()))
-        d["bin_s"] = dict(sorted(self.bin_s.items()))
+        for f in ("accepted_hist", "bins", "bin_accepted", "bin_verified", "bin_s"):
+            d[f] = dict(sorted(getattr(self, f).items()))
         d["tau"] = self.tau
-        d["tokens_per_s"] = self.new_tokens / self.total_s if self.total_s else 0.0
+        d["tokens_per_s"] = self.tokens_per_s or 0.0
         d["host_s_per_cycle"] = self.host_s_per_cycle
         return d
 
@@ -59,35 +87,3 @@ class GenerationStats:
         """Wall time per cycle the host spent outside the sync points (on a GPU: Python, launches and the
         ops' argument checks -- what CUDA graphs remove)."""
         return (self.total_s - self.prefill_s - self.sync_s) / self.cycles if self.cycles else 0.0
-
-
-class PhaseClock:
-    """Accumulates the time between consecutive :meth:`lap` calls into GenerationStats fields."""
-
-    def __init__(self, device, stats):
-        self.cuda = device.type == "cuda"
-        self.stats = stats
-        self.pending = []
-        self.last = None
-
-    def _now(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def start(self):
-        self.last = self._now()
-
-    def lap(self, field):
-        now = self._now()
-        self.pending.append((field, self.last, now))
-        self.last = now
-
-    def flush(self):
-        """Add the finished laps to the stats (call after a sync: on a GPU the events are then complete)."""
-        for field, a, b in self.pending:
-            dt = a.elapsed_time(b) / 1000.0 if self.cuda else b - a
-            setattr(self.stats, field, getattr(self.stats, field) + dt)
-        self.pending.clear()

@@ -1,11 +1,17 @@
-"""Tree-shape policies (EAGLE-3's static tree, HeteroSpec's per-bin rule and calibrated profiles), the traces
-they are replayed on (:mod:`.trace`) and the calibration that fits them (:mod:`.calibrate`)."""
+"""Tree-shape policies: EAGLE-3's static tree, HeteroSpec's per-bin rule and calibrated profiles.
+
+A :class:`Policy` is a pure value the engine reads each cycle (:meth:`Policy.plan`: path entropy -> bin ->
+extra levels and kept nodes); :mod:`.profile` stores a calibrated one as JSON with its cost model.  What
+fits a policy (traces, replay, cost profiling, the optimiser) runs the engine, so it lives above it, in
+:mod:`heterospec.tune`."""
 from __future__ import annotations
 
 import dataclasses
 import math
 
 import numpy as np
+
+from .. import ops
 
 GAMMA = (0.3, 0.6, 1.0)
 
@@ -33,6 +39,7 @@ class Policy:
         if any(not a < b for a, b in zip(th, th[1:])) or any(math.isnan(t) for t in th):
             raise ValueError(f"Policy: argument 'thresholds' expected strictly ascending values, got {th}")
         object.__setattr__(self, "thresholds", th)
+        object.__setattr__(self, "_bounds", np.asarray(th, np.float64))   # for ops.bucketize
         if len(self.extra) != len(self.keep):
             raise ValueError(f"Policy: arguments 'extra' and 'keep' expected the same length, got "
                              f"{len(self.extra)} and {len(self.keep)}")
@@ -61,11 +68,37 @@ class Policy:
 
     @property
     def drafts(self):
+        """Whether the policy drafts at all (a tree of more than the root in some bin)."""
         return self.total_tokens > 1 or any(k > 1 for k in self.keep)
 
+    @property
+    def binned(self):
+        """Whether the tree shape depends on the path entropy (a drafting policy with thresholds and at least
+        one base level to measure it on)."""
+        return self.drafts and bool(self.thresholds) and self.depth >= 1
+
+    @property
+    def levels(self):
+        """The most expansion levels after the root expansion any bin grows: ``depth + max(extra)``."""
+        return self.depth + max(self.extra, default=0)
+
+    def plans(self):
+        """The distinct (extra levels, kept nodes) the policy can choose, sorted: one tree shape each."""
+        if not self.drafts:
+            return [(0, 1)]
+        if not self.binned:
+            return [(0, self.total_tokens)]
+        plans = set(zip(self.extra, self.keep))
+        if len(self.thresholds) + 1 > len(self.extra):
+            plans.add((0, self.total_tokens))
+        return sorted(plans)
+
     def plan(self, entropy):
-        """-> (bin, extra levels, kept nodes including the root) for a path entropy."""
-        b = int(np.searchsorted(np.asarray(self.thresholds), entropy, side="left")) if self.thresholds else 0
-        if self.thresholds and b < len(self.extra):
+        """-> (bin, extra levels, kept nodes including the root) for a path entropy.  The bin is
+        ``ops.bucketize``'s: the number of thresholds the entropy exceeds."""
+        if not self.thresholds:
+            return 0, 0, self.total_tokens
+        b = int(ops.bucketize(np.array([entropy], np.float64), self._bounds)[0])
+        if b < len(self.extra):
             return b, self.extra[b], self.keep[b]
         return b, 0, self.total_tokens

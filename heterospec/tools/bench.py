@@ -51,11 +51,11 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import sys
 import time
 from collections import Counter
 
+from ..measure import DeviceTimer, machine_info
 from .prompts import encode_turn, read_prompts
 
 SCHEMA = "heterospec.bench/1"
@@ -231,7 +231,7 @@ def tune_static_tree(target, draft, prompt_ids, tr, *, cost_model, depths=TUNE_D
     from ..policy import Policy
     from ..engine.loop import HeteroSpec
 
-    timer = timer or Timer("cpu")
+    timer = timer or DeviceTimer("cpu")
     top_k = tr.top_k
     if max(depths) > tr.levels:
         raise ValueError(f"tune_static_tree: argument 'depths' goes to {max(depths)}, the trace has {tr.levels} levels")
@@ -240,7 +240,7 @@ def tune_static_tree(target, draft, prompt_ids, tr, *, cost_model, depths=TUNE_D
         for n in nodes:
             r = tr.replay(Policy.static(d, top_k, n), cost_model=cost_model)
             grid.append({"depth": d, "top_k": top_k, "nodes": n, "tau": r.tau,
-                         "predicted_tokens_per_s": r.predicted_tokens_per_s})
+                         "predicted_tokens_per_s": r.tokens_per_s})
     grid.sort(key=lambda g: -(g["predicted_tokens_per_s"] or 0.0))
     measured = []
     for j, g in enumerate(grid[:measure]):
@@ -266,8 +266,8 @@ def calibrate_on(tr, base, cost_model):
     """HeteroSpec calibrated on the static tree ``base`` with the trace ``tr``: entropy bins fitted at the
     base depth (paper Eq. 2, as ``heterospec calibrate``), per-bin extra depth and kept nodes optimised.
     Returns (Policy, report)."""
-    from ..policy.calibrate import optimise_policy
-    from ..policy.trace import fit_thresholds
+    from ..tune.optimise import optimise_policy
+    from ..tune.bins import fit_thresholds
 
     x, y = tr.features(base.depth, base.total_tokens)
     th = tuple(fit_thresholds(x, y, depth=3, min_leaf=max(5, len(x) // 50)))
@@ -277,30 +277,6 @@ def calibrate_on(tr, base, cost_model):
     pol = type(pol)(pol.depth, pol.top_k, pol.total_tokens, pol.thresholds, pol.extra, pol.keep, name="heterospec-tuned")
     return pol, {"positions": int(len(x)), "thresholds": list(th), "extra": list(pol.extra), "keep": list(pol.keep),
                  "predicted_tokens_per_s": pred}
-
-
-# ---- timing -------------------------------------------------------------------------------------------------
-
-class Timer:
-    """``timer(fn) -> (fn(), seconds)``: CUDA events on a CUDA device (synchronised at the end), else
-    ``time.perf_counter``."""
-
-    def __init__(self, device):
-        self.cuda = str(device).startswith("cuda")
-
-    def __call__(self, fn):
-        if self.cuda:
-            import torch
-
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            r = fn()
-            end.record()
-            end.synchronize()
-            return r, start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        r = fn()
-        return r, time.perf_counter() - t0
 
 
 # ---- HuggingFace baselines ------------------------------------------------------------------------------------
@@ -456,7 +432,7 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
     recorded once, in the warm-up); capture time is kept out of the timings and reported as "capture_s"."""
     from ..engine.loop import HeteroSpec
 
-    timer = Timer(device)
+    timer = DeviceTimer(device)
     total_steps = sum(len(q["turns"]) for qs in questions.values() for q in qs) * len(methods)
     step = 0
     engines = {}
@@ -862,36 +838,6 @@ def _save(fig, path):
     return path
 
 
-def machine_info(device="cpu"):
-    import numpy
-    import torch
-
-    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "numpy": numpy.__version__, "torch_threads": torch.get_num_threads()}
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    try:
-        with open("/proc/cpuinfo") as f:
-            info["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:
-        pass
-    from .. import __version__, build_info
-
-    info["heterospec"] = __version__
-    info["build"] = build_info()
-    if str(device).startswith("cuda"):
-        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
-        info["cuda"] = torch.version.cuda
-    info["summary"] = (f"{info.get('gpu') or info.get('cpu_model') or info['processor']}, {info['cpus']} cores, "
-                       f"Python {info['python']}, torch {info['torch']}, transformers {info.get('transformers', '?')}")
-    return info
-
-
 def write_outputs(result, answers, out_dir, make_plots=True):
     """results.json, results.md, answers.jsonl (and the plots) in ``out_dir``; returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
@@ -961,7 +907,7 @@ def main(args, out=None):
     out = out or sys.stdout
     if args.report:
         return report(args.report, out)
-    from ..policy.calibrate import load_profile
+    from ..policy.profile import load_profile
     from ..models.default import DEFAULT_HEAD, DEFAULT_PROFILE, load_pair
 
     t_start = time.perf_counter()
@@ -1008,7 +954,7 @@ def main(args, out=None):
     graphs = getattr(args, "graphs", False)   # --cuda-graphs, resolved and checked by the CLI
     torch.manual_seed(args.seed)
     tokenizer, target, draft = load_pair(args, args.device)
-    timer = Timer(args.device)
+    timer = DeviceTimer(args.device)
     tuning, tuned, tuned_profile = None, None, None
     if "eagle3-tuned" in names or "heterospec-tuned" in names:
         tuning, tuned, tuned_profile = _tune(args, names, tokenizer, target, draft, timer)
@@ -1060,8 +1006,8 @@ def main(args, out=None):
 def _tune(args, names, tokenizer, target, draft, timer):
     """eagle3-tuned's tree (searched, or --tuned-tree) and heterospec-tuned's calibration on it, both on the
     tuning prompts.  Returns (report, tuned Policy, heterospec-tuned Policy or None)."""
-    from ..policy.calibrate import profile_costs
-    from ..policy.trace import record
+    from ..tune.costs import profile_costs
+    from ..tune.trace import record
 
     given = parse_tree(args.tuned_tree) if args.tuned_tree else None
     tuning = {"how": "given with --tuned-tree"} if given else {}

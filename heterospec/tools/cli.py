@@ -192,7 +192,7 @@ def _thresholds(text):
 
 def _load_policy(path, args):
     """The profile's Policy; its raw dict is kept in ``args.profile`` for the pair check once the models load."""
-    from ..policy.calibrate import load_profile
+    from ..policy.profile import load_profile
 
     try:
         policy, _, raw = load_profile(path)
@@ -205,7 +205,7 @@ def _load_policy(path, args):
 
 def pair_identity(args, target):
     """(target, draft) model identities of the loaded pair, as profiles store them (never paths)."""
-    from ..policy.calibrate import head_identity, model_identity
+    from ..policy.profile import head_identity, model_identity
 
     draft_dir = DEFAULT_HEAD if args.draft == "default" else args.draft
     return model_identity(target.config, target_name(args)), (head_identity(draft_dir) if draft_dir else None)
@@ -376,7 +376,7 @@ def generate_cmd(args, out=None):
     tokenizer, target, draft = load_pair(args, args.device)
     policy = args.policy_obj
     if getattr(args, "profile", None) is not None:  # warn if the profile was calibrated for another pair
-        from ..policy.calibrate import check_profile_pair
+        from ..policy.profile import check_profile_pair
 
         t_id, d_id = pair_identity(args, target)
         check_profile_pair(args.profile[1], args.profile[0], target=t_id, draft=d_id)
@@ -403,9 +403,12 @@ def calibrate_cmd(args, out=None):
     out = sys.stdout if out is None else out   # the stdout of the call, not of the import
     import math
 
-    from ..policy.calibrate import optimise_policy, profile_costs, save_profile
+    from ..tune.optimise import optimise_policy
+    from ..tune.costs import profile_costs
+    from ..policy.profile import save_profile
     from ..policy import Policy
-    from ..policy.trace import fit_thresholds, record
+    from ..tune.bins import fit_thresholds
+    from ..tune.trace import record
 
     if not args.draft:
         raise SystemExit("heterospec calibrate: --draft PATH is required")
@@ -434,10 +437,11 @@ def calibrate_cmd(args, out=None):
     if search:
         # the static base tree that is fastest here, as bench's eagle3-tuned finds it: every (depth, nodes) of the
         # grid replayed on the trace with this machine's cost model, the best 3 decoded for real
-        from .bench import Timer, tune_static_tree
+        from ..measure import DeviceTimer
+        from .bench import tune_static_tree
 
         base, searched = tune_static_tree(target, draft, ids[: args.search_prompts], trace, cost_model=cost,
-                                          timer=Timer(args.device), cuda_graphs=getattr(args, "graphs", False))
+                                          timer=DeviceTimer(args.device), cuda_graphs=getattr(args, "graphs", False))
         args.depth, args.total_tokens = base.depth, base.total_tokens
         print(f"base tree searched on this machine: depth {base.depth}, top_k {base.top_k}, {base.total_tokens} nodes "
               f"({len(searched['grid'])} trees replayed, {len(searched['measured'])} timed on "
@@ -452,19 +456,19 @@ def calibrate_cmd(args, out=None):
     t_id, d_id = pair_identity(args, target)
     save_profile(args.out, policy, cost, target=t_id, draft=d_id,
                  notes={"prompts": len(texts), "positions": int(len(x)), "fit_target": args.fit_target,
-                        "predicted_tokens_per_s": {"static": static.predicted_tokens_per_s,
-                                                   "paper": paper.predicted_tokens_per_s,
-                                                   "calibrated": calibrated.predicted_tokens_per_s},
+                        "predicted_tokens_per_s": {"static": static.tokens_per_s,
+                                                   "paper": paper.tokens_per_s,
+                                                   "calibrated": calibrated.tokens_per_s},
                         "target_name": target_name(args),   # what a person calls it, never a path
-                        "per_bin": {str(b): {k: v[k] for k in ("cycles", "mean_accepted", "mean_nodes",
-                                                               "predicted_tokens_per_s")}
-                                    for b, v in calibrated.per_bin.items()},
+                        "per_bin": {str(b): {"cycles": v["cycles"], "mean_accepted": v["mean_accepted"],
+                                             "mean_nodes": v["mean_nodes"], "predicted_tokens_per_s": v["tokens_per_s"]}
+                                    for b, v in calibrated.per_bin().items()},
                         **({"base_tree_search": searched} if searched is not None else {})})
     print(f"entropy thresholds: {', '.join(f'{t:.4g}' for t in thresholds)}", file=out)
     print(bin_table(calibrated, policy), file=out)
     for label, r in (("static EAGLE-3", static), ("paper rule", paper), ("calibrated", calibrated)):
         print(f"{label}: tau {r.tau:.2f}, calls {r.cycles}, verified tokens {r.verified_tokens}, "
-              f"predicted {r.predicted_tokens_per_s:.1f} tok/s", file=out)
+              f"predicted {r.tokens_per_s:.1f} tok/s", file=out)
     png = str(args.out).rsplit(".", 1)[0] + ".png"
     _figure(png, x, thresholds, calibrated)
     print(f"profile: {args.out}; figure: {png}", file=out)
@@ -477,8 +481,8 @@ def bin_table(replay, policy):
     total = max(1, replay.cycles)
     rows = ["| bin | share of cycles | extra depth | kept nodes | predicted tau | predicted tokens/s |",
             "|---:|---:|---:|---:|---:|---:|"]
-    for b, v in replay.per_bin.items():
-        tps = v.get("predicted_tokens_per_s")
+    for b, v in replay.per_bin().items():
+        tps = v["tokens_per_s"]
         rows.append(f"| {b} | {v['cycles'] / total:.2f} | {policy.extra[b] if b < len(policy.extra) else 0} "
                     f"| {policy.keep[b] if b < len(policy.keep) else policy.total_tokens} | {v['mean_accepted'] + 1:.2f} "
                     f"| {'–' if tps is None else f'{tps:.1f}'} |")
@@ -498,8 +502,8 @@ def _figure(path, x, thresholds, replay):
     a.set_xlabel("cumulative top-K entropy along P* (nats)")
     a.set_ylabel("positions")
     a.set_title("entropy and bin thresholds")
-    bins = list(replay.per_bin)
-    b.bar([str(k) for k in bins], [replay.per_bin[k]["mean_accepted"] for k in bins], color="#228833")
+    per_bin = replay.per_bin()
+    b.bar([str(k) for k in per_bin], [v["mean_accepted"] for v in per_bin.values()], color="#228833")
     b.set_xlabel("bin")
     b.set_ylabel("mean accepted length")
     b.set_title("accepted length by bin (calibrated)")
@@ -549,7 +553,7 @@ def collect_answers(args, target, tokenizer, progress, out, collect=True):
     import torch
 
     from ..models.answers import AnswerStore
-    from ..policy.calibrate import model_identity
+    from ..policy.profile import model_identity
 
     saved = AnswerStore.read_prompts(args.answers)
     if saved is not None:

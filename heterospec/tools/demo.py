@@ -62,7 +62,7 @@ def heterospec_policy(choice, default_profile=None):
     """The HeteroSpec policy for ``choice``: a profile path (``heterospec calibrate --out``), ``"paper"``
     (the paper's rule on the entropy bins of ``default_profile``), or None (``default_profile``'s
     calibrated policy).  Returns (Policy or None, description)."""
-    from ..policy.calibrate import load_profile
+    from ..policy.profile import load_profile
     from ..policy import Policy
 
     if choice and choice != "paper":

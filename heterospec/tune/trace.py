@@ -7,21 +7,18 @@ level by level, so the tree any policy would grow there (fewer levels) is a pref
 and :meth:`Trace.replay` can walk the output as the live loop would -- entropy -> bin -> extra depth and kept
 nodes -> selected subtree -> accepted length = the longest tree path matching the greedy output -> next
 cycle after the accepted tokens and the bonus token -- without running a model.
-
-:func:`fit_thresholds` fits the paper's depth-3 regression tree on one feature (Eq. 2).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import time
-from collections import Counter, defaultdict
 
 import numpy as np
 import torch
 
 from .. import ops
-from ..engine import HeteroSpec
+from ..engine import GenerationStats, HeteroSpec
 from ..models.target import TargetAdapter, _decoder_layers
 
 TRACE_VERSION = 1
@@ -133,22 +130,6 @@ def grow_tree(draft, kv, root_logits, h_root, P, K, base_depth, d2t, decide=None
 
 
 @dataclasses.dataclass
-class ReplayStats:
-    new_tokens: int
-    cycles: int
-    verified_tokens: int
-    accepted_hist: Counter
-    bins: Counter
-    per_bin: dict  # bin -> {"cycles", "mean_accepted", "mean_nodes"[, "seconds", "predicted_tokens_per_s"]}
-    predicted_tokens_per_s: float | None = None
-
-    @property
-    def tau(self):
-        committed = sum((a + 1) * c for a, c in self.accepted_hist.items())
-        return committed / self.cycles if self.cycles else 0.0
-
-
-@dataclasses.dataclass
 class Trace:
     meta: dict
     prompts: list          # int64 arrays, one per prompt
@@ -170,23 +151,21 @@ class Trace:
     # ---- replay -------------------------------------------------------------------------------------
 
     def replay(self, policy, cost_model=None):
-        """Walk every recorded output as the live loop with ``policy`` would (greedy, no EOS) and return
-        its statistics; with a cost model (``cost_model(tree_tokens, context_len, levels, beam)`` -> seconds
-        per cycle) also the predicted tokens per second."""
+        """Walk every recorded output as the live loop with ``policy`` would (greedy, no EOS) and return its
+        :class:`~heterospec.engine.GenerationStats` (the type ``generate`` returns); with a cost model
+        (``cost_model(tree_tokens, context_len, levels, beam)`` -> seconds per cycle) its times are the
+        predicted ones (``total_s``, ``bin_s``, ``tokens_per_s``; ``predicted`` is True)."""
         drafts = policy.drafts
         if drafts:
             if policy.top_k != self.top_k:
                 raise ValueError(f"replay: argument 'policy' expected top_k = {self.top_k} (the trace's), "
                                  f"got {policy.top_k}")
-            need = policy.depth + max(policy.extra or (0,))
-            if need > self.levels:
-                raise ValueError(f"replay: argument 'policy' needs {need} levels, the trace has {self.levels}")
-        hist, bins, per_bin = Counter(), Counter(), defaultdict(lambda: [0, 0, 0, 0.0])
-        cycles = verified = new = 0
-        seconds = 0.0
+            if policy.levels > self.levels:
+                raise ValueError(f"replay: argument 'policy' needs {policy.levels} levels, the trace has {self.levels}")
+        stats = GenerationStats(predicted=cost_model is not None)
         for prompt, out, trees in zip(self.prompts, self.outputs, self.trees):
             n_new = self.max_new_tokens
-            new += n_new
+            stats.new_tokens += n_new
             t = 0
             while t + 1 < n_new:
                 b, levels = None, 0
@@ -203,30 +182,19 @@ class Trace:
                     nodes = sel.shape[0] + 1
                 else:
                     accepted, nodes = 0, 1
-                cycles += 1
-                verified += nodes
-                hist[accepted] += 1
+                stats.cycles += 1
+                stats.verified_tokens += nodes
+                stats.accepted_hist[accepted] += 1
                 cost = (cost_model(nodes, len(prompt) + t, levels, self.top_k if drafts else 0)
                         if cost_model is not None else 0.0)
-                seconds += cost
+                stats.total_s += cost
                 if b is not None:
-                    bins[b] += 1
-                    pb = per_bin[b]
-                    pb[0] += 1
-                    pb[1] += accepted
-                    pb[2] += nodes
-                    pb[3] += cost
+                    stats.bins[b] += 1
+                    stats.bin_accepted[b] += accepted
+                    stats.bin_verified[b] += nodes
+                    stats.bin_s[b] += cost
                 t += accepted + 1
-
-        def bin_stats(c, a, n, s):
-            d = {"cycles": c, "mean_accepted": a / c, "mean_nodes": n / c}
-            if cost_model is not None:   # committed tokens (accepted + the bonus) per predicted second of the bin
-                d.update(seconds=s, predicted_tokens_per_s=(a + c) / s if s > 0 else None)
-            return d
-
-        return ReplayStats(
-            new, cycles, verified, hist, bins, {b: bin_stats(*v) for b, v in sorted(per_bin.items())},
-            new / seconds if cost_model is not None and seconds > 0 else None)
+        return stats
 
     # ---- features for fitting bins ------------------------------------------------------------------
 
@@ -344,62 +312,4 @@ def record(target, draft, prompts, *, max_new_tokens, top_k=10, levels=11, progr
     return Trace(meta, out_prompts, outputs, trees)
 
 
-# ---- entropy bins (paper Eq. 2) ----------------------------------------------------------------------------
-
-
-def _best_split(x, y, min_leaf):
-    """The threshold minimising Eq. 2, L(s) = MSE(left) + MSE(right) with each side's mean squared deviation
-    normalised by its own size, over midpoints between distinct consecutive x (x sorted).  None if no split
-    leaves >= min_leaf points on both sides."""
-    n = x.shape[0]
-    if n < 2 * min_leaf:
-        return None
-    cs, cs2 = np.cumsum(y), np.cumsum(y * y)
-    i = np.arange(min_leaf, n - min_leaf + 1)  # left = x[:i]
-    i = i[x[i - 1] < x[np.minimum(i, n - 1)]] if i.size else i  # only between distinct values
-    i = i[i < n]
-    if i.size == 0:
-        return None
-    nl, nr = i.astype(np.float64), (n - i).astype(np.float64)
-    sl, sl2 = cs[i - 1], cs2[i - 1]
-    sr, sr2 = cs[-1] - sl, cs2[-1] - sl2
-    loss = (sl2 / nl - (sl / nl) ** 2) + (sr2 / nr - (sr / nr) ** 2)
-    j = int(np.argmin(loss))  # ties: the leftmost split
-    k = int(i[j])
-    return 0.5 * (x[k - 1] + x[k]), k
-
-
-def fit_thresholds(x, y, depth=3, min_leaf=1):
-    """Fit the paper's regression tree (Eq. 2) on one feature and return its split thresholds, ascending:
-    2**depth - 1 of them unless some node has too few points or no distinct values to split.  A value v
-    falls in bin = number of thresholds below v (``ops.bucketize``)."""
-    x = np.asarray(x, np.float64)
-    y = np.asarray(y, np.float64)
-    if x.ndim != 1 or y.shape != x.shape:
-        raise ValueError(f"fit_thresholds: arguments 'x' and 'y' expected equal 1-D shapes, got {x.shape} and {y.shape}")
-    if not (np.isfinite(x).all() and np.isfinite(y).all()):
-        raise ValueError("fit_thresholds: arguments 'x' and 'y' expected finite values")
-    if not isinstance(depth, int) or depth < 1:
-        raise ValueError(f"fit_thresholds: argument 'depth' expected an int >= 1, got {depth!r}")
-    if not isinstance(min_leaf, int) or min_leaf < 1:
-        raise ValueError(f"fit_thresholds: argument 'min_leaf' expected an int >= 1, got {min_leaf!r}")
-    order = np.argsort(x, kind="stable")
-    x, y = x[order], y[order]
-    out = []
-
-    def split(lo, hi, level):
-        if level == depth:
-            return
-        s = _best_split(x[lo:hi], y[lo:hi], min_leaf)
-        if s is None:
-            return
-        thr, k = s
-        out.append(thr)
-        split(lo, lo + k, level + 1)
-        split(lo + k, hi, level + 1)
-
-    split(0, x.shape[0], 0)
-    return np.array(sorted(out))
-
-
-__all__ = ["Trace", "ReplayStats", "record", "fit_thresholds"]
+__all__ = ["Trace", "CandidateTree", "record"]

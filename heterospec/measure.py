@@ -1,0 +1,150 @@
+"""How heterospec measures: the one timer and the one description of the machine a number was taken on.
+
+* :func:`synchronize` waits for the work queued on a device; :class:`DeviceTimer` times a piece of work
+  synchronised at both ends (what calibration and the benchmarks time);
+* :class:`PhaseClock` splits a decoding call into phases without adding host syncs (what the engine
+  reports): CUDA events on a GPU, ``perf_counter`` stamps elsewhere, read after the cycle's own sync;
+* :func:`machine_info` is what every result file says about the machine (processor, cores, versions).
+
+Torch is imported lazily, so importing this module needs only the standard library.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+
+def synchronize(device):
+    """Wait until the work queued on ``device`` has finished: ``torch.cuda.synchronize`` on CUDA,
+    ``torch.accelerator.synchronize`` on other accelerators (torch >= 2.6; else the backend module's own
+    ``synchronize`` when it has one), nothing on the CPU (whose ops run synchronously) or meta.
+    ``device``: a ``torch.device``, a string such as ``"cuda:1"``, or anything with a ``.type``."""
+    import torch
+
+    kind = getattr(device, "type", None)
+    if kind is None:
+        device = torch.device(device)
+        kind = device.type
+    if kind in ("cpu", "meta"):
+        return
+    if kind == "cuda":
+        torch.cuda.synchronize(device)
+        return
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "synchronize"):
+        accelerator.synchronize(device)
+        return
+    backend = getattr(torch, kind, None)
+    if backend is not None and hasattr(backend, "synchronize"):
+        backend.synchronize()
+
+
+class DeviceTimer:
+    """Wall-clock seconds of work on ``device``, synchronised at both ends so that a GPU is timed doing
+    the work and not only queueing it: the device is synchronised before the start is read (so earlier
+    queued work is not counted) and before the stop is read (so the timed work has finished).
+
+    ``with timer: ...`` then ``timer.seconds``, or ``result, seconds = timer(fn, *args, **kwargs)``."""
+
+    def __init__(self, device):
+        self.device = device
+        self.seconds = None
+        self._t0 = None
+
+    def __enter__(self):
+        synchronize(self.device)
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            synchronize(self.device)
+            self.seconds = time.perf_counter() - self._t0
+        return False
+
+    def __call__(self, fn, *args, **kwargs):
+        with self:
+            result = fn(*args, **kwargs)
+        return result, self.seconds
+
+    def median(self, fn, reps):
+        """The median of ``reps`` timed calls of ``fn`` after one untimed warm-up call."""
+        fn()
+        times = sorted(self(fn)[1] for _ in range(reps))
+        mid = len(times) // 2
+        return times[mid] if len(times) % 2 else 0.5 * (times[mid - 1] + times[mid])
+
+
+def device_timer(device):
+    """A :class:`DeviceTimer` for ``device`` (a torch device, a string, or a module's ``.device``)."""
+    return DeviceTimer(device)
+
+
+class PhaseClock:
+    """Accumulates the time between consecutive :meth:`lap` calls into fields of ``stats`` (any object
+    with float attributes) without a host sync: on a CUDA device each stamp is an event recorded on the
+    stream and the laps are read by :meth:`flush`, which the caller runs after a sync of its own."""
+
+    def __init__(self, device, stats):
+        self.cuda = getattr(device, "type", None) == "cuda"
+        self.stats = stats
+        self.pending = []
+        self.last = None
+
+    def _now(self):
+        if self.cuda:
+            import torch
+
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def start(self):
+        self.last = self._now()
+
+    def lap(self, field):
+        now = self._now()
+        self.pending.append((field, self.last, now))
+        self.last = now
+
+    def flush(self):
+        """Add the finished laps to the stats (call after a sync: on a GPU the events are then complete)."""
+        for field, a, b in self.pending:
+            dt = a.elapsed_time(b) / 1000.0 if self.cuda else b - a
+            setattr(self.stats, field, getattr(self.stats, field) + dt)
+        self.pending.clear()
+
+
+def machine_info(device="cpu"):
+    """The machine and software a measurement was taken with: platform, processor and CPU model, cores,
+    torch threads, the versions of Python, NumPy, torch, transformers and heterospec (with what its C core
+    was compiled with), the GPU on a CUDA ``device``; ``summary`` is the one line to print next to a number."""
+    import numpy
+    import torch
+
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "numpy": numpy.__version__, "torch_threads": torch.get_num_threads()}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    from . import __version__, build_info
+
+    info["heterospec"] = __version__
+    info["build"] = build_info()
+    if str(device).startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+        info["cuda"] = torch.version.cuda
+    info["summary"] = (f"{info.get('gpu') or info.get('cpu_model') or info['processor']}, {info['cpus']} cores, "
+                       f"Python {info['python']}, torch {info['torch']}, transformers {info.get('transformers', '?')}")
+    return info

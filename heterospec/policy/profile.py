@@ -1,0 +1,157 @@
+"""Profiles: a calibrated :class:`~heterospec.policy.Policy` with the cost model it was fitted with, the model
+pair it was fitted for and the machine it was measured on, as JSON.
+
+* :class:`CostModel`: seconds per cycle as a function of verified tree tokens, context length, draft levels
+  and beam width (fitted by :func:`heterospec.tune.profile_costs`, used by :meth:`heterospec.tune.Trace.replay`);
+* :func:`model_identity` / :func:`head_identity`: a model's stable identity (never a path);
+* :func:`save_profile` / :func:`load_profile` / :func:`check_profile_pair`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import warnings
+
+from . import Policy
+
+PROFILE_VERSION = 1
+
+
+@dataclasses.dataclass
+class CostModel:
+    """Seconds per cycle as a function of verified tree tokens, context length, draft levels and beam."""
+
+    verify: tuple = (0.0, 0.0, 0.0, 0.0)   # a, b, c, d of a + b*n + c*ctx + d*n*ctx
+    level: tuple = (0.0, 0.0)              # e, f of e + f*beam
+    overhead: float = 0.0                  # per-cycle host work (ops, Python)
+
+    def __call__(self, nodes, context, levels, beam):
+        a, b, c, d = self.verify
+        e, f = self.level
+        t = a + b * nodes + c * context + d * nodes * context + self.overhead
+        if beam:
+            t += (levels + 1) * (e + f * beam)
+        return max(t, 1e-9)
+
+    def to_dict(self):
+        return {"verify": list(self.verify), "level": list(self.level), "overhead": self.overhead}
+
+    @classmethod
+    def from_dict(cls, d):
+        return cls(tuple(float(v) for v in d["verify"]), tuple(float(v) for v in d["level"]),
+                   float(d.get("overhead", 0.0)))
+
+
+# ---- profiles ----------------------------------------------------------------------------------------------
+
+
+# The fields that fix a model's architecture and vocabulary: a profile's costs and bins hold for any copy of a model
+# with the same values, wherever it is installed and whatever transformers adds to its config (not
+# `architectures`: transformers 5.0 leaves it unset when converting a GGUF, 5.23 sets it).
+_IDENTITY_FIELDS = ("model_type", "vocab_size", "draft_vocab_size", "hidden_size",
+                    "target_hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings")
+
+
+def model_identity(config, name):
+    """A model's stable identity for a profile: ``{"name", "config_sha256", "vocab_size"[, "draft_vocab_size"]}``.
+    ``config``: a transformers config, an EAGLE-3 head's config, or a config dict (a head's config.json);
+    ``name``: what a person would call it (a directory's base name, a hub id).  Never a path."""
+    d = config if isinstance(config, dict) else (config.to_dict() if hasattr(config, "to_dict") else vars(config))
+    core = {k: d[k] for k in _IDENTITY_FIELDS if k in d and d[k] is not None}
+    # the RoPE base, wherever this transformers release keeps it (rope_theta, or rope_parameters in 5.x)
+    rope = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta")
+    if rope is not None:
+        core["rope_theta"] = float(rope)
+    blob = json.dumps(core, sort_keys=True, default=str).encode()
+    ident = {"name": str(name), "config_sha256": hashlib.sha256(blob).hexdigest()}
+    for k in ("vocab_size", "draft_vocab_size"):
+        if isinstance(d.get(k), int):
+            ident[k] = d[k]
+    return ident
+
+
+def head_identity(directory, name=None):
+    """model_identity of an EAGLE-3 head directory (its config.json), named by the directory's base name."""
+    with open(os.path.join(directory, "config.json")) as f:
+        cfg = json.load(f)
+    return model_identity(cfg, name or os.path.basename(os.path.normpath(str(directory))))
+
+
+def save_profile(path, policy, cost_model=None, *, target=None, draft=None, notes=None):
+    """Write a profile: the policy, the cost model, the model pair (``target`` / ``draft``: model_identity
+    dicts) and the machine."""
+    for what, ident in (("target", target), ("draft", draft)):
+        if ident is not None and not isinstance(ident, dict):
+            raise TypeError(f"save_profile: argument '{what}' expected a model_identity dict (never a path), "
+                            f"got {type(ident).__name__}")
+    d = {
+        "version": PROFILE_VERSION,
+        "policy": {"depth": policy.depth, "top_k": policy.top_k, "total_tokens": policy.total_tokens,
+                   "thresholds": list(policy.thresholds), "extra": list(policy.extra), "keep": list(policy.keep),
+                   "name": policy.name},
+        "cost_model": cost_model.to_dict() if cost_model is not None else None,
+        "model_pair": {"target": target, "draft": draft},
+        "machine": _machine(),
+        "notes": notes or {},
+    }
+    with open(path, "w") as f:
+        json.dump(d, f, indent=1)
+
+
+def _machine():
+    """The machine fields of a profile: those of :func:`heterospec.measure.machine_info` that describe the
+    hardware and the software that timed it."""
+    from ..measure import machine_info
+
+    info = machine_info()
+    return {k: info[k] for k in ("platform", "processor", "cpu_model", "cpus", "torch", "summary") if k in info}
+
+
+def _same_model(stored, given):
+    """Whether a profile's stored model (an identity dict, or a string in profiles from before identities)
+    is the given one (an identity dict or a string)."""
+    if isinstance(stored, dict) and isinstance(given, dict):
+        return stored.get("config_sha256") == given.get("config_sha256")
+    name = lambda x: x.get("name") if isinstance(x, dict) else os.path.basename(os.path.normpath(str(x)))  # noqa: E731
+    return name(stored) == name(given)
+
+
+def check_profile_pair(raw, path, *, target=None, draft=None):
+    """Warn when the profile ``raw`` (load_profile's third value) was calibrated for another target or draft
+    (``target`` / ``draft``: model_identity dicts, or names)."""
+    pair = raw.get("model_pair") or {}
+    for what, given in (("target", target), ("draft", draft)):
+        stored = pair.get(what)
+        if given is not None and stored and not _same_model(stored, given):
+            show = lambda x: x.get("name") if isinstance(x, dict) else x  # noqa: E731
+            warnings.warn(f"load_profile: {str(path)!r} was calibrated for {what} {show(stored)!r}, not "
+                          f"{show(given)!r} (its bins and tree shapes may not fit this pair)", stacklevel=3)
+
+
+def load_profile(path, *, target=None, draft=None):
+    """-> (Policy, CostModel or None, raw dict).  Warns when the profile was made for another model pair
+    (``target`` / ``draft``: model_identity dicts or names; None skips the check)."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"load_profile: could not read {str(path)!r} as JSON: {e}") from None
+    if not isinstance(d, dict) or d.get("version") != PROFILE_VERSION:
+        raise ValueError(f"load_profile: expected a heterospec profile (version {PROFILE_VERSION}) in {str(path)!r}, "
+                         f"got version {d.get('version') if isinstance(d, dict) else type(d).__name__!r}")
+    p = d.get("policy")
+    missing = [k for k in ("depth", "top_k", "total_tokens", "thresholds", "extra", "keep") if not isinstance(p, dict) or k not in p]
+    if missing:
+        raise ValueError(f"load_profile: {str(path)!r} lacks policy fields {missing}")
+    try:
+        policy = Policy(int(p["depth"]), int(p["top_k"]), int(p["total_tokens"]), tuple(p["thresholds"]),
+                        tuple(int(v) for v in p["extra"]), tuple(int(v) for v in p["keep"]),
+                        name=p.get("name", "calibrated"))
+        cost = CostModel.from_dict(d["cost_model"]) if d.get("cost_model") else None
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"load_profile: malformed profile {str(path)!r}: {e}") from None
+    check_profile_pair(d, path, target=target, draft=draft)
+    return policy, cost, d

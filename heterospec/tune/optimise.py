@@ -1,0 +1,43 @@
+"""The per-bin optimiser: starting from the paper's rule, pick bin by bin the extra depth and kept node count
+that maximise the replayed predicted speed over a whole trace; bins interact through the cycle boundaries, so
+it sweeps the bins until no choice changes."""
+from __future__ import annotations
+
+import math
+
+from ..policy import Policy
+
+
+def optimise_policy(trace, cost_model, *, base_depth=None, total_tokens=None, thresholds=(), max_extra=None,
+                    keep_grid=None, max_sweeps=4):
+    """Per-bin (extra depth, kept nodes) maximising the replayed predicted tokens/s, starting from the
+    paper's rule; bins past the paper's three start at (0, total_tokens) and are optimised too."""
+    K = trace.top_k
+    base = base_depth if base_depth is not None else trace.levels - math.ceil(trace.levels / 3)
+    N = total_tokens or 60
+    max_extra = trace.levels - base if max_extra is None else min(max_extra, trace.levels - base)
+    nbins = len(thresholds) + 1
+    paper = Policy.paper(base, K, N, thresholds)
+    extra = [paper.extra[b] if b < 3 else 0 for b in range(nbins)]
+    extra = [min(e, max_extra) for e in extra]
+    keep = [paper.keep[b] if b < 3 else N for b in range(nbins)]
+    grid = sorted(set(keep_grid or [max(2, round(N * g)) for g in (0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0, 1.2)]) | set(keep))
+
+    def score(ex, kp):
+        pol = Policy(base, K, N, tuple(thresholds), tuple(ex), tuple(kp), name="calibrated")
+        return trace.replay(pol, cost_model=cost_model).tokens_per_s or 0.0
+
+    best = score(extra, keep)
+    for _ in range(max_sweeps):
+        changed = False
+        for b in range(nbins):
+            for e in range(max_extra + 1):
+                for k in grid:
+                    ex, kp = list(extra), list(keep)
+                    ex[b], kp[b] = e, k
+                    s = score(ex, kp)
+                    if s > best * (1 + 1e-9):
+                        best, extra, keep, changed = s, ex, kp, True
+        if not changed:
+            break
+    return Policy(base, K, N, tuple(thresholds), tuple(extra), tuple(keep), name="calibrated"), best
