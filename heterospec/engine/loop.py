@@ -1,20 +1,8 @@
-"""The decoding loop: one lossless cycle for autoregressive, EAGLE-3 and HeteroSpec decoding (batch 1).
-
-A cycle (DESIGN.md §3), every step on the model's device:
-  1-4. draft: ``DraftState.grow`` expands the root and grows one level per draft step on the draft's static
-       cache; after the base depth the path entropy picks the bin, and the policy its extra depth and kept
-       nodes (sync point "bin", policies with bins only);
-  5.   ``verification_tree``: ``ops.select`` + ``ops.build_tree`` (device outputs), padded to a bucket;
-  6.   ``TargetAdapter.verify``: one target forward over the tree on the static cache (4D tree mask);
-  7.   ``ops.verify_greedy`` / ``ops.verify_sample`` with device outputs: the accepted path (padded), its
-       length and the next token, never copied to the host inside the cycle;
-  8.   ``TargetAdapter.commit``: ``ops.kv_compact`` with the prefix length as a device tensor; the draft
-       catches up on the accepted positions straight from the padded path (fixed shape per tree shape);
-then sync point "accepted": the committed tokens come to the host for streaming, EOS and stopping.
-With ``cuda_graphs`` the same steps are recorded once per tree shape and replayed (:mod:`.graphs`): one
-replay per cycle, or two around the "bin" sync point for HeteroSpec's per-bin plans.
-Autoregressive decoding is the same loop with a root-only tree.  On a GPU the ops run as our CUDA kernels
-with ``check=False``; device-side errors are raised at the end of the call (``ops.cuda_check``).
+"""The decoding loop (batch 1): argument checks, the static caches, the prefill, the host loop around
+:class:`~.cycle.Cycle` with its two declared sync points (:mod:`.sync`: "bin" for policies with bins, then
+"accepted"), streaming, EOS and stopping criteria, and the stats.  The cycle's steps themselves, in order,
+are in :mod:`.cycle`.  On a GPU the ops run as our CUDA kernels with ``check=False``; device-side errors are
+raised at the end of the call (``ops.cuda_check``).
 
 Counting conventions: every node count includes the root (like EAGLE's ``total_token``); ``depth`` is the
 number of expansion levels after the root expansion (EAGLE's ``depth``), so the deepest drafted token is at
@@ -26,7 +14,6 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -37,17 +24,14 @@ from ..measure import PhaseClock
 from ..models.target import TargetAdapter, _decoder_layers
 from ..policy import Policy
 from . import sync
-from .graphs import WORKSPACE_BYTES, StepGraphs, warm_up
+from .cycle import Cycle
 from .stats import GenerationStats
-from .tree import DraftState, bucket_for, candidate_count, verification_tree
+from ..growth import candidate_count
+from .tree import DraftState, NoDraft, bucket_for
 
 # tree sizes (root included) a verification is padded to on a GPU: one static shape per bucket.  On the CPU
 # a padded node costs its full share of a compute-bound forward, so trees keep their exact size there.
 GPU_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-
-# recorded step sets kept at once, one per sampling setting (each holds its own graph memory pool): the least
-# recently used is dropped beyond this, so a sweep over temperatures cannot exhaust GPU memory
-MAX_GRAPH_SETS = 4
 
 # RoPE variants whose forward reads a position on the host to pick or rescale its frequencies (transformers'
 # dynamic_rope_update): a recorded graph would keep the frequencies of the recording
@@ -182,34 +166,26 @@ class HeteroSpec:
         self._gemm = gemm.for_models(cpu_gemm, target, draft)
         self._drafting = draft is not None and self.policy.drafts
         pol = self.policy
-        self._levels = pol.depth + max(pol.extra, default=0)
+        self._levels = pol.levels
         most = max((pol.total_tokens, *pol.keep))
         self._max_nodes = bucket_for(min(most, candidate_count(pol.top_k, self._levels) + 1), self.buckets)
-        self._binned = self._drafting and bool(pol.thresholds) and pol.depth >= 1
-        self._ds = None
         if self._drafting:
             d2t = getattr(draft, "d2t", None)
             with sync.outside_cycle():
                 d2t = d2t.detach().to(self.device, torch.long) if d2t is not None and bool(torch.any(d2t != 0)) else None
-            self._ds = DraftState(draft, pol.top_k, self._levels, d2t)
-        # the root-only tree of autoregressive decoding
-        self._ar_parents = torch.full((1,), -1, dtype=torch.long, device=self.device)
-        self._ar_depths = torch.zeros(1, dtype=torch.long, device=self.device)
-        self._ar_mask = torch.ones((1, 1), dtype=torch.bool, device=self.device)
-        # state that crosses steps and cycles, at fixed addresses (read and written by recorded steps)
-        self._root = torch.zeros(1, dtype=torch.long, device=self.device)      # the next tree's root token
-        self._seed = torch.zeros(1, dtype=torch.long, device=self.device)      # Philox key and counter
-        self._offset = torch.zeros(1, dtype=torch.long, device=self.device)
+            self._drafter = DraftState(draft, pol.top_k, self._levels, d2t)
+        else:
+            self._drafter = NoDraft(self.device)
         self.cuda_graphs = _check_graphs(cuda_graphs, self.device, draft, target)
         self._graphs_fallback = cuda_graphs == "auto"    # 'auto': a recording that fails falls back to eager
-        self._graphs = OrderedDict()      # sampling settings -> StepGraphs, least recently used first
-        self._graph_capacity = None
+        self._cycle = Cycle(self.target, self._drafter, pol, self.buckets, self.device,
+                            emulate=self.cuda_graphs == "emulate")
 
     def close(self):
         """Remove the tap hooks from the target and drop the recorded steps (also done on exit of a ``with``
         block)."""
         self.target.close()
-        self._graphs.clear()
+        self._cycle.drop_recordings()
 
     def __enter__(self):
         return self
@@ -221,127 +197,6 @@ class HeteroSpec:
         """Static cache positions a call needs: every committed token plus the largest tree (or the draft's
         catch-up rows) written past them."""
         return prompt_len + max_new_tokens + max(self._max_nodes, self._levels + 2) + 1
-
-    # ---- the loop -----------------------------------------------------------------------------------
-
-    # ---- the cycle's steps (fixed shapes per key: run eagerly, or recorded once and replayed) ----------
-
-    def _plans(self):
-        """The distinct (extra levels, kept nodes) of the policy: one verification shape each."""
-        pol = self.policy
-        if not self._drafting:
-            return [(0, 1)]
-        if not self._binned:
-            return [(0, pol.total_tokens)]
-        plans = {(e, k) for e, k in zip(pol.extra, pol.keep)}
-        if len(pol.thresholds) + 1 > len(pol.extra):
-            plans.add((0, pol.total_tokens))
-        return sorted(plans)
-
-    def _base(self, clock=None):
-        """Step 1-3 of a binned policy: the root expansion and the base depth; (Growth, path entropy)."""
-        ds = self._ds
-        g = ds.grow(ds.start(), self.policy.depth, self.target.prefix)
-        if clock is not None:
-            clock.lap("draft_s")
-        return g, g.path_entropy()
-
-    def _finish(self, g, extra, keep, settings, window=None, clock=None):
-        """The rest of a cycle for one plan: grow ``extra`` more levels on ``g`` (None: grow the whole tree
-        from the root), the verification tree, the target's forward, acceptance, commit and the draft's
-        catch-up.  Returns ([length, next token, path tokens (R)] int64 on the device, real tree size)."""
-        lap = clock.lap if clock is not None else (lambda field: None)
-        ds, tgt = self._ds, self.target
-        sample, temperature, top_k, top_p = settings
-        check = self.device.type != "cuda"
-        if ds is not None:
-            prefix = tgt.prefix
-            g = ds.grow(ds.start(), self.policy.depth + extra, prefix) if g is None else \
-                ds.grow(g, extra, prefix) if extra else g
-            tokens, parents, depths, mask, size = verification_tree(g, keep, self._root, self.buckets)
-        else:
-            tokens, parents, depths, mask, size = self._root, self._ar_parents, self._ar_depths, self._ar_mask, 1
-        lap("draft_s")
-        logits, vtaps = tgt.verify(tokens, depths, mask, window)
-        lap("verify_s")
-        if sample:
-            path, length, nxt, _ = ops.verify_sample(
-                tokens, parents, logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=self._seed,
-                offset=self._offset, check=check, device_outputs=True, advance_offset=True)
-        else:
-            path, length, nxt = ops.verify_greedy(tokens, parents, logits, check=check, device_outputs=True)
-        # 8: commit; the draft catches up on the accepted positions (before the prefix moves)
-        R = min(tokens.shape[0], g.level + 2) if ds is not None else 1
-        kept = path[:R].clamp(min=0)
-        path_tokens = tokens[kept]
-        if ds is not None:
-            ids = torch.cat([path_tokens[1:], nxt.view(1)])
-            last = (length - 1).view(1)
-            ids.scatter_(0, last, nxt.view(1))
-            lap("ops_s")
-            ds.catch_up(vtaps[:, kept], ids.view(1, R), tgt.prefix, last)
-            lap("draft_s")
-        if size == 1:
-            tgt.prefix += 1
-        else:
-            tgt.commit(path, length, check=check)
-        self._root.copy_(nxt.view(1))
-        lap("ops_s")
-        return torch.cat([length.view(1), nxt.view(1), path_tokens]), size
-
-    def _record(self, settings):
-        """Warm up and record every step of the policy for these sampling settings, on dummy state (the
-        prompt's prefill overwrites it; capture time is reported apart from decoding).  Returns (StepGraphs, whether they
-        were recorded by this call); kept per settings until the caches are reallocated."""
-        tgt, ds, dev = self.target, self._ds, self.device
-        if self._graph_capacity != (tgt.capacity, ds.base if ds is not None else 0):
-            self._graphs.clear()
-            self._graph_capacity = (tgt.capacity, ds.base if ds is not None else 0)
-        steps = self._graphs.get(settings)
-        if steps is not None:
-            self._graphs.move_to_end(settings)
-            return steps, False
-        while len(self._graphs) >= MAX_GRAPH_SETS:     # drop the least recently used set and its memory pool
-            self._graphs.popitem(last=False)
-        steps = StepGraphs(emulate=self.cuda_graphs == "emulate")
-        t0 = time.perf_counter()
-        with sync.outside_cycle():
-            if dev.type == "cuda":
-                ops.cuda_reserve(dev, WORKSPACE_BYTES)
-            one = torch.zeros((1, 1), dtype=torch.long, device=dev)
-            _, taps = tgt.prefill(one)                        # dummy state: the real prefill overwrites it
-            if ds is not None:
-                ds.catch_up(taps, one, torch.zeros(1, dtype=torch.long, device=dev), self._ar_depths)
-            plans = self._plans()
-
-            def reset():
-                tgt.prefix.fill_(1)
-                self._root.zero_()
-
-            def run_all():
-                reset()
-                base = self._base() if self._binned else None
-                for extra, keep in plans:
-                    reset()
-                    self._finish(base[0] if base else None, extra, keep, settings)
-
-            warm_up(dev, [run_all, run_all])
-            if self._binned:
-                reset()
-                base = steps.capture(("base",), self._base)
-                for extra, keep in plans:
-                    reset()
-                    steps.capture(("finish", extra, keep),
-                                  lambda e=extra, k=keep: self._finish(base[0], e, k, settings))
-            else:
-                reset()
-                steps.capture(("cycle",) + plans[0], lambda: self._finish(None, *plans[0], settings))
-            reset()
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-        steps.capture_s = time.perf_counter() - t0
-        self._graphs[settings] = steps
-        return steps, True
 
     # ---- the loop -----------------------------------------------------------------------------------
 
@@ -381,17 +236,15 @@ class HeteroSpec:
         stats = GenerationStats(graphs=self.cuda_graphs if isinstance(self.cuda_graphs, str) else
                                 ("cuda" if graphs else "off"))
         clock = PhaseClock(dev, stats)
-        tgt, ds = self.target, self._ds
+        tgt, dr, cycle, st = self.target, self._drafter, self._cycle, self._cycle.state
 
         with sync.outside_cycle():
             tgt.allocate(need)
-            if ds is not None:
-                ds.allocate(need, dev, self.draft.config.hidden_size if hasattr(self.draft, "config")
-                            else self.draft.hidden_size)
+            dr.allocate(need, dev)
             steps = None
             if graphs:
                 try:
-                    steps, fresh = self._record(settings)
+                    steps, fresh = cycle.record(settings)
                 except Exception as e:  # noqa: BLE001 -- any failure to record: 'auto' decodes eagerly instead
                     if not self._graphs_fallback:
                         raise
@@ -399,7 +252,7 @@ class HeteroSpec:
                                   f"({type(e).__name__}: {e}); cuda_graphs='auto' falls back to the eager engine",
                                   RuntimeWarning, stacklevel=2)
                     self.cuda_graphs = graphs = False
-                    self._graphs.clear()
+                    cycle.drop_recordings()
                     stats.graphs = "off"
                 else:
                     stats.capture_s = steps.capture_s if fresh else 0.0
@@ -413,8 +266,8 @@ class HeteroSpec:
                 _, root, draws = ops.verify_sample(np.zeros(1, np.int64), np.full(1, -1, np.int64),
                                                    last_logits.view(1, -1).cpu().numpy(), temperature=temperature,
                                                    top_k=top_k, top_p=top_p, seed=rng_seed, offset=0)
-                self._seed.fill_(rng_seed)
-                self._offset.fill_(draws)   # the cycles' uniforms follow the prefill's
+                st.seed.fill_(rng_seed)
+                st.offset.fill_(draws)   # the cycles' uniforms follow the prefill's
             else:
                 root = int(torch.argmax(last_logits))
             stats.prefill_s = time.perf_counter() - start
@@ -424,49 +277,36 @@ class HeteroSpec:
             streamer.put(input_ids.cpu())
             streamer.put(torch.tensor([root], device="cpu"))
         done = root in eos or len(generated) >= max_new_tokens or self._stop(stopping_criteria, out + generated)
-        self._root.fill_(root)
-        if ds is not None and not done:
-            if hasattr(self.draft, "begin_sequence"):
-                self.draft.begin_sequence(input_ids)
+        st.root.fill_(root)
+        if not done:
             clock.start()
-            ids = torch.cat([input_ids[:, 1:], self._root.view(1, 1)], dim=1)
-            last = torch.full((1,), S - 1, dtype=torch.long, device=dev)
-            ds.catch_up(taps, ids, torch.zeros(1, dtype=torch.long, device=dev), last)
+            ids = torch.cat([input_ids[:, 1:], st.root.view(1, 1)], dim=1)
+            dr.prime(taps, ids, torch.full((1,), S - 1, dtype=torch.long, device=dev), prompt=input_ids)
             clock.lap("draft_s")
         pol = self.policy
+        default = (None, 0, pol.total_tokens) if self._drafting else (None, 0, 1)
         first = True
         while not done:
             t_cycle = time.perf_counter()   # the cycle's wall time, host and device, ends at the accepted sync
-            b, extra, keep = (None, 0, pol.total_tokens) if self._drafting else (None, 0, 1)
-            if graphs:
-                # 1-8 as recorded steps: one replay, or two around the "bin" sync point.  The device's idle
-                # time between replays (the host reading the bin or the accepted tokens, streaming,
-                # stopping checks, launching) is timed as idle_s, from the previous cycle's last replay on.
-                if first:
-                    clock.start()
-                else:
-                    clock.lap("idle_s")
-                if self._binned:
-                    _, entropy = steps.replay(("base",))
-                    clock.lap("graph_s")
-                    with sync.point("bin", stats):
-                        b, extra, keep = pol.plan(entropy.item())
-                    clock.lap("idle_s")
-                    acc, size = steps.replay(("finish", extra, keep))
-                else:
-                    acc, size = steps.replay(("cycle", extra, keep))
-                clock.lap("graph_s")
-                first = False
-            else:
+            # With recorded steps the device's idle time between replays (the host reading the bin or the
+            # accepted tokens, streaming, stopping checks, launching) is timed as idle_s, from the previous
+            # cycle's last replay on.
+            if first or not graphs:
                 clock.start()
-                g = None
-                if self._binned:
-                    g, entropy = self._base(clock)
-                    with sync.point("bin", stats):
-                        b, extra, keep = pol.plan(entropy.item())
-                # on the CPU the target attends over the used columns only: a host-known bound, rounded
-                window = None if dev.type == "cuda" else -(-(len(out) + len(generated) + self._max_nodes) // 64) * 64
-                acc, size = self._finish(g, extra, keep, settings, window, clock)
+            else:
+                clock.lap("idle_s")
+            first = False
+            b, extra, keep = default
+            g = None
+            if cycle.binned:
+                g, entropy = cycle.run_base(steps, clock)
+                with sync.point("bin", stats):
+                    b, extra, keep = pol.plan(entropy.item())
+                if graphs:
+                    clock.lap("idle_s")
+            # on the CPU the target attends over the used columns only: a host-known bound, rounded
+            window = None if dev.type == "cuda" else -(-(len(out) + len(generated) + self._max_nodes) // 64) * 64
+            acc, size = cycle.run_finish(steps, g, extra, keep, settings, window, clock)
             # the accepted tokens, for streaming, EOS and stopping criteria
             with sync.point("accepted", stats):
                 host = acc.tolist()

@@ -1,5 +1,8 @@
-"""Cycle steps 1-5 on the device: draft catch-up, tree growth with the entropy bin after the base depth,
-Top-N selection and the verification tree padded to its bucket.
+"""The drafters: cycle steps 1-5 and the draft's side of step 8 on the device.  :class:`DraftState` (an
+EAGLE-3 draft): draft catch-up, tree growth with the path entropy after the base depth, Top-N selection and
+the verification tree padded to its bucket; :class:`NoDraft` (autoregressive decoding): the root alone.
+Both answer the same calls (``prime``, ``grow``, ``tree``, ``rows``, ``follow``), so the cycle
+(:mod:`.cycle`) has no branch on whether there is a draft.
 
 Draft cache layout (one static tensor, see ``Eagle3Draft.new_cache``): columns ``[0, base)`` hold the
 committed positions, columns ``[base, base + K * levels)`` are the scratch rows of this cycle's tree (level
@@ -15,39 +18,10 @@ exactly what it recorded.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from .. import ops
-
-
-@dataclasses.dataclass(frozen=True)
-class Growth:
-    """A candidate tree grown ``level`` levels past the root expansion (device tensors, one per level)."""
-
-    tokens: tuple             # int64 [K] (root expansion), then [K*K] per level
-    scores: tuple             # float32 cumulative log-probabilities, same shapes
-    parents: tuple            # int64 candidate index of the parent (-1 under the root)
-    cum_h: torch.Tensor       # float64 path entropy (Eq. 1, summed root-down) of the last level's candidates
-    beams: torch.Tensor       # int64 [K] the last level's K best candidates (global numbering)
-    prev_offset: int          # the last level's first candidate index
-    offset: int               # the next level's first candidate index
-    level: int                # expansion levels after the root expansion
-
-    def candidates(self):
-        """(tokens, scores, parents) of every candidate, concatenated level by level."""
-        return torch.cat(self.tokens), torch.cat(self.scores), torch.cat(self.parents)
-
-    def path_entropy(self):
-        """The path entropy of the most confident candidate of the last level (a [1] float64 tensor; an
-        index_select, since indexing with a 0-d tensor would read the index on the host)."""
-        return self.cum_h.index_select(0, self.beams[:1] - self.prev_offset)
-
-
-def candidate_count(top_k, levels):
-    """Candidates of a tree grown ``levels`` levels past the root expansion."""
-    return top_k + top_k * top_k * levels
+from ..growth import Growth, candidate_count
 
 
 class DraftState:
@@ -61,7 +35,7 @@ class DraftState:
         self.root_logits = None   # [1, Vd] float32: the root's draft logits, written by catch_up
         self.root_h = None        # [1, H]: the root's draft state, written by catch_up
 
-    def allocate(self, capacity, device, hidden_size):
+    def allocate(self, capacity, device):
         """Room for ``capacity`` committed positions plus the scratch rows of the deepest tree."""
         if self.cache is not None and capacity <= self.base:
             return
@@ -70,6 +44,7 @@ class DraftState:
         self.cache = self.draft.new_cache(capacity + R)
         self.cols = torch.arange(capacity + R, device=device)
         self.anc = torch.zeros((max(R, 1), max(R, 1)), dtype=torch.bool, device=device)  # scratch ancestry
+        hidden_size = self.draft.config.hidden_size if hasattr(self.draft, "config") else self.draft.hidden_size
         self.h_rows = torch.zeros((1 + R, hidden_size), dtype=self.draft_dtype(), device=device)
         self.row_of = torch.zeros(candidate_count(K, self.max_levels), dtype=torch.long, device=device)
         self.eyeK = torch.eye(K, dtype=torch.bool, device=device)
@@ -99,49 +74,102 @@ class DraftState:
         self.root_h.copy_(h[0])
         return self.root_logits, self.root_h
 
+    def prime(self, taps, ids, last, prompt=None):
+        """The draft's catch-up on a whole prefix from position 0 (after the target's prefill): ``taps``
+        [1, S, 3H], ``ids`` [1, S] the token after each position, ``last`` [1] the row that expands the root;
+        a draft with ``begin_sequence`` is told the ``prompt`` first."""
+        if prompt is not None and hasattr(self.draft, "begin_sequence"):
+            self.draft.begin_sequence(prompt)
+        self.catch_up(taps, ids, torch.zeros(1, dtype=torch.long, device=ids.device), last)
+
+    def rows(self, g, tree_size):
+        """Positions a cycle may commit, the catch-up's fixed row count: the tree's depth (``g.level + 2``:
+        the root expansion, the levels, the bonus token), at most the tree's size."""
+        return min(tree_size, g.level + 2)
+
+    def follow(self, vtaps, kept, path_tokens, length, nxt, prefix):
+        """Step 8's draft side: catch up on the accepted positions straight from the padded path, before the
+        prefix moves.  ``kept`` [R]: the path's tree rows (padding clamped to the root), ``path_tokens`` their
+        tokens, ``length`` [1] the accepted count including the root, ``nxt`` [1] the bonus token."""
+        ids = torch.cat([path_tokens[1:], nxt.view(1)])
+        last = (length - 1).view(1)
+        ids.scatter_(0, last, nxt.view(1))
+        self.catch_up(vtaps[:, kept], ids.view(1, -1), prefix, last)
+
+    def tree(self, g, keep, root, buckets):
+        """Step 5 on the Growth ``g``: :func:`verification_tree`."""
+        return verification_tree(g, keep, root, buckets)
+
     def start(self):
         """Expand the root (the static ``root_logits`` / ``root_h``): a Growth with 0 levels."""
-        K, check = self.K, self.root_logits.device.type != "cuda"
-        tok, sc, par, ent, beams = ops.expand(self.root_logits, self.zero_score, self.no_parent, K, self.d2t, 0,
-                                              check=check)
+        g = Growth.root(self.root_logits, self.K, self.d2t, zero_score=self.zero_score, no_parent=self.no_parent,
+                        check=self.root_logits.device.type != "cuda")
         self.h_rows[0] = self.root_h[0]
-        # Eq. 1 summed root-down in float64 along each candidate's path
-        return Growth((tok,), (sc,), (par,), ent.double().expand(K), beams, 0, K, 0)
+        return g
 
     def grow(self, g, levels, prefix):
         """Grow ``levels`` more levels (EAGLE-2/3 dynamic tree: one draft step and one ``ops.expand`` per
-        level) on top of ``g``; returns a new Growth (``g`` is left as it is)."""
+        level) on top of ``g`` (None: the root expansion first); returns a new Growth (``g`` is left as it
+        is).  Growing a levels then b more is growing a + b at once: the trace records level by level."""
+        if g is None:
+            g = self.start()
+        if not levels:
+            return g
         d, K, check = self.draft, self.K, prefix.device.type != "cuda"
-        tokens, scores, parents = list(g.tokens), list(g.scores), list(g.parents)
-        cum_h, beams, prev_offset, offset, level = g.cum_h, g.beams, g.prev_offset, g.offset, g.level
         for _ in range(levels):
-            level += 1
+            level = g.level + 1
             r0 = (level - 1) * K                                        # this level's scratch rows
-            local = beams - prev_offset                                 # beams within the previous level
+            local = g.local_beams()                                     # beams within the previous level
             self.anc[r0:r0 + K] = False                                 # rows of an earlier cycle
             if level == 1:
                 src = self.zero_row.expand(K)                           # the root's output
             else:
-                prow = self.row_of[parents[-1][local]]                  # the fed row of each beam's parent
+                prow = self.row_of[g.parents[-1][local]]                # the fed row of each beam's parent
                 src = prow + 1
                 self.anc[r0:r0 + K, :r0] = self.anc[prow, :r0]          # the parent's ancestors and itself
             self.anc[r0:r0 + K, r0:r0 + K] = self.eyeK
-            self.row_of[beams] = r0 + self.cols[:K]
-            allowed = torch.empty((K, self.cols.shape[0]), dtype=torch.bool, device=beams.device)
+            self.row_of[g.beams] = r0 + self.cols[:K]
+            allowed = torch.empty((K, self.cols.shape[0]), dtype=torch.bool, device=g.beams.device)
             allowed[:, :self.base] = self.cols[:self.base] < prefix
             allowed[:, self.base:] = self.anc[r0:r0 + K]
             slots = self.base + r0 + self.cols[:K]
-            ids = tokens[-1][local].view(1, K)
+            ids = g.tokens[-1][local].view(1, K)
             pos = (prefix + (level - 1)).expand(K).view(1, K)
             h2 = d.step(self.h_rows[src].unsqueeze(0), ids, pos, self.cache, slots, allowed)
             logits, h_out = d.head(h2)
             self.h_rows[1 + r0:1 + r0 + K] = h_out[0]
-            tok, sc, par, ent, beams_next = ops.expand(logits[0], scores[-1][local], beams, K, self.d2t, offset,
-                                                       check=check)
-            cum_h = (cum_h[local] + ent.double()).repeat_interleave(K)
-            tokens.append(tok), scores.append(sc), parents.append(par)
-            prev_offset, offset, beams = offset, offset + K * K, beams_next
-        return Growth(tuple(tokens), tuple(scores), tuple(parents), cum_h, beams, prev_offset, offset, level)
+            g = g.extend(logits[0], self.d2t, check=check)
+        return g
+
+
+class NoDraft:
+    """Autoregressive decoding as a drafter that drafts nothing: every tree is the root alone, nothing to
+    catch up."""
+
+    base = 0
+
+    def __init__(self, device):
+        self.parents = torch.full((1,), -1, dtype=torch.long, device=device)
+        self.depths = torch.zeros(1, dtype=torch.long, device=device)
+        self.mask = torch.ones((1, 1), dtype=torch.bool, device=device)
+
+    def allocate(self, capacity, device):
+        pass
+
+    def prime(self, taps, ids, last, prompt=None):
+        pass
+
+    def grow(self, g, levels, prefix):
+        return None
+
+    def tree(self, g, keep, root, buckets):
+        return root, self.parents, self.depths, self.mask, 1
+
+    def rows(self, g, tree_size):
+        return 1
+
+    def follow(self, vtaps, kept, path_tokens, length, nxt, prefix):
+        pass
 
 
 def bucket_for(size, buckets):

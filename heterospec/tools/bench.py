@@ -19,7 +19,7 @@ same).  Methods:
   optimised) -- HeteroSpec on top of the machine's best static tree rather than EAGLE-3's default one.
 
 and the strongest baselines a HuggingFace user already has, no draft, timed with the same timer on the same
-prompts and budget (DESIGN.md §7), through ``model.generate`` with the same EOS ids, ``max_new_tokens``
+prompts and budget (docs/design.md, "Measuring"), through ``model.generate`` with the same EOS ids, ``max_new_tokens``
 and temperature semantics (top-k and top-p off, nothing else from the model's generation config):
 
 - ``hf``: greedy (sampling at T > 0) with the default dynamic cache;
@@ -30,7 +30,7 @@ and temperature semantics (top-k and top-p off, nothing else from the model's ge
 
 They have no verification calls, tau or time split: those are ``None`` in the JSON and '–' in the tables.
 
-Metrics (DESIGN.md §7): tokens/s = new tokens (up to and including EOS) / decoding wall time (prefill
+Metrics (docs/design.md, "Measuring"): tokens/s = new tokens (up to and including EOS) / decoding wall time (prefill
 included, after a warm-up whose time is reported apart; CUDA events on a GPU); speedup = the mean over
 questions of (the method's tokens/s / ar's), a question's tokens/s pooling its turns as EAGLE's ``speed.py``
 does; speedup over HF = the same ratio against the strongest HuggingFace baseline of the run (of ``hf``,

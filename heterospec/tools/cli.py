@@ -31,11 +31,12 @@ def _peaked_logits(rng, rows, vocab, sharpness):
 
 
 def demo(vocab=49152, k=10, depth=6, n_keep=59, seed=0, out=None):
-    """One EAGLE-3 style cycle on synthetic logits: expand the draft tree level by level, sum the top-k
-    entropy along the most confident path (HeteroSpec Eq. 1), rerank, build the verification tree,
+    """One EAGLE-3 style cycle on synthetic logits: grow the draft tree level by level and read the top-k
+    entropy summed along the most confident path (HeteroSpec Eq. 1) as the engine does, rerank, build the verification tree,
     accept greedily and by lossless sampling, and compact a KV cache.  Returns a dict of what happened."""
     out = sys.stdout if out is None else out   # the stdout of the call, not of the import
     from .. import build_info, ops
+    from ..growth import Growth
 
     rng = np.random.default_rng(seed)
     timings = {}
@@ -48,22 +49,12 @@ def demo(vocab=49152, k=10, depth=6, n_keep=59, seed=0, out=None):
 
     print(f"heterospec {build_info()['version']} demo: one speculative cycle on synthetic logits "
           f"(V={vocab}, top_k={k}, depth={depth}, Top-N={n_keep})", file=out)
-    root_logits = _peaked_logits(rng, 1, vocab, 4.0)
-    tok, sc, par, ent, beams = timed("expand", ops.expand, root_logits, np.zeros(1, np.float32),
-                                     np.full(1, -1, np.int64), k)
-    tokens, scores, parents, path_entropy = [tok], [sc], [par], [float(ent[0])]
-    offset = k
+    # the engine's tree growth and path entropy (heterospec.growth), here on NumPy arrays
+    g = timed("expand", Growth.root, _peaked_logits(rng, 1, vocab, 4.0), k)
     for _ in range(depth):
-        level = _peaked_logits(rng, k, vocab, 4.0)
-        all_scores = np.concatenate(scores)
-        tok, sc, par, ent, new_beams = timed(
-            "expand", ops.expand, level, all_scores[beams], beams, k, None, offset)
-        # the most confident path continues through the best beam (row 0 of this level)
-        path_entropy.append(float(ent[0]))
-        tokens.append(tok), scores.append(sc), parents.append(par)
-        beams, offset = new_beams, offset + k * k
-    tokens, scores, parents = np.concatenate(tokens), np.concatenate(scores), np.concatenate(parents)
-    h = float(np.sum(path_entropy))
+        g = timed("expand", g.extend, _peaked_logits(rng, k, vocab, 4.0))
+    tokens, scores, parents = g.candidates()
+    h = float(g.path_entropy()[0])
     thresholds = np.array([0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
     b = int(timed("bucketize", ops.bucketize, np.array([h]), thresholds)[0])
     print(f"  drafted {tokens.size} candidates; cumulative top-{k} entropy along the best path "

@@ -1,42 +1,45 @@
 """Traces: record once, replay any policy exactly.
 
 Greedy output does not depend on the tree policy, and the draft tree at an output position depends only on
-the prefix.  So :func:`record` decodes each prompt greedily once and, at every position of the output,
-grows the *maximal* draft tree (base depth + the largest extension considered).  Candidates are numbered
-level by level, so the tree any policy would grow there (fewer levels) is a prefix of the recorded arrays,
-and :meth:`Trace.replay` can walk the output as the live loop would -- entropy -> bin -> extra depth and kept
+the prefix.  So :func:`record` decodes each prompt greedily once and, at every position of the output, grows
+the *maximal* draft tree (base depth + the largest extension considered) with the engine's own drafter
+(:class:`heterospec.engine.tree.DraftState`, level by level), keeping a host copy of its candidates and, after
+every level, the engine's own path entropy and best candidate.  Candidates are numbered level by level, so
+the tree any policy would grow there (fewer levels) is a prefix of the recorded arrays, and
+:meth:`Trace.replay` can walk the output as the live loop would -- entropy -> bin -> extra depth and kept
 nodes -> selected subtree -> accepted length = the longest tree path matching the greedy output -> next
 cycle after the accepted tokens and the bonus token -- without running a model.
+
+The draft's inputs are the target's taps of one forward over the whole output, where live decoding has them
+from tree verifications: the same values up to float rounding.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import time
 
 import numpy as np
 import torch
 
 from .. import ops
 from ..engine import GenerationStats, HeteroSpec
+from ..engine.tree import DraftState
 from ..models.target import TargetAdapter, _decoder_layers
 
-TRACE_VERSION = 1
-
-
-# ---- the recorded trees --------------------------------------------------------------------------------
+TRACE_VERSION = 2
+_TREE_FIELDS = ("tokens", "scores", "parents", "path_h", "level_best")
 
 
 @dataclasses.dataclass
 class CandidateTree:
     """All candidates of one cycle's draft tree, numbered level by level (the root expansion's K first,
-    then K*K per level), so the tree grown to fewer levels is a prefix of these arrays."""
+    then K*K per level), so the tree grown to fewer levels is a prefix of these arrays: a host copy of the
+    engine's :class:`~heterospec.growth.Growth`."""
 
     tokens: np.ndarray        # int64 [M] target-vocabulary ids
     scores: np.ndarray        # float32 [M] cumulative log-probabilities
     parents: np.ndarray       # int64 [M] candidate index of the parent, -1 under the root
-    row_entropy: np.ndarray   # float32 [1 + fed rows]: top-K entropy of each draft row (row 0: the root)
-    row_of: np.ndarray        # int64 [M] fed row of a candidate that became a beam, else -1
+    path_h: np.ndarray        # float64 [levels + 1]: Growth.path_entropy() after each level
     level_best: np.ndarray    # int64 [levels + 1]: the best-scoring candidate of each level
     top_k: int
 
@@ -45,88 +48,8 @@ class CandidateTree:
         return self.top_k + self.top_k * self.top_k * levels
 
     def path_entropy(self, levels):
-        """Cumulative top-K entropy (paper Eq. 1) along P* at ``levels``: P* is the path to the
-        best-scoring candidate of that level; the sum runs over the distributions that produced its tokens
-        (the root row and the row of every ancestor).  A walk over depth, not over nodes."""
-        rows = []
-        c = int(self.parents[self.level_best[levels]])
-        while c >= 0:
-            rows.append(1 + int(self.row_of[c]))
-            c = int(self.parents[c])
-        h = float(self.row_entropy[0])
-        for r in reversed(rows):  # root-down, in float64: the engine's order, so both pick the same bin
-            h += float(self.row_entropy[r])
-        return h
-
-
-def grow_tree(draft, kv, root_logits, h_root, P, K, base_depth, d2t, decide=None, stats=None):
-    """Grow one cycle's draft tree on the host for a trace (EAGLE-2/3 dynamic tree, one draft forward +
-    one ``ops.expand`` per level; the engine grows the same tree on the device, heterospec.engine.tree).  ``kv`` is the draft cache of the committed prefix (P positions); ``root_logits`` [1, Vd] and
-    ``h_root`` [1, H] are the draft's output at the last committed position.  After ``base_depth`` levels
-    ``decide(path_entropy)`` (if given) returns how many extra levels to grow."""
-    t1 = time.perf_counter()
-    tok, sc, par, ent, beams = ops.expand(root_logits.float().cpu().numpy(), np.zeros(1, np.float32),
-                                          np.full(1, -1, np.int64), K, d2t, 0)
-    ops_s = time.perf_counter() - t1
-    draft_s = 0.0
-    tokens, scores, parents, src = [tok], [sc], [par], [np.full(K, -1, np.int64)]
-    row_entropy = [ent]                  # per fed row: entropy of its distribution (row 0: the root)
-    row_of = np.full(K, -1, np.int64)    # candidate -> fed tree row (-1: not fed)
-    level_best = [int(beams[0])]
-    h_rows = h_root                      # hidden inputs by source row: index 0 = the root's output
-    dev = h_root.device
-    tree_mask = torch.zeros((0, 0), dtype=torch.bool, device=dev)
-    n_rows, offset, level, depth = 0, K, 0, base_depth
-    candidate = None
-    while level < depth:
-        level += 1
-        all_scores = np.concatenate(scores)
-        all_tokens = np.concatenate(tokens)
-        all_parents = np.concatenate(parents)
-        all_src = np.concatenate(src)
-        # the beams' inputs: their own token, the draft output of the row that produced them
-        t0 = time.perf_counter()
-        parent_rows = np.where(all_parents[beams] >= 0, row_of[np.maximum(all_parents[beams], 0)], -1)
-        prow = torch.from_numpy(parent_rows).to(dev)
-        new_mask = torch.zeros((K, n_rows + K), dtype=torch.bool, device=dev)
-        if n_rows:
-            has = prow >= 0
-            new_mask[has, :n_rows] = tree_mask[prow[has]]
-        new_mask[:, n_rows:] = torch.eye(K, dtype=torch.bool, device=dev)
-        full_mask = torch.cat([torch.ones((K, P), dtype=torch.bool, device=dev), new_mask], dim=1)
-        hid = h_rows[torch.from_numpy(all_src[beams] + 1).to(dev)].unsqueeze(0)
-        ids = torch.from_numpy(all_tokens[beams]).to(dev).view(1, K)
-        pos = torch.full((1, K), P + level - 1, dtype=torch.long, device=dev)
-        lg, hl, kv = draft(hid, ids, pos, past_kv=kv, attn_mask=full_mask)
-        draft_s += time.perf_counter() - t0
-        # bookkeeping of the fed rows
-        grown = torch.zeros((n_rows + K, n_rows + K), dtype=torch.bool, device=dev)
-        grown[:n_rows, :n_rows] = tree_mask
-        grown[n_rows:] = new_mask
-        tree_mask = grown
-        row_of = np.concatenate([row_of, np.full(K * K, -1, np.int64)])
-        row_of[beams] = n_rows + np.arange(K)
-        h_rows = torch.cat([h_rows, hl[0]], dim=0)
-        t1 = time.perf_counter()
-        tok, sc, par, ent, nbeams = ops.expand(lg[0].float().cpu().numpy(), all_scores[beams], beams, K, d2t,
-                                               offset)
-        ops_s += time.perf_counter() - t1
-        tokens.append(tok), scores.append(sc), parents.append(par), row_entropy.append(ent)
-        src.append(n_rows + np.repeat(np.arange(K), K))  # each child's hidden: its parent beam's row
-        n_rows += K
-        offset += K * K
-        beams = nbeams
-        level_best.append(int(nbeams[0]))
-        if level == base_depth and decide is not None:
-            candidate = CandidateTree(np.concatenate(tokens), None, np.concatenate(parents),
-                                      np.concatenate(row_entropy), row_of, np.array(level_best), K)
-            depth = base_depth + decide(candidate.path_entropy(base_depth))
-    if stats is not None:
-        stats.draft_s += draft_s
-        stats.ops_s += ops_s
-    return CandidateTree(np.concatenate(tokens), np.concatenate(scores), np.concatenate(parents),
-                         np.concatenate(row_entropy), row_of, np.array(level_best, dtype=np.int64), K)
-
+        """The engine's path entropy (paper Eq. 1 along P*, :meth:`Growth.path_entropy`) at ``levels``."""
+        return float(self.path_h[levels])
 
 
 @dataclasses.dataclass
@@ -226,7 +149,7 @@ class Trace:
         for i, (p, o, trees) in enumerate(zip(self.prompts, self.outputs, self.trees)):
             arrays[f"p{i}_prompt"] = p
             arrays[f"p{i}_output"] = o
-            for f in ("tokens", "scores", "parents", "row_entropy", "row_of", "level_best"):
+            for f in _TREE_FIELDS:
                 arrays[f"p{i}_{f}"] = np.stack([getattr(tr, f) for tr in trees]) if trees else np.zeros((0,))
         np.savez_compressed(str(path) + ".npz", **arrays)
         with open(str(path) + ".json", "w") as f:
@@ -246,7 +169,7 @@ class Trace:
         for i in range(int(meta["n_prompts"])):
             prompts.append(data[f"p{i}_prompt"])
             outputs.append(data[f"p{i}_output"])
-            fields = [data[f"p{i}_{f}"] for f in ("tokens", "scores", "parents", "row_entropy", "row_of", "level_best")]
+            fields = [data[f"p{i}_{f}"] for f in _TREE_FIELDS]
             trees.append([CandidateTree(*(a[j] for a in fields), int(meta["top_k"])) for j in range(fields[0].shape[0])])
         return cls(meta, prompts, outputs, trees)
 
@@ -269,35 +192,36 @@ def _accepted_length(tokens, parents, selected, continuation):
 def record(target, draft, prompts, *, max_new_tokens, top_k=10, levels=11, progress=None):
     """Decode each prompt ([1, S] tensors) greedily and record, at every cycle position of the output,
     the maximal draft tree with ``levels`` levels after the root expansion (the base depth plus the
-    largest extension any replayed policy may use)."""
+    largest extension any replayed policy may use), grown by the engine's drafter."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 2:
         raise ValueError(f"record: argument 'max_new_tokens' expected an int >= 2, got {max_new_tokens!r}")
     ar = HeteroSpec(target)
     taps_layers = draft.config.tap_layers(len(_decoder_layers(target))) if hasattr(draft, "config") else None
     adapter = TargetAdapter(target, tap_layers=taps_layers, capture_taps=True)
-    d2t = None
-    if getattr(draft, "d2t", None) is not None and bool(torch.any(draft.d2t != 0)):
-        d2t = draft.d2t.detach().cpu().numpy().astype(np.int64)
+    dev = next(target.parameters()).device
+    d2t = getattr(draft, "d2t", None)
+    d2t = d2t.detach().to(dev, torch.long) if d2t is not None and bool(torch.any(d2t != 0)) else None
+    ds = DraftState(draft, top_k, levels, d2t)
     out_prompts, outputs, trees = [], [], []
     try:
         for i, prompt in enumerate(prompts):
             S = prompt.shape[1]
             # the greedy continuation, long enough for the last cycles' acceptance past the budget
             seq, _ = ar.generate(prompt, max_new_tokens=max_new_tokens + levels + 2)
-            seq = seq.to(prompt.device)  # generate returns host ids; the target may live on a GPU
+            seq = seq.to(dev)  # generate returns host ids; the target may live on a GPU
             out = seq[0, S:].cpu().numpy().astype(np.int64)
             _, taps = adapter.prefill(seq)  # the target's taps of every position, in one forward
-            if hasattr(draft, "begin_sequence"):
-                draft.begin_sequence(prompt)
-            kv, done, per_pos = None, 0, []
+            ds.allocate(S + max_new_tokens, dev)
+            per_pos = []
             for t in range(max_new_tokens - 1):
-                P = S + t  # committed positions in the target cache when out[t] is the root
-                hidden = draft.fuse(taps[:, done:P])
-                ids = seq[:, done + 1:P + 1]
-                pos = torch.arange(done, P, device=seq.device).view(1, -1)
-                logits, h, kv = draft(hidden, ids, pos, past_kv=kv, attn_mask=None)
-                done = P
-                per_pos.append(grow_tree(draft, kv, logits[0, -1:], h[0, -1:], P, top_k, levels, d2t))
+                P = S + t  # committed positions when out[t] (= seq[P]) is the root
+                if t == 0:
+                    ds.prime(taps[:, :S], seq[:, 1:S + 1], torch.full((1,), S - 1, dtype=torch.long, device=dev),
+                             prompt=prompt)
+                else:      # the position the previous root was committed at
+                    ds.catch_up(taps[:, P - 1:P], seq[:, P:P + 1], torch.full((1,), P - 1, device=dev),
+                                torch.zeros(1, dtype=torch.long, device=dev))
+                per_pos.append(_grown(ds, torch.full((1,), P, dtype=torch.long, device=dev), levels))
             out_prompts.append(prompt[0].cpu().numpy().astype(np.int64))
             outputs.append(out)
             trees.append(per_pos)
@@ -310,6 +234,21 @@ def record(target, draft, prompts, *, max_new_tokens, top_k=10, levels=11, progr
             "target": getattr(target.config, "_name_or_path", "") or type(target).__name__,
             "draft": str(getattr(getattr(draft, "config", None), "name_or_path", "") or type(draft).__name__)}
     return Trace(meta, out_prompts, outputs, trees)
+
+
+def _grown(ds, prefix, levels):
+    """The engine's tree at one position, grown one level at a time (growing a then b levels is growing a + b:
+    the engine grows the base depth, then a bin's extra levels), as a host CandidateTree."""
+    g = ds.grow(None, 0, prefix)
+    path_h, best = [g.path_entropy()], [g.beams[:1]]
+    for _ in range(levels):
+        g = ds.grow(g, 1, prefix)
+        path_h.append(g.path_entropy())
+        best.append(g.beams[:1])
+    tokens, scores, parents = (x.cpu().numpy() for x in g.candidates())
+    return CandidateTree(tokens.astype(np.int64), scores.astype(np.float32), parents.astype(np.int64),
+                         torch.cat(path_h).cpu().numpy().astype(np.float64),
+                         torch.cat(best).cpu().numpy().astype(np.int64), ds.K)
 
 
 __all__ = ["Trace", "CandidateTree", "record"]

@@ -7,7 +7,7 @@
  * entropy bucketing.  Exact semantics of every op: docs/ops.md (the NumPy twin heterospec/reference.py
  * is the executable specification).
  *
- * Rules of this layer (see DESIGN.md):
+ * Rules of this layer (see docs/design.md, "Layers"):
  *   - no Python.h, nothing from PyTorch: plain C11 over raw pointers with explicit sizes;
  *   - every function returns an hs_status and never exits, prints or allocates: scratch memory comes
  *     from a caller-provided workspace whose size a *_workspace_bytes function tells;

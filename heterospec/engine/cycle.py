@@ -1,0 +1,184 @@
+"""One lossless speculative cycle, read top to bottom.  Every step runs on the model's device:
+
+  1-4. ``base``: the drafter grows the root expansion and the policy's base depth on the draft's static
+       cache; the path entropy of the most confident candidate comes back (device tensor).  The host then
+       reads it at the sync point "bin" and the policy picks the bin's extra depth and kept nodes
+       (:meth:`heterospec.policy.Policy.plan`) -- only for policies with bins;
+  5.   ``finish``: the drafter grows the extra levels and makes the verification tree (``ops.select`` +
+       ``ops.build_tree``, device outputs, padded to a bucket);
+  6.   the target's forward over the tree on its static cache (``TargetAdapter.verify``, 4D tree mask);
+  7.   acceptance: ``ops.verify_greedy`` / ``ops.verify_sample`` with device outputs (the accepted path,
+       padded, its length and the next token, never copied to the host here);
+  8.   commit: the drafter catches up on the accepted positions straight from the padded path
+       (``follow``; fixed shape per tree shape), then ``TargetAdapter.commit`` (``ops.kv_compact`` with the
+       prefix length as a device tensor), and the next root is written in place.
+The host loop (:mod:`.loop`) then reads the accepted tokens at the sync point "accepted".
+
+Autoregressive decoding is the same cycle with a drafter that drafts nothing (:class:`~.tree.NoDraft`).
+With recorded steps (``record``) the same ``base`` and ``finish`` are captured once per tree shape and
+replayed (:mod:`.graphs`): one replay per cycle, or two around the "bin" sync point.  Every tensor a recorded
+step reads or writes across steps and cycles lives at a fixed address in :class:`CycleState`, in the
+drafter's static buffers or in the target's static cache.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import OrderedDict
+
+import torch
+
+from .. import ops
+from . import sync
+from .graphs import WORKSPACE_BYTES, StepGraphs, warm_up
+
+# recorded step sets kept at once, one per sampling setting (each holds its own graph memory pool): the least
+# recently used is dropped beyond this, so a sweep over temperatures cannot exhaust GPU memory
+MAX_GRAPH_SETS = 4
+
+
+@dataclasses.dataclass
+class CycleState:
+    """The cycle's own fixed-address state (read and written in place by recorded steps)."""
+
+    root: torch.Tensor     # [1] int64: the next tree's root token
+    seed: torch.Tensor     # [1] int64: the Philox key of sampled acceptance
+    offset: torch.Tensor   # [1] int64: the Philox counter, advanced by each verify_sample
+
+    @classmethod
+    def on(cls, device):
+        return cls(*(torch.zeros(1, dtype=torch.long, device=device) for _ in range(3)))
+
+
+class Cycle:
+    """The steps of one cycle for a target (a ``TargetAdapter``), a drafter (``DraftState`` or ``NoDraft``)
+    and a policy, and their recordings per sampling setting."""
+
+    def __init__(self, target, drafter, policy, buckets, device, emulate=False):
+        self.target, self.drafter, self.policy, self.buckets, self.device = target, drafter, policy, buckets, device
+        self.binned = policy.binned
+        self.state = CycleState.on(device)
+        self.emulate = emulate
+        self._recorded = OrderedDict()    # sampling settings -> StepGraphs, least recently used first
+        self._capacity = None
+
+    # ---- the steps (fixed shapes per plan: run eagerly, or recorded once and replayed) -----------------
+
+    def base(self, clock=None):
+        """Steps 1-4 of a binned policy: the root expansion and the base depth -> (Growth, path entropy)."""
+        g = self.drafter.grow(None, self.policy.depth, self.target.prefix)
+        if clock is not None:
+            clock.lap("draft_s")
+        return g, g.path_entropy()
+
+    def finish(self, g, extra, keep, settings, window=None, clock=None):
+        """Steps 5-8 for one plan on the Growth ``g`` of :meth:`base` (None: grow the whole tree from the
+        root).  Returns ([length, next token, path tokens (R)] int64 on the device, real tree size)."""
+        lap = clock.lap if clock is not None else (lambda field: None)
+        dr, tgt, st = self.drafter, self.target, self.state
+        check = self.device.type != "cuda"
+        # 5: the rest of the tree, the verification tree
+        g = dr.grow(g, extra if g is not None else self.policy.depth + extra, tgt.prefix)
+        tokens, parents, depths, mask, size = dr.tree(g, keep, st.root, self.buckets)
+        lap("draft_s")
+        # 6: the target's forward
+        logits, vtaps = tgt.verify(tokens, depths, mask, window)
+        lap("verify_s")
+        # 7: acceptance
+        sample, temperature, top_k, top_p = settings
+        if sample:
+            path, length, nxt, _ = ops.verify_sample(
+                tokens, parents, logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=st.seed,
+                offset=st.offset, check=check, device_outputs=True, advance_offset=True)
+        else:
+            path, length, nxt = ops.verify_greedy(tokens, parents, logits, check=check, device_outputs=True)
+        # 8: the draft catches up on the accepted positions (before the prefix moves), then the commit
+        kept = path[:dr.rows(g, tokens.shape[0])].clamp(min=0)
+        path_tokens = tokens[kept]
+        lap("ops_s")
+        dr.follow(vtaps, kept, path_tokens, length, nxt, tgt.prefix)
+        lap("draft_s")
+        if size == 1:
+            tgt.prefix += 1
+        else:
+            tgt.commit(path, length, check=check)
+        st.root.copy_(nxt.view(1))
+        lap("ops_s")
+        return torch.cat([length.view(1), nxt.view(1), path_tokens]), size
+
+    # ---- one cycle, eager or replayed ----------------------------------------------------------------
+
+    def run_base(self, steps, clock):
+        """Steps 1-4, eager (``steps`` None) or replayed -> (Growth or None, path entropy [1] on the device)."""
+        if steps is None:
+            return self.base(clock)
+        _, entropy = steps.replay(("base",))
+        clock.lap("graph_s")
+        return None, entropy
+
+    def run_finish(self, steps, g, extra, keep, settings, window, clock):
+        """Steps 5-8, eager or replayed (the recording of this plan) -> (accepted device tensor, tree size)."""
+        if steps is None:
+            return self.finish(g, extra, keep, settings, window, clock)
+        out = steps.replay(("finish", extra, keep) if self.binned else ("cycle", extra, keep))
+        clock.lap("graph_s")
+        return out
+
+    # ---- recording ------------------------------------------------------------------------------------
+
+    def record(self, settings):
+        """Warm up and record every step of the policy for these sampling settings, on dummy state (the
+        prompt's prefill overwrites it; capture time is reported apart from decoding).  Returns (StepGraphs,
+        whether they were recorded by this call); kept per settings until the caches are reallocated."""
+        tgt, dev = self.target, self.device
+        capacity = (tgt.capacity, self.drafter.base)
+        if self._capacity != capacity:
+            self._recorded.clear()
+            self._capacity = capacity
+        steps = self._recorded.get(settings)
+        if steps is not None:
+            self._recorded.move_to_end(settings)
+            return steps, False
+        while len(self._recorded) >= MAX_GRAPH_SETS:     # drop the least recently used set and its memory pool
+            self._recorded.popitem(last=False)
+        steps = StepGraphs(emulate=self.emulate)
+        t0 = time.perf_counter()
+        with sync.outside_cycle():
+            if dev.type == "cuda":
+                ops.cuda_reserve(dev, WORKSPACE_BYTES)
+            one = torch.zeros((1, 1), dtype=torch.long, device=dev)
+            _, taps = tgt.prefill(one)                        # dummy state: the real prefill overwrites it
+            self.drafter.prime(taps, one, torch.zeros(1, dtype=torch.long, device=dev))
+            plans = self.policy.plans()
+
+            def reset():
+                tgt.prefix.fill_(1)
+                self.state.root.zero_()
+
+            def run_all():
+                reset()
+                base = self.base() if self.binned else None
+                for extra, keep in plans:
+                    reset()
+                    self.finish(base[0] if base else None, extra, keep, settings)
+
+            warm_up(dev, [run_all, run_all])
+            if self.binned:
+                reset()
+                base = steps.capture(("base",), self.base)
+                for extra, keep in plans:
+                    reset()
+                    steps.capture(("finish", extra, keep),
+                                  lambda e=extra, k=keep: self.finish(base[0], e, k, settings))
+            else:
+                reset()
+                steps.capture(("cycle",) + plans[0], lambda: self.finish(None, *plans[0], settings))
+            reset()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        steps.capture_s = time.perf_counter() - t0
+        self._recorded[settings] = steps
+        return steps, True
+
+    def drop_recordings(self):
+        self._recorded.clear()

@@ -1,0 +1,97 @@
+"""The one definition of the draft tree's growth and of the path entropy, over ``ops.expand``.
+
+EAGLE-2/3's dynamic tree grows level by level: the root's draft distribution is expanded into its K best
+children, then each level feeds the K best candidates so far (the beams) to the draft and expands each of
+their distributions into K children (``ops.expand``).  Candidates are numbered as EAGLE numbers them: the
+root expansion's K first, then K*K per level, so a tree grown to fewer levels is a prefix of the arrays.
+
+HeteroSpec's path entropy (paper Eq. 1) is the top-K entropy summed root-down, in float64, over the
+distributions that produced the tokens of P*, the path to the most confident candidate of the last level:
+:meth:`Growth.path_entropy`.  Each candidate carries the sum along its own path (``cum_h``), so reading it
+for the best candidate costs one index and never a walk.
+
+:class:`Growth` works on NumPy arrays (the synthetic demo) and on torch tensors on any device (the engine's
+:class:`heterospec.engine.tree.DraftState`, which supplies each level's logits from the draft and its own
+static buffers): same numbers, one code path.  No step reads a device value on the host.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from . import ops
+
+
+def candidate_count(top_k, levels):
+    """Candidates of a tree grown ``levels`` levels past the root expansion."""
+    return top_k + top_k * top_k * levels
+
+
+def _is_numpy(x):
+    return isinstance(x, np.ndarray)
+
+
+def _f64(x):
+    return x.astype(np.float64) if _is_numpy(x) else x.double()
+
+
+def _repeat(x, k):
+    """Each element k times in a row (NumPy's ``repeat``, torch's ``repeat_interleave``)."""
+    return np.repeat(x, k) if _is_numpy(x) else x.repeat_interleave(k)
+
+
+def _cat(xs):
+    if _is_numpy(xs[0]):
+        return np.concatenate(xs)
+    import torch
+
+    return torch.cat(xs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Growth:
+    """A candidate tree grown ``level`` levels past the root expansion (arrays or tensors, one per level)."""
+
+    tokens: tuple             # int64 [K] (root expansion), then [K*K] per level
+    scores: tuple             # float32 cumulative log-probabilities, same shapes
+    parents: tuple            # int64 candidate index of the parent (-1 under the root)
+    cum_h: object             # float64 path entropy (Eq. 1, summed root-down) of the last level's candidates
+    beams: object             # int64 [K] the last level's K best candidates (global numbering)
+    prev_offset: int          # the last level's first candidate index
+    offset: int               # the next level's first candidate index
+    level: int                # expansion levels after the root expansion
+
+    @classmethod
+    def root(cls, logits, top_k, d2t=None, *, zero_score=None, no_parent=None, check=True):
+        """Expand the root's draft logits [1, Vd]: a Growth with 0 levels.  ``zero_score`` ([1] float32 zero)
+        and ``no_parent`` ([1] int64 -1) may be given as static tensors (a recorded step reads them at fixed
+        addresses); NumPy ones are made otherwise."""
+        if zero_score is None:
+            zero_score, no_parent = np.zeros(1, np.float32), np.full(1, -1, np.int64)
+        tok, sc, par, ent, beams = ops.expand(logits, zero_score, no_parent, top_k, d2t, 0, check=check)
+        return cls((tok,), (sc,), (par,), _repeat(_f64(ent), top_k), beams, 0, top_k, 0)
+
+    def local_beams(self):
+        """The beams' indices within the last level."""
+        return self.beams - self.prev_offset
+
+    def extend(self, logits, d2t=None, *, check=True):
+        """One more level: ``logits`` [K, Vd] are the draft's outputs for the beams, in beam order."""
+        K = self.beams.shape[0]
+        local = self.local_beams()
+        tok, sc, par, ent, beams = ops.expand(logits, self.scores[-1][local], self.beams, K, d2t, self.offset,
+                                              check=check)
+        cum_h = _repeat(self.cum_h[local] + _f64(ent), K)
+        return Growth(self.tokens + (tok,), self.scores + (sc,), self.parents + (par,), cum_h, beams,
+                      self.offset, self.offset + K * K, self.level + 1)
+
+    def candidates(self):
+        """(tokens, scores, parents) of every candidate, concatenated level by level."""
+        return _cat(self.tokens), _cat(self.scores), _cat(self.parents)
+
+    def path_entropy(self):
+        """The path entropy of the most confident candidate of the last level, as a [1] float64 array or
+        tensor (on a device an ``index_select``: indexing with a 0-d tensor would read the index on the host)."""
+        best = self.beams[:1] - self.prev_offset
+        return self.cum_h[best] if _is_numpy(self.cum_h) else self.cum_h.index_select(0, best)
