@@ -146,6 +146,9 @@ def test_bench_command_writes_json_tables_plots_and_answers(tmp_path):
            "--out", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
+    # the progress bar in a log (stderr is a pipe here): one bar a temperature, a redraw per 5% of its turns
+    # (text=True reads tqdm's \r as a line end)
+    assert res.stderr.count("bench [" + "#" * 24 + "]") == 2 and 2 * 10 < res.stderr.count("bench [") <= 2 * 22
     r = json.loads((out / "results.json").read_text())
     assert r["schema"] == bench.SCHEMA
     for key in ("command", "settings", "models", "methods", "tuning", "machine", "runs", "seconds"):

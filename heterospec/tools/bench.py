@@ -56,6 +56,7 @@ import time
 from collections import Counter
 
 from ..measure import DeviceTimer, machine_info
+from . import ProgressBar
 from .prompts import encode_turn, read_prompts
 
 SCHEMA = "heterospec.bench/1"
@@ -857,26 +858,11 @@ def write_outputs(result, answers, out_dir, make_plots=True):
 
 # ---- the command ------------------------------------------------------------------------------------------
 
-class _Bar:
-    """A one-line progress bar on stderr with an ETA; to a file or pipe, one line per 5% instead."""
-
-    def __init__(self, stream=None):
-        self.stream, self.t0 = stream or sys.stderr, time.perf_counter()
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.shown = -1
-
-    def __call__(self, what, i, n):
-        frac = i / n if n else 1.0
-        el = time.perf_counter() - self.t0
-        eta = f"{el / frac - el:5.0f}s left" if 0 < frac < 1 else f"{el:5.0f}s"
-        bar = "#" * int(24 * frac)
-        line = f"[{bar:<24}] {i}/{n} {eta}  {what[:48]:<48}"
-        if self.tty:
-            self.stream.write("\r" + line + ("\n" if i >= n else ""))
-        elif int(20 * frac) != self.shown:
-            self.shown = int(20 * frac)
-            self.stream.write(line.rstrip() + "\n")
-        self.stream.flush()
+def _bar(desc="", redraws=10):
+    """A :class:`ProgressBar` with the runner's and the tuning's ``progress(what, i, n)`` call shape: ``what``
+    after the rate, or as the description with ``desc`` empty."""
+    bar = ProgressBar(desc, redraws=redraws)
+    return lambda what, i, n: bar(i, n, **({"postfix": what} if desc else {"desc": what}))
 
 
 def report(path, out=None):
@@ -970,8 +956,8 @@ def main(args, out=None):
     for temp in args.temperature:
         r = run_bench(target, tokenizer, draft, methods, questions, max_new_tokens=args.max_new_tokens,
                       temperature=temp, seed=args.seed, device=args.device, warmup_tokens=args.warmup_tokens,
-                      chat=not args.no_chat_template, eos_token_id=tokenizer.eos_token_id, progress=_Bar(),
-                      cuda_graphs=graphs)
+                      chat=not args.no_chat_template, eos_token_id=tokenizer.eos_token_id,
+                      progress=_bar("bench", redraws=20), cuda_graphs=graphs)
         answers += [dict(a, temperature=temp) for a in r.pop("answers")]
         runs.append(r)
     policies = {n: p.as_dict() if isinstance(p, HFMethod) else
@@ -1022,7 +1008,7 @@ def _tune(args, names, tokenizer, target, draft, timer):
     t0 = time.perf_counter()
     texts = read_prompts([tp], args.tune_limit)
     ids = [encode_turn(tokenizer, [t], [], not args.no_chat_template).to(args.device) for t in texts]
-    bar = _Bar()
+    bar = _bar()
     deepest = given.depth if given else max(TUNE_DEPTHS)
     tr = record(target, draft, ids, max_new_tokens=args.tune_max_new_tokens, top_k=given.top_k if given else 10,
                 levels=deepest + math.ceil(deepest / 2) + 1, progress=lambda i, n: bar("tuning: trace", i, n))
