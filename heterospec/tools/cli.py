@@ -420,7 +420,7 @@ def calibrate_cmd(args, out=None):
     levels = args.depth + math.ceil(args.depth / 2)
     search = getattr(args, "search_base_tree", False)
     if search:  # the trace must hold the deepest tree of the search grid and its extra levels
-        from .bench import TUNE_DEPTHS
+        from .bench.tuning import TUNE_DEPTHS
 
         levels = max(levels, max(TUNE_DEPTHS) + math.ceil(max(TUNE_DEPTHS) / 2) + 1)
 
@@ -434,7 +434,7 @@ def calibrate_cmd(args, out=None):
         # the static base tree that is fastest here, as bench's eagle3-tuned finds it: every (depth, nodes) of the
         # grid replayed on the trace with this machine's cost model, the best 3 decoded for real
         from ..measure import DeviceTimer
-        from .bench import tune_static_tree
+        from .bench.tuning import tune_static_tree
 
         base, searched = tune_static_tree(target, draft, ids[: args.search_prompts], trace, cost_model=cost,
                                           timer=DeviceTimer(args.device), cuda_graphs=getattr(args, "graphs", False))
