@@ -1,5 +1,5 @@
 """``python -m benchmarks.run [options]`` from a checkout: the same as ``heterospec bench [options]``
-(see heterospec/bench.py and ``heterospec bench --help``)."""
+(see heterospec/tools/bench/ and ``heterospec bench --help``)."""
 import os
 import sys
 

@@ -146,6 +146,9 @@ def test_bench_command_writes_json_tables_plots_and_answers(tmp_path):
            "--out", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
+    # the progress bar in a log (stderr is a pipe here): one bar a temperature, a redraw per 5% of its turns
+    # (text=True reads tqdm's \r as a line end)
+    assert res.stderr.count("bench [" + "#" * 24 + "]") == 2 and 2 * 10 < res.stderr.count("bench [") <= 2 * 22
     r = json.loads((out / "results.json").read_text())
     assert r["schema"] == bench.SCHEMA
     for key in ("command", "settings", "models", "methods", "tuning", "machine", "runs", "seconds"):
@@ -557,12 +560,33 @@ def test_pooled_bins_weigh_files_by_their_cycles():
     """The per-bin table pools files by cycles, not by averaging their means."""
     a = {"0": {"cycles": 30, "mean_accepted": 2.0, "seconds": 3.0}, "2": {"cycles": 10, "mean_accepted": 0.0, "seconds": 2.0}}
     b = {"0": {"cycles": 10, "mean_accepted": 4.0, "seconds": 1.0}}
-    p = bench._pooled_bins([a, b])
+    p = bench.pooled_bins([a, b])
     assert list(p) == ["0", "2"]
     assert p["0"]["share"] == pytest.approx(40 / 50) and p["2"]["share"] == pytest.approx(10 / 50)
     assert p["0"]["tau"] == pytest.approx(1 + (60 + 40) / 40)            # 3.5 committed per cycle
     assert p["0"]["tokens_per_s"] == pytest.approx((100 + 40) / 4.0)     # committed over 4 s
     assert p["2"]["tau"] == 1.0 and p["2"]["tokens_per_s"] == pytest.approx(10 / 2.0)
+
+
+def test_pooled_bins_of_saved_files_equal_the_bins_of_the_pooled_stats():
+    """results.json's per-file bins and the markdown's pooled ones come from one implementation
+    (GenerationStats.per_bin): pooling the saved per-file dicts gives the bins of the files' stats pooled."""
+    from collections import Counter
+
+    from heterospec.engine.stats import GenerationStats
+    from heterospec.tools.bench.metrics import bin_rows
+
+    runs = [GenerationStats(bins=Counter({0: 3, 2: 1}), bin_accepted=Counter({0: 7, 2: 0}), bin_s=Counter({0: 0.3, 2: 0.1}),
+                            bin_verified=Counter({0: 12, 2: 8})),
+            GenerationStats(bins=Counter({0: 2, 10: 5}), bin_accepted=Counter({0: 2, 10: 4}), bin_s=Counter({0: 0.2}))]
+    rows = [bin_rows(r) for r in runs]
+    assert list(rows[1]) == ["0", "10"] and rows[1]["10"]["tokens_per_s"] is None   # no time: no rate
+    assert set(rows[0]["0"]) == {"cycles", "share", "mean_accepted", "seconds", "tau", "tokens_per_s"}
+    pooled = bench.pooled_bins(rows)
+    want = bin_rows(GenerationStats.pooled(runs))
+    assert list(pooled) == list(want) == ["0", "2", "10"]
+    for k in want:
+        assert pooled[k] == pytest.approx(want[k])
 
 
 def test_questions_may_be_a_directory_of_the_five_files(tmp_path):

@@ -2,6 +2,7 @@
 need models, are in tests/test_cli_generate.py and tests/test_calibrate.py)."""
 import io
 import json
+import math
 import subprocess
 import sys
 
@@ -74,23 +75,37 @@ class _Tty(io.StringIO):
         return True
 
 
-def test_progress_redraws_on_a_terminal_and_writes_few_lines_to_a_log():
-    """18.8: progress written with \\r cluttered logs (hundreds of overwritten lines in CI output)."""
-    from heterospec.tools.progress import Progress
+def test_progress_redraws_on_a_terminal_and_writes_few_lines_to_a_log(monkeypatch):
+    """18.8: progress written with \\r cluttered logs (hundreds of overwritten lines in CI output).  The bars
+    are tqdm's: in a log (not a terminal) a redraw every tenth of the run, never on a timer; on a terminal
+    one line redrawn in place; on sys.stderr as it is when the bar starts (pytest's capture)."""
+    pytest.importorskip("tqdm")
+    from heterospec.tools import ProgressBar
 
+    p = ProgressBar("step")
     log = io.StringIO()
-    p = Progress(log)
+    monkeypatch.setattr(sys, "stderr", log)   # after the bar was made: its stream is looked up when it starts
     for i in range(1, 501):
-        p(f"step {i}/500", i, 500)
-    p.done()
-    lines = log.getvalue().splitlines()
-    assert "\r" not in log.getvalue() and len(lines) <= 11 and lines[-1] == "step 500/500"
+        p(i, 500, postfix=f"loss {i}")
+        if i == 250:   # not tqdm's defaults: a redraw per 50 steps whatever the time, no monitor-thread redraws
+            assert (p.bar.miniters, p.bar.mininterval, p.bar.maxinterval, p.bar.disable) == (50, 0, math.inf, False)
+    text = log.getvalue()
+    redraws = text.split("\r")[1:]
+    assert text.startswith("\r") and 10 <= len(redraws) <= 12 and text.count("\n") == 1 and text.endswith("\n")
+    assert text.count("500/500") == 1   # the last state drawn once
+    assert redraws[-1].startswith("step [" + "#" * 24 + "] 500/500 ") and redraws[-1].rstrip().endswith("loss 500")
+    assert p.bar is None   # ended at 500/500
+    # a new n, or i going back (the next shard of answers): a new bar, on a line of its own
+    for i, n in ((1, 3), (2, 3), (1, 3), (3, 3), (1, 2), (2, 2)):
+        p(i, n)
+    assert log.getvalue()[len(text):].count("\n") == 3 and p.bar is None
     tty = _Tty()
-    p = Progress(tty)
+    p = ProgressBar("step", file=tty)
     for i in range(1, 4):
-        p(f"step {i}/3", i, 3)
-    p.done()
-    assert tty.getvalue() == "\rstep 1/3\rstep 2/3\rstep 3/3\n"
+        p(i, 3)
+    out = tty.getvalue()
+    assert out.startswith("\rstep [") and out.count("\n") == 1 and out.endswith("\n") and out.count("3/3") == 1
+    assert out.split("\r")[-1].startswith("step [" + "#" * 24 + "] 3/3 ")
 
 
 def test_bench_help_lists_every_method():

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from ..models.default import DEFAULT_HEAD, load_pair
-from .progress import Progress
+from . import ProgressBar
 from .prompts import SELF, encode, read_prompts, self_written_prompts
 
 
@@ -411,25 +411,21 @@ def calibrate_cmd(args, out=None):
     levels = args.depth + math.ceil(args.depth / 2)
     search = getattr(args, "search_base_tree", False)
     if search:  # the trace must hold the deepest tree of the search grid and its extra levels
-        from .bench import TUNE_DEPTHS
+        from .bench.tuning import TUNE_DEPTHS
 
         levels = max(levels, max(TUNE_DEPTHS) + math.ceil(max(TUNE_DEPTHS) / 2) + 1)
 
-    line = Progress()
-
-    def progress(i, n):
-        line(f"recording traces [{'#' * int(30 * i / n):<30}] {i}/{n}", i, n)
-
+    bar = ProgressBar("recording traces")
     trace = record(target, draft, ids, max_new_tokens=args.max_new_tokens, top_k=args.top_k_tree, levels=levels,
-                   progress=progress)
-    line.done()
+                   progress=bar)
+    bar.close()
     cost = profile_costs(target, draft, reps=2, graphs=getattr(args, "graphs", False))
     searched = None
     if search:
         # the static base tree that is fastest here, as bench's eagle3-tuned finds it: every (depth, nodes) of the
         # grid replayed on the trace with this machine's cost model, the best 3 decoded for real
         from ..measure import DeviceTimer
-        from .bench import tune_static_tree
+        from .bench.tuning import tune_static_tree
 
         base, searched = tune_static_tree(target, draft, ids[: args.search_prompts], trace, cost_model=cost,
                                           timer=DeviceTimer(args.device), cuda_graphs=getattr(args, "graphs", False))
@@ -620,24 +616,16 @@ def train_draft_cmd(args, out=None):
     args.draft = None
     tokenizer, target, _ = load_pair(args, args.device)
 
-    train_line, answer_line = Progress(), Progress()
+    train_line, answering = ProgressBar("training"), ProgressBar("the target answers the prompts")
 
     def progress(step, steps, loss, accs, elapsed):
-        acc = " ".join(f"{a:.2f}" for a in accs)
-        train_line(f"training [{'#' * int(30 * step / steps):<30}] {step}/{steps} loss {loss:.3f} acc/step {acc} "
-                   f"({elapsed:.0f} s)", step, steps)
-
-    t0 = time.time()
-
-    def answering(i, n):
-        answer_line(f"the target answers the prompts [{'#' * int(30 * i / n):<30}] {i}/{n} ({time.time() - t0:.0f} s)",
-                    i, n)
+        train_line(step, steps, postfix=f"loss {loss:.3f} acc/step {' '.join(f'{a:.2f}' for a in accs)}")
 
     if args.answers:
         # a training run answers only what --max-prompts asks for; without it, it trains on the answered shards
         store, ids = collect_answers(args, target, tokenizer, answering, out,
                                      collect=args.collect_only or args.max_prompts is not None)
-        answer_line.done()
+        answering.close()
         if args.collect_only:
             return
         records = answer_records(args, target, store, out)
@@ -658,7 +646,7 @@ def train_draft_cmd(args, out=None):
         else:
             records = collect(target, ids[:args.max_prompts], args.max_new_tokens, tokenizer.eos_token_id,
                               batch_size=args.gen_batch_size, topk=args.topk, progress=answering)
-        answer_line.done()
+        answering.close()
         if args.records and not sharded:
             save_records(args.records, records, {"data": [str(d) for d in args.data], "max_new_tokens": args.max_new_tokens})
     if args.collect_only:
@@ -673,7 +661,7 @@ def train_draft_cmd(args, out=None):
                 autocast=None if args.autocast == "off" else args.autocast, epochs=args.epochs,
                 init_head=None if args.init_head is None else
                 (DEFAULT_HEAD if args.init_head == "default" else args.init_head))
-    train_line.done()
+    train_line.close()
     print(f"draft written to {args.out} (training curves: {os.path.join(args.out, 'training_curves.png')})", file=out)
 
 

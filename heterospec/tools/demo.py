@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .progress import Progress
+from . import ProgressBar
 from ..models.default import DATA_DIR, DEFAULT_HEAD, DEFAULT_PROFILE, load_pair as _load_pair
 from .prompts import encode as _encode
 
@@ -169,18 +169,18 @@ def run(args, out=None):
     print(f"  eagle3: static tree depth 7, top_k 10, 60 nodes; heterospec: {hs_what}{th}", file=out)
     streamer = None if args.no_stream else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
-    line = Progress()
+    bar, names = ProgressBar(), [n for n, _ in methods]
 
-    def progress(name, i, n, streaming):
-        line.clear()
-        if streaming:
+    def progress(name, i, n, streaming):   # before prompt i of method name: the prompts done so far
+        if streaming:   # the answer streams to the terminal: no bar on its lines
+            bar.clear()
             print(f"[{name}, streamed] >>> {texts[0]}\n", file=out, flush=True)
         else:
-            line(f"  {name}: prompt {i + 1}/{n}", i + 1, n)
+            bar(names.index(name) * n + i, len(names) * n, desc=f"{name}: prompt {i + 1}/{n}")
 
     results = compare(target, draft, ids, methods, max_new_tokens=args.max_new_tokens,
                       eos_token_id=tokenizer.eos_token_id, streamer=streamer, progress=progress)
-    line.clear()
+    bar(len(names) * len(ids), len(names) * len(ids), desc="done")
     if args.no_stream:
         first = results[methods[-1][0]].sequences[0]
         print(f"[{methods[-1][0]}] >>> {texts[0]}\n", file=out)

@@ -1,0 +1,201 @@
+"""The ``heterospec bench`` command: :func:`add_arguments` (its flags) and :func:`main` (checks the
+arguments, loads the pair once, tunes ``eagle3-tuned`` / ``heterospec-tuned`` where asked, runs every
+temperature with :func:`.runner.run_bench` and writes the outputs with :mod:`.report`)."""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+from ...measure import DeviceTimer, machine_info
+from .. import ProgressBar
+from ..prompts import encode_turn, read_prompts
+from .methods import HF_METHODS, METHODS, build_methods, check_method_names, method_dict, parse_tree
+from .questions import REPO, default_question_files, load_questions, question_paths
+from .report import SCHEMA, markdown, report, write_outputs
+from .runner import run_bench
+from .tuning import TUNE_DEPTHS, TUNE_NODES, calibrate_on, tune_static_tree
+
+# the tuning prompts of the default pair: the calibration prompts its profile was fitted on (not benchmarks)
+DEFAULT_TUNE_PROMPTS = os.path.join(REPO, "benchmarks", "data", "smollm2_calib_prompts.jsonl")
+
+
+def _bar(desc="", redraws=10):
+    """A :class:`ProgressBar` with the runner's and the tuning's ``progress(what, i, n)`` call shape: ``what``
+    after the rate, or as the description with ``desc`` empty."""
+    bar = ProgressBar(desc, redraws=redraws)
+    return lambda what, i, n: bar(i, n, **({"postfix": what} if desc else {"desc": what}))
+
+
+def main(args, out=None):
+    """The ``heterospec bench`` command; returns the exit status (1 on a temperature-0 mismatch)."""
+    import torch
+
+    out = out or sys.stdout
+    if args.report:
+        return report(args.report, out)
+    from ...models.default import DEFAULT_HEAD, DEFAULT_PROFILE, load_pair
+    from ...policy.profile import load_profile
+
+    t_start = time.perf_counter()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"heterospec bench: --device {args.device} but torch sees no CUDA device")
+    for t in args.temperature:
+        if not (math.isfinite(t) and t >= 0):
+            raise SystemExit(f"heterospec bench: --temperature expected values >= 0, got {t}")
+    if args.max_new_tokens < 1:
+        raise SystemExit(f"heterospec bench: --max-new-tokens expected an int >= 1, got {args.max_new_tokens}")
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    try:
+        check_method_names(names)
+    except ValueError as e:  # a usage error: one line, exit status 2 (as argparse's)
+        print(f"heterospec {e}", file=sys.stderr)  # e: "bench: argument 'methods' ..."
+        raise SystemExit(2) from None
+    try:
+        paths = question_paths(args.questions) or default_question_files()
+    except ValueError as e:
+        print(f"heterospec bench: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if not paths:
+        raise SystemExit("heterospec bench: no question files: ../shared/data/benchmarks is not here; pass "
+                         "--questions PATH [PATH ...] (EAGLE question.jsonl format)")
+    try:
+        questions = load_questions(paths, args.limit)
+    except ValueError as e:
+        raise SystemExit(f"heterospec bench: {e}") from None
+    if args.draft is None and args.target == "default":
+        args.draft = DEFAULT_HEAD
+    if args.draft is None and any(n != "ar" and n not in HF_METHODS for n in names):
+        raise SystemExit("heterospec bench: --draft PATH is required for methods other than ar and the hf baselines")
+    profile_path = args.profile or (DEFAULT_PROFILE if args.draft in (DEFAULT_HEAD, "default") else None)
+    profile = load_profile(profile_path)[0] if profile_path else None
+    # the cheap checks before the models load
+    try:
+        if args.tuned_tree:
+            parse_tree(args.tuned_tree)
+    except ValueError as e:
+        raise SystemExit(f"heterospec bench: {e}") from None
+    if profile is None and {"heterospec", "heterospec-paper"} & set(names):
+        raise SystemExit("heterospec bench: methods heterospec and heterospec-paper need a calibrated profile "
+                         "(--profile; heterospec calibrate writes one), or leave them out with --methods")
+    graphs = getattr(args, "graphs", False)   # --cuda-graphs, resolved and checked by the CLI
+    torch.manual_seed(args.seed)
+    tokenizer, target, draft = load_pair(args, args.device)
+    timer = DeviceTimer(args.device)
+    tuning, tuned, tuned_profile = None, None, None
+    if "eagle3-tuned" in names or "heterospec-tuned" in names:
+        tuning, tuned, tuned_profile = _tune(args, names, tokenizer, target, draft, timer)
+    try:
+        methods = build_methods(names, draft=draft, profile=profile, tuned=tuned, tuned_profile=tuned_profile)
+    except ValueError as e:
+        raise SystemExit(f"heterospec bench: {e}") from None
+    nq = {b: len(qs) for b, qs in questions.items()}
+    print(f"heterospec bench: {', '.join(names)} on {', '.join(f'{b} ({n})' for b, n in nq.items())}; "
+          f"max_new_tokens {args.max_new_tokens}, temperature {', '.join(f'{t:g}' for t in args.temperature)}, "
+          f"{args.device} {args.dtype}", file=out, flush=True)
+    runs, answers = [], []
+    for temp in args.temperature:
+        r = run_bench(target, tokenizer, draft, methods, questions, max_new_tokens=args.max_new_tokens,
+                      temperature=temp, seed=args.seed, device=args.device, warmup_tokens=args.warmup_tokens,
+                      chat=not args.no_chat_template, eos_token_id=tokenizer.eos_token_id,
+                      progress=_bar("bench", redraws=20), cuda_graphs=graphs)
+        answers += [dict(a, temperature=temp) for a in r.pop("answers")]
+        runs.append(r)
+    policies = {n: method_dict(p) for n, p in methods}
+    result = {
+        "schema": SCHEMA,
+        "command": "heterospec bench " + " ".join(getattr(args, "argv", []) or []),
+        "settings": {"methods": names, "questions": {b: os.path.abspath(p) for b, p in zip(questions, paths)},
+                     "limit": args.limit, "max_new_tokens": args.max_new_tokens, "temperatures": args.temperature,
+                     "seed": args.seed, "device": args.device, "dtype": args.dtype, "cuda_graphs": graphs,
+                     "warmup_tokens": args.warmup_tokens, "chat_template": not args.no_chat_template,
+                     "eos_token_id": tokenizer.eos_token_id},
+        "models": {"target": "SmolLM2-135M-Instruct" if args.target == "default" else str(args.target),
+                   "draft": str(args.draft), "profile": profile_path},
+        "methods": policies, "tuning": tuning, "machine": machine_info(args.device), "runs": runs,
+        "seconds": time.perf_counter() - t_start,
+    }
+    written = write_outputs(result, answers, args.out, make_plots=not args.no_plots)
+    print(markdown(result), file=out)
+    status = 0
+    for run in runs:
+        for m in run["mismatches"]:
+            status = 1
+            print(f"MISMATCH at temperature 0: {m['method']} differs from {m['reference']} on {m['bench']} question "
+                  f"{m['question_id']} turn {m['turn'] + 1} at new token {m['first_diff']}", file=out)
+    print(f"wrote {', '.join(written)} (total {result['seconds']:.0f} s)", file=out)
+    return status
+
+
+def _tune(args, names, tokenizer, target, draft, timer):
+    """eagle3-tuned's tree (searched, or --tuned-tree) and heterospec-tuned's calibration on it, both on the
+    tuning prompts.  Returns (report, tuned Policy, heterospec-tuned Policy or None)."""
+    from ...tune.costs import profile_costs
+    from ...tune.trace import record
+
+    given = parse_tree(args.tuned_tree) if args.tuned_tree else None
+    tuning = {"how": "given with --tuned-tree"} if given else {}
+    if given is not None and "heterospec-tuned" not in names:
+        return dict(tuning, chosen={"depth": given.depth, "top_k": given.top_k, "nodes": given.total_tokens}), given, None
+    tp = args.tune_prompts or (DEFAULT_TUNE_PROMPTS if os.path.exists(DEFAULT_TUNE_PROMPTS) else None)
+    if tp is None:
+        raise SystemExit("heterospec bench: eagle3-tuned and heterospec-tuned need --tune-prompts PATH (prompts that "
+                         "are not benchmark questions), or, for eagle3-tuned alone, --tuned-tree DEPTH,TOP_K,NODES")
+    if draft is None:
+        raise SystemExit("heterospec bench: tuning needs a draft head (--draft)")
+    t0 = time.perf_counter()
+    texts = read_prompts([tp], args.tune_limit)
+    ids = [encode_turn(tokenizer, [t], [], not args.no_chat_template).to(args.device) for t in texts]
+    bar = _bar()
+    deepest = given.depth if given else max(TUNE_DEPTHS)
+    tr = record(target, draft, ids, max_new_tokens=args.tune_max_new_tokens, top_k=given.top_k if given else 10,
+                levels=deepest + math.ceil(deepest / 2) + 1, progress=lambda i, n: bar("tuning: trace", i, n))
+    graphs = getattr(args, "graphs", False)
+    cost = profile_costs(target, draft, reps=2, graphs=graphs)   # what the engine that is timed pays
+    if given is None:
+        tuned, tuning = tune_static_tree(target, draft, ids, tr, cost_model=cost, timer=timer, progress=bar,
+                                         cuda_graphs=graphs)
+        tuning["how"] = (f"replayed {len(TUNE_DEPTHS) * len(TUNE_NODES)} static trees on a trace of {len(ids)} tuning "
+                         f"prompts from {os.path.basename(tp)} with a cost model measured here"
+                         f"{' on captured forwards' if graphs else ''}, then timed the best 3")
+    else:
+        tuned = given
+        tuning["chosen"] = {"depth": given.depth, "top_k": given.top_k, "nodes": given.total_tokens}
+    hs_tuned = None
+    if "heterospec-tuned" in names:
+        hs_tuned, tuning["heterospec_tuned"] = calibrate_on(tr, tuned, cost)
+    tuning.update(prompts_file=tp, cost_model=cost.to_dict(), seconds=time.perf_counter() - t0)
+    return tuning, tuned, hs_tuned
+
+
+def add_arguments(p):
+    p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct) or an HF model directory")
+    p.add_argument("--gguf-file", default=None)
+    p.add_argument("--draft", default=None, help="EAGLE-3 head directory (default with --target default: the shipped head)")
+    p.add_argument("--profile", default=None, help="calibrated profile for heterospec / heterospec-paper "
+                                                   "(default: the shipped head's)")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
+    p.add_argument("--questions", nargs="+", default=None,
+                   help="EAGLE question.jsonl files, or a directory of the five benchmark files (default: "
+                        "the five of ../shared/data/benchmarks)")
+    p.add_argument("--limit", type=int, default=None, help="questions per file")
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one run per value, e.g. 0 1")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+                   help="our engines' steps recorded once per tree shape and replayed as CUDA graphs "
+                        "(auto: on with a CUDA --device)")
+    p.add_argument("--warmup-tokens", type=int, default=32, help="untimed tokens per method before the run")
+    p.add_argument("--tune-prompts", default=None, help="prompts for eagle3-tuned and heterospec-tuned (never benchmark "
+                                                        "questions; default: the calibration prompts in a checkout)")
+    p.add_argument("--tune-limit", type=int, default=8)
+    p.add_argument("--tune-max-new-tokens", type=int, default=64)
+    p.add_argument("--tuned-tree", default=None, help="DEPTH,TOP_K,NODES for eagle3-tuned instead of tuning")
+    p.add_argument("--no-chat-template", action="store_true")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--out", default="bench-out", help="output directory")
+    p.add_argument("--report", default=None, metavar="RESULTS_JSON",
+                   help="only write results.md and the plots again from a saved results.json")

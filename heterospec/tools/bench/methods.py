@@ -1,0 +1,111 @@
+"""The methods ``heterospec bench`` compares, by name: :data:`METHODS`, :func:`build_methods`.
+
+Our engine (one loop, :class:`heterospec.HeteroSpec`), a :class:`~heterospec.policy.Policy` each:
+
+- ``ar``: autoregressive decoding through the same loop (one verification call per token);
+- ``eagle3``: EAGLE-3's static dynamic tree (depth 7, top_k 10, 60 verified nodes);
+- ``eagle3-tuned``: the static tree that is fastest on *this* machine, chosen on tuning prompts (never the
+  benchmark's) before the run (:func:`heterospec.tools.bench.tuning.tune_static_tree`): a trace of the tuning
+  prompts is replayed for a grid of (depth, nodes) with a cost model measured here, and the best few by
+  predicted speed are then timed for real -- EAGLE's ``total_token=-1`` auto-tune times forwards the same
+  way, but only over the node count;
+- ``heterospec-paper``: the paper's fixed rule (alpha = ceil(depth/2), gamma = 0.3/0.6/1.0) on the profile's
+  entropy bins;
+- ``heterospec``: the calibrated profile (``heterospec calibrate``);
+- ``heterospec-tuned``: HeteroSpec calibrated on ``eagle3-tuned``'s base tree, on the same tuning prompts
+  and cost model (:func:`heterospec.tools.bench.tuning.calibrate_on`: entropy bins fitted on the trace at
+  that base depth, per-bin extra depth and kept nodes optimised) -- HeteroSpec on top of the machine's best
+  static tree rather than EAGLE-3's default one.
+
+and the strongest baselines a HuggingFace user already has, no draft (:data:`HF_BASELINES`, an
+:class:`HFMethod` each, run by :mod:`.baselines`):
+
+- ``hf``: greedy (sampling at T > 0) with the default dynamic cache;
+- ``hf-static``: ``cache_implementation="static"``;
+- ``hf-lookup``: prompt-lookup decoding (``prompt_lookup_num_tokens=10``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ...policy import Policy
+
+HF_METHODS = ("hf", "hf-static", "hf-lookup")
+METHODS = ("ar", *HF_METHODS, "eagle3", "eagle3-tuned", "heterospec-paper", "heterospec", "heterospec-tuned")
+
+
+def check_method_names(names):
+    bad = [n for n in names if n not in METHODS]
+    if bad or not names or len(set(names)) != len(names):
+        raise ValueError(f"bench: argument 'methods' expected distinct names from {', '.join(METHODS)}, got "
+                         f"{', '.join(names) if names else 'none'}")
+
+
+@dataclasses.dataclass(frozen=True)
+class HFMethod:
+    """A HuggingFace ``model.generate`` baseline (no draft): its cache and prompt-lookup setting."""
+
+    name: str
+    cache_implementation: str | None = None  # None: transformers' default dynamic cache
+    prompt_lookup_num_tokens: int | None = None
+    drafts = False
+
+    def as_dict(self):
+        return {"baseline": "transformers model.generate", "cache_implementation": self.cache_implementation or "dynamic",
+                "prompt_lookup_num_tokens": self.prompt_lookup_num_tokens}
+
+
+HF_BASELINES = {"hf": HFMethod("hf"), "hf-static": HFMethod("hf-static", cache_implementation="static"),
+                "hf-lookup": HFMethod("hf-lookup", prompt_lookup_num_tokens=10)}
+
+
+def build_methods(names, *, draft=None, profile=None, tuned=None, tuned_profile=None):
+    """[(name, Policy or HFMethod)] for ``names`` (a subset of :data:`METHODS`, in the given order).
+    ``profile``: the calibrated Policy (for ``heterospec``, and the bins of ``heterospec-paper``); ``tuned``:
+    the Policy of ``eagle3-tuned``; ``tuned_profile``: that of ``heterospec-tuned``."""
+    check_method_names(names)
+    out = []
+    for n in names:
+        if n in HF_BASELINES:
+            out.append((n, HF_BASELINES[n]))
+            continue
+        if n != "ar" and draft is None:
+            raise ValueError(f"bench: method {n!r} needs a draft head (--draft)")
+        if n == "ar":
+            pol = Policy.autoregressive()
+        elif n == "eagle3":
+            pol = Policy.static(7, 10, 60)
+        elif n == "eagle3-tuned":
+            if tuned is None:
+                raise ValueError("bench: method 'eagle3-tuned' needs a tuned tree (tuning prompts or --tuned-tree)")
+            pol = tuned
+        elif n == "heterospec-tuned":
+            if tuned_profile is None:
+                raise ValueError("bench: method 'heterospec-tuned' needs tuning prompts (--tune-prompts)")
+            pol = tuned_profile
+        else:
+            if profile is None:
+                raise ValueError(f"bench: method {n!r} needs a calibrated profile (--profile; heterospec calibrate "
+                                 f"writes one)")
+            pol = profile if n == "heterospec" else Policy.paper(profile.depth, profile.top_k, profile.total_tokens,
+                                                                 profile.thresholds)
+        out.append((n, pol))
+    return out
+
+
+def parse_tree(text):
+    """'DEPTH,TOP_K,NODES' -> Policy.static."""
+    try:
+        d, k, n = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"bench: argument '--tuned-tree' expected DEPTH,TOP_K,NODES (three ints), got {text!r}") from None
+    return Policy.static(d, k, n)
+
+
+def method_dict(method):
+    """results.json's ``methods`` entry of a method of :func:`build_methods`: an HFMethod's settings, or the
+    Policy's tree, entropy bins and per-bin plans."""
+    if isinstance(method, HFMethod):
+        return method.as_dict()
+    return {"depth": method.depth, "top_k": method.top_k, "total_tokens": method.total_tokens,
+            "thresholds": list(method.thresholds), "extra": list(method.extra), "keep": list(method.keep)}
