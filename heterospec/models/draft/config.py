@@ -2,8 +2,9 @@
 format (flat SafeAILab / SpecForge / HF style, or ``speculators``), the RoPE settings (:func:`read_rope`) and
 the default tap layers (:func:`default_tap_layers`).
 
-Plain Python, no torch: the draft module (``module.py``), its checkpoint I/O (``checkpoint.py``) and
-training (``heterospec/models/train.py``, for :func:`read_rope`) build on it.
+Plain Python, no torch: the draft module (``module.py``), its checkpoint I/O (``checkpoint.py``), the target
+adapter (``heterospec/models/target.py``, for the default taps) and training (``heterospec/models/train.py``,
+for :func:`read_rope`) all build on it.
 
 Config switches and what they mean here (each checked against the public source that introduced it):
 
@@ -58,14 +59,19 @@ NUM_TAPS = 3
 MIN_TARGET_LAYERS_FOR_DEFAULT_TAPS = 7
 
 
-def default_tap_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's default taps in the input-of-layer convention: ``[2, L//2, L-3]``.
+def default_tap_layers(num_layers: int, *, strict: bool = True) -> list[int]:
+    """EAGLE-3's default taps in the input-of-layer convention: ``[2, L//2, L-3]`` (the residual stream
+    entering those target layers, as SafeAILab's reference, vLLM and SGLang pick them).  A draft config's
+    explicit ``aux_layer_ids`` take precedence (:meth:`Eagle3Config.tap_layers`).
 
     Raises ValueError when L < 7: below that the three taps are not distinct and ascending
     (L=6 gives [2, 3, 3], L=4 gives [2, 2, 1]), so a draft needs explicit ``aux_layer_ids``.
+    ``strict=False`` returns the formula's ids for any L (repeated, descending, or for L < 3 outside
+    [0, L)): the target adapter's fallback when no EAGLE-3 config chooses the taps (no draft, or a draft
+    that does not read them as EAGLE-3's); the adapter range-checks what it gets.
     """
     L = int(num_layers)
-    if L < MIN_TARGET_LAYERS_FOR_DEFAULT_TAPS:
+    if strict and L < MIN_TARGET_LAYERS_FOR_DEFAULT_TAPS:
         raise ValueError(
             f"the default EAGLE-3 taps [2, L//2, L-3] need a target with at least "
             f"{MIN_TARGET_LAYERS_FOR_DEFAULT_TAPS} layers to be distinct and ascending, got L={L} "
