@@ -1,4 +1,5 @@
-"""heterospec.models.draft: the EAGLE-3 draft (config parsing, forward, RoPE, strict checkpoint I/O).
+"""heterospec.models.draft: the EAGLE-3 draft (config parsing, forward, RoPE, strict checkpoint I/O), and the
+default tap layers it shares with the target adapter.
 
 Tiny sizes on CPU.  The forward pass is checked against a computation assembled from transformers' own
 Llama blocks (RMSNorm, rotary embedding, eager attention, MLP), so a wrong RoPE / GQA / residual / norm
@@ -237,6 +238,48 @@ def test_tap_layer_conventions():
         Eagle3Config.from_dict(flat_dict(eagle_config={"use_aux_hidden_state": False}))
     # vLLM also reads norm_before_fc from eagle_config (NVIDIA heads)
     assert Eagle3Config.from_dict(flat_dict(eagle_config={"norm_before_fc": True})).norm_before_fc is True
+
+
+# EAGLE-3's default taps, input-of-layer ids, written out by hand: low 2, middle L//2, high L-3
+DEFAULT_TAPS = {7: [2, 3, 4], 8: [2, 4, 5], 9: [2, 4, 6], 24: [2, 12, 21], 28: [2, 14, 25], 30: [2, 15, 27],
+                32: [2, 16, 29], 36: [2, 18, 33], 40: [2, 20, 37], 80: [2, 40, 77]}
+
+
+@pytest.mark.parametrize("layers", sorted(DEFAULT_TAPS))
+def test_default_tap_layers_are_pinned(layers):
+    """Issue 28: one default_tap_layers serves the draft config and the target adapter (it was written twice);
+    its values for real layer counts (Llama-3.1-8B 32, Vicuna-13B 40, Qwen3-4B 36, SmolLM2-135M 30, ...),
+    and a head's explicit ids win over them."""
+    from heterospec.models import target as target_mod
+
+    assert target_mod.default_tap_layers is default_tap_layers
+    taps = DEFAULT_TAPS[layers]
+    assert default_tap_layers(layers) == taps
+    assert default_tap_layers(layers, strict=False) == taps
+    assert make_config().tap_layers(layers) == taps
+    assert make_config(aux_layer_ids=[0, 1, layers - 1]).tap_layers(layers) == [0, 1, layers - 1]
+
+
+def test_default_tap_layers_below_seven_layers():
+    """Below 7 layers EAGLE-3's formula repeats or reverses taps: a head's config refuses it, the target
+    adapter's fallback (no draft config) keeps the formula's ids as before."""
+    for layers, taps in {6: [2, 3, 3], 5: [2, 2, 2], 4: [2, 2, 1], 3: [2, 1, 0]}.items():
+        with pytest.raises(ValueError, match="at least 7"):
+            default_tap_layers(layers)
+        with pytest.raises(ValueError, match="at least 7"):
+            make_config().tap_layers(layers)
+        assert default_tap_layers(layers, strict=False) == taps
+
+
+def test_the_target_adapter_taps_the_default_or_the_given_layers():
+    from heterospec.models.target import TargetAdapter
+
+    for layers, given, want in ((8, None, [2, 4, 5]), (4, None, [2, 2, 1]), (8, [0, 3, 7], [0, 3, 7])):
+        adapter = TargetAdapter(tiny_target(layers=layers), tap_layers=given)
+        try:
+            assert adapter.tap_layers == want
+        finally:
+            adapter.close()
 
 
 def speculators_dict(c: Eagle3Config, norm_output=False, model_type="llama"):

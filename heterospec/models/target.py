@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
+from .draft.config import default_tap_layers
 
 TREE_MASK_ATTN = ("sdpa", "eager")
 
@@ -35,11 +36,6 @@ def _decoder_layers(model):
             f"got {type(model).__name__}"
         )
     return layers
-
-
-def default_tap_layers(num_layers):
-    """EAGLE-3's default taps in the input-of-layer convention: [2, L//2, L-3]."""
-    return [2, num_layers // 2, num_layers - 3]
 
 
 def _cache_base():
@@ -118,7 +114,9 @@ class TargetAdapter:
         self.model = model
         layers = _decoder_layers(model)
         n = len(layers)
-        self.tap_layers = list(default_tap_layers(n) if tap_layers is None else tap_layers)
+        # the engine and the trace recorder pass a loaded head's own, checked taps; the default here (no draft,
+        # a draft without an EAGLE-3 config, training's collection) stays unchecked below 7 layers, as before
+        self.tap_layers = list(default_tap_layers(n, strict=False) if tap_layers is None else tap_layers)
         bad = [i for i in self.tap_layers if not 0 <= i < n]
         if len(self.tap_layers) != 3 or bad:
             raise ValueError(

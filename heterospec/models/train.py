@@ -49,7 +49,7 @@ def build_vocab_maps(token_ids, vocab_size, draft_vocab_size):
 
 def draft_config_for(target, draft_vocab_size, **overrides):
     """An EAGLE-3 config shaped after the target (one decoder layer of the target's width)."""
-    from .draft import _Problems, read_rope
+    from .draft.config import _Problems, read_rope
 
     c = target.config
     # the RoPE base and scaling as the loader reads them, under every transformers release (5.x keeps them in
