@@ -158,9 +158,11 @@ def topk_entropy(logits, k, temperature=1.0, *, stream=None, check=True):
     """Per-row entropy (nats) of softmax over the ``k`` largest logits divided by ``temperature``.
 
     ``logits[N, V]`` float16/bfloat16/float32 -> ``float32[N]``.  The per-step term of HeteroSpec's Eq. 1.
+    Batched: ``logits[batch, N, V]`` -> ``float32[batch, N]``, row by row.
     """
     logits = _logits_arr(logits, "topk_entropy", "logits")
-    return _C.topk_entropy(logits, k, temperature, _allocator(logits), _stream(logits, stream), check, False)
+    return _C.topk_entropy(logits, k, temperature, _allocator(logits), _stream(logits, stream), check,
+                           _batched(logits, 3))
 
 
 def expand(logits, beam_scores, beam_nodes, k, d2t=None, node_offset=0, *, stream=None, check=True):
