@@ -98,12 +98,17 @@ int hs_nargs(const char *op, Py_ssize_t nargs, Py_ssize_t expected) {
     return -1;
 }
 
-int hs_parse_i64(PyObject *obj, const char *op, const char *arg, int64_t *out) {
+/* obj as a Python int (a new reference), or NULL with a TypeError naming the argument (bools are refused). */
+static PyObject *hs_index(PyObject *obj, const char *op, const char *arg) {
     if (PyBool_Check(obj) || !PyIndex_Check(obj)) {
         PyErr_Format(PyExc_TypeError, "%s: argument '%s' expected an int, got %s", op, arg, Py_TYPE(obj)->tp_name);
-        return -1;
+        return NULL;
     }
-    PyObject *idx = PyNumber_Index(obj);
+    return PyNumber_Index(obj);
+}
+
+int hs_parse_i64(PyObject *obj, const char *op, const char *arg, int64_t *out) {
+    PyObject *idx = hs_index(obj, op, arg);
     if (idx == NULL) return -1;
     int overflow = 0;
     long long x = PyLong_AsLongLongAndOverflow(idx, &overflow);
@@ -118,11 +123,7 @@ int hs_parse_i64(PyObject *obj, const char *op, const char *arg, int64_t *out) {
 }
 
 int hs_parse_u64(PyObject *obj, const char *op, const char *arg, uint64_t *out) {
-    if (PyBool_Check(obj) || !PyIndex_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "%s: argument '%s' expected an int, got %s", op, arg, Py_TYPE(obj)->tp_name);
-        return -1;
-    }
-    PyObject *idx = PyNumber_Index(obj);
+    PyObject *idx = hs_index(obj, op, arg);
     if (idx == NULL) return -1;
     unsigned long long x = PyLong_AsUnsignedLongLong(idx);
     if (x == (unsigned long long)-1 && PyErr_Occurred()) {
@@ -154,6 +155,15 @@ int hs_parse_f64(PyObject *obj, const char *op, const char *arg, double *out) {
     return 0;
 }
 
+int hs_parse_flag(PyObject *obj, const char *op, const char *arg, int *out) {
+    if (!PyBool_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: argument '%s' expected a bool, got %s", op, arg, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    *out = obj == Py_True;
+    return 0;
+}
+
 /* ---- errors and the core call ----------------------------------------------------------------------------- */
 
 void hs_raise(hs_status st, const hs_error *err) {
@@ -168,15 +178,6 @@ void *hs_workspace(size_t bytes) {
     void *p = PyMem_RawMalloc(bytes ? bytes : 1);
     if (p == NULL) PyErr_NoMemory();
     return p;
-}
-
-int hs_parse_flag(PyObject *obj, const char *op, const char *arg, int *out) {
-    if (!PyBool_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "%s: argument '%s' expected a bool, got %s", op, arg, Py_TYPE(obj)->tp_name);
-        return -1;
-    }
-    *out = obj == Py_True;
-    return 0;
 }
 
 /* ---- the CUDA side of a call ------------------------------------------------------------------------------- */

@@ -42,6 +42,14 @@ PyObject *py_build_info(PyObject *self, PyObject *args) {
     return d;
 }
 
+#ifndef HS_WITH_CUDA
+/* What the CUDA utilities raise in a build without CUDA. */
+static PyObject *hs_no_cuda(const char *fn) {
+    PyErr_Format(PyExc_ValueError, "%s: this build of heterospec has no CUDA ops", fn);
+    return NULL;
+}
+#endif
+
 /* cuda_check(device, stream): synchronise `stream` on `device` and raise the error a check=False call
  * recorded there, if any. */
 PyObject *py_cuda_check(PyObject *self, PyObject *args) {
@@ -61,8 +69,7 @@ PyObject *py_cuda_check(PyObject *self, PyObject *args) {
 #else
     (void)dev;
     (void)o_stream;
-    PyErr_SetString(PyExc_ValueError, "cuda_check: this build of heterospec has no CUDA ops");
-    return NULL;
+    return hs_no_cuda("cuda_check");
 #endif
 }
 
@@ -90,8 +97,7 @@ PyObject *py_cuda_reserve(PyObject *self, PyObject *args) {
 #else
     (void)dev;
     (void)bytes;
-    PyErr_SetString(PyExc_ValueError, "cuda_reserve: this build of heterospec has no CUDA ops");
-    return NULL;
+    return hs_no_cuda("cuda_reserve");
 #endif
 }
 
@@ -105,7 +111,6 @@ PyObject *py_cuda_chunks(PyObject *self, PyObject *args) {
 #else
     (void)rows;
     (void)V;
-    PyErr_SetString(PyExc_ValueError, "cuda_chunks: this build of heterospec has no CUDA ops");
-    return NULL;
+    return hs_no_cuda("cuda_chunks");
 #endif
 }
