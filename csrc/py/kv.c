@@ -121,9 +121,7 @@ static int hs_parse_prefix(hs_views *vs, PyObject *o, const char *op, int64_t B,
     const int64_t rows = B > 0 ? B : 1;
     *dev = NULL;
     *view = NULL;
-    int is_array = !PyLong_Check(o) && !PyArray_IsScalar(o, Generic) &&
-                   (PyArray_Check(o) || PyObject_HasAttrString(o, "__dlpack__"));
-    if (!is_array) {
+    if (!hs_is_array(o)) {
         int64_t val;
         if (hs_parse_i64(o, op, arg, &val) < 0) return -1;
         for (int64_t b = 0; b < rows; b++) host[b] = val;
@@ -187,8 +185,8 @@ HS_FASTCALL(py_kv_compact) {
     const hs_kv_set *ks = prepared ? &((hs_kvt_object *)o_tensors)->set : &own;
     hs_view *sl, *pv = NULL;
     const int64_t *prefix_dev = NULL;
-    int64_t local[16], *host = NULL; /* prefix lengths [B], then the slot counts [B]: on the stack for B <= 8
-                                         (the decoding loop's per-cycle commit), else allocated */
+    hs_i64buf hbuf = {.p = NULL}; /* prefix lengths [B], then the slot counts [B] */
+    int64_t *host;
     PyObject *result = NULL;
     if (!(sl = hs_views_first(&vs, o_slots, op, "slots", args[5], 2))) goto fail;
     if (prepared && ks->device_type != 0) {
@@ -205,12 +203,7 @@ HS_FASTCALL(py_kv_compact) {
     if (hs_check_array(sl, op, "slots", 2, "[batch, m]", HS_ID_DTYPES, "int32 or int64") < 0)
         goto fail;
     const int64_t B = sl->shape[0], m = sl->shape[1];
-    if (B <= 8) {
-        host = local;
-    } else if (!(host = PyMem_Malloc((size_t)B * 2 * sizeof(int64_t)))) {
-        PyErr_NoMemory();
-        goto fail;
-    }
+    if (!(host = hs_i64buf_get(&hbuf, 2 * (B > 0 ? B : 1)))) goto fail;
     if (hs_parse_prefix(&vs, o_prefix, op, bt ? B : 0, host, &prefix_dev, &pv) < 0) goto fail;
     if (!prepared && hs_kv_set_import(&own, o_tensors, op, o_stream, sl, "slots") < 0) goto fail;
     if (hs_kv_check_disjoint(ks, sl, op, "slots") < 0 || (pv && hs_kv_check_disjoint(ks, pv, op, "prefix_len") < 0))
@@ -259,7 +252,7 @@ fail:
     hs_gpu_end(&g, op, 0);
     hs_kv_set_release(&own);
     hs_views_release(&vs);
-    if (host != local) PyMem_Free(host);
+    hs_i64buf_free(&hbuf);
     return result;
 }
 
