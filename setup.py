@@ -137,7 +137,7 @@ ext = Extension(
     extra_compile_args=compile_args,
     extra_link_args=link_args,
     depends=sources("csrc/cuda/*.cu") + sources("csrc/cuda/*.cuh") + sources("csrc/core/*.h")
-    + sources("csrc/include/hs/*.h"),
+    + sources("csrc/py/*.h") + sources("csrc/include/hs/*.h"),
 )
 
 setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})

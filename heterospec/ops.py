@@ -143,13 +143,26 @@ def _logits_arr(x, op, name):
                         f"{type(x).__name__} that is not one") from None
 
 
+def _batched(x, ndim):
+    """Whether ``x``, an op's leading array, carries the batch dimension (``ndim`` dimensions in the batched form).
+
+    The C binding takes the batch-first form only; for an unbatched call (False) it views every per-request array
+    with a leading batch dimension of 1 and returns outputs without it (shape bookkeeping on the imported views:
+    no copy, no indexing of the caller's tensors).  None (an array type without ``ndim``) lets the binding read the
+    number of dimensions from the import."""
+    nd = getattr(x, "ndim", None)
+    return None if nd is None else nd == ndim
+
+
 def topk_entropy(logits, k, temperature=1.0, *, stream=None, check=True):
     """Per-row entropy (nats) of softmax over the ``k`` largest logits divided by ``temperature``.
 
     ``logits[N, V]`` float16/bfloat16/float32 -> ``float32[N]``.  The per-step term of HeteroSpec's Eq. 1.
+    Batched: ``logits[batch, N, V]`` -> ``float32[batch, N]``, row by row.
     """
     logits = _logits_arr(logits, "topk_entropy", "logits")
-    return _C.topk_entropy(logits, k, temperature, _allocator(logits), _stream(logits, stream), check)
+    return _C.topk_entropy(logits, k, temperature, _allocator(logits), _stream(logits, stream), check,
+                           _batched(logits, 3))
 
 
 def expand(logits, beam_scores, beam_nodes, k, d2t=None, node_offset=0, *, stream=None, check=True):
@@ -168,7 +181,7 @@ def expand(logits, beam_scores, beam_nodes, k, d2t=None, node_offset=0, *, strea
     logits = _logits_arr(logits, "expand", "logits")
     return _C.expand(
         logits, _arr(beam_scores), _arr(beam_nodes), k, _arr(d2t), node_offset, _allocator(logits),
-        _stream(logits, stream), check,
+        _stream(logits, stream), check, _batched(logits, 3),
     )
 
 
@@ -182,15 +195,8 @@ def select(scores, n, *, m=None, width=None, stream=None, check=True):
     on ``scores[b, :m[b]]`` gives them, the rest -1.
     """
     scores = _arr(scores)
-    n, m = _arr(n), _arr(m)
-    if m is not None or width is not None or hasattr(n, "__dlpack__") or isinstance(n, np.ndarray):
-        if not _batched(scores):
-            raise ValueError("select: argument 'n' expected an int for unbatched scores ([M]); per-row sizes (an "
-                             "array n, m or width) need [batch, M] scores")
-        if width is None:
-            width = scores.shape[1] if (hasattr(n, "__dlpack__") or isinstance(n, np.ndarray)) else n
-        return _C.select_batch(scores, n, m, width, _allocator(scores), _stream(scores, stream), check)
-    return _C.select(scores, n, _allocator(scores), _stream(scores, stream), check)
+    return _C.select(scores, _arr(n), _arr(m), width, _allocator(scores), _stream(scores, stream), check,
+                     _batched(scores, 2))
 
 
 def build_tree(tokens, parents, selected, root_token, *, n=None, stream=None, check=True, device_outputs=False):
@@ -211,29 +217,13 @@ def build_tree(tokens, parents, selected, root_token, *, n=None, stream=None, ch
     row's first ``n[b]`` entries, the rest -1 (mask False); ``device_outputs`` does not apply.
     """
     tokens = _arr(tokens)
-    if _batched(tokens):
-        out = _C.build_tree_batch(tokens, _arr(parents), _arr(selected), _arr(root_token), _arr(n), _allocator(tokens),
-                                  _stream(tokens, stream), check)
-        return VerifyTree(*out[:5]), out[5], out[6]
-    _no_n(n, "build_tree", "[M] tokens")
-    out = _C.build_tree(
-        tokens, _arr(parents), _arr(selected), root_token, _allocator(tokens), _stream(tokens, stream), check,
-        device_outputs,
-    )
-    if device_outputs:
+    batched = _batched(tokens, 2)
+    root_token = root_token if batched is False else _arr(root_token)  # an unbatched call's root is an int
+    out = _C.build_tree(tokens, _arr(parents), _arr(selected), root_token, _arr(n), _allocator(tokens),
+                        _stream(tokens, stream), check, device_outputs, batched)
+    if len(out) == 7:  # batched, or device_outputs: the padded tree and its two counts
         return VerifyTree(*out[:5]), out[5], out[6]
     return VerifyTree(*out)
-
-
-def _batched(x):
-    """Whether an op's leading argument carries a batch dimension (2-D trees)."""
-    return getattr(x, "ndim", None) == 2
-
-
-def _no_n(n, op, first="a [T] tree_tokens"):
-    if n is not None:
-        raise ValueError(f"{op}: argument 'n' expected None for an unbatched tree ({first}), got an array; "
-                         f"pass a leading batch dimension to give per-row sizes")
 
 
 def verify_greedy(tree_tokens, tree_parents, target_logits, *, n=None, stream=None, check=True, device_outputs=False):
@@ -254,14 +244,8 @@ def verify_greedy(tree_tokens, tree_parents, target_logits, *, n=None, stream=No
     """
     target_logits = _logits_arr(target_logits, "verify_greedy", "target_logits")
     tree_tokens = _arr(tree_tokens)
-    if _batched(tree_tokens):
-        return _C.verify_greedy_batch(tree_tokens, _arr(tree_parents), target_logits, _arr(n), _allocator(tree_tokens),
-                                      _stream(tree_tokens, stream), check)
-    _no_n(n, "verify_greedy")
-    return _C.verify_greedy(
-        tree_tokens, _arr(tree_parents), target_logits, _allocator(tree_tokens), _stream(tree_tokens, stream),
-        check, device_outputs,
-    )
+    return _C.verify_greedy(tree_tokens, _arr(tree_parents), target_logits, _arr(n), _allocator(tree_tokens),
+                            _stream(tree_tokens, stream), check, device_outputs, _batched(tree_tokens, 2))
 
 
 def verify_sample(
@@ -291,14 +275,10 @@ def verify_sample(
     """
     target_logits = _logits_arr(target_logits, "verify_sample", "target_logits")
     tree_tokens = _arr(tree_tokens)
-    if _batched(tree_tokens):
-        return _C.verify_sample_batch(
-            tree_tokens, _arr(tree_parents), target_logits, _arr(n), temperature, top_k, top_p, seed, offset,
-            _allocator(tree_tokens), _stream(tree_tokens, stream), check, advance_offset)
-    _no_n(n, "verify_sample")
     return _C.verify_sample(
-        tree_tokens, _arr(tree_parents), target_logits, temperature, top_k, top_p, seed, offset,
+        tree_tokens, _arr(tree_parents), target_logits, _arr(n), temperature, top_k, top_p, seed, offset,
         _allocator(tree_tokens), _stream(tree_tokens, stream), check, device_outputs, advance_offset,
+        _batched(tree_tokens, 2),
     )
 
 
@@ -322,7 +302,7 @@ def kv_compact(tensors, prefix_len, slots, *, stream=None, check=True):
     slots = _arr(slots)
     if isinstance(tensors, KVTensors):
         tensors = tensors._c
-    _C.kv_compact(tensors, prefix_len, slots, _stream(slots, stream), check)
+    _C.kv_compact(tensors, prefix_len, slots, _stream(slots, stream), check, _batched(slots, 2))
 
 
 class KVTensors:

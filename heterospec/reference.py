@@ -192,16 +192,19 @@ def _topk_entropy_rows(x64, k, temperature):
     return (0.0 - plogp.sum(axis=1)).astype(np.float32)  # 0.0 - s: an entropy of 0 is +0.0, not -0.0
 
 
-def _topk_entropy_host(logits, k, temperature=1.0):
-    """Per-row entropy (nats) of the softmax of the k largest logits divided by temperature -> float32[N]."""
+def _topk_entropy_host(logits, k, temperature=1.0, ndim=2):
+    """Per-row entropy (nats) of the softmax of the k largest logits divided by temperature -> float32[N], or
+    (ndim=3, logits [batch, N, V]) float32[batch, N]: the rows of every batch row, in order, as one [batch * N, V]
+    matrix (an error names the row of that matrix)."""
     op = "topk_entropy"
-    x = _logits(op, "logits", logits)
-    n, v = x.shape
+    x = _logits(op, "logits", logits, ndim)
+    v = x.shape[-1]
+    rows = x.reshape(-1, v)
     k = _int(op, "k", k, 1, v)
     temperature = _temperature(op, temperature)
-    x32 = x.astype(np.float32, copy=False)
-    _check_logit_rows(op, "logits", x32, np.arange(n))
-    return _topk_entropy_rows(x32.astype(np.float64), k, temperature)
+    x32 = rows.astype(np.float32, copy=False)
+    _check_logit_rows(op, "logits", x32, np.arange(x32.shape[0]))
+    return _topk_entropy_rows(x32.astype(np.float64), k, temperature).reshape(x.shape[:-1])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -723,8 +726,9 @@ def philox_uniform(n, *, seed, offset):
 
 
 def topk_entropy(logits, k, temperature=1.0, *, stream=None, check=True):
-    """Per-row entropy (nats) of the softmax of the k largest logits divided by temperature -> float32[N]."""
-    return _topk_entropy_host(logits, k, temperature)
+    """Per-row entropy (nats) of the softmax of the k largest logits divided by temperature -> float32[N].
+    Batched (logits [batch, N, V]): float32 [batch, N], row by row."""
+    return _topk_entropy_host(logits, k, temperature, 3 if np.ndim(logits) == 3 else 2)
 
 
 def expand(logits, beam_scores, beam_nodes, k, d2t=None, node_offset=0, *, stream=None, check=True):

@@ -107,6 +107,32 @@ def test_bad_batched_shapes_and_seeds(impl):
 
 
 @pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_topk_entropy_batch_equals_its_rows(impl, seed, dtype):
+    """topk_entropy over logits [batch, N, V] -> float32 [batch, N]: row b is the unbatched call on logits[b]."""
+    rng = np.random.default_rng(20 + seed)
+    B, N, V = 4, 3, 60
+    x = (rng.normal(0, 2, (B, N, V)) + (rng.integers(0, 3, (B, N, V)) if seed == 2 else 0)).astype(dtype)  # ties
+    x[1, 2, ::3] = -np.inf
+    for k, temperature in ((1, 1.0), (7, 0.6), (V, 1.0)):
+        out = to_numpy(impl.topk_entropy(x, k, temperature))
+        assert out.shape == (B, N) and out.dtype == np.float32
+        for b in range(B):
+            assert np.array_equal(out[b], to_numpy(impl.topk_entropy(x[b], k, temperature)))
+    assert to_numpy(impl.topk_entropy(np.zeros((0, 3, V), np.float32), 2)).shape == (0, 3)
+    assert to_numpy(impl.topk_entropy(np.zeros((2, 0, V), np.float32), 2)).shape == (2, 0)
+
+
+def test_bad_batched_topk_entropy(impl):
+    x = np.zeros((2, 3, 10), np.float32)
+    with pytest.raises(ValueError, match=r"topk_entropy: argument 'k' expected .*10.*got 11"):
+        impl.topk_entropy(x, 11)
+    x[1, 2, 4] = np.nan   # row 1 * 3 + 2 of the rows taken as one [batch * N, V] matrix
+    with pytest.raises(ValueError, match=r"topk_entropy: argument 'logits' expected .*\b5\b.*\b4\b"):
+        impl.topk_entropy(x, 2)
+
+
+@pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("with_d2t", [False, True])
 def test_expand_batch_equals_its_rows(impl, seed, with_d2t):
     rng = np.random.default_rng(30 + seed)

@@ -685,6 +685,20 @@ def test_batched_expand_on_the_device_equals_the_cpu_batch(dtype):
     close(dev[3], cpu[3])
 
 
+@pytest.mark.parametrize("dtype", LOGIT_DTYPES)
+@pytest.mark.parametrize("V,k", [(111, 10), (3001, 64), (3001, 300)])   # split rows, and k above the split path's
+def test_batched_topk_entropy_on_the_device_equals_the_cpu_batch(dtype, V, k):
+    rng = np.random.default_rng(V + k)
+    B, N = 3, 2
+    x = logits(rng, B * N, V, ties=True)
+    x[3, ::5] = -np.inf
+    dx, cpu_x = D.put_logits(x, dtype)
+    dx = dx.reshape(B, N, V) if REAL else EmuCuda(D.get(dx).reshape(B, N, V), bf16=dtype == "bfloat16")
+    dev = D.get(ops.topk_entropy(dx, k, 0.8))
+    assert dev.shape == (B, N)
+    close(dev, D.get(ops.topk_entropy(cpu_x.reshape(B, N, V), k, 0.8)))
+
+
 def test_batched_select_on_the_device_equals_the_cpu_batch():
     rng = np.random.default_rng(41)
     x = rng.integers(-5, 5, (4, 200)).astype(np.float32)

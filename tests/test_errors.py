@@ -64,7 +64,7 @@ case("te-int-logits", TypeError, "logits", lambda m: m.topk_entropy(L.astype(np.
 case("te-float64-logits", TypeError, "logits", lambda m: m.topk_entropy(L.astype(np.float64), 2))
 case("te-str-logits", TypeError, "logits", lambda m: m.topk_entropy("logits", 2))
 case("te-1d", ValueError, "logits", lambda m: m.topk_entropy(L[0], 2))
-case("te-3d", ValueError, "logits", lambda m: m.topk_entropy(L[None], 2))
+case("te-4d", ValueError, "logits", lambda m: m.topk_entropy(L[None, None], 2))  # 3-D is the batched form
 case("te-noncontig", ValueError, "logits", lambda m: m.topk_entropy(noncontig(L), 2))
 case("te-k-range", ValueError, "k",
      lambda m: m.topk_entropy(L, 0), lambda m: m.topk_entropy(L, 8), lambda m: m.topk_entropy(L, -1))

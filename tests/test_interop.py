@@ -108,6 +108,21 @@ def test_dlpack_versioned_and_legacy_capsules_agree():
     np.testing.assert_array_equal(ops.topk_entropy(LegacyProducer(x), 5), want)
 
 
+def test_producers_without_ndim_in_both_forms():
+    """heterospec.ops tells the batch-first binding whether a call is batched from the leading array's ndim; an
+    array type without ndim (a bare DLPack producer) leaves it to the binding, which reads it from the import."""
+    rng = np.random.default_rng(4)
+    x = torch.from_numpy(rng.standard_normal((2, 3, 40)).astype(np.float32))
+    assert not hasattr(VersionedProducer(x), "ndim")
+    np.testing.assert_array_equal(ops.topk_entropy(VersionedProducer(x), 5), ops.topk_entropy(x.numpy(), 5))
+    np.testing.assert_array_equal(ops.topk_entropy(LegacyProducer(x[0]), 5), ops.topk_entropy(x[0].numpy(), 5))
+    scores, nodes = np.zeros((2, 3), np.float32), np.zeros((2, 3), np.int64)
+    for got, want in zip(ops.expand(LegacyProducer(x), scores, nodes, 4), ops.expand(x.numpy(), scores, nodes, 4)):
+        np.testing.assert_array_equal(got, want)
+    tree = ops.build_tree(LegacyProducer(torch.tensor([4, 5, 6])), np.array([-1, 0, 1]), np.array([0, 1]), 9)
+    assert tree.tokens.tolist() == [9, 4, 5] and tree.retrieve.tolist() == [[0, 1, 2]]
+
+
 def test_kv_compact_writes_through_dlpack_and_torch():
     kv = [torch.arange(2 * 9 * 3, dtype=torch.float32).reshape(2, 9, 3) for _ in range(3)]
     want = [t.clone() for t in kv]

@@ -9,10 +9,17 @@
  * cannot see GPU-only faults (memory model subtleties, launch limits), which the GPU parity run covers.
  * Because of it the kernels use only block-level shared-memory cooperation (no warp shuffles, no CUB)
  * and only dynamic shared memory.
+ *
+ * The kernels live per op family, as the CPU core does (csrc/core/): entropy.cu (topk_entropy, bucketize),
+ * tree.cu (expand, select, build_tree), verify.cu (verify_greedy, verify_sample), kv.cu (kv_compact); the
+ * row kernels' shared scan and split-row machinery in rows.cuh / rows.cu; runtime.cu the binding's glue.  The
+ * files are compiled separately without relocatable device code, so device code used by several of them is
+ * defined in a header (inline functions and templates), never in one .cu for another to call.
  */
 #ifndef HS_CUDA_COMMON_CUH
 #define HS_CUDA_COMMON_CUH
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -144,6 +151,37 @@ __device__ __forceinline__ char *hs_smem() {
 
 #include "../core/hd_math.h"
 
+/* ---- host side of a launch ----------------------------------------------------------------------------- */
+
+extern "C" hs_status hs_fail(hs_error *err, hs_status status, const char *op, const char *arg, const char *fmt, ...);
+
+/* A launch's return code (HS_LAUNCH) as a status: HS_OK, or HS_ERR_CUDA saying why. */
+static inline hs_status hs_launched(int rc, const char *op, hs_error *herr) {
+    if (rc == 0) return HS_OK;
+#ifdef HS_CUDA_EMU
+    return hs_fail(herr, (hs_status)HS_ERR_CUDA, op, "launch",
+                   "expected a successful kernel launch, got one over the emulated sm_80 limits (block or shared memory)");
+#else
+    return hs_fail(herr, (hs_status)HS_ERR_CUDA, op, "launch", "expected a successful kernel launch, got %s",
+                   cudaGetErrorString((cudaError_t)rc));
+#endif
+}
+
+/* Run the statements with DT, a constant usable as a template argument, set to the logits dtype; another dtype
+ * returns HS_ERR_DTYPE naming argument `arg` of `op`.  For the host launchers of kernels templated on it. */
+#define HS_LOGIT_SWITCH(dtype, op, arg, herr, ...)                                                                \
+    switch (dtype) {                                                                                             \
+    case HS_FLOAT32: { constexpr int DT = HS_FLOAT32; __VA_ARGS__; } break;                                      \
+    case HS_FLOAT16: { constexpr int DT = HS_FLOAT16; __VA_ARGS__; } break;                                      \
+    case HS_BFLOAT16: { constexpr int DT = HS_BFLOAT16; __VA_ARGS__; } break;                                    \
+    default:                                                                                                     \
+        return hs_fail(herr, HS_ERR_DTYPE, op, arg, "expected float16, bfloat16 or float32, got %s",             \
+                       hs_dtype_name((hs_dtype)(dtype)));                                                        \
+    }
+
+/* Sizes of shared and global scratch carved into 16-byte aligned pieces. */
+__host__ __device__ static inline size_t hs_al16(size_t n) { return (n + 15) & ~(size_t)15; }
+
 /* Threads per block for vocabulary-wide row kernels and for small per-tree kernels. */
 #ifdef HS_CUDA_EMU
 /* 64 threads per block by default: every code path, fast enough for CI; HETEROSPEC_EMU_BLOCKS=gpu builds the
@@ -160,6 +198,9 @@ __device__ __forceinline__ char *hs_smem() {
 #define HS_ROW_THREADS 1024
 #define HS_TREE_THREADS 256
 #endif
+
+#define HS_INF __int_as_float_inf()
+__device__ __forceinline__ float __int_as_float_inf() { return __uint_as_float(0x7f800000u); }
 
 /* ---- device error codes (hs_cuda_error.code) ----------------------------------------------------------- */
 enum {
@@ -297,6 +338,8 @@ template <class K> struct hs_radix {
     }
 };
 #define HS_RADIX_SMEM (256 * 4 + 64)
+/* Shared memory of a block that reduces (8 bytes a thread) and runs a radix select. */
+static inline size_t hs_row_smem(unsigned threads) { return threads * sizeof(long long) + HS_RADIX_SMEM; }
 
 template <class K, class KeyFn>
 __device__ void hs_block_radix_select(const KeyFn &key, int64_t n, int64_t k, char *scratch, long long *red,
@@ -367,6 +410,33 @@ __device__ void hs_block_radix_select(const KeyFn &key, int64_t n, int64_t k, ch
         res->tie_cut = cut;
         __syncthreads();
     }
+}
+
+/* Take the k entries chosen by `sel` into cand (ids) / cval (keys), then sort them best first by rank
+ * counting (key desc, id asc); rank[c] is where cand[c] goes. */
+template <class KeyFn>
+__device__ void hs_collect_sorted(const KeyFn &key, int64_t n, int64_t k, const hs_radix<uint32_t> &sel,
+                                  int64_t *cand, uint32_t *cval, int *rank, int *count) {
+    if (threadIdx.x == 0) *count = 0;
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        uint32_t kk = key(i);
+        if (sel.taken(kk, i)) {
+            int pos = atomicAdd(count, 1);
+            if (pos < k) {
+                cand[pos] = i;
+                cval[pos] = kk;
+            }
+        }
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < k; c += blockDim.x) {
+        int r = 0;
+        for (int j = 0; j < k; j++)
+            r += cval[j] > cval[c] || (cval[j] == cval[c] && cand[j] < cand[c]);
+        rank[c] = r;
+    }
+    __syncthreads();
 }
 
 #endif /* HS_CUDA_COMMON_CUH */

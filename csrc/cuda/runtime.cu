@@ -9,7 +9,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-extern "C" hs_status hs_fail(hs_error *err, hs_status status, const char *op, const char *arg, const char *fmt, ...);
 
 #define HS_MAX_DEVICES 64
 

@@ -37,11 +37,12 @@ static const char *hs_device_name(int type) {
     }
 }
 
+/* The caller's shape, as Python writes a tuple (without the batch dimension the binding added). */
 static void hs_shape_str(const hs_view *v, char *buf, size_t n) {
     size_t used = (size_t)snprintf(buf, n, "(");
-    for (int i = 0; i < v->ndim && used < n; i++)
-        used += (size_t)snprintf(buf + used, n - used, i ? ", %lld" : "%lld", (long long)v->shape[i]);
-    if (used < n) snprintf(buf + used, n - used, v->ndim == 1 ? ",)" : ")");
+    for (int i = v->lead; i < v->ndim && used < n; i++)
+        used += (size_t)snprintf(buf + used, n - used, i > v->lead ? ", %lld" : "%lld", (long long)v->shape[i]);
+    if (used < n) snprintf(buf + used, n - used, v->ndim - v->lead == 1 ? ",)" : ")");
 }
 
 /* ---- NumPy ----------------------------------------------------------------------------------------- */
@@ -419,12 +420,22 @@ void hs_view_release(hs_view *v) {
 
 /* ---- checks ---------------------------------------------------------------------------------------- */
 
+/* The layout a message names (see view.h): batch-first, or the unbatched spelling for a view with a lead. */
+static void hs_layout_str(const char *layout, int lead, char *buf, size_t n) {
+    const char *bar = strchr(layout, '|');
+    if (!lead) snprintf(buf, n, "%.*s", bar ? (int)(bar - layout) : (int)strlen(layout), layout);
+    else if (bar) snprintf(buf, n, "%s", bar + 1);
+    else if (strncmp(layout, "[batch, ", 8) == 0) snprintf(buf, n, "[%s", layout + 8);
+    else snprintf(buf, n, "%s", layout);
+}
+
 int hs_check_ndim(const hs_view *v, const char *op, const char *arg, int ndim, const char *layout) {
     if (v->ndim == ndim) return 0;
-    char shp[160];
+    char shp[160], lay[64];
     hs_shape_str(v, shp, sizeof shp);
+    hs_layout_str(layout, v->lead, lay, sizeof lay);
     PyErr_Format(PyExc_ValueError, "%s: argument '%s' expected a %d-D array %s, got %d-D with shape %s", op, arg,
-                 ndim, layout, v->ndim, shp);
+                 ndim - v->lead, lay, v->ndim - v->lead, shp);
     return -1;
 }
 
@@ -434,13 +445,23 @@ int hs_check_dtype(const hs_view *v, const char *op, const char *arg, unsigned m
     return -1;
 }
 
+int hs_check_array(const hs_view *v, const char *op, const char *arg, int ndim, const char *layout, unsigned mask,
+                   const char *expected) {
+    return hs_check_ndim(v, op, arg, ndim, layout) < 0 ? -1 : hs_check_dtype(v, op, arg, mask, expected);
+}
+
 int hs_check_dim(const hs_view *v, const char *op, const char *arg, int dim, int64_t expected, const char *why) {
     if (v->shape[dim] == expected) return 0;
     char shp[160];
     hs_shape_str(v, shp, sizeof shp);
-    PyErr_Format(PyExc_ValueError, "%s: argument '%s' expected shape[%d] == %lld (%s), got shape %s", op, arg, dim,
-                 (long long)expected, why, shp);
+    PyErr_Format(PyExc_ValueError, "%s: argument '%s' expected shape[%d] == %lld (%s), got shape %s", op, arg,
+                 dim - v->lead, (long long)expected, why, shp);
     return -1;
+}
+
+int hs_check_dims(const hs_view *v, const char *op, const char *arg, int64_t d0, const char *why0, int64_t d1,
+                  const char *why1) {
+    return hs_check_dim(v, op, arg, 0, d0, why0) < 0 ? -1 : hs_check_dim(v, op, arg, 1, d1, why1);
 }
 
 #ifdef HS_WITH_CUDA

@@ -21,7 +21,8 @@ typedef struct hs_view {
     char dtype_name[24];
     int64_t itemsize; /* bytes per element, for ops that move elements of any dtype */
     int ndim;
-    int64_t shape[HS_MAX_NDIM];
+    int64_t shape[HS_MAX_NDIM + 1]; /* + 1: room for the batch dimension hs_view_lead adds */
+    int lead; /* shape[0] is a batch dimension of 1 that the binding added (an unbatched call, see hs_view_lead) */
     int device_type; /* DLPack device code: 1 = CPU */
     int device_id;
     int readonly;
@@ -46,11 +47,28 @@ static inline int64_t hs_view_nbytes(const hs_view *v) {
     return n;
 }
 
-/* Checks; each returns 0, or -1 with an exception set. */
+/* View an array of an unbatched call as the batch-first form the ops take: a leading batch dimension of 1 is
+ * added to its shape (the data is the same).  The checks below then speak of the caller's shape. */
+static inline void hs_view_lead(hs_view *v) {
+    for (int i = v->ndim; i > 0; i--) v->shape[i] = v->shape[i - 1];
+    v->shape[0] = 1;
+    v->ndim++;
+    v->lead = 1;
+}
+
+/* Checks; each returns 0, or -1 with an exception set.  Layouts are written batch-first ("[batch, M]"); for a view
+ * with a lead dimension the message shows the layout without "batch, " ("[M]"), or the spelling after a '|' where
+ * the unbatched form names its sizes otherwise ("[batch, T]|[n]"), and the caller's ndim, dimension and shape. */
 int hs_check_ndim(const hs_view *v, const char *op, const char *arg, int ndim, const char *layout);
 int hs_check_dtype(const hs_view *v, const char *op, const char *arg, unsigned mask, const char *expected);
+/* hs_check_ndim, then hs_check_dtype. */
+int hs_check_array(const hs_view *v, const char *op, const char *arg, int ndim, const char *layout, unsigned mask,
+                   const char *expected);
 int hs_check_dim(const hs_view *v, const char *op, const char *arg, int dim, int64_t expected,
                  const char *why);
+/* shape[0] == d0 and shape[1] == d1 (the leading two dimensions: batch rows and per-row size), each with its why. */
+int hs_check_dims(const hs_view *v, const char *op, const char *arg, int64_t d0, const char *why0, int64_t d1,
+                  const char *why1);
 int hs_check_same_device(const hs_view *v, const hs_view *ref, const char *op, const char *arg,
                          const char *ref_arg);
 

@@ -1,5 +1,6 @@
 /*
- * heterospec_cuda.h -- the CUDA twins of the core ops (kernels in csrc/cuda/ops.cu).
+ * heterospec_cuda.h -- the CUDA twins of the core ops (kernels in csrc/cuda/, one file per op family as in
+ * csrc/core/: entropy.cu, tree.cu, verify.cu, kv.cu; the split-row machinery they share in rows.cuh / rows.cu).
  *
  * Same names with an hs_cuda_ prefix, same semantics and the same batch-first buffers as heterospec.h,
  * with these differences, all of them for speed on a GPU and for CUDA-graph capture:

@@ -1,0 +1,833 @@
+/*
+ * verify.cu -- verify_greedy and verify_sample as CUDA kernels (semantics: docs/ops.md; CPU twins:
+ * csrc/core/verify.c; Philox4x32-10, shared with the CPU core, is in csrc/core/hd_math.h).
+ *
+ *   verify_greedy  argmax of every (node row, chunk) in parallel, a fold of each row's chunks, then one block
+ *                  per request follows the accepted children.
+ *   verify_sample  chunks of every node row (max, kept mass, the best K for the top-k / top-p cuts; rows.cu),
+ *                  one block per node row deciding its statistics from those candidates (or, when they cannot
+ *                  decide, from the whole row as the unsplit kernel does), one block per request walking the
+ *                  tree with the CPU's Philox uniforms, then the residual draw split the same way (chunk
+ *                  masses, then one block per request finds the chunk and the token by inverse CDF).
+ * Sums that the CPU does in a fixed sequential order are parallel here: floats agree to ~1e-7 relative,
+ * and a sampled path can only differ when a uniform lands within ~1e-15 of a boundary.  The top-p cut is
+ * the exception that needs care: at a run of equal logits it can fall exactly on top_p, so its crossing is
+ * taken in the CPU's token-by-token order (hs_k_sample_merge, hs_warp_stats_row).
+ */
+#include "rows.cuh"
+
+/* ---- verification: shared tree checks ------------------------------------------------------------------ */
+
+/* Copy row b's tree into shared memory (par/tok), checking it; returns 0 (block-uniform) if it is bad. */
+__device__ int hs_load_tree(const void *tt, int tdt, const void *tp, int pdt, int64_t b, int64_t T, int64_t nb,
+                            int64_t V, int *par, int64_t *tok, int *flag, hs_cuda_error *err) {
+    if (threadIdx.x == 0) *flag = 0;
+    __syncthreads();
+    if (nb < 1 || nb > T) {
+        if (threadIdx.x == 0) hs_report(err, HS_CE_SIZE, nb, T);
+        return 0;
+    }
+    for (int64_t i = threadIdx.x; i < nb; i += blockDim.x) {
+        int64_t p = hs_ld_id(tp, pdt, b * T + i), t = hs_ld_id(tt, tdt, b * T + i);
+        if (i == 0 ? p != -1 : (p < 0 || p >= i)) {
+            hs_report(err, i == 0 ? HS_CE_TREE_ROOT : HS_CE_TREE_PARENT, p, i);
+            atomicAdd(flag, 1);
+        }
+        if (t < 0 || t >= V) {
+            hs_report(err, HS_CE_TREE_TOKEN, t, i, V);
+            atomicAdd(flag, 1);
+        }
+        par[i] = (int)p;
+        tok[i] = t;
+    }
+    __syncthreads();
+    int ok = *flag == 0;
+    __syncthreads();
+    return ok;
+}
+
+/* The host-side size checks both verify ops make: a tree within the CUDA path's node limit, enough workspace. */
+static hs_status hs_verify_sizes(const char *op, int64_t T, size_t ws_bytes, size_t need, hs_error *herr) {
+    if (T > HS_CUDA_MAX_NODES)
+        return hs_fail(herr, HS_ERR_VALUE, op, "tree_tokens", "expected at most %d nodes on CUDA, got %lld",
+                       HS_CUDA_MAX_NODES, (long long)T);
+    if (ws_bytes < need)
+        return hs_fail(herr, HS_ERR_WORKSPACE, op, "workspace", "expected >= %zu bytes, got %zu", need, ws_bytes);
+    return HS_OK;
+}
+
+/* ---- verify_greedy ----------------------------------------------------------------------------------- */
+
+/* Row argmax, split: one block per (node row, chunk) leaves the chunk's best entry packed as key << 32 |
+ * ~col (ties to the lower id) and its first bad entry; hs_k_argmax_merge folds a row's chunks into
+ * ws[2*row] = argmax, ws[2*row+1] = -1, or the error (argmax -1 and col*2+is_inf, or -2 for an all -inf row). */
+template <int DT>
+__global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_argmax_chunks(const void *logits, int64_t T, int64_t V, int64_t len, int64_t C,
+                                                               const int64_t *n_dev, unsigned long long *pbest, long long *pbad) {
+    long long *red = (long long *)hs_smem();
+    const int64_t rc = blockIdx.x, row = rc / C, c = rc % C;
+    if (n_dev && row % T >= n_dev[row / T]) return;
+    const int64_t c0 = c * len, c1 = V - c0 < len ? V : c0 + len;
+    unsigned long long best = 0;
+    long long bad = 0x7fffffffffffffffll;
+    for (int64_t v = c0 + threadIdx.x; v < c1; v += blockDim.x) {
+        float x = hs_ld<DT>(logits, row * V + v);
+        if (x != x || x == HS_INF) {
+            long long code = (long long)v * 2 + (x == HS_INF);
+            bad = code < bad ? code : bad;
+        } else {
+            unsigned long long pk = ((unsigned long long)hs_key32(x) << 32) | (0xffffffffull - (unsigned long long)v);
+            best = pk > best ? pk : best;
+        }
+    }
+    bad = hs_block_reduce(bad, red, hs_op_min());
+    best = hs_block_reduce(best, (unsigned long long *)red, hs_op_max());
+    if (threadIdx.x == 0) {
+        pbest[rc] = best;
+        pbad[rc] = bad;
+    }
+}
+
+__global__ void HS_BOUNDS(HS_TREE_THREADS) hs_k_argmax_merge(int64_t rows, int64_t T, int64_t C, const int64_t *n_dev,
+                                                             const unsigned long long *pbest, const long long *pbad,
+                                                             long long *ws) {
+    const int64_t row = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= rows || (n_dev && row % T >= n_dev[row / T])) return;
+    unsigned long long best = 0;
+    long long bad = 0x7fffffffffffffffll;
+    for (int64_t c = 0; c < C; c++) {
+        best = pbest[row * C + c] > best ? pbest[row * C + c] : best;
+        bad = pbad[row * C + c] < bad ? pbad[row * C + c] : bad;
+    }
+    if (bad != 0x7fffffffffffffffll) {
+        ws[2 * row] = -1;
+        ws[2 * row + 1] = bad;
+    } else if ((uint32_t)(best >> 32) == hs_key32(-HS_INF)) {
+        ws[2 * row] = -2;
+        ws[2 * row + 1] = 0;
+    } else {
+        ws[2 * row] = (long long)(0xffffffffull - (best & 0xffffffffull));
+        ws[2 * row + 1] = -1;
+    }
+}
+
+/* A visited row's recorded failure, reported as the CPU would; returns 1 if there was one. */
+__device__ __forceinline__ int hs_row_failed(const long long *st, int64_t row_in_tree, hs_cuda_error *err) {
+    if (st[0] >= 0) return 0;
+    if (st[0] == -1) hs_report(err, HS_CE_LOGIT_NONFINITE, row_in_tree, st[1] >> 1, st[1] & 1);
+    else hs_report(err, HS_CE_LOGIT_ALLNEG, row_in_tree);
+    return 1;
+}
+
+__global__ void HS_BOUNDS(HS_TREE_THREADS) hs_k_greedy_walk(const void *tt, int tdt, const void *tp, int pdt, int64_t T, const int64_t *n_dev,
+                                 int64_t V, const long long *ws, int64_t *out_path, int64_t *out_len,
+                                 int64_t *out_next, hs_cuda_error *err) {
+    char *sm = hs_smem();
+    int *par = (int *)sm;
+    int *child = par + T; /* the accepted child of each node: lowest index whose token is the parent's argmax */
+    int *flag = child + T;
+    int64_t *tok = (int64_t *)(((uintptr_t)(flag + 1) + 7) & ~(uintptr_t)7);
+    const int64_t b = blockIdx.x, nb = n_dev ? n_dev[b] : T;
+    for (int64_t i = threadIdx.x; i < T; i += blockDim.x) out_path[b * T + i] = -1;
+    if (threadIdx.x == 0) {
+        /* what a failed row leaves (its error is in *err): the root alone and token 0, values every later
+         * device op can index with, so the recorded error is what the host reports, not a device assert of
+         * torch's (an uninitialised length indexing a scatter) that poisons the context */
+        out_path[b * T] = 0;
+        out_len[b] = 1;
+        out_next[b] = 0;
+    }
+    if (!hs_load_tree(tt, tdt, tp, pdt, b, T, nb, V, par, tok, flag, err)) return;
+    for (int64_t i = threadIdx.x; i < nb; i += blockDim.x) child[i] = 0x7fffffff;
+    __syncthreads();
+    for (int64_t j = 1 + threadIdx.x; j < nb; j += blockDim.x) {
+        long long am = ws[2 * (b * T + par[j])];
+        if (am >= 0 && tok[j] == am) atomicMin(&child[par[j]], (int)j);
+    }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    int64_t cur = 0, len = 0;
+    out_path[b * T + len++] = 0;
+    for (;;) {
+        const long long *st = ws + 2 * (b * T + cur);
+        if (hs_row_failed(st, cur, err)) return;
+        if (child[cur] == 0x7fffffff) break;
+        cur = child[cur];
+        out_path[b * T + len++] = cur;
+    }
+    out_len[b] = len;
+    out_next[b] = ws[2 * (b * T + cur)];
+}
+
+/* Workspace: the merged per-row results [rows][2], then the chunks' best [rows * C] and bad [rows * C]. */
+extern "C" size_t hs_cuda_verify_greedy_workspace_bytes(int64_t batch, int64_t T, int64_t V) {
+    const int64_t rows = batch * T > 0 ? batch * T : 1, C = hs_nchunks(V, hs_chunk_len(rows, V));
+    return hs_al16((size_t)rows * 2 * sizeof(long long)) + 2 * hs_al16((size_t)(rows * C) * 8);
+}
+
+static size_t hs_walk_smem(int64_t T) { return (size_t)(2 * T + 1) * sizeof(int) + 8 + (size_t)T * 8; }
+
+extern "C" hs_status hs_cuda_verify_greedy(const void *tree_tokens, hs_dtype token_dtype, const void *tree_parents,
+                                           hs_dtype parent_dtype, int64_t batch, int64_t T, const int64_t *n_dev,
+                                           const void *logits, hs_dtype logit_dtype, int64_t V, int64_t *out_path,
+                                           int64_t *out_len, int64_t *out_next, void *ws, size_t ws_bytes,
+                                           hs_cuda_error *err, void *stream, hs_error *herr) {
+    static const char op[] = "verify_greedy";
+    hs_status chk = hs_verify_sizes(op, T, ws_bytes, hs_cuda_verify_greedy_workspace_bytes(batch, T, V), herr);
+    if (chk != HS_OK) return chk;
+    if (batch == 0 || T == 0) return HS_OK;
+    const int64_t rows = batch * T, len = hs_chunk_len(rows, V), C = hs_nchunks(V, len);
+    if (rows * C > 0x7fffffffll)
+        return hs_fail(herr, HS_ERR_VALUE, op, "tree_tokens", "expected at most 2^31 - 1 (node, chunk) blocks, got %lld",
+                       (long long)(rows * C));
+    const unsigned tc = HS_CHUNK_THREADS;
+    long long *st = (long long *)ws;
+    unsigned long long *pbest = (unsigned long long *)((char *)ws + hs_al16((size_t)rows * 2 * sizeof(long long)));
+    long long *pbad = (long long *)((char *)pbest + hs_al16((size_t)(rows * C) * 8));
+    int rc = 0;
+    HS_LOGIT_SWITCH(logit_dtype, op, "target_logits", herr,
+                    rc = HS_LAUNCH(hs_k_argmax_chunks<DT>, rows * C, tc, tc * sizeof(long long), stream, logits, T, V,
+                                   len, C, n_dev, pbest, pbad))
+    hs_status s = hs_launched(rc, op, herr);
+    if (s != HS_OK) return s;
+    rc = HS_LAUNCH(hs_k_argmax_merge, (rows + tc - 1) / tc, tc, 0, stream, rows, T, C, n_dev,
+                   (const unsigned long long *)pbest, (const long long *)pbad, st);
+    s = hs_launched(rc, op, herr);
+    if (s != HS_OK) return s;
+    rc = HS_LAUNCH(hs_k_greedy_walk, batch, HS_TREE_THREADS, hs_walk_smem(T), stream, tree_tokens, (int)token_dtype,
+                   tree_parents, (int)parent_dtype, T, n_dev, V, (const long long *)st, out_path, out_len, out_next, err);
+    return hs_launched(rc, op, herr);
+}
+
+/* ---- verify_sample ------------------------------------------------------------------------------------ */
+
+/* Warp statistics of one node row (docs/ops.md "Warp"): w_v = exp(x_v / T - zmax) for tokens that survive
+ * top-k (key >= kpfx at kshift) and top-p (key > pkey, or key == pkey and v <= ptie), else 0. */
+struct hs_warp_stats {
+    double R;       /* kept mass */
+    float m;        /* row max */
+    int kshift;     /* top-k cut: (key >> kshift) >= kpfx; kshift = 32 disables it */
+    uint32_t kpfx;
+    uint32_t pkey;  /* top-p cut */
+    int pmode;      /* 0: no top-p cut (all survivors kept), 1: cut at (pkey, ptie) */
+    long long ptie;
+    long long status; /* as hs_k_row_argmax: >= 0 fine, -1 bad entry (col*2+inf in bad), -2 all -inf */
+    long long bad;
+};
+
+__device__ __forceinline__ double hs_warp_w(const hs_warp_stats &s, float x, int64_t v, double temperature,
+                                            double zmax) {
+    uint32_t key = hs_key32(x);
+    if (s.kshift < 32 && (key >> s.kshift) < s.kpfx) return 0.0;
+    if (s.pmode && (key < s.pkey || (key == s.pkey && v > s.ptie))) return 0.0;
+    return hs_exp_nonpos_f64((double)x / temperature - zmax);
+}
+
+/* A row's statistics before any cut, from its max m and first bad entry (col*2 + is_inf, or -1): 1 if the row
+ * can be sampled; else the row's failure (status -1: a NaN/+inf entry, -2: all -inf) is stored in *out (thread 0)
+ * and 0 returned. */
+__device__ __forceinline__ int hs_warp_begin(hs_warp_stats *s, float m, long long bad, hs_warp_stats *out) {
+    memset(s, 0, sizeof *s);
+    s->kshift = 32;
+    s->m = m;
+    if (bad < 0 && m != -HS_INF) return 1;
+    s->status = bad >= 0 ? -1 : -2;
+    s->bad = bad;
+    if (threadIdx.x == 0) *out = *s;
+    return 0;
+}
+
+/* One row's statistics by one block over the whole row (shared: red, radix scratch, 260 doubles from sm).
+ * The split path (hs_k_chunks + hs_k_sample_merge) falls back to it for rows its candidates cannot decide. */
+template <int DT>
+__device__ void hs_warp_stats_row(const void *logits, int64_t row, int64_t V, double temperature, int64_t top_k,
+                                  double top_p, char *sm, hs_warp_stats *stats) {
+    long long *red = (long long *)sm;
+    char *scratch = sm + blockDim.x * sizeof(long long);
+    double *hm = (double *)(scratch + HS_RADIX_SMEM); /* 256 bin masses + [256] pick */
+    const int64_t base = row * V;
+    float m;
+    long long bad;
+    hs_row_max_check<DT>(logits, base, V, red, &m, &bad);
+    hs_warp_stats s;
+    if (!hs_warp_begin(&s, m, bad, stats + row)) return;
+    const double zmax = (double)m / temperature;
+    hs_logit_key<DT> key{logits, base};
+    if (top_k > 0 && top_k < V) {
+        hs_radix<uint32_t> sel;
+        hs_block_radix_select(key, V, top_k, scratch, red, &sel);
+        s.kshift = sel.shift;
+        s.kpfx = sel.pfx;
+    }
+    double W = 0.0;
+    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) W += hs_warp_w(s, hs_ld<DT>(logits, base + v), v, temperature, zmax);
+    W = hs_block_reduce(W, (double *)red, hs_op_sum());
+    if (top_p < 1.0) {
+        /* Mass-weighted radix descent: find the token where the best-first cumulative probability first
+         * reaches top_p; everything before it and it are kept. */
+        uint32_t pfx = 0;
+        double above_all = 0.0; /* mass of keys above the current bin range */
+        int found = 1;
+        for (int shift = 24; shift >= 0 && found; shift -= 8) {
+            for (unsigned j = threadIdx.x; j < 256; j += blockDim.x) hm[j] = 0.0;
+            __syncthreads();
+            for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
+                float x = hs_ld<DT>(logits, base + v);
+                uint32_t kk = hs_key32(x);
+                if (shift == 24 || (kk >> (shift + 8)) == pfx) {
+                    double w = hs_warp_w(s, x, v, temperature, zmax);
+                    if (w > 0.0) atomicAdd(&hm[(kk >> shift) & 255u], w);
+                }
+            }
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                /* bins from the top; the first whose inclusion reaches top_p holds the crossing token */
+                double a = above_all;
+                long long pick = -1, lowest = -1;
+                for (int j = 255; j >= 0; j--) {
+                    if (hm[j] > 0.0 && (a + hm[j]) / W >= top_p) {
+                        pick = j;
+                        break;
+                    }
+                    if (hm[j] > 0.0) lowest = j;
+                    a += hm[j];
+                }
+                if (pick < 0 && shift < 24) { /* this level's sums fell short by rounding: the bin's last key */
+                    pick = lowest;
+                    a -= hm[lowest];
+                }
+                hm[256] = (double)pick;
+                hm[257] = a;
+            }
+            __syncthreads();
+            long long pick = (long long)hm[256];
+            above_all = hm[257];
+            __syncthreads();
+            if (pick < 0) found = 0; /* rounding left the total short of top_p: keep every survivor */
+            else pfx = (pfx << 8) | (uint32_t)pick;
+        }
+        if (found) {
+            /* pfx is now one key (one value): its tokens have equal weight; keep them in id order while the
+             * cumulative probability before each is < top_p */
+            float xv = hs_unkey32(pfx);
+            double wv = hs_warp_w(s, xv, -1, temperature, zmax);
+            long long cnt = 0;
+            for (int64_t v = threadIdx.x; v < V; v += blockDim.x) cnt += hs_key32(hs_ld<DT>(logits, base + v)) == pfx;
+            cnt = hs_block_reduce(cnt, red, hs_op_sum());
+            long long q = 0;
+            double c = above_all / W;
+            while (q < cnt && c < top_p) {
+                c += wv / W;
+                q++;
+            }
+            /* the q-th token with this key, in id order (all of them: no ordered scan needed) */
+            long long cut = q < cnt ? -1 : V - 1, seen = 0;
+            for (int64_t t0 = 0; q < cnt && t0 < V && seen < q; t0 += blockDim.x) {
+                int64_t v = t0 + threadIdx.x;
+                long long f = v < V && hs_key32(hs_ld<DT>(logits, base + v)) == pfx;
+                long long total;
+                long long ex = hs_block_exscan(f, red, &total);
+                if (f && seen + ex == q - 1) hm[258] = (double)v;
+                __syncthreads();
+                if (seen + total >= q) cut = (long long)hm[258];
+                seen += total;
+                __syncthreads();
+            }
+            s.pmode = 1;
+            s.pkey = pfx;
+            s.ptie = cut;
+            double R = 0.0;
+            for (int64_t v = threadIdx.x; v < V; v += blockDim.x) R += hs_warp_w(s, hs_ld<DT>(logits, base + v), v, temperature, zmax);
+            W = hs_block_reduce(R, (double *)red, hs_op_sum());
+        }
+    }
+    s.R = W;
+    s.status = 0;
+    if (threadIdx.x == 0) stats[row] = s;
+}
+
+/* The unsplit statistics: one block per node row (top_k > HS_CAND_MAX). */
+template <int DT>
+__global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_warp_stats(const void *logits, int64_t T, int64_t V, const int64_t *n_dev,
+                                                          double temperature, int64_t top_k, double top_p,
+                                                          hs_warp_stats *stats) {
+    const int64_t row = blockIdx.x, b = row / T, i = row % T;
+    if (n_dev && i >= n_dev[b]) return;
+    hs_warp_stats_row<DT>(logits, row, V, temperature, top_k, top_p, hs_smem(), stats);
+}
+
+/* The split statistics' second half, one block per node row: the row's max and first bad entry from its
+ * chunks; the top-k cut, the kept mass and the top-p cut from the chunks' candidates sorted by rank.  The
+ * candidates decide the row exactly when every token the cuts depend on is among them:
+ *   - top-k (k <= HS_CAND_MAX, each chunk's k best kept): the survivors are the keys >= the k-th largest;
+ *     they all are candidates unless a chunk that was cut short ends on the k-th value itself (more equal
+ *     values may follow there);
+ *   - top-p without top-k: the chunks kept their HS_TOPP_CAND best; every key above theta (the largest
+ *     last key of a chunk that was cut short) is a candidate, so a crossing above theta is exact.
+ * Otherwise (a flat row whose nucleus is wider than the candidates, many equal values) the block computes
+ * the row as the unsplit kernel does (hs_warp_stats_row): same semantics, slower. */
+template <int DT>
+__global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_sample_merge(const void *logits, int64_t T, int64_t V, const int64_t *n_dev,
+                                                            double temperature, int64_t top_k, double top_p, int64_t len,
+                                                            int64_t C, int K, const hs_part *parts, const uint32_t *ckey,
+                                                            const int64_t *cidx, hs_warp_stats *stats) {
+    char *sm = hs_smem();
+    long long *red = (long long *)sm;
+    double *sw = (double *)(sm + hs_al16(blockDim.x * sizeof(long long) + HS_RADIX_SMEM + 260 * sizeof(double)));
+    int64_t *sid = (int64_t *)(sw + HS_SORT_MAX);
+    uint32_t *sk = (uint32_t *)(sid + HS_SORT_MAX);
+    double *shd = (double *)(sk + HS_SORT_MAX); /* [0] the inclusive mass at the crossing */
+    const int64_t row = blockIdx.x, b = row / T, i = row % T;
+    if (n_dev && i >= n_dev[b]) return;
+    const hs_part *P = parts + row * C;
+    float m;
+    long long bad;
+    hs_merge_max(P, C, red, &m, &bad);
+    hs_warp_stats s;
+    if (!hs_warp_begin(&s, m, bad, stats + row)) return;
+    const double zmax = (double)m / temperature;
+    const int topk = top_k > 0 && top_k < V;
+    const uint32_t *CK = ckey + row * C * K;
+    const int64_t *CI = cidx + row * C * K;
+    long long nc = 0, theta = -1;
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+        const int64_t nch = V - c * len < len ? V - c * len : len;
+        nc += P[c].count;
+        if (P[c].count > 0 && nch > P[c].count) {
+            long long last = (long long)CK[c * K + P[c].count - 1];
+            theta = last > theta ? last : theta;
+        }
+    }
+    nc = hs_block_reduce(nc, red, hs_op_sum());
+    theta = hs_block_reduce(theta, red, hs_op_max());
+    for (int64_t e = threadIdx.x; e < C * K; e += blockDim.x) {
+        const int64_t c = e / K, j = e % K;
+        if (j >= P[c].count) continue;
+        const int64_t rk = hs_merge_rank(CK, CI, P, C, K, c, j);
+        if (rk < HS_SORT_MAX) {
+            sk[rk] = CK[e];
+            sid[rk] = CI[e];
+            sw[rk] = hs_exp_nonpos_f64((double)hs_unkey32(CK[e]) / temperature - zmax);
+        }
+    }
+    __syncthreads();
+    const long long placed = nc < HS_SORT_MAX ? nc : HS_SORT_MAX;
+    int ok = 1, complete;
+    long long L; /* positions [0, L): survivors, best first */
+    double W = 0.0;
+    if (topk) { /* the host made K = top_k */
+        const uint32_t kth = sk[top_k - 1];
+        long long ns = 0;
+        for (long long p = threadIdx.x; p < placed; p += blockDim.x) ns += sk[p] >= kth;
+        ns = hs_block_reduce(ns, red, hs_op_sum());
+        if (theta >= (long long)kth || (ns == placed && nc > placed)) ok = 0;
+        L = ns;
+        complete = 1;
+        for (long long p = threadIdx.x; p < L; p += blockDim.x) W += sw[p];
+        s.kshift = 0;
+        s.kpfx = kth;
+    } else {
+        for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
+            if (P[c].m != -HS_INF) W += P[c].s * exp((double)P[c].m / temperature - zmax);
+        L = placed;
+        complete = theta < 0 && nc <= HS_SORT_MAX;
+    }
+    W = hs_block_reduce(W, (double *)red, hs_op_sum());
+    double R = W;
+    if (ok && top_p < 1.0) {
+        long long pos = 0x7fffffffffffffffll;
+        double before = 0.0;
+        for (long long t0 = 0; t0 < L; t0 += blockDim.x) {
+            const long long p = t0 + threadIdx.x;
+            const double v = p < L ? sw[p] : 0.0;
+            double tot;
+            const double ex = hs_block_exscan(v, (double *)red, &tot);
+            const double incl = before + ex + v;
+            long long hit = p < L && incl / W >= top_p ? p : 0x7fffffffffffffffll;
+            hit = hs_block_reduce(hit, red, hs_op_min());
+            if (hit != 0x7fffffffffffffffll) {
+                if (p == hit) shd[0] = incl;
+                __syncthreads();
+                pos = hit;
+                break;
+            }
+            before += tot;
+        }
+        if (pos != 0x7fffffffffffffffll) {
+            /* The scan summed weights and divided once; the CPU (docs/ops.md "Warp") adds w / W token by token,
+             * best first.  The two differ in the last bits, and where the crossing's key is shared by many
+             * tokens (equal weights: integer or flat rows, bf16 ties) the cut can fall exactly on top_p in real
+             * arithmetic, so those bits move it by a token.  Redo the crossing in the CPU's order from the start
+             * of the crossing key's run (a run earlier if the mass before it already reaches top_p). */
+            long long g0 = pos;
+            while (g0 > 0 && sk[g0 - 1] == sk[pos]) g0--;
+            double A;
+            for (;;) {
+                double a = 0.0;
+                for (long long p = threadIdx.x; p < g0; p += blockDim.x) a += sw[p];
+                A = hs_block_reduce(a, (double *)red, hs_op_sum());
+                if (g0 == 0 || A / W < top_p) break;
+                const uint32_t run = sk[g0 - 1];
+                while (g0 > 0 && sk[g0 - 1] == run) g0--;
+            }
+            if (threadIdx.x == 0) {
+                double c = A / W, r = A;
+                long long q = g0;
+                while (q < L && c < top_p) {
+                    c += sw[q] / W;
+                    r += sw[q];
+                    q++;
+                }
+                shd[0] = r;
+                shd[1] = c >= top_p ? (double)(q - 1) : -1.0; /* -1: the sums fell short of top_p */
+            }
+            __syncthreads();
+            pos = (long long)shd[1];
+            if (pos < 0) {
+                if (!complete) ok = 0; /* else rounding left the total short of top_p: every survivor is kept */
+            } else if (!topk && theta >= 0 && (long long)sk[pos] <= theta) ok = 0;
+            else {
+                s.pmode = 1;
+                s.pkey = sk[pos];
+                s.ptie = sid[pos];
+                R = shd[0];
+            }
+        } else if (!complete) {
+            ok = 0;
+        } /* else rounding left the total short of top_p: every survivor is kept */
+    }
+    if (!ok) {
+        __syncthreads();
+        hs_warp_stats_row<DT>(logits, row, V, temperature, top_k, top_p, sm, stats);
+        return;
+    }
+    s.R = R;
+    s.status = 0;
+    if (threadIdx.x == 0) stats[row] = s;
+}
+
+/* Where a request's walk ended, for the residual draw. */
+struct hs_walk_rec {
+    long long ok, cur, nrej, draw, len;
+};
+
+/* The residual draw's first half: the residual mass of each chunk of the row the walk ended at (rejected
+ * tokens removed) and its last token with mass.  Grid: batch * C blocks. */
+template <int DT>
+__global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_resid_chunks(const void *logits, int64_t T, int64_t V, int64_t len, int64_t C,
+                                                              double temperature, const hs_warp_stats *stats,
+                                                              const hs_walk_rec *rec, const int64_t *rejg, double *rmass,
+                                                              long long *rlast) {
+    long long *red = (long long *)hs_smem();
+    int64_t *rej = (int64_t *)(red + blockDim.x);
+    const int64_t rc = blockIdx.x, b = rc / C, c = rc % C;
+    const hs_walk_rec r = rec[b];
+    if (!r.ok) return;
+    for (int64_t q = threadIdx.x; q < r.nrej; q += blockDim.x) rej[q] = rejg[b * T + q];
+    __syncthreads();
+    const int64_t row = b * T + r.cur, c0 = c * len, c1 = V - c0 < len ? V : c0 + len;
+    const hs_warp_stats s = stats[row];
+    const double zmax = (double)s.m / temperature;
+    double local = 0.0;
+    long long last = -1;
+    for (int64_t v = c0 + threadIdx.x; v < c1; v += blockDim.x) {
+        double w = hs_warp_w(s, hs_ld<DT>(logits, row * V + v), v, temperature, zmax);
+        for (int64_t q = 0; q < r.nrej && w > 0.0; q++) w = rej[q] == v ? 0.0 : w;
+        if (w > 0.0) last = v;
+        local += w;
+    }
+    local = hs_block_reduce(local, (double *)red, hs_op_sum());
+    last = hs_block_reduce(last, red, hs_op_max());
+    if (threadIdx.x == 0) {
+        rmass[rc] = local;
+        rlast[rc] = last;
+    }
+}
+
+/* The residual draw's second half, one block per request: u * S (S the chunks' masses in chunk order) falls in
+ * one chunk; the inverse CDF in id order inside it gives the token.  Writes the request's outputs and
+ * advances its offset. */
+template <int DT>
+__global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_resid_pick(const void *logits, int64_t T, int64_t V, int64_t len, int64_t C,
+                                                            double temperature, const hs_warp_stats *stats,
+                                                            const hs_walk_rec *rec, const int64_t *rejg, const double *rmass,
+                                                            const long long *rlast, const uint64_t *seeds_dev, uint64_t seed0,
+                                                            uint64_t *offsets_dev, uint64_t offset0, int advance,
+                                                            int64_t *out_len, int64_t *out_next, int64_t *out_draws,
+                                                            hs_cuda_error *err) {
+    long long *red = (long long *)hs_smem();
+    int64_t *rej = (int64_t *)(red + blockDim.x);
+    const long long NONE = 0x7fffffffffffffffll;
+    const int64_t b = blockIdx.x;
+    const hs_walk_rec r = rec[b];
+    if (!r.ok) { /* a failed walk (its error is in *err): safe values, as hs_k_greedy_walk leaves them */
+        if (threadIdx.x == 0) {
+            out_len[b] = 1;
+            out_next[b] = 0;
+            out_draws[b] = 0;
+        }
+        return;
+    }
+    const uint64_t seed = seeds_dev ? seeds_dev[b] : seed0, offset = offsets_dev ? offsets_dev[b] : offset0;
+    for (int64_t q = threadIdx.x; q < r.nrej; q += blockDim.x) rej[q] = rejg[b * T + q];
+    const double *M = rmass + b * C;
+    /* S, and the first chunk whose cumulative mass passes u * S */
+    double S = 0.0;
+    long long lastall = -1;
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+        S += M[c];
+        lastall = rlast[b * C + c] > lastall ? rlast[b * C + c] : lastall;
+    }
+    S = hs_block_reduce(S, (double *)red, hs_op_sum());
+    lastall = hs_block_reduce(lastall, red, hs_op_max());
+    const double u = hs_philox_u(seed, offset, (uint64_t)r.draw), target = u * S;
+    long long pick = NONE;
+    if (S > 0.0) {
+        long long cstar = NONE;
+        double before = 0.0, at = 0.0;
+        for (int64_t t0 = 0; t0 < C; t0 += blockDim.x) {
+            const int64_t c = t0 + threadIdx.x;
+            const double v = c < C ? M[c] : 0.0;
+            double tot;
+            const double ex = hs_block_exscan(v, (double *)red, &tot);
+            long long hit = c < C && v > 0.0 && before + ex + v > target ? c : NONE;
+            hit = hs_block_reduce(hit, red, hs_op_min());
+            if (hit != NONE) {
+                if (c == hit) ((double *)(rej + T))[0] = before + ex;
+                __syncthreads();
+                cstar = hit;
+                at = ((double *)(rej + T))[0];
+                break;
+            }
+            before += tot;
+        }
+        if (cstar == NONE) pick = lastall; /* rounding: the sums fell short of u * S */
+        else {
+            const int64_t row = b * T + r.cur, c0 = cstar * len, c1 = V - c0 < len ? V : c0 + len;
+            const hs_warp_stats s = stats[row];
+            const double zmax = (double)s.m / temperature;
+            for (int64_t t0 = c0; t0 < c1 && pick == NONE; t0 += blockDim.x) {
+                const int64_t v = t0 + threadIdx.x;
+                double w = 0.0;
+                if (v < c1) {
+                    w = hs_warp_w(s, hs_ld<DT>(logits, row * V + v), v, temperature, zmax);
+                    for (int64_t q = 0; q < r.nrej && w > 0.0; q++) w = rej[q] == v ? 0.0 : w;
+                }
+                double tot;
+                const double ex = hs_block_exscan(w, (double *)red, &tot);
+                long long hit = v < c1 && w > 0.0 && at + ex + w > target ? v : NONE;
+                pick = hs_block_reduce(hit, red, hs_op_min());
+                at += tot;
+            }
+            if (pick == NONE) pick = rlast[b * C + cstar];
+        }
+    }
+    if (threadIdx.x != 0) return;
+    long long next;
+    if (S > 0.0) next = pick;
+    else if (r.nrej > 0) next = rej[r.nrej - 1];
+    else {
+        hs_report(err, HS_CE_NO_MASS, r.cur);
+        return;
+    }
+    out_next[b] = next;
+    out_len[b] = r.len;
+    out_draws[b] = r.draw + 1;
+    if (advance && offsets_dev) offsets_dev[b] = offset + (uint64_t)r.draw + 1;
+}
+
+
+/* One block per request walks its tree drawing the CPU's Philox uniforms (thread 0: the children of the
+ * current node in index order, one uniform each) and records where it ended for the residual draw. */
+template <int DT>
+__global__ void HS_BOUNDS(HS_TREE_THREADS) hs_k_sample_walk(const void *tt, int tdt, const void *tp, int pdt, int64_t T,
+                                                           const int64_t *n_dev, const void *logits, int64_t V,
+                                                           double temperature, const hs_warp_stats *stats,
+                                                           const uint64_t *seeds_dev, uint64_t seed0,
+                                                           const uint64_t *offsets_dev, uint64_t offset0,
+                                                           int64_t *out_path, hs_walk_rec *rec, int64_t *rejg,
+                                                           hs_cuda_error *err) {
+    char *sm = hs_smem();
+    long long *red = (long long *)sm;
+    long long *sh = red + blockDim.x; /* [0] state, [1] cur, [2] draws, [3] nrej, [4] len */
+    int64_t *tok = (int64_t *)(sh + 8);
+    int64_t *rej = tok + T;
+    int *par = (int *)(rej + T);
+    int *flag = par + T;
+    const int64_t b = blockIdx.x, nb = n_dev ? n_dev[b] : T;
+    const uint64_t seed = seeds_dev ? seeds_dev[b] : seed0, offset = offsets_dev ? offsets_dev[b] : offset0;
+    if (threadIdx.x == 0) rec[b].ok = 0; /* until the walk ends well */
+    for (int64_t i = threadIdx.x; i < T; i += blockDim.x) out_path[b * T + i] = -1;
+    if (!hs_load_tree(tt, tdt, tp, pdt, b, T, nb, V, par, tok, flag, err)) return;
+    if (threadIdx.x == 0) {
+        sh[1] = 0;
+        sh[2] = 0;
+        sh[4] = 1;
+        out_path[b * T] = 0;
+    }
+    __syncthreads();
+    for (;;) {
+        /* thread 0: the children of cur in index order, each tested with one uniform */
+        if (threadIdx.x == 0) {
+            int64_t cur = sh[1], nrej = 0;
+            uint64_t draw = (uint64_t)sh[2];
+            const hs_warp_stats &s = stats[b * T + cur];
+            long long state = -1; /* -2 error, -1 no child accepted, else the accepted node */
+            if (s.status < 0) {
+                if (s.status == -1) hs_report(err, HS_CE_LOGIT_NONFINITE, cur, s.bad >> 1, s.bad & 1);
+                else hs_report(err, HS_CE_LOGIT_ALLNEG, cur);
+                state = -2;
+            } else {
+                const double zmax = (double)s.m / temperature;
+                double R = s.R;
+                for (int64_t j = cur + 1; j < nb && state == -1; j++) {
+                    if (par[j] != cur) continue;
+                    int64_t t = tok[j];
+                    int seen = 0;
+                    for (int64_t q = 0; q < nrej; q++) seen |= rej[q] == t;
+                    if (seen) continue; /* a duplicate sibling token was already rejected: no draw */
+                    double u = hs_philox_u(seed, offset, draw++);
+                    double w = hs_warp_w(s, hs_ld<DT>(logits, (b * T + cur) * V + t), t, temperature, zmax);
+                    if (w > 0.0 && u * R < w) state = j;
+                    else {
+                        rej[nrej++] = t;
+                        R -= w;
+                    }
+                }
+            }
+            sh[0] = state;
+            sh[2] = (long long)draw;
+            sh[3] = nrej;
+            if (state >= 0) {
+                sh[1] = state;
+                out_path[b * T + sh[4]++] = state;
+            }
+        }
+        __syncthreads();
+        long long state = sh[0];
+        __syncthreads();
+        if (state == -2) return;
+        if (state >= 0) continue;
+        break;
+    }
+    const long long nrej = sh[3];
+    for (int64_t q = threadIdx.x; q < nrej; q += blockDim.x) rejg[b * T + q] = rej[q];
+    if (threadIdx.x == 0) {
+        hs_walk_rec r;
+        r.ok = 1;
+        r.cur = sh[1];
+        r.nrej = nrej;
+        r.draw = sh[2];
+        r.len = sh[4];
+        rec[b] = r;
+    }
+}
+
+/* Workspace of the split verify_sample, in order: stats [rows], partials [rows * C], candidate keys and ids
+ * [rows * C * HS_CAND_MAX], walk records [batch], rejected tokens [batch * T], residual masses and last
+ * tokens [batch * C2] (rows = batch * T). */
+struct hs_sample_ws {
+    hs_warp_stats *stats;
+    hs_part *parts;
+    uint32_t *ckey;
+    int64_t *cidx;
+    hs_walk_rec *rec;
+    int64_t *rejg;
+    double *rmass;
+    long long *rlast;
+    int64_t len, C, len2, C2;
+    size_t bytes;
+};
+
+static hs_sample_ws hs_sample_layout(void *ws, int64_t batch, int64_t T, int64_t V) {
+    hs_sample_ws w;
+    const int64_t rows = batch * T > 0 ? batch * T : 1, nb = batch > 0 ? batch : 1;
+    w.len = hs_chunk_len(rows, V);
+    w.C = hs_nchunks(V, w.len);
+    w.len2 = hs_chunk_len(nb, V);
+    w.C2 = hs_nchunks(V, w.len2);
+    char *p = (char *)ws;
+    size_t off = 0;
+#define HS_TAKE(field, type, count)                                                                                  \
+    w.field = (type *)(p ? p + off : nullptr);                                                                        \
+    off += hs_al16((size_t)(count) * sizeof(type));
+    HS_TAKE(stats, hs_warp_stats, rows)
+    HS_TAKE(parts, hs_part, rows * w.C)
+    HS_TAKE(ckey, uint32_t, rows * w.C * HS_CAND_MAX)
+    HS_TAKE(cidx, int64_t, rows * w.C * HS_CAND_MAX)
+    HS_TAKE(rec, hs_walk_rec, nb)
+    HS_TAKE(rejg, int64_t, nb * (T > 0 ? T : 1))
+    HS_TAKE(rmass, double, nb * w.C2)
+    HS_TAKE(rlast, long long, nb * w.C2)
+#undef HS_TAKE
+    w.bytes = off;
+    return w;
+}
+
+extern "C" size_t hs_cuda_verify_sample_workspace_bytes(int64_t batch, int64_t T, int64_t V) {
+    return hs_sample_layout(nullptr, batch, T, V).bytes;
+}
+
+extern "C" hs_status hs_cuda_verify_sample(const void *tree_tokens, hs_dtype token_dtype, const void *tree_parents,
+                                           hs_dtype parent_dtype, int64_t batch, int64_t T, const int64_t *n_dev,
+                                           const void *logits, hs_dtype logit_dtype, int64_t V, hs_sampling sp,
+                                           const uint64_t *seeds_dev, uint64_t seed, uint64_t *offsets_dev,
+                                           uint64_t offset, int advance_offsets, int64_t *out_path, int64_t *out_len,
+                                           int64_t *out_next, int64_t *out_draws, void *ws, size_t ws_bytes,
+                                           hs_cuda_error *err, void *stream, hs_error *herr) {
+    static const char op[] = "verify_sample";
+    if (!(sp.temperature > 0.0) || !isfinite(sp.temperature))
+        return hs_fail(herr, HS_ERR_VALUE, op, "temperature",
+                       "expected a finite value > 0 (use verify_greedy for greedy decoding), got %g", sp.temperature);
+    if (sp.top_k < 0)
+        return hs_fail(herr, HS_ERR_VALUE, op, "top_k", "expected >= 0 (0 disables it), got %lld", (long long)sp.top_k);
+    if (!(sp.top_p > 0.0 && sp.top_p <= 1.0))
+        return hs_fail(herr, HS_ERR_VALUE, op, "top_p", "expected a value in (0, 1], got %g", sp.top_p);
+    hs_status chk = hs_verify_sizes(op, T, ws_bytes, hs_cuda_verify_sample_workspace_bytes(batch, T, V), herr);
+    if (chk != HS_OK) return chk;
+    if (batch == 0 || T == 0) return HS_OK;
+    const hs_sample_ws w = hs_sample_layout(ws, batch, T, V);
+    const int64_t rows = batch * T;
+    if (rows * w.C > 0x7fffffffll || batch * w.C2 > 0x7fffffffll)
+        return hs_fail(herr, HS_ERR_VALUE, op, "tree_tokens", "expected at most 2^31 - 1 (node, chunk) blocks, got %lld",
+                       (long long)(rows * w.C));
+    const int topk = sp.top_k > 0 && sp.top_k < V;
+    const int split = !topk || sp.top_k <= HS_CAND_MAX;
+    const int K = topk ? (int)sp.top_k : (sp.top_p < 1.0 ? HS_TOPP_CAND : 0);
+    const unsigned th = HS_ROW_THREADS, tc = HS_CHUNK_THREADS;
+    const size_t sm_stats = hs_row_smem(th) + 260 * sizeof(double);
+    const size_t sm_merge = hs_al16(th * sizeof(long long) + HS_RADIX_SMEM + 260 * sizeof(double)) +
+                            (size_t)HS_SORT_MAX * (8 + 8 + 4) + 16;
+    const size_t sm_walk = HS_TREE_THREADS * sizeof(long long) + 8 * 8 + (size_t)T * 16 + (size_t)(T + 1) * sizeof(int);
+    const size_t sm_resid = tc * sizeof(long long) + (size_t)T * 8 + 16;
+    if (split) { /* the chunks of every node row (rows.cu); hs_k_sample_merge decides each row from them */
+        const hs_chunk_job job = {logits, logit_dtype, rows, V, w.len, w.C, T, n_dev, K, !topk, 1, sp.temperature,
+                                  w.parts, w.ckey, w.cidx};
+        const hs_status st = hs_launch_chunk_job(job, op, "target_logits", stream, herr);
+        if (st != HS_OK) return st;
+    }
+    int rc = 0;
+#define HS_SAMPLE_LAUNCH(DT)                                                                                          \
+    rc = split ? HS_LAUNCH(hs_k_sample_merge<DT>, rows, th, sm_merge, stream, logits, T, V, n_dev, sp.temperature,    \
+                           sp.top_k, sp.top_p, w.len, w.C, K, (const hs_part *)w.parts, (const uint32_t *)w.ckey,     \
+                           (const int64_t *)w.cidx, w.stats)                                                          \
+               : HS_LAUNCH(hs_k_warp_stats<DT>, rows, th, sm_stats, stream, logits, T, V, n_dev, sp.temperature,      \
+                           sp.top_k, sp.top_p, w.stats);                                                              \
+    if (!rc)                                                                                                          \
+        rc = HS_LAUNCH(hs_k_sample_walk<DT>, batch, HS_TREE_THREADS, sm_walk, stream, tree_tokens, (int)token_dtype,  \
+                       tree_parents, (int)parent_dtype, T, n_dev, logits, V, sp.temperature,                          \
+                       (const hs_warp_stats *)w.stats, seeds_dev, seed, (const uint64_t *)offsets_dev, offset,        \
+                       out_path, w.rec, w.rejg, err);                                                                 \
+    if (!rc)                                                                                                          \
+        rc = HS_LAUNCH(hs_k_resid_chunks<DT>, batch * w.C2, tc, sm_resid, stream, logits, T, V, w.len2, w.C2,         \
+                       sp.temperature, (const hs_warp_stats *)w.stats, (const hs_walk_rec *)w.rec,                    \
+                       (const int64_t *)w.rejg, w.rmass, w.rlast);                                                    \
+    if (!rc)                                                                                                          \
+        rc = HS_LAUNCH(hs_k_resid_pick<DT>, batch, tc, sm_resid, stream, logits, T, V, w.len2, w.C2, sp.temperature,  \
+                       (const hs_warp_stats *)w.stats, (const hs_walk_rec *)w.rec, (const int64_t *)w.rejg,           \
+                       (const double *)w.rmass, (const long long *)w.rlast, seeds_dev, seed, offsets_dev, offset,     \
+                       advance_offsets, out_len, out_next, out_draws, err);
+    HS_LOGIT_SWITCH(logit_dtype, op, "target_logits", herr, HS_SAMPLE_LAUNCH(DT))
+#undef HS_SAMPLE_LAUNCH
+    return hs_launched(rc, op, herr);
+}
