@@ -38,6 +38,20 @@ def test_cost_model_is_a_function_of_the_tree():
     assert again == CPU_LIKE
 
 
+def test_cost_model_draft_terms_old_and_new_form():
+    # profiles from before issue 28.4: (levels + 1) * (e + f*beam)
+    old = CostModel((0.0, 0.0, 0.0, 0.0), (0.002, 0.0001))
+    assert old.draft(7, 10) == pytest.approx(8 * 0.003) and old.draft(7, 0) == 0.0
+    # now: levels*(e + f*beam) + g + h*beam (levels, and once per cycle the root, the tree and the catch-up)
+    new = CostModel((0.01, 0.0, 0.0, 0.0), (0.002, 0.0001, 0.004, 0.0002))
+    assert new.draft(7, 10) == pytest.approx(7 * 0.003 + 0.006)
+    assert new(6, 100, 7, 10) == pytest.approx(0.01 + 7 * 0.003 + 0.006)
+    assert new(1, 100, 0, 0) == pytest.approx(0.01)                   # autoregressive: no draft term
+    assert CostModel.from_dict(json.loads(json.dumps(new.to_dict()))) == new
+    with pytest.raises(ValueError, match="CostModel: expected 4 verify and 2 or 4 level coefficients, got 4 and 3"):
+        CostModel((0.0,) * 4, (0.0,) * 3)
+
+
 def test_profile_costs_measures_this_machine():
     model = tiny_target("llama")
     cm = profile_costs(model, None, tree_tokens=(1, 16, 64), contexts=(32, 96), reps=2)
@@ -165,12 +179,28 @@ def test_profile_costs_makes_its_inputs_on_the_models_device(cpu_pair, meta_by_d
     assert torch.zeros(1).device.type == "meta"  # (the trap was armed throughout)
 
 
+def _log_draft_steps(draft, log, what=lambda hidden, ids: ("draft", ids.shape[1])):
+    """Wrap ``draft.step`` (what the engine calls for every draft forward) to log each call."""
+    step = draft.step
+
+    def logged(hidden, input_ids, *args, **kwargs):
+        log.append(what(hidden, input_ids))
+        return step(hidden, input_ids, *args, **kwargs)
+
+    draft.step = logged
+    return lambda: vars(draft).pop("step", None)
+
+
 def test_profile_costs_gives_the_draft_its_own_dtype(tmp_path):
-    model = tiny_target("llama")
+    # the engine takes a pair of one dtype; every draft step the profile times gets its hidden state in it
+    model = tiny_target("llama").to(torch.bfloat16)
     draft = eagle3_head(model, tmp_path).to(torch.bfloat16)
     seen = []
-    draft.register_forward_pre_hook(lambda m, args: seen.append((args[0].dtype, args[0].device)))
-    profile_costs(model, draft, tree_tokens=(1,), contexts=(8,), beams=(1, 2), reps=1)
+    undo = _log_draft_steps(draft, seen, lambda hidden, ids: (hidden.dtype, hidden.device))
+    try:
+        profile_costs(model, draft, tree_tokens=(1,), contexts=(8,), beams=(1, 2), reps=1, overhead_tokens=0)
+    finally:
+        undo()
     assert seen and all(s == (torch.bfloat16, torch.device("cpu")) for s in seen), seen
 
 
@@ -213,32 +243,74 @@ def test_profile_costs_synchronises_before_every_clock_read(cpu_pair, monkeypatc
     log = []
     monkeypatch.setattr(measure, "synchronize", lambda device: log.append(("sync", torch.device(device))))
     monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: log.append(("clock",)) or 0.0))
-    hooks = [model.register_forward_pre_hook(lambda m, args, kwargs: log.append(("target", kwargs["input_ids"].shape[1])),
-                                             with_kwargs=True),
-             draft.register_forward_pre_hook(lambda m, args: log.append(("draft", args[1].shape[1])))]
-    trees, contexts, beams, reps = (1, 4), (20, 30), (1, 3), 2
+    hook = model.register_forward_pre_hook(lambda m, args, kwargs: log.append(("target", kwargs["input_ids"].shape[1])),
+                                           with_kwargs=True)
+    undo = _log_draft_steps(draft, log)
+    trees, contexts, beams, levels, reps = (1, 4), (20, 30), (1, 3), (1, 2), 2
     try:
-        profile_costs(model, draft, tree_tokens=trees, contexts=contexts, beams=beams, reps=reps)
+        profile_costs(model, draft, tree_tokens=trees, contexts=contexts, beams=beams, levels=levels, reps=reps,
+                      overhead_tokens=0)
     finally:
-        for h in hooks:
-            h.remove()
+        hook.remove()
+        undo()
     # every clock read comes right after a sync of the model's device
     for i, e in enumerate(log):
         if e[0] == "clock":
             assert i > 0 and log[i - 1] == ("sync", torch.device("cpu")), log[max(0, i - 3): i + 1]
-    # clock reads pair up into regions; each region holds exactly one verify forward or one draft level,
-    # then the sync before the stop; the prompt's prefill stays outside
+    # clock reads pair up into regions; each region holds exactly one engine step, then the sync before the
+    # stop: one verify forward of the target, or the draft's side of a cycle (L levels of K rows, then the
+    # catch-up over the L + 2 rows a cycle may commit); the prompts' prefills stay outside
     clocks = [i for i, e in enumerate(log) if e[0] == "clock"]
     assert len(clocks) % 2 == 0
     work_inside = []
     for start, stop in zip(clocks[::2], clocks[1::2]):
-        inside = [e for e in log[start + 1: stop] if e[0] != "sync"]
-        assert len(inside) == 1 and log[stop - 1][0] == "sync", log[start: stop + 1]
-        work_inside.append(inside[0])
-    assert sorted(work_inside) == sorted([("target", n) for _ in contexts for n in trees for _ in range(reps + 1)]
-                                         + [("draft", b) for b in beams for _ in range(reps)])
+        inside = tuple(e for e in log[start + 1: stop] if e[0] != "sync")
+        assert inside and log[stop - 1][0] == "sync", log[start: stop + 1]
+        work_inside.append(inside)
+    expected = [(("target", n),) for _ in contexts for n in trees for _ in range(reps)]
+    expected += [(("draft", K),) * L + (("draft", L + 2),) for K in beams for L in levels for _ in range(reps)]
+    assert sorted(work_inside) == sorted(expected)
     prefills = [e for e in log if e[0] == "target" and e[1] in contexts]
-    assert prefills and all(e not in work_inside for e in prefills)
+    assert prefills and all((e,) not in work_inside for e in prefills)
+
+
+def test_overhead_is_what_generate_spends_outside_the_modelled_steps():
+    from heterospec.engine import GenerationStats
+    from heterospec.tune.costs import overhead_per_cycle
+
+    # eager engine: 10 cycles in 1.2 s after a 0.2 s prefill, of which 0.3 s drafting and 0.5 s verifying
+    stats = GenerationStats(new_tokens=25, cycles=10, prefill_s=0.2, total_s=1.2, draft_s=0.3, verify_s=0.5,
+                            ops_s=0.05)
+    assert overhead_per_cycle(stats) == pytest.approx(0.02)     # the ops and the host: (1.0 - 0.8) / 10
+    # recorded engine: the replayed steps are modelled, the device's idle time between them is not
+    graphs = GenerationStats(new_tokens=25, cycles=10, prefill_s=0.2, total_s=1.2, graph_s=0.9, idle_s=0.08)
+    assert overhead_per_cycle(graphs) == pytest.approx(0.01)
+    # never below zero; no cycles, no overhead
+    assert overhead_per_cycle(GenerationStats(cycles=3, total_s=0.1, verify_s=0.2)) == 0.0
+    assert overhead_per_cycle(GenerationStats()) == 0.0
+
+
+def test_profile_costs_measures_the_overhead_with_generate(cpu_pair, monkeypatch):
+    from heterospec.engine import HeteroSpec
+    from heterospec.tune import costs
+
+    model, draft = cpu_pair
+    calls = []
+    real = HeteroSpec.generate
+
+    def generate(self, input_ids, **kw):
+        out, stats = real(self, input_ids, **kw)
+        calls.append((self.policy.name, kw["max_new_tokens"], stats))
+        return out, stats
+
+    monkeypatch.setattr(HeteroSpec, "generate", generate)
+    seen = {}
+    monkeypatch.setattr(costs, "overhead_per_cycle", lambda stats: seen.setdefault("stats", stats) and 0.0123)
+    cm = profile_costs(model, draft, tree_tokens=(1, 4), contexts=(12, 20), beams=(1, 2), reps=1, overhead_tokens=16)
+    assert cm.overhead == 0.0123
+    # a warm-up call, then the timed one: EAGLE-3's default static tree, 16 new tokens after a 12-token prompt
+    assert [c[:2] for c in calls] == [("eagle3", 8), ("eagle3", 16)]
+    assert seen["stats"] is calls[-1][2] and seen["stats"].cycles > 0
 
 
 def test_replay_predicts_each_bins_tokens_per_second(stretch_trace):

@@ -21,7 +21,7 @@ import torch
 from .. import ops
 from ..models import cpu_gemm as gemm
 from ..measure import PhaseClock
-from ..models.target import TargetAdapter, _decoder_layers
+from ..models.target import TargetAdapter, _decoder_layers, attention_window
 from ..policy import Policy
 from . import sync
 from .cycle import Cycle
@@ -181,6 +181,12 @@ class HeteroSpec:
         self._cycle = Cycle(self.target, self._drafter, pol, self.buckets, self.device,
                             emulate=self.cuda_graphs == "emulate")
 
+    @property
+    def cycle(self):
+        """The engine's :class:`~.cycle.Cycle`: its target adapter (``.target``), drafter (``.drafter``) and
+        steps, on the static caches (what :func:`heterospec.tune.profile_costs` times)."""
+        return self._cycle
+
     def close(self):
         """Remove the tap hooks from the target and drop the recorded steps (also done on exit of a ``with``
         block)."""
@@ -305,7 +311,7 @@ class HeteroSpec:
                 if graphs:
                     clock.lap("idle_s")
             # on the CPU the target attends over the used columns only: a host-known bound, rounded
-            window = None if dev.type == "cuda" else -(-(len(out) + len(generated) + self._max_nodes) // 64) * 64
+            window = attention_window(dev, len(out) + len(generated), self._max_nodes)
             acc, size = cycle.run_finish(steps, g, extra, keep, settings, window, clock)
             # the accepted tokens, for streaming, EOS and stopping criteria
             with sync.point("accepted", stats):

@@ -75,6 +75,16 @@ class StaticKV(_cache_base()):
                            "never ask the cache for its length")
 
 
+def attention_window(device, used, nodes):
+    """The columns a verification forward attends to (``TargetAdapter.verify``'s ``window``): on the CPU the
+    ``used`` positions (committed tokens and the root) plus room for ``nodes`` tree rows, rounded up to 64 so
+    that a run sees few distinct widths (attention over unused columns is real work there); None on a GPU,
+    where every cycle keeps the whole cache so that a tree shape has one recorded shape."""
+    if getattr(device, "type", device) == "cuda":
+        return None
+    return -(-(used + nodes) // 64) * 64
+
+
 def _kv_shape(config):
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = c.num_attention_heads

@@ -21,18 +21,36 @@ PROFILE_VERSION = 1
 
 @dataclasses.dataclass
 class CostModel:
-    """Seconds per cycle as a function of verified tree tokens, context length, draft levels and beam."""
+    """Seconds per cycle as a function of verified tree tokens, context length, draft levels and beam.
 
-    verify: tuple = (0.0, 0.0, 0.0, 0.0)   # a, b, c, d of a + b*n + c*ctx + d*n*ctx
-    level: tuple = (0.0, 0.0)              # e, f of e + f*beam
-    overhead: float = 0.0                  # per-cycle host work (ops, Python)
+    ``verify`` (a, b, c, d): ``a + b*nodes + c*context + d*nodes*context``; ``level``: the draft's side of a
+    cycle, either (e, f, g, h) = ``levels*(e + f*beam) + g + h*beam`` (levels, and the root expansion, the
+    verification tree and the catch-up once per cycle; what :func:`heterospec.tune.profile_costs` fits) or, in
+    profiles from before issue 28.4, (e, f) = ``(levels + 1)*(e + f*beam)``; ``overhead``: per-cycle time
+    outside those steps (acceptance, commit, the host loop)."""
+
+    verify: tuple = (0.0, 0.0, 0.0, 0.0)
+    level: tuple = (0.0, 0.0)
+    overhead: float = 0.0
+
+    def __post_init__(self):
+        if len(self.verify) != 4 or len(self.level) not in (2, 4):
+            raise ValueError(f"CostModel: expected 4 verify and 2 or 4 level coefficients, got "
+                             f"{len(self.verify)} and {len(self.level)}")
+
+    def draft(self, levels, beam):
+        """Seconds of the draft's side of a cycle growing ``levels`` levels of ``beam`` beams (0: no draft)."""
+        if not beam:
+            return 0.0
+        if len(self.level) == 2:
+            e, f = self.level
+            return (levels + 1) * (e + f * beam)
+        e, f, g, h = self.level
+        return levels * (e + f * beam) + g + h * beam
 
     def __call__(self, nodes, context, levels, beam):
         a, b, c, d = self.verify
-        e, f = self.level
-        t = a + b * nodes + c * context + d * nodes * context + self.overhead
-        if beam:
-            t += (levels + 1) * (e + f * beam)
+        t = a + b * nodes + c * context + d * nodes * context + self.overhead + self.draft(levels, beam)
         return max(t, 1e-9)
 
     def to_dict(self):

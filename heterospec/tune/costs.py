@@ -1,10 +1,23 @@
-"""Cost profiling: time this machine and fit the :class:`~heterospec.policy.profile.CostModel` that
-:meth:`heterospec.tune.Trace.replay` predicts speed with.
+"""Cost profiling: time the engine's own steps on this machine and fit the
+:class:`~heterospec.policy.profile.CostModel` that :meth:`heterospec.tune.Trace.replay` predicts speed with.
 
-:func:`profile_costs` times one target verification forward as a function of tree tokens and context length
-and one draft level as a function of beam width, and fits ``verify(n, ctx) = a + b*n + c*ctx + d*n*ctx`` and
-``level(beam) = e + f*beam`` by least squares.  Replay then predicts tokens per second as new tokens / sum over
-cycles of (verify(nodes, ctx) + (levels + 1) * level(top_k) + overhead).
+:func:`profile_costs` builds the engine (:class:`~heterospec.engine.HeteroSpec`) for the model pair and times
+the steps of its cycle where they run, on the engine's static caches, with the engine's settings (its CPU
+attention window, its GPU tree buckets, ``cpu_gemm``, CUDA graphs):
+
+* **verify(n, ctx)**: ``TargetAdapter.verify`` of an n-node tree with ctx committed positions (taps captured
+  when there is a draft, as the engine does), fitted as ``a + b*n + c*ctx + d*n*ctx``;
+* **the draft's side of a cycle** for beam width (top_k) K and L levels: ``DraftState.grow`` from the root
+  (one draft step and one ``ops.expand`` per level), the verification tree (``ops.select`` +
+  ``ops.build_tree``) and the catch-up (``DraftState.follow`` over the L + 2 rows a cycle may commit), fitted as
+  ``L*(e + f*K) + g + h*K``: the levels, and the root expansion, tree and catch-up once per cycle;
+* **overhead**: the per-cycle time of a real ``generate`` call outside those steps, as the engine's phase clock
+  splits it (acceptance, commit, the host loop, its sync points, the stopping checks): :func:`overhead_per_cycle`.
+
+Both fits minimise the relative error (:func:`_fit`).
+
+Replay then predicts tokens per second as new tokens / sum over cycles of
+``verify(nodes, ctx) + draft(levels, top_k) + overhead`` (:class:`CostModel`).
 """
 from __future__ import annotations
 
@@ -43,76 +56,177 @@ def _recorded(fn, device):
     return g.replay
 
 
-def profile_costs(target, draft=None, *, tree_tokens=(1, 2, 4, 8, 16, 32, 64, 128), contexts=(64, 256),
-                  beams=(1, 2, 4, 8, 10), reps=3, graphs=False, cpu_gemm="auto"):
-    """Measure this machine and fit a :class:`CostModel` (see the module docstring).  Every input is made
-    on the model's own device (the draft's inputs in its dtype too), and every timed region is
-    synchronised with the device at both ends (:class:`DeviceTimer`).  ``graphs=True`` (a CUDA model)
-    times each verify forward and draft level as a replayed CUDA graph -- the costs of the engine with
-    ``cuda_graphs`` -- instead of eager calls.  ``cpu_gemm``: time the linear layers the way the engine runs
-    them with the same setting (:mod:`heterospec.models.cpu_gemm`)."""
-    from ..models import cpu_gemm as gemm
-
-    with gemm.for_models(cpu_gemm, target, draft):
-        return _profile_costs(target, draft, tree_tokens, contexts, beams, reps, graphs)
-
-
-def _profile_costs(target, draft, tree_tokens, contexts, beams, reps, graphs):
+def profile_costs(target, draft=None, *, tree_tokens=(1, 2, 4, 8, 16, 32, 64, 128), contexts=(64, 160, 256),
+                  beams=(1, 2, 4, 8, 10), levels=(1, 4, 8), reps=3, graphs=False, cpu_gemm="auto",
+                  overhead_tokens=32):
+    """Measure this machine and fit a :class:`CostModel` (see the module docstring).  Every timed region is
+    synchronised with the device at both ends (:class:`DeviceTimer`) and holds one engine step.
+    ``tree_tokens`` x ``contexts``: the verify grid; ``beams`` x ``levels``: the draft grid (at the first
+    context); ``graphs=True`` (a CUDA model): each step is timed as a replayed CUDA graph and the overhead
+    from ``generate`` with ``cuda_graphs=True`` -- the costs of the recorded engine; ``cpu_gemm``: the engine's
+    setting (:mod:`heterospec.models.cpu_gemm`); ``overhead_tokens``: new tokens per ``generate`` call timed for
+    the overhead (0: leave it 0)."""
     import torch
 
-    from ..models.target import TargetAdapter
+    from ..models import cpu_gemm as gemm
 
-    adapter = TargetAdapter(target, capture_taps=False)
     device, _ = _place(target)
     if graphs and device.type != "cuda":
         raise ValueError(f"profile_costs: argument 'graphs' expected False for a model on {device} (CUDA graphs "
                          f"need a CUDA device), got True")
+    with gemm.for_models(cpu_gemm, target, draft), torch.no_grad():
+        verify = _fit_verify(target, draft, tree_tokens, contexts, reps, graphs, cpu_gemm, device)
+        level = _fit_levels(target, draft, beams, levels, contexts[0], reps, graphs, cpu_gemm, device) \
+            if draft is not None else (0.0, 0.0, 0.0, 0.0)
+    cost = CostModel(verify, level, 0.0)
+    if overhead_tokens:
+        cost.overhead = _measure_overhead(target, draft, contexts[0], overhead_tokens, graphs, cpu_gemm,
+                                          device)
+    return cost
+
+
+def _engine(target, draft, policy, graphs, cpu_gemm):
+    from ..engine import HeteroSpec
+
+    return HeteroSpec(target, draft, policy, cuda_graphs=bool(graphs), cpu_gemm=cpu_gemm)
+
+
+def _prompt(target, length, device):
+    import torch
+
+    return torch.randint(0, target.config.vocab_size, (1, length), device=device)
+
+
+def _fit_verify(target, draft, tree_tokens, contexts, reps, graphs, cpu_gemm, device):
+    """verify(n, ctx) from the engine's own verify step: (a, b, c, d)."""
+    import torch
+
+    from ..engine.tree import bucket_for
+    from ..models.target import attention_window
+    from ..policy import Policy
+
+    hs = _engine(target, draft, Policy.autoregressive(), graphs, cpu_gemm)
+    tgt = hs.cycle.target
     timer = DeviceTimer(device)
-    vocab = target.config.vocab_size
-    allocate = getattr(adapter, "allocate", None)  # a static cache: sized once for the largest prompt + tree
-    if allocate is not None:
-        allocate(max(contexts) + max(tree_tokens))
-    rows = []
+    calls = []
     try:
+        tgt.allocate(max(contexts) + bucket_for(max(tree_tokens), hs.buckets) + 64)
+        tgt.prefill(_prompt(target, max(contexts), device))
         for ctx in contexts:
-            prompt = torch.randint(0, vocab, (1, ctx), device=device)
             for n in tree_tokens:
-                tokens = torch.randint(0, vocab, (n,), device=device)
-                depths = torch.arange(n, device=device).clamp(max=8)
-                mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+                m = bucket_for(n, hs.buckets)            # on a GPU the engine pads a tree to its bucket
+                tokens = torch.randint(0, target.config.vocab_size, (m,), device=device)
+                depths = torch.arange(m, device=device).clamp(max=8)
+                mask = torch.ones(m, m, dtype=torch.bool, device=device).tril()
+                window = attention_window(device, ctx + 1, m)   # the committed tokens and the root, then the tree
 
-                def forward():
-                    return adapter.verify(tokens, depths, mask)
+                def forward(tokens=tokens, depths=depths, mask=mask, window=window):
+                    return tgt.verify(tokens, depths, mask, window)
 
-                adapter.prefill(prompt)
-                call = _recorded(forward, device) if graphs else forward
-
-                def run():
-                    adapter.prefill(prompt)
-                    return timer(call)[1]
-
-                run()
-                rows.append((n, ctx, float(np.median([run() for _ in range(reps)]))))
+                # as in decoding: the prefix at ctx committed positions (a prefill's content, never read back)
+                calls.append((n, ctx, lambda c=ctx: tgt.prefix.fill_(c), forward))
+        if graphs:
+            calls = [(n, ctx, setup, (setup(), _recorded(fn, device))[1]) for n, ctx, setup, fn in calls]
+        times = _interleaved(timer, [(setup, call) for *_, setup, call in calls], reps)
+        rows = [(n, ctx, t) for (n, ctx, *_), t in zip(calls, times)]
     finally:
-        adapter.close()
-    X = np.array([[1.0, n, c, n * c] for n, c, _ in rows])
-    y = np.array([t for _, _, t in rows])
-    verify = tuple(float(v) for v in np.linalg.lstsq(X, y, rcond=None)[0])
-    level = (0.0, 0.0)
-    if draft is not None:
-        h = getattr(getattr(draft, "config", None), "hidden_size", None) or draft.hidden_size
-        d_device, d_dtype = _place(draft)
-        pts = []
-        for beam in beams:
-            hid = torch.zeros(1, beam, h, dtype=d_dtype, device=d_device)
-            ids = torch.zeros(1, beam, dtype=torch.long, device=d_device)
-            pos = torch.full((1, beam), 64, dtype=torch.long, device=d_device)
-            with torch.no_grad():
-                def one_level():
-                    return draft(hid, ids, pos)
+        hs.close()
+    return _fit([[1.0, n, c, n * c] for n, c, _ in rows], [t for _, _, t in rows])
 
-                call = _recorded(one_level, d_device) if graphs else one_level
-                pts.append((beam, DeviceTimer(d_device).median(call, reps)))
-        A = np.array([[1.0, b] for b, _ in pts])
-        level = tuple(float(v) for v in np.linalg.lstsq(A, np.array([t for _, t in pts]), rcond=None)[0])
-    return CostModel(verify, level, 0.0)
+
+def _interleaved(timer, points, reps):
+    """The median seconds of each (setup, call) of ``points``: every call once untimed first (one-time costs
+    stay out), then ``reps`` rounds timing each call once in turn, its setup untimed before it, so that a slow
+    spell of a shared machine touches every point alike instead of a block of them."""
+    for setup, call in points:
+        setup()
+        call()
+    times = [[] for _ in points]
+    for _ in range(reps):
+        for (setup, call), ts in zip(points, times):
+            setup()
+            ts.append(timer(call)[1])
+    return [float(np.median(ts)) for ts in times]
+
+
+def _fit(X, y):
+    """Least squares in relative error (each row weighted by 1 / its time), so that the few-node trees a
+    policy verifies weigh as much as the grid's large ones."""
+    X, y = np.asarray(X, dtype=float), np.asarray(y, dtype=float)
+    w = 1.0 / np.maximum(y, 1e-9)
+    return tuple(float(v) for v in np.linalg.lstsq(X * w[:, None], y * w, rcond=None)[0])
+
+
+def _nothing():
+    pass
+
+
+def _fit_levels(target, draft, beams, levels, ctx, reps, graphs, cpu_gemm, device):
+    """draft(L, K) from the draft's side of the engine's cycle (growth, verification tree, catch-up): (e, f, g, h)."""
+    import torch
+
+    from ..engine.tree import bucket_for
+    from ..growth import candidate_count
+    from ..policy import Policy
+
+    timer = DeviceTimer(device)
+    deepest = max(levels)
+    engines, points = [], []
+    try:
+        for K in beams:
+            policy = Policy.static(deepest, K, min(60, candidate_count(K, deepest) + 1))
+            hs = _engine(target, draft, policy, graphs, cpu_gemm)
+            engines.append(hs)
+            cyc = hs.cycle
+            tgt, dr = cyc.target, cyc.drafter
+            capacity = ctx + max(bucket_for(policy.total_tokens, hs.buckets), deepest + 2) + 1
+            tgt.allocate(capacity)
+            dr.allocate(capacity, device)
+            prompt = _prompt(target, ctx, device)
+            _, taps = tgt.prefill(prompt)
+            ids = torch.cat([prompt[:, 1:], prompt[:, :1]], dim=1)
+            dr.prime(taps, ids, torch.full((1,), ctx - 1, dtype=torch.long, device=device), prompt=prompt)
+            for L in levels:
+                R = min(L + 2, ctx)                       # the rows a cycle of L levels may commit
+                kept = torch.arange(R, device=device)
+                path_tokens = prompt[0, :R].clone()
+                length = torch.full((1,), R, dtype=torch.long, device=device)
+                nxt = prompt[0, :1].clone()
+
+                def side(L=L, kept=kept, path_tokens=path_tokens, length=length, nxt=nxt, vtaps=taps[:, :R],
+                         dr=dr, tgt=tgt, cyc=cyc, keep=policy.total_tokens, buckets=hs.buckets):
+                    g = dr.grow(None, L, tgt.prefix)
+                    dr.tree(g, keep, cyc.state.root, buckets)
+                    dr.follow(vtaps, kept, path_tokens, length, nxt, tgt.prefix)
+
+                points.append((L, K, _recorded(side, device) if graphs else side))
+        times = _interleaved(timer, [(_nothing, call) for *_, call in points], reps)
+    finally:
+        for hs in engines:
+            hs.close()
+    pts = [(L, K, t) for (L, K, _), t in zip(points, times)]
+    return _fit([[L, L * K, 1.0, K] for L, K, _ in pts], [t for *_, t in pts])
+
+
+def overhead_per_cycle(stats):
+    """Seconds per cycle of a ``generate`` call (its :class:`~heterospec.engine.GenerationStats`) outside the
+    steps the cost model times, as the engine's own phase clock splits it: the decoding time (prefill excluded)
+    less the draft and verify phases (eager engine) or the replayed steps (recorded engine) -- acceptance and
+    commit, the host loop, its sync points and the stopping checks."""
+    if not stats.cycles:
+        return 0.0
+    decode = stats.total_s - stats.prefill_s
+    return max(0.0, (decode - stats.draft_s - stats.verify_s - stats.graph_s) / stats.cycles)
+
+
+def _measure_overhead(target, draft, ctx, tokens, graphs, cpu_gemm, device):
+    """overhead_per_cycle of a real ``generate`` (EAGLE-3's default static tree with a draft, else
+    autoregressive), after a first call that warms up (and records the steps with ``graphs``)."""
+    from ..policy import Policy
+
+    policy = Policy.static() if draft is not None else Policy.autoregressive()
+    prompt = _prompt(target, ctx, device)
+    with _engine(target, draft, policy, graphs, cpu_gemm) as hs:
+        hs.generate(prompt, max_new_tokens=min(tokens, 8))
+        _, stats = hs.generate(prompt, max_new_tokens=tokens)
+    return overhead_per_cycle(stats)
