@@ -2,10 +2,14 @@
 
 One forward verifies a whole draft tree: the tree tokens go in with explicit ``position_ids`` (prefix
 length + depth) and a 4D additive mask over the whole cache, in which each node sees the committed prefix
-and exactly its ancestors.  Keys and values live in one preallocated tensor ``[2, layers, 1, kv_heads,
+and exactly its ancestors.  Keys and values live in one preallocated tensor ``[batch, 2, layers, kv_heads,
 capacity, head_dim]``; a forward writes its rows at the slots the engine chose (prefix length + row), and
 commit moves the accepted slots behind the prefix with :func:`heterospec.ops.kv_compact` -- one call, one
 launch on a GPU, with the prefix length a device tensor, so nothing in a cycle needs the host.
+
+A batch of B requests is B rows of the same cache, each with its own prefix length: a left-padded prompt
+batch is prefilled in one forward and each row's prompt is then moved to column 0 (``kv_compact``), so a
+row's cache never holds padding; every tree, commit and position is per row.
 
 Why our own cache: transformers' ``StaticCache`` (5.x) writes at a counter it advances on every call and
 ignores ``cache_position``, so it cannot overwrite rejected tree slots, and its layer API changed between
@@ -60,12 +64,18 @@ class StaticKV(_cache_base()):
     window = None   # columns attended to (None: all); set per forward, see TargetAdapter.verify
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        k, v = self.kv[0, layer_idx], self.kv[1, layer_idx]
+        k, v = self.kv[:, 0, layer_idx], self.kv[:, 1, layer_idx]
         if key_states.shape[1] != k.shape[1] or key_states.shape[3] != k.shape[3]:
             raise ValueError(f"target cache: layer {layer_idx} produced keys {tuple(key_states.shape)}, the cache "
-                             f"holds [1, {k.shape[1]}, S, {k.shape[3]}] (num_key_value_heads / head_dim of the config)")
-        k.index_copy_(2, self.slots, key_states.to(k.dtype))
-        v.index_copy_(2, self.slots, value_states.to(v.dtype))
+                             f"holds [{k.shape[0]}, {k.shape[1]}, S, {k.shape[3]}] (num_key_value_heads / head_dim "
+                             f"of the config)")
+        if self.slots.dim() == 1:                       # the same columns in every row
+            k.index_copy_(2, self.slots, key_states.to(k.dtype))
+            v.index_copy_(2, self.slots, value_states.to(v.dtype))
+        else:                                           # [B, n]: each row at its own columns
+            idx = self.slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+            k.scatter_(2, idx, key_states.to(k.dtype))
+            v.scatter_(2, idx, value_states.to(v.dtype))
         if self.window is not None:
             return k[:, :, :self.window], v[:, :, :self.window]
         return k, v
@@ -105,15 +115,17 @@ def _compiled(model, backend):
 
 
 class TargetAdapter:
-    """Drives a HuggingFace causal LM as the speculative-decoding target (batch 1) on a static cache.
+    """Drives a HuggingFace causal LM as the speculative-decoding target on a static cache of ``batch`` rows.
 
-    ``prefix`` is a one-element int64 tensor on the model's device: the number of committed positions.
+    ``prefix`` is an int64 tensor ``[batch]`` on the model's device: each row's number of committed positions.
+    With ``batch=1`` the calls take and return unbatched trees (``[n]`` tokens, ``[n, V]`` logits); with a batch
+    every tree input and output has a leading ``[batch]`` dimension.
     :meth:`allocate` sizes the cache (prompt + new tokens + the largest tree); the engine calls it before
     decoding, outside the cycle.  ``compile``: run the verify forward through ``torch.compile`` (True or a
     backend name; one specialisation per tree size), fewer kernels per forward before CUDA-graph capture.
     The prefill stays eager: its length changes with every prompt."""
 
-    def __init__(self, model, tap_layers=None, capture_taps=True, compile=None):
+    def __init__(self, model, tap_layers=None, capture_taps=True, compile=None, batch=1):
         impl = getattr(model.config, "_attn_implementation", None)
         if impl not in TREE_MASK_ATTN:
             raise ValueError(
@@ -121,7 +133,10 @@ class TargetAdapter:
                 f"{TREE_MASK_ATTN} (load the model with attn_implementation='sdpa', or call "
                 f"model.set_attn_implementation('sdpa'))"
             )
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+            raise ValueError(f"target: argument 'batch' expected an int >= 1, got {batch!r}")
         self.model = model
+        self.batch = batch
         layers = _decoder_layers(model)
         n = len(layers)
         # the engine and the trace recorder pass a loaded head's own, checked taps; the default here (no draft,
@@ -143,7 +158,7 @@ class TargetAdapter:
         self.capacity = 0
         self.kv = None
         self.cache = None
-        self.prefix = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.prefix = torch.zeros(batch, dtype=torch.long, device=self.device)
         self._call = model if not compile else _compiled(model, compile)
 
     def _make_hook(self, i):
@@ -167,57 +182,99 @@ class TargetAdapter:
         if capacity <= self.capacity:
             return
         layers, kv_heads, head_dim = _kv_shape(self.model.config)
-        self.kv = torch.zeros((2, layers, 1, kv_heads, capacity, head_dim), dtype=self.dtype, device=self.device)
+        B = self.batch
+        self.kv = torch.zeros((B, 2, layers, kv_heads, capacity, head_dim), dtype=self.dtype, device=self.device)
         self.cache = StaticKV(self.kv)
-        # one tensor for kv_compact, imported once: [2 * layers * kv_heads, capacity, head_dim]
-        self._kv_rows = ops.KVTensors([self.kv.view(-1, capacity, head_dim)])
+        # one tensor for kv_compact, imported once: [2 * layers * kv_heads, capacity, head_dim] (batch 1), or
+        # [batch, 2 * layers * kv_heads, capacity, head_dim] for the per-row (batched) form
+        rows = self.kv.view(-1, capacity, head_dim) if B == 1 else self.kv.view(B, -1, capacity, head_dim)
+        self._kv_rows = ops.KVTensors([rows])
         self._cols = torch.arange(capacity, device=self.device)
         self.capacity = capacity
         self._neg = torch.finfo(self.dtype).min
 
     def _forward(self, ids, positions, slots, allowed, call=None, **kw):
-        """ids/positions [1, n], slots [n] cache columns to write, allowed bool [n, window or capacity];
-        ``call``: the model or its compiled forward (default: the model)."""
+        """ids/positions [B, n], slots [n] (the same cache columns in every row) or [B, n] (per row), allowed
+        bool [n, W] or [B, n, W] over the first W = window or capacity columns; ``call``: the model or its
+        compiled forward (default: the model)."""
         self.cache.slots = slots
-        self.cache.window = allowed.shape[1] if allowed.shape[1] < self.capacity else None
+        W = allowed.shape[-1]
+        self.cache.window = W if W < self.capacity else None
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, self._neg)
-        return (self.model if call is None else call)(input_ids=ids, position_ids=positions, cache_position=slots,
-                          attention_mask=mask.view(1, 1, *allowed.shape), past_key_values=self.cache,
-                          use_cache=True, **kw)
+        mask = mask.view(1, 1, *allowed.shape) if allowed.dim() == 2 else mask.unsqueeze(1)
+        # cache_position is informational here (our cache writes at `slots`; the 4D mask skips mask building)
+        return (self.model if call is None else call)(input_ids=ids, position_ids=positions,
+                          cache_position=slots if slots.dim() == 1 else slots[0], attention_mask=mask,
+                          past_key_values=self.cache, use_cache=True, **kw)
 
     @torch.no_grad()
-    def prefill(self, input_ids):
-        """Run the prompt [1, S] (the cache must hold S positions); returns (logits of the last position [V]
-        float32, taps [1, S, 3H] or None).  Sets ``prefix`` to S."""
-        S = input_ids.shape[1]
+    def prefill(self, input_ids, attention_mask=None):
+        """Run the prompts ``input_ids`` [batch, S] (the cache must hold S positions), left-padded where
+        ``attention_mask`` [batch, S] (1 = token, 0 = padding, zeros only before ones; None: no padding) says so.
+        Returns (logits of each row's last position, float32: [V] with batch 1, else [batch, V]; the taps
+        [batch, S, 3H] or None, each row's prompt moved to the front as in the cache).  Sets ``prefix`` to each
+        row's prompt length."""
+        B, S = input_ids.shape
+        if B != self.batch:
+            raise ValueError(f"target: prefill expected {self.batch} prompts (the adapter's batch), got {B}")
         if S > self.capacity:
             self.allocate(S)
         rows = self._cols[:S]
-        allowed = self._cols[:S].view(1, -1) <= rows.view(-1, 1)    # causal over the prompt (S columns)
-        out = self._forward(input_ids, rows.view(1, S), rows, allowed, logits_to_keep=1)
-        self.prefix.fill_(S)
-        return out.logits[0, -1].float(), self._taps()
+        causal = self._cols[:S].view(1, -1) <= rows.view(-1, 1)    # causal over the prompt (S columns)
+        if attention_mask is None:
+            out = self._forward(input_ids, rows.expand(B, S), rows, causal, logits_to_keep=1)
+            self.prefix.fill_(S)
+            taps = self._taps()
+        else:
+            real = attention_mask.to(device=self.device, dtype=torch.bool)
+            lengths = real.sum(1)
+            positions = (real.long().cumsum(1) - 1).clamp(min=0)
+            # a padding row sees itself only (no empty softmax); a token sees the earlier tokens of its row
+            allowed = (causal.unsqueeze(0) & real.unsqueeze(1)) | torch.eye(S, dtype=torch.bool, device=self.device)
+            out = self._forward(input_ids, positions, rows, allowed, logits_to_keep=1)
+            # each row's tokens to the front: row pad + i moves to i (kv_compact's per-row form, prefix 0)
+            pad = (S - lengths).view(B, 1)
+            src = pad + rows.view(1, S)
+            slots = torch.where(rows.view(1, S) < lengths.view(B, 1), src, torch.full_like(src, -1))
+            ops.kv_compact(self._kv_rows, torch.zeros(B, dtype=torch.long, device=self.device),
+                           slots if B > 1 else slots[0], check=self.device.type != "cuda")
+            self.prefix.copy_(lengths)
+            taps = self._taps()
+            if taps is not None:
+                taps = taps.gather(1, src.clamp(max=S - 1).unsqueeze(-1).expand(-1, -1, taps.shape[-1]))
+        logits = out.logits[:, -1].float()
+        return (logits[0] if self.batch == 1 else logits), taps
 
     @torch.no_grad()
     def verify(self, tree_tokens, tree_depths, tree_mask, window=None):
-        """One forward over a verification tree: tree_tokens/tree_depths [n] int64, tree_mask [n, n] bool
-        (ancestor-or-self), all on the model's device.  Rows are written at cache columns prefix .. prefix+n-1
-        (until :meth:`commit`).  ``window`` (a host int >= prefix + n, or None = the whole cache): attend to
-        the first ``window`` columns only -- on the CPU, where attention over unused columns is real work;
-        a GPU keeps the whole cache so every cycle has the same shape.  Returns (logits [n, V] float32,
-        taps [1, n, 3H] or None)."""
-        n = tree_tokens.shape[0]
-        P = self.prefix
+        """One forward over a verification tree per row: tree_tokens/tree_depths [n] int64 and tree_mask [n, n]
+        bool (ancestor-or-self) with batch 1, [batch, n] / [batch, n, n] with a batch, all on the model's
+        device.  Row b's nodes are written at cache columns prefix[b] .. prefix[b]+n-1 (until :meth:`commit`).
+        ``window`` (a host int >= every row's prefix + n, or None = the whole cache): attend to the first
+        ``window`` columns only -- on the CPU, where attention over unused columns is real work; a GPU keeps
+        the whole cache so every cycle has the same shape.  Returns (logits [n, V] / [batch, n, V] float32,
+        taps [batch, n, 3H] or None)."""
         W = self.capacity if window is None else min(window, self.capacity)
-        slots = P + self._cols[:n]
-        allowed = (self._cols[:W] < P).expand(n, W).clone()
-        allowed.scatter_(1, slots.expand(n, n), tree_mask)           # the tree block: ancestors and self
-        out = self._forward(tree_tokens.view(1, n), (tree_depths + P).view(1, n), slots, allowed, call=self._call)
-        return out.logits[0].float(), self._taps()
+        if tree_tokens.dim() == 1:
+            n = tree_tokens.shape[0]
+            P = self.prefix
+            slots = P + self._cols[:n]
+            allowed = (self._cols[:W] < P).expand(n, W).clone()
+            allowed.scatter_(1, slots.expand(n, n), tree_mask)           # the tree block: ancestors and self
+            out = self._forward(tree_tokens.view(1, n), (tree_depths + P).view(1, n), slots, allowed,
+                                call=self._call)
+            return out.logits[0].float(), self._taps()
+        B, n = tree_tokens.shape
+        P = self.prefix.view(B, 1)
+        slots = P + self._cols[:n]                                       # [B, n]
+        allowed = (self._cols[:W].view(1, 1, W) < P.view(B, 1, 1)).expand(B, n, W).clone()
+        allowed.scatter_(2, slots.view(B, 1, n).expand(B, n, n), tree_mask)
+        out = self._forward(tree_tokens, tree_depths + P, slots, allowed, call=self._call)
+        return out.logits.float(), self._taps()
 
     def commit(self, path, length, *, check=True):
         """Keep the tree slots of ``path`` (tree node indices, ascending from the root, padded with -1 as the
-        verify ops' device outputs are): move them behind the committed prefix in every layer and advance
-        ``prefix`` by ``length`` (a 0-d / 1-element device tensor)."""
+        verify ops' device outputs are; [m] with batch 1, [batch, m] per row): move them behind the committed
+        prefix in every layer and advance ``prefix`` by ``length`` (a 1-element / [batch] device tensor)."""
         ops.kv_compact(self._kv_rows, self.prefix, path, check=check)
         self.prefix += length
