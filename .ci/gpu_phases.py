@@ -116,9 +116,9 @@ PHASES = (
         Step("cuda-cycle", "{py} -m benchmarks.bench_cuda_cycle --per-op --iters 200 --out {dir}/cuda-cycle.json"),
     ), needs=("cuda",)),
     Phase("engine", 8, "the decoding engine's tests on the GPU (HETEROSPEC_TEST_DEVICE=cuda): greedy identity "
-                       "with HF for every method, chi-square sampling, no host transfer in the cycle", (
+                       "with HF for every method, chi-square sampling, no host transfer in the cycle, the batched target", (
         Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "engine"
-             + " tests/test_decoding.py tests/test_engine_device.py"),
+             + " tests/test_decoding.py tests/test_engine_device.py tests/test_batch_target.py"),
     ), needs=("cuda",)),
     Phase("graphs", 6, "the recorded engine's tests on the GPU: real CUDA graphs, one per tree shape, equal to "
                        "the eager engine token for token and draw for draw", (
