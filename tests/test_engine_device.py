@@ -177,7 +177,9 @@ def test_draft_on_another_dtype_or_device_is_refused(pair):
         HeteroSpec(model, head.to(torch.float64))
     head.to(torch.float32)
     meta_head = types.SimpleNamespace(parameters=lambda: iter([torch.zeros(1, device="meta")]), dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"HeteroSpec: argument 'draft' expected the target's device cpu, got meta"):
+    device = next(model.parameters()).device      # cpu here, cuda:0 in .ci/gpu's engine phase
+    with pytest.raises(ValueError, match=rf"HeteroSpec: argument 'draft' expected the target's device {device}, "
+                                         r"got meta"):
         HeteroSpec(model, meta_head)
 
 
