@@ -49,9 +49,9 @@ def _timer(torch, device):
 def forward_table(torch, model, *, tokens=(1, 8, 32, 64, 128), context=256, reps=20, columns=COLUMNS):
     """{column: {n: median ms}} for the verify forward of an n-token tree after ``context`` prompt tokens."""
     from heterospec.models.target import TargetAdapter
-    from heterospec.tune.costs import _place, _recorded
+    from heterospec.tune.costs import _device, _recorded
 
-    device, _ = _place(model)
+    device = _device(model)
     timed = _timer(torch, device)
     vocab = model.config.vocab_size
     g = torch.Generator(device="cpu").manual_seed(0)

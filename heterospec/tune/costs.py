@@ -27,19 +27,16 @@ from ..measure import DeviceTimer
 from ..policy.profile import CostModel
 
 
-def _place(module):
-    """(device, floating dtype) of a module: its ``.device`` / ``.dtype`` when it declares them, else its
-    first parameter or buffer (the first floating one for the dtype); CPU / the default dtype without any."""
+def _device(module):
+    """A module's device: its ``.device`` when it declares one, else its first parameter or buffer's; the CPU
+    without any."""
     import torch
 
-    tensors = list(module.parameters()) + list(module.buffers()) if isinstance(module, torch.nn.Module) else []
     device = getattr(module, "device", None)
-    if not isinstance(device, torch.device):
-        device = tensors[0].device if tensors else torch.device("cpu")
-    dtype = getattr(module, "dtype", None)
-    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        dtype = next((t.dtype for t in tensors if t.is_floating_point()), torch.get_default_dtype())
-    return device, dtype
+    if isinstance(device, torch.device):
+        return device
+    tensors = list(module.parameters()) + list(module.buffers()) if isinstance(module, torch.nn.Module) else []
+    return tensors[0].device if tensors else torch.device("cpu")
 
 
 def _recorded(fn, device):
@@ -70,7 +67,7 @@ def profile_costs(target, draft=None, *, tree_tokens=(1, 2, 4, 8, 16, 32, 64, 12
 
     from ..models import cpu_gemm as gemm
 
-    device, _ = _place(target)
+    device = _device(target)
     if graphs and device.type != "cuda":
         raise ValueError(f"profile_costs: argument 'graphs' expected False for a model on {device} (CUDA graphs "
                          f"need a CUDA device), got True")
