@@ -191,3 +191,17 @@ def test_run_per_op_flow_on_the_cpu_with_fake_timers(monkeypatch):
     assert nbytes["expand root"] == 400 * 4 + 12 + 4 * 8 + 4 * 20 + 4 + 4 * 8  # Vd=400, k=4
     md = bench.per_op_markdown(out["rows"], "cpu", 1000.0, 3)
     assert len([line for line in md.splitlines() if line.startswith("| ") and "---" not in line]) == 1 + 9
+
+
+def test_the_kernel_probe_peaked_rows_hold_almost_all_the_mass():
+    """benchmarks/probe_cuda_kernels.py times verify_sample on 'peaked' rows, said to put > 99.9 % of each row's
+    mass on one token (a nucleus of one, unlike the bench's flat rows): checked at the bench's own shape."""
+    from benchmarks import probe_cuda_kernels as probe
+
+    x = bench.make_inputs(torch, CPU, Vd=64, V=128256, k=2, depth=1, n=7, layers=1, S=8)
+    flat = x["target"]
+    peaked = probe.peaked_rows(torch, flat)
+    p_flat = torch.softmax(flat.float(), -1).max(-1).values
+    p_peak = torch.softmax(peaked.float(), -1).max(-1).values
+    assert p_peak.min().item() > 0.999 and p_flat.max().item() < 0.5
+    assert torch.equal(probe.peaked_rows(torch, flat), peaked)     # the same tokens for a seed

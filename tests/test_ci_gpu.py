@@ -58,11 +58,51 @@ def test_list_works_without_a_gpu_and_names_every_phase_with_its_minutes():
     assert r.returncode == 0, r.stderr
     rows = {line.split()[0]: line.split() for line in r.stdout.splitlines()[2:] if line.strip() and
             not line.startswith("Each")}
-    for name in ("build", "kernels", "engine", "graphs", "bench", "bench-eager", "bench-bf16", "bench-tuned",
-                 "graphs-bench", "smoke", "head"):
+    for name in ("build", "kernels", "engine", "engine-chi2-oracle", "engine-chi2-noisy", "graphs", "bench",
+                 "bench-eager", "bench-bf16", "bench-tuned", "graphs-bench", "smoke", "head"):
         assert name in rows, r.stdout
         assert 0 < float(rows[name][1]) <= 9
     assert rows["head"][2] == "no" and rows["build"][2] == "yes"
+
+
+def test_the_engine_tests_are_split_so_each_phase_fits_a_call():
+    """The first H100 run cut the engine phase at 540 s in the chi-square tests: they have phases of their own,
+    and together the three select every test of the engine files exactly once (the -k expressions, evaluated
+    as pytest does on the names)."""
+    import re
+
+    ks = {}
+    for name in ("engine", "engine-chi2-oracle", "engine-chi2-noisy"):
+        (step,) = phases.BY_NAME[name].steps
+        ks[name] = re.search(r"-k '([^']*)'", step.cmd).group(1)
+    names = ["test_sampling_matches_the_target_distribution[oracle-setting0]",
+             "test_sampling_matches_the_target_distribution[noisy-setting2]",
+             "test_greedy_output_equals_target_generate[qwen3-eagle3-head]", "test_no_host_transfer_in_the_cycle"]
+
+    def selects(expr, test):   # pytest's -k: each word is a substring match; and / or / not as in Python
+        return eval(re.sub(r"\w+", lambda m: m.group(0) if m.group(0) in ("and", "or", "not")
+                           else str(m.group(0) in test), expr))
+
+    for test in names:
+        assert sum(selects(k, test) for k in ks.values()) == 1, (test, ks)
+
+
+def test_steps_run_with_the_faulthandler_and_calibrate_reports_the_failing_launch(tmp_path, monkeypatch):
+    monkeypatch.setenv("HETEROSPEC_GPU_WORK", str(tmp_path))
+    ctx = phases.make_context(phases.BY_NAME)
+    assert ctx.env["PYTHONFAULTHANDLER"] == "1"    # a signal (the first H200 run's calibrate) leaves a traceback
+    (cal,) = [s for s in phases.BY_NAME["smoke"].steps if s.name == "calibrate"]
+    assert cal.cmd.startswith("CUDA_LAUNCH_BLOCKING=1 ")
+
+
+def test_the_summary_imports_the_checkout_not_an_installed_copy(monkeypatch):
+    """On a GPU machine the package is built in place and the runner runs as .ci/gpu_phases.py: the summary's
+    numbers import heterospec from the checkout (the first H200 run: "No module named 'heterospec'")."""
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if os.path.abspath(p or ".") != phases.REPO])
+    phases._repo_first()
+    assert sys.path[0] == phases.REPO
+    phases._repo_first()
+    assert sys.path.count(phases.REPO) == 1
 
 
 def test_every_phase_is_bounded_by_one_device_call():
