@@ -50,7 +50,15 @@ def _recorded(fn, device):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return g.replay
+
+    def replay(g=g, fn=fn):
+        # The graph reads fn's tensors (its default arguments, its closure) at the addresses they had when it
+        # was recorded: holding fn here keeps them, so the caching allocator cannot hand that memory to a later
+        # tensor.  Returning g.replay alone let calibrate's draft steps read another tensor's value as their
+        # accepted length (a device-side assert, then SIGSEGV, on the second GPU run).
+        g.replay()
+
+    return replay
 
 
 def profile_costs(target, draft=None, *, tree_tokens=(1, 2, 4, 8, 16, 32, 64, 128), contexts=(64, 160, 256),
