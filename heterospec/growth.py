@@ -37,21 +37,32 @@ def _f64(x):
 
 
 def _repeat(x, k):
-    """Each element k times in a row (NumPy's ``repeat``, torch's ``repeat_interleave``)."""
-    return np.repeat(x, k) if _is_numpy(x) else x.repeat_interleave(k)
+    """Each element k times in a row, along the last axis (NumPy's ``repeat``, torch's ``repeat_interleave``)."""
+    return np.repeat(x, k, axis=-1) if _is_numpy(x) else x.repeat_interleave(k, dim=-1)
 
 
 def _cat(xs):
     if _is_numpy(xs[0]):
-        return np.concatenate(xs)
+        return np.concatenate(xs, axis=-1)
     import torch
 
-    return torch.cat(xs)
+    return torch.cat(xs, dim=-1)
+
+
+def _take(x, idx):
+    """``x[idx]``, or row by row for a batch (``x[b, idx[b]]``; never a host read of ``idx``)."""
+    if idx.ndim == 1:
+        return x[idx]
+    return np.take_along_axis(x, idx, 1) if _is_numpy(x) else x.gather(1, idx)
 
 
 @dataclasses.dataclass(frozen=True)
 class Growth:
-    """A candidate tree grown ``level`` levels past the root expansion (arrays or tensors, one per level)."""
+    """A candidate tree grown ``level`` levels past the root expansion (arrays or tensors, one per level).
+
+    Batched (a batch of requests, each its own tree): every array has a leading ``[batch]`` dimension
+    (``beams`` ``[batch, K]``, each level's tokens ``[batch, K*K]`` ...), and row b is the unbatched growth of
+    request b (``ops.expand``'s batched form; ``d2t`` and the candidate numbering shared by the rows)."""
 
     tokens: tuple             # int64 [K] (root expansion), then [K*K] per level
     scores: tuple             # float32 cumulative log-probabilities, same shapes
@@ -64,11 +75,12 @@ class Growth:
 
     @classmethod
     def root(cls, logits, top_k, d2t=None, *, zero_score=None, no_parent=None, check=True):
-        """Expand the root's draft logits [1, Vd]: a Growth with 0 levels.  ``zero_score`` ([1] float32 zero)
-        and ``no_parent`` ([1] int64 -1) may be given as static tensors (a recorded step reads them at fixed
-        addresses); NumPy ones are made otherwise."""
+        """Expand the root's draft logits [1, Vd] (batched: [batch, 1, Vd]): a Growth with 0 levels.
+        ``zero_score`` ([1] float32 zero; batched [batch, 1]) and ``no_parent`` ([1] int64 -1; [batch, 1]) may be
+        given as static tensors (a recorded step reads them at fixed addresses); NumPy ones are made otherwise."""
         if zero_score is None:
-            zero_score, no_parent = np.zeros(1, np.float32), np.full(1, -1, np.int64)
+            lead = logits.shape[:-1]
+            zero_score, no_parent = np.zeros(lead, np.float32), np.full(lead, -1, np.int64)
         tok, sc, par, ent, beams = ops.expand(logits, zero_score, no_parent, top_k, d2t, 0, check=check)
         return cls((tok,), (sc,), (par,), _repeat(_f64(ent), top_k), beams, 0, top_k, 0)
 
@@ -77,12 +89,13 @@ class Growth:
         return self.beams - self.prev_offset
 
     def extend(self, logits, d2t=None, *, check=True):
-        """One more level: ``logits`` [K, Vd] are the draft's outputs for the beams, in beam order."""
-        K = self.beams.shape[0]
+        """One more level: ``logits`` [K, Vd] ([batch, K, Vd]) are the draft's outputs for the beams, in beam
+        order."""
+        K = self.beams.shape[-1]
         local = self.local_beams()
-        tok, sc, par, ent, beams = ops.expand(logits, self.scores[-1][local], self.beams, K, d2t, self.offset,
-                                              check=check)
-        cum_h = _repeat(self.cum_h[local] + _f64(ent), K)
+        tok, sc, par, ent, beams = ops.expand(logits, _take(self.scores[-1], local), self.beams, K, d2t,
+                                              self.offset, check=check)
+        cum_h = _repeat(_take(self.cum_h, local) + _f64(ent), K)
         return Growth(self.tokens + (tok,), self.scores + (sc,), self.parents + (par,), cum_h, beams,
                       self.offset, self.offset + K * K, self.level + 1)
 
@@ -92,6 +105,9 @@ class Growth:
 
     def path_entropy(self):
         """The path entropy of the most confident candidate of the last level, as a [1] float64 array or
-        tensor (on a device an ``index_select``: indexing with a 0-d tensor would read the index on the host)."""
+        tensor (on a device an ``index_select``: indexing with a 0-d tensor would read the index on the host);
+        batched, one per request: [batch]."""
+        if self.beams.ndim == 2:
+            return _take(self.cum_h, self.beams[:, :1] - self.prev_offset)[:, 0]
         best = self.beams[:1] - self.prev_offset
         return self.cum_h[best] if _is_numpy(self.cum_h) else self.cum_h.index_select(0, best)

@@ -140,3 +140,46 @@ class ScriptDraft(_DoubleBase):
         logits[rows, right] = torch.where(miss, self.boost / 2, self.boost)
         logits[rows, wrong] = torch.where(miss, self.boost, 0.0)
         return logits.unsqueeze(0)
+
+
+class BatchScriptDraft(_DoubleBase):
+    """ScriptDraft for a batch (issue 29): one reference sequence per request, recognised from the request's
+    first fed tokens (its draft cache row holds the fed ids, and a row is fed its prompt from position 0), so
+    the double keeps working when finished rows are dropped from the batch.  A row at position p proposes
+    its script's ``[p + 2]``; at every position p with ``(p + shift) % miss_every == 0`` it ranks a wrong token
+    first, where ``shift`` differs per request, so rows accept different lengths in the same cycle.  Eager
+    only (it reads the cache on the host)."""
+
+    KEY = 3
+
+    def __init__(self, vocab_size, miss_every=4, boost=20.0):
+        super().__init__(8, vocab_size)
+        self.miss_every, self.boost = miss_every, boost
+        self.scripts = {}
+
+    def load(self, sequences):
+        """``sequences``: each request's prompt followed by its reference continuation (1-D)."""
+        self.scripts = {}
+        for i, seq in enumerate(sequences):
+            seq = [int(t) for t in torch.as_tensor(seq).reshape(-1)]
+            self.scripts[tuple(seq[1:1 + self.KEY])] = (seq, i)
+        return self
+
+    def step(self, hidden, input_ids, position_ids, cache, slots, attn_mask):
+        B, S = input_ids.shape
+        slots = slots.view(1, -1).expand(B, S) if slots.dim() == 1 else slots
+        for b in range(B):
+            cache[0, b, 0, slots[b], 0] = input_ids[b].float()
+        logits = torch.zeros(B, S, self.vocab_size, device=input_ids.device)
+        pos = position_ids.reshape(-1, S).expand(B, S)
+        for b in range(B):
+            seq, shift = self.scripts[tuple(int(t) for t in cache[0, b, 0, :self.KEY, 0].tolist())]
+            for s in range(S):
+                p = int(pos[b, s])
+                right = seq[min(p + 2, len(seq) - 1)]
+                wrong = (right + 1) % self.vocab_size
+                if (p + shift) % self.miss_every == 0:
+                    logits[b, s, wrong], logits[b, s, right] = self.boost, self.boost / 2
+                else:
+                    logits[b, s, right] = self.boost
+        return logits

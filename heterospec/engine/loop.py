@@ -23,7 +23,7 @@ from ..models import cpu_gemm as gemm
 from ..measure import PhaseClock
 from ..models.target import TargetAdapter, _decoder_layers, attention_window
 from ..policy import Policy
-from . import sync
+from . import batch, sync
 from .cycle import Cycle
 from .stats import GenerationStats
 from ..growth import candidate_count
@@ -208,12 +208,72 @@ class HeteroSpec:
 
     @torch.no_grad()
     def generate(self, input_ids, *, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, eos_token_id=None,
-                 stopping_criteria=None, streamer=None, seed=None):
-        """Returns (sequences [1, S + new] int64 on the CPU, GenerationStats).  Greedy when temperature == 0."""
+                 stopping_criteria=None, streamer=None, seed=None, attention_mask=None, pad_token_id=None):
+        """Returns (sequences [1, S + new] int64 on the CPU, GenerationStats).  Greedy when temperature == 0.
+
+        A batch (:mod:`.batch`): ``input_ids`` [B, S] left-padded with an ``attention_mask`` [B, S] (as a
+        HuggingFace tokenizer pads prompts for generation; None: no padding), or a list of prompts of any lengths
+        (1-D token sequences).  Each row decodes losslessly on its own: its output equals that prompt decoded
+        alone.  Returns the sequences -- for a tensor, [B, S + the longest generation] with each row's input
+        (padding included), its new tokens, then ``pad_token_id`` (default: the first EOS id, else 0); for a list,
+        a list of 1-D tensors (prompt + new tokens) -- and the batch's GenerationStats, whose ``per_row`` holds
+        each request's own (its ``cycles`` count request-cycles, ``batch_calls`` the batched forwards).  Sampling
+        keys row b's uniforms with ``seed + b`` (or ``seed[b]`` for a list), so a row draws as its prompt alone
+        with that seed.  ``streamer`` and ``stopping_criteria`` take a single prompt."""
         _check_generate_args(max_new_tokens, temperature, top_k, top_p)
+        eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+        as_list = isinstance(input_ids, (list, tuple))
+        if as_list:
+            if not input_ids:
+                raise ValueError("generate: argument 'input_ids' expected at least one prompt, got an empty list")
+            if attention_mask is not None:
+                raise ValueError("generate: argument 'attention_mask' expected None with a list of prompts (they "
+                                 "are padded here), got a mask")
+            pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
+            input_ids, attention_mask = batch.left_pad(input_ids, pad, self.device)
+        elif not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError(f"generate: argument 'input_ids' expected a [B, S] tensor or a list of prompts, got "
+                             f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+        B = input_ids.shape[0]
+        with sync.outside_cycle():                      # the mask's check reads it on the host
+            lengths = batch.check_mask(input_ids, attention_mask)
+        if B == 1:
+            S = input_ids.shape[1]
+            prompt = input_ids[:, S - lengths[0]:]
+            with self._gemm:
+                seq, stats = self._generate(prompt, max_new_tokens, temperature, top_k, top_p, eos_token_id,
+                                            stopping_criteria, streamer, seed[0] if isinstance(seed, (list, tuple))
+                                            else seed)
+            if as_list:
+                return [seq[0]], stats
+            if lengths[0] == S:
+                return seq, stats
+            with sync.outside_cycle():
+                return torch.cat([input_ids[:, :S - lengths[0]].cpu(), seq], dim=1), stats
+        if streamer is not None or stopping_criteria:
+            raise ValueError(f"generate: arguments 'streamer' and 'stopping_criteria' expected a single prompt, "
+                             f"got a batch of {B}")
+        if B < 1:
+            raise ValueError("generate: argument 'input_ids' expected at least one prompt, got 0 rows")
+        S = input_ids.shape[1]
+        maxpos = self.target.max_positions
+        if maxpos is not None and S + max_new_tokens > maxpos:
+            raise ValueError(f"generate: prompt ({S}) + max_new_tokens ({max_new_tokens}) "
+                             f"exceed the target's max_position_embeddings ({maxpos})")
         with self._gemm:
-            return self._generate(input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id,
-                                  stopping_criteria, streamer, seed)
+            new, _, stats = batch.generate_batch(self, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                                                 temperature=temperature, top_k=top_k, top_p=top_p, eos=eos,
+                                                 seed=seed)
+        if as_list:
+            return [torch.tensor(input_ids[b, S - lengths[b]:].tolist() + new[b], dtype=torch.long)
+                    for b in range(B)], stats
+        pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
+        L = max(len(x) for x in new)
+        out = torch.full((B, S + L), pad, dtype=torch.long)
+        out[:, :S] = input_ids.cpu()
+        for b, x in enumerate(new):
+            out[b, S:S + len(x)] = torch.tensor(x, dtype=torch.long)
+        return out, stats
 
     def _generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, stopping_criteria,
                   streamer, seed):

@@ -30,6 +30,8 @@ class GenerationStats:
     capture_s: float = 0.0     # warm-up and capture of the recorded steps in this call (not in total_s)
     captured_steps: int = 0    # recorded steps available (one per step key)
     predicted: bool = False    # the times are a cost model's prediction (a trace's replay), not measured
+    batch_calls: int = 0       # a batch's verification forwards (each over every unfinished row; cycles counts rows)
+    per_row: list = dataclasses.field(default_factory=list)   # a batch: each request's own GenerationStats
 
     @property
     def committed(self):
@@ -80,6 +82,7 @@ class GenerationStats:
         d["tau"] = self.tau
         d["tokens_per_s"] = self.tokens_per_s or 0.0
         d["host_s_per_cycle"] = self.host_s_per_cycle
+        d["per_row"] = [r.as_dict() for r in self.per_row]
         return d
 
     @property

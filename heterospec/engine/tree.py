@@ -142,6 +142,109 @@ class DraftState:
         return g
 
 
+class BatchDraftState(DraftState):
+    """:class:`DraftState` over a batch of requests (issue 29): one static draft cache of ``batch`` rows
+    ([2, batch, kv_heads, capacity + K * levels, head_dim]), each row with its own committed prefix; every
+    buffer gains a leading ``[batch]`` dimension and the Growth is batched (``ops.expand``'s batched form).
+    The scratch columns of a cycle's tree are the same columns in every row, so growth writes them with one
+    ``index_copy_``; the catch-up writes each row at its own prefix.  Row b computes what :class:`DraftState`
+    computes for request b alone."""
+
+    def __init__(self, draft, top_k, max_levels, d2t, batch):
+        super().__init__(draft, top_k, max_levels, d2t)
+        self.batch = batch
+
+    def allocate(self, capacity, device):
+        if self.cache is not None and capacity <= self.base:
+            return
+        B, K, R = self.batch, self.K, self.K * self.max_levels
+        self.base = capacity
+        self.cache = self.draft.new_cache(capacity + R, B)
+        self.cols = torch.arange(capacity + R, device=device)
+        self.anc = torch.zeros((B, max(R, 1), max(R, 1)), dtype=torch.bool, device=device)
+        hidden_size = self.draft.config.hidden_size if hasattr(self.draft, "config") else self.draft.hidden_size
+        self.h_rows = torch.zeros((B, 1 + R, hidden_size), dtype=self.draft_dtype(), device=device)
+        self.row_of = torch.zeros((B, candidate_count(K, self.max_levels)), dtype=torch.long, device=device)
+        self.eyeK = torch.eye(K, dtype=torch.bool, device=device)
+        self.zero_score = torch.zeros((B, 1), dtype=torch.float32, device=device)
+        self.no_parent = torch.full((B, 1), -1, dtype=torch.long, device=device)
+
+    def keep_rows(self, idx):
+        """Keep the requests ``idx`` (a [b'] int64 tensor of row numbers, ascending) and drop the others: the
+        finished requests of a batch stop costing work."""
+        self.batch = int(idx.shape[0])
+        self.cache = self.cache.index_select(1, idx)
+        for name in ("anc", "h_rows", "row_of", "zero_score", "no_parent", "root_logits", "root_h"):
+            setattr(self, name, getattr(self, name).index_select(0, idx))
+
+    def catch_up(self, taps, ids, prefix, last):
+        """Feed each row's positions prefix[b] .. prefix[b]+R-1 (taps [B, R, 3H], ids [B, R]); ``last`` [B]: the
+        row whose output expands each request's root.  Writes ``root_logits`` [B, 1, Vd] and ``root_h`` [B, 1, H]."""
+        d = self.draft
+        B, R = ids.shape
+        rows = prefix.view(B, 1) + self.cols[:R]                       # [B, R]: each request's own columns
+        allowed = self.cols.view(1, 1, -1) <= rows.view(B, R, 1)          # causal over the committed part
+        allowed[:, :, self.base:] = False
+        h2 = d.step(d.fuse(taps), ids, rows, self.cache, rows, allowed)
+        sel = h2.gather(1, last.view(B, 1, 1).expand(B, 1, h2.shape[-1]))
+        logits, h = d.head(sel)
+        self.root_logits, self.root_h = logits, h
+        return logits, h
+
+    def prime(self, taps, ids, last, prompt=None):
+        """The catch-up on each request's whole prompt from position 0: ``taps`` [B, S, 3H] and ``ids`` [B, S]
+        with each prompt at the front of its row (as the batched target's prefill leaves them), ``last`` [B]
+        each prompt's last row."""
+        self.catch_up(taps, ids, torch.zeros_like(last), last)
+
+    def start(self):
+        g = Growth.root(self.root_logits, self.K, self.d2t, zero_score=self.zero_score, no_parent=self.no_parent,
+                        check=self.root_logits.device.type != "cuda")
+        self.h_rows[:, 0] = self.root_h[:, 0]
+        return g
+
+    def grow(self, g, levels, prefix):
+        if g is None:
+            g = self.start()
+        d, B, K, check = self.draft, self.batch, self.K, prefix.device.type != "cuda"
+        H = self.h_rows.shape[-1]
+        for _ in range(levels):
+            level = g.level + 1
+            r0 = (level - 1) * K                                        # this level's scratch rows (every request)
+            local = g.local_beams()                                     # [B, K]
+            self.anc[:, r0:r0 + K] = False
+            if level == 1:
+                src = torch.zeros((B, K), dtype=torch.long, device=prefix.device)
+            else:
+                prow = self.row_of.gather(1, g.parents[-1].gather(1, local))   # the fed row of each beam's parent
+                src = prow + 1
+                self.anc[:, r0:r0 + K, :r0] = self.anc[:, :, :r0].gather(1, prow.view(B, K, 1).expand(B, K, r0))
+            self.anc[:, r0:r0 + K, r0:r0 + K] = self.eyeK
+            self.row_of.scatter_(1, g.beams, (r0 + self.cols[:K]).expand(B, K))
+            allowed = torch.empty((B, K, self.cols.shape[0]), dtype=torch.bool, device=prefix.device)
+            allowed[:, :, :self.base] = self.cols[:self.base].view(1, 1, -1) < prefix.view(B, 1, 1)
+            allowed[:, :, self.base:] = self.anc[:, r0:r0 + K]
+            slots = self.base + r0 + self.cols[:K]
+            ids = g.tokens[-1].gather(1, local)
+            pos = (prefix + (level - 1)).view(B, 1).expand(B, K)
+            h2 = d.step(self.h_rows.gather(1, src.view(B, K, 1).expand(B, K, H)), ids, pos, self.cache, slots,
+                        allowed)
+            logits, h_out = d.head(h2)
+            self.h_rows[:, 1 + r0:1 + r0 + K] = h_out
+            g = g.extend(logits, self.d2t, check=check)
+        return g
+
+    def follow(self, vtaps, kept, path_tokens, length, nxt, prefix):
+        """The draft side of the commit, per request: ``kept`` [B, R] each path's tree rows (padding clamped to
+        the root), ``path_tokens`` [B, R], ``length`` [B] accepted counts including the root, ``nxt`` [B]."""
+        B = kept.shape[0]
+        ids = torch.cat([path_tokens[:, 1:], nxt.view(B, 1)], dim=1)
+        last = length - 1
+        ids.scatter_(1, last.view(B, 1), nxt.view(B, 1))
+        taps = vtaps.gather(1, kept.unsqueeze(-1).expand(-1, -1, vtaps.shape[-1]))
+        self.catch_up(taps, ids, prefix, last)
+
+
 class NoDraft:
     """Autoregressive decoding as a drafter that drafts nothing: every tree is the root alone, nothing to
     catch up."""

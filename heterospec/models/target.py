@@ -193,6 +193,16 @@ class TargetAdapter:
         self.capacity = capacity
         self._neg = torch.finfo(self.dtype).min
 
+    def keep_rows(self, idx):
+        """Keep the requests ``idx`` (a [b'] int64 tensor of row numbers, ascending) and drop the others' cache
+        rows: the finished requests of a batch stop costing work.  The adapter stays in the batched form (trees
+        ``[b', n]``) even when one row is left."""
+        self.kv = self.kv.index_select(0, idx)
+        self.cache = StaticKV(self.kv)
+        self.batch = int(idx.shape[0])
+        self._kv_rows = ops.KVTensors([self.kv.view(self.batch, -1, self.capacity, self.kv.shape[-1])])
+        self.prefix = self.prefix.index_select(0, idx)
+
     def _forward(self, ids, positions, slots, allowed, call=None, **kw):
         """ids/positions [B, n], slots [n] (the same cache columns in every row) or [B, n] (per row), allowed
         bool [n, W] or [B, n, W] over the first W = window or capacity columns; ``call``: the model or its

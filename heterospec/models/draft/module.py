@@ -344,12 +344,17 @@ class Eagle3Draft(nn.Module):
 
         hidden [B, S, H], input_ids [B, S] (target ids), position_ids [B, S] as in :meth:`forward`;
         ``cache`` from :meth:`new_cache`; this step's keys and values are written at cache columns
-        ``slots`` [S] (int64, on the device); ``attn_mask`` bool [S, C] or [B, S, C] over all C cache columns
-        (True = may attend; the rows' own columns included).  Returns the layer output h2 [B, S, H]: pass the
-        rows you need through :meth:`head`."""
+        ``slots`` [S] (int64, on the device; the same columns in every row) or [B, S] (each row its own);
+        ``attn_mask`` bool [S, C] or [B, S, C] over all C cache columns (True = may attend; the rows' own
+        columns included).  Returns the layer output h2 [B, S, H]: pass the rows you need through :meth:`head`."""
         q, k, v, h, hn = self._project(hidden, input_ids, position_ids)
-        cache[0].index_copy_(2, slots, k.to(cache.dtype))
-        cache[1].index_copy_(2, slots, v.to(cache.dtype))
+        if slots.dim() == 1:
+            cache[0].index_copy_(2, slots, k.to(cache.dtype))
+            cache[1].index_copy_(2, slots, v.to(cache.dtype))
+        else:
+            idx = slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+            cache[0].scatter_(2, idx, k.to(cache.dtype))
+            cache[1].scatter_(2, idx, v.to(cache.dtype))
         mask = attn_mask if attn_mask.dim() == 2 else attn_mask.unsqueeze(1)
         return self._attend(q, cache[0], cache[1], mask, h, hn)
 
