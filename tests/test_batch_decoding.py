@@ -206,3 +206,38 @@ def test_bad_batches_get_one_line_errors(call, match):
     with pytest.raises(ValueError, match=match) as e:
         call(hs, ids, mask)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_custom_generate_with_a_batch_returns_what_hf_returns(do_sample):
+    """model.generate(ids, attention_mask=mask, custom_generate=heterospec.custom_generate, ...) on a left-padded
+    batch: the same layout as HuggingFace's own batched generate -- each row's input with its padding, its
+    tokens, then pad_token_id once it finished -- and, greedily, the same tokens as HuggingFace's own batched
+    greedy generate (both equal each prompt alone); sampled rows draw as their prompt alone with seed + row."""
+    import heterospec
+
+    model = tiny_target("qwen3")
+    ps = prompts(4)
+    ids, mask = left_padded(ps)
+    draft, refs = scripted(model, ps, new=30)
+    eos = refs[2][0, ps[2].shape[1] + 4].item()          # row 2 stops early
+    kw = dict(attention_mask=mask, max_new_tokens=20, eos_token_id=eos, pad_token_id=3)
+    if do_sample:
+        kw.update(do_sample=True, temperature=0.8, top_k=10, top_p=1.0)
+    else:
+        kw.update(do_sample=False)
+    out = model.generate(ids, custom_generate=heterospec.custom_generate, draft=draft,
+                         policy=Policy.paper(4, 3, 12, THRESHOLDS), seed=5, **kw)
+    S = ids.shape[1]
+    assert out[:, :S].tolist() == ids.tolist()
+    if not do_sample:
+        hf = model.generate(ids, **kw)
+        assert out.tolist() == hf.tolist()
+    hs = HeteroSpec(model, draft, Policy.paper(4, 3, 12, THRESHOLDS))
+    for b, p in enumerate(ps):
+        alone, _ = hs.generate(p, max_new_tokens=20, eos_token_id=eos, seed=5 + b,
+                               temperature=0.8 if do_sample else 0.0, top_k=10 if do_sample else 0)
+        new = alone[0, p.shape[1]:].tolist()
+        assert out[b, S:S + len(new)].tolist() == new
+        assert out[b, S + len(new):].tolist() == [3] * (out.shape[1] - S - len(new))
+    assert (out[2, S:] == 3).any()                        # the early row was padded

@@ -20,9 +20,13 @@ def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=N
     Needs a transformers release whose ``generate`` accepts a callable ``custom_generate`` (5.x; tested
     with 5.23).  Honours max_new_tokens / max_length, do_sample, temperature, top_k, top_p and the eos ids
     of the generation config; refuses logits processors that would change the distribution per position
-    (repetition penalty, bad words, min length, ...) with a ValueError.  Batch 1, no padding.
+    (repetition penalty, bad words, min length, ...) with a ValueError.  A batch of prompts comes left-padded
+    with its ``attention_mask``, as HuggingFace pads prompts for generation: every row decodes on its own,
+    losslessly, and the result is what HuggingFace returns for a batch -- [B, S + the longest generation], each
+    row's input, its new tokens, then the generation config's ``pad_token_id`` (else its first EOS id) after
+    the row finished.  Stopping criteria beyond max length / EOS / max time and streamers take batch 1.
     ``cuda_graphs`` as in :class:`HeteroSpec` (each call builds its engine, so it records its graphs anew:
-    for many calls keep one ``HeteroSpec`` instead).  Returns the sequences [1, S + new]."""
+    for many calls keep one ``HeteroSpec`` instead; a batch runs the eager steps).  Returns the sequences."""
     gc = generation_config
     extra = [type(p).__name__ for p in (logits_processor or []) if type(p).__name__ not in _WARPERS]
     if extra:
@@ -30,11 +34,7 @@ def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=N
             f"custom_generate: logits processors {extra} would change the target's distribution per position, "
             f"which speculative acceptance cannot reproduce losslessly; remove them from the generation config"
         )
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"custom_generate: argument 'input_ids' expected batch size 1, got {input_ids.shape[0]}")
     mask = model_kwargs.get("attention_mask")
-    if mask is not None and not bool((mask == 1).all()):
-        raise ValueError("custom_generate: argument 'attention_mask' expected no padding (all ones)")
     if gc.max_new_tokens is not None:
         max_new = gc.max_new_tokens
     else:
@@ -43,9 +43,12 @@ def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=N
     eos = gc.eos_token_id
     eos = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in torch.as_tensor(eos).view(-1)])
     criteria = [c for c in (stopping_criteria or []) if type(c).__name__ not in _OWN_CRITERIA]
+    pad = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if eos else 0)
+    if isinstance(pad, (list, tuple)) or (isinstance(pad, torch.Tensor) and pad.numel() != 1):
+        pad = int(torch.as_tensor(pad).view(-1)[0])
     with HeteroSpec(model, draft, policy, cuda_graphs=cuda_graphs) as hs:
         seq, _ = hs.generate(
-            input_ids, max_new_tokens=max_new,
+            input_ids, attention_mask=mask, pad_token_id=int(pad), max_new_tokens=max_new,
             temperature=float(gc.temperature if gc.temperature is not None else 1.0) if sample else 0.0,
             top_k=int(gc.top_k or 0) if sample else 0, top_p=float(gc.top_p if gc.top_p is not None else 1.0) if sample else 1.0,
             eos_token_id=eos, stopping_criteria=criteria, streamer=streamer, seed=seed)
