@@ -177,6 +177,9 @@ def generate_batch(hs, input_ids, attention_mask, *, max_new_tokens, temperature
         generated = [[r] for r in roots]
         alive = list(range(B))
         done = [r in eos or max_new_tokens <= 1 for r in roots]
+        for a in range(B):
+            if done[a]:
+                rows[a].total_s = time.perf_counter() - start
         if drafting and not all(done):
             clock.start()
             front = input_ids.to(dev).gather(1, (torch.tensor([S - n for n in lengths], device=dev).view(B, 1)
@@ -264,6 +267,7 @@ def generate_batch(hs, input_ids, attention_mask, *, max_new_tokens, temperature
                     generated[a].append(t)
                     if t in eos or len(generated[a]) >= max_new_tokens:
                         done[a] = True
+                        st.total_s = time.perf_counter() - start     # this request's latency
                         break
         if dev.type == "cuda":
             ops.cuda_check(dev)
@@ -273,7 +277,7 @@ def generate_batch(hs, input_ids, attention_mask, *, max_new_tokens, temperature
     batch_calls = total.cycles
     for st, gen in zip(rows, generated):
         st.new_tokens = len(gen)
-        st.total_s, st.prefill_s = total.total_s, total.prefill_s
+        st.prefill_s = total.prefill_s
         total.accepted_hist.update(st.accepted_hist)
         total.bins.update(st.bins)
         total.bin_accepted.update(st.bin_accepted)

@@ -217,7 +217,8 @@ class HeteroSpec:
         alone.  Returns the sequences -- for a tensor, [B, S + the longest generation] with each row's input
         (padding included), its new tokens, then ``pad_token_id`` (default: the first EOS id, else 0); for a list,
         a list of 1-D tensors (prompt + new tokens) -- and the batch's GenerationStats, whose ``per_row`` holds
-        each request's own (its ``cycles`` count request-cycles, ``batch_calls`` the batched forwards).  Sampling
+        each request's own (its ``total_s``: the request's latency, from the prefill's start to its last token;
+        the batch's ``cycles`` count request-cycles, ``batch_calls`` the batched forwards).  Sampling
         keys row b's uniforms with ``seed + b`` (or ``seed[b]`` for a list), so a row draws as its prompt alone
         with that seed.  ``streamer`` and ``stopping_criteria`` take a single prompt."""
         _check_generate_args(max_new_tokens, temperature, top_k, top_p)

@@ -95,10 +95,12 @@ class HFGenerate:
         self.model, self.method, self.pad_token_id = model, method, pad_token_id
 
     def generate(self, input_ids, *, max_new_tokens, temperature=0.0, seed=None, eos_token_id=None,
-                 cache_len=None, stop_after=None):
+                 cache_len=None, stop_after=None, attention_mask=None):
         """``cache_len`` / ``stop_after`` (the warm-up): size the static cache for ``cache_len`` positions
         (transformers keeps the largest size it has seen for later calls) and stop after ``stop_after`` new
-        tokens."""
+        tokens.  A batch (``input_ids`` [B, S] left-padded with ``attention_mask``, as transformers batches
+        prompts): returns (each row's new tokens, a list of lists, and the BaselineStats of the batch, its
+        ``new_tokens`` summed over the rows)."""
         import torch
         from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -124,14 +126,21 @@ class HFGenerate:
         if seed is not None:
             torch.manual_seed(int(seed))
         seen = []
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         with torch.no_grad(), _plain_model(self.model), _compile_spy(self.model, seen):
-            seq = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kw)
-        new = seq[0, n_prompt:].tolist()
-        # the same stop as the engine's, whatever the transformers version does past an EOS or the budget
-        # (5.23 already crops prompt-lookup's accepted tokens at both)
-        n = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
-        n = min(n, max_new_tokens if stop_after is None else stop_after)
-        return seq[:, :n_prompt + n], BaselineStats(new_tokens=n, compiled=any(seen) if seen else None)
+            seq = self.model.generate(input_ids, attention_mask=mask, **kw)
+        budget = max_new_tokens if stop_after is None else stop_after
+        rows = []
+        for new in seq[:, n_prompt:].tolist():
+            # the same stop as the engine's, whatever the transformers version does past an EOS or the budget
+            # (5.23 already crops prompt-lookup's accepted tokens at both); a batch pads a finished row after it
+            n = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
+            rows.append(new[:min(n, budget)])
+        compiled = any(seen) if seen else None
+        if input_ids.shape[0] > 1:
+            return rows, BaselineStats(new_tokens=sum(len(r) for r in rows), compiled=compiled)
+        n = len(rows[0])
+        return seq[:, :n_prompt + n], BaselineStats(new_tokens=n, compiled=compiled)
 
     def close(self):
         pass

@@ -14,6 +14,7 @@ from ..prompts import encode_turn, read_prompts
 from .methods import HF_METHODS, METHODS, build_methods, check_method_names, method_dict, parse_tree
 from .questions import REPO, default_question_files, load_questions, question_paths
 from .report import SCHEMA, markdown, report, write_outputs
+from .batched import batch_markdown, batch_plot, batch_prompts, parse_batch_sizes, run_batch_bench
 from .runner import run_bench
 from .tuning import TUNE_DEPTHS, TUNE_NODES, calibrate_on, tune_static_tree
 
@@ -80,8 +81,23 @@ def main(args, out=None):
         raise SystemExit("heterospec bench: methods heterospec and heterospec-paper need a calibrated profile "
                          "(--profile; heterospec calibrate writes one), or leave them out with --methods")
     graphs = getattr(args, "graphs", False)   # --cuda-graphs, resolved and checked by the CLI
+    sizes = None
+    if getattr(args, "batch_size", None):
+        try:
+            sizes = parse_batch_sizes(args.batch_size)
+        except ValueError as e:
+            print(f"heterospec {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        tuned_names = {"eagle3-tuned", "heterospec-tuned", "hf-lookup"} & set(names)
+        if tuned_names:
+            print(f"heterospec bench: argument '--batch-size' expected methods from ar, hf, hf-static, eagle3, "
+                  f"heterospec-paper, heterospec, got {', '.join(sorted(tuned_names))}", file=sys.stderr)
+            raise SystemExit(2)
     torch.manual_seed(args.seed)
     tokenizer, target, draft = load_pair(args, args.device)
+    if sizes is not None:
+        return _batched(args, names, sizes, questions, tokenizer, target, draft, profile, profile_path, out,
+                        t_start)
     timer = DeviceTimer(args.device)
     tuning, tuned, tuned_profile = None, None, None
     if "eagle3-tuned" in names or "heterospec-tuned" in names:
@@ -126,6 +142,44 @@ def main(args, out=None):
                   f"{m['question_id']} turn {m['turn'] + 1} at new token {m['first_diff']}", file=out)
     print(f"wrote {', '.join(written)} (total {result['seconds']:.0f} s)", file=out)
     return status
+
+
+def _batched(args, names, sizes, questions, tokenizer, target, draft, profile, profile_path, out, t_start):
+    """``--batch-size``: throughput against batch size (:mod:`.batched`), greedy; writes batch.json, batch.md and
+    batch.png under --out.  Returns 1 when a greedy output differs from ar's."""
+    import json
+
+    try:
+        methods = build_methods(names, draft=draft, profile=profile)
+    except ValueError as e:
+        raise SystemExit(f"heterospec bench: {e}") from None
+    prompts = batch_prompts(tokenizer, questions, not args.no_chat_template, max(sizes))
+    print(f"heterospec bench: {', '.join(names)} at batch sizes {', '.join(map(str, sizes))} on {len(prompts)} "
+          f"prompts (first turns); max_new_tokens {args.max_new_tokens}, greedy, {args.device} {args.dtype}",
+          file=out, flush=True)
+    r = run_batch_bench(target, tokenizer, draft, methods, prompts, sizes, max_new_tokens=args.max_new_tokens,
+                        device=args.device, eos_token_id=tokenizer.eos_token_id,
+                        warmup_tokens=min(args.warmup_tokens, 16), progress=_bar("bench", redraws=20))
+    r.update(command="heterospec bench " + " ".join(getattr(args, "argv", []) or []),
+             machine=machine_info(args.device), dtype=args.dtype, methods={n: method_dict(p) for n, p in methods},
+             profile=profile_path, seconds=time.perf_counter() - t_start)
+    os.makedirs(args.out, exist_ok=True)
+    header = (f"{r['machine'].get('summary', args.device)}; {args.dtype}, greedy, {args.max_new_tokens} new tokens "
+              f"per request, {len(prompts)} prompts")
+    md = batch_markdown(r, header)
+    paths = [os.path.join(args.out, "batch.json"), os.path.join(args.out, "batch.md")]
+    with open(paths[0], "w") as f:
+        json.dump(r, f, indent=1, default=str)
+    with open(paths[1], "w") as f:
+        f.write(md + "\n")
+    if not args.no_plots:
+        paths.append(batch_plot(r, os.path.join(args.out, "batch.png")))
+    print(md, file=out)
+    for x in r["mismatches"]:
+        print(f"MISMATCH at temperature 0: {x['method']} differs from ar at batch size {x['batch_size']} on prompt "
+              f"{x['prompt']} at new token {x['first_diff']}", file=out)
+    print(f"wrote {', '.join(paths)} (total {time.perf_counter() - t_start:.0f} s)", file=out)
+    return 1 if r["mismatches"] else 0
 
 
 def _tune(args, names, tokenizer, target, draft, timer):
@@ -192,6 +246,9 @@ def add_arguments(p):
     p.add_argument("--tune-prompts", default=None, help="prompts for eagle3-tuned and heterospec-tuned (never benchmark "
                                                         "questions; default: the calibration prompts in a checkout)")
     p.add_argument("--tune-limit", type=int, default=8)
+    p.add_argument("--batch-size", default=None, metavar="N[,N...]",
+                   help="throughput against batch size instead of the per-question run: e.g. 1,4,16 (greedy; the "
+                        "first turn of every question, repeated to the largest size; batch.json/.md/.png)")
     p.add_argument("--tune-max-new-tokens", type=int, default=64)
     p.add_argument("--tuned-tree", default=None, help="DEPTH,TOP_K,NODES for eagle3-tuned instead of tuning")
     p.add_argument("--no-chat-template", action="store_true")

@@ -1,0 +1,188 @@
+"""``heterospec bench --batch-size 1,4,16``: throughput against batch size (issue 29).
+
+The first turn of every loaded question is a prompt; the list is repeated to the largest batch size when it
+is shorter, and every batch size decodes the same prompts, in consecutive groups of that size.  For each
+batch size every method decodes every group in turn (methods inner, so drift of the machine touches all
+alike), after one untimed warm-up group.  Greedy (temperature 0) only: each row's tokens are checked against
+``ar``'s for the same prompt.
+
+Per method and batch size: total throughput (new tokens of all rows / the groups' wall time), per-request
+latency (our engine: from the group's start to the request's last token, ``GenerationStats.per_row``; the HF
+baselines only report the group, so a request's latency is its group's time), τ (mean over the requests),
+verified tree tokens per batched forward and per new token.  HF's baselines run ``model.generate`` on the
+left-padded group, as a transformers user batches."""
+from __future__ import annotations
+
+import statistics
+
+from ...measure import DeviceTimer
+from ..prompts import encode_turn
+from .baselines import HFGenerate, eos_list
+from .methods import HFMethod
+
+
+def parse_batch_sizes(text):
+    """'1,4,16' -> [1, 4, 16] (ascending, distinct, each >= 1); a ValueError names the argument."""
+    try:
+        sizes = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(b < 1 for b in sizes) or len(set(sizes)) != len(sizes):
+        raise ValueError(f"bench: argument '--batch-size' expected distinct ints >= 1 separated by commas, got {text!r}")
+    return sorted(sizes)
+
+
+def batch_prompts(tokenizer, questions, chat, count):
+    """The first turn of every question as [1, S] ids, repeated in order to at least ``count`` prompts."""
+    firsts = [encode_turn(tokenizer, q["turns"][:1], [], chat) for qs in questions.values() for q in qs]
+    out = list(firsts)
+    while len(out) < count:
+        out += firsts[: count - len(out)]
+    return out
+
+
+def run_batch_bench(target, tokenizer, draft, methods, prompts, batch_sizes, *, max_new_tokens, device="cpu",
+                    eos_token_id=None, warmup_tokens=16, progress=None):
+    """{"batch_sizes", "results": {B: {method: row}}, "mismatches": [...], "stops_beating_ar": {method: B or
+    None}}; a row: tokens_per_s, latency_mean_s, latency_p90_s, tau, verified_per_call, verified_per_token,
+    new_tokens, seconds, groups."""
+    import torch
+
+    from ...engine.batch import left_pad
+    from ...engine.loop import HeteroSpec
+
+    timer = DeviceTimer(device)
+    eos = eos_list(eos_token_id)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    engines = {}
+    for name, pol in methods:
+        engines[name] = (HFGenerate(target, pol, pad_token_id=pad) if isinstance(pol, HFMethod) else
+                         HeteroSpec(target, draft if pol.drafts else None, pol))
+    results, tokens = {}, {}
+    steps = sum(-(-len(prompts) // B) for B in batch_sizes) * len(methods)
+    step = 0
+    try:
+        for B in batch_sizes:
+            groups = [prompts[i:i + B] for i in range(0, len(prompts), B)]
+            acc = {n: {"new": 0, "s": 0.0, "lat": [], "tau": [], "verified": 0, "calls": 0, "rows": []}
+                   for n, _ in methods}
+            for name, _ in methods:                           # warm-up, untimed
+                _decode(engines[name], groups[0], warmup_tokens, eos_token_id, pad, device, left_pad, torch)
+            for gi, group in enumerate(groups):
+                for name, _ in methods:
+                    if progress is not None:
+                        progress(f"batch {B} group {gi + 1}/{len(groups)} {name}", step, steps)
+                    (rows, st), dt = timer(lambda: _decode(engines[name], group, max_new_tokens, eos_token_id, pad,
+                                                           device, left_pad, torch))
+                    step += 1
+                    a = acc[name]
+                    a["new"] += sum(len(r) for r in rows)
+                    a["s"] += dt
+                    a["rows"] += rows
+                    if st is None:                            # an HF baseline: the group's time for each request
+                        a["lat"] += [dt] * len(rows)
+                        continue
+                    per = st.per_row or [st]
+                    a["lat"] += [r.total_s for r in per]
+                    a["tau"] += [r.tau for r in per]
+                    a["verified"] += st.verified_tokens
+                    a["calls"] += st.batch_calls or st.cycles
+            results[B] = {n: _row(a, len(groups)) for n, a in acc.items()}
+            tokens[B] = {n: a["rows"] for n, a in acc.items()}
+    finally:
+        for e in engines.values():
+            e.close()
+    names = [n for n, _ in methods]
+    mism = []
+    if "ar" in names:
+        for B in batch_sizes:
+            for n in names:
+                for i, (x, ref) in enumerate(zip(tokens[B][n], tokens[B]["ar"])):
+                    if x != ref:
+                        first = next((j for j, (u, v) in enumerate(zip(x, ref)) if u != v), min(len(x), len(ref)))
+                        mism.append({"batch_size": B, "method": n, "prompt": i, "first_diff": first})
+    stops = {}
+    if "ar" in names:
+        for n in names:
+            if n == "ar" or isinstance(dict(methods)[n], HFMethod):
+                continue
+            stops[n] = next((B for B in batch_sizes
+                             if results[B][n]["tokens_per_s"] < results[B]["ar"]["tokens_per_s"]), None)
+    return {"batch_sizes": list(batch_sizes), "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+            "results": results, "mismatches": mism, "stops_beating_ar": stops}
+
+
+def _decode(engine, group, max_new_tokens, eos_token_id, pad, device, left_pad, torch):
+    """One group through one method -> (each row's new tokens, our GenerationStats or None for a baseline)."""
+    if isinstance(engine, HFGenerate):
+        if len(group) == 1:
+            seq, _ = engine.generate(group[0].to(device), max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+            return [seq[0, group[0].shape[1]:].tolist()], None
+        ids, mask = left_pad([g[0] for g in group], pad, device)
+        rows, _ = engine.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+        return rows, None
+    outs, st = engine.generate([g[0].to(device) for g in group], max_new_tokens=max_new_tokens,
+                               eos_token_id=eos_token_id)
+    return [o[g.shape[1]:].tolist() for o, g in zip(outs, group)], st
+
+
+def _row(a, groups):
+    lat = sorted(a["lat"])
+    return {"tokens_per_s": a["new"] / a["s"] if a["s"] > 0 else 0.0, "new_tokens": a["new"], "seconds": a["s"],
+            "groups": groups, "latency_mean_s": statistics.fmean(lat) if lat else None,
+            "latency_p90_s": lat[min(len(lat) - 1, int(0.9 * len(lat)))] if lat else None,
+            "tau": statistics.fmean(a["tau"]) if a["tau"] else None,
+            "verified_per_call": a["verified"] / a["calls"] if a["calls"] else None,
+            "verified_per_token": a["verified"] / a["new"] if a["calls"] and a["new"] else None}
+
+
+def batch_markdown(r, header=""):
+    """The throughput-vs-batch table: one row per method, per batch size tokens/s (x ar), mean latency, tau and
+    verified tokens per batched forward."""
+    sizes = r["batch_sizes"]
+    names = list(r["results"][sizes[0]])
+    lines = [header] if header else []
+    cols = " | ".join(f"B={B} tokens/s (× ar) | B={B} latency s | B={B} τ | B={B} verified/forward" for B in sizes)
+    lines += [f"| method | {cols} |", "|---|" + "---:|" * (4 * len(sizes))]
+    for n in names:
+        cells = []
+        for B in sizes:
+            x, ar = r["results"][B][n], r["results"][B].get("ar")
+            ratio = f" ({x['tokens_per_s'] / ar['tokens_per_s']:.2f}×)" if ar and ar["tokens_per_s"] else ""
+            cells += [f"{x['tokens_per_s']:.1f}{ratio}", _f(x["latency_mean_s"], "{:.2f}"), _f(x["tau"], "{:.2f}"),
+                      _f(x["verified_per_call"], "{:.1f}")]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    if r["stops_beating_ar"]:
+        lines += ["", "Batch size at which a speculative method stops beating ar: " + "; ".join(
+            f"{n}: {B if B is not None else f'none up to {sizes[-1]}'}" for n, B in r["stops_beating_ar"].items())]
+    lines += ["", f"Greedy outputs differing from ar's: {len(r['mismatches'])}"]
+    return "\n".join(lines)
+
+
+def _f(v, fmt):
+    return "–" if v is None else fmt.format(v)
+
+
+def batch_plot(r, path):
+    """Throughput against batch size, one line per method (log-2 x axis)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = r["batch_sizes"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for n in r["results"][sizes[0]]:
+        ax.plot(sizes, [r["results"][B][n]["tokens_per_s"] for B in sizes], marker="o", label=n)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes)
+    ax.set_xticklabels([str(B) for B in sizes])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("tokens/s (all requests)")
+    ax.set_title("throughput against batch size")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
