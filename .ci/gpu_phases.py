@@ -152,6 +152,12 @@ PHASES = (
         Step("bench", BENCH + " --methods ar,hf-static,eagle3-tuned,heterospec-tuned,heterospec-paper "
                               "--out {dir}/bench"),
     ), needs=("cuda", "pair", "questions")),
+    Phase("bench-batch", 6, "default pair, fp32: throughput against batch size 1, 4, 16, 64 for ar, eagle3, "
+                            "heterospec and HF's batched generate (hf, hf-static); every row checked against ar", (
+        Step("bench", "{py} -m heterospec bench --batch-size 1,4,16,64 --limit 4 --max-new-tokens "
+                      "${{BATCH_TOKENS:-64}} --device cuda --questions {questions} --no-plots "
+                      "--methods ar,hf,hf-static,eagle3,heterospec --out {dir}/bench"),
+    ), needs=("cuda", "pair", "questions")),
     Phase("graphs-bench", 7, "benchmarks/bench_graphs.py: the verify forward eager / recorded / compiled+recorded "
                              "and the engine in the three modes, fp32 and bf16", (
         Step("bench-graphs", "{py} -m benchmarks.bench_graphs --out {dir}/bench-graphs"),

@@ -81,14 +81,15 @@ def test_a_real_eagle3_head_in_a_batch(tmp_path):
             assert o.tolist() == reference_greedy(model, p, NEW)[0].tolist()
 
 
-def test_rows_that_finish_stop_and_the_others_go_on():
+@pytest.mark.parametrize("finished", ["drop", "mask"])
+def test_rows_that_finish_stop_and_the_others_go_on(finished):
     model = tiny_target("llama")
     ps = prompts(4)
     draft, refs = scripted(model, ps, new=40)
     # an EOS id that row 1's continuation reaches early and the others do not reach before 40 tokens
     first = refs[1][0, ps[1].shape[1] + 2].item()
     hs = HeteroSpec(model, draft, POLICIES["eagle3"])
-    outs, stats = hs.generate([p[0] for p in ps], max_new_tokens=40, eos_token_id=first)
+    outs, stats = hs.generate([p[0] for p in ps], max_new_tokens=40, eos_token_id=first, finished_rows=finished)
     for b, (o, p) in enumerate(zip(outs, ps)):
         alone, _ = hs.generate(p, max_new_tokens=40, eos_token_id=first)
         assert o.tolist() == alone[0].tolist(), b
@@ -196,6 +197,8 @@ def test_sampling_per_row_matches_the_target_distribution(setting):
      r"generate: argument 'seed' expected an int or 3 ints \(one per prompt\), got 2"),
     (lambda hs, ids, m: hs.generate(ids, attention_mask=m, max_new_tokens=4, streamer=object()),
      r"generate: arguments 'streamer' and 'stopping_criteria' expected a single prompt, got a batch of 3"),
+    (lambda hs, ids, m: hs.generate(ids, attention_mask=m, max_new_tokens=4, finished_rows="keep"),
+     r"generate: argument 'finished_rows' expected 'drop' or 'mask', got 'keep'"),
     (lambda hs, ids, m: hs.generate(ids, attention_mask=m, max_new_tokens=600),
      r"generate: prompt \(\d+\) \+ max_new_tokens \(600\) exceed the target's max_position_embeddings \(512\)"),
 ])
@@ -241,3 +244,42 @@ def test_custom_generate_with_a_batch_returns_what_hf_returns(do_sample):
         assert out[b, S:S + len(new)].tolist() == new
         assert out[b, S + len(new):].tolist() == [3] * (out.shape[1] - S - len(new))
     assert (out[2, S:] == 3).any()                        # the early row was padded
+
+
+@pytest.mark.parametrize("name", ["ar", "eagle3", "heterospec"])
+def test_a_batch_reads_the_host_twice_per_cycle_at_most(name, tmp_path):
+    """The whole batched generate under the host-transfer guard: inside the cycles only the declared sync
+    points read the device -- "bin" (binned policies) and "accepted", once per batched cycle each, whatever
+    the batch size -- with the real EAGLE-3 module (the scripted double reads its cache on the host)."""
+    from heterospec.engine import sync
+
+    model = tiny_target("llama")
+    draft = eagle3_head(model, tmp_path)
+    ps = prompts(4)
+    record = []
+    hs = HeteroSpec(model, draft if POLICIES[name] else None, POLICIES[name])
+    with sync.forbid_host_transfers(record):
+        outs, stats = hs.generate([p[0] for p in ps], max_new_tokens=12)
+        _, sstats = hs.generate([p[0] for p in ps], max_new_tokens=12, temperature=1.0, seed=3)
+    calls = stats.batch_calls + sstats.batch_calls
+    assert record.count("accepted") == calls
+    assert record.count("bin") == (calls if name == "heterospec" else 0)
+    for o, p in zip(outs, ps):
+        assert o.tolist() == reference_greedy(model, p, 12)[0].tolist()
+
+
+def test_a_batch_too_large_for_memory_is_refused_before_decoding(monkeypatch):
+    from heterospec.engine import batch as batch_mod
+
+    model = tiny_target("llama")
+    ids, mask = left_padded(prompts(3))
+    hs = HeteroSpec(model)
+    monkeypatch.setattr(batch_mod, "available_bytes", lambda device: 1000)
+    with pytest.raises(ValueError, match=r"^generate: argument 'input_ids' expected a batch whose static caches fit "
+                                         r"the cpu memory available \(0.00 GiB\), got 3 prompts needing about "
+                                         r"[0-9.]+ GiB \(\d+ positions per row\)$"):
+        hs.generate(ids, attention_mask=mask, max_new_tokens=8)
+    assert all(not layer._forward_pre_hooks for layer in model.model.layers)   # nothing left on the model
+    monkeypatch.setattr(batch_mod, "available_bytes", lambda device: None)     # unknown: decoding goes on
+    out, _ = hs.generate(ids, attention_mask=mask, max_new_tokens=8)
+    assert out.shape[0] == 3

@@ -59,7 +59,7 @@ def test_list_works_without_a_gpu_and_names_every_phase_with_its_minutes():
     rows = {line.split()[0]: line.split() for line in r.stdout.splitlines()[2:] if line.strip() and
             not line.startswith("Each")}
     for name in ("build", "kernels", "engine", "engine-chi2-oracle", "engine-chi2-noisy", "graphs", "bench",
-                 "bench-eager", "bench-bf16", "bench-tuned", "graphs-bench", "smoke", "head"):
+                 "bench-eager", "bench-bf16", "bench-tuned", "bench-batch", "graphs-bench", "smoke", "head"):
         assert name in rows, r.stdout
         assert 0 < float(rows[name][1]) <= 9
     assert rows["head"][2] == "no" and rows["build"][2] == "yes"

@@ -76,6 +76,21 @@ def check_mask(input_ids, attention_mask):
     return lengths
 
 
+def available_bytes(device):
+    """Memory a new allocation can take on ``device``: free GPU memory, or the host's MemAvailable; None when
+    it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def batch_tree(g, sizes, root, buckets, check):
     """Step 5 for a batch: row b keeps its best ``sizes[b] - 1`` candidates among the first
     ``candidate_count(K, levels[b])`` (the candidates of its own depth; a tree grown to fewer levels is a prefix
@@ -118,12 +133,14 @@ def batch_tree(g, sizes, root, buckets, check):
     return tokens, parents, depths, mask, n + 1, T
 
 
-def generate_batch(hs, input_ids, attention_mask, *, max_new_tokens, temperature, top_k, top_p, eos, seed):
-    """The batched loop of :meth:`HeteroSpec.generate` -> (per-row lists of new tokens, per-row
-    GenerationStats, the batch's GenerationStats)."""
+def generate_batch(hs, input_ids, attention_mask, lengths, *, max_new_tokens, temperature, top_k, top_p, eos, seed,
+                   finished="drop"):
+    """The batched loop of :meth:`HeteroSpec.generate` (``lengths``: :func:`check_mask`'s) -> (per-row lists of
+    new tokens, per-row GenerationStats, the batch's GenerationStats).  ``finished``: "drop" (a finished row
+    leaves the caches at the end of its cycle) or "mask" (it stays, with a root-only tree whose commit is
+    zeroed, so the shapes stay those of the whole batch -- what a recorded step of fixed batch needs)."""
     dev, pol = hs.device, hs.policy
     B, S = input_ids.shape
-    lengths = check_mask(input_ids, attention_mask)
     drafting = hs._drafting
     sample = temperature > 0
     check = dev.type != "cuda"
@@ -133,7 +150,8 @@ def generate_batch(hs, input_ids, attention_mask, *, max_new_tokens, temperature
                              f"{len(seed)}")
         seeds = [int(s) for s in seed]
     else:
-        base = int(seed) if seed is not None else int(torch.randint(0, 2**62, (1,), device="cpu").item())
+        with sync.outside_cycle():
+            base = int(seed) if seed is not None else int(torch.randint(0, 2**62, (1,), device="cpu").item())
         seeds = [base + b for b in range(B)]       # row b draws as the prompt alone with seed + b
     need = hs._capacity(S, max_new_tokens)
     if hs.max_length is not None and need > hs._capacity(0, hs.max_length):
@@ -145,13 +163,19 @@ def generate_batch(hs, input_ids, attention_mask, *, max_new_tokens, temperature
     with sync.outside_cycle():
         tgt = TargetAdapter(hs.target.model, tap_layers=hs.target.tap_layers, capture_taps=drafting, batch=B)
         dr = None
+        nbytes = tgt.cache_bytes(need) * (2 if drafting else 1)   # the draft's cache is far smaller: a bound
+        free = available_bytes(dev)
+        if free is not None and nbytes > free:
+            tgt.close()
+            raise ValueError(f"generate: argument 'input_ids' expected a batch whose static caches fit the {dev} "
+                             f"memory available ({free / 2**30:.2f} GiB), got {B} prompts needing about "
+                             f"{nbytes / 2**30:.2f} GiB ({need} positions per row)")
         try:
             tgt.allocate(need)
-        except RuntimeError as e:   # an allocation the device cannot hold, before any decoding
+        except RuntimeError as e:   # an allocation the device cannot hold after all, before any decoding
             tgt.close()
-            raise ValueError(f"generate: a batch of {B} prompts needs static caches of {need} positions per row, "
-                             f"more than the device's memory holds ({e.__class__.__name__}: {str(e).splitlines()[0]})"
-                             ) from None
+            raise ValueError(f"generate: argument 'input_ids' expected a batch whose static caches fit the {dev} "
+                             f"memory, got {B} prompts of {need} positions per row ({type(e).__name__})") from None
     try:
         with sync.outside_cycle():
             if drafting:
@@ -195,7 +219,7 @@ def generate_batch(hs, input_ids, attention_mask, *, max_new_tokens, temperature
             keep = [i for i, a in enumerate(alive) if not done[a]]
             if not keep:
                 break
-            if len(keep) < len(alive):                     # finished rows stop costing work
+            if finished == "drop" and len(keep) < len(alive):   # finished rows stop costing work
                 idx = torch.tensor(keep, dtype=torch.long, device=dev)
                 tgt.keep_rows(idx)
                 if dr is not None:
@@ -210,9 +234,9 @@ def generate_batch(hs, input_ids, attention_mask, *, max_new_tokens, temperature
                 if pol.binned:
                     with sync.point("bin", total):
                         ent = g.path_entropy().tolist()
-                    plans = [pol.plan(e) for e in ent]
+                    plans = [pol.plan(e) if not done[a] else (None, 0, 1) for e, a in zip(ent, alive)]
                 else:
-                    plans = [(None, 0, pol.total_tokens)] * Ba
+                    plans = [(None, 0, pol.total_tokens) if not done[a] else (None, 0, 1) for a in alive]
                 extra = max(p[1] for p in plans)
                 g = dr.grow(g, extra, tgt.prefix)
                 levels = [pol.depth + p[1] for p in plans]
@@ -224,6 +248,9 @@ def generate_batch(hs, input_ids, attention_mask, *, max_new_tokens, temperature
                 sizes = [1] * Ba
                 tokens, parents, depths, tmask, n_real, T = batch_tree(None, ([1] * Ba, [0] * Ba), root,
                                                                        hs.buckets, check)
+            masked = None
+            if finished == "mask" and any(done[a] for a in alive):
+                masked = torch.tensor([done[a] for a in alive], device=dev)
             window = attention_window(dev, max(prefix_host[a] for a in alive) + 1, T)
             logits, vtaps = tgt.verify(tokens, depths, tmask, window)
             clock.lap("verify_s")
@@ -233,6 +260,9 @@ def generate_batch(hs, input_ids, attention_mask, *, max_new_tokens, temperature
                                                          n=n_real, check=check, advance_offset=True)
             else:
                 path, length, nxt = ops.verify_greedy(tokens, parents, logits, n=n_real, check=check)
+            if masked is not None:                          # a finished row commits nothing
+                length = length.masked_fill(masked, 0)
+                path = path.masked_fill(masked.view(Ba, 1), -1)
             R = min(T, levels_max + 2) if drafting else 1
             kept = path[:, :R].clamp(min=0)
             path_tokens = tokens.gather(1, kept)
@@ -241,7 +271,7 @@ def generate_batch(hs, input_ids, attention_mask, *, max_new_tokens, temperature
                 dr.follow(vtaps, kept, path_tokens, length, nxt, tgt.prefix)
                 clock.lap("draft_s")
             if T == 1:
-                tgt.prefix += 1
+                tgt.prefix += 1 if masked is None else (~masked).long()
             else:
                 tgt.commit(path, length, check=check)
             root = nxt.clone()
@@ -251,6 +281,8 @@ def generate_batch(hs, input_ids, attention_mask, *, max_new_tokens, temperature
             clock.flush()
             total.cycles += 1
             for j, a in enumerate(alive):
+                if done[a]:
+                    continue
                 row = host[j]
                 n_acc = row[0] - 1
                 st = rows[a]

@@ -208,7 +208,8 @@ class HeteroSpec:
 
     @torch.no_grad()
     def generate(self, input_ids, *, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, eos_token_id=None,
-                 stopping_criteria=None, streamer=None, seed=None, attention_mask=None, pad_token_id=None):
+                 stopping_criteria=None, streamer=None, seed=None, attention_mask=None, pad_token_id=None,
+                 finished_rows="drop"):
         """Returns (sequences [1, S + new] int64 on the CPU, GenerationStats).  Greedy when temperature == 0.
 
         A batch (:mod:`.batch`): ``input_ids`` [B, S] left-padded with an ``attention_mask`` [B, S] (as a
@@ -220,9 +221,13 @@ class HeteroSpec:
         each request's own (its ``total_s``: the request's latency, from the prefill's start to its last token;
         the batch's ``cycles`` count request-cycles, ``batch_calls`` the batched forwards).  Sampling
         keys row b's uniforms with ``seed + b`` (or ``seed[b]`` for a list), so a row draws as its prompt alone
-        with that seed.  ``streamer`` and ``stopping_criteria`` take a single prompt."""
+        with that seed.  ``streamer`` and ``stopping_criteria`` take a single prompt.  ``finished_rows``: "drop" (a
+        finished request leaves the caches, so it stops costing work) or "mask" (it stays, verifying its root
+        alone and committing nothing, so every cycle keeps the batch's shape)."""
         _check_generate_args(max_new_tokens, temperature, top_k, top_p)
         eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+        if finished_rows not in ("drop", "mask"):
+            raise ValueError(f"generate: argument 'finished_rows' expected 'drop' or 'mask', got {finished_rows!r}")
         as_list = isinstance(input_ids, (list, tuple))
         if as_list:
             if not input_ids:
@@ -262,19 +267,20 @@ class HeteroSpec:
             raise ValueError(f"generate: prompt ({S}) + max_new_tokens ({max_new_tokens}) "
                              f"exceed the target's max_position_embeddings ({maxpos})")
         with self._gemm:
-            new, _, stats = batch.generate_batch(self, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+            new, _, stats = batch.generate_batch(self, input_ids, attention_mask, lengths, max_new_tokens=max_new_tokens,
                                                  temperature=temperature, top_k=top_k, top_p=top_p, eos=eos,
-                                                 seed=seed)
-        if as_list:
-            return [torch.tensor(input_ids[b, S - lengths[b]:].tolist() + new[b], dtype=torch.long)
-                    for b in range(B)], stats
-        pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
-        L = max(len(x) for x in new)
-        out = torch.full((B, S + L), pad, dtype=torch.long)
-        out[:, :S] = input_ids.cpu()
-        for b, x in enumerate(new):
-            out[b, S:S + len(x)] = torch.tensor(x, dtype=torch.long)
-        return out, stats
+                                                 seed=seed, finished=finished_rows)
+        with sync.outside_cycle():                      # the results, on the host
+            ids = input_ids.cpu()
+            if as_list:
+                return [torch.cat([ids[b, S - lengths[b]:], torch.tensor(new[b], dtype=torch.long)])
+                        for b in range(B)], stats
+            pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
+            out = torch.full((B, S + max(len(x) for x in new)), pad, dtype=torch.long)
+            out[:, :S] = ids
+            for b, x in enumerate(new):
+                out[b, S:S + len(x)] = torch.tensor(x, dtype=torch.long)
+            return out, stats
 
     def _generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, stopping_criteria,
                   streamer, seed):

@@ -239,7 +239,7 @@ class BatchDraftState(DraftState):
         the root), ``path_tokens`` [B, R], ``length`` [B] accepted counts including the root, ``nxt`` [B]."""
         B = kept.shape[0]
         ids = torch.cat([path_tokens[:, 1:], nxt.view(B, 1)], dim=1)
-        last = length - 1
+        last = (length - 1).clamp(min=0)          # a masked (finished) row commits 0: its catch-up is never read
         ids.scatter_(1, last.view(B, 1), nxt.view(B, 1))
         taps = vtaps.gather(1, kept.unsqueeze(-1).expand(-1, -1, vtaps.shape[-1]))
         self.catch_up(taps, ids, prefix, last)

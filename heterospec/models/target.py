@@ -177,6 +177,11 @@ class TargetAdapter:
             return None
         return torch.cat([self._captured[i] for i in self.tap_layers], dim=-1)
 
+    def cache_bytes(self, capacity):
+        """Bytes of the static key/value cache :meth:`allocate` makes for ``capacity`` positions."""
+        layers, kv_heads, head_dim = _kv_shape(self.model.config)
+        return self.batch * 2 * layers * kv_heads * capacity * head_dim * torch.empty((), dtype=self.dtype).element_size()
+
     def allocate(self, capacity):
         """Make room for ``capacity`` positions (kept when already large enough; never inside a cycle)."""
         if capacity <= self.capacity:
