@@ -283,3 +283,16 @@ def test_a_batch_too_large_for_memory_is_refused_before_decoding(monkeypatch):
     monkeypatch.setattr(batch_mod, "available_bytes", lambda device: None)     # unknown: decoding goes on
     out, _ = hs.generate(ids, attention_mask=mask, max_new_tokens=8)
     assert out.shape[0] == 3
+
+
+def test_ragged_trees_padded_to_gpu_buckets_stay_lossless():
+    """With buckets (a GPU's default, given explicitly here) a cycle's trees are padded past the largest real
+    tree to its bucket: the padded columns are never accepted and every row still equals HF's greedy."""
+    model = tiny_target("qwen2")
+    ps = prompts(5)
+    draft, refs = scripted(model, ps)
+    hs = HeteroSpec(model, draft, Policy.paper(4, 3, 12, THRESHOLDS), buckets=(1, 2, 4, 8, 16, 32))
+    outs, stats = hs.generate([p[0] for p in ps], max_new_tokens=NEW)
+    for o, p, r in zip(outs, ps, refs):
+        assert o.tolist() == r[0, :p.shape[1] + NEW].tolist()
+    assert stats.tau > 2.0
