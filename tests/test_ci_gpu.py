@@ -141,7 +141,7 @@ def test_every_phase_command_parses_with_the_real_command_line(tmp_path, monkeyp
     for ph in phases.PHASES:
         for step in ph.steps:
             cmd = ctx.fill(step.cmd, str(tmp_path / ph.name)).replace("${HEAD_PROMPTS:-8192}", "8192") \
-                .replace("${HEAD_STEPS:-3000}", "3000")
+                .replace("${HEAD_STEPS:-3000}", "3000").replace("${BATCH_TOKENS:-64}", "64")
             for argv in _heterospec_calls(cmd):
                 args = parser.parse_args(argv)       # an unknown flag or a bad choice exits here
                 seen.add(args.cmd)
