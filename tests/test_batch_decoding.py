@@ -199,6 +199,15 @@ def test_sampling_per_row_matches_the_target_distribution(setting):
      r"generate: arguments 'streamer' and 'stopping_criteria' expected a single prompt, got a batch of 3"),
     (lambda hs, ids, m: hs.generate(ids, attention_mask=m, max_new_tokens=4, finished_rows="keep"),
      r"generate: argument 'finished_rows' expected 'drop' or 'mask', got 'keep'"),
+    (lambda hs, ids, m: hs.generate(ids, attention_mask=m.numpy(), max_new_tokens=4),
+     r"generate: argument 'attention_mask' expected a torch.Tensor of the shape of input_ids \(3, \d+\), got ndarray"),
+    (lambda hs, ids, m: hs.generate(ids[:, :0], max_new_tokens=4),
+     r"generate: argument 'input_ids' expected at least one token, got 0"),
+    (lambda hs, ids, m: hs.generate(ids, attention_mask=m, max_new_tokens=4, temperature=1.0, seed=2**63 - 2),
+     r"generate: argument 'seed' expected seeds in \[0, 2\*\*63\) for every row \(row b uses seed \+ b\), "
+     r"got 9223372036854775808"),
+    (lambda hs, ids, m: hs.generate(ids[:1], max_new_tokens=4, temperature=1.0, seed=[1, 2]),
+     r"generate: argument 'seed' expected an int or 1 ints \(one per prompt\), got 2"),
     (lambda hs, ids, m: hs.generate(ids, attention_mask=m, max_new_tokens=600),
      r"generate: prompt \(\d+\) \+ max_new_tokens \(600\) exceed the target's max_position_embeddings \(512\)"),
 ])
@@ -296,3 +305,21 @@ def test_ragged_trees_padded_to_gpu_buckets_stay_lossless():
     for o, p, r in zip(outs, ps, refs):
         assert o.tolist() == r[0, :p.shape[1] + NEW].tolist()
     assert stats.tau > 2.0
+
+
+def test_masked_rows_that_finish_on_the_budget_stay_inside_the_cache():
+    """A row that accepts every draft finishes past max_new_tokens (its last cycle overshoots by up to the
+    depth) while another row goes on: masked, it keeps verifying a tree at its last prefix, which must still
+    fit the cache (it wrote past it before the capacity counted the overshoot; found by review)."""
+    model = tiny_target("llama")
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.randint(0, model.config.vocab_size, (1, 10), generator=g).to(DEVICE) for _ in range(2)]
+    ref0 = reference_greedy(model, ps[0], 27)
+    junk = torch.cat([ps[1][0].cpu(), torch.randint(0, model.config.vocab_size, (37,), generator=g)])
+    draft = BatchScriptDraft(model.config.vocab_size, miss_every=10**9).to(DEVICE).load([ref0[0], junk])
+    for mode in ("drop", "mask"):
+        hs = HeteroSpec(model, draft, Policy.static(5, 3, 16))
+        outs, stats = hs.generate([p[0] for p in ps], max_new_tokens=17, finished_rows=mode)
+        for o, p in zip(outs, ps):
+            assert o.tolist() == reference_greedy(model, p, 17)[0].tolist(), mode
+        assert stats.per_row[0].cycles < stats.per_row[1].cycles

@@ -57,11 +57,16 @@ def left_pad(prompts, pad_token_id, device):
 def check_mask(input_ids, attention_mask):
     """The prompts' lengths (a host list) from a left-padded ``attention_mask`` [B, S] of 0/1; one-line errors
     for a wrong shape, an empty row or padding after a token."""
+    if input_ids.shape[1] < 1:
+        raise ValueError("generate: argument 'input_ids' expected at least one token, got 0")
     if attention_mask is None:
         return [input_ids.shape[1]] * input_ids.shape[0]
-    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape):
+    if not isinstance(attention_mask, torch.Tensor):
+        raise ValueError(f"generate: argument 'attention_mask' expected a torch.Tensor of the shape of input_ids "
+                         f"{tuple(input_ids.shape)}, got {type(attention_mask).__name__}")
+    if tuple(attention_mask.shape) != tuple(input_ids.shape):
         raise ValueError(f"generate: argument 'attention_mask' expected the shape of input_ids "
-                         f"{tuple(input_ids.shape)}, got {tuple(getattr(attention_mask, 'shape', ())) or type(attention_mask).__name__}")
+                         f"{tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}")
     m = attention_mask.detach().to("cpu", torch.long)
     if bool(((m != 0) & (m != 1)).any()):
         raise ValueError("generate: argument 'attention_mask' expected only 0 and 1, got other values")
@@ -79,8 +84,9 @@ def check_mask(input_ids, attention_mask):
 def available_bytes(device):
     """Memory a new allocation can take on ``device``: free GPU memory, or the host's MemAvailable; None when
     it cannot be told."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cuda":   # free memory, and what torch's caching allocator holds without using it
+        return (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+                - torch.cuda.memory_allocated(device))
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -89,6 +95,15 @@ def available_bytes(device):
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def to_device(values, device, dtype=torch.long):
+    """A host list as a tensor on ``device``.  On a GPU through pinned memory with a non-blocking copy:
+    ``torch.tensor(values, device="cuda")`` synchronises the stream, which inside a cycle would wait for the
+    draft's work already launched (a third host sync per cycle)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def batch_tree(g, sizes, root, buckets, check):
@@ -101,14 +116,14 @@ def batch_tree(g, sizes, root, buckets, check):
     B = len(sizes)
     dev = root.device
     width = max(sizes) - 1
-    n = torch.tensor([s - 1 for s in sizes], dtype=torch.long, device=dev)
+    n = to_device([s - 1 for s in sizes], dev)
     T = bucket_for(width + 1, buckets) if width >= 1 else 1
     cols = torch.arange(T, device=dev)
     real = cols.view(1, T) < (n + 1).view(B, 1)
     if width >= 1:
         cand_tokens, cand_scores, cand_parents = g.candidates()
         K = g.beams.shape[-1]
-        m = torch.tensor([candidate_count(K, lv) for lv in levels], dtype=torch.long, device=dev)
+        m = to_device([candidate_count(K, lv) for lv in levels], dev)
         sel = ops.select(cand_scores, n, m=m, width=width, check=check)
         tree, _, _ = ops.build_tree(cand_tokens, cand_parents, sel, root, n=n, check=check)
         tokens, parents, depths, mask = tree.tokens, tree.parents, tree.depths, tree.mask
@@ -144,16 +159,21 @@ def generate_batch(hs, input_ids, attention_mask, lengths, *, max_new_tokens, te
     drafting = hs._drafting
     sample = temperature > 0
     check = dev.type != "cuda"
-    if isinstance(seed, (list, tuple)):
-        if len(seed) != B:
-            raise ValueError(f"generate: argument 'seed' expected an int or {B} ints (one per prompt), got "
-                             f"{len(seed)}")
+    if isinstance(seed, (list, tuple)):           # its length is checked by HeteroSpec.generate
         seeds = [int(s) for s in seed]
     else:
         with sync.outside_cycle():
             base = int(seed) if seed is not None else int(torch.randint(0, 2**62, (1,), device="cpu").item())
         seeds = [base + b for b in range(B)]       # row b draws as the prompt alone with seed + b
+    bad = [s for s in seeds if not 0 <= s < 2**63]
+    if bad:
+        raise ValueError(f"generate: argument 'seed' expected seeds in [0, 2**63) for every row (row b uses seed + b), "
+                         f"got {bad[0]}")
     need = hs._capacity(S, max_new_tokens)
+    if finished == "mask":
+        # a finished row keeps its prefix, which its last cycle may have taken up to levels + 1 tokens past the
+        # budget, and still verifies a tree there every cycle
+        need += hs._levels + 2
     if hs.max_length is not None and need > hs._capacity(0, hs.max_length):
         raise ValueError(f"generate: prompt ({S}) + max_new_tokens ({max_new_tokens}) = {S + max_new_tokens} "
                          f"exceed the static caches' max_length ({hs.max_length}) given to HeteroSpec")
@@ -163,7 +183,9 @@ def generate_batch(hs, input_ids, attention_mask, lengths, *, max_new_tokens, te
     with sync.outside_cycle():
         tgt = TargetAdapter(hs.target.model, tap_layers=hs.target.tap_layers, capture_taps=drafting, batch=B)
         dr = None
-        nbytes = tgt.cache_bytes(need) * (2 if drafting else 1)   # the draft's cache is far smaller: a bound
+        # the target's cache twice: dropping finished rows copies the kept rows before the old cache is freed
+        # (the draft's cache, far smaller, fits in that bound too)
+        nbytes = tgt.cache_bytes(need) * 2
         free = available_bytes(dev)
         if free is not None and nbytes > free:
             tgt.close()
@@ -220,7 +242,7 @@ def generate_batch(hs, input_ids, attention_mask, lengths, *, max_new_tokens, te
             if not keep:
                 break
             if finished == "drop" and len(keep) < len(alive):   # finished rows stop costing work
-                idx = torch.tensor(keep, dtype=torch.long, device=dev)
+                idx = to_device(keep, dev)
                 tgt.keep_rows(idx)
                 if dr is not None:
                     dr.keep_rows(idx)
@@ -250,7 +272,7 @@ def generate_batch(hs, input_ids, attention_mask, lengths, *, max_new_tokens, te
                                                                        hs.buckets, check)
             masked = None
             if finished == "mask" and any(done[a] for a in alive):
-                masked = torch.tensor([done[a] for a in alive], device=dev)
+                masked = to_device([done[a] for a in alive], dev, torch.bool)
             window = attention_window(dev, max(prefix_host[a] for a in alive) + 1, T)
             logits, vtaps = tgt.verify(tokens, depths, tmask, window)
             clock.lap("verify_s")

@@ -243,6 +243,9 @@ class HeteroSpec:
         B = input_ids.shape[0]
         with sync.outside_cycle():                      # the mask's check reads it on the host
             lengths = batch.check_mask(input_ids, attention_mask)
+        if isinstance(seed, (list, tuple)) and len(seed) != B:
+            raise ValueError(f"generate: argument 'seed' expected an int or {B} ints (one per prompt), got "
+                             f"{len(seed)}")
         if B == 1:
             S = input_ids.shape[1]
             prompt = input_ids[:, S - lengths[0]:]
