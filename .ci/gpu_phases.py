@@ -98,6 +98,7 @@ BENCH_WROTE = "rc == 0 or (rc == 1 and os.path.isfile(os.path.join(dir, 'bench',
 SMOKE_GEN = "{py} -m heterospec generate --target default --device cuda --prompt 'What is 17 * 23?' --max-new-tokens 48"
 CALIB = "benchmarks/data/smollm2_calib_prompts.jsonl"
 CHI2 = "test_sampling_matches_the_target_distribution"
+CHI2_BATCH = "test_sampling_per_row_matches_the_target_distribution"   # the CPU stage runs it (1,500 batched calls)
 
 PHASES = (
     Phase("build", 1, "the extension with CUDA required; a device seen; heterospec info; versions", (
@@ -120,9 +121,10 @@ PHASES = (
     # The chi-square tests decode 2,000 seeds each: on the first H100 run the whole file did not fit one phase
     # (28 tests in 540 s, cut in the third sampling test), so they run in two phases of their own.
     Phase("engine", 6, "the decoding engine's tests on the GPU (HETEROSPEC_TEST_DEVICE=cuda): greedy identity "
-                       "with HF for every method, no host transfer in the cycle, the batched target", (
-        Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "engine" + " -k 'not " + CHI2 + "'"
-             + " tests/test_decoding.py tests/test_engine_device.py tests/test_batch_target.py"),
+                       "with HF for every method, no host transfer in the cycle, the batched target and the batched engine", (
+        Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "engine" + " -k 'not " + CHI2 + " and not "
+             + CHI2_BATCH + "'" + " tests/test_decoding.py tests/test_engine_device.py tests/test_batch_target.py"
+             " tests/test_batch_decoding.py"),
     ), needs=("cuda",)),
     Phase("engine-chi2-oracle", 6, "chi-square sampling on the GPU with the oracle draft (3 warps x 2,000 seeds)", (
         Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "chi2-oracle" + " -k '" + CHI2 + " and oracle'"

@@ -77,7 +77,8 @@ def test_the_engine_tests_are_split_so_each_phase_fits_a_call():
         ks[name] = re.search(r"-k '([^']*)'", step.cmd).group(1)
     names = ["test_sampling_matches_the_target_distribution[oracle-setting0]",
              "test_sampling_matches_the_target_distribution[noisy-setting2]",
-             "test_greedy_output_equals_target_generate[qwen3-eagle3-head]", "test_no_host_transfer_in_the_cycle"]
+             "test_greedy_output_equals_target_generate[qwen3-eagle3-head]", "test_no_host_transfer_in_the_cycle",
+             "test_each_row_equals_its_prompt_alone[heterospec-qwen2]"]
 
     def selects(expr, test):   # pytest's -k: each word is a substring match; and / or / not as in Python
         return eval(re.sub(r"\w+", lambda m: m.group(0) if m.group(0) in ("and", "or", "not")
@@ -85,6 +86,8 @@ def test_the_engine_tests_are_split_so_each_phase_fits_a_call():
 
     for test in names:
         assert sum(selects(k, test) for k in ks.values()) == 1, (test, ks)
+    # the batched chi-square stays on the CPU (stage 1): no GPU phase selects it
+    assert not any(selects(k, "test_sampling_per_row_matches_the_target_distribution[setting0]") for k in ks.values())
 
 
 def test_steps_run_with_the_faulthandler_and_calibrate_reports_the_failing_launch(tmp_path, monkeypatch):
