@@ -196,7 +196,7 @@ def test_sampling_per_row_matches_the_target_distribution(setting):
     (lambda hs, ids, m: hs.generate(ids, attention_mask=m, max_new_tokens=4, temperature=1.0, seed=[1, 2]),
      r"generate: argument 'seed' expected an int or 3 ints \(one per prompt\), got 2"),
     (lambda hs, ids, m: hs.generate(ids, attention_mask=m, max_new_tokens=4, streamer=object()),
-     r"generate: arguments 'streamer' and 'stopping_criteria' expected a single prompt, got a batch of 3"),
+     r"generate: argument 'streamer' expected a single prompt, got a batch of 3"),
     (lambda hs, ids, m: hs.generate(ids, attention_mask=m, max_new_tokens=4, finished_rows="keep"),
      r"generate: argument 'finished_rows' expected 'drop' or 'mask', got 'keep'"),
     (lambda hs, ids, m: hs.generate(ids, attention_mask=m.numpy(), max_new_tokens=4),
@@ -323,3 +323,23 @@ def test_masked_rows_that_finish_on_the_budget_stay_inside_the_cache():
         for o, p in zip(outs, ps):
             assert o.tolist() == reference_greedy(model, p, 17)[0].tolist(), mode
         assert stats.per_row[0].cycles < stats.per_row[1].cycles
+
+
+def test_stopping_criteria_are_asked_per_row():
+    """A criterion that fires on a request's own tokens (here: its last token is a given one, row 2's sixth
+    new token) stops each row where that prompt alone stops, inside an accepted path, and the others go on."""
+    model = tiny_target("llama")
+    ps = prompts(4)
+    draft, refs = scripted(model, ps, new=30)
+    stop_tok = refs[2][0, ps[2].shape[1] + 5].item()       # row 2's sixth new token
+
+    class StopAt:
+        def __call__(self, ids, scores):
+            return torch.tensor([ids[0, -1].item() == stop_tok])
+
+    hs = HeteroSpec(model, draft, POLICIES["heterospec"])
+    outs, stats = hs.generate([p[0] for p in ps], max_new_tokens=30, stopping_criteria=[StopAt()])
+    for b, (o, p) in enumerate(zip(outs, ps)):
+        alone, _ = hs.generate(p, max_new_tokens=30, stopping_criteria=[StopAt()])
+        assert o.tolist() == alone[0].tolist(), b
+    assert outs[2][-1].item() == stop_tok and stats.per_row[2].new_tokens <= 6

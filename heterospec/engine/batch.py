@@ -149,11 +149,13 @@ def batch_tree(g, sizes, root, buckets, check):
 
 
 def generate_batch(hs, input_ids, attention_mask, lengths, *, max_new_tokens, temperature, top_k, top_p, eos, seed,
-                   finished="drop"):
+                   finished="drop", stop=None):
     """The batched loop of :meth:`HeteroSpec.generate` (``lengths``: :func:`check_mask`'s) -> (per-row lists of
     new tokens, per-row GenerationStats, the batch's GenerationStats).  ``finished``: "drop" (a finished row
     leaves the caches at the end of its cycle) or "mask" (it stays, with a root-only tree whose commit is
-    zeroed, so the shapes stay those of the whole batch -- what a recorded step of fixed batch needs)."""
+    zeroed, so the shapes stay those of the whole batch -- what a recorded step of fixed batch needs).  ``stop``:
+    None, or a function of one request's tokens (its prompt and the new tokens, a host list) that says it is
+    done (the stopping criteria), asked after every new token of that request."""
     dev, pol = hs.device, hs.policy
     B, S = input_ids.shape
     drafting = hs._drafting
@@ -222,7 +224,11 @@ def generate_batch(hs, input_ids, attention_mask, lengths, *, max_new_tokens, te
             total.prefill_s = time.perf_counter() - start
         generated = [[r] for r in roots]
         alive = list(range(B))
-        done = [r in eos or max_new_tokens <= 1 for r in roots]
+        if stop is not None:
+            with sync.outside_cycle():
+                prompts_host = [row[S - n:] for row, n in zip(input_ids.tolist(), lengths)]
+        done = [r in eos or max_new_tokens <= 1 or (stop is not None and stop(prompts_host[a] + [r]))
+                for a, r in enumerate(roots)]
         for a in range(B):
             if done[a]:
                 rows[a].total_s = time.perf_counter() - start
@@ -319,7 +325,8 @@ def generate_batch(hs, input_ids, attention_mask, lengths, *, max_new_tokens, te
                 prefix_host[a] += n_acc + 1
                 for t in row[3:3 + n_acc] + [row[1]]:
                     generated[a].append(t)
-                    if t in eos or len(generated[a]) >= max_new_tokens:
+                    if (t in eos or len(generated[a]) >= max_new_tokens
+                            or (stop is not None and stop(prompts_host[a] + generated[a]))):
                         done[a] = True
                         st.total_s = time.perf_counter() - start     # this request's latency
                         break

@@ -24,7 +24,8 @@ def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=N
     with its ``attention_mask``, as HuggingFace pads prompts for generation: every row decodes on its own,
     losslessly, and the result is what HuggingFace returns for a batch -- [B, S + the longest generation], each
     row's input, its new tokens, then the generation config's ``pad_token_id`` (else its first EOS id) after
-    the row finished.  Stopping criteria beyond max length / EOS / max time and streamers take batch 1.
+    the row finished.  Other stopping criteria are asked per row (each with that row's own tokens); a streamer
+    takes batch 1.
     ``cuda_graphs`` as in :class:`HeteroSpec` (each call builds its engine, so it records its graphs anew:
     for many calls keep one ``HeteroSpec`` instead; a batch runs the eager steps).  Returns the sequences."""
     gc = generation_config

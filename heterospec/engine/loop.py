@@ -221,7 +221,8 @@ class HeteroSpec:
         each request's own (its ``total_s``: the request's latency, from the prefill's start to its last token;
         the batch's ``cycles`` count request-cycles, ``batch_calls`` the batched forwards).  Sampling
         keys row b's uniforms with ``seed + b`` (or ``seed[b]`` for a list), so a row draws as its prompt alone
-        with that seed.  ``streamer`` and ``stopping_criteria`` take a single prompt.  ``finished_rows``: "drop" (a
+        with that seed.  ``stopping_criteria`` are asked per request (each with that request's own tokens, as
+        [1, n] ids); a ``streamer`` takes a single prompt.  ``finished_rows``: "drop" (a
         finished request leaves the caches, so it stops costing work) or "mask" (it stays, verifying its root
         alone and committing nothing, so every cycle keeps the batch's shape)."""
         _check_generate_args(max_new_tokens, temperature, top_k, top_p)
@@ -259,9 +260,8 @@ class HeteroSpec:
                 return seq, stats
             with sync.outside_cycle():
                 return torch.cat([input_ids[:, :S - lengths[0]].cpu(), seq], dim=1), stats
-        if streamer is not None or stopping_criteria:
-            raise ValueError(f"generate: arguments 'streamer' and 'stopping_criteria' expected a single prompt, "
-                             f"got a batch of {B}")
+        if streamer is not None:
+            raise ValueError(f"generate: argument 'streamer' expected a single prompt, got a batch of {B}")
         if B < 1:
             raise ValueError("generate: argument 'input_ids' expected at least one prompt, got 0 rows")
         S = input_ids.shape[1]
@@ -272,7 +272,9 @@ class HeteroSpec:
         with self._gemm:
             new, _, stats = batch.generate_batch(self, input_ids, attention_mask, lengths, max_new_tokens=max_new_tokens,
                                                  temperature=temperature, top_k=top_k, top_p=top_p, eos=eos,
-                                                 seed=seed, finished=finished_rows)
+                                                 seed=seed, finished=finished_rows,
+                                                 stop=(lambda seq: self._stop(stopping_criteria, seq))
+                                                 if stopping_criteria else None)
         with sync.outside_cycle():                      # the results, on the host
             ids = input_ids.cpu()
             if as_list:
