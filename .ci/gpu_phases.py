@@ -539,6 +539,18 @@ def bench_numbers(pdir):
     return lines
 
 
+def batch_numbers(pdir):
+    """bench-batch: the throughput-vs-batch table as the bench writes it (its batch.md), and the mismatches."""
+    r = _load(os.path.join(pdir, "bench", "batch.json"))
+    if not r:
+        return []
+    _repo_first()
+    from heterospec.tools.bench.batched import batch_markdown   # the bench's own table
+
+    return [batch_markdown(r, f"{r.get('machine', {}).get('summary', '')}; {r.get('max_new_tokens')} new tokens "
+                              f"per request, {r.get('prompts')} prompts")]
+
+
 def graphs_numbers(pdir):
     r = _load(os.path.join(pdir, "bench-graphs", "graphs.json"))
     if not r:
@@ -562,7 +574,8 @@ def head_numbers(pdir):
 
 
 NUMBERS = {"kernels": kernel_numbers, "bench": bench_numbers, "bench-eager": bench_numbers,
-           "bench-bf16": bench_numbers, "bench-tuned": bench_numbers, "graphs-bench": graphs_numbers,
+           "bench-bf16": bench_numbers, "bench-tuned": bench_numbers, "bench-batch": batch_numbers,
+           "graphs-bench": graphs_numbers,
            "head": head_numbers}
 
 

@@ -460,3 +460,18 @@ def test_prepare_packs_local_wheels_and_the_shared_data(tmp_path):
     if os.path.isdir(shared):
         assert "questions/mt_bench.jsonl" in m["files"]
     assert "HETEROSPEC_WHEELS=" in r.stdout and m["bundles"] == len(os.listdir(out))
+
+
+def test_bench_batch_numbers_are_the_benchs_own_table(tmp_path):
+    """bench-batch's summary shows the throughput-vs-batch table from the bench's batch.json (the same table
+    the bench prints), with the ratio to ar and the batch size where a method stops beating it."""
+    row = lambda t: {"tokens_per_s": t, "latency_mean_s": 1.0, "tau": None, "verified_per_call": None}  # noqa: E731
+    r = {"batch_sizes": [1, 4], "prompts": 8, "max_new_tokens": 64, "machine": {"summary": "NVIDIA H200"},
+         "results": {"1": {"ar": row(100.0), "eagle3": row(150.0)}, "4": {"ar": row(300.0), "eagle3": row(240.0)}},
+         "mismatches": [], "stops_beating_ar": {"eagle3": 4}}
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "batch.json").write_text(json.dumps(r))
+    text = "\n".join(phases.NUMBERS["bench-batch"](str(tmp_path)))
+    assert text.startswith("NVIDIA H200; 64 new tokens per request, 8 prompts")
+    assert "| eagle3 | 150.0 (1.50×)" in text and "240.0 (0.80×)" in text and "eagle3: 4" in text
+    assert phases.NUMBERS["bench-batch"](str(tmp_path / "none")) == []

@@ -140,14 +140,15 @@ def batch_markdown(r, header=""):
     """The throughput-vs-batch table: one row per method, per batch size tokens/s (x ar), mean latency, tau and
     verified tokens per batched forward."""
     sizes = r["batch_sizes"]
-    names = list(r["results"][sizes[0]])
+    results = {int(k): v for k, v in r["results"].items()}     # int keys, or str keys from the JSON
+    names = list(results[sizes[0]])
     lines = [header] if header else []
     cols = " | ".join(f"B={B} tokens/s (× ar) | B={B} latency s | B={B} τ | B={B} verified/forward" for B in sizes)
     lines += [f"| method | {cols} |", "|---|" + "---:|" * (4 * len(sizes))]
     for n in names:
         cells = []
         for B in sizes:
-            x, ar = r["results"][B][n], r["results"][B].get("ar")
+            x, ar = results[B][n], results[B].get("ar")
             ratio = f" ({x['tokens_per_s'] / ar['tokens_per_s']:.2f}×)" if ar and ar["tokens_per_s"] else ""
             cells += [f"{x['tokens_per_s']:.1f}{ratio}", _f(x["latency_mean_s"], "{:.2f}"), _f(x["tau"], "{:.2f}"),
                       _f(x["verified_per_call"], "{:.1f}")]
@@ -171,9 +172,10 @@ def batch_plot(r, path):
     import matplotlib.pyplot as plt
 
     sizes = r["batch_sizes"]
+    results = {int(k): v for k, v in r["results"].items()}
     fig, ax = plt.subplots(figsize=(6, 4))
-    for n in r["results"][sizes[0]]:
-        ax.plot(sizes, [r["results"][B][n]["tokens_per_s"] for B in sizes], marker="o", label=n)
+    for n in results[sizes[0]]:
+        ax.plot(sizes, [results[B][n]["tokens_per_s"] for B in sizes], marker="o", label=n)
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes)
     ax.set_xticklabels([str(B) for B in sizes])
