@@ -243,6 +243,7 @@ def generate_batch(hs, input_ids, attention_mask, lengths, *, max_new_tokens, te
             clock.lap("draft_s")
         prefix_host = list(lengths)
         levels_max = pol.levels
+        batch_calls = 0
         while True:
             keep = [i for i, a in enumerate(alive) if not done[a]]
             if not keep:
@@ -307,7 +308,7 @@ def generate_batch(hs, input_ids, attention_mask, lengths, *, max_new_tokens, te
             with sync.point("accepted", total):
                 host = torch.cat([length.view(Ba, 1), nxt.view(Ba, 1), path_tokens], 1).tolist()
             clock.flush()
-            total.cycles += 1
+            batch_calls += 1
             for j, a in enumerate(alive):
                 if done[a]:
                     continue
@@ -334,19 +335,17 @@ def generate_batch(hs, input_ids, attention_mask, lengths, *, max_new_tokens, te
             ops.cuda_check(dev)
     finally:
         tgt.close()
-    total.total_s = time.perf_counter() - start
-    batch_calls = total.cycles
     for st, gen in zip(rows, generated):
         st.new_tokens = len(gen)
-        st.prefill_s = total.prefill_s
-        total.accepted_hist.update(st.accepted_hist)
-        total.bins.update(st.bins)
-        total.bin_accepted.update(st.bin_accepted)
-        total.bin_verified.update(st.bin_verified)
-        total.verified_tokens += st.verified_tokens
-    total.new_tokens = sum(len(g) for g in generated)
-    total.cycles = sum(st.cycles for st in rows)    # request-cycles: tau is the mean tokens per row per call
+    # the batch's counts are the rows' pooled (cycles: request-cycles, so tau is the mean tokens per row per
+    # call); its times are the batch's own
+    pooled = GenerationStats.pooled(rows)
+    for f in ("new_tokens", "cycles", "verified_tokens", "accepted_hist", "bins", "bin_accepted", "bin_verified"):
+        setattr(total, f, getattr(pooled, f))
     total.batch_calls = batch_calls
+    total.total_s = time.perf_counter() - start
     total.per_row = rows
+    for st in rows:
+        st.prefill_s = total.prefill_s
     return generated, rows, total
 

@@ -229,6 +229,7 @@ class HeteroSpec:
         eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
         if finished_rows not in ("drop", "mask"):
             raise ValueError(f"generate: argument 'finished_rows' expected 'drop' or 'mask', got {finished_rows!r}")
+        pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
         as_list = isinstance(input_ids, (list, tuple))
         if as_list:
             if not input_ids:
@@ -236,7 +237,6 @@ class HeteroSpec:
             if attention_mask is not None:
                 raise ValueError("generate: argument 'attention_mask' expected None with a list of prompts (they "
                                  "are padded here), got a mask")
-            pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
             input_ids, attention_mask = batch.left_pad(input_ids, pad, self.device)
         elif not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(f"generate: argument 'input_ids' expected a [B, S] tensor or a list of prompts, got "
@@ -280,7 +280,6 @@ class HeteroSpec:
             if as_list:
                 return [torch.cat([ids[b, S - lengths[b]:], torch.tensor(new[b], dtype=torch.long)])
                         for b in range(B)], stats
-            pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
             out = torch.full((B, S + max(len(x) for x in new)), pad, dtype=torch.long)
             out[:, :S] = ids
             for b, x in enumerate(new):

@@ -27,6 +27,8 @@ from ..growth import Growth, candidate_count
 class DraftState:
     """The draft's static cache and the per-cycle scratch buffers, allocated once per capacity."""
 
+    batch = None   # one request: unbatched buffers (BatchDraftState: a leading [batch] dimension on each)
+
     def __init__(self, draft, top_k, max_levels, d2t):
         self.draft, self.K, self.d2t = draft, top_k, d2t
         self.max_levels = max_levels
@@ -40,16 +42,17 @@ class DraftState:
         if self.cache is not None and capacity <= self.base:
             return
         K, R = self.K, self.K * self.max_levels
+        lead = () if self.batch is None else (self.batch,)
         self.base = capacity
-        self.cache = self.draft.new_cache(capacity + R)
+        self.cache = self.draft.new_cache(capacity + R, self.batch or 1)
         self.cols = torch.arange(capacity + R, device=device)
-        self.anc = torch.zeros((max(R, 1), max(R, 1)), dtype=torch.bool, device=device)  # scratch ancestry
+        self.anc = torch.zeros(lead + (max(R, 1), max(R, 1)), dtype=torch.bool, device=device)  # scratch ancestry
         hidden_size = self.draft.config.hidden_size if hasattr(self.draft, "config") else self.draft.hidden_size
-        self.h_rows = torch.zeros((1 + R, hidden_size), dtype=self.draft_dtype(), device=device)
-        self.row_of = torch.zeros(candidate_count(K, self.max_levels), dtype=torch.long, device=device)
+        self.h_rows = torch.zeros(lead + (1 + R, hidden_size), dtype=self.draft_dtype(), device=device)
+        self.row_of = torch.zeros(lead + (candidate_count(K, self.max_levels),), dtype=torch.long, device=device)
         self.eyeK = torch.eye(K, dtype=torch.bool, device=device)
-        self.zero_score = torch.zeros(1, dtype=torch.float32, device=device)
-        self.no_parent = torch.full((1,), -1, dtype=torch.long, device=device)
+        self.zero_score = torch.zeros(lead + (1,), dtype=torch.float32, device=device)
+        self.no_parent = torch.full(lead + (1,), -1, dtype=torch.long, device=device)
         self.zero_row = torch.zeros(1, dtype=torch.long, device=device)
 
     def draft_dtype(self):
@@ -80,7 +83,7 @@ class DraftState:
         a draft with ``begin_sequence`` is told the ``prompt`` first."""
         if prompt is not None and hasattr(self.draft, "begin_sequence"):
             self.draft.begin_sequence(prompt)
-        self.catch_up(taps, ids, torch.zeros(1, dtype=torch.long, device=ids.device), last)
+        self.catch_up(taps, ids, torch.zeros_like(last), last)
 
     def rows(self, g, tree_size):
         """Positions a cycle may commit, the catch-up's fixed row count: the tree's depth (``g.level + 2``:
@@ -154,21 +157,6 @@ class BatchDraftState(DraftState):
         super().__init__(draft, top_k, max_levels, d2t)
         self.batch = batch
 
-    def allocate(self, capacity, device):
-        if self.cache is not None and capacity <= self.base:
-            return
-        B, K, R = self.batch, self.K, self.K * self.max_levels
-        self.base = capacity
-        self.cache = self.draft.new_cache(capacity + R, B)
-        self.cols = torch.arange(capacity + R, device=device)
-        self.anc = torch.zeros((B, max(R, 1), max(R, 1)), dtype=torch.bool, device=device)
-        hidden_size = self.draft.config.hidden_size if hasattr(self.draft, "config") else self.draft.hidden_size
-        self.h_rows = torch.zeros((B, 1 + R, hidden_size), dtype=self.draft_dtype(), device=device)
-        self.row_of = torch.zeros((B, candidate_count(K, self.max_levels)), dtype=torch.long, device=device)
-        self.eyeK = torch.eye(K, dtype=torch.bool, device=device)
-        self.zero_score = torch.zeros((B, 1), dtype=torch.float32, device=device)
-        self.no_parent = torch.full((B, 1), -1, dtype=torch.long, device=device)
-
     def keep_rows(self, idx):
         """Keep the requests ``idx`` (a [b'] int64 tensor of row numbers, ascending) and drop the others: the
         finished requests of a batch stop costing work."""
@@ -190,12 +178,6 @@ class BatchDraftState(DraftState):
         logits, h = d.head(sel)
         self.root_logits, self.root_h = logits, h
         return logits, h
-
-    def prime(self, taps, ids, last, prompt=None):
-        """The catch-up on each request's whole prompt from position 0: ``taps`` [B, S, 3H] and ``ids`` [B, S]
-        with each prompt at the front of its row (as the batched target's prefill leaves them), ``last`` [B]
-        each prompt's last row."""
-        self.catch_up(taps, ids, torch.zeros_like(last), last)
 
     def start(self):
         g = Growth.root(self.root_logits, self.K, self.d2t, zero_score=self.zero_score, no_parent=self.no_parent,

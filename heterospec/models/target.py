@@ -27,6 +27,7 @@ import torch
 
 from .. import ops
 from .draft.config import default_tap_layers
+from .draft.module import write_at
 
 TREE_MASK_ATTN = ("sdpa", "eager")
 
@@ -69,13 +70,8 @@ class StaticKV(_cache_base()):
             raise ValueError(f"target cache: layer {layer_idx} produced keys {tuple(key_states.shape)}, the cache "
                              f"holds [{k.shape[0]}, {k.shape[1]}, S, {k.shape[3]}] (num_key_value_heads / head_dim "
                              f"of the config)")
-        if self.slots.dim() == 1:                       # the same columns in every row
-            k.index_copy_(2, self.slots, key_states.to(k.dtype))
-            v.index_copy_(2, self.slots, value_states.to(v.dtype))
-        else:                                           # [B, n]: each row at its own columns
-            idx = self.slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-            k.scatter_(2, idx, key_states.to(k.dtype))
-            v.scatter_(2, idx, value_states.to(v.dtype))
+        write_at(k, self.slots, key_states)            # [n]: the same columns in every row; [B, n]: per row
+        write_at(v, self.slots, value_states)
         if self.window is not None:
             return k[:, :, :self.window], v[:, :, :self.window]
         return k, v

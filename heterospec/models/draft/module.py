@@ -73,6 +73,16 @@ def rope_inv_freq(config: Eagle3Config, seq_len: int | None = None, device=None)
     return inv
 
 
+def write_at(dst, slots, src):
+    """A static cache's write: ``src`` [B, heads, S, D] into ``dst`` [B, heads, C, D] at columns ``slots`` -- [S],
+    the same columns in every row (one ``index_copy_``), or [B, S], each row its own (a ``scatter_``)."""
+    src = src.to(dst.dtype)
+    if slots.dim() == 1:
+        dst.index_copy_(2, slots, src)
+    else:
+        dst.scatter_(2, slots[:, None, :, None].expand(-1, src.shape[1], -1, src.shape[3]), src)
+
+
 def _rotate_half(x):
     h = x.shape[-1] // 2
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
@@ -348,13 +358,8 @@ class Eagle3Draft(nn.Module):
         ``attn_mask`` bool [S, C] or [B, S, C] over all C cache columns (True = may attend; the rows' own
         columns included).  Returns the layer output h2 [B, S, H]: pass the rows you need through :meth:`head`."""
         q, k, v, h, hn = self._project(hidden, input_ids, position_ids)
-        if slots.dim() == 1:
-            cache[0].index_copy_(2, slots, k.to(cache.dtype))
-            cache[1].index_copy_(2, slots, v.to(cache.dtype))
-        else:
-            idx = slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-            cache[0].scatter_(2, idx, k.to(cache.dtype))
-            cache[1].scatter_(2, idx, v.to(cache.dtype))
+        write_at(cache[0], slots, k)
+        write_at(cache[1], slots, v)
         mask = attn_mask if attn_mask.dim() == 2 else attn_mask.unsqueeze(1)
         return self._attend(q, cache[0], cache[1], mask, h, hn)
 

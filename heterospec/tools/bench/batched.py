@@ -19,6 +19,7 @@ from ...measure import DeviceTimer
 from ..prompts import encode_turn
 from .baselines import HFGenerate, eos_list
 from .methods import HFMethod
+from .metrics import first_diff
 
 
 def parse_batch_sizes(text):
@@ -99,8 +100,7 @@ def run_batch_bench(target, tokenizer, draft, methods, prompts, batch_sizes, *, 
             for n in names:
                 for i, (x, ref) in enumerate(zip(tokens[B][n], tokens[B]["ar"])):
                     if x != ref:
-                        first = next((j for j, (u, v) in enumerate(zip(x, ref)) if u != v), min(len(x), len(ref)))
-                        mism.append({"batch_size": B, "method": n, "prompt": i, "first_diff": first})
+                        mism.append({"batch_size": B, "method": n, "prompt": i, "first_diff": first_diff(x, ref)})
     stops = {}
     if "ar" in names:
         for n in names:

@@ -127,6 +127,12 @@ def add_speedup_over_hf(files, mean):
     return best
 
 
+def first_diff(a, b):
+    """The first position where token lists ``a`` and ``b`` differ (the shorter one's length when one is a
+    prefix of the other)."""
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def mismatch_report(per_q, names):
     """[{bench, question_id, turn, method, reference, first_diff}]: every (question, turn) where a method's
     tokens differ from the first method's."""
@@ -137,7 +143,6 @@ def mismatch_report(per_q, names):
             for ref, rec in zip(by_method[ref_name], by_method[name]):
                 for t, (a, c) in enumerate(zip(ref["ids"], rec["ids"])):
                     if a != c:
-                        pos = next((k for k, (x, y) in enumerate(zip(a, c)) if x != y), min(len(a), len(c)))
                         bad.append({"bench": b, "question_id": rec["question_id"], "turn": t, "method": name,
-                                    "reference": ref_name, "first_diff": pos})
+                                    "reference": ref_name, "first_diff": first_diff(a, c)})
     return bad
