@@ -134,9 +134,10 @@ PHASES = (
         Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "chi2-noisy" + " -k '" + CHI2 + " and noisy'"
              + " tests/test_decoding.py"),
     ), needs=("cuda",)),
-    Phase("graphs", 6, "the recorded engine's tests on the GPU: real CUDA graphs, one per tree shape, equal to "
-                       "the eager engine token for token and draw for draw", (
-        Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "graphs" + " tests/test_graphs.py"),
+    Phase("graphs", 6, "the recorded engine's tests on the GPU: real CUDA graphs, one per tree shape (and per "
+                       "batch size for a batch), equal to the eager engine token for token and draw for draw", (
+        Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "graphs" + " tests/test_graphs.py"
+             " tests/test_batch_graphs.py"),
     ), needs=("cuda",)),
     Phase("bench", 5, "default pair, fp32, CUDA graphs on: ar, eagle3, heterospec and the HF baselines "
                       "(hf, hf-static, hf-lookup); T=0 identity", (
@@ -154,8 +155,9 @@ PHASES = (
         Step("bench", BENCH + " --methods ar,hf-static,eagle3-tuned,heterospec-tuned,heterospec-paper "
                               "--out {dir}/bench"),
     ), needs=("cuda", "pair", "questions")),
-    Phase("bench-batch", 6, "default pair, fp32: throughput against batch size 1, 4, 16, 64 for ar, eagle3, "
-                            "heterospec and HF's batched generate (hf, hf-static); every row checked against ar", (
+    Phase("bench-batch", 6, "default pair, fp32, CUDA graphs on (auto: each batch size recorded in the warm-up): "
+                            "throughput against batch size 1, 4, 16, 64 for ar, eagle3, heterospec and HF's batched "
+                            "generate (hf, hf-static); every row checked against ar", (
         Step("bench", "{py} -m heterospec bench --batch-size 1,4,16,64 --limit 4 --max-new-tokens "
                       "${{BATCH_TOKENS:-64}} --device cuda --questions {questions} --no-plots "
                       "--methods ar,hf,hf-static,eagle3,heterospec --out {dir}/bench"),

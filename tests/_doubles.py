@@ -183,3 +183,35 @@ class BatchScriptDraft(_DoubleBase):
                 else:
                     logits[b, s, right] = self.boost
         return logits
+
+
+class BatchTableDraft(_DoubleBase):
+    """ScriptDraft for a batch of a fixed size: row b of the batch follows ``scripts[b]`` (its prompt then its
+    reference continuation, loaded in place), and at every position p with ``(p + b) % miss_every == 0`` it
+    ranks a wrong token first, so rows accept different lengths in the same cycle.  Pure device tensor ops,
+    capturable in a CUDA graph (unlike BatchScriptDraft, which reads its cache on the host); a row is its
+    batch row, so finished rows must be masked, not dropped (what the recorded engine does)."""
+
+    def __init__(self, vocab_size, rows, length=512, miss_every=4, boost=20.0):
+        super().__init__(8, vocab_size)
+        self.register_buffer("scripts", torch.zeros(rows, length, dtype=torch.long))
+        self.miss_every, self.boost = miss_every, boost
+
+    def load(self, sequences):
+        self.scripts.zero_()
+        for b, seq in enumerate(sequences):
+            seq = torch.as_tensor(seq, dtype=torch.long).reshape(-1)
+            self.scripts[b, : seq.shape[0]].copy_(seq.to(self.scripts.device))
+        return self
+
+    def step(self, hidden, input_ids, position_ids, cache, slots, attn_mask):
+        B, S = input_ids.shape
+        p = position_ids.reshape(-1, S).expand(B, S)
+        rows = torch.arange(B, device=p.device).view(B, 1)
+        right = self.scripts[:B].gather(1, (p + 2).clamp(max=self.scripts.shape[1] - 1))
+        wrong = (right + 1) % self.vocab_size
+        miss = ((p + rows) % self.miss_every) == 0
+        logits = torch.zeros(B, S, self.vocab_size, device=p.device)
+        logits.scatter_(2, right.unsqueeze(-1), torch.where(miss, self.boost / 2, self.boost).unsqueeze(-1))
+        logits.scatter_(2, wrong.unsqueeze(-1), torch.where(miss, self.boost, 0.0).unsqueeze(-1))
+        return logits

@@ -108,8 +108,10 @@ def test_padding_nodes_are_never_accepted():
     g = Growth.root(torch.randn(2, 1, V), K)
     g = g.extend(torch.randn(2, K, V))
     root = torch.tensor([7, 9])
-    tokens, parents, depths, mask, n, T = batch_tree(g, ([5, 2], [1, 0]), root, (), True)
-    assert T == 5 and n.tolist() == [5, 2]
+    # row 0 keeps 4 of the 6 candidates of one level, row 1 one of the root expansion's 2
+    T = 5
+    tokens, parents, depths, mask, n = batch_tree(g, torch.tensor([4, 1]), torch.tensor([6, 2]), root, T, True)
+    assert tokens.shape == (2, T) and n.tolist() == [5, 2]
     assert tokens[1, 2:].tolist() == [9, 9, 9] and depths[1, 2:].tolist() == [1, 1, 1]
     assert mask[1, 2:].tolist() == [[True, False, True, False, False], [True, False, False, True, False],
                                      [True, False, False, False, True]]

@@ -28,7 +28,10 @@ def test_batch_sizes_parse_and_refuse():
             parse_batch_sizes(bad)
 
 
-def test_every_row_of_every_batch_equals_ar_and_the_prompt_alone(tmp_path):
+@pytest.mark.parametrize("graphs", [False, "emulate"])
+def test_every_row_of_every_batch_equals_ar_and_the_prompt_alone(tmp_path, graphs):
+    """Eager, and through the recorded engine's emulation (what ``--cuda-graphs on`` runs on a GPU: every batch
+    size recorded in the warm-up, the last, smaller group's too)."""
     model, tok, qs = _tiny(tmp_path)
     from heterospec.models.draft import Eagle3Draft
 
@@ -38,8 +41,8 @@ def test_every_row_of_every_batch_equals_ar_and_the_prompt_alone(tmp_path):
     methods = bench.build_methods(["ar", "hf", "hf-static", "eagle3"], draft=draft) + \
         [("heterospec", Policy(4, 3, 12, (1.0, 2.0, 3.0), (2, 1, 0, 0), (4, 8, 12, 12), name="calibrated"))]
     r = run_batch_bench(model, tok, draft, methods, prompts, [1, 3], max_new_tokens=10,
-                        eos_token_id=tok.eos_token_id, warmup_tokens=3)
-    assert r["mismatches"] == []
+                        eos_token_id=tok.eos_token_id, warmup_tokens=3, cuda_graphs=graphs)
+    assert r["mismatches"] == [] and r["cuda_graphs"] == graphs
     assert set(r["results"]) == {1, 3} and r["results"][3]["eagle3"]["groups"] == 2     # 3 + 1 prompts
     hs = HeteroSpec(model, draft, Policy.static(7, 10, 60))
     alone = [hs.generate(p, max_new_tokens=10, eos_token_id=tok.eos_token_id)[0][0, p.shape[1]:].tolist()

@@ -50,17 +50,95 @@ class CycleState:
         return cls(*(torch.zeros(1, dtype=torch.long, device=device) for _ in range(3)))
 
 
-class Cycle:
+class RecordedCycle:
+    """What the cycle of one request (:class:`Cycle`) and of a batch (``engine.batch.BatchCycle``) share: the
+    recording of their steps -- ``base`` (binned policies) and ``finish(g, a, b, settings)`` for each shape
+    ``(a, b)`` of :meth:`shapes` -- on dummy state, kept per sampling settings (at most ``MAX_GRAPH_SETS``,
+    least recently used dropped) until the caches are reallocated, and their replay.  A subclass sets
+    ``binned``, ``device``, ``emulate`` and provides ``base``, ``finish``, ``shapes``, ``capacity_key``,
+    ``dummy_state`` (a prefill and the draft's catch-up on dummy prompts) and ``reset`` (the state a step
+    starts from when warmed up and captured)."""
+
+    def _init_recordings(self):
+        self._recorded = OrderedDict()    # sampling settings -> StepGraphs, least recently used first
+        self._capacity = None
+
+    def step_key(self, shape):
+        return ("finish" if self.binned else "cycle",) + tuple(shape)
+
+    def run_base(self, steps, clock):
+        """Steps 1-4, eager (``steps`` None) or replayed -> (Growth or None, path entropy on the device)."""
+        if steps is None:
+            return self.base(clock)
+        _, entropy = steps.replay(("base",))
+        clock.lap("graph_s")
+        return None, entropy
+
+    def run_finish(self, steps, g, a, b, settings, window, clock):
+        """Steps 5-8 for the shape ``(a, b)``, eager or replayed (its recording)."""
+        if steps is None:
+            return self.finish(g, a, b, settings, window, clock)
+        out = steps.replay(self.step_key((a, b)))
+        clock.lap("graph_s")
+        return out
+
+    def record(self, settings):
+        """Warm up and record every step for these sampling settings on dummy state (the prompt's prefill
+        overwrites it; capture time is reported apart from decoding).  Returns (StepGraphs, whether they were
+        recorded by this call)."""
+        dev = self.device
+        capacity = self.capacity_key()
+        if self._capacity != capacity:
+            self._recorded.clear()
+            self._capacity = capacity
+        steps = self._recorded.get(settings)
+        if steps is not None:
+            self._recorded.move_to_end(settings)
+            return steps, False
+        while len(self._recorded) >= MAX_GRAPH_SETS:     # drop the least recently used set and its memory pool
+            self._recorded.popitem(last=False)
+        steps = StepGraphs(emulate=self.emulate)
+        t0 = time.perf_counter()
+        with sync.outside_cycle():
+            if dev.type == "cuda":
+                ops.cuda_reserve(dev, WORKSPACE_BYTES)
+            self.dummy_state()
+            shapes = self.shapes()
+
+            def run_all():
+                for a, b in shapes:
+                    self.reset()
+                    base = self.base() if self.binned else None
+                    self.finish(base[0] if base else None, a, b, settings)
+
+            warm_up(dev, [run_all, run_all])
+            self.reset()
+            base = steps.capture(("base",), self.base) if self.binned else None
+            for a, b in shapes:
+                self.reset()
+                steps.capture(self.step_key((a, b)),
+                              lambda a=a, b=b: self.finish(base[0] if base else None, a, b, settings))
+            self.reset()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        steps.capture_s = time.perf_counter() - t0
+        self._recorded[settings] = steps
+        return steps, True
+
+    def drop_recordings(self):
+        self._recorded.clear()
+
+
+class Cycle(RecordedCycle):
     """The steps of one cycle for a target (a ``TargetAdapter``), a drafter (``DraftState`` or ``NoDraft``)
-    and a policy, and their recordings per sampling setting."""
+    and a policy, and their recordings per sampling setting (shapes: the policy's plans)."""
 
     def __init__(self, target, drafter, policy, buckets, device, emulate=False):
         self.target, self.drafter, self.policy, self.buckets, self.device = target, drafter, policy, buckets, device
         self.binned = policy.binned
         self.state = CycleState.on(device)
         self.emulate = emulate
-        self._recorded = OrderedDict()    # sampling settings -> StepGraphs, least recently used first
-        self._capacity = None
+        self._init_recordings()
 
     # ---- the steps (fixed shapes per plan: run eagerly, or recorded once and replayed) -----------------
 
@@ -106,79 +184,22 @@ class Cycle:
         lap("ops_s")
         return torch.cat([length.view(1), nxt.view(1), path_tokens]), size
 
-    # ---- one cycle, eager or replayed ----------------------------------------------------------------
+    # ---- recording (RecordedCycle.record) -------------------------------------------------------------
 
-    def run_base(self, steps, clock):
-        """Steps 1-4, eager (``steps`` None) or replayed -> (Growth or None, path entropy [1] on the device)."""
-        if steps is None:
-            return self.base(clock)
-        _, entropy = steps.replay(("base",))
-        clock.lap("graph_s")
-        return None, entropy
+    def capacity_key(self):
+        return (self.target.capacity, self.drafter.base)
 
-    def run_finish(self, steps, g, extra, keep, settings, window, clock):
-        """Steps 5-8, eager or replayed (the recording of this plan) -> (accepted device tensor, tree size)."""
-        if steps is None:
-            return self.finish(g, extra, keep, settings, window, clock)
-        out = steps.replay(("finish", extra, keep) if self.binned else ("cycle", extra, keep))
-        clock.lap("graph_s")
-        return out
+    def shapes(self):
+        """(extra levels, kept nodes) of every plan; a policy without bins has one."""
+        plans = self.policy.plans()
+        return plans if self.binned else plans[:1]
 
-    # ---- recording ------------------------------------------------------------------------------------
+    def dummy_state(self):
+        dev = self.device
+        one = torch.zeros((1, 1), dtype=torch.long, device=dev)
+        _, taps = self.target.prefill(one)
+        self.drafter.prime(taps, one, torch.zeros(1, dtype=torch.long, device=dev))
 
-    def record(self, settings):
-        """Warm up and record every step of the policy for these sampling settings, on dummy state (the
-        prompt's prefill overwrites it; capture time is reported apart from decoding).  Returns (StepGraphs,
-        whether they were recorded by this call); kept per settings until the caches are reallocated."""
-        tgt, dev = self.target, self.device
-        capacity = (tgt.capacity, self.drafter.base)
-        if self._capacity != capacity:
-            self._recorded.clear()
-            self._capacity = capacity
-        steps = self._recorded.get(settings)
-        if steps is not None:
-            self._recorded.move_to_end(settings)
-            return steps, False
-        while len(self._recorded) >= MAX_GRAPH_SETS:     # drop the least recently used set and its memory pool
-            self._recorded.popitem(last=False)
-        steps = StepGraphs(emulate=self.emulate)
-        t0 = time.perf_counter()
-        with sync.outside_cycle():
-            if dev.type == "cuda":
-                ops.cuda_reserve(dev, WORKSPACE_BYTES)
-            one = torch.zeros((1, 1), dtype=torch.long, device=dev)
-            _, taps = tgt.prefill(one)                        # dummy state: the real prefill overwrites it
-            self.drafter.prime(taps, one, torch.zeros(1, dtype=torch.long, device=dev))
-            plans = self.policy.plans()
-
-            def reset():
-                tgt.prefix.fill_(1)
-                self.state.root.zero_()
-
-            def run_all():
-                reset()
-                base = self.base() if self.binned else None
-                for extra, keep in plans:
-                    reset()
-                    self.finish(base[0] if base else None, extra, keep, settings)
-
-            warm_up(dev, [run_all, run_all])
-            if self.binned:
-                reset()
-                base = steps.capture(("base",), self.base)
-                for extra, keep in plans:
-                    reset()
-                    steps.capture(("finish", extra, keep),
-                                  lambda e=extra, k=keep: self.finish(base[0], e, k, settings))
-            else:
-                reset()
-                steps.capture(("cycle",) + plans[0], lambda: self.finish(None, *plans[0], settings))
-            reset()
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-        steps.capture_s = time.perf_counter() - t0
-        self._recorded[settings] = steps
-        return steps, True
-
-    def drop_recordings(self):
-        self._recorded.clear()
+    def reset(self):
+        self.target.prefix.fill_(1)
+        self.state.root.zero_()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -180,6 +181,7 @@ class HeteroSpec:
         self._graphs_fallback = cuda_graphs == "auto"    # 'auto': a recording that fails falls back to eager
         self._cycle = Cycle(self.target, self._drafter, pol, self.buckets, self.device,
                             emulate=self.cuda_graphs == "emulate")
+        self._batch_cycles = OrderedDict()   # recorded engine: batch size -> its BatchCycle (engine/batch.py)
 
     @property
     def cycle(self):
@@ -192,6 +194,8 @@ class HeteroSpec:
         block)."""
         self.target.close()
         self._cycle.drop_recordings()
+        while self._batch_cycles:
+            self._batch_cycles.popitem()[1].close()
 
     def __enter__(self):
         return self
@@ -224,7 +228,8 @@ class HeteroSpec:
         with that seed.  ``stopping_criteria`` are asked per request (each with that request's own tokens, as
         [1, n] ids); a ``streamer`` takes a single prompt.  ``finished_rows``: "drop" (a
         finished request leaves the caches, so it stops costing work) or "mask" (it stays, verifying its root
-        alone and committing nothing, so every cycle keeps the batch's shape)."""
+        alone and committing nothing, so every cycle keeps the batch's shape; with ``cuda_graphs`` a batch's
+        recorded steps have a fixed batch, so finished rows are always masked)."""
         _check_generate_args(max_new_tokens, temperature, top_k, top_p)
         eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
         if finished_rows not in ("drop", "mask"):
@@ -318,22 +323,8 @@ class HeteroSpec:
         with sync.outside_cycle():
             tgt.allocate(need)
             dr.allocate(need, dev)
-            steps = None
-            if graphs:
-                try:
-                    steps, fresh = cycle.record(settings)
-                except Exception as e:  # noqa: BLE001 -- any failure to record: 'auto' decodes eagerly instead
-                    if not self._graphs_fallback:
-                        raise
-                    warnings.warn(f"HeteroSpec: recording the decoding steps as CUDA graphs failed "
-                                  f"({type(e).__name__}: {e}); cuda_graphs='auto' falls back to the eager engine",
-                                  RuntimeWarning, stacklevel=2)
-                    self.cuda_graphs = graphs = False
-                    cycle.drop_recordings()
-                    stats.graphs = "off"
-                else:
-                    stats.capture_s = steps.capture_s if fresh else 0.0
-                    stats.captured_steps = len(steps)
+            steps = self._record(cycle, settings, stats) if graphs else None
+            graphs = steps is not None
         start = time.perf_counter()
         with sync.outside_cycle():
             rng_seed = int(seed) if seed is not None else int(torch.randint(0, 2**62, (1,), device="cpu").item())
@@ -413,6 +404,26 @@ class HeteroSpec:
         stats.new_tokens = len(generated)
         stats.total_s = time.perf_counter() - start
         return torch.tensor([out + generated], dtype=torch.long, device="cpu"), stats
+
+    def _record(self, cycle, settings, stats):
+        """``cycle.record(settings)`` (a :class:`~.cycle.RecordedCycle`: one request's or a batch's) -> its
+        StepGraphs, with the capture time in ``stats``; or None when recording failed under
+        ``cuda_graphs='auto'``, which then decodes eagerly from here on (warned)."""
+        try:
+            steps, fresh = cycle.record(settings)
+        except Exception as e:  # noqa: BLE001 -- any failure to record: 'auto' decodes eagerly instead
+            if not self._graphs_fallback:
+                raise
+            warnings.warn(f"HeteroSpec: recording the decoding steps as CUDA graphs failed "
+                          f"({type(e).__name__}: {e}); cuda_graphs='auto' falls back to the eager engine",
+                          RuntimeWarning, stacklevel=4)
+            self.cuda_graphs = False
+            self._cycle.drop_recordings()
+            stats.graphs = "off"
+            return None
+        stats.capture_s = steps.capture_s if fresh else 0.0
+        stats.captured_steps = len(steps)
+        return steps
 
     @staticmethod
     def _stop(criteria, seq):

@@ -70,11 +70,16 @@ class DraftState:
         allowed[:, self.base:] = False
         h2 = d.step(d.fuse(taps), ids, rows.view(1, R), self.cache, rows, allowed)
         logits, h = d.head(h2.index_select(1, last))
-        if self.root_logits is None or self.root_logits.shape != logits[0].shape:
-            self.root_logits = torch.empty_like(logits[0])
-            self.root_h = torch.empty_like(h[0])
-        self.root_logits.copy_(logits[0])
-        self.root_h.copy_(h[0])
+        return self._store_root(logits[0], h[0])
+
+    def _store_root(self, logits, h):
+        """Write the root's draft logits and state into the static ``root_logits`` / ``root_h`` in place, so that
+        a recorded step reads them where the recording wrote them (allocated by the first call, which must not
+        be inside a graph capture, or anew when the batch changed: ``keep_rows``)."""
+        if self.root_logits is None or self.root_logits.shape != logits.shape:
+            self.root_logits, self.root_h = torch.empty_like(logits), torch.empty_like(h)
+        self.root_logits.copy_(logits)
+        self.root_h.copy_(h)
         return self.root_logits, self.root_h
 
     def prime(self, taps, ids, last, prompt=None):
@@ -176,8 +181,7 @@ class BatchDraftState(DraftState):
         h2 = d.step(d.fuse(taps), ids, rows, self.cache, rows, allowed)
         sel = h2.gather(1, last.view(B, 1, 1).expand(B, 1, h2.shape[-1]))
         logits, h = d.head(sel)
-        self.root_logits, self.root_h = logits, h
-        return logits, h
+        return self._store_root(logits, h)
 
     def start(self):
         g = Growth.root(self.root_logits, self.K, self.d2t, zero_score=self.zero_score, no_parent=self.no_parent,

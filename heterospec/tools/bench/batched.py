@@ -43,10 +43,11 @@ def batch_prompts(tokenizer, questions, chat, count):
 
 
 def run_batch_bench(target, tokenizer, draft, methods, prompts, batch_sizes, *, max_new_tokens, device="cpu",
-                    eos_token_id=None, warmup_tokens=16, progress=None):
+                    eos_token_id=None, warmup_tokens=16, progress=None, cuda_graphs=False):
     """{"batch_sizes", "results": {B: {method: row}}, "mismatches": [...], "stops_beating_ar": {method: B or
-    None}}; a row: tokens_per_s, latency_mean_s, latency_p90_s, tau, verified_per_call, verified_per_token,
-    new_tokens, seconds, groups."""
+    None}, "cuda_graphs"}; a row: tokens_per_s, latency_mean_s, latency_p90_s, tau, verified_per_call,
+    verified_per_token, new_tokens, seconds, groups.  ``cuda_graphs``: passed to our engines, sized once for
+    the longest prompt (each batch size is recorded in its untimed warm-up, the last, smaller group's too)."""
     import torch
 
     from ...engine.batch import left_pad
@@ -58,7 +59,9 @@ def run_batch_bench(target, tokenizer, draft, methods, prompts, batch_sizes, *, 
     engines = {}
     for name, pol in methods:
         engines[name] = (HFGenerate(target, pol, pad_token_id=pad) if isinstance(pol, HFMethod) else
-                         HeteroSpec(target, draft if pol.drafts else None, pol))
+                         HeteroSpec(target, draft if pol.drafts else None, pol, cuda_graphs=cuda_graphs,
+                                    max_length=(max(p.shape[1] for p in prompts) + max_new_tokens
+                                                if cuda_graphs else None)))
     results, tokens = {}, {}
     steps = sum(-(-len(prompts) // B) for B in batch_sizes) * len(methods)
     step = 0
@@ -67,8 +70,10 @@ def run_batch_bench(target, tokenizer, draft, methods, prompts, batch_sizes, *, 
             groups = [prompts[i:i + B] for i in range(0, len(prompts), B)]
             acc = {n: {"new": 0, "s": 0.0, "lat": [], "tau": [], "verified": 0, "calls": 0, "rows": []}
                    for n, _ in methods}
-            for name, _ in methods:                           # warm-up, untimed
-                _decode(engines[name], groups[0], warmup_tokens, eos_token_id, pad, device, left_pad, torch)
+            warm = [groups[0]] + ([groups[-1]] if len(groups[-1]) != len(groups[0]) else [])
+            for name, _ in methods:                           # warm-up (and recording), untimed
+                for group in warm:
+                    _decode(engines[name], group, warmup_tokens, eos_token_id, pad, device, left_pad, torch)
             for gi, group in enumerate(groups):
                 for name, _ in methods:
                     if progress is not None:
@@ -109,7 +114,7 @@ def run_batch_bench(target, tokenizer, draft, methods, prompts, batch_sizes, *, 
             stops[n] = next((B for B in batch_sizes
                              if results[B][n]["tokens_per_s"] < results[B]["ar"]["tokens_per_s"]), None)
     return {"batch_sizes": list(batch_sizes), "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-            "results": results, "mismatches": mism, "stops_beating_ar": stops}
+            "results": results, "mismatches": mism, "stops_beating_ar": stops, "cuda_graphs": cuda_graphs}
 
 
 def _decode(engine, group, max_new_tokens, eos_token_id, pad, device, left_pad, torch):

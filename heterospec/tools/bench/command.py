@@ -159,7 +159,8 @@ def _batched(args, names, sizes, questions, tokenizer, target, draft, profile, p
           file=out, flush=True)
     r = run_batch_bench(target, tokenizer, draft, methods, prompts, sizes, max_new_tokens=args.max_new_tokens,
                         device=args.device, eos_token_id=tokenizer.eos_token_id,
-                        warmup_tokens=min(args.warmup_tokens, 16), progress=_bar("bench", redraws=20))
+                        warmup_tokens=min(args.warmup_tokens, 16), progress=_bar("bench", redraws=20),
+                        cuda_graphs=getattr(args, "graphs", False))
     r.update(command="heterospec bench " + " ".join(getattr(args, "argv", []) or []),
              machine=machine_info(args.device), dtype=args.dtype, methods={n: method_dict(p) for n, p in methods},
              profile=profile_path, seconds=time.perf_counter() - t_start)
