@@ -23,6 +23,17 @@ import numpy as np
 from . import ops
 
 
+def chain_path_entropy(step_entropy, positions):
+    """The path entropy (Eq. 1) of a chain draft, one token per position (vLLM's EAGLE proposer): the top-K
+    entropies of the distributions that drafted its first ``positions`` tokens, summed in float64 -- for a
+    chain, the path P* is the chain itself.  ``step_entropy``: [batch, D] (``ops.topk_entropy`` of each drafted
+    position's logits), D >= positions -> [batch] float64, on the input's device."""
+    if step_entropy.shape[-1] < positions:
+        raise ValueError(f"chain_path_entropy: argument 'step_entropy' expected at least {positions} drafted "
+                         f"positions, got {step_entropy.shape[-1]}")
+    return _f64(step_entropy[..., :positions]).sum(-1)
+
+
 def candidate_count(top_k, levels):
     """Candidates of a tree grown ``levels`` levels past the root expansion."""
     return top_k + top_k * top_k * levels

@@ -93,6 +93,16 @@ class Policy:
             plans.add((0, self.total_tokens))
         return sorted(plans)
 
+    def chain_lengths(self):
+        """Draft length per bin (``len(thresholds) + 1`` of them) when the draft is a chain, one token per level
+        (vLLM's EAGLE proposer): a tree of ``keep`` nodes grown ``depth + extra`` levels past the root expansion
+        has at most ``1 + depth + extra`` levels of tokens, so bin b drafts ``min(keep_b - 1, 1 + depth +
+        extra_b)``; bins past the tables ``min(total_tokens - 1, 1 + depth)``.  The path entropy that picks the
+        bin sums the first ``depth + 1`` positions (:func:`heterospec.growth.chain_path_entropy`)."""
+        extra = tuple(self.extra) + (0,) * (len(self.thresholds) + 1 - len(self.extra))
+        keep = tuple(self.keep) + (self.total_tokens,) * (len(self.thresholds) + 1 - len(self.keep))
+        return tuple(min(k - 1, 1 + self.depth + e) for e, k in zip(extra, keep))[:len(self.thresholds) + 1]
+
     def plan(self, entropy):
         """-> (bin, extra levels, kept nodes including the root) for a path entropy.  The bin is
         ``ops.bucketize``'s: the number of thresholds the entropy exceeds."""
