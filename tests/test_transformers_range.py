@@ -66,6 +66,44 @@ def test_transformers_range_is_declared_once_and_tested_at_both_ends():
     assert Version(oldest) in pinned, f".ci/run never installs transformers=={oldest} ({pinned})"
 
 
+def test_ci_also_runs_the_newest_transformers_pip_resolves():
+    """Beside the two ends, .ci/run installs the declared range unpinned (what a new user gets today) and runs
+    the decoding tests and a demo with our calls' deprecation warnings as errors."""
+    extras = _extras()
+    hf = _transformers_spec(extras["hf"])
+    ci = open(os.path.join(ROOT, ".ci", "run")).read()
+    assert f'"{hf}"' in ci, f".ci/run never installs the unpinned range {hf}"
+    assert "error::FutureWarning" in ci
+
+
+class _Forward:
+    """A model whose forward takes its cache by one keyword or the other."""
+
+    def __init__(self, new):
+        if new:
+            def forward(input_ids=None, cache=None, use_cache=None, **kwargs):
+                return cache
+        else:
+            def forward(input_ids=None, past_key_values=None, use_cache=None, **kwargs):
+                return past_key_values
+        self.forward = forward
+
+
+def test_the_cache_goes_by_the_keyword_the_installed_transformers_takes():
+    """transformers 5.24 renamed the forward's ``past_key_values`` to ``cache`` (the old name warns until it is
+    removed in 5.40): the adapter and the head's data collection pass the one the model's forward declares."""
+    from heterospec.models.target import cache_kwarg
+
+    assert cache_kwarg(_Forward(True)) == "cache"
+    assert cache_kwarg(_Forward(False)) == "past_key_values"
+    model = tiny_model()
+    import inspect
+
+    declared = inspect.signature(model.forward).parameters
+    assert cache_kwarg(model) == ("cache" if "cache" in declared else "past_key_values")
+    assert cache_kwarg(model) in declared
+
+
 # ---- the GGUF metadata, on a tiny GGUF ------------------------------------------------------------------
 
 def write_tiny_gguf(path, eos=2, bos=1, pad=2, unk=0, template=TEMPLATE):

@@ -43,6 +43,18 @@ def _decoder_layers(model):
     return layers
 
 
+def cache_kwarg(model):
+    """The keyword a HuggingFace model's forward takes its KV cache by: ``cache`` from transformers 5.24 on (which
+    deprecates ``past_key_values``, to be removed in 5.40), ``past_key_values`` before."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def _cache_base():
     from transformers import Cache
 
@@ -156,6 +168,7 @@ class TargetAdapter:
         self.cache = None
         self.prefix = torch.zeros(batch, dtype=torch.long, device=self.device)
         self._call = model if not compile else _compiled(model, compile)
+        self._cache_kw = cache_kwarg(model)
 
     def _make_hook(self, i):
         def hook(module, args, kwargs):
@@ -216,7 +229,7 @@ class TargetAdapter:
         # cache_position is informational here (our cache writes at `slots`; the 4D mask skips mask building)
         return (self.model if call is None else call)(input_ids=ids, position_ids=positions,
                           cache_position=slots if slots.dim() == 1 else slots[0], attention_mask=mask,
-                          past_key_values=self.cache, use_cache=True, **kw)
+                          use_cache=True, **{self._cache_kw: self.cache}, **kw)
 
     @torch.no_grad()
     def prefill(self, input_ids, attention_mask=None):

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .draft import Eagle3Config, Eagle3Draft
-from .target import TargetAdapter
+from .target import TargetAdapter, cache_kwarg
 
 
 def build_vocab_maps(token_ids, vocab_size, draft_vocab_size):
@@ -82,6 +82,7 @@ def collect(target, prompts, max_new_tokens=128, eos_token_id=None, batch_size=1
     from transformers import DynamicCache
 
     adapter = TargetAdapter(target, tap_layers=None)
+    cache_kw = cache_kwarg(target)
     dev = next(target.parameters()).device
     V = target.config.vocab_size
     topk = min(topk, V)
@@ -104,8 +105,8 @@ def collect(target, prompts, max_new_tokens=128, eos_token_id=None, batch_size=1
                 cache = DynamicCache(config=target.config)
             except TypeError:  # older transformers
                 cache = DynamicCache()
-            out = target(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                         use_cache=True, logits_to_keep=1)
+            out = target(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                         **{cache_kw: cache})
             taps = [adapter._taps().to(torch.float16).cpu()]            # [B, Smax, 3H]
             lp = torch.log_softmax(out.logits[:, -1].float(), -1)
             tv, ti = lp.topk(topk, -1)
@@ -122,7 +123,7 @@ def collect(target, prompts, max_new_tokens=128, eos_token_id=None, batch_size=1
                 mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=dev)], -1)
                 last = last + 1
                 out = target(input_ids=nxt.view(B, 1), attention_mask=mask, position_ids=last.view(B, 1),
-                             past_key_values=cache, use_cache=True)
+                             use_cache=True, **{cache_kw: cache})
                 taps.append(adapter._taps().to(torch.float16).cpu())
                 lp = torch.log_softmax(out.logits[:, -1].float(), -1)
                 tv, ti = lp.topk(topk, -1)
