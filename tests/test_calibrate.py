@@ -141,6 +141,16 @@ def test_profile_round_trip_and_errors(tmp_path, stretch_trace):
     (tmp_path / "order.json").write_text(json.dumps(d))
     with pytest.raises(ValueError, match="thresholds"):
         load_profile(tmp_path / "order.json")
+    d["policy"]["thresholds"] = [1.0, float("nan")]           # json writes NaN, and reads it back
+    (tmp_path / "nan.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=r"^load_profile: malformed profile '.*nan.json': Policy: argument "
+                                         r"'thresholds' expected strictly ascending values, got \(1.0, nan\)$"):
+        load_profile(tmp_path / "nan.json")
+    d["policy"]["thresholds"] = [1.0]                          # 2 bins, 4 entries of extra and keep
+    (tmp_path / "bins.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=r"^load_profile: malformed profile '.*bins.json': policy fields 'extra' and "
+                                         r"'keep' expected at most 2 entries \(one per bin of 1 thresholds\), got 4$"):
+        load_profile(tmp_path / "bins.json")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_profile(path, target="tiny-llama", draft="stretch")  # names only: compared by name, no warning

@@ -171,5 +171,10 @@ def load_profile(path, *, target=None, draft=None):
         cost = CostModel.from_dict(d["cost_model"]) if d.get("cost_model") else None
     except (TypeError, ValueError, KeyError) as e:
         raise ValueError(f"load_profile: malformed profile {str(path)!r}: {e}") from None
+    bins = len(policy.thresholds) + 1
+    if policy.thresholds and len(policy.keep) > bins:
+        raise ValueError(f"load_profile: malformed profile {str(path)!r}: policy fields 'extra' and 'keep' expected at "
+                         f"most {bins} entries (one per bin of {len(policy.thresholds)} thresholds), got "
+                         f"{len(policy.keep)}")
     check_profile_pair(d, path, target=target, draft=draft)
     return policy, cost, d
