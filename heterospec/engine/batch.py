@@ -163,12 +163,12 @@ class BatchCycle(RecordedCycle):
 
     def __init__(self, hs, batch):
         pol = hs.policy
-        self.policy, self.device, self.buckets, self.levels = pol, hs.device, hs.buckets, hs._levels
+        self.policy, self.device, self.buckets = pol, hs.device, hs.buckets
         self.drafting, self.binned = hs._drafting, hs._drafting and pol.binned
         self.emulate = hs.cuda_graphs == "emulate"
-        self.tgt = TargetAdapter(hs.target.model, tap_layers=hs.target.tap_layers, capture_taps=self.drafting,
+        self.target = TargetAdapter(hs.target.model, tap_layers=hs.target.tap_layers, capture_taps=self.drafting,
                                  batch=batch)
-        self.dr = (BatchDraftState(hs.draft, pol.top_k, hs._levels, hs._drafter.d2t, batch)
+        self.drafter = (BatchDraftState(hs.draft, pol.top_k, hs._levels, hs._drafter.d2t, batch)
                    if self.drafting else None)
         z = lambda *shape: torch.zeros(shape, dtype=torch.long, device=self.device)  # noqa: E731
         self.root, self.seed, self.offset, self.rows = z(batch), z(batch), z(batch), z(3, batch)
@@ -176,23 +176,23 @@ class BatchCycle(RecordedCycle):
 
     @property
     def batch(self):
-        return self.tgt.batch
+        return self.target.batch
 
     def close(self):
-        self.tgt.close()
+        self.target.close()
         self.drop_recordings()
 
     def allocate(self, need):
-        self.tgt.allocate(need)
-        if self.dr is not None:
-            self.dr.allocate(need, self.device)
+        self.target.allocate(need)
+        if self.drafter is not None:
+            self.drafter.allocate(need, self.device)
 
     def keep_rows(self, idx):
         """Keep the requests ``idx`` ([b'] int64, ascending): the eager engine's dropped finished rows (a
         recorded step keeps its batch)."""
-        self.tgt.keep_rows(idx)
-        if self.dr is not None:
-            self.dr.keep_rows(idx)
+        self.target.keep_rows(idx)
+        if self.drafter is not None:
+            self.drafter.keep_rows(idx)
         self.root, self.seed, self.offset = self.root[idx], self.seed[idx], self.offset[idx]
         self.rows = self.rows.index_select(1, idx)
 
@@ -218,20 +218,13 @@ class BatchCycle(RecordedCycle):
 
     # ---- the steps --------------------------------------------------------------------------------------
 
-    def base(self, clock=None):
-        """Steps 1-4: the root expansion and the base depth for every row -> (Growth, path entropies [B])."""
-        g = self.dr.grow(None, self.policy.depth, self.tgt.prefix)
-        if clock is not None:
-            clock.lap("draft_s")
-        return g, g.path_entropy()
-
     def finish(self, g, extra, T, settings, window=None, clock=None):
         """Steps 5-8 on the Growth ``g`` of :meth:`base` (None: grow the whole tree from the root): ``extra``
         more levels, each row's tree from ``rows`` padded to ``T``, the target's forward, per-row acceptance
         (finished rows commit nothing) and commit -> [B, 3 + R] int64 on the device: each row's accepted length
         (root included), next token and path tokens."""
         lap = clock.lap if clock is not None else (lambda field: None)
-        tgt, dr, B = self.tgt, self.dr, self.batch
+        tgt, dr, B = self.target, self.drafter, self.batch
         check = self.device.type != "cuda"
         n, m, masked = self.rows[0], self.rows[1], self.rows[2] != 0
         if dr is not None:
@@ -249,7 +242,7 @@ class BatchCycle(RecordedCycle):
             path, length, nxt = ops.verify_greedy(tokens, parents, logits, n=n_real, check=check)
         length = length.masked_fill(masked, 0)              # a finished row commits nothing
         path = path.masked_fill(masked.view(B, 1), -1)
-        R = min(T, self.levels + 2) if dr is not None else 1
+        R = min(T, self.policy.levels + 2) if dr is not None else 1
         kept = path[:, :R].clamp(min=0)
         path_tokens = tokens.gather(1, kept)
         lap("ops_s")
@@ -266,18 +259,8 @@ class BatchCycle(RecordedCycle):
 
     # ---- recording (RecordedCycle.record): ("base",), then ("finish", extra, T) per shape, or ("cycle", ...)
 
-    def capacity_key(self):
-        return (self.tgt.capacity, self.dr.base if self.dr is not None else 0)
-
-    def dummy_state(self):
-        B, dev = self.batch, self.device
-        one = torch.zeros((B, 1), dtype=torch.long, device=dev)
-        _, taps = self.tgt.prefill(one)
-        if self.dr is not None:
-            self.dr.prime(taps, one, torch.zeros(B, dtype=torch.long, device=dev))
-
     def reset(self):
-        self.tgt.prefix.fill_(1)
+        self.target.prefix.fill_(1)
         self.root.zero_()
         self.rows.zero_()
 
@@ -291,14 +274,14 @@ def _cycle_for(hs, B, need, graphs):
     if graphs and B in kept:
         cyc = kept.pop(B)
         kept[B] = cyc
-        if need <= cyc.tgt.capacity:
+        if need <= cyc.target.capacity:
             return cyc
     else:
         cyc = BatchCycle(hs, B)
     dev = hs.device
     # the target's cache twice: dropping finished rows copies the kept rows before the old cache is freed (the
     # draft's cache, far smaller, fits in that bound too)
-    nbytes = cyc.tgt.cache_bytes(need) * 2
+    nbytes = cyc.target.cache_bytes(need) * 2
     free = available_bytes(dev)
     error = None
     if free is not None and nbytes > free:
@@ -367,7 +350,7 @@ def generate_batch(hs, input_ids, attention_mask, lengths, *, max_new_tokens, te
     clock = PhaseClock(dev, total)
     with sync.outside_cycle():
         cyc = _cycle_for(hs, B, need, graphs)
-    tgt, dr = cyc.tgt, cyc.dr
+    tgt, dr = cyc.target, cyc.drafter
     steps = None
     try:
         with sync.outside_cycle():

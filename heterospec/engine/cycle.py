@@ -55,13 +55,33 @@ class RecordedCycle:
     recording of their steps -- ``base`` (binned policies) and ``finish(g, a, b, settings)`` for each shape
     ``(a, b)`` of :meth:`shapes` -- on dummy state, kept per sampling settings (at most ``MAX_GRAPH_SETS``,
     least recently used dropped) until the caches are reallocated, and their replay.  A subclass sets
-    ``binned``, ``device``, ``emulate`` and provides ``base``, ``finish``, ``shapes``, ``capacity_key``,
-    ``dummy_state`` (a prefill and the draft's catch-up on dummy prompts) and ``reset`` (the state a step
-    starts from when warmed up and captured)."""
+    ``target`` (a TargetAdapter), ``drafter`` (None: nothing drafted), ``policy``, ``binned``, ``device`` and
+    ``emulate``, and provides ``finish``, ``shapes`` and ``reset`` (the state a step starts from when warmed up
+    and captured)."""
 
     def _init_recordings(self):
         self._recorded = OrderedDict()    # sampling settings -> StepGraphs, least recently used first
         self._capacity = None
+
+    def base(self, clock=None):
+        """Steps 1-4 of a binned policy: the root expansion and the base depth -> (Growth, path entropy: [1],
+        or [batch])."""
+        g = self.drafter.grow(None, self.policy.depth, self.target.prefix)
+        if clock is not None:
+            clock.lap("draft_s")
+        return g, g.path_entropy()
+
+    def capacity_key(self):
+        """What the recordings depend on: the caches' sizes (recorded anew when they are reallocated)."""
+        return (self.target.capacity, getattr(self.drafter, "base", 0))
+
+    def dummy_state(self):
+        """A prefill and the draft's catch-up on one-token dummy prompts (the real prefill overwrites them)."""
+        B, dev = self.target.batch, self.device
+        one = torch.zeros((B, 1), dtype=torch.long, device=dev)
+        _, taps = self.target.prefill(one)
+        if self.drafter is not None:
+            self.drafter.prime(taps, one, torch.zeros(B, dtype=torch.long, device=dev))
 
     def step_key(self, shape):
         return ("finish" if self.binned else "cycle",) + tuple(shape)
@@ -142,13 +162,6 @@ class Cycle(RecordedCycle):
 
     # ---- the steps (fixed shapes per plan: run eagerly, or recorded once and replayed) -----------------
 
-    def base(self, clock=None):
-        """Steps 1-4 of a binned policy: the root expansion and the base depth -> (Growth, path entropy)."""
-        g = self.drafter.grow(None, self.policy.depth, self.target.prefix)
-        if clock is not None:
-            clock.lap("draft_s")
-        return g, g.path_entropy()
-
     def finish(self, g, extra, keep, settings, window=None, clock=None):
         """Steps 5-8 for one plan on the Growth ``g`` of :meth:`base` (None: grow the whole tree from the
         root).  Returns ([length, next token, path tokens (R)] int64 on the device, real tree size)."""
@@ -186,19 +199,10 @@ class Cycle(RecordedCycle):
 
     # ---- recording (RecordedCycle.record) -------------------------------------------------------------
 
-    def capacity_key(self):
-        return (self.target.capacity, self.drafter.base)
-
     def shapes(self):
         """(extra levels, kept nodes) of every plan; a policy without bins has one."""
         plans = self.policy.plans()
         return plans if self.binned else plans[:1]
-
-    def dummy_state(self):
-        dev = self.device
-        one = torch.zeros((1, 1), dtype=torch.long, device=dev)
-        _, taps = self.target.prefill(one)
-        self.drafter.prime(taps, one, torch.zeros(1, dtype=torch.long, device=dev))
 
     def reset(self):
         self.target.prefix.fill_(1)
