@@ -121,10 +121,11 @@ PHASES = (
     # The chi-square tests decode 2,000 seeds each: on the first H100 run the whole file did not fit one phase
     # (28 tests in 540 s, cut in the third sampling test), so they run in two phases of their own.
     Phase("engine", 6, "the decoding engine's tests on the GPU (HETEROSPEC_TEST_DEVICE=cuda): greedy identity "
-                       "with HF for every method, no host transfer in the cycle, the batched target and the batched engine", (
+                       "with HF for every method, no host transfer in the cycle, the batched target and the batched engine, "
+                       "non-finite logits stopped by the device flags (real CUDA graphs too)", (
         Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "engine" + " -k 'not " + CHI2 + " and not "
              + CHI2_BATCH + "'" + " tests/test_decoding.py tests/test_engine_device.py tests/test_batch_target.py"
-             " tests/test_batch_decoding.py"),
+             " tests/test_batch_decoding.py tests/test_nonfinite.py"),
     ), needs=("cuda",)),
     Phase("engine-chi2-oracle", 6, "chi-square sampling on the GPU with the oracle draft (3 warps x 2,000 seeds)", (
         Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "chi2-oracle" + " -k '" + CHI2 + " and oracle'"

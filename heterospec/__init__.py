@@ -11,6 +11,7 @@ _LAZY = {  # the torch/transformers side loads on first use, so `import heterosp
     "HeteroSpec": ("engine", "HeteroSpec"),
     "GenerationStats": ("engine", "GenerationStats"),
     "custom_generate": ("engine", "custom_generate"),
+    "NonFiniteLogitsError": ("engine", "NonFiniteLogitsError"),
     "Policy": ("policy", "Policy"),
     "Eagle3Draft": ("models.draft", "Eagle3Draft"),
     "Eagle3Config": ("models.draft", "Eagle3Config"),

@@ -9,7 +9,6 @@ host memory) -- which checks the kernels' logic but neither their speed nor GPU-
 need a real GPU (graph capture, streams, two devices, the statistical test on the GPU path) skip with the
 reason where there is none.
 """
-import ctypes
 import zlib
 
 import numpy as np
@@ -42,51 +41,11 @@ pytestmark = pytest.mark.skipif(not (REAL or EMU), reason=NO_DEVICE)
 need_gpu = pytest.mark.skipif(not REAL, reason="needs a real GPU: " + NO_DEVICE if not EMU else "needs a real GPU (this is the emulated build)")
 
 
-# ---- emulated device tensors: NumPy memory exported through DLPack as if it lived on cuda:0 -------------
+# ---- emulated device tensors: tests/_dlpack.py's EmuCuda (NumPy memory exported through DLPack as if it lived
+# on cuda:0) --------------------------------------------------------------------------------------------------
 
 
-from _dlpack import _NAME, _DELETER, _Device, _DType, _PyCapsule_New, _Version
-from _dlpack import _ManagedVersioned as _Managed
-
-_CODES = {"f": 2, "i": 0, "u": 1, "b": 6}
-_NOOP = _DELETER(lambda _p: None)
-
-
-class EmuCuda:
-    """An array 'on cuda:0' for the emulated build (its memory is the NumPy array's)."""
-
-    def __init__(self, arr, bf16=False, device_id=0):
-        self.arr = arr
-        self.bf16 = bf16
-        self.device_id = device_id
-        self.streams = []
-        self.ndim, self.shape = arr.ndim, arr.shape
-        self._shape = (ctypes.c_int64 * max(arr.ndim, 1))(*arr.shape)
-        self.m = _Managed()
-        self.m.version = _Version(1, 0)
-        self.m.deleter = _NOOP
-        t = self.m.dl_tensor
-        t.data = arr.ctypes.data
-        t.device = _Device(2, device_id)
-        t.ndim = arr.ndim
-        t.dtype = _DType(4, 16, 1) if bf16 else _DType(_CODES[arr.dtype.kind], arr.dtype.itemsize * 8, 1)
-        t.shape = self._shape
-
-    def __dlpack_device__(self):
-        return (2, self.device_id)
-
-    def __dlpack__(self, stream=None, max_version=None):
-        self.streams.append(stream)
-        return _PyCapsule_New(ctypes.addressof(self.m), _NAME.value, None)
-
-    def __getitem__(self, idx):
-        return EmuCuda(self.arr[idx]) if isinstance(idx, slice) and self.arr[idx].flags.c_contiguous else self.arr[idx]
-
-    def __len__(self):
-        return len(self.arr)
-
-
-ops._ALLOCATORS[EmuCuda] = lambda like: (lambda shape, dtype: EmuCuda(np.empty(shape, dtype=dtype)))
+from _dlpack import EmuCuda
 
 
 class Dev:

@@ -35,7 +35,7 @@ from .. import ops
 from ..growth import candidate_count
 from ..measure import PhaseClock
 from ..models.target import TargetAdapter, attention_window
-from . import sync
+from . import health, sync
 from .cycle import RecordedCycle
 from .stats import GenerationStats
 from .tree import BatchDraftState, bucket_for, tree_size
@@ -170,8 +170,9 @@ class BatchCycle(RecordedCycle):
                                  batch=batch)
         self.drafter = (BatchDraftState(hs.draft, pol.top_k, hs._levels, hs._drafter.d2t, batch)
                    if self.drafting else None)
-        z = lambda *shape: torch.zeros(shape, dtype=torch.long, device=self.device)  # noqa: E731
+        z = lambda *shape: torch.zeros(shape, dtype=torch.long, device=self.device)
         self.root, self.seed, self.offset, self.rows = z(batch), z(batch), z(batch), z(3, batch)
+        self.bad = z(batch)   # per row: the target's logits were not finite in this call (engine.health)
         self._init_recordings()
 
     @property
@@ -193,7 +194,7 @@ class BatchCycle(RecordedCycle):
         self.target.keep_rows(idx)
         if self.drafter is not None:
             self.drafter.keep_rows(idx)
-        self.root, self.seed, self.offset = self.root[idx], self.seed[idx], self.offset[idx]
+        self.root, self.seed, self.offset, self.bad = self.root[idx], self.seed[idx], self.offset[idx], self.bad[idx]
         self.rows = self.rows.index_select(1, idx)
 
     def set_rows(self, n, m, finished):
@@ -221,8 +222,9 @@ class BatchCycle(RecordedCycle):
     def finish(self, g, extra, T, settings, window=None, clock=None):
         """Steps 5-8 on the Growth ``g`` of :meth:`base` (None: grow the whole tree from the root): ``extra``
         more levels, each row's tree from ``rows`` padded to ``T``, the target's forward, per-row acceptance
-        (finished rows commit nothing) and commit -> [B, 3 + R] int64 on the device: each row's accepted length
-        (root included), next token and path tokens."""
+        (finished rows commit nothing) and commit -> [B, 4 + R] int64 on the device: each row's accepted length
+        (root included), next token, path tokens (R), then its target's and its draft's non-finite flags
+        (:mod:`.health`)."""
         lap = clock.lap if clock is not None else (lambda field: None)
         tgt, dr, B = self.target, self.drafter, self.batch
         check = self.device.type != "cuda"
@@ -232,6 +234,7 @@ class BatchCycle(RecordedCycle):
         tokens, parents, depths, tmask, n_real = batch_tree(g, n, m, self.root, T, check)
         lap("draft_s")
         logits, vtaps = tgt.verify(tokens, depths, tmask, window)
+        health.mark(self.bad, logits, n_real)
         lap("verify_s")
         sample, temperature, top_k, top_p = settings
         if sample:
@@ -255,7 +258,8 @@ class BatchCycle(RecordedCycle):
             tgt.commit(path, length, check=check)
         self.root.copy_(nxt)
         lap("ops_s")
-        return torch.cat([length.view(B, 1), nxt.view(B, 1), path_tokens], 1)
+        flags = torch.stack([self.bad, dr.bad if dr is not None else torch.zeros_like(self.bad)], 1)
+        return torch.cat([length.view(B, 1), nxt.view(B, 1), path_tokens, flags], 1)
 
     # ---- recording (RecordedCycle.record): ("base",), then ("finish", extra, T) per shape, or ("cycle", ...)
 
@@ -263,6 +267,12 @@ class BatchCycle(RecordedCycle):
         self.target.prefix.fill_(1)
         self.root.zero_()
         self.rows.zero_()
+        self.clear_flags()
+
+    def clear_flags(self):
+        self.bad.zero_()
+        if self.drafter is not None:
+            self.drafter.bad.zero_()
 
 
 def _cycle_for(hs, B, need, graphs):
@@ -303,6 +313,14 @@ def _cycle_for(hs, B, need, graphs):
         while len(kept) > MAX_BATCH_CYCLES:
             kept.pop(next(iter(kept))).close()
     return cyc
+
+
+def _raise_flagged(hs, flags, alive, done, rows, prefix_host):
+    """The first live request whose target or draft logits were not finite this cycle (:mod:`.health`)."""
+    models = [("target", hs.target.model), ("draft", hs.draft)]
+    for f, a in zip(flags, alive):
+        if not done[a]:
+            health.raise_flagged(f, models, rows[a].cycles + 1, prefix_host[a], hs.device, row=a)
 
 
 def generate_batch(hs, input_ids, attention_mask, lengths, *, max_new_tokens, temperature, top_k, top_p, eos, seed,
@@ -364,6 +382,8 @@ def generate_batch(hs, input_ids, attention_mask, lengths, *, max_new_tokens, te
             last_logits, taps = tgt.prefill(input_ids.to(dev), attention_mask=mask)
             if B == 1:
                 last_logits = last_logits.view(1, -1)
+            health.check_prefill(last_logits, tgt.model, S)
+            cyc.clear_flags()
             cyc.seed.copy_(torch.tensor(seeds, dtype=torch.long))
             cyc.offset.zero_()
             if sample:
@@ -413,28 +433,36 @@ def generate_batch(hs, input_ids, attention_mask, lengths, *, max_new_tokens, te
                 clock.lap("idle_s")       # the device idles between the last cycle's replay and this one's
             first = False
             g = None
-            if cyc.binned:
-                g, entropy = cyc.run_base(steps, clock)
-                with sync.point("bin", total):
-                    ent = entropy.tolist()
-                plans = [pol.plan(e) if not done[a] else (None, 0, 1) for e, a in zip(ent, alive)]
-                if graphs:
-                    clock.lap("idle_s")
-            elif drafting:
-                plans = [(None, 0, pol.total_tokens) if not done[a] else (None, 0, 1) for a in alive]
-            else:
-                plans = [(None, 0, 1)] * len(alive)
-            extra = max(p[1] for p in plans)
-            levels = [pol.depth + p[1] for p in plans]
-            sizes = [tree_size(K, lv, p[2]) if drafting else 1 for lv, p in zip(levels, plans)]
-            T = bucket_for(max(sizes), hs.buckets) if max(sizes) > 1 else 1
-            cyc.set_rows([s - 1 for s in sizes], [candidate_count(K, lv) if drafting else 0 for lv in levels],
-                         [int(done[a]) for a in alive])
-            # on the CPU the eager target attends over the used columns only; a recording keeps the whole cache
-            window = None if graphs else attention_window(dev, max(prefix_host[a] for a in alive) + 1, T)
-            acc = cyc.run_finish(steps, g, extra, T, settings, window, clock)
+            try:
+                if cyc.binned:
+                    g, entropy = cyc.run_base(steps, clock)
+                    with sync.point("bin", total):
+                        ent = entropy.tolist()
+                    plans = [pol.plan(e) if not done[a] else (None, 0, 1) for e, a in zip(ent, alive)]
+                    if graphs:
+                        clock.lap("idle_s")
+                elif drafting:
+                    plans = [(None, 0, pol.total_tokens) if not done[a] else (None, 0, 1) for a in alive]
+                else:
+                    plans = [(None, 0, 1)] * len(alive)
+                extra = max(p[1] for p in plans)
+                levels = [pol.depth + p[1] for p in plans]
+                sizes = [tree_size(K, lv, p[2]) if drafting else 1 for lv, p in zip(levels, plans)]
+                T = bucket_for(max(sizes), hs.buckets) if max(sizes) > 1 else 1
+                cyc.set_rows([s - 1 for s in sizes], [candidate_count(K, lv) if drafting else 0 for lv in levels],
+                             [int(done[a]) for a in alive])
+                # on the CPU the eager target attends over the used columns only; a recording keeps the whole cache
+                window = None if graphs else attention_window(dev, max(prefix_host[a] for a in alive) + 1, T)
+                acc = cyc.run_finish(steps, g, extra, T, settings, window, clock)
+            except ValueError:   # on the CPU the ops refuse non-finite logits mid-cycle: say which model's
+                with sync.outside_cycle():
+                    flags = [[int(t), int(d)] for t, d in zip(cyc.bad.tolist(), dr.bad.tolist() if dr is not None
+                                                              else [0] * len(alive))]
+                _raise_flagged(hs, flags, alive, done, rows, prefix_host)
+                raise
             with sync.point("accepted", total):
                 host = acc.tolist()
+            _raise_flagged(hs, [row[-2:] for row in host], alive, done, rows, prefix_host)
             clock.flush()
             batch_calls += 1
             for j, a in enumerate(alive):

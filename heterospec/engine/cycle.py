@@ -29,7 +29,7 @@ from collections import OrderedDict
 import torch
 
 from .. import ops
-from . import sync
+from . import health, sync
 from .graphs import WORKSPACE_BYTES, StepGraphs, warm_up
 
 # recorded step sets kept at once, one per sampling setting (each holds its own graph memory pool): the least
@@ -44,10 +44,11 @@ class CycleState:
     root: torch.Tensor     # [1] int64: the next tree's root token
     seed: torch.Tensor     # [1] int64: the Philox key of sampled acceptance
     offset: torch.Tensor   # [1] int64: the Philox counter, advanced by each verify_sample
+    bad: torch.Tensor      # [1] int64: the target's logits were not finite in this call (:mod:`.health`)
 
     @classmethod
     def on(cls, device):
-        return cls(*(torch.zeros(1, dtype=torch.long, device=device) for _ in range(3)))
+        return cls(*(torch.zeros(1, dtype=torch.long, device=device) for _ in range(4)))
 
 
 class RecordedCycle:
@@ -164,7 +165,8 @@ class Cycle(RecordedCycle):
 
     def finish(self, g, extra, keep, settings, window=None, clock=None):
         """Steps 5-8 for one plan on the Growth ``g`` of :meth:`base` (None: grow the whole tree from the
-        root).  Returns ([length, next token, path tokens (R)] int64 on the device, real tree size)."""
+        root).  Returns ([length, next token, path tokens (R), target flag, draft flag] int64 on the device, real
+        tree size); a flag is set when that model's logits were not finite (:mod:`.health`)."""
         lap = clock.lap if clock is not None else (lambda field: None)
         dr, tgt, st = self.drafter, self.target, self.state
         check = self.device.type != "cuda"
@@ -174,6 +176,7 @@ class Cycle(RecordedCycle):
         lap("draft_s")
         # 6: the target's forward
         logits, vtaps = tgt.verify(tokens, depths, mask, window)
+        health.mark(st.bad, logits)
         lap("verify_s")
         # 7: acceptance
         sample, temperature, top_k, top_p = settings
@@ -195,7 +198,7 @@ class Cycle(RecordedCycle):
             tgt.commit(path, length, check=check)
         st.root.copy_(nxt.view(1))
         lap("ops_s")
-        return torch.cat([length.view(1), nxt.view(1), path_tokens]), size
+        return torch.cat([length.view(1), nxt.view(1), path_tokens, st.bad, dr.bad]), size
 
     # ---- recording (RecordedCycle.record) -------------------------------------------------------------
 
@@ -207,3 +210,5 @@ class Cycle(RecordedCycle):
     def reset(self):
         self.target.prefix.fill_(1)
         self.state.root.zero_()
+        self.state.bad.zero_()
+        self.drafter.bad.zero_()

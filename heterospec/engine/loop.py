@@ -20,14 +20,14 @@ import numpy as np
 import torch
 
 from .. import ops
-from ..models import cpu_gemm as gemm
+from ..growth import candidate_count
 from ..measure import PhaseClock
+from ..models import cpu_gemm as gemm
 from ..models.target import TargetAdapter, _decoder_layers, attention_window
 from ..policy import Policy
-from . import batch, sync
+from . import batch, health, sync
 from .cycle import Cycle
 from .stats import GenerationStats
-from ..growth import candidate_count
 from .tree import DraftState, NoDraft, bucket_for
 
 # tree sizes (root included) a verification is padded to on a GPU: one static shape per bucket.  On the CPU
@@ -325,11 +325,14 @@ class HeteroSpec:
             dr.allocate(need, dev)
             steps = self._record(cycle, settings, stats) if graphs else None
             graphs = steps is not None
+            st.bad.zero_()
+            dr.bad.zero_()
         start = time.perf_counter()
         with sync.outside_cycle():
             rng_seed = int(seed) if seed is not None else int(torch.randint(0, 2**62, (1,), device="cpu").item())
             input_ids = input_ids.to(dev)
             last_logits, taps = tgt.prefill(input_ids)
+            health.check_prefill(last_logits, tgt.model, S)
             if sample:
                 _, root, draws = ops.verify_sample(np.zeros(1, np.int64), np.full(1, -1, np.int64),
                                                    last_logits.view(1, -1).cpu().numpy(), temperature=temperature,
@@ -366,18 +369,26 @@ class HeteroSpec:
             first = False
             b, extra, keep = default
             g = None
-            if cycle.binned:
-                g, entropy = cycle.run_base(steps, clock)
-                with sync.point("bin", stats):
-                    b, extra, keep = pol.plan(entropy.item())
-                if graphs:
-                    clock.lap("idle_s")
-            # on the CPU the target attends over the used columns only: a host-known bound, rounded
-            window = attention_window(dev, len(out) + len(generated), self._max_nodes)
-            acc, size = cycle.run_finish(steps, g, extra, keep, settings, window, clock)
-            # the accepted tokens, for streaming, EOS and stopping criteria
+            position = len(out) + len(generated)
+            try:
+                if cycle.binned:
+                    g, entropy = cycle.run_base(steps, clock)
+                    with sync.point("bin", stats):
+                        b, extra, keep = pol.plan(entropy.item())
+                    if graphs:
+                        clock.lap("idle_s")
+                # on the CPU the target attends over the used columns only: a host-known bound, rounded
+                window = attention_window(dev, position, self._max_nodes)
+                acc, size = cycle.run_finish(steps, g, extra, keep, settings, window, clock)
+            except ValueError:   # on the CPU the ops refuse non-finite logits mid-cycle: say which model's
+                with sync.outside_cycle():
+                    flags = [int(st.bad), int(dr.bad)]
+                health.raise_flagged(flags, self._models(), stats.cycles + 1, position, dev)
+                raise
+            # the accepted tokens, for streaming, EOS and stopping criteria (and the models' non-finite flags)
             with sync.point("accepted", stats):
                 host = acc.tolist()
+            health.raise_flagged(host[-2:], self._models(), stats.cycles + 1, position, dev)
             clock.flush()
             n_acc = host[0] - 1
             committed = host[3:3 + n_acc] + [host[1]]
@@ -411,7 +422,7 @@ class HeteroSpec:
         ``cuda_graphs='auto'``, which then decodes eagerly from here on (warned)."""
         try:
             steps, fresh = cycle.record(settings)
-        except Exception as e:  # noqa: BLE001 -- any failure to record: 'auto' decodes eagerly instead
+        except Exception as e:
             if not self._graphs_fallback:
                 raise
             warnings.warn(f"HeteroSpec: recording the decoding steps as CUDA graphs failed "
@@ -424,6 +435,10 @@ class HeteroSpec:
         stats.capture_s = steps.capture_s if fresh else 0.0
         stats.captured_steps = len(steps)
         return steps
+
+    def _models(self):
+        """(role, model) of the flags a cycle returns (:mod:`.health`)."""
+        return [("target", self.target.model), ("draft", self.draft)]
 
     @staticmethod
     def _stop(criteria, seq):

@@ -22,6 +22,7 @@ import torch
 
 from .. import ops
 from ..growth import Growth, candidate_count
+from . import health
 
 
 class DraftState:
@@ -36,6 +37,7 @@ class DraftState:
         self.cache = None
         self.root_logits = None   # [1, Vd] float32: the root's draft logits, written by catch_up
         self.root_h = None        # [1, H]: the root's draft state, written by catch_up
+        self.bad = None           # [1] int64 (a batch: [batch]): the draft's logits were not finite (engine.health)
 
     def allocate(self, capacity, device):
         """Room for ``capacity`` committed positions plus the scratch rows of the deepest tree."""
@@ -54,6 +56,7 @@ class DraftState:
         self.zero_score = torch.zeros(lead + (1,), dtype=torch.float32, device=device)
         self.no_parent = torch.full(lead + (1,), -1, dtype=torch.long, device=device)
         self.zero_row = torch.zeros(1, dtype=torch.long, device=device)
+        self.bad = torch.zeros(self.batch or 1, dtype=torch.long, device=device)
 
     def draft_dtype(self):
         return getattr(self.draft, "dtype", torch.float32)
@@ -79,6 +82,7 @@ class DraftState:
         if self.root_logits is None or self.root_logits.shape != logits.shape:
             self.root_logits, self.root_h = torch.empty_like(logits), torch.empty_like(h)
         self.root_logits.copy_(logits)
+        health.mark(self.bad, logits)
         self.root_h.copy_(h)
         return self.root_logits, self.root_h
 
@@ -146,6 +150,7 @@ class DraftState:
             h2 = d.step(self.h_rows[src].unsqueeze(0), ids, pos, self.cache, slots, allowed)
             logits, h_out = d.head(h2)
             self.h_rows[1 + r0:1 + r0 + K] = h_out[0]
+            health.mark(self.bad, logits)
             g = g.extend(logits[0], self.d2t, check=check)
         return g
 
@@ -167,7 +172,7 @@ class BatchDraftState(DraftState):
         finished requests of a batch stop costing work."""
         self.batch = int(idx.shape[0])
         self.cache = self.cache.index_select(1, idx)
-        for name in ("anc", "h_rows", "row_of", "zero_score", "no_parent", "root_logits", "root_h"):
+        for name in ("anc", "h_rows", "row_of", "zero_score", "no_parent", "root_logits", "root_h", "bad"):
             setattr(self, name, getattr(self, name).index_select(0, idx))
 
     def catch_up(self, taps, ids, prefix, last):
@@ -217,6 +222,7 @@ class BatchDraftState(DraftState):
                         allowed)
             logits, h_out = d.head(h2)
             self.h_rows[:, 1 + r0:1 + r0 + K] = h_out
+            health.mark(self.bad, logits)
             g = g.extend(logits, self.d2t, check=check)
         return g
 
@@ -241,6 +247,7 @@ class NoDraft:
         self.parents = torch.full((1,), -1, dtype=torch.long, device=device)
         self.depths = torch.zeros(1, dtype=torch.long, device=device)
         self.mask = torch.ones((1, 1), dtype=torch.bool, device=device)
+        self.bad = torch.zeros(1, dtype=torch.long, device=device)   # never set: nothing drafted
 
     def allocate(self, capacity, device):
         pass
