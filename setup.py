@@ -18,6 +18,9 @@ Environment switches:
   HETEROSPEC_CUDA_ARCHS   compute capabilities to build, default "80,90" (the last one also as PTX)
   HETEROSPEC_SANITIZE=1   build with AddressSanitizer + UndefinedBehaviorSanitizer (CI runs the op tests
                           on such a build; run them with LD_PRELOAD=$(gcc -print-file-name=libasan.so))
+  HETEROSPEC_SANITIZE=fuzz the same, plus libFuzzer's coverage instrumentation (-fsanitize=fuzzer-no-link),
+                          for tests/fuzz/fuzz_ops.py under atheris; needs clang (CC=clang-14 CXX=clang++-14,
+                          Debian's clang-14) and runs with LD_PRELOAD=<atheris.path()>/asan_with_fuzzer.so
   HETEROSPEC_WERROR=1     turn compiler warnings into errors
 """
 import glob
@@ -44,10 +47,21 @@ link_args = []
 macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
 if os.environ.get("HETEROSPEC_WERROR") == "1":
     compile_args.append("-Werror")
-sanitize = os.environ.get("HETEROSPEC_SANITIZE") == "1"
+sanitize_mode = os.environ.get("HETEROSPEC_SANITIZE", "0").strip().lower()
+if sanitize_mode not in ("0", "", "1", "fuzz"):
+    raise SystemExit(f"HETEROSPEC_SANITIZE: expected 0, 1 or fuzz, got {sanitize_mode!r}")
+sanitize = sanitize_mode in ("1", "fuzz")
 san = []
 if sanitize:
     san = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g"]
+    if sanitize_mode == "fuzz":
+        for var in ("CC", "CXX"):
+            if "clang" not in os.path.basename(os.environ.get(var, "")):
+                raise SystemExit(f"HETEROSPEC_SANITIZE=fuzz: environment variable {var} expected a clang compiler "
+                                 f"(e.g. {'clang-14' if var == 'CC' else 'clang++-14'}), got {os.environ.get(var)!r}")
+        # (vptr, function: C++-only checks whose handlers atheris's runtime lacks; the kernels call no function
+        # pointers and have no virtual classes)
+        san += ["-fsanitize=fuzzer-no-link", "-fno-sanitize=vptr,function"]
     compile_args = [a for a in compile_args if a != "-O3"] + ["-O1"] + san
     link_args += san
     macros.append(("HS_SANITIZE", "1"))

@@ -341,6 +341,8 @@ def bucketize(values, thresholds, *, stream=None, check=True):
 def _words(name, words, count):
     try:
         out = [operator.index(w) for w in words]
+        if any(isinstance(w, (bool, np.bool_)) for w in words):   # ints, not bools (as every op's int argument)
+            raise TypeError
     except TypeError:
         raise TypeError(f"philox4x32: argument '{name}' expected {count} integer words, got {words!r}") from None
     if len(out) != count or any(w < 0 or w > 0xFFFFFFFF for w in out):

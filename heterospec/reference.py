@@ -77,9 +77,17 @@ def _as_array(op, name, x, kind, dtypes, ndim):
         _fail(TypeError, op, name, f"{kind} of dtype {allowed}", f"dtype {a.dtype}")
     if a.ndim != ndim:
         _fail(ValueError, op, name, f"a {ndim}-D array", f"a {a.ndim}-D array of shape {tuple(a.shape)}")
+    _contiguous(op, name, a)
+    return a
+
+
+def _contiguous(op, name, a):
+    """C-contiguous, and aligned to its items (as the C core reads them) unless empty."""
     if not a.flags.c_contiguous:
         _fail(ValueError, op, name, "a C-contiguous array", f"strides {a.strides} for shape {tuple(a.shape)}")
-    return a
+    if a.size and a.ctypes.data % min(a.itemsize, 8):
+        _fail(ValueError, op, name, f"an array aligned to its {min(a.itemsize, 8)}-byte items",
+              f"one at an address {a.ctypes.data % min(a.itemsize, 8)} bytes off")
 
 
 def _logits(op, name, x, ndim=2):
@@ -109,10 +117,13 @@ def _length(op, name, a, n, what):
 
 
 def _int(op, name, x, lo=None, hi=None):
-    """A Python/NumPy integer in [lo, hi] (inclusive bounds, None = unbounded)."""
+    """A Python/NumPy integer in [lo, hi] (inclusive bounds; None = the int64 range's, the C core's integers,
+    except where a bound says more: seeds and offsets are uint64)."""
     if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
         _fail(TypeError, op, name, "an int", _describe(x))
     x = int(x)
+    if not -(1 << 63) <= x <= (hi if hi is not None and hi >= 1 << 63 else (1 << 63) - 1):
+        _fail(ValueError, op, name, "an int64 value", "one out of range")
     if (lo is not None and x < lo) or (hi is not None and x > hi):
         lo_s = "-inf" if lo is None else str(lo)
         hi_s = "inf]" if hi is None else ("2^64)" if hi == _U64_LIMIT - 1 else f"{hi}]")
@@ -301,9 +312,7 @@ def _build_tree_host(tokens, parents, selected, root_token):
     root_token = _int(op, "root_token", root_token, 0)
     n = sel.shape[0]
 
-    if ((par < -1) | (par >= m)).any():
-        i = int(np.flatnonzero((par < -1) | (par >= m))[0])
-        _fail(ValueError, op, "parents", f"candidate indices in [-1, {m})", f"{int(par[i])} at index {i}")
+    # only the selected candidates' entries are read (and checked): the others may hold anything
     if ((sel < 0) | (sel >= m)).any():
         i = int(np.flatnonzero((sel < 0) | (sel >= m))[0])
         _fail(ValueError, op, "selected", f"candidate indices in [0, {m})", f"{int(sel[i])} at index {i}")
@@ -313,10 +322,16 @@ def _build_tree_host(tokens, parents, selected, root_token):
               f"{int(sel[i - 1])} followed by {int(sel[i])} at index {i}")
 
     sel_par = par[sel]
+    if ((sel_par < -1) | (sel_par >= m)).any():
+        i = int(sel[np.flatnonzero((sel_par < -1) | (sel_par >= m))[0]])
+        _fail(ValueError, op, "parents", f"candidate indices in [-1, {m})", f"{int(par[i])} at index {i}")
     if (sel_par >= sel).any():
         i = int(np.flatnonzero(sel_par >= sel)[0])
         _fail(ValueError, op, "parents", "parents must precede children (parents[m] < m)",
               f"parents[{int(sel[i])}] = {int(sel_par[i])}")
+    if (tok[sel] < 0).any():
+        i = int(sel[np.flatnonzero(tok[sel] < 0)[0]])
+        _fail(ValueError, op, "tokens", "token ids >= 0 (selected candidates)", f"{int(tok[i])} at [{i}]")
     # tree index of each selected candidate's parent (0 = the root); selected is sorted -> searchsorted
     pos = np.searchsorted(sel, sel_par)
     found = (sel_par == -1) | ((pos < n) & (sel[np.minimum(pos, max(n - 1, 0))] == sel_par))
@@ -523,8 +538,7 @@ def _kv_arrays(op, tensors):
             a = _np_view(op, f"tensors[{i}]", t)
         if a.ndim < 2:
             _fail(ValueError, op, f"tensors[{i}]", "an array of shape [..., S, D] (ndim >= 2)", f"ndim {a.ndim}")
-        if not a.flags.c_contiguous:
-            _fail(ValueError, op, f"tensors[{i}]", "a C-contiguous array", f"strides {a.strides}")
+        _contiguous(op, f"tensors[{i}]", a)
         if not a.flags.writeable:
             _fail(BufferError, op, f"tensors[{i}]", "a writable array (an output)", "a read-only array")
         for j, b in enumerate(arrays):  # a tensor listed twice (or overlapping another) would move twice
@@ -569,6 +583,7 @@ def _prefix_len(op, x):
     if a.ndim > 1 or a.size != 1:
         _fail(ValueError, op, name, "an int or an int64 array with exactly one element (shape [] or [1])",
               f"shape {tuple(a.shape)}")
+    _contiguous(op, name, a)
     value = int(a.reshape(-1)[0])
     if value < 0:
         _fail(ValueError, op, name, ">= 0", value)
@@ -631,7 +646,7 @@ def _kv_compact_host(tensors, prefix_len, slots):
                       f"{p} + {int(s[-1])}")
         valid.append(s)
     for b, (p, s) in enumerate(zip(prefixes, valid)):
-        if s.shape[0] == 0:
+        if s.shape[0] == 0 or not arrays:   # nothing moves (and p, unchecked then, may exceed int64)
             continue
         dst, src = p + np.arange(s.shape[0]), p + s
         for a in arrays:
@@ -736,9 +751,10 @@ def expand(logits, beam_scores, beam_nodes, k, d2t=None, node_offset=0, *, strea
     (logits [batch, B, Vd], beams [batch, B]): each output gains a leading batch dimension, row by row."""
     if np.ndim(logits) == 3:
         op = "expand"
-        x = _np_view(op, "logits", logits)
-        sc = _np_view(op, "beam_scores", beam_scores)
-        nd = _np_view(op, "beam_nodes", beam_nodes)
+        # the whole arrays checked as the C core checks them (dtype, rank, C-contiguity), then row by row
+        x = _logits(op, "logits", logits, ndim=3)
+        sc = _as_array(op, "beam_scores", beam_scores, "scores", _SCORE_DTYPES, 2)
+        nd = _as_array(op, "beam_nodes", beam_nodes, "ids", _ID_DTYPES, 2)
         nb, B = x.shape[:2]
         for name, a in (("beam_scores", sc), ("beam_nodes", nd)):
             if a.ndim != 2:
@@ -764,7 +780,7 @@ def select(scores, n, *, m=None, width=None, stream=None, check=True):
         if np.ndim(scores) != 2:
             _fail(ValueError, op, "n", "an int for unbatched scores ([M]); per-row sizes (an array n, m or width) "
                   "need [batch, M] scores", "per-row sizes")
-        x = _np_view(op, "scores", scores)
+        x = _as_array(op, "scores", scores, "scores", _SCORE_DTYPES, 2)   # the whole array, as the C core checks it
         B, M = x.shape
         if width is None:
             width = M if _is_array_like(n) else n
@@ -789,9 +805,9 @@ def select(scores, n, *, m=None, width=None, stream=None, check=True):
             out[b, : counts[b]] = _select_host(x[b, : ms[b]], counts[b])
         return out
     if np.ndim(scores) == 2:
-        x = _np_view("select", "scores", scores)
+        x = _as_array(op, "scores", scores, "scores", _SCORE_DTYPES, 2)
         rows = [_select_host(x[b], n) for b in range(x.shape[0])]
-        return np.stack(rows) if rows else np.zeros((0, _int("select", "n", n, 0)), np.int64)
+        return np.stack(rows) if rows else np.zeros((0, _int("select", "n", n, 0, x.shape[1])), np.int64)
     return _select_host(scores, n)
 
 
@@ -824,14 +840,16 @@ def _row_ints(op, name, x, B):
         _fail(TypeError, op, name, "dtype int64 (or a Python int)", f"{a.dtype}")
     if a.shape != (B,):
         _fail(ValueError, op, name, f"shape ({B},) (one value per batch row)", f"{tuple(a.shape)}")
+    _contiguous(op, name, a)
     return [int(v) for v in a]
 
 
 def _build_tree_batch(tokens, parents, selected, root_token, n):
     op = "build_tree"
-    tok = _np_view(op, "tokens", tokens)
-    par = _np_view(op, "parents", parents)
-    sel = _np_view(op, "selected", selected)
+    # the whole arrays checked as the C core checks them (dtype, rank, C-contiguity), then row by row
+    tok = _as_array(op, "tokens", tokens, "ids", _ID_DTYPES, 2)
+    par = _as_array(op, "parents", parents, "ids", _ID_DTYPES, 2)
+    sel = _as_array(op, "selected", selected, "ids", _ID_DTYPES, 2)
     B, M = tok.shape
     if par.ndim != 2 or par.shape != (B, M):
         _fail(ValueError, op, "parents", f"shape ({B}, {M}) (one parent per candidate token)", f"{tuple(par.shape)}")
@@ -866,9 +884,10 @@ def _padded(path, n):
 
 def _batch_rows(op, tree_tokens, tree_parents, target_logits, n):
     """Batched trees: ([batch, T] tokens, [batch, T] parents, [batch, T, V] logits, node counts [batch])."""
-    tok = _np_view(op, "tree_tokens", tree_tokens)
-    par = _np_view(op, "tree_parents", tree_parents)
-    x = _np_view(op, "target_logits", target_logits)
+    # the whole arrays checked as the C core checks them (dtype, rank, C-contiguity), then row by row
+    tok = _as_array(op, "tree_tokens", tree_tokens, "ids", _ID_DTYPES, 2)
+    par = _as_array(op, "tree_parents", tree_parents, "ids", _ID_DTYPES, 2)
+    x = _logits(op, "target_logits", target_logits, ndim=3)
     B, T = tok.shape
     if par.ndim != 2:
         _fail(ValueError, op, "tree_parents", "an array [batch, T] with ndim 2", f"ndim {par.ndim}")
@@ -889,6 +908,7 @@ def _batch_rows(op, tree_tokens, tree_parents, target_logits, n):
             _fail(TypeError, op, "n", "dtype int64", f"{a.dtype}")
         if a.shape != (B,):
             _fail(ValueError, op, "n", f"shape ({B},) (one node count per batch row)", f"{tuple(a.shape)}")
+        _contiguous(op, "n", a)
         counts = [int(v) for v in a]
         bad = [c for c in counts if not 1 <= c <= T]
         if bad:

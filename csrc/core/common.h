@@ -14,8 +14,10 @@
 #include "hd_math.h"
 
 /* Hot vocabulary-wide loops get an AVX2 clone picked at load time (ifunc); the baseline stays SSE2 so one
- * wheel runs everywhere.  -std=c11 keeps -ffp-contract=off, so both clones round identically. */
-#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(HS_NO_CLONES)
+ * wheel runs everywhere.  -std=c11 keeps -ffp-contract=off, so both clones round identically.  gcc only: clang 14
+ * names a cloned function's symbols differently across files and then fails to link the resolvers (-fPIC), so a
+ * clang build (the fuzzing build, setup.py's HETEROSPEC_SANITIZE=fuzz) runs the baseline loops. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && !defined(HS_NO_CLONES)
 #define HS_HOT __attribute__((target_clones("avx2", "default")))
 #else
 #define HS_HOT

@@ -66,6 +66,9 @@ hs_status hs_kv_compact(void *data, int64_t batch, int64_t inner, int64_t S, int
     if (inner < 0 || row_bytes < 0)
         return hs_fail(err, HS_ERR_VALUE, "kv_compact", "tensors", "expected non-negative sizes, got inner %lld, row %lld bytes",
                        (long long)inner, (long long)row_bytes);
+    /* a tensor with no elements per row (D = 0) has nothing to move, and may have no memory at all (a NULL
+     * data pointer: memcpy's arguments must not be NULL even for 0 bytes) */
+    if (row_bytes == 0 || inner == 0 || data == NULL) return HS_OK;
     char *base = (char *)data;
     for (int64_t b = 0; b < batch; b++) {
         int64_t P = prefix_len[b], mb = hs_kv_count(slots, slot_dtype, b * SM, m[b]);

@@ -17,6 +17,7 @@
 #include "view.h"
 
 #include <numpy/arrayobject.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "dlpack.h"
@@ -401,6 +402,19 @@ int hs_view_import(PyObject *obj, const char *op, const char *arg, int writable,
         }
     }
     if (rc < 0) {
+        hs_view_release(v);
+        return -1;
+    }
+    /* Elements are read as their C type: an address off its item alignment (a NumPy view at an odd byte offset,
+     * say) would be undefined behaviour here and a fault on a GPU -- refused, never copied (see above). */
+    int64_t numel = 1;
+    for (int i = 0; i < v->ndim; i++) numel *= v->shape[i];
+    int64_t align = v->itemsize < 8 ? v->itemsize : 8;
+    if (numel > 0 && align > 1 && (uintptr_t)v->data % (uintptr_t)align != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: argument '%s' expected an array aligned to its %lld-byte items, got one at an address %lld "
+                     "bytes off (a view at an odd byte offset: np.array(x) / x.clone() copies it to aligned memory)",
+                     op, arg, (long long)align, (long long)((uintptr_t)v->data % (uintptr_t)align));
         hs_view_release(v);
         return -1;
     }

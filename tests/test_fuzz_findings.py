@@ -1,0 +1,112 @@
+"""What fuzzing the ops found (tests/fuzz/fuzz_ops.py, issue 31 item 1), each as a test on both implementations.
+
+Every finding is written out by hand here, input and expectation, so it stays a regression test without the
+fuzzer; the fuzzer's own input files stay in tests/fuzz/corpus/ and are replayed by every fuzzing run
+(.ci/run stage 2b).  Expected results come from docs/ops.md, never from the code under test."""
+import numpy as np
+import pytest
+
+
+def misaligned(values):
+    """``values`` copied into memory one byte past an aligned address (a NumPy view at an odd byte offset)."""
+    values = np.asarray(values)
+    buf = np.zeros(values.nbytes + values.itemsize, np.uint8)
+    a = buf[1:1 + values.nbytes].view(values.dtype).reshape(values.shape)
+    a[...] = values
+    assert a.ctypes.data % values.itemsize == 1 and not a.flags.aligned
+    return a
+
+
+LOGITS = np.array([[0.5, 1.5, -2.0, 3.0]], np.float32)
+TREE_TOKENS, TREE_PARENTS = np.array([0, 1, 2]), np.array([-1, 0, 0])
+TREE_LOGITS = np.zeros((3, 4), np.float32)
+
+
+# Finding 1 (UBSan: "load of misaligned address ... for type 'const int64_t'", csrc/core/common.h): an array one byte
+# off its alignment was read as its C type -- undefined behaviour, and a fault on a GPU.  Now refused at import.
+@pytest.mark.parametrize("call", [
+    pytest.param(lambda o: o.topk_entropy(misaligned(LOGITS), 2), id="topk_entropy-logits"),
+    pytest.param(lambda o: o.select(misaligned(np.array([0.1, 0.3, 0.2])), 2), id="select-scores"),
+    pytest.param(lambda o: o.build_tree(misaligned(np.array([5, 6])), np.array([-1, 0]), np.array([0, 1]), 3),
+                 id="build_tree-tokens"),
+    pytest.param(lambda o: o.verify_greedy(TREE_TOKENS, misaligned(TREE_PARENTS), TREE_LOGITS), id="verify-parents"),
+    pytest.param(lambda o: o.bucketize(np.array([0.5]), misaligned(np.array([0.0, 1.0]))), id="bucketize-thresholds"),
+    pytest.param(lambda o: o.kv_compact([misaligned(np.zeros((4, 2), np.float32))], 0, np.array([1])),
+                 id="kv_compact-tensors"),
+])
+def test_misaligned_arrays_are_refused_naming_the_argument(impl, call):
+    with pytest.raises(ValueError, match=r"argument '[a-z_\[\]0-9]+' expected an array aligned to its \d-byte items"):
+        call(impl)
+
+
+def test_an_empty_misaligned_array_is_not_read_so_not_refused(impl):
+    buf = np.zeros(9, np.uint8)
+    empty = buf[1:1].view(np.float64)
+    assert impl.bucketize(np.array([0.5]), empty).tolist() == [0]
+
+
+# Finding 2 (the reference accepted what the C core refused): a selected candidate's negative token.  docs/ops.md now
+# says which entries build_tree reads: the selected candidates' tokens and parents only.
+def test_build_tree_refuses_a_selected_candidates_negative_token(impl):
+    with pytest.raises(ValueError, match="argument 'tokens'"):
+        impl.build_tree(np.array([5, -1, 7]), np.array([-1, 0, 0]), np.array([0, 1]), 3)
+
+
+def test_build_tree_ignores_the_unselected_candidates_entries(impl):
+    # candidate 1 is not selected: its token (-9) and its parent (99, out of range) are never read
+    tree = impl.build_tree(np.array([5, -9, 7]), np.array([-1, 99, 0]), np.array([0, 2]), 3)
+    assert np.asarray(tree.tokens).tolist() == [3, 5, 7]
+    assert np.asarray(tree.parents).tolist() == [-1, 0, 1]
+
+
+# Finding 3 (the reference accepted what the C core refused): batched arrays that are not C-contiguous as a whole,
+# though each row is (a zero-stride broadcast, every other element of a wider buffer).
+@pytest.mark.parametrize("call", [
+    pytest.param(lambda o: o.select(np.broadcast_to(np.array([[0.1, 0.2]]), (3, 2)), 1), id="select-broadcast"),
+    pytest.param(lambda o: o.select(np.zeros((2, 8))[:, ::2], np.array([1, 1])), id="select-per-row"),
+    pytest.param(lambda o: o.select(np.zeros((2, 4)), np.array([1, 1]), m=np.array([4, 0, 4, 0])[::2]),
+                 id="select-m-strided"),
+    pytest.param(lambda o: o.build_tree(np.zeros((2, 4), np.int64)[:, ::2], np.full((2, 2), -1), np.zeros((2, 1)),
+                                        0), id="build_tree-tokens"),
+    pytest.param(lambda o: o.expand(np.zeros((2, 1, 8), np.float32)[:, :, ::2], np.zeros((2, 1)),
+                                    np.zeros((2, 2), np.int64)[:, ::2], 1), id="expand-logits"),
+    pytest.param(lambda o: o.verify_greedy(np.zeros((2, 4), np.int64)[:, ::2], np.array([[-1, 0], [-1, 0]]),
+                                           np.zeros((2, 2, 3), np.float32)), id="verify-tokens"),
+])
+def test_batched_arrays_must_be_contiguous_as_a_whole(impl, call):
+    with pytest.raises(ValueError, match="C-contiguous"):
+        call(impl)
+
+
+# Finding 4 (the reference raised OverflowError): integers past int64 where nothing else refused them.
+def test_ints_beyond_int64_are_a_value_error(impl):
+    with pytest.raises(ValueError, match="argument 'root_token'"):
+        impl.build_tree(np.array([5]), np.array([-1]), np.array([0]), 2**64)
+    with pytest.raises(ValueError, match="argument 'prefix_len'"):
+        impl.kv_compact([], 2**63, np.array([0]))       # no tensors: nothing moves, the int is still checked
+
+
+# Finding 5 (heterospec.ops accepted what the reference refused): bools as Philox words.
+def test_philox_words_are_ints_not_bools(impl):
+    with pytest.raises(TypeError, match="argument 'counter'"):
+        impl.philox4x32([True, 0, 0, 0], [0, 0])
+    assert impl.philox4x32([1, 0, 0, 0], [0, 0]) == impl.philox4x32([np.int64(1), 0, 0, 0], [0, 0])
+
+
+# Finding 6 (UBSan: "null pointer passed as argument 1, which is declared to never be null", csrc/core/kv.c): a
+# tensor with D = 0 (no bytes per row; torch gives an empty tensor no memory, a NULL data pointer) reached memcpy.
+def test_kv_compact_on_rows_of_no_bytes_moves_nothing(impl):
+    torch = pytest.importorskip("torch")
+    empty = torch.zeros((8, 0), dtype=torch.float32)
+    impl.kv_compact([empty], 2, np.array([1, 3]))
+    assert tuple(empty.shape) == (8, 0)
+    full = np.arange(16, dtype=np.float32).reshape(8, 2)
+    impl.kv_compact([full, np.zeros((8, 0), np.float32)], 2, np.array([1, 3]))
+    assert full[:, 0].tolist() == [0, 2, 6, 10, 8, 10, 12, 14]   # rows 2, 3 <- rows 3, 5 (docs/ops.md kv_compact)
+
+
+# Finding 7 (the reference accepted what the C core refused): a batch of no rows with n > M.
+def test_select_checks_n_against_m_even_without_rows(impl):
+    with pytest.raises(ValueError, match="argument 'n'"):
+        impl.select(np.zeros((0, 1), np.float32), 2**31 - 1)
+    assert impl.select(np.zeros((0, 3), np.float32), 2).shape == (0, 2)
