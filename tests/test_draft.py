@@ -723,7 +723,7 @@ def test_one_missing_key(tmp_path):
     del sd["midlayer.mlp.up_proj.weight"]
     msg = load_error(write_checkpoint(tmp_path, draft, sd))
     assert "missing key: midlayer.mlp.up_proj.weight" in msg
-    assert msg.count("\n  - ") == 1
+    assert "\n" not in msg and str(tmp_path) in msg    # one problem: one line, naming the directory
 
 
 def test_one_unexpected_key(tmp_path):
@@ -732,7 +732,7 @@ def test_one_unexpected_key(tmp_path):
     sd["midlayer.self_attn.rotary_emb.inv_freq"] = torch.zeros(4)
     msg = load_error(write_checkpoint(tmp_path, draft, sd))
     assert "unexpected key: midlayer.self_attn.rotary_emb.inv_freq" in msg
-    assert msg.count("\n  - ") == 1
+    assert "\n" not in msg
 
 
 def test_one_wrong_shape(tmp_path):
@@ -916,7 +916,7 @@ def test_wide_target_needs_the_checkpoint_embedding(tmp_path):
     ck = write_checkpoint(tmp_path, draft, sd)
     msg = load_error(ck, tiny_target(hidden_size=48))
     assert "target_hidden_size (48) != hidden_size (32)" in msg
-    assert msg.count("\n  - ") == 1
+    assert "\n" not in msg
 
 
 @torch.no_grad()

@@ -40,7 +40,12 @@ def read_config(path) -> Eagle3Config:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"Eagle3Draft.from_pretrained: {config_file} does not exist")
-    return Eagle3Config.from_dict(_read_json(config_file))
+    try:
+        return Eagle3Config.from_dict(_read_json(config_file))
+    except ValueError as e:
+        if str(config_file) in str(e):
+            raise
+        raise ValueError(f"{config_file}: {e}") from None
 
 
 def read_state(path, config: Eagle3Config, expected, target=None):
@@ -101,7 +106,9 @@ def read_state(path, config: Eagle3Config, expected, target=None):
 
     # the vocabulary maps
     d2t = t2d = None
-    if Vd == V:
+    if problems and Vd == V:
+        pass          # (the identity maps are [V]: not allocated for a checkpoint already refused)
+    elif Vd == V:
         d2t = torch.zeros(Vd, dtype=torch.int64)
         t2d = torch.ones(V, dtype=torch.bool)
         got = sd.get("d2t")
@@ -127,6 +134,8 @@ def read_state(path, config: Eagle3Config, expected, target=None):
                     problems.append(f"t2d disagrees with d2t: t2d marks {int(t2d.sum())} target ids, the ids "
                                     f"d2t maps to are {int(derived.sum())} (and must be exactly those)")
 
+    if len(problems) == 1:
+        raise ValueError(f"cannot load the EAGLE-3 draft from {path}: {problems[0]}")
     if problems:
         raise ValueError(f"cannot load the EAGLE-3 draft from {path}:\n" + "\n".join(f"  - {p}" for p in problems))
 
@@ -171,9 +180,70 @@ def _read_json(file):
         raise ValueError(f"cannot read {file}: {e}") from None
 
 
+# bytes per element of every safetensors dtype (sub-byte dtypes are refused by name)
+_ST_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+             "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_ST_MAX_HEADER = 100 << 20   # the safetensors format's own limit on the header's size
+
+
+def _check_safetensors_header(file):
+    """Read the header of a safetensors file (its first 8 + n bytes, n bounded by the file's size) and check it
+    against the file before anything is loaded: a known dtype, a shape of non-negative ints, and data offsets
+    that span exactly shape x dtype bytes inside the file without overlapping.  A lie is a one-line ValueError
+    naming the file and the tensor; nothing is allocated beyond the header's real bytes."""
+    def bad(what):
+        return ValueError(f"cannot read the safetensors file {file}: {what}")
+
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise bad(f"{size} bytes, shorter than the 8-byte header length")
+        n = int.from_bytes(head, "little")
+        if n > min(size - 8, _ST_MAX_HEADER):
+            raise bad(f"the header claims {n} bytes, but the file has {size - 8} after the length"
+                      + (f" (and the format's limit is {_ST_MAX_HEADER})" if n > _ST_MAX_HEADER else ""))
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"the header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise bad(f"the header is a JSON {type(header).__name__}, not an object")
+    data = size - 8 - n
+    spans = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict):
+            raise bad(f"tensor {name!r}: expected an object with dtype, shape and data_offsets, got {info!r}")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in _ST_BYTES:
+            raise bad(f"tensor {name!r}: dtype {dtype!r} is not one heterospec reads ({', '.join(_ST_BYTES)})")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                 for d in shape)):
+            raise bad(f"tensor {name!r}: shape {shape!r} is not a list of non-negative ints")
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= data):
+            raise bad(f"tensor {name!r}: data_offsets {offsets!r} do not lie inside the {data} data bytes")
+        want = _ST_BYTES[dtype]
+        for d in shape:
+            want *= d
+        if offsets[1] - offsets[0] != want:
+            raise bad(f"tensor {name!r}: shape {shape} of {dtype} is {want} bytes, but data_offsets {offsets} "
+                      f"span {offsets[1] - offsets[0]}")
+        spans.append((offsets[0], offsets[1], name))
+    spans.sort()
+    for (b0, e0, a), (b1, e1, b) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise bad(f"tensors {a!r} and {b!r} overlap in the data (bytes {b1}-{min(e0, e1)})")
+
+
 def _load_safetensors(file):
     from safetensors.torch import load_file
 
+    _check_safetensors_header(file)
     try:
         return load_file(str(file), device="cpu")
     except Exception as e:  # noqa: BLE001 -- any failure of the reader means an unreadable file

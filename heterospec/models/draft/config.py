@@ -79,10 +79,15 @@ def default_tap_layers(num_layers: int, *, strict: bool = True) -> list[int]:
     return [2, L // 2, L - 3]
 
 
+MAX_VOCAB = 1 << 24   # vocabulary sizes accepted from a config (the largest in use are about 2**18)
+
+
 class _Problems(list):
     """Collected config problems, raised together."""
 
     def raise_if_any(self, what):
+        if len(self) == 1:
+            raise ValueError(f"{what}: {self[0]}")
         if self:
             raise ValueError(f"{what}:\n" + "\n".join(f"  - {p}" for p in self))
 
@@ -96,6 +101,9 @@ def _get_number(src, key, problems, *, integer, default=None, required=False, pr
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and isinstance(v, float)
                                                                    and not v.is_integer()):
         problems.append(f"'{prefix}{key}' must be {'an integer' if integer else 'a number'}, got {v!r}")
+        return default
+    if integer and not -(1 << 31) <= v < 1 << 31:   # no size or id of a draft head comes near: a hostile file
+        problems.append(f"'{prefix}{key}' must be an integer below 2**31 in size, got {v!r}")
         return default
     return int(v) if integer else float(v)
 
@@ -273,6 +281,10 @@ class Eagle3Config:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 p.append(f"{name} must be a positive integer, got {v!r}")
+            elif name.endswith("vocab_size") and v > MAX_VOCAB:
+                # the vocabulary buffers (t2d [vocab_size]) are allocated from the config alone, before any weight
+                # says otherwise: no tokenizer comes near this, so a larger value is a broken or hostile file
+                p.append(f"{name} must be at most {MAX_VOCAB}, got {v!r}")
         if p:
             p.raise_if_any("invalid EAGLE-3 config")
         if self.num_attention_heads % self.num_key_value_heads:

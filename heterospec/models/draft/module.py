@@ -408,7 +408,11 @@ class Eagle3Draft(nn.Module):
         path = Path(path)
         config = read_config(path)
         # expected names and shapes, from the module itself
-        expected = {k: tuple(t.shape) for k, t in cls._meta_state(config).items()}
+        try:
+            expected = {k: tuple(t.shape) for k, t in cls._meta_state(config).items()}
+        except RuntimeError as e:   # sizes whose product torch cannot even describe (on the meta device)
+            raise ValueError(f"{path / 'config.json'}: invalid EAGLE-3 config: its sizes make a weight larger than "
+                             f"torch can describe ({str(e).splitlines()[0]})") from None
         values, embedding, target_embedding = read_state(path, config, expected, target)
 
         if dtype is None:  # the draft runs next to its target: take the target's dtype, as its device below
