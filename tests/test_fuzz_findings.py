@@ -34,12 +34,12 @@ TREE_LOGITS = np.zeros((3, 4), np.float32)
     pytest.param(lambda o: o.kv_compact([misaligned(np.zeros((4, 2), np.float32))], 0, np.array([1])),
                  id="kv_compact-tensors"),
 ])
-def test_misaligned_arrays_are_refused_naming_the_argument(impl, call):
+def test_misaligned_arrays_are_rejected_naming_the_argument(impl, call):
     with pytest.raises(ValueError, match=r"argument '[a-z_\[\]0-9]+' expected an array aligned to its \d-byte items"):
         call(impl)
 
 
-def test_an_empty_misaligned_array_is_not_read_so_not_refused(impl):
+def test_an_empty_misaligned_array_is_not_read_so_not_rejected(impl):
     buf = np.zeros(9, np.uint8)
     empty = buf[1:1].view(np.float64)
     assert impl.bucketize(np.array([0.5]), empty).tolist() == [0]
@@ -47,7 +47,7 @@ def test_an_empty_misaligned_array_is_not_read_so_not_refused(impl):
 
 # Finding 2 (the reference accepted what the C core refused): a selected candidate's negative token.  docs/ops.md now
 # says which entries build_tree reads: the selected candidates' tokens and parents only.
-def test_build_tree_refuses_a_selected_candidates_negative_token(impl):
+def test_build_tree_rejects_a_selected_candidates_negative_token(impl):
     with pytest.raises(ValueError, match="argument 'tokens'"):
         impl.build_tree(np.array([5, -1, 7]), np.array([-1, 0, 0]), np.array([0, 1]), 3)
 
@@ -110,3 +110,31 @@ def test_select_checks_n_against_m_even_without_rows(impl):
     with pytest.raises(ValueError, match="argument 'n'"):
         impl.select(np.zeros((0, 1), np.float32), 2**31 - 1)
     assert impl.select(np.zeros((0, 3), np.float32), 2).shape == (0, 2)
+
+
+# Finding 8 (the device refused what the CPU accepted): a read-only `seed` (or `offset` without advance_offset) on
+# a device was imported for writing; only an offset that advance_offset=True writes must be writable, and then a
+# read-only one is the same ValueError on the CPU and on the device (the emulated build: torch has no read-only
+# tensors, and DLPack's read-only flag is what a device producer would set).
+def test_read_only_seed_and_offset_are_read_alike_on_cpu_and_device(c_ops):
+    import heterospec
+
+    def on_cpu(values, readonly=False):
+        a = np.array(values)
+        a.flags.writeable = not readonly
+        return a
+
+    def on_device(values, readonly=False):
+        from _dlpack import EmuCuda
+
+        return EmuCuda(np.array(values), readonly=readonly)
+
+    logits = np.array([[0.0, 1.0, 2.0]], np.float32)
+    for put in [on_cpu] + ([on_device] if heterospec.build_info().get("cuda_emulated") else []):
+        tok, par, lg = put([0]), put([-1]), put(logits)
+        out = c_ops.verify_sample(tok, par, lg, temperature=1.0, seed=put([7], True), offset=put([3], True),
+                                  device_outputs=True)
+        assert len(out) == 4, put
+        with pytest.raises(ValueError, match="argument 'offset' expected a writable"):
+            c_ops.verify_sample(tok, par, lg, temperature=1.0, seed=put([7], True), offset=put([3], True),
+                                device_outputs=True, advance_offset=True)

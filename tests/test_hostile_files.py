@@ -64,7 +64,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_lying_safetensors_file_is_refused_naming_the_file_and_the_tensor(ckpt, case):
+def test_a_lying_safetensors_file_is_rejected_naming_the_file_and_the_tensor(ckpt, case):
     header, data, length, expected = CASES[case]
     (ckpt / "model.safetensors").write_bytes(safetensors_bytes(header, data, length))
     msg = one_line(load_error(ckpt))
@@ -154,7 +154,7 @@ def test_a_vocabulary_map_pointing_outside_the_vocabulary(tmp_path):
         assert f"d2t maps 1 draft ids outside the target vocabulary [0, {V})" in msg and str(d) in msg, (what, msg)
 
 
-def test_the_huge_config_is_refused_before_any_module_is_built(tmp_path, monkeypatch):
+def test_the_huge_config_is_rejected_before_any_module_is_built(tmp_path, monkeypatch):
     """A config asking for a 2**20-wide draft (terabytes of weights) with a small file: refused from the shapes,
     no module allocated."""
     draft = make_draft("base")

@@ -99,7 +99,7 @@ def test_target_nan_or_inf_is_a_clear_error_naming_the_target_and_the_cycle(pair
         assert seq[0, p.shape[1]:].tolist() == want
 
 
-def test_nan_in_the_prefill_is_named_as_such(pair):
+def test_nan_in_the_prompts_forward_is_named_as_such(pair):
     model, head = pair
     with HeteroSpec(model, head, POLICIES["eagle3"]()) as hs:
         poison = Poison(model.lm_head, at=1)

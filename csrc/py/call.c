@@ -174,6 +174,17 @@ void hs_raise(hs_status st, const hs_error *err) {
     PyErr_SetString(type, err->msg);
 }
 
+int hs_release_gil = 1;
+
+PyObject *py_set_release_gil(PyObject *self, PyObject *arg) {
+    (void)self;
+    int flag = PyObject_IsTrue(arg);
+    if (flag < 0) return NULL;
+    int before = hs_release_gil;
+    hs_release_gil = flag;
+    return PyBool_FromLong(before);
+}
+
 void *hs_workspace(size_t bytes) {
     void *p = PyMem_RawMalloc(bytes ? bytes : 1);
     if (p == NULL) PyErr_NoMemory();

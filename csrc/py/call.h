@@ -95,14 +95,23 @@ void hs_raise(hs_status st, const hs_error *err);
 /* Host workspace of a core call (PyMem_RawFree it); NULL with MemoryError. */
 void *hs_workspace(size_t bytes);
 
-/* Run a core call with the GIL released; on failure raise its message and jump to the caller's `fail`.
- * The call sees `err`, declared here. */
+/* Whether HS_CALL releases the GIL (1, the default).  The core reads only the call's own arrays and writes only
+ * its outputs and its own workspace, so other Python threads run meanwhile; _C._set_release_gil(False) holds it
+ * instead (tests/test_concurrency.py runs the ops from threads both ways). */
+extern int hs_release_gil;
+
+/* Run a core call with the GIL released (see hs_release_gil); on failure raise its message and jump to the
+ * caller's `fail`.  The call sees `err`, declared here. */
 #define HS_CALL(call)                                                                                          \
     do {                                                                                                       \
         hs_error err;                                                                                          \
         hs_status st;                                                                                          \
-        Py_BEGIN_ALLOW_THREADS st = (call);                                                                    \
-        Py_END_ALLOW_THREADS                                                                                   \
+        if (hs_release_gil) {                                                                                  \
+            Py_BEGIN_ALLOW_THREADS st = (call);                                                                \
+            Py_END_ALLOW_THREADS                                                                               \
+        } else {                                                                                               \
+            st = (call);                                                                                       \
+        }                                                                                                      \
         if (st != HS_OK) {                                                                                     \
             hs_raise(st, &err);                                                                                \
             goto fail;                                                                                         \
@@ -153,6 +162,7 @@ PyObject *py_build_info(PyObject *self, PyObject *args);
 PyObject *py_cuda_check(PyObject *self, PyObject *args);
 PyObject *py_cuda_reserve(PyObject *self, PyObject *args);
 PyObject *py_cuda_chunks(PyObject *self, PyObject *args);
+PyObject *py_set_release_gil(PyObject *self, PyObject *arg);
 /* Adds the KVTensors type to the module (kv.c). */
 int hs_kv_add_type(PyObject *module);
 

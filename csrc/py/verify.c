@@ -193,7 +193,9 @@ static int hs_parse_seeds(hs_views *vs, PyObject *o, const char *op, const char 
         return 0;
     }
     const int gpu = vs->v[0].device_type == 2, lead = vs->lead;
-    hs_view *v = hs_views_add(vs, o, op, arg, lead && gpu); /* the kernel may write a device offset */
+    /* imported read-only everywhere: only an offset with advance_offset=True is written, and the caller refuses a
+     * read-only one then (the same ValueError on the CPU and on a device) */
+    hs_view *v = hs_views_add(vs, o, op, arg, 0);
     if (v == NULL || hs_check_dtype(v, op, arg, HS_MASK(HS_INT64), lead && gpu ? "int64" : "int64 (or a Python int)") < 0)
         return -1;
     if (lead && hs_view_nbytes(v) != 8) {

@@ -11,9 +11,12 @@ tokens plus the bonus token); the prefill is counted apart.
 """
 from __future__ import annotations
 
+import functools
 import math
+import threading
 import time
 import warnings
+import weakref
 from collections import OrderedDict
 
 import numpy as np
@@ -37,6 +40,39 @@ GPU_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # RoPE variants whose forward reads a position on the host to pick or rescale its frequencies (transformers'
 # dynamic_rope_update): a recorded graph would keep the frequencies of the recording
 HOST_READ_ROPE = ("dynamic", "longrope")
+
+
+# the target models being decoded right now -> the thread decoding each (see _exclusive)
+_DECODING = weakref.WeakKeyDictionary()
+_DECODING_LOCK = threading.Lock()
+
+
+def _exclusive(method):
+    """One call at a time per target model: the static caches, the tap hooks and the routed linear layers belong
+    to the model, so a second call while one decodes -- from another thread, from a streamer or a stopping
+    criterion of the running call, or from another HeteroSpec on the same model -- would corrupt the first.  It
+    gets a RuntimeError instead, and the running call goes on untouched."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        model = self.target.model
+        me = threading.current_thread()
+        with _DECODING_LOCK:
+            other = _DECODING.get(model)
+            if other is not None:
+                who = "this thread (a streamer or stopping criterion calling back in?)" if other is me else \
+                    f"thread {other.name!r}"
+                raise RuntimeError(f"generate: expected one call at a time on the target model "
+                                   f"{type(model).__name__}, got a second while {who} is decoding with it; wait "
+                                   f"for that call to return (or load a second copy of the model for another "
+                                   f"thread)")
+            _DECODING[model] = me
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            with _DECODING_LOCK:
+                _DECODING.pop(model, None)
+
+    return call
 
 
 def _check_generate_args(max_new_tokens, temperature, top_k, top_p):
@@ -210,6 +246,7 @@ class HeteroSpec:
 
     # ---- the loop -----------------------------------------------------------------------------------
 
+    @_exclusive
     @torch.no_grad()
     def generate(self, input_ids, *, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, eos_token_id=None,
                  stopping_criteria=None, streamer=None, seed=None, attention_mask=None, pad_token_id=None,

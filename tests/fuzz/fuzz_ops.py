@@ -121,7 +121,7 @@ class A:
         a = self.numpy()
         if any(s % a.itemsize for s in a.strides):  # not expressible in DLPack: a contiguous copy
             a = np.ascontiguousarray(a)
-        return EmuCuda(a, readonly=self.readonly)
+        return EmuCuda(a, readonly=self.readonly or not a.flags.writeable)   # (a broadcast view is read-only)
 
 
 class Gen:
