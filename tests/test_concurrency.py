@@ -128,22 +128,10 @@ def test_the_gil_is_released_during_a_core_call_and_held_when_asked():
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from test_decoding import THRESHOLDS, eagle3_head, prompts, reference_greedy, tiny_target  # noqa: E402
+from test_decoding import prompts, reference_greedy  # noqa: E402
+from test_nonfinite import NEW, POLICIES, pair  # noqa: E402,F401  (pair: the tiny target and head, a fixture)
 
-from heterospec import HeteroSpec, Policy  # noqa: E402
-
-NEW = 24
-POLICIES = {
-    "ar": lambda: Policy.autoregressive(),
-    "eagle3": lambda: Policy.static(depth=3, top_k=3, total_tokens=12),
-    "heterospec": lambda: Policy.paper(3, 3, 12, thresholds=THRESHOLDS),
-}
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    model = tiny_target("llama")
-    return model, eagle3_head(model, tmp_path_factory.mktemp("head"))
+from heterospec import HeteroSpec  # noqa: E402
 
 
 class Gate:
