@@ -31,7 +31,10 @@ import sys
 
 import atheris
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/ (for _dlpack)
+HERE = os.path.dirname(os.path.abspath(__file__))
+# the checkout (or the copy CI builds into) holding this file's heterospec/, before any installed one; tests/ for
+# _dlpack
+sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE)]
 
 with atheris.instrument_imports(include=os.environ.get("HETEROSPEC_FUZZ_INSTRUMENT", "heterospec.ops").split(",")):
     import heterospec
