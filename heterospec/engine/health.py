@@ -33,7 +33,7 @@ def mark(bad, logits, n=None):
     if n is not None:
         flagged &= torch.arange(flagged.shape[1], device=flagged.device) < n.view(-1, 1)
     flagged = flagged.reshape(bad.shape[0], -1).any(1) if flagged.dim() else flagged.view(1)
-    bad.logical_or_(flagged) if bad.dtype == torch.bool else bad.bitwise_or_(flagged.to(bad.dtype))
+    bad.bitwise_or_(flagged.long())   # every flag tensor is int64 (the dtype of the tensor read at "accepted")
 
 
 def describe(model):
