@@ -316,8 +316,8 @@ def _build_tree_host(tokens, parents, selected, root_token):
     if ((sel < 0) | (sel >= m)).any():
         i = int(np.flatnonzero((sel < 0) | (sel >= m))[0])
         _fail(ValueError, op, "selected", f"candidate indices in [0, {m})", f"{int(sel[i])} at index {i}")
-    if n > 1 and (np.diff(sel) <= 0).any():
-        i = int(np.flatnonzero(np.diff(sel) <= 0)[0]) + 1
+    if n > 1 and (sel[1:] <= sel[:-1]).any():
+        i = int(np.flatnonzero(sel[1:] <= sel[:-1])[0]) + 1
         _fail(ValueError, op, "selected", "strictly ascending indices",
               f"{int(sel[i - 1])} followed by {int(sel[i])} at index {i}")
 
@@ -602,8 +602,8 @@ def _kv_valid_slots(op, s):
                   f"{int(s[i])} at [{i}] after -1 at [{first}]")
         s = s[:first]
     m = s.shape[0]
-    if m > 1 and (np.diff(s) <= 0).any():
-        i = int(np.flatnonzero(np.diff(s) <= 0)[0]) + 1
+    if m > 1 and (s[1:] <= s[:-1]).any():
+        i = int(np.flatnonzero(s[1:] <= s[:-1])[0]) + 1
         _fail(ValueError, op, "slots", "strictly ascending slots", f"{int(s[i - 1])} followed by {int(s[i])}")
     if (s < np.arange(m)).any():
         i = int(np.flatnonzero(s < np.arange(m))[0])
@@ -669,8 +669,9 @@ def _bucketize_host(values, thresholds):
     t = _scores(op, "thresholds", thresholds).astype(np.float64)
     if np.isnan(t).any():
         _fail(ValueError, op, "thresholds", "no NaN", f"nan at index {int(np.flatnonzero(np.isnan(t))[0])}")
-    if t.shape[0] > 1 and (np.diff(t) <= 0).any():
-        i = int(np.flatnonzero(np.diff(t) <= 0)[0]) + 1
+    # t[1:] <= t[:-1], not np.diff(t) <= 0: -inf followed by -inf differs by NaN, which no comparison catches
+    if t.shape[0] > 1 and (t[1:] <= t[:-1]).any():
+        i = int(np.flatnonzero(t[1:] <= t[:-1])[0]) + 1
         _fail(ValueError, op, "thresholds", "strictly ascending thresholds",
               f"{t[i - 1]} followed by {t[i]} at index {i}")
     if np.isnan(v).any():

@@ -138,3 +138,25 @@ def test_read_only_seed_and_offset_are_read_alike_on_cpu_and_device(c_ops):
         with pytest.raises(ValueError, match="argument 'offset' expected a writable"):
             c_ops.verify_sample(tok, par, lg, temperature=1.0, seed=put([7], True), offset=put([3], True),
                                 device_outputs=True, advance_offset=True)
+
+
+# Finding 10 (the reference accepted what the C core refused; CI's fuzz stage, 2026-11-26): thresholds -inf, -inf
+# are not strictly ascending, but the twin checked np.diff(t) <= 0 and -inf - -inf is NaN, which compares False.
+# Both now refuse; so do equal infinities at the top, and the integer checks of the same form (selected, slots)
+# compare neighbours instead of subtracting them, which cannot overflow.
+@pytest.mark.parametrize("thresholds", [[-np.inf, -np.inf], [0.0, np.inf, np.inf], [-np.inf, -np.inf, 1.0]])
+def test_bucketize_refuses_repeated_infinite_thresholds(impl, thresholds):
+    with pytest.raises(ValueError, match="argument 'thresholds' expected strictly ascending"):
+        impl.bucketize(np.array([0.5]), np.array(thresholds))
+
+
+def test_bucketize_accepts_ascending_infinite_thresholds(impl):
+    # -inf < 0 < inf: the value 0.5 exceeds -inf and 0, not inf (docs/ops.md: bin = thresholds strictly below)
+    assert impl.bucketize(np.array([0.5, -np.inf]), np.array([-np.inf, 0.0, np.inf])).tolist() == [2, 0]
+
+
+def test_kv_compact_slots_at_the_int64_extremes_are_compared_not_subtracted(impl):
+    # slots -2**63 then 2**63 - 1 ascend; subtracting them overflows.  Either way the first slot is out of range,
+    # the same ValueError from both implementations.
+    with pytest.raises(ValueError, match="argument 'slots'"):
+        impl.kv_compact([np.zeros((4, 2), np.float32)], 0, np.array([-2**63, 2**63 - 1]))
