@@ -16,6 +16,10 @@ OP_NAMES = (
     "philox_uniform",
 )
 
+# The smallest temperature topk_entropy and verify_sample take (csrc's HS_MIN_TEMPERATURE): any finite float32
+# logit divided by it stays finite in float64, so softmax(x / T) never meets inf - inf.  Below it, decode greedily.
+MIN_TEMPERATURE = 1e-30
+
 
 class VerifyTree(NamedTuple):
     """The verification tree built by ``build_tree``.

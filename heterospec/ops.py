@@ -35,9 +35,9 @@ import operator
 import numpy as np
 
 from . import _C
-from ._types import OP_NAMES, VerifyTree
+from ._types import MIN_TEMPERATURE, OP_NAMES, VerifyTree
 
-__all__ = [*OP_NAMES, "VerifyTree", "KVTensors"]
+__all__ = [*OP_NAMES, "VerifyTree", "KVTensors", "MIN_TEMPERATURE"]
 
 
 def _np_alloc(shape, dtype):

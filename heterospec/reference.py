@@ -19,7 +19,7 @@ import numbers
 
 import numpy as np
 
-from ._types import OP_NAMES, VerifyTree
+from ._types import MIN_TEMPERATURE, OP_NAMES, VerifyTree
 
 __all__ = [*OP_NAMES, "VerifyTree", "KVTensors"]
 
@@ -139,8 +139,8 @@ def _real(op, name, x):
 
 def _temperature(op, x):
     t = _real(op, "temperature", x)
-    if not (math.isfinite(t) and t > 0.0):
-        _fail(ValueError, op, "temperature", "a finite float > 0", t)
+    if not (math.isfinite(t) and t >= MIN_TEMPERATURE):
+        _fail(ValueError, op, "temperature", f"a finite float >= {MIN_TEMPERATURE:g}", t)
     return t
 
 

@@ -71,7 +71,8 @@ case("te-k-range", ValueError, "k",
 case("te-k-float", TypeError, "k", lambda m: m.topk_entropy(L, 2.0))
 case("te-temperature", ValueError, "temperature",
      lambda m: m.topk_entropy(L, 2, 0.0), lambda m: m.topk_entropy(L, 2, -1.0),
-     lambda m: m.topk_entropy(L, 2, float("nan")), lambda m: m.topk_entropy(L, 2, float("inf")))
+     lambda m: m.topk_entropy(L, 2, float("nan")), lambda m: m.topk_entropy(L, 2, float("inf")),
+     lambda m: m.topk_entropy(L, 2, 5e-324), lambda m: m.topk_entropy(L, 2, 9.9e-31))  # below 1e-30 (docs/ops.md)
 case("te-nan", ValueError, "logits", lambda m: m.topk_entropy(with_value(L, (1, 3), np.nan), 2))
 case("te-posinf", ValueError, "logits", lambda m: m.topk_entropy(with_value(L, (2, 0), np.inf), 2))
 case("te-all-neginf", ValueError, "logits", lambda m: m.topk_entropy(with_value(L, 1, -np.inf), 2))
@@ -159,7 +160,8 @@ case("vf-noncontig", ValueError, "target_logits", *both_verifiers(logits=noncont
 case("vf-noncontig-tokens", ValueError, "tree_tokens", *both_verifiers(tokens=noncontig(TT)))
 case("vs-temperature", ValueError, "temperature",
      lambda m: vs(m, temperature=0.0), lambda m: vs(m, temperature=-0.5),
-     lambda m: vs(m, temperature=float("nan")), lambda m: vs(m, temperature=float("inf")))
+     lambda m: vs(m, temperature=float("nan")), lambda m: vs(m, temperature=float("inf")),
+     lambda m: vs(m, temperature=5e-324), lambda m: vs(m, temperature=9.9e-31))
 case("vs-temperature-type", TypeError, "temperature", lambda m: vs(m, temperature="1.0"))
 case("vs-top-k", ValueError, "top_k", lambda m: vs(m, top_k=-1))
 case("vs-top-k-type", TypeError, "top_k", lambda m: vs(m, top_k=1.5))

@@ -160,3 +160,74 @@ def test_kv_compact_slots_at_the_int64_extremes_are_compared_not_subtracted(impl
     # the same ValueError from both implementations.
     with pytest.raises(ValueError, match="argument 'slots'"):
         impl.kv_compact([np.zeros((4, 2), np.float32)], 0, np.array([-2**63, 2**63 - 1]))
+
+
+# Open input timeout-f2d350db (tests/fuzz/open/, now closed) and CI's timeout-ea3880da: the CUDA kv_compact launched
+# one block per leading row of every tensor, even of tensors without bytes (S or the row size 0) -- 35,568 blocks
+# for a (2, 234, 76, 0, 1) tensor, a wasted launch on a GPU and a 20 s hang in the emulation.  Tensors without bytes
+# now get no blocks; between real tensors they must not shift the others' blocks.  The emulated build counts the
+# blocks it runs (_C._emu_blocks), so the launch itself is checked.
+def test_device_kv_compact_launches_no_blocks_for_tensors_without_bytes(c_ops):
+    import heterospec
+    from heterospec import _C
+
+    if not heterospec.build_info().get("cuda_emulated"):
+        pytest.skip("needs the emulated CUDA build (HETEROSPEC_CUDA=emu), which counts kernel blocks")
+    from _dlpack import EmuCuda
+
+    def full(seed):
+        return (np.arange(2 * 8 * 3, dtype=np.float32) + 100 * seed).reshape(2, 8, 3)
+
+    tensors = [np.zeros((64, 8, 0), np.float32), full(1), np.zeros((3, 214, 8, 0), np.float16), full(2),
+               np.zeros((40, 8, 0), np.float32)]
+    before = _C._emu_blocks()
+    c_ops.kv_compact([EmuCuda(t) for t in tensors], 2, EmuCuda(np.array([1, 3])))
+    _C.cuda_check(0, 0)
+    # the two 2-row tensors: one block per leading row; the three tensors without bytes: none
+    assert _C._emu_blocks() - before == 4
+    for t, seed in ((tensors[1], 1), (tensors[3], 2)):
+        want = full(seed)
+        want[:, 2], want[:, 3] = full(seed)[:, 3], full(seed)[:, 5]   # rows 2, 3 <- rows 3, 5 (docs/ops.md)
+        assert np.array_equal(t, want)
+    # nothing to move anywhere: one block, which only checks the slots
+    before = _C._emu_blocks()
+    c_ops.kv_compact([EmuCuda(np.zeros((2, 234, 76, 4, 0), np.uint8))], 0, EmuCuda(np.array([0, 2])))
+    _C.cuda_check(0, 0)
+    assert _C._emu_blocks() - before == 1
+    # and a bad slot is still refused when no tensor holds bytes: the checks run in that one block
+    before = _C._emu_blocks()
+    with pytest.raises(ValueError, match="argument 'slots' expected strictly ascending"):
+        c_ops.kv_compact([EmuCuda(np.zeros((4, 8, 0), np.float32))], 0, EmuCuda(np.array([3, 1])))
+    assert _C._emu_blocks() - before == 1
+
+
+# Finding 11 (UBSan in the emulated kernels: "-nan is outside the range of representable values of type 'int'",
+# csrc/core/hd_math.h): verify_sample at temperature 5e-324 computed z = x / T = inf for a logit of 6.76, and
+# z - max z = inf - inf = NaN reached exp's int conversion; topk_entropy gave 0 for tied maxima at such
+# temperatures (the note of the earlier fuzz run).  Temperatures below MIN_TEMPERATURE = 1e-30 are refused now
+# (docs/ops.md "Conventions"): at 1e-30 any finite float32 logit divided by T stays finite in float64.
+def test_temperatures_at_the_floor_handle_the_largest_logits(impl):
+    from heterospec import ops
+
+    assert ops.MIN_TEMPERATURE == 1e-30
+    top = np.float32(3.4e38)
+    # two tied maxima among extreme logits: softmax(z) over the top 2 is (1/2, 1/2), entropy ln 2
+    got = impl.topk_entropy(np.array([[top, -top, top, 0.0]], np.float32), 2, 1e-30)
+    assert abs(float(got[0]) - np.log(2)) < 1e-6
+    # the fuzzer's row: one clear maximum; at T = 1e-30 every other token has probability 0, so the root's draw
+    # is token 0 whatever the uniform (root only: path [0], next token 0)
+    logits = np.array([[6.76, 0.85, -np.inf]], np.float32)
+    for seed in range(5):
+        path, nxt, _ = impl.verify_sample(np.array([2]), np.array([-1]), logits, temperature=1e-30, seed=seed,
+                                          offset=1048560)
+        assert list(path) == [0] and nxt == 0
+
+
+def test_generate_refuses_temperatures_between_greedy_and_the_floor():
+    from heterospec.engine.loop import _check_generate_args
+
+    with pytest.raises(ValueError, match=r"^generate: argument 'temperature' expected 0 \(greedy\) or a finite "
+                                         r"value >= 1e-30, got 1e-31$"):
+        _check_generate_args(8, 1e-31, 0, 1.0)
+    _check_generate_args(8, 0, 0, 1.0)
+    _check_generate_args(8, 1e-30, 0, 1.0)

@@ -25,8 +25,8 @@ hs_status hs_topk_entropy(const void *logits, hs_dtype dtype, int64_t rows, int6
     if (k < 1 || k > V)
         return hs_fail(err, HS_ERR_VALUE, op, "k", "expected 1 <= k <= V = %lld, got %lld", (long long)V,
                        (long long)k);
-    if (!(temperature > 0.0) || !isfinite(temperature))
-        return hs_fail(err, HS_ERR_VALUE, op, "temperature", "expected a finite value > 0, got %g",
+    if (!(temperature >= HS_MIN_TEMPERATURE) || !isfinite(temperature))
+        return hs_fail(err, HS_ERR_VALUE, op, "temperature", "expected a finite value >= 1e-30, got %g",
                        temperature);
     size_t need = hs_topk_entropy_workspace_bytes(k, V);
     if (ws_bytes < need)

@@ -45,7 +45,9 @@ HS_HD float hs_bf16_to_float(uint16_t h) { return hs_bits_to_float((uint32_t)h <
  * Below -708 the result is 0 (exp(-708) < 1e-307 next to a largest term of 1), as docs/ops.md says. */
 HS_HD double hs_exp_nonpos_f64(double x) {
     const double shifter = 6755399441055744.0; /* 1.5 * 2^52: x + shifter rounds x to an integer */
-    double xc = x < -708.0 ? -708.0 : x;
+    /* x within [-708, 0] for the int32 conversion of n below (NaN too, whose result is NaN: no undefined
+     * conversion even outside the contract) */
+    double xc = x >= -708.0 ? (x <= 0.0 ? x : 0.0) : -708.0;
     double n = (xc * 1.4426950408889634 + shifter) - shifter;
     double r = (xc - n * 6.93147180369123816490e-01) - n * 1.90821492927058770002e-10; /* fdlibm ln2 hi/lo */
     double p = 2.08767569878680989792e-09;                                             /* 1/12! */
@@ -65,7 +67,7 @@ HS_HD double hs_exp_nonpos_f64(double x) {
     uint64_t bits = (uint64_t)(uint32_t)((int32_t)n + 1023) << 52;
     double scale;
     memcpy(&scale, &bits, sizeof scale);
-    return x < -708.0 ? 0.0 : p * scale;
+    return x != x ? x : x < -708.0 ? 0.0 : p * scale;
 }
 
 /* Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11): word 0 of the

@@ -242,9 +242,9 @@ hs_status hs_verify_sample(const void *tree_tokens, hs_dtype token_dtype, const 
                            int64_t *out_next, int64_t *out_draws, void *ws, size_t ws_bytes,
                            hs_error *err) {
     static const char op[] = "verify_sample";
-    if (!(sp.temperature > 0.0) || !isfinite(sp.temperature))
+    if (!(sp.temperature >= HS_MIN_TEMPERATURE) || !isfinite(sp.temperature))
         return hs_fail(err, HS_ERR_VALUE, op, "temperature",
-                       "expected a finite value > 0 (use verify_greedy for greedy decoding), got %g",
+                       "expected a finite value >= 1e-30 (use verify_greedy for greedy decoding), got %g",
                        sp.temperature);
     if (sp.top_k < 0)
         return hs_fail(err, HS_ERR_VALUE, op, "top_k", "expected >= 0 (0 disables it), got %lld",

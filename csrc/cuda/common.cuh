@@ -42,6 +42,7 @@ extern thread_local dim3 thread_idx, block_idx;
 extern thread_local dim3 block_dim, grid_dim;
 extern thread_local char *smem;
 extern thread_local std::barrier<> *bar;
+extern std::atomic<long long> blocks_run; /* blocks every launch ran so far (hs_cuda_emu_blocks; for tests) */
 }
 #define threadIdx (hs_emu::thread_idx)
 #define blockIdx (hs_emu::block_idx)
@@ -99,6 +100,7 @@ template <class... P, class... A>
 inline int hs_emu_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
     if (block.x > 1024 || smem > HS_EMU_SMEM_LIMIT) return 1;
     std::vector<char> buf(smem + 16);
+    hs_emu::blocks_run += grid.x;
     for (unsigned b = 0; b < grid.x; b++) {
         std::barrier<> barrier((std::ptrdiff_t)block.x);
         std::vector<std::thread> threads;

@@ -78,8 +78,8 @@ extern "C" hs_status hs_cuda_topk_entropy(const void *logits, hs_dtype dtype, in
     static const char op[] = "topk_entropy";
     if (k < 1 || k > V)
         return hs_fail(herr, HS_ERR_VALUE, op, "k", "expected 1 <= k <= V = %lld, got %lld", (long long)V, (long long)k);
-    if (!(temperature > 0.0) || !isfinite(temperature))
-        return hs_fail(herr, HS_ERR_VALUE, op, "temperature", "expected a finite value > 0, got %g", temperature);
+    if (!(temperature >= HS_MIN_TEMPERATURE) || !isfinite(temperature))
+        return hs_fail(herr, HS_ERR_VALUE, op, "temperature", "expected a finite value >= 1e-30, got %g", temperature);
     if (ws_bytes < hs_cuda_topk_entropy_workspace_bytes(rows, k, V))
         return hs_fail(herr, HS_ERR_WORKSPACE, op, "workspace", "expected >= %zu bytes, got %zu",
                        hs_cuda_topk_entropy_workspace_bytes(rows, k, V), ws_bytes);

@@ -2,7 +2,7 @@
  * kv.cu -- kv_compact as a CUDA kernel (semantics: docs/ops.md; CPU twin: csrc/core/kv.c).
  *
  * One launch for up to 64 tensors (descriptors passed by value, so a captured graph keeps them), one block
- * per (tensor, leading index); every block checks the prefix (a device value read when the kernel runs, or
+ * per (tensor, leading index) of the tensors that hold bytes; every block checks the prefix (a device value read when the kernel runs, or
  * a host int) and the -1-padded slots first, in parallel over the entries, so a bad call moves nothing.
  */
 #include "common.cuh"
@@ -47,8 +47,8 @@ __device__ long long hs_kv_row_check(const void *slots, int sdt, int64_t base, i
     return hs_block_reduce(bad, red, hs_op_min());
 }
 
-/* Blocks [0, first_block[count]) move the rows of one (tensor, leading index) each; a launch for no rows has one
- * block that only checks.  Every block first checks the prefixes and slots of every request (in order, in
+/* Blocks [0, first_block[count]) move the rows of one (tensor, leading index) each, tensors without bytes having
+ * none (first_block[i] == first_block[i + 1]); a launch for no rows has one block that only checks.  Every block first checks the prefixes and slots of every request (in order, in
  * parallel over the entries), so a bad call moves nothing anywhere; block 0 records the error the CPU core
  * would raise (the first failing request; in it the first -1 entry ends the list; a non-(-1) entry after it
  * first, then the valid entries in order).  Each tensor is [batch * inner', S, row]: leading index h belongs
@@ -144,7 +144,9 @@ extern "C" hs_status hs_cuda_kv_compact(const hs_kv_tensor *tensors, int64_t cou
         for (int i = 0; i < kb.count; i++) {
             kb.t[i] = tensors[first + i];
             kb.first_block[i] = blocks;
-            blocks += kb.t[i].inner;
+            /* a tensor without bytes (S or the row size 0) has nothing to move: no blocks, so its leading rows cost no
+             * launch (its S still bounds the slots, through min_S) */
+            if (kb.t[i].S > 0 && kb.t[i].row_bytes > 0) blocks += kb.t[i].inner;
         }
         kb.first_block[kb.count] = blocks;
         if (blocks > 0x7fffffffll)

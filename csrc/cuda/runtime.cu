@@ -37,6 +37,14 @@ extern "C" int hs_cuda_emulated(void) {
 #endif
 }
 
+extern "C" long long hs_cuda_emu_blocks(void) {
+#ifdef HS_CUDA_EMU
+    return hs_emu::blocks_run.load();
+#else
+    return -1;
+#endif
+}
+
 extern "C" const char *hs_cuda_archs(void) {
 #ifdef HS_CUDA_ARCHS
     return HS_CUDA_ARCHS;
@@ -313,5 +321,6 @@ thread_local dim3 thread_idx, block_idx;
 thread_local dim3 block_dim, grid_dim;
 thread_local char *smem;
 thread_local std::barrier<> *bar;
+std::atomic<long long> blocks_run{0};
 }
 #endif

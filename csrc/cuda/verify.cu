@@ -776,9 +776,9 @@ extern "C" hs_status hs_cuda_verify_sample(const void *tree_tokens, hs_dtype tok
                                            int64_t *out_next, int64_t *out_draws, void *ws, size_t ws_bytes,
                                            hs_cuda_error *err, void *stream, hs_error *herr) {
     static const char op[] = "verify_sample";
-    if (!(sp.temperature > 0.0) || !isfinite(sp.temperature))
+    if (!(sp.temperature >= HS_MIN_TEMPERATURE) || !isfinite(sp.temperature))
         return hs_fail(herr, HS_ERR_VALUE, op, "temperature",
-                       "expected a finite value > 0 (use verify_greedy for greedy decoding), got %g", sp.temperature);
+                       "expected a finite value >= 1e-30 (use verify_greedy for greedy decoding), got %g", sp.temperature);
     if (sp.top_k < 0)
         return hs_fail(herr, HS_ERR_VALUE, op, "top_k", "expected >= 0 (0 disables it), got %lld", (long long)sp.top_k);
     if (!(sp.top_p > 0.0 && sp.top_p <= 1.0))

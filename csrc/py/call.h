@@ -159,6 +159,7 @@ HS_FASTCALL(py_kv_compact);
 PyObject *py_philox4x32(PyObject *self, PyObject *args);
 PyObject *py_philox_uniform(PyObject *self, PyObject *args);
 PyObject *py_build_info(PyObject *self, PyObject *args);
+PyObject *py_emu_blocks(PyObject *self, PyObject *args);
 PyObject *py_cuda_check(PyObject *self, PyObject *args);
 PyObject *py_cuda_reserve(PyObject *self, PyObject *args);
 PyObject *py_cuda_chunks(PyObject *self, PyObject *args);

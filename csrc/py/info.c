@@ -42,6 +42,17 @@ PyObject *py_build_info(PyObject *self, PyObject *args) {
     return d;
 }
 
+/* _emu_blocks() -> the kernel blocks the emulated build has run since it loaded (None in other builds): a launch's
+ * grid, seen by tests without a GPU. */
+PyObject *py_emu_blocks(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+#ifdef HS_WITH_CUDA
+    if (hs_cuda_emulated()) return PyLong_FromLongLong(hs_cuda_emu_blocks());
+#endif
+    Py_RETURN_NONE;
+}
+
 #ifndef HS_WITH_CUDA
 /* What the CUDA utilities raise in a build without CUDA. */
 static PyObject *hs_no_cuda(const char *fn) {

@@ -30,6 +30,8 @@ static PyMethodDef hs_methods[] = {
     {"cuda_check", py_cuda_check, METH_VARARGS, "cuda_check(device, stream): sync and raise recorded device errors"},
     {"cuda_reserve", py_cuda_reserve, METH_VARARGS, "cuda_reserve(device, bytes): grow the CUDA workspace now"},
     {"cuda_chunks", py_cuda_chunks, METH_VARARGS, "cuda_chunks(rows, V): chunks per row of the split-row kernels"},
+    {"_emu_blocks", py_emu_blocks, METH_NOARGS,
+     "_emu_blocks() -> kernel blocks the emulated CUDA build has run since it loaded; None in other builds (for tests)"},
     {"_set_release_gil", py_set_release_gil, METH_O,
      "_set_release_gil(flag) -> the previous setting: whether core calls release the GIL (default True; for tests)"},
     {NULL, NULL, 0, NULL},

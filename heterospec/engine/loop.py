@@ -78,8 +78,10 @@ def _exclusive(method):
 def _check_generate_args(max_new_tokens, temperature, top_k, top_p):
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"generate: argument 'max_new_tokens' expected an int >= 1, got {max_new_tokens!r}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"generate: argument 'temperature' expected a finite value >= 0, got {temperature!r}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
+            and (temperature == 0 or temperature >= ops.MIN_TEMPERATURE)):
+        raise ValueError(f"generate: argument 'temperature' expected 0 (greedy) or a finite value >= "
+                         f"{ops.MIN_TEMPERATURE:g}, got {temperature!r}")
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
         raise ValueError(f"generate: argument 'top_k' expected an int >= 0, got {top_k!r}")
     if not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):

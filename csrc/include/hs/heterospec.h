@@ -125,8 +125,13 @@ hs_status hs_verify_greedy(const void *tree_tokens, hs_dtype token_dtype, const 
                            hs_dtype logit_dtype, int64_t V, int64_t *out_path, int64_t *out_len,
                            int64_t *out_next, hs_error *err);
 
+/* The smallest temperature the ops take (topk_entropy, verify_sample): every finite logit of the supported dtypes
+ * (|x| <= 3.4e38, float32's largest) divided by it stays finite in float64 (3.4e68), so z - max z is never
+ * inf - inf.  Below it, use greedy decoding (docs/ops.md). */
+#define HS_MIN_TEMPERATURE 1e-30
+
 typedef struct hs_sampling {
-    double temperature; /* > 0 */
+    double temperature; /* >= HS_MIN_TEMPERATURE */
     int64_t top_k;      /* 0 = off */
     double top_p;       /* (0, 1]; 1 = off */
 } hs_sampling;

@@ -142,6 +142,8 @@ hs_status hs_cuda_memcpy_d2h(void *dst, const void *src, size_t bytes, void *str
 const char *hs_cuda_archs(void);
 int hs_cuda_runtime_version(void);
 int hs_cuda_emulated(void);
+/* The emulated build: kernel blocks run since the library loaded (-1 in a real CUDA build). */
+long long hs_cuda_emu_blocks(void);
 
 #ifdef __cplusplus
 }
