@@ -262,6 +262,21 @@ def test_kv_compact_parity_many_tensors_one_launch(dtype):
         np.testing.assert_array_equal(D.get(d), h)
 
 
+@pytest.mark.parametrize("prepared", [False, True])
+def test_kv_compact_tensors_without_bytes_among_others_parity(prepared):
+    # Tensors with S > 0 but no bytes per row (D = 0) get no blocks (csrc/cuda/kv.cu, fuzz finding 12); interleaved
+    # with real tensors, over more than one launch's 64, every real tensor must still get its own blocks.
+    rng = np.random.default_rng(8)
+    shapes = [(2, 3, 20, 8), (40, 20, 0), (1, 20, 5), (3, 7, 20, 0), (4, 20, 16)] * 15   # 75 tensors, 30 empty
+    host = [(rng.normal(size=s) * 100).astype(np.float32) for s in shapes]
+    devs = [D.put(h) for h in host]
+    slots = np.array([0, 2, 3, 7, 9], np.int64)
+    ops.kv_compact(host, 6, slots)
+    ops.kv_compact(ops.KVTensors(devs) if prepared else devs, 6, D.put(slots))
+    for h, d in zip(host, devs):
+        np.testing.assert_array_equal(D.get(d), h)
+
+
 def test_kv_compact_bad_slots_move_nothing():
     a = np.arange(2 * 10 * 4, dtype=np.float32).reshape(2, 10, 4)
     d = D.put(a)
