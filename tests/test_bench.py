@@ -456,7 +456,8 @@ def test_bench_command_refuses_bad_arguments(tmp_path):
     for extra, needle in (
         (["--questions", *qfiles, "--methods", "ar,beam"], "argument 'methods' expected distinct names"),
         (["--questions", str(tmp_path / "none.jsonl")], "cannot read question file"),
-        (["--questions", *qfiles, "--temperature", "-1"], "--temperature expected values >= 0"),
+        (["--questions", *qfiles, "--temperature", "-1"], "--temperature expected values 0 (greedy) or >= 1e-30"),
+        (["--questions", *qfiles, "--temperature", "1e-40"], "--temperature expected values 0 (greedy) or >= 1e-30"),
         (["--questions", *qfiles, "--methods", "ar,eagle3-tuned", "--tuned-tree", "x"], "'--tuned-tree' expected"),
     ):
         res = subprocess.run(base + extra, capture_output=True, text=True, timeout=300)

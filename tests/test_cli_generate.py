@@ -153,6 +153,7 @@ def _parsed(argv):
     (["--draft", "EMPTYCFG"], "--draft"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--temperature", "-1"], "--temperature"),
+    (["--temperature", "1e-31"], "--temperature"),
     (["--top-p", "0"], "--top-p"),
     (["--top-k", "-2"], "--top-k"),
     (["--depth", "0"], "--depth"),

@@ -221,8 +221,10 @@ def resolve_generate(args):
     _need(args.max_new_tokens >= 1, "--max-new-tokens", "an int >= 1", args.max_new_tokens)
     import math
 
-    _need(math.isfinite(args.temperature) and args.temperature >= 0, "--temperature",
-          "a finite value >= 0 (0: greedy)", args.temperature)
+    from ..ops import MIN_TEMPERATURE
+
+    _need(math.isfinite(args.temperature) and (args.temperature == 0 or args.temperature >= MIN_TEMPERATURE),
+          "--temperature", f"0 (greedy) or a finite value >= {MIN_TEMPERATURE:g}", args.temperature)
     _need(args.top_k >= 0, "--top-k", "an int >= 0 (0: off)", args.top_k)
     _need(0 < args.top_p <= 1, "--top-p", "a value in (0, 1]", args.top_p)
     _check_tree(args)

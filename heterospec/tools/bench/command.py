@@ -42,9 +42,12 @@ def main(args, out=None):
     t_start = time.perf_counter()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"heterospec bench: --device {args.device} but torch sees no CUDA device")
+    from ...ops import MIN_TEMPERATURE
+
     for t in args.temperature:
-        if not (math.isfinite(t) and t >= 0):
-            raise SystemExit(f"heterospec bench: --temperature expected values >= 0, got {t}")
+        if not (math.isfinite(t) and (t == 0 or t >= MIN_TEMPERATURE)):
+            raise SystemExit(f"heterospec bench: --temperature expected values 0 (greedy) or >= {MIN_TEMPERATURE:g}, "
+                             f"got {t}")
     if args.max_new_tokens < 1:
         raise SystemExit(f"heterospec bench: --max-new-tokens expected an int >= 1, got {args.max_new_tokens}")
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
