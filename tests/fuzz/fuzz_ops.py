@@ -57,6 +57,10 @@ DEVICE_ERRORS = DOCUMENTED + (_C.CudaError,)
 DTYPES = ["float32", "float16", "float64", "int64", "int32", "uint8", "int16", "bool", "complex64", "bfloat16"]
 LAYOUTS = ["c", "c", "c", "c", "strided", "reversed", "fortran", "broadcast", "misaligned"]
 DEVICES = ["numpy", "numpy", "torch", "emu"]
+# HETEROSPEC_FUZZ_DEVICES=numpy,torch: a worker without the emulated device, several times faster per input (an input
+# drawn for another device runs on NumPy arrays); the default draws all three
+_ONLY = [d for d in os.environ.get("HETEROSPEC_FUZZ_DEVICES", "").split(",") if d]
+assert set(_ONLY) <= set(DEVICES), f"HETEROSPEC_FUZZ_DEVICES: expected names from {sorted(set(DEVICES))}, got {_ONLY}"
 MAX_ELEMENTS = 1 << 14
 EMU_MAX_KV_BLOCKS = 32   # an emulated kv_compact of more leading rows (with bytes) runs on NumPy arrays instead: at
                          # 128 std::threads a block, hundreds of blocks take seconds, and -timeout would call it a hang
@@ -486,7 +490,7 @@ def one_input(data):
     g = Gen(data)
     name, args, kwargs = g.pick(CALLS)(g)
     device = g.pick(DEVICES)
-    if device == "emu" and not EMU or device == "torch" and torch is None:
+    if device == "emu" and not EMU or device == "torch" and torch is None or _ONLY and device not in _ONLY:
         device = "numpy"
     bf16 = uses(args, kwargs, lambda a: a.dtype == "bfloat16")
     if device == "emu" and name in ("kv_compact", "KVTensors") and emu_kv_blocks(args[0]) > EMU_MAX_KV_BLOCKS:
