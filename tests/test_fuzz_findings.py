@@ -231,3 +231,23 @@ def test_generate_refuses_temperatures_between_greedy_and_the_floor():
         _check_generate_args(8, 1e-31, 0, 1.0)
     _check_generate_args(8, 0, 0, 1.0)
     _check_generate_args(8, 1e-30, 0, 1.0)
+
+
+# Finding 13 (the C core refused what the reference accepted; a CPU-only fuzz worker): kv_compact with no tensors
+# and prefix_len 2**63 - 1.  The binding's "no tensors" was S = INT64_MAX, which still refused prefix + slot >=
+# INT64_MAX; docs/ops.md bounds the slots by every tensor's S, so with no tensors nothing bounds them.
+def test_kv_compact_without_tensors_bounds_no_slot(impl):
+    impl.kv_compact([], 2**63 - 1, np.array([0, 5]))
+    with pytest.raises(ValueError, match=r"argument 'slots' expected prefix_len \+ slot.* < S = 4"):
+        impl.kv_compact([np.zeros((4, 1), np.float32)], 2**63 - 1, np.array([0]))
+
+
+def test_device_kv_compact_without_tensors_bounds_no_slot(c_ops):
+    import heterospec
+
+    if not heterospec.build_info().get("cuda_emulated"):
+        pytest.skip("needs the emulated CUDA build for device slots without a GPU")
+    from _dlpack import EmuCuda
+
+    c_ops.kv_compact([], 2**63 - 1, EmuCuda(np.array([0, 5])))
+    c_ops.kv_compact([], EmuCuda(np.array([2**63 - 1])), EmuCuda(np.array([0, 5])))

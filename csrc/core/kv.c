@@ -49,7 +49,9 @@ hs_status hs_kv_compact_check(int64_t batch, int64_t S, const int64_t *prefix_le
                 return hs_fail(err, HS_ERR_VALUE, op, "slots",
                                "expected strictly ascending slots, got %lld at [%lld] after %lld", (long long)s,
                                (long long)i, (long long)hs_load_id(slots, slot_dtype, base + i - 1));
-            if (s >= S - P) /* P + s >= S without overflow (0 <= P, 0 <= S) */
+            /* P + s >= S without overflow (0 <= P, 0 <= S); S = INT64_MAX is the binding's "no tensors", which bound
+             * nothing (docs/ops.md: the bound holds for every tensor) */
+            if (S != INT64_MAX && s >= S - P)
                 return hs_fail(err, HS_ERR_VALUE, op, "slots",
                                "expected prefix_len + slot < S = %lld, got %lld + %lld at [%lld]", (long long)S,
                                (long long)P, (long long)s, (long long)i);

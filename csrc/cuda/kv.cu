@@ -39,7 +39,9 @@ __device__ long long hs_kv_row_check(const void *slots, int sdt, int64_t base, i
             const int64_t s = hs_ld_id(slots, sdt, base + i);
             long long key = HS_KV_NONE;
             if (i > mv) key = s != -1 ? i : HS_KV_NONE;
-            else if (i < mv && (s < i || (i > 0 && s <= hs_ld_id(slots, sdt, base + i - 1)) || s >= lim)) key = m + i;
+            else if (i < mv && (s < i || (i > 0 && s <= hs_ld_id(slots, sdt, base + i - 1)) ||
+                                (min_S != HS_KV_NONE && s >= lim))) /* no tensors: no bound */
+                key = m + i;
             bad = key < bad ? key : bad;
         }
     }

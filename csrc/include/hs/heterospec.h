@@ -164,7 +164,7 @@ hs_status hs_kv_compact(void *data, int64_t batch, int64_t inner, int64_t S, int
                         const int64_t *m, hs_error *err);
 
 /* Checks the slots of hs_kv_compact against S without touching data (so a caller compacting many
- * tensors can validate once and fail before modifying any of them). */
+ * tensors can validate once and fail before modifying any of them).  S = INT64_MAX: no bound (no tensors). */
 hs_status hs_kv_compact_check(int64_t batch, int64_t S, const int64_t *prefix_len, const void *slots,
                               hs_dtype slot_dtype, int64_t SM, const int64_t *m, hs_error *err);
 
