@@ -1,5 +1,7 @@
-"""Small result types shared by the C-backed ops and the NumPy reference."""
+"""Small result types and argument rules shared by the C-backed ops and the NumPy reference."""
 from typing import Any, NamedTuple
+
+import numpy as np
 
 # The ops every implementation (heterospec.ops: C core; heterospec.reference: NumPy) provides, with the
 # same names and semantics (docs/ops.md).
@@ -19,6 +21,12 @@ OP_NAMES = (
 # The smallest temperature topk_entropy and verify_sample take (csrc's HS_MIN_TEMPERATURE): any finite float32
 # logit divided by it stays finite in float64, so softmax(x / T) never meets inf - inf.  Below it, decode greedily.
 MIN_TEMPERATURE = 1e-30
+
+
+def sequence_as_array(x):
+    """A Python list or tuple given for an array argument becomes a NumPy array (a convenience for small arguments);
+    arrays, tensors and scalars pass through untouched.  Both implementations apply it to the same arguments."""
+    return np.asarray(x) if isinstance(x, (list, tuple)) else x
 
 
 class VerifyTree(NamedTuple):

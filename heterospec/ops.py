@@ -35,7 +35,7 @@ import operator
 import numpy as np
 
 from . import _C
-from ._types import MIN_TEMPERATURE, OP_NAMES, VerifyTree
+from ._types import MIN_TEMPERATURE, OP_NAMES, VerifyTree, sequence_as_array
 
 __all__ = [*OP_NAMES, "VerifyTree", "KVTensors", "MIN_TEMPERATURE"]
 
@@ -126,9 +126,7 @@ def cuda_reserve(device, nbytes):
     return _C.cuda_reserve(0 if index is None else int(index), int(nbytes))
 
 
-def _arr(x):
-    # Python sequences are a convenience for small arguments; arrays and tensors pass through untouched.
-    return np.asarray(x) if isinstance(x, (list, tuple)) else x
+_arr = sequence_as_array
 
 
 def _logits_arr(x, op, name):

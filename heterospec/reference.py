@@ -19,7 +19,7 @@ import numbers
 
 import numpy as np
 
-from ._types import MIN_TEMPERATURE, OP_NAMES, VerifyTree
+from ._types import MIN_TEMPERATURE, OP_NAMES, VerifyTree, sequence_as_array
 
 __all__ = [*OP_NAMES, "VerifyTree", "KVTensors"]
 
@@ -777,6 +777,7 @@ def select(scores, n, *, m=None, width=None, stream=None, check=True):
     m int64 [batch], output width default M for an array n, n for an int): int64 [batch, width], row b the
     unbatched call on scores[b, :m[b]] with n[b], padded with -1."""
     op = "select"
+    n, m = sequence_as_array(n), sequence_as_array(m)   # as heterospec.ops takes them
     if m is not None or width is not None or _is_array_like(n):
         if np.ndim(scores) != 2:
             _fail(ValueError, op, "n", "an int for unbatched scores ([M]); per-row sizes (an array n, m or width) "
@@ -818,8 +819,9 @@ def build_tree(tokens, parents, selected, root_token, *, n=None, stream=None, ch
     selected [batch, N], n None or int64 [batch], root_token an int or int64 [batch]): (VerifyTree of
     [batch, N+1] / [batch, N+1, N+1] arrays, rows past n[b]+1 -1 and mask False, num_leaves [batch],
     max_depth [batch]), each row the unbatched call with device_outputs on its first n[b] entries."""
+    n = sequence_as_array(n)   # as heterospec.ops takes it (and a batched call's root_token)
     if np.ndim(tokens) == 2:
-        return _build_tree_batch(tokens, parents, selected, root_token, n)
+        return _build_tree_batch(tokens, parents, selected, sequence_as_array(root_token), n)
     if n is not None:
         _fail(ValueError, "build_tree", "n", "None for an unbatched tree ([M] tokens)", "an array")
     tree = _build_tree_host(tokens, parents, selected, root_token)
@@ -934,6 +936,7 @@ def verify_greedy(tree_tokens, tree_parents, target_logits, *, n=None, stream=No
     """Greedy tree verification -> (path int64[len], next_token int), or with device_outputs
     (path[n] padded with -1, length, next_token) as arrays.  Batched ([batch, T] trees, [batch, T, V] logits,
     n None or int64 [batch]): (path [batch, T] padded with -1, length [batch], next_token [batch])."""
+    n = sequence_as_array(n)   # as heterospec.ops takes it
     if np.ndim(tree_tokens) == 2:
         tok, par, x, counts = _batch_rows("verify_greedy", tree_tokens, tree_parents, target_logits, n)
         B, T = tok.shape
@@ -960,6 +963,7 @@ def verify_sample(tree_tokens, tree_parents, target_logits, *, temperature, top_
     uint64 value, as the CUDA kernel reads them), read when the op runs; with advance_offset=True (an array
     offset only) offset + draws (mod 2^64) is written back into it in place."""
     op = "verify_sample"
+    n = sequence_as_array(n)   # as heterospec.ops takes it
     if np.ndim(tree_tokens) == 2:
         tok, par, x, counts = _batch_rows(op, tree_tokens, tree_parents, target_logits, n)
         B, T = tok.shape

@@ -251,3 +251,20 @@ def test_device_kv_compact_without_tensors_bounds_no_slot(c_ops):
 
     c_ops.kv_compact([], 2**63 - 1, EmuCuda(np.array([0, 5])))
     c_ops.kv_compact([], EmuCuda(np.array([2**63 - 1])), EmuCuda(np.array([0, 5])))
+
+
+# Finding 14 (the C core accepted what the reference refused; a CPU-only worker): select(scores[1, M], n=[1]).
+# heterospec.ops turns a Python list given for an array argument into a NumPy array (n, m, a batched root_token,
+# ...); the reference refused the list as "not an int".  Both now apply the one rule (_types.sequence_as_array) to
+# the same arguments.
+def test_a_list_for_per_row_counts_is_an_array_in_both(impl):
+    scores = np.array([[0.1, 0.9, 0.5]], np.float32)
+    assert impl.select(scores, [1]).tolist() == [[1, -1, -1]]   # width M for per-row n, padded with -1
+    assert impl.select(scores, [2], m=[2]).tolist() == [[0, 1, -1]]
+    toks, pars = np.array([[5, 6]]), np.array([[-1, 0]])
+    tree = impl.build_tree(toks, pars, np.array([[0, 1]]), [7], n=[1])[0]
+    assert np.asarray(tree.tokens).tolist() == [[7, 5, -1]]
+    logits = np.zeros((1, 2, 8), np.float32)
+    logits[0, 0, 5] = 1.0
+    path, length, nxt = impl.verify_greedy(np.array([[7, 5]]), np.array([[-1, 0]]), logits, n=[2])
+    assert np.asarray(length).tolist() == [2] and np.asarray(path)[0, :2].tolist() == [0, 1]
