@@ -764,6 +764,9 @@ def expand(logits, beam_scores, beam_nodes, k, d2t=None, node_offset=0, *, strea
                 _fail(ValueError, op, name, f"shape ({nb}, {B}) (one row of beams per batch row)", f"{tuple(a.shape)}")
         rows = [_expand_host(x[b], sc[b], nd[b], k, d2t, node_offset) for b in range(nb)]
         if not rows:
+            # no rows: k, d2t and node_offset are still checked as the C core checks them, on one row of zeros
+            _expand_host(np.zeros(x.shape[1:], np.float32), np.zeros(B, np.float32), np.zeros(B, np.int64), k, d2t,
+                         node_offset)
             kk = _int(op, "k", k, 1)
             return (np.zeros((0, B * kk), np.int64), np.zeros((0, B * kk), np.float32), np.zeros((0, B * kk), np.int64),
                     np.zeros((0, B), np.float32), np.zeros((0, kk), np.int64))

@@ -268,3 +268,16 @@ def test_a_list_for_per_row_counts_is_an_array_in_both(impl):
     logits[0, 0, 5] = 1.0
     path, length, nxt = impl.verify_greedy(np.array([[7, 5]]), np.array([[-1, 0]]), logits, n=[2])
     assert np.asarray(length).tolist() == [2] and np.asarray(path)[0, :2].tolist() == [0, 1]
+
+
+# Finding 15 (the C core refused what the reference accepted; a CPU-only worker, after 1,026,341 executions): a
+# batched expand of no rows with k = 2**31 - 1 > Vd.  As finding 7 for select: the reference checked nothing but
+# k >= 1 without rows; it now checks k, d2t and node_offset on a row of zeros, as the C core checks them.
+def test_expand_checks_k_against_vd_even_without_rows(impl):
+    empty = np.zeros((0, 1, 3), np.float32), np.zeros((0, 1), np.float32), np.zeros((0, 1), np.int64)
+    with pytest.raises(ValueError, match="argument 'k'"):
+        impl.expand(*empty, 2**31 - 1)
+    with pytest.raises(ValueError, match="argument 'd2t'"):
+        impl.expand(*empty, 2, d2t=np.array([0, 1]))   # d2t needs one entry per draft token (Vd = 3)
+    out = impl.expand(*empty, 2)
+    assert [tuple(np.shape(o)) for o in out] == [(0, 2), (0, 2), (0, 2), (0, 1), (0, 2)]
