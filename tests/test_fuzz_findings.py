@@ -162,11 +162,11 @@ def test_kv_compact_slots_at_the_int64_extremes_are_compared_not_subtracted(impl
         impl.kv_compact([np.zeros((4, 2), np.float32)], 0, np.array([-2**63, 2**63 - 1]))
 
 
-# Open input timeout-f2d350db (tests/fuzz/open/, now closed) and CI's timeout-ea3880da: the CUDA kv_compact launched
-# one block per leading row of every tensor, even of tensors without bytes (S or the row size 0) -- 35,568 blocks
-# for a (2, 234, 76, 0, 1) tensor, a wasted launch on a GPU and a 20 s hang in the emulation.  Tensors without bytes
-# now get no blocks; between real tensors they must not shift the others' blocks.  The emulated build counts the
-# blocks it runs (_C._emu_blocks), so the launch itself is checked.
+# Finding 12 (timeouts: the open input timeout-f2d350db of tests/fuzz/open/, and timeout-ea3880da from a replica of
+# CI's fuzz stage): the CUDA kv_compact launched one block per leading row of every tensor, even of tensors without
+# bytes (S or the row size 0) -- 35,568 blocks for a (2, 234, 76, 0, 1) tensor, a wasted launch on a GPU and a 20 s
+# hang in the emulation.  Tensors without bytes now get no blocks; between real tensors they must not shift the
+# others' blocks.  The emulated build counts the blocks it runs (_C._emu_blocks), so the launch itself is checked.
 def test_device_kv_compact_launches_no_blocks_for_tensors_without_bytes(c_ops):
     import heterospec
     from heterospec import _C
