@@ -1,4 +1,5 @@
 """Small result types and argument rules shared by the C-backed ops and the NumPy reference."""
+import math
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -21,6 +22,12 @@ OP_NAMES = (
 # The smallest temperature topk_entropy and verify_sample take (csrc's HS_MIN_TEMPERATURE): any finite float32
 # logit divided by it stays finite in float64, so softmax(x / T) never meets inf - inf.  Below it, decode greedily.
 MIN_TEMPERATURE = 1e-30
+
+
+def is_decoding_temperature(t):
+    """Whether a decoding call (generate, the CLI) takes temperature ``t``: 0 (greedy), or finite and at least
+    MIN_TEMPERATURE."""
+    return isinstance(t, (int, float)) and math.isfinite(t) and (t == 0 or t >= MIN_TEMPERATURE)
 
 
 def sequence_as_array(x):

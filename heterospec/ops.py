@@ -35,9 +35,9 @@ import operator
 import numpy as np
 
 from . import _C
-from ._types import MIN_TEMPERATURE, OP_NAMES, VerifyTree, sequence_as_array
+from ._types import MIN_TEMPERATURE, OP_NAMES, VerifyTree, is_decoding_temperature, sequence_as_array
 
-__all__ = [*OP_NAMES, "VerifyTree", "KVTensors", "MIN_TEMPERATURE"]
+__all__ = [*OP_NAMES, "VerifyTree", "KVTensors", "MIN_TEMPERATURE", "is_decoding_temperature"]
 
 
 def _np_alloc(shape, dtype):

@@ -2,8 +2,9 @@
  * kv.cu -- kv_compact as a CUDA kernel (semantics: docs/ops.md; CPU twin: csrc/core/kv.c).
  *
  * One launch for up to 64 tensors (descriptors passed by value, so a captured graph keeps them), one block
- * per (tensor, leading index) of the tensors that hold bytes; every block checks the prefix (a device value read when the kernel runs, or
- * a host int) and the -1-padded slots first, in parallel over the entries, so a bad call moves nothing.
+ * per (tensor, leading index) of the tensors that hold bytes; every block checks the prefix (a device value read
+ * when the kernel runs, or a host int) and the -1-padded slots first, in parallel over the entries, so a bad call
+ * moves nothing.
  */
 #include "common.cuh"
 
@@ -50,11 +51,11 @@ __device__ long long hs_kv_row_check(const void *slots, int sdt, int64_t base, i
 }
 
 /* Blocks [0, first_block[count]) move the rows of one (tensor, leading index) each, tensors without bytes having
- * none (first_block[i] == first_block[i + 1]); a launch for no rows has one block that only checks.  Every block first checks the prefixes and slots of every request (in order, in
- * parallel over the entries), so a bad call moves nothing anywhere; block 0 records the error the CPU core
- * would raise (the first failing request; in it the first -1 entry ends the list; a non-(-1) entry after it
- * first, then the valid entries in order).  Each tensor is [batch * inner', S, row]: leading index h belongs
- * to request h / inner'. */
+ * none (first_block[i] == first_block[i + 1]); a launch for no rows has one block that only checks.  Every block
+ * first checks the prefixes and slots of every request (in order, in parallel over the entries), so a bad call
+ * moves nothing anywhere; block 0 records the error the CPU core would raise (the first failing request; in it
+ * the first -1 entry ends the list; a non-(-1) entry after it first, then the valid entries in order).  Each
+ * tensor is [batch * inner', S, row]: leading index h belongs to request h / inner'. */
 __global__ void HS_BOUNDS(HS_KV_THREADS) hs_k_kv_compact(hs_kv_batch kb, int64_t batch, const int64_t *prefix_dev,
                                                          int64_t prefix_host, const void *slots, int sdt, int64_t m,
                                                          int64_t min_S, hs_cuda_error *err) {

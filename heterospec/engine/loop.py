@@ -12,7 +12,6 @@ tokens plus the bonus token); the prefill is counted apart.
 from __future__ import annotations
 
 import functools
-import math
 import threading
 import time
 import warnings
@@ -78,8 +77,7 @@ def _exclusive(method):
 def _check_generate_args(max_new_tokens, temperature, top_k, top_p):
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"generate: argument 'max_new_tokens' expected an int >= 1, got {max_new_tokens!r}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
-            and (temperature == 0 or temperature >= ops.MIN_TEMPERATURE)):
+    if not ops.is_decoding_temperature(temperature):
         raise ValueError(f"generate: argument 'temperature' expected 0 (greedy) or a finite value >= "
                          f"{ops.MIN_TEMPERATURE:g}, got {temperature!r}")
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:

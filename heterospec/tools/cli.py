@@ -219,12 +219,10 @@ def resolve_generate(args):
     from ..policy import Policy
 
     _need(args.max_new_tokens >= 1, "--max-new-tokens", "an int >= 1", args.max_new_tokens)
-    import math
+    from ..ops import MIN_TEMPERATURE, is_decoding_temperature
 
-    from ..ops import MIN_TEMPERATURE
-
-    _need(math.isfinite(args.temperature) and (args.temperature == 0 or args.temperature >= MIN_TEMPERATURE),
-          "--temperature", f"0 (greedy) or a finite value >= {MIN_TEMPERATURE:g}", args.temperature)
+    _need(is_decoding_temperature(args.temperature), "--temperature",
+          f"0 (greedy) or a finite value >= {MIN_TEMPERATURE:g}", args.temperature)
     _need(args.top_k >= 0, "--top-k", "an int >= 0 (0: off)", args.top_k)
     _need(0 < args.top_p <= 1, "--top-p", "a value in (0, 1]", args.top_p)
     _check_tree(args)

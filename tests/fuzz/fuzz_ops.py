@@ -480,8 +480,8 @@ def host_array(args, kwargs):
 
 
 def emu_kv_blocks(tensors):
-    """The blocks of an emulated kv_compact launch: one per leading row of each tensor that holds bytes (csrc/cuda/kv.cu),
-    each 128 std::threads on the host."""
+    """The blocks of an emulated kv_compact launch: one per leading row of each tensor that holds bytes
+    (csrc/cuda/kv.cu), each 128 std::threads on the host."""
     return sum(int(np.prod(t.values.shape[:-2])) for t in tensors
                if isinstance(t, A) and t.values.ndim >= 2 and t.values.shape[-2] and t.values.shape[-1])
 

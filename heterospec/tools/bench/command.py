@@ -42,10 +42,10 @@ def main(args, out=None):
     t_start = time.perf_counter()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"heterospec bench: --device {args.device} but torch sees no CUDA device")
-    from ...ops import MIN_TEMPERATURE
+    from ...ops import MIN_TEMPERATURE, is_decoding_temperature
 
     for t in args.temperature:
-        if not (math.isfinite(t) and (t == 0 or t >= MIN_TEMPERATURE)):
+        if not is_decoding_temperature(t):
             raise SystemExit(f"heterospec bench: --temperature expected values 0 (greedy) or >= {MIN_TEMPERATURE:g}, "
                              f"got {t}")
     if args.max_new_tokens < 1:
