@@ -38,6 +38,7 @@ error; 75 from ``--wait`` while the background run is still going.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import datetime
 import glob
@@ -50,6 +51,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 
@@ -57,6 +59,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import gpu_carry  # noqa: E402  (the bundle format, one implementation for both sides)
+import gpu_window  # noqa: E402  (the ledger, the digests and the window plan)
 
 PHASE_LIMIT_S = 540
 STILL_RUNNING = 75
@@ -88,10 +91,16 @@ class Phase:
     steps: tuple
     needs: tuple = ()         # "cuda" (the CUDA build, else `build` runs first), "pair", "questions", "vllm"
     default: bool = True      # run by a bare `bash .ci/gpu`
+    kind: str = "correctness"  # or "speed": the window plan runs correctness first, side by side; speed alone
+    window: bool = True       # a candidate of the window plan (`--window`)
+    workers: int = 1          # pytest-xdist workers for the phase's pytest steps ({xdist})
 
 
 # faulthandler: a test stuck past 5 minutes (a GPU hang) has its traceback dumped in the log before the limit
-PYTEST = "{py} -m pytest -v -rs -p no:cacheprovider -o faulthandler_timeout=300 --junitxml={dir}/junit-%s.xml"
+# {xdist}: "-n N" with pytest-xdist where it is installed (the device image has it; N from the phase's workers,
+# HETEROSPEC_GPU_XDIST=0 turns it off), so a phase's tests spread over the device machine's 16 cores
+PYTEST = ("{py} -m pytest -v -rs -p no:cacheprovider -o faulthandler_timeout=300 {xdist}"
+          "--junitxml={dir}/junit-%s.xml")
 BENCH = "{py} -m heterospec bench {bench} --questions {questions} --no-plots"
 # a bench exits 1 on a T=0 mismatch after writing results.json: a failure at fp32, a report in bf16
 BENCH_WROTE = "rc == 0 or (rc == 1 and os.path.isfile(os.path.join(dir, 'bench', 'results.json')))"
@@ -101,7 +110,7 @@ CHI2 = "test_sampling_matches_the_target_distribution"
 CHI2_BATCH = "test_sampling_per_row_matches_the_target_distribution"   # the CPU stage runs it (1,500 batched calls)
 
 PHASES = (
-    Phase("build", 1, "the extension with CUDA required; a device seen; heterospec info; versions", (
+    Phase("build", 0.6, "the extension with CUDA required; a device seen; heterospec info; versions", (
         Step("nvidia-smi", "nvidia-smi"),
         Step("build", "HETEROSPEC_CUDA=1 {py} setup.py build_ext --inplace"),
         Step("device", "{py} -c \"import heterospec, sys; i = heterospec.build_info(); print(i); "
@@ -112,69 +121,92 @@ PHASES = (
                          "'cuda': torch.version.cuda, 'transformers': transformers.__version__, "
                          "'gpu': torch.cuda.get_device_name(0)}}))\" | tee {dir}/versions.json"),
     )),
-    Phase("kernels", 1, "CUDA op tests (parity with the CPU core, capture, chi-square, batch rows); the cycle "
-                        "and per-op kernel times against the memory floor", (
+    Phase("kernels", 1, "CUDA op tests: parity with the CPU core, capture, chi-square, batch rows", (
         Step("pytest", PYTEST % "kernels" + " tests/test_cuda.py tests/test_bench_cuda_cycle.py tests/test_batch.py"),
-        Step("cuda-cycle", "{py} -m benchmarks.bench_cuda_cycle --per-op --iters 200 --out {dir}/cuda-cycle.json"),
-        Step("probe", "{py} -m benchmarks.probe_cuda_kernels --out {dir}/probe.json"),
+    ), needs=("cuda",), workers=3),
+    # compute-sanitizer instruments our kernels only (kns=hs_k: every kernel of csrc/cuda is named hs_k_*), so
+    # torch's own kernels run at full speed; no caching allocator, so an overrun past a tensor is seen
+    Phase("sanitizer", 4, "compute-sanitizer memcheck, then racecheck, over the CUDA op tests (our kernels only)", (
+        Step("memcheck", "PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --kernel-name kns=hs_k "
+                         "--error-exitcode 99 --print-limit 20 " + PYTEST % "memcheck" + " -m 'not statistical'"
+                         " tests/test_cuda.py"),
+        Step("racecheck", "compute-sanitizer --tool racecheck --racecheck-report hazard --kernel-name kns=hs_k "
+                          "--error-exitcode 99 --print-limit 20 " + PYTEST % "racecheck" + " -m 'not statistical'"
+                          " tests/test_cuda.py"),
     ), needs=("cuda",)),
-    # The chi-square tests decode 2,000 seeds each: on the first H100 run the whole file did not fit one phase
-    # (28 tests in 540 s, cut in the third sampling test), so they run in two phases of their own.
-    Phase("engine", 6, "the decoding engine's tests on the GPU (HETEROSPEC_TEST_DEVICE=cuda): greedy identity "
+    Phase("kernels-bench", 2, "the cycle and per-op kernel times against the memory floor (V = 49,152 and "
+                              "128,256; greedy and sampled), and the kernel probe", (
+        Step("cuda-cycle", "{py} -m benchmarks.bench_cuda_cycle --per-op --iters 200 --out {dir}/cuda-cycle.json"),
+        Step("cuda-cycle-49k", "{py} -m benchmarks.bench_cuda_cycle --per-op --iters 200 --vocab 49152 "
+                               "--out {dir}/cuda-cycle-49152.json"),
+        Step("probe", "{py} -m benchmarks.probe_cuda_kernels --out {dir}/probe.json"),
+    ), needs=("cuda",), kind="speed"),
+    Phase("engine", 3, "the decoding engine's tests on the GPU (HETEROSPEC_TEST_DEVICE=cuda): greedy identity "
                        "with HF for every method, no host transfer in the cycle, the batched target and the batched engine, "
                        "non-finite logits stopped by the device flags (real CUDA graphs too)", (
         Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "engine" + " -k 'not " + CHI2 + " and not "
              + CHI2_BATCH + "'" + " tests/test_decoding.py tests/test_engine_device.py tests/test_batch_target.py"
              " tests/test_batch_decoding.py tests/test_nonfinite.py"),
-    ), needs=("cuda",)),
-    Phase("engine-chi2-oracle", 6, "chi-square sampling on the GPU with the oracle draft (3 warps x 2,000 seeds)", (
+    ), needs=("cuda",), workers=4),
+    Phase("engine-chi2-oracle", 3, "chi-square sampling on the GPU with the oracle draft (3 warps x 2,000 seeds)", (
         Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "chi2-oracle" + " -k '" + CHI2 + " and oracle'"
              + " tests/test_decoding.py"),
-    ), needs=("cuda",)),
-    Phase("engine-chi2-noisy", 6, "chi-square sampling on the GPU with the noisy draft (3 warps x 2,000 seeds)", (
+    ), needs=("cuda",), workers=3),
+    Phase("engine-chi2-noisy", 3, "chi-square sampling on the GPU with the noisy draft (3 warps x 2,000 seeds)", (
         Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "chi2-noisy" + " -k '" + CHI2 + " and noisy'"
              + " tests/test_decoding.py"),
-    ), needs=("cuda",)),
-    Phase("graphs", 6, "the recorded engine's tests on the GPU: real CUDA graphs, one per tree shape (and per "
+    ), needs=("cuda",), workers=3),
+    Phase("graphs", 3, "the recorded engine's tests on the GPU: real CUDA graphs, one per tree shape (and per "
                        "batch size for a batch), equal to the eager engine token for token and draw for draw", (
         Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "graphs" + " tests/test_graphs.py"
              " tests/test_batch_graphs.py"),
-    ), needs=("cuda",)),
+    ), needs=("cuda",), workers=2),
     Phase("bench", 5, "default pair, fp32, CUDA graphs on: ar, eagle3, heterospec and the HF baselines "
                       "(hf, hf-static, hf-lookup); T=0 identity", (
         Step("bench", BENCH + " --methods ar,hf,hf-static,hf-lookup,eagle3,heterospec --out {dir}/bench"),
-    ), needs=("cuda", "pair", "questions")),
+    ), needs=("cuda", "pair", "questions"), kind="speed"),
     Phase("bench-eager", 4, "default pair, fp32, CUDA graphs off (the eager engine) against hf-static", (
         Step("bench", BENCH + " --cuda-graphs off --methods ar,hf-static,eagle3,heterospec --out {dir}/bench"),
-    ), needs=("cuda", "pair", "questions")),
+    ), needs=("cuda", "pair", "questions"), kind="speed"),
     Phase("bench-bf16", 5, "default pair, bf16, graphs on; agreement with ar reported, not enforced", (
         Step("bench", BENCH + " --dtype bfloat16 --methods ar,hf,hf-static,eagle3,heterospec --out {dir}/bench",
              ok=BENCH_WROTE),
-    ), needs=("cuda", "pair", "questions")),
+    ), needs=("cuda", "pair", "questions"), kind="speed"),
     Phase("bench-tuned", 8, "default pair, fp32: the tree searched on this GPU (eagle3-tuned, heterospec-tuned) "
                             "and the paper's bins, against hf-static", (
         Step("bench", BENCH + " --methods ar,hf-static,eagle3-tuned,heterospec-tuned,heterospec-paper "
                               "--out {dir}/bench"),
-    ), needs=("cuda", "pair", "questions")),
+    ), needs=("cuda", "pair", "questions"), kind="speed"),
     Phase("bench-batch", 6, "default pair, fp32, CUDA graphs on (auto: each batch size recorded in the warm-up): "
                             "throughput against batch size 1, 4, 16, 64 for ar, eagle3, heterospec and HF's batched "
                             "generate (hf, hf-static); every row checked against ar", (
         Step("bench", "{py} -m heterospec bench --batch-size 1,4,16,64 --limit 4 --max-new-tokens "
                       "${{BATCH_TOKENS:-64}} --device cuda --questions {questions} --no-plots "
                       "--methods ar,hf,hf-static,eagle3,heterospec --out {dir}/bench"),
-    ), needs=("cuda", "pair", "questions")),
+    ), needs=("cuda", "pair", "questions"), kind="speed"),
+    # the GPU profile (issue 40.4): calibrate's base-tree search and bins with this GPU's own cost model, written
+    # where `python3 .ci/gpu_window.py record` finds it; it ships as heterospec/data/<head>/profile-cuda.json
+    Phase("profile-gpu", 6, "the default pair's HeteroSpec profile calibrated on this GPU (calibrate --device cuda "
+                            "--cuda-graphs on --search-base-tree, 32 prompts x 128 tokens)", (
+        Step("calibrate", "{py} -m heterospec calibrate --target default --draft default --device cuda --cuda-graphs on "
+                          "--search-base-tree --max-prompts 32 --max-new-tokens 128 --prompts " + CALIB
+                          + " --out {dir}/profile-cuda.json"),
+    ), needs=("cuda", "pair"), kind="speed"),
     Phase("graphs-bench", 7, "benchmarks/bench_graphs.py: the verify forward eager / recorded / compiled+recorded "
                              "and the engine in the three modes, fp32 and bf16", (
         Step("bench-graphs", "{py} -m benchmarks.bench_graphs --out {dir}/bench-graphs"),
+    ), needs=("cuda", "pair"), kind="speed"),
+    # the calibrate step that died on the H200 (a4c01c4 fixed it on the CPU): its own phase, so a window sees it first
+    Phase("calibrate", 1.5, "calibrate --device cuda --cuda-graphs on end to end on the default pair (4 prompts)", (
+        Step("calibrate", "CUDA_LAUNCH_BLOCKING=1 {py} -m heterospec calibrate --target default --draft default --device cuda "
+                          "--max-prompts 4 --max-new-tokens 32 --prompts " + CALIB + " --out {dir}/calibrated.json "
+                          "--cuda-graphs on"),
     ), needs=("cuda", "pair")),
-    Phase("smoke", 2, "demo, generate (heterospec, eagle3, graphs on), calibrate and train-draft with --device cuda", (
+    Phase("smoke", 1.5, "demo, generate (heterospec, eagle3, graphs on) and train-draft with --device cuda", (
         Step("demo", "{py} -m heterospec demo --device cuda --max-new-tokens 64 --no-stream"),
         Step("generate", SMOKE_GEN + " --draft default"),
         Step("generate-eagle3", SMOKE_GEN + " --method eagle3"),
         Step("generate-graphs", SMOKE_GEN + " --draft default --cuda-graphs on"),
-        Step("calibrate", "CUDA_LAUNCH_BLOCKING=1 {py} -m heterospec calibrate --target default --draft default --device cuda "
-                          "--max-prompts 4 --max-new-tokens 32 --prompts " + CALIB + " --out {dir}/calibrated.json "
-                          "--cuda-graphs on"),
         Step("train-draft", "{py} -m heterospec train-draft --target default --device cuda --data " + CALIB
                             + " --max-prompts 8 --max-new-tokens 16 --steps 5 --out {state}/head-smoke"),
     ), needs=("cuda", "pair")),
@@ -187,7 +219,7 @@ PHASES = (
                        "-m pytest -v -s -rxs -p no:cacheprovider --junitxml={dir}/junit-vllm.xml tests/test_vllm_plugin.py"),
         Step("bench", "${{VLLM_PYTHON:-{py}}} -m benchmarks.vllm_bench --target $(cat {dir}/target.txt) --questions "
                       "{questions} --limit 2 --max-new-tokens 128 --out {dir}/vllm"),
-    ), needs=("cuda", "pair", "questions", "vllm"), default=False),
+    ), needs=("cuda", "pair", "questions", "vllm"), default=False, window=False),
     Phase("head", 9, "the head recipe on the GPU, resumable: the target's answers collected into state/head "
                      "shard by shard, then training with --resume; run it again to go on (HEAD_PROMPTS, HEAD_STEPS)", (
         Step("train-draft", "{py} -m heterospec train-draft --target default --device cuda "
@@ -197,7 +229,7 @@ PHASES = (
                             "--batch-size 16 --lr 5e-4 --val-fraction 0.03 --eval-every 100 --patience 5 "
                             "--save-every 100 --resume --out {state}/head/out"),
         Step("log", "cp {state}/head/out/training_log.json {dir}/ && ls -la {state}/head/out"),
-    ), needs=("cuda", "pair"), default=False),
+    ), needs=("cuda", "pair"), default=False, window=False),
 )
 BY_NAME = {p.name: p for p in PHASES}
 
@@ -212,12 +244,21 @@ class Context:
     limit_s: float
     env: dict
     phases: dict              # name -> Phase
+    xdist: bool = False       # pytest-xdist importable by ctx.py (and not turned off)
+    device: str = "none"      # the GPU's name, or "none"
+    digests: dict = dataclasses.field(default_factory=dict)   # name -> the code digest (gpu_window.phase_digest)
 
-    def fill(self, cmd, pdir):
+    def fill(self, cmd, pdir, workers=1):
         return cmd.format(py=shlex.quote(self.py), dir=shlex.quote(pdir),
                           state=shlex.quote(os.path.join(self.work, "state")),
                           bench=bench_args(), questions=shlex.quote(questions(self) or "NO-QUESTIONS-HERE"),
-                          train=" ".join(shlex.quote(t) for t in train_files(self)))
+                          train=" ".join(shlex.quote(t) for t in train_files(self)),
+                          xdist=f"-n {workers} " if self.xdist and workers > 1 else "")
+
+    def digest(self, name):
+        if name not in self.digests:
+            self.digests[name] = gpu_window.phase_digest(self.phases[name], gpu_window.Tree(REPO))
+        return self.digests[name]
 
 
 def bench_args():
@@ -262,16 +303,33 @@ def make_context(phases=None):
         out = None
     os.makedirs(work, exist_ok=True)
     env = dict(os.environ)
+    # site/ is on the path even before a bundle fills it: a background run started with the first bundle sees
+    # the wheels the later calls install
     site = os.path.join(work, "site")
-    if os.path.isdir(site):
-        env["PYTHONPATH"] = site + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    os.makedirs(site, exist_ok=True)
+    env["PYTHONPATH"] = site + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("HETEROSPEC_CACHE", os.path.join(work, "hs-cache"))
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONFAULTHANDLER"] = "1"   # a crash in a step (a signal) leaves every thread's Python traceback in its log
     env.pop("HETEROSPEC_WHEELS", None)
     limit = float(os.environ.get("HETEROSPEC_GPU_PHASE_LIMIT", PHASE_LIMIT_S))
-    return Context(work=work, out=out, py=os.environ.get("PYTHON", "python3"), limit_s=limit, env=env,
-                   phases=phases or BY_NAME)
+    py = os.environ.get("PYTHON", "python3")
+    xdist = os.environ.get("HETEROSPEC_GPU_XDIST", "1") != "0" and subprocess.run(
+        [py, "-c", "import xdist"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
+    return Context(work=work, out=out, py=py, limit_s=limit, env=env, phases=phases or BY_NAME, xdist=xdist,
+                   device=gpu_name())
+
+
+def gpu_name():
+    """The first GPU's name from nvidia-smi, or "none"."""
+    if not shutil.which("nvidia-smi"):
+        return "none"
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "none"
+    return (r.stdout.strip().splitlines() or ["none"])[0] if r.returncode == 0 else "none"
 
 
 def stash_wheels(ctx, bundle):
@@ -328,10 +386,10 @@ def write_json(path, obj):
     os.replace(tmp, path)
 
 
-def run_step(ctx, step, pdir, deadline):
+def run_step(ctx, step, pdir, deadline, workers=1):
     """Run one step with its log in pdir; kill its process group at the deadline.  Returns its record."""
     log = os.path.join(pdir, step.name + ".log")
-    cmd = ctx.fill(step.cmd, pdir)
+    cmd = ctx.fill(step.cmd, pdir, workers)
     t0 = time.monotonic()
     with open(log, "w") as f:
         f.write(f"$ {cmd}\n")
@@ -364,13 +422,14 @@ def _kill(proc):
             continue
 
 
-def run_phase(ctx, phase):
+def run_phase(ctx, phase, expected=None):
     pdir = os.path.join(ctx.work, phase.name)
     shutil.rmtree(pdir, ignore_errors=True)
     os.makedirs(pdir)
     os.makedirs(os.path.join(ctx.work, "state"), exist_ok=True)
-    status = {"phase": phase.name, "state": "running", "started": now(), "limit_s": ctx.limit_s,
-              "expected_min": phase.minutes, "steps": []}
+    status = {"phase": phase.name, "kind": phase.kind, "state": "running", "started": now(), "limit_s": ctx.limit_s,
+              "expected_min": expected if expected is not None else phase.minutes, "device": ctx.device,
+              "digest": ctx.digest(phase.name), "definition": gpu_window.phase_definition(phase), "steps": []}
     t0 = time.monotonic()
     deadline = t0 + ctx.limit_s
     print(f"gpu: phase {phase.name} ({phase.minutes:g} min expected, limit {ctx.limit_s:.0f} s)", flush=True)
@@ -381,7 +440,7 @@ def run_phase(ctx, phase):
         for step in phase.steps:
             write_json(os.path.join(pdir, "status.json"), status)
             publish(ctx, pdir)
-            rec = run_step(ctx, step, pdir, deadline)
+            rec = run_step(ctx, step, pdir, deadline, phase.workers)
             status["steps"].append(rec)
             print(f"gpu:   {phase.name}/{step.name}: {rec['state']} (rc {rec['rc']}, {rec['seconds']:.0f} s)", flush=True)
             if rec["state"] != "pass":
@@ -391,6 +450,16 @@ def run_phase(ctx, phase):
         states = [s["state"] for s in status["steps"]]
         status["state"] = ("timeout" if "timeout" in states else "fail" if "fail" in states else "pass")
     status.update(ended=now(), seconds=round(time.monotonic() - t0, 1))
+    counts = test_counts(pdir)
+    if counts is not None:
+        status.update(passed=counts["passed"], failed=counts["failed"] + counts["errors"])
+    else:
+        status.update(passed=sum(s["state"] == "pass" for s in status["steps"]),
+                      failed=sum(s["state"] != "pass" for s in status["steps"]))
+    try:
+        status["numbers"] = ledger_numbers(phase.name, pdir, counts)
+    except Exception as e:  # the numbers must not hide the phase's own result
+        status["numbers"] = {"error": f"{type(e).__name__}: {e}"}
     write_json(os.path.join(pdir, "status.json"), status)
     publish(ctx, pdir)
     print(f"gpu: phase {phase.name}: {status['state'].upper()} in {status['seconds']:.0f} s"
@@ -408,41 +477,108 @@ def _print_tail(path, n=25):
     sys.stdout.flush()
 
 
+_PUBLISH = threading.Lock()   # phases that run side by side publish one at a time
+
+
 def publish(ctx, pdir=None):
     """Rewrite the phase's summary.md, then collect the results into $OUT (when it is not the work folder)."""
-    if pdir:
-        with open(os.path.join(pdir, "summary.md"), "w") as f:
-            f.write(phase_summary(pdir))
-    collect(ctx)
+    with _PUBLISH:
+        if pdir:
+            with open(os.path.join(pdir, "summary.md"), "w") as f:
+                f.write(phase_summary(pdir))
+        collect(ctx)
+
+
+def skip_phase(ctx, phase, reason, expected=None):
+    """Write a phase that did not run (status skip, with the reason) as a run would."""
+    pdir = os.path.join(ctx.work, phase.name)
+    shutil.rmtree(pdir, ignore_errors=True)
+    os.makedirs(pdir)
+    st = {"phase": phase.name, "kind": phase.kind, "state": "skip", "reason": reason, "started": now(),
+          "ended": now(), "seconds": 0.0, "steps": [], "device": ctx.device, "digest": ctx.digest(phase.name),
+          "expected_min": expected if expected is not None else phase.minutes}
+    write_json(os.path.join(pdir, "status.json"), st)
+    publish(ctx, pdir)
+    print(f"gpu: phase {phase.name}: SKIP ({reason})", flush=True)
+    return st
+
+
+class Builder:
+    """`build` before the first phase that needs a CUDA build the extension in place is not (once)."""
+
+    def __init__(self, ctx, results):
+        self.ctx, self.results, self.built = ctx, results, None
+
+    def ready(self, phase):
+        """True when the phase may run (building first if needed), False when the build failed."""
+        if "cuda" not in phase.needs or phase.name == "build" or "build" not in self.ctx.phases:
+            return True
+        if self.built is None:
+            if not _py_ok(self.ctx, CUDA_OK):
+                print("gpu: the extension in place is not a CUDA build that sees a device: running `build` first",
+                      flush=True)
+                self.results.append(run_phase(self.ctx, self.ctx.phases["build"]))
+                self.built = self.results[-1]["state"] == "pass"
+            else:
+                self.built = True
+        return self.built
+
+    def ran(self, name, st):
+        if name == "build":
+            self.built = st["state"] == "pass"
 
 
 def run_phases(ctx, names):
     """Run the named phases in order (adding `build` before the first phase that needs a CUDA build the
     extension in place is not).  Returns the exit status."""
-    results, built = [], None
+    results = []
+    builder = Builder(ctx, results)
     for name in names:
         phase = ctx.phases[name]
-        if "cuda" in phase.needs and built is None and "build" in ctx.phases and name != "build":
-            if not _py_ok(ctx, CUDA_OK):
-                print("gpu: the extension in place is not a CUDA build that sees a device: running `build` first",
-                      flush=True)
-                results.append(run_phase(ctx, ctx.phases["build"]))
-                built = results[-1]["state"] == "pass"
-            else:
-                built = True
-        if "cuda" in phase.needs and built is False:
-            pdir = os.path.join(ctx.work, phase.name)
-            shutil.rmtree(pdir, ignore_errors=True)
-            os.makedirs(pdir)
-            st = {"phase": name, "state": "skip", "reason": "the build phase failed", "started": now(),
-                  "ended": now(), "seconds": 0.0, "steps": [], "expected_min": phase.minutes}
-            write_json(os.path.join(pdir, "status.json"), st)
-            publish(ctx, pdir)
-            results.append(st)
+        if not builder.ready(phase):
+            results.append(skip_phase(ctx, phase, "the build phase failed"))
             continue
         results.append(run_phase(ctx, phase))
-        if name == "build":
-            built = results[-1]["state"] == "pass"
+        builder.ran(name, results[-1])
+    print(status_table(ctx), flush=True)
+    return 0 if results and all(r["state"] == "pass" for r in results) else 1
+
+
+def window_plan(ctx, minutes, ledger_path=None):
+    ledger = gpu_window.load_ledger(ledger_path or gpu_window.LEDGER)
+    digests = {n: ctx.digest(n) for n in ctx.phases}
+    return gpu_window.plan(ctx.phases, ledger, minutes, digests)
+
+
+def run_window(ctx, plan):
+    """Run a window's plan: the setup phases, the correctness group side by side (one thread each, every
+    pytest spread over the cores by xdist), then the rest alone, each only while it still fits the window."""
+    t_end = time.monotonic() + (plan["window"] - gpu_window.START_MINUTES) * 60
+    exp = plan["expected"]
+    results = []
+    builder = Builder(ctx, results)
+    for name in plan["setup"]:
+        results.append(run_phase(ctx, ctx.phases[name], exp[name]))
+        builder.ran(name, results[-1])
+    group = [ctx.phases[n] for n in plan["group"]]
+    runnable = [p for p in group if builder.ready(p)]
+    for p in group:
+        if p not in runnable:
+            results.append(skip_phase(ctx, p, "the build phase failed", exp[p.name]))
+    if runnable:
+        print(f"gpu: side by side: {', '.join(p.name for p in runnable)}", flush=True)
+        with concurrent.futures.ThreadPoolExecutor(len(runnable)) as pool:
+            results += list(pool.map(lambda p: run_phase(ctx, p, exp[p.name]), runnable))
+    for name in plan["serial"]:
+        phase = ctx.phases[name]
+        left = (t_end - time.monotonic()) / 60
+        if not builder.ready(phase):
+            results.append(skip_phase(ctx, phase, "the build phase failed", exp[name]))
+        elif exp[name] > left:
+            results.append(skip_phase(ctx, phase, f"did not fit the window: {exp[name]:g} min expected, "
+                                                  f"{max(left, 0):.1f} left", exp[name]))
+        else:
+            results.append(run_phase(ctx, phase, exp[name]))
     print(status_table(ctx), flush=True)
     return 0 if results and all(r["state"] == "pass" for r in results) else 1
 
@@ -591,7 +727,48 @@ def head_numbers(pdir):
             "| " + " | ".join(str(r.get(k, "–")) for k in keys) + " |"]
 
 
-NUMBERS = {"kernels": kernel_numbers, "bench": bench_numbers, "bench-eager": bench_numbers,
+def _r(x, nd=2):
+    return None if x is None else round(float(x), nd)
+
+
+def ledger_numbers(name, pdir, counts=None):
+    """The phase's key numbers as a flat-ish dict for the ledger (the summary's tables are for reading)."""
+    out = {}
+    if counts is not None:
+        out["tests"] = counts
+    for fn in sorted(glob.glob(os.path.join(pdir, "cuda-cycle*.json"))):
+        r = _load(fn)
+        if not r:
+            continue
+        key = f"V{r.get('shape', {}).get('V', '?')}"
+        res = r.get("results", {})
+        out[key] = {"cycle_graph_us": _r(res.get("ops-graph", {}).get("median_us"), 1),
+                    "per_op_graph_us": {row["op"]: _r(row.get("graph_median_us"), 1)
+                                        for row in r.get("per_op", {}).get("rows", [])}}
+    r = _load(os.path.join(pdir, "bench", "results.json"))
+    if r:
+        for run in r.get("runs", []):
+            base = run["mean"].get("hf-static", {}).get("tokens_per_s")
+            out[f"T{run['temperature']:g}"] = {
+                m: {"tokens_per_s": _r(v.get("tokens_per_s"), 1), "tau": _r(v.get("tau")),
+                    "over_hf_static": _r(v["tokens_per_s"] / base) if base and v.get("tokens_per_s") else None}
+                for m, v in run["mean"].items()}
+            out[f"T{run['temperature']:g}"]["mismatches"] = len(run.get("mismatches", []))
+        out["settings"] = {k: r["settings"].get(k) for k in ("dtype", "cuda_graphs", "limit", "max_new_tokens")}
+    r = _load(os.path.join(pdir, "bench", "batch.json"))
+    if r:
+        out["tokens_per_s"] = {b: {m: _r(v.get("tokens_per_s"), 1) for m, v in row.items()}
+                               for b, row in r.get("results", {}).items()}
+        out["mismatches"] = len(r.get("mismatches", []))
+    for fn in ("profile-cuda.json", "calibrated.json"):
+        r = _load(os.path.join(pdir, fn))
+        if r:
+            out["profile"] = {"file": fn, "thresholds": r.get("policy", {}).get("thresholds"),
+                              "notes": r.get("notes")}
+    return out
+
+
+NUMBERS = {"kernels-bench": kernel_numbers, "bench": bench_numbers, "bench-eager": bench_numbers,
            "bench-bf16": bench_numbers, "bench-tuned": bench_numbers, "bench-batch": batch_numbers,
            "graphs-bench": graphs_numbers,
            "head": head_numbers}
@@ -694,12 +871,13 @@ def background_state(ctx):
     return bg
 
 
-def start_background(ctx, names, phases_file=None):
+def start_background(ctx, names, phases_file=None, child_args=None):
     log = open(os.path.join(ctx.work, "background.log"), "w")
     env = dict(ctx.env)
     env.pop("OUT", None)                        # $OUT is emptied by the next call: the child writes to work
     env["HETEROSPEC_GPU_WORK"] = ctx.work
-    cmd = [sys.executable, os.path.abspath(__file__)] + (["--phases-file", phases_file] if phases_file else []) + names
+    cmd = [sys.executable, os.path.abspath(__file__)] + (["--phases-file", phases_file] if phases_file else []) + \
+        (child_args or names)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True)
     write_json(os.path.join(ctx.work, "background.json"), {"pid": proc.pid, "phases": names, "started": now()})
@@ -764,7 +942,8 @@ def load_phases_file(path):
     with open(path) as f:
         data = json.load(f)
     return {d["name"]: Phase(d["name"], float(d.get("minutes", 1)), d.get("what", ""),
-                             tuple(Step(*s) for s in d["steps"]), tuple(d.get("needs", ())), d.get("default", True))
+                             tuple(Step(*s) for s in d["steps"]), tuple(d.get("needs", ())), d.get("default", True),
+                             d.get("kind", "correctness"), d.get("window", True), int(d.get("workers", 1)))
             for d in data}
 
 
@@ -778,7 +957,17 @@ def main(argv=None):
     mode.add_argument("--list", action="store_true", help="the phases with their expected minutes")
     mode.add_argument("--background", action="store_true", help="start the phases detached and return")
     mode.add_argument("--wait", type=float, metavar="SECONDS", help="wait for the background run, then report")
-    mode.add_argument("--dry-run", action="store_true", help="print each phase's commands; run nothing")
+    mode.add_argument("--record", metavar="RESULTS",
+                      help="turn a window's returned results (a folder with gpu-results.tar.gz, the tarball, or a "
+                           "work folder) into the ledger's entries, keeping the small raw files under "
+                           "benchmarks/results/gpu-windows/")
+    ap.add_argument("--dry-run", action="store_true", help="print each phase's commands (with --window: the plan "
+                                                           "and its commands); run nothing")
+    ap.add_argument("--window", type=float, metavar="MINUTES",
+                    help="run the phases that have not passed on this code, most important first, as many as fit "
+                         "a device window of MINUTES (the ledger, benchmarks/results/gpu-ledger.json, says what "
+                         "passed on which code)")
+    ap.add_argument("--ledger", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--phases-file", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     try:
@@ -789,6 +978,18 @@ def main(argv=None):
     if a.list:
         print(listing(table))
         return 0
+    if a.record is not None:
+        try:
+            return 0 if gpu_window.record(a.record, table, a.ledger or gpu_window.LEDGER) else 1
+        except (gpu_window.LedgerError, OSError, ValueError, tarfile.TarError) as e:
+            print(f"gpu: --record: {e}", file=sys.stderr)
+            return 2
+    if a.window is not None and (a.phases or a.wait is not None or a.list):
+        print("gpu: --window: the plan chooses the phases; name none (and no --wait)", file=sys.stderr)
+        return 2
+    if a.window is not None and not 0 < a.window <= 60:
+        print(f"gpu: --window: expected minutes in (0, 60], got {a.window:g}", file=sys.stderr)
+        return 2
     bad = [n for n in a.phases if n not in table]
     if bad:
         print(f"gpu: phase: expected one of {', '.join(table)}, got {', '.join(map(repr, bad))}", file=sys.stderr)
@@ -808,11 +1009,21 @@ def main(argv=None):
         except (gpu_carry.CarryError, subprocess.CalledProcessError) as e:
             print(f"gpu: HETEROSPEC_WHEELS: {e}", file=sys.stderr)
             return 2
+    plan = None
+    if a.window is not None:
+        try:
+            plan = window_plan(ctx, a.window, a.ledger)
+        except gpu_window.LedgerError as e:
+            print(f"gpu: --window: {e}", file=sys.stderr)
+            return 2
+        if not os.environ.get("HETEROSPEC_GPU_CHILD"):
+            print(gpu_window.plan_text(table, plan, a.ledger or gpu_window.LEDGER), flush=True)
+        names = plan["run"]
     if a.dry_run:
         for n in names:
             print(f"# {n} (needs: {', '.join(table[n].needs) or 'nothing'})")
             for s in table[n].steps:
-                print(ctx.fill(s.cmd, os.path.join(ctx.work, n)))
+                print(ctx.fill(s.cmd, os.path.join(ctx.work, n), table[n].workers))
         return 0
     if a.wait is not None:
         return wait(ctx, a.wait)
@@ -823,7 +1034,11 @@ def main(argv=None):
         return 2
     if a.background:
         ctx.env["HETEROSPEC_GPU_CHILD"] = "1"
-        return start_background(ctx, names, a.phases_file)
+        window_args = (["--window", str(a.window)] + (["--ledger", a.ledger] if a.ledger else [])
+                       if plan is not None else None)
+        return start_background(ctx, names, a.phases_file, window_args)
+    if plan is not None:
+        return run_window(ctx, plan) if plan["run"] else 0
     return run_phases(ctx, names)
 
 

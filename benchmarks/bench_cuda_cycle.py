@@ -406,6 +406,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--out", default=os.path.join("benchmarks", "results", "cuda-cycle.json"))
+    ap.add_argument("--vocab", type=int, default=128256,
+                    help="the target's vocabulary V (128,256: Llama 3; 49,152: the default pair's SmolLM2)")
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="the draft's vocabulary Vd (default 32,000, or 8,192 with --vocab 49152: the default head's)")
     ap.add_argument("--per-op", action="store_true",
                     help="also time every op of the cycle alone, eager and in a CUDA graph, against its bytes floor")
     args = ap.parse_args(argv)
@@ -418,7 +422,10 @@ def main(argv=None):
     if not torch.cuda.is_available() or not info["cuda"] or info.get("cuda_emulated"):
         raise SystemExit(f"needs a CUDA GPU and a CUDA build of heterospec (build_info: {info})")
     dev = torch.device("cuda")
-    x = make_inputs(torch, dev)
+    Vd = args.draft_vocab or (8192 if args.vocab == 49152 else 32000)
+    if not 1 <= Vd <= args.vocab:
+        raise SystemExit(f"--draft-vocab: expected 1 <= Vd <= --vocab ({args.vocab}), got {Vd}")
+    x = make_inputs(torch, dev, Vd=Vd, V=args.vocab)
     state = make_state(torch, dev)
     planted = plant_accepts(ops, torch, x, state)
     leaves, accept = cross_check(ops, torch, x, state)
@@ -445,7 +452,7 @@ def main(argv=None):
     out = dict(
         device=torch.cuda.get_device_name(dev), torch=torch.__version__, cuda=torch.version.cuda,
         heterospec=info, host=platform.node(), iters=args.iters, cross_check=dict(leaves=leaves, accept=accept),
-        shape=dict(Vd=32000, k=10, depth=7, n=59, V=128256, target_dtype="bfloat16", kv="32 x 2 x [1,8,2048,128] bf16"),
+        shape=dict(Vd=Vd, k=10, depth=7, n=59, V=args.vocab, target_dtype="bfloat16", kv="32 x 2 x [1,8,2048,128] bf16"),
         results=results,
     )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -1,0 +1,377 @@
+#!/usr/bin/env python3
+"""The GPU window plan: which of .ci/gpu's phases a lent window runs, from a ledger of what passed on which code.
+
+GPU time comes in rare windows of about 15 minutes (machine start, carried files and idle waits included).
+``benchmarks/results/gpu-ledger.json`` (committed) records, per phase, the result of its last run on a GPU
+and the digest of the code it depended on then:
+
+    {"phases": {NAME: {"kind": "correctness" | "speed", "commit", "digest", "state", "passed", "failed",
+                       "device", "date", "minutes", "expected_minutes", "numbers": {...}}},
+     "windows": [{"date", "device", "commit", "phases": [...]}]}
+
+``passed`` / ``failed`` count tests (pytest phases) or steps (the others); ``state`` is the phase's own
+(pass, fail, timeout, skip, interrupted); ``minutes`` is what the run took, ``expected_minutes`` what the
+plan expected.  A phase is *done* when its entry passed on the digest the current code gives it; the plan
+takes the phases that are not done, correctness first (in PRIORITY order), then speed, and keeps what fits:
+
+* the correctness phases that need no carried files run side by side on the one GPU (each pytest spread over
+  the machine's cores with pytest-xdist), so together they cost about the longest of them, plus CONTENTION of
+  the rest; those that need the default pair (its wheels come in the later bundles) run after them, one by one;
+* the speed phases run alone, one after another, each only if it still fits what is left of the window.
+
+A phase's expected minutes are its last measured minutes in the ledger when it ran to an end, else the
+table's estimate (from the two windows of 2026-11-26 where a phase ran then).
+
+The digest of a phase covers the code every phase depends on (``setup.py``, ``pyproject.toml``, ``csrc/``,
+``heterospec/``, this runner's phase definition) and the files its own commands name (test files with the
+tests' helpers, benchmark modules, data files): the same bytes give the same digest in a checkout, in the
+device tool's copy of the working tree (no ``.git`` needed) and at a commit (``git show``).
+
+    python3 .ci/gpu_window.py record RESULTS [--ledger FILE]   # a window's results into the ledger
+    bash .ci/gpu --window MINUTES [--dry-run]                   # the plan (and its run)
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+LEDGER = os.path.join(REPO, "benchmarks", "results", "gpu-ledger.json")
+WINDOWS_DIR = "gpu-windows"   # beside the ledger: the small raw files of each window, one folder a window
+
+KINDS = ("correctness", "speed")
+# most important first, within each kind
+PRIORITY = ("build", "kernels", "engine", "engine-chi2-oracle", "engine-chi2-noisy", "graphs", "sanitizer",
+            "calibrate", "smoke",
+            "kernels-bench", "bench-bf16", "bench", "profile-gpu", "bench-batch", "bench-eager", "graphs-bench",
+            "bench-tuned")
+START_MINUTES = 2.0      # machine start, the first call's transfer, the bundle calls: off the top of a window
+CONTENTION = 0.25        # side by side on one GPU, each further correctness phase adds this share of its minutes
+SETUP_PHASES = ("build",)  # run first whenever a CUDA phase runs (a fresh machine has no build)
+
+COMMON_DEPS = ("setup.py", "pyproject.toml", "csrc/", "heterospec/")
+SKIP_SUFFIXES = (".so", ".pyc", ".pyo", ".o", ".pyd")
+SKIP_PARTS = {"__pycache__", ".ipynb_checkpoints", ".pytest_cache", ".hypothesis"}
+TEST_HELPERS = ("tests/conftest.py", "tests/_doubles.py", "tests/_oracles.py", "tests/_dlpack.py")
+
+
+class LedgerError(ValueError):
+    pass
+
+
+# ---- digests ------------------------------------------------------------------------------------------------
+
+def phase_deps(phase):
+    """The paths (files, or folders ending in /) a phase's result depends on."""
+    deps = list(COMMON_DEPS)
+    text = " ".join(s.cmd for s in phase.steps)
+    deps += re.findall(r"\b(tests/[\w/.-]+\.py)\b", text)
+    deps += [f"benchmarks/{m.replace('.', '/')}.py" for m in re.findall(r"-m benchmarks\.([\w.]+)", text)]
+    deps += re.findall(r"\b(benchmarks/data/[\w/.-]+)", text)
+    if "pytest" in text:
+        deps += list(TEST_HELPERS)
+    return sorted(set(deps))
+
+
+def _skipped(path):
+    parts = path.split("/")
+    return path.endswith(SKIP_SUFFIXES) or any(p in SKIP_PARTS or p.endswith(".egg-info") for p in parts)
+
+
+class Tree:
+    """Files of a working tree (``root``) or of a commit (``commit``, read with git in ``root``)."""
+
+    def __init__(self, root=REPO, commit=None):
+        self.root, self.commit = root, commit
+        self._files = None
+
+    def files(self):
+        if self._files is None:
+            if self.commit:
+                out = subprocess.run(["git", "ls-tree", "-r", "--name-only", self.commit], cwd=self.root,
+                                     capture_output=True, text=True, check=True).stdout
+                files = out.splitlines()
+            else:
+                files = []
+                for d in COMMON_DEPS + ("tests", "benchmarks"):
+                    p = os.path.join(self.root, d)
+                    if os.path.isfile(p):
+                        files.append(d)
+                    for base, dirs, names in os.walk(p):
+                        dirs[:] = sorted(x for x in dirs if x not in SKIP_PARTS)
+                        rel = os.path.relpath(base, self.root).replace(os.sep, "/")
+                        files += [f"{rel}/{n}" for n in names]
+            self._files = sorted(f for f in set(files) if not _skipped(f))
+        return self._files
+
+    def read(self, path):
+        if self.commit:
+            return subprocess.run(["git", "show", f"{self.commit}:{path}"], cwd=self.root, capture_output=True,
+                                  check=True).stdout
+        with open(os.path.join(self.root, path), "rb") as f:
+            return f.read()
+
+    def matching(self, deps):
+        return [f for f in self.files() if any(f == d or (d.endswith("/") and f.startswith(d)) for d in deps)]
+
+
+def phase_definition(phase):
+    """A short hash of how the phase runs (its steps, needs and workers): measured minutes carry over to the
+    plan only while it stays the same."""
+    text = json.dumps([phase.name, [[s.name, s.cmd, s.ok] for s in phase.steps], list(phase.needs), phase.workers])
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def phase_digest(phase, tree):
+    """sha256 of the phase's definition and of every file it depends on (path and bytes)."""
+    h = hashlib.sha256()
+    h.update(phase_definition(phase).encode())
+    for path in tree.matching(phase_deps(phase)):
+        h.update(path.encode() + b"\0" + hashlib.sha256(tree.read(path)).digest())
+    return h.hexdigest()[:16]
+
+
+# ---- the ledger -----------------------------------------------------------------------------------------------
+
+def load_ledger(path=LEDGER):
+    if not os.path.exists(path):
+        return {"phases": {}, "windows": []}
+    try:
+        with open(path) as f:
+            led = json.load(f)
+    except ValueError as e:
+        raise LedgerError(f"{path}: not JSON ({e})") from None
+    if not isinstance(led, dict) or not isinstance(led.get("phases"), dict):
+        raise LedgerError(f"{path}: expected {{\"phases\": {{NAME: entry}}}}, got {type(led).__name__}")
+    led.setdefault("windows", [])
+    return led
+
+
+def save_ledger(led, path=LEDGER):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(led, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def is_done(entry, digest):
+    return bool(entry) and entry.get("state") == "pass" and entry.get("digest") == digest
+
+
+def expected_minutes(phase, entry):
+    """The last measured minutes when the phase, run as it is defined now, ran to an end; the table's estimate
+    otherwise, and at least the minutes it was cut at when it was cut."""
+    if not entry or entry.get("definition") != phase_definition(phase) or entry.get("minutes") is None:
+        return float(phase.minutes)
+    if entry.get("state") in ("pass", "fail"):
+        return float(entry["minutes"])
+    return max(float(entry["minutes"]), float(phase.minutes))
+
+
+_PAST = {"pass": "passed", "fail": "failed", "timeout": "was cut at its limit", "skip": "was skipped",
+         "interrupted": "was interrupted"}
+
+
+def _order(name):
+    return PRIORITY.index(name) if name in PRIORITY else len(PRIORITY)
+
+
+def plan(table, ledger, window_minutes, digests):
+    """The window's plan: {"run": [names in order], "group": correctness names run side by side,
+    "serial": the rest in order, "left": [(name, why)], "minutes": expected wall minutes,
+    "why": {name: why it runs}, "expected": {name: minutes}}."""
+    budget = window_minutes - START_MINUTES
+    entries = ledger["phases"]
+    pending, why = [], {}
+    for name in sorted((n for n, p in table.items() if p.window), key=_order):
+        e = entries.get(name)
+        if is_done(e, digests[name]):
+            continue
+        when = f"{_PAST.get(e.get('state'), e.get('state'))} on {(e.get('date') or '?')[:10]}" if e else ""
+        why[name] = ("never run on a GPU" if not e else
+                     f"code changed since it {when}" if e.get("digest") != digests[name] else f"it {when} on this code")
+        pending.append(name)
+    exp = {n: expected_minutes(table[n], entries.get(n)) for n in table}
+    cuda = any("cuda" in table[n].needs for n in pending)
+    setup = [n for n in SETUP_PHASES if n in table and (n in pending or cuda)]
+    for n in setup:
+        why.setdefault(n, "a fresh machine has no CUDA build")
+    used = sum(exp[n] for n in setup)
+    group, serial_corr, speed, left = [], [], [], []
+
+    def group_wall(names):
+        if not names:
+            return 0.0
+        ms = sorted((exp[n] for n in names), reverse=True)
+        return ms[0] + CONTENTION * sum(ms[1:])
+
+    for n in pending:
+        if n in setup:
+            continue
+        p = table[n]
+        if p.kind == "correctness" and "pair" not in p.needs and "questions" not in p.needs:
+            cost = group_wall(group + [n]) - group_wall(group)
+            target = group
+        else:
+            cost = exp[n]
+            target = serial_corr if p.kind == "correctness" else speed
+        if used + cost <= budget:
+            target.append(n)
+            used += cost
+        else:
+            left.append((n, f"{exp[n]:g} min expected, {max(budget - used, 0):.1f} left"))
+    serial = serial_corr + speed
+    return {"run": setup + group + serial, "setup": setup, "group": group, "serial": serial, "left": left,
+            "minutes": round(used + START_MINUTES, 2), "window": window_minutes, "why": why, "expected": exp}
+
+
+def plan_text(table, p, ledger_path=LEDGER):
+    lines = [f"GPU window plan: {p['window']:g} minutes ({START_MINUTES:g} for the machine's start and the "
+             f"carried bundles), ledger {os.path.relpath(ledger_path, REPO)}", "",
+             "| order | phase | kind | how | expected min | why |", "|---:|---|---|---|---:|---|"]
+    i = 0
+    for how, names in (("first", p["setup"]), ("side by side", p["group"]), ("alone", p["serial"])):
+        for n in names:
+            i += 1
+            lines.append(f"| {i} | {n} | {table[n].kind} | {how} | {p['expected'][n]:g} | {p['why'].get(n, '')} |")
+    lines += ["", f"Expected: about {p['minutes']:g} of {p['window']:g} minutes."]
+    if p["left"]:
+        lines += ["", "Left for a later window (not done on this code, does not fit):"]
+        lines += [f"- {n} ({w})" for n, w in p["left"]]
+    if not p["run"]:
+        lines += ["", "Every phase has passed on this code: nothing to run."]
+    return "\n".join(lines)
+
+
+# ---- recording a window's results -------------------------------------------------------------------------
+
+def _results_dir(path, tmp):
+    """A folder holding phase folders (each with status.json) from RESULTS: a work folder, a folder with
+    gpu-results.tar.gz (the device tool's files_at), or the tarball itself."""
+    tar = None
+    if os.path.isfile(path) and tarfile.is_tarfile(path):
+        tar = path
+    elif os.path.isdir(path) and os.path.isfile(os.path.join(path, "gpu-results.tar.gz")):
+        tar = os.path.join(path, "gpu-results.tar.gz")
+    if tar:
+        with tarfile.open(tar) as t:
+            members = [m for m in t.getmembers() if m.isfile() and not m.name.startswith(("/", ".."))
+                       and ".." not in m.name.split("/")]
+            t.extractall(tmp, members=members)
+        return tmp
+    if os.path.isdir(path):
+        return path
+    raise LedgerError(f"RESULTS: expected a results folder, a folder with gpu-results.tar.gz or the tarball, "
+                      f"got {path!r}")
+
+
+def _git(*args):
+    r = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def record(results, table, ledger_path=LEDGER, keep_raw=True, out=sys.stdout):
+    """Turn a window's returned results into ledger entries (and keep the small raw files under
+    benchmarks/results/gpu-windows/).  Returns the names recorded."""
+    led = load_ledger(ledger_path)
+    head = _git("rev-parse", "--short", "HEAD")
+    here, at_head = Tree(REPO), Tree(REPO, head) if head else None
+    with tempfile.TemporaryDirectory() as tmp:
+        src = _results_dir(results, tmp)
+        found = []
+        for name in sorted(os.listdir(src)):
+            st_path = os.path.join(src, name, "status.json")
+            if not os.path.isfile(st_path):
+                continue
+            with open(st_path) as f:
+                st = json.load(f)
+            found.append((name, st))
+        if not found:
+            raise LedgerError(f"RESULTS: no phase folder with a status.json in {results!r}")
+        recorded, device, date = [], None, None
+        for name, st in found:
+            if name not in table:
+                print(f"record: {name}: not a phase of .ci/gpu, left out", file=out)
+                continue
+            digest = st.get("digest")
+            commit = None
+            if digest and at_head is not None and digest == phase_digest(table[name], at_head):
+                commit = head
+            elif digest and digest == phase_digest(table[name], here):
+                commit = f"{head}+uncommitted"
+            old = led["phases"].get(name)
+            if st.get("state") == "skip" and old:
+                print(f"record: {name}: skipped there ({st.get('reason', '')}); the entry of "
+                      f"{old.get('date', '?')} stays", file=out)
+                continue
+            entry = {"kind": table[name].kind, "commit": commit, "digest": digest, "state": st.get("state"),
+                     "definition": st.get("definition"),
+                     "passed": st.get("passed"), "failed": st.get("failed"), "device": st.get("device"),
+                     "date": st.get("ended") or st.get("started"),
+                     "minutes": round(st["seconds"] / 60, 2) if st.get("seconds") is not None else None,
+                     "expected_minutes": st.get("expected_min"), "numbers": st.get("numbers") or {}}
+            if st.get("reason"):
+                entry["reason"] = st["reason"]
+            led["phases"][name] = entry
+            recorded.append(name)
+            device = device or st.get("device")
+            date = date or (entry["date"] or "")[:10]
+            print(f"record: {name}: {entry['state']} ({entry['passed']} passed, {entry['failed']} failed, "
+                  f"{entry['minutes']} min) on {entry['device']}, commit {commit or 'unknown (digest differs)'}",
+                  file=out)
+        if recorded:
+            led["windows"].append({"date": date, "device": device, "commit": head, "phases": recorded})
+            save_ledger(led, ledger_path)
+            if keep_raw:
+                dest = os.path.join(os.path.dirname(os.path.abspath(ledger_path)), WINDOWS_DIR, f"{date}-{re.sub(r'[^A-Za-z0-9]+', '-', device or 'gpu').strip('-')}"
+                                    .lower())
+                for name in recorded:
+                    shutil.copytree(os.path.join(src, name), os.path.join(dest, name), dirs_exist_ok=True,
+                                    ignore=lambda d, names: [n for n in names if os.path.isfile(os.path.join(d, n))
+                                                             and os.path.getsize(os.path.join(d, n)) > 2**20])
+                print(f"record: raw results (files up to 1 MiB) in {dest}", file=out)
+    return recorded
+
+
+def main(argv=None):
+    import argparse
+
+    sys.path.insert(0, HERE)
+    import gpu_phases
+
+    ap = argparse.ArgumentParser(prog="python3 .ci/gpu_window.py", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("record", help="a window's returned results (folder or gpu-results.tar.gz) into the ledger")
+    r.add_argument("results")
+    r.add_argument("--ledger", default=LEDGER)
+    r.add_argument("--no-raw", action="store_true", help="do not copy the raw results under benchmarks/results")
+    pl = sub.add_parser("plan", help="print the plan for a window of MINUTES (runs nothing)")
+    pl.add_argument("minutes", type=float)
+    pl.add_argument("--ledger", default=LEDGER)
+    a = ap.parse_args(argv)
+    try:
+        if a.cmd == "record":
+            return 0 if record(a.results, gpu_phases.BY_NAME, a.ledger, keep_raw=not a.no_raw) else 1
+        led = load_ledger(a.ledger)
+        tree = Tree(REPO)
+        digests = {n: phase_digest(p, tree) for n, p in gpu_phases.BY_NAME.items()}
+        print(plan_text(gpu_phases.BY_NAME, plan(gpu_phases.BY_NAME, led, a.minutes, digests), a.ledger))
+        return 0
+    except (LedgerError, OSError, subprocess.CalledProcessError) as e:
+        print(f"gpu_window: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
