@@ -1,6 +1,7 @@
 """Cost model, per-bin optimiser and profiles; the cost model's inputs on the model's device and its
 device-synchronised clock (issue 15, crashes 2 and 3)."""
 import json
+import os
 import types
 import warnings
 
@@ -339,3 +340,34 @@ def test_replay_predicts_each_bins_tokens_per_second(stretch_trace):
     bare = stretch_trace.replay(Policy.paper(BASE, K, N, thresholds))
     assert bare.tokens_per_s is None and not bare.predicted
     assert all(v["tokens_per_s"] is None for v in bare.per_bin().values())
+
+
+def test_the_shipped_profile_is_chosen_per_device_and_says_which(tmp_path):
+    """Issue 40.4: a head ships a profile per device type (profile.json calibrated on a CPU, profile-cuda.json on
+    an H100/H200); CUDA takes its own where it ships and otherwise the CPU one, saying so; a user's own profile is
+    never replaced (the callers pass --policy/--profile first)."""
+    import shutil
+
+    from heterospec.models.default import DEFAULT_HEAD
+    from heterospec.policy.profile import load_profile, shipped_policy, shipped_profile
+
+    head = tmp_path / "head"
+    head.mkdir()
+    assert shipped_profile("cpu", str(head))[0] is None
+    with pytest.raises(FileNotFoundError, match="no shipped profile"):
+        shipped_policy("cuda", str(head))
+    shutil.copy(os.path.join(DEFAULT_HEAD, "profile.json"), head / "profile.json")
+    path, what = shipped_profile("cuda:0", str(head))
+    assert path == str(head / "profile.json") and "CPU profile" in what and "no profile calibrated on a cuda" in what
+    raw = json.loads((head / "profile.json").read_text())
+    raw["policy"]["thresholds"] = [t + 0.125 for t in raw["policy"]["thresholds"]]   # a different, valid profile
+    (head / "profile-cuda.json").write_text(json.dumps(raw))
+    for dev in ("cuda", "cuda:1"):
+        path, what = shipped_profile(dev, str(head))
+        assert path == str(head / "profile-cuda.json") and "GPU profile" in what
+    assert shipped_profile("cpu", str(head))[0] == str(head / "profile.json")
+    gpu_policy, _ = shipped_policy("cuda", str(head))
+    assert gpu_policy.thresholds == load_profile(str(head / "profile-cuda.json"))[0].thresholds
+    assert gpu_policy.thresholds != shipped_policy("cpu", str(head))[0].thresholds
+    # the default head: its CPU profile on the CPU
+    assert shipped_profile("cpu")[0] == os.path.join(DEFAULT_HEAD, "profile.json")

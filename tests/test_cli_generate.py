@@ -1,4 +1,5 @@
 """`heterospec generate` on a tiny target + EAGLE-3 draft saved to disk, with a word-level tokenizer."""
+import json
 import subprocess
 import sys
 
@@ -123,11 +124,42 @@ def test_the_shipped_head_gets_the_shipped_profile_without_flags():
     shipped = load_profile(DEFAULT_PROFILE)[0]
     args = parse()
     assert (args.method, args.draft, args.policy_obj) == ("heterospec", "default", shipped)
-    assert args.policy_what == "the shipped calibrated profile"
+    assert args.policy_what.startswith("the shipped CPU profile (profile.json")
     paper = parse("--policy", "paper").policy_obj
     assert paper.thresholds == shipped.thresholds and paper.extra[0] > 0
     assert parse("--thresholds", "1.5,2.5").policy_obj.thresholds == (1.5, 2.5)
     assert parse("--method", "ar").draft is None and parse("--method", "eagle3").policy_obj.extra == ()
+
+
+def test_generate_on_cuda_takes_the_heads_gpu_profile_and_a_users_policy_still_wins(tmp_path, monkeypatch):
+    """Issue 40.4: --device cuda takes the head's profile-cuda.json (the bins and shapes calibrated on a GPU);
+    --policy PROFILE still wins. Checked on the resolved arguments: nothing is loaded."""
+    import shutil
+
+    import heterospec.models.default as default
+    from heterospec.policy.profile import load_profile
+    from heterospec.tools import cli
+
+    head = tmp_path / "head"
+    head.mkdir()
+    shutil.copy(default.DEFAULT_PROFILE, head / "profile.json")
+    raw = json.loads((head / "profile.json").read_text())
+    raw["policy"]["thresholds"] = [t + 0.25 for t in raw["policy"]["thresholds"]]
+    (head / "profile-cuda.json").write_text(json.dumps(raw))
+    monkeypatch.setattr(default, "DEFAULT_HEAD", str(head))
+
+    def parse(device, *a):   # --device is checked against this machine while parsing: set it after
+        args = _parsed(["generate", "--target", "default", "--prompt", "hi", *a])
+        args.device = device
+        return cli.resolve_generate(args)
+
+    gpu = parse("cuda")
+    assert gpu.policy_obj == load_profile(str(head / "profile-cuda.json"))[0]
+    assert gpu.policy_what.startswith("the shipped GPU profile (profile-cuda.json")
+    assert parse("cuda:0", "--policy", "paper").policy_obj.thresholds == tuple(raw["policy"]["thresholds"])
+    assert parse("cpu").policy_obj == load_profile(str(head / "profile.json"))[0]          # the CPU keeps its own
+    own = parse("cuda", "--policy", str(head / "profile.json"))
+    assert own.policy_obj == load_profile(str(head / "profile.json"))[0] and "calibrated profile" in own.policy_what
 
 
 def _parsed(argv):

@@ -32,7 +32,7 @@ GGUF_SPECIAL_TOKENS = {"eos": "tokenizer.ggml.eos_token_id", "bos": "tokenizer.g
 # the shipped EAGLE-3 head for the default target, with its calibrated HeteroSpec profile
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 DEFAULT_HEAD = os.path.join(DATA_DIR, "smollm2-135m-instruct-eagle3")
-DEFAULT_PROFILE = os.path.join(DEFAULT_HEAD, "profile.json")
+DEFAULT_PROFILE = os.path.join(DEFAULT_HEAD, "profile.json")   # calibrated on a CPU
 
 
 def _cache_dir():

@@ -178,3 +178,35 @@ def load_profile(path, *, target=None, draft=None):
                          f"{len(policy.keep)}")
     check_profile_pair(d, path, target=target, draft=draft)
     return policy, cost, d
+
+
+# a head's shipped profiles by device type: a profile's bins and tree shapes are fitted to its device's cost
+# model (on a GPU a 60-node tree costs about what 12 do, on a 2-core CPU five times more), so each device type
+# gets its own; a device type without one uses the CPU profile, and says so
+PROFILE_FILES = {"cpu": "profile.json", "cuda": "profile-cuda.json"}
+
+
+def shipped_profile(device="cpu", head=None):
+    """The profile that ships with ``head`` for ``device`` (a torch device or its name): ``(path or None,
+    description)``.  CUDA uses ``profile-cuda.json`` (calibrated on an H100/H200) where the head has one, else
+    the CPU profile; None when the head ships no profile at all."""
+    if head is None:
+        from ..models.default import DEFAULT_HEAD as head
+    kind = str(getattr(device, "type", device) or "cpu").split(":")[0]
+    own = os.path.join(head, PROFILE_FILES.get(kind, PROFILE_FILES["cpu"]))
+    cpu = os.path.join(head, PROFILE_FILES["cpu"])
+    if os.path.exists(own):
+        return own, f"the shipped {'GPU' if kind == 'cuda' else 'CPU'} profile ({os.path.basename(own)})"
+    if os.path.exists(cpu):
+        return cpu, (f"the shipped CPU profile ({os.path.basename(cpu)}; no profile calibrated on a {kind} device "
+                     "ships with this head yet)")
+    return None, "no shipped profile for this head (run heterospec calibrate and pass the profile)"
+
+
+def shipped_policy(device="cpu", head=None):
+    """``(Policy, description)``: the shipped profile of ``head`` (default: the default pair's head) for
+    ``device`` (see :func:`shipped_profile`); raises FileNotFoundError when the head ships none."""
+    path, what = shipped_profile(device, head)
+    if path is None:
+        raise FileNotFoundError(f"{head}: {what}")
+    return load_profile(path)[0], what

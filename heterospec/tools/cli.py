@@ -215,8 +215,8 @@ def resolve_generate(args):
     and needs --method heterospec; without it heterospec uses --thresholds (the paper's rule on them) or, with
     the shipped head, the shipped calibrated profile.  --draft defaults to the shipped head for --target
     default."""
-    from ..models.default import DEFAULT_PROFILE
     from ..policy import Policy
+    from ..policy.profile import shipped_profile
 
     _need(args.max_new_tokens >= 1, "--max-new-tokens", "an int >= 1", args.max_new_tokens)
     from ..ops import MIN_TEMPERATURE, is_decoding_temperature
@@ -254,11 +254,12 @@ def resolve_generate(args):
             if not shipped:
                 raise UsageError("--policy", "expected --thresholds s1,...,s7 with --policy paper for a draft other "
                                              f"than the shipped head, got --draft {args.draft} without them")
-            thresholds = _load_policy(DEFAULT_PROFILE, args).thresholds
+            thresholds = _load_policy(shipped_profile(args.device)[0], args).thresholds
         policy = Policy.paper(args.depth, args.top_k_tree, args.total_tokens, thresholds)
         what = f"the paper's rule on entropy bins {', '.join(f'{t:.3g}' for t in thresholds)}"
     elif shipped:
-        policy, what = _load_policy(DEFAULT_PROFILE, args), "the shipped calibrated profile"
+        path, what = shipped_profile(args.device)
+        policy = _load_policy(path, args)
     else:
         raise UsageError("--method", f"expected a profile for HeteroSpec with --draft {args.draft}: pass --policy "
                                      "PROFILE (heterospec calibrate), --thresholds s1,...,s7 (the paper's rule) or "

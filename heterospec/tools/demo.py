@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from . import ProgressBar
 from ..models.default import DATA_DIR, DEFAULT_HEAD, DEFAULT_PROFILE, load_pair as _load_pair
+from ..policy.profile import shipped_profile
 from .prompts import encode as _encode
 
 DEMO_PROMPTS = os.path.join(DATA_DIR, "demo_prompts.json")
@@ -58,10 +59,10 @@ def default_methods(draft, policy=None, depth=7, top_k=10, total_tokens=60):
     return methods
 
 
-def heterospec_policy(choice, default_profile=None):
+def heterospec_policy(choice, default_profile=None, default_what=None):
     """The HeteroSpec policy for ``choice``: a profile path (``heterospec calibrate --out``), ``"paper"``
     (the paper's rule on the entropy bins of ``default_profile``), or None (``default_profile``'s
-    calibrated policy).  Returns (Policy or None, description)."""
+    calibrated policy, described as ``default_what``).  Returns (Policy or None, description)."""
     from ..policy.profile import load_profile
     from ..policy import Policy
 
@@ -73,7 +74,7 @@ def heterospec_policy(choice, default_profile=None):
     if choice == "paper":
         return (Policy.paper(calibrated.depth, calibrated.top_k, calibrated.total_tokens, calibrated.thresholds),
                 f"the paper's rule on the bins of {default_profile}")
-    return calibrated, f"calibrated profile {default_profile}"
+    return calibrated, default_what or f"calibrated profile {default_profile}"
 
 
 def compare(target, draft, input_ids_list, methods, *, max_new_tokens=128, eos_token_id=None, streamer=None,
@@ -158,7 +159,8 @@ def run(args, out=None):
     args.draft = draft_dir
     tokenizer, target, draft = _load_pair(args, device)
     target_name = "SmolLM2-135M-Instruct" if args.target == "default" else str(args.target)
-    hs_policy, hs_what = heterospec_policy(args.policy, DEFAULT_PROFILE if draft_dir == DEFAULT_HEAD else None)
+    hs_policy, hs_what = heterospec_policy(args.policy, *(shipped_profile(args.device, draft_dir)
+                                                          if draft_dir == DEFAULT_HEAD else (None, None)))
     methods = default_methods(draft, hs_policy)
     texts = [args.prompt] if args.prompt else demo_prompts()[: args.num_prompts]
     ids = [_encode(tokenizer, t).to(device) for t in texts]

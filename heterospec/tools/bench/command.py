@@ -36,8 +36,8 @@ def main(args, out=None):
     out = out or sys.stdout
     if args.report:
         return report(args.report, out)
-    from ...models.default import DEFAULT_HEAD, DEFAULT_PROFILE, load_pair
-    from ...policy.profile import load_profile
+    from ...models.default import DEFAULT_HEAD, load_pair
+    from ...policy.profile import load_profile, shipped_profile
 
     t_start = time.perf_counter()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -72,8 +72,12 @@ def main(args, out=None):
         args.draft = DEFAULT_HEAD
     if args.draft is None and any(n != "ar" and n not in HF_METHODS for n in names):
         raise SystemExit("heterospec bench: --draft PATH is required for methods other than ar and the hf baselines")
-    profile_path = args.profile or (DEFAULT_PROFILE if args.draft in (DEFAULT_HEAD, "default") else None)
+    profile_path, profile_what = ((args.profile, f"--profile {args.profile}") if args.profile else
+                                  shipped_profile(args.device) if args.draft in (DEFAULT_HEAD, "default") else
+                                  (None, "no profile"))
     profile = load_profile(profile_path)[0] if profile_path else None
+    if profile is not None and {"heterospec", "heterospec-paper"} & set(names):
+        print(f"heterospec bench: heterospec's profile: {profile_what}", flush=True)
     # the cheap checks before the models load
     try:
         if args.tuned_tree:
@@ -99,8 +103,8 @@ def main(args, out=None):
     torch.manual_seed(args.seed)
     tokenizer, target, draft = load_pair(args, args.device)
     if sizes is not None:
-        return _batched(args, names, sizes, questions, tokenizer, target, draft, profile, profile_path, out,
-                        t_start)
+        return _batched(args, names, sizes, questions, tokenizer, target, draft, profile,
+                        (profile_path, profile_what), out, t_start)
     timer = DeviceTimer(args.device)
     tuning, tuned, tuned_profile = None, None, None
     if "eagle3-tuned" in names or "heterospec-tuned" in names:
@@ -131,7 +135,7 @@ def main(args, out=None):
                      "warmup_tokens": args.warmup_tokens, "chat_template": not args.no_chat_template,
                      "eos_token_id": tokenizer.eos_token_id},
         "models": {"target": "SmolLM2-135M-Instruct" if args.target == "default" else str(args.target),
-                   "draft": str(args.draft), "profile": profile_path},
+                   "draft": str(args.draft), "profile": profile_path, "profile_what": profile_what},
         "methods": policies, "tuning": tuning, "machine": machine_info(args.device), "runs": runs,
         "seconds": time.perf_counter() - t_start,
     }
@@ -147,7 +151,8 @@ def main(args, out=None):
     return status
 
 
-def _batched(args, names, sizes, questions, tokenizer, target, draft, profile, profile_path, out, t_start):
+def _batched(args, names, sizes, questions, tokenizer, target, draft, profile, profile_src, out, t_start):
+    profile_path, profile_what = profile_src
     """``--batch-size``: throughput against batch size (:mod:`.batched`), greedy; writes batch.json, batch.md and
     batch.png under --out.  Returns 1 when a greedy output differs from ar's."""
     import json
@@ -166,7 +171,7 @@ def _batched(args, names, sizes, questions, tokenizer, target, draft, profile, p
                         cuda_graphs=getattr(args, "graphs", False))
     r.update(command="heterospec bench " + " ".join(getattr(args, "argv", []) or []),
              machine=machine_info(args.device), dtype=args.dtype, methods={n: method_dict(p) for n, p in methods},
-             profile=profile_path, seconds=time.perf_counter() - t_start)
+             profile=profile_path, profile_what=profile_what, seconds=time.perf_counter() - t_start)
     os.makedirs(args.out, exist_ok=True)
     header = (f"{r['machine'].get('summary', args.device)}; {args.dtype}, greedy, {args.max_new_tokens} new tokens "
               f"per request, {len(prompts)} prompts")
