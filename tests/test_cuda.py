@@ -683,9 +683,9 @@ def test_batched_select_on_the_device_equals_the_cpu_batch():
 # ---- split rows (issue 17): rows cut into chunks, merged from candidates, with exact fallbacks ---------------
 # The kernels cut each row into chunks (256 entries in the emulated build, so V = 3001 is 12 chunks) and decide
 # a row from its chunks' candidates where those are enough; these inputs drive every branch: peaked rows (the
-# candidates decide), flat rows (a nucleus wider than the candidates: the whole-row fallback), integer logits
+# candidates decide), flat rows (a nucleus wider than the candidates: the wide rows' split descents), integer logits
 # (ties at the k-th value across chunk boundaries: the tie fallback; argmax ties across chunks), top_k above
-# the split path's 256 (the unsplit kernels), padded batch rows (skipped).
+# the split path's 256 (the unsplit kernels; for verify_sample the wide rows), padded batch rows (skipped).
 
 def _split_logits(rng, shape, n, V, tokens, parents):
     if shape == "peaked":
@@ -739,6 +739,94 @@ def test_split_rows_top_p_cut_on_a_tied_run(dtype, warp):
             want = ops.verify_sample(tokens, parents, cpu, **kw)
             got = ops.verify_sample(D.put(tokens), D.put(parents), dev, **kw)
             assert got[1:] == want[1:], f"count {count}, trial {trial}"
+
+
+# ---- the wide rows (issue 40.2): rows the candidates cannot decide are finished by radix descents split over the
+# row's chunks (hs_k_wide_level), no longer by one block walking the whole row.  On an H200 that one block took
+# 2.1 ms for 60 rows of 128,256 at top-p 0.9 (RESULTS, the second GPU run); these inputs drive every branch of
+# the split descents against the CPU core: a nucleus wider than every candidate, a top-k above HS_CAND_MAX (with
+# and without top-p), the k-th value's bin taken whole at the first level, the crossing inside a run of equal
+# logits far longer than the candidates, and wide and decided rows in one call.
+
+def _sample_both(tokens, parents, x, dtype, **kw):
+    dev, cpu = D.put_logits(x, dtype)
+    want = ops.verify_sample(tokens, parents, cpu, **kw)
+    got = ops.verify_sample(D.put(tokens), D.put(parents), dev, **kw)
+    return [D.get(a) if not isinstance(a, int) else a for a in got], [np.asarray(a) if not isinstance(a, int) else a
+                                                                      for a in want]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("warp", [dict(top_k=1000), dict(top_k=1000, top_p=0.9), dict(top_k=2999, top_p=0.5),
+                                  dict(top_p=0.95), dict(top_p=0.2)])
+def test_wide_rows_a_mix_of_wide_and_decided_rows_equals_the_cpu(dtype, warp):
+    """A tree whose rows alternate flat (the wide path) and peaked (decided by the candidates): each row's
+    statistics, and so the walk and the residual draw, equal the CPU core's."""
+    rng = np.random.default_rng(zlib.crc32(f"wide {dtype} {warp}".encode()))
+    n, V = 7, 3001
+    for trial in range(3):
+        parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)], np.int64)
+        tokens = rng.integers(0, V, n).astype(np.int64)
+        x = rng.normal(0, 0.05, (n, V)).astype(np.float32)
+        for j in range(1, n):
+            if parents[j] % 2:                     # odd rows peaked: a decided row among the wide ones
+                x[parents[j]] = rng.normal(0, 3, V)
+                x[parents[j], tokens[j]] += 12.0
+        got, want = _sample_both(tokens, parents, x, dtype, temperature=0.9, seed=5 + trial, offset=trial, **warp)
+        np.testing.assert_array_equal(got[0], want[0], err_msg=f"trial {trial}")
+        assert got[1:] == want[1:], f"trial {trial}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("count, top_k", [(700, 700), (700, 701), (700, 699), (1800, 1800)])
+def test_wide_rows_top_k_at_a_run_of_equal_maxima(dtype, count, top_k):
+    """top_k above HS_CAND_MAX where the k-th largest value is shared: with exactly `count` maxima and top_k =
+    count, the maxima's first-level bin is taken whole (the descent stops at level 0); one more or one fewer
+    puts the k-th key among the next value's or inside the run (all its ties kept, as on the CPU)."""
+    V = 3001
+    rng = np.random.default_rng(count + top_k)
+    x = rng.integers(-3, 2, (1, V)).astype(np.float32)      # -3 .. 1, and `count` tokens at 4
+    x[0, rng.choice(V, count, replace=False)] = 4.0
+    tokens, parents = np.zeros(1, np.int64), np.full(1, -1, np.int64)
+    for trial in range(6):
+        got, want = _sample_both(tokens, parents, x, dtype, temperature=1.0, seed=300 + trial, offset=trial,
+                                 top_k=top_k)
+        assert got[1:] == want[1:], f"trial {trial}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("count, top_p", [(2000, 0.5), (2000, 0.75), (2500, 0.9), (1600, 0.3)])
+def test_wide_rows_top_p_crossing_inside_a_long_run_of_equal_logits(dtype, count, top_p):
+    """The top-p crossing inside a run of `count` equal maxima, longer than all the chunks' candidates: the wide
+    descent finds the run's key, then takes its tokens one by one in id order as the CPU adds w / W, and the
+    cut token (ptie) is found across chunks.  count * top_p close to a whole number puts the crossing on a
+    boundary in real arithmetic, where only the order of the additions decides it (here both sides add the same
+    numbers: the rest is -inf, so W is the run's count exactly)."""
+    V = 3001
+    rng = np.random.default_rng(count)
+    x = np.full((1, V), -np.inf, np.float32)
+    x[0, rng.choice(V, count, replace=False)] = 1.5
+    tokens, parents = np.zeros(1, np.int64), np.full(1, -1, np.int64)
+    for trial in range(6):
+        got, want = _sample_both(tokens, parents, x, dtype, temperature=1.0, seed=900 + trial, offset=trial,
+                                 top_p=top_p)
+        assert got[1:] == want[1:], f"trial {trial}"
+
+
+def test_wide_rows_leave_no_state_for_the_next_call():
+    """The wide rows' counters and histograms sit in the module workspace that every op shares: a call with
+    wide rows, an expand and a select in between (which write that workspace), then the same call again give
+    the same draws as the CPU each time."""
+    rng = np.random.default_rng(41)
+    n, V = 5, 3001
+    parents = np.array([-1, 0, 0, 1, 2], np.int64)
+    tokens = rng.integers(0, V, n).astype(np.int64)
+    x = rng.normal(0, 0.05, (n, V)).astype(np.float32)
+    first = _sample_both(tokens, parents, x, "float32", temperature=0.8, seed=3, offset=0, top_p=0.9)
+    other = rng.normal(0, 1, (4, 2000)).astype(np.float32)
+    ops.expand(D.put(other), D.put(np.zeros(4, np.float32)), D.put(np.arange(4, dtype=np.int64)), 10)
+    again = _sample_both(tokens, parents, x, "float32", temperature=0.8, seed=3, offset=0, top_p=0.9)
+    assert first[0][1:] == first[1][1:] and again[0][1:] == again[1][1:] and again[0][1:] == first[0][1:]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -101,23 +101,31 @@ inline int hs_emu_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t sme
     if (block.x > 1024 || smem > HS_EMU_SMEM_LIMIT) return 1;
     std::vector<char> buf(smem + 16);
     hs_emu::blocks_run += grid.x;
-    for (unsigned b = 0; b < grid.x; b++) {
-        std::barrier<> barrier((std::ptrdiff_t)block.x);
-        std::vector<std::thread> threads;
-        memset(buf.data(), 0xA5, buf.size()); /* shared memory starts as garbage, as on a GPU */
-        for (unsigned t = 0; t < block.x; t++) {
-            threads.emplace_back([&, t, b]() {
-                hs_emu::thread_idx = dim3(t);
+    if (grid.x == 0) return 0;
+    /* one thread per CUDA thread for the whole launch, running the blocks in turn (starting 64-1024 threads per
+     * block made launches of many small blocks cost milliseconds each); a barrier between blocks, and the shared
+     * memory garbage again before each, as on a GPU.  A kernel's threads return block-uniformly or without a
+     * later __syncthreads (one that did not would have hung the emulation before as it would misbehave now) */
+    std::barrier<> barrier((std::ptrdiff_t)block.x);
+    memset(buf.data(), 0xA5, buf.size());
+    std::vector<std::thread> threads;
+    for (unsigned t = 0; t < block.x; t++) {
+        threads.emplace_back([&, t]() {
+            hs_emu::thread_idx = dim3(t);
+            hs_emu::block_dim = block;
+            hs_emu::grid_dim = grid;
+            hs_emu::smem = buf.data();
+            hs_emu::bar = &barrier;
+            for (unsigned b = 0; b < grid.x; b++) {
                 hs_emu::block_idx = dim3(b);
-                hs_emu::block_dim = block;
-                hs_emu::grid_dim = grid;
-                hs_emu::smem = buf.data();
-                hs_emu::bar = &barrier;
                 kernel(args...);
-            });
-        }
-        for (auto &th : threads) th.join();
+                barrier.arrive_and_wait(); /* every thread of block b is done */
+                if (t == 0) memset(buf.data(), 0xA5, buf.size());
+                barrier.arrive_and_wait();
+            }
+        });
     }
+    for (auto &th : threads) th.join();
     return 0;
 }
 #define HS_LAUNCH(kernel, grid, block, smem, stream, ...) ((void)(stream), hs_emu_launch(kernel, dim3(grid), dim3(block), smem, __VA_ARGS__))

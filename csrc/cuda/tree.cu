@@ -81,8 +81,14 @@ __device__ __forceinline__ hs_expand_row hs_expand_begin(int64_t B, int64_t k, c
     return w;
 }
 
-/* Shared memory of an expand kernel of `threads` threads (hs_expand_row). */
-static inline size_t hs_expand_smem(unsigned threads, int64_t k) { return hs_row_smem(threads) + (size_t)k * (8 + 4 + 4) + 16; }
+/* Up to this many scores (B * k) the next beams are picked by rank counting over a shared copy of the scores (a
+ * few barriers); above it by the radix select (about 20 barriers per 8-bit pass). */
+#define HS_PICK_RANK_MAX 1024
+
+/* Shared memory of an expand kernel of `threads` threads (hs_expand_row), and the pick's copy of the scores. */
+static inline size_t hs_expand_smem(unsigned threads, int64_t k) {
+    return hs_row_smem(threads) + (size_t)k * (8 + 4 + 4) + 16 + HS_PICK_RANK_MAX * sizeof(uint32_t);
+}
 
 /* The last block of request w.bi to get here (a counter per request, reset by that block, so the next launch
  * and a graph replay start from zero) picks the next beams from all B*k scores of the request. */
@@ -97,6 +103,19 @@ __device__ void hs_pick_next_beams(const hs_expand_row &w, int64_t B, int64_t k,
     __threadfence();
     if (threadIdx.x == 0) counters[w.bi] = 0; /* ready for the next launch (and graph replay) */
     hs_score_key skey{out_scores + w.bi * Bk};
+    if (Bk <= HS_PICK_RANK_MAX) {
+        /* the k best of Bk scores, best first, ties to the lower index: each score's rank among all of them */
+        uint32_t *keys = (uint32_t *)(w.ints + 4);
+        for (int64_t i = threadIdx.x; i < Bk; i += blockDim.x) keys[i] = skey(i);
+        __syncthreads();
+        for (int64_t i = threadIdx.x; i < Bk; i += blockDim.x) {
+            const uint32_t ki = keys[i];
+            int64_t r = 0;
+            for (int64_t j = 0; j < Bk && r < k; j++) r += keys[j] > ki || (keys[j] == ki && j < i);
+            if (r < k) out_next_beams[w.bi * k + r] = node_offset + i;
+        }
+        return;
+    }
     hs_radix<uint32_t> sel;
     hs_block_radix_select(skey, Bk, k, w.scratch, w.red, &sel);
     hs_collect_sorted(skey, Bk, k, sel, w.cand, w.cval, w.rank, w.ints);

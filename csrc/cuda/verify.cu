@@ -6,13 +6,13 @@
  *                  per request follows the accepted children.
  *   verify_sample  chunks of every node row (max, kept mass, the best K for the top-k / top-p cuts; rows.cu),
  *                  one block per node row deciding its statistics from those candidates (or, when they cannot
- *                  decide, from the whole row as the unsplit kernel does), one block per request walking the
+ *                  decide, radix descents over the row's chunks: hs_k_wide_level), one block per request walking the
  *                  tree with the CPU's Philox uniforms, then the residual draw split the same way (chunk
  *                  masses, then one block per request finds the chunk and the token by inverse CDF).
  * Sums that the CPU does in a fixed sequential order are parallel here: floats agree to ~1e-7 relative,
  * and a sampled path can only differ when a uniform lands within ~1e-15 of a boundary.  The top-p cut is
  * the exception that needs care: at a run of equal logits it can fall exactly on top_p, so its crossing is
- * taken in the CPU's token-by-token order (hs_k_sample_merge, hs_warp_stats_row).
+ * taken in the CPU's token-by-token order (hs_k_sample_merge, hs_k_wide_level).
  */
 #include "rows.cuh"
 
@@ -237,123 +237,240 @@ __device__ __forceinline__ int hs_warp_begin(hs_warp_stats *s, float m, long lon
     return 0;
 }
 
-/* One row's statistics by one block over the whole row (shared: red, radix scratch, 260 doubles from sm).
- * The split path (hs_k_chunks + hs_k_sample_merge) falls back to it for rows its candidates cannot decide. */
-template <int DT>
-__device__ void hs_warp_stats_row(const void *logits, int64_t row, int64_t V, double temperature, int64_t top_k,
-                                  double top_p, char *sm, hs_warp_stats *stats) {
-    long long *red = (long long *)sm;
-    char *scratch = sm + blockDim.x * sizeof(long long);
-    double *hm = (double *)(scratch + HS_RADIX_SMEM); /* 256 bin masses + [256] pick */
-    const int64_t base = row * V;
-    float m;
-    long long bad;
-    hs_row_max_check<DT>(logits, base, V, red, &m, &bad);
-    hs_warp_stats s;
-    if (!hs_warp_begin(&s, m, bad, stats + row)) return;
-    const double zmax = (double)m / temperature;
-    hs_logit_key<DT> key{logits, base};
-    if (top_k > 0 && top_k < V) {
-        hs_radix<uint32_t> sel;
-        hs_block_radix_select(key, V, top_k, scratch, red, &sel);
-        s.kshift = sel.shift;
-        s.kpfx = sel.pfx;
+/* ---- the wide rows: statistics split across blocks when the candidates cannot decide a row -------------------
+ * A row the merge cannot decide from its chunks' candidates (a nucleus wider than them, a top-k above
+ * HS_CAND_MAX, ties at the k-th value across chunks) is finished by radix descents over its chunks: 8 bits of
+ * the key per launch, most significant first, every (row, chunk) block adding its chunk's histogram (token
+ * counts and, for top-p, kept masses) into the row's, and the last of the row's blocks to finish (a counter
+ * per row, reset by that block) choosing the bin and the next prefix.  Phase 1 finds the top-k cut (the k-th
+ * largest key, as hs_block_radix_select); phase 2 the top-p crossing over the survivors of top-k, the same
+ * descent the CPU's best-first order defines, with the crossing key's tokens (equal weights) then taken one by
+ * one in id order as the CPU adds them.  Four launches per phase, whatever the rows need (a row that is not
+ * in a launch's phase returns at once), so the sequence is the same every call and a CUDA graph replays it.
+ * The merge sets a wide row up: its counter and histograms zeroed (the workspace is shared with other ops),
+ * its statistics begun (max, status), the phase to start from. */
+struct hs_wide {
+    int phase;        /* 0 decided, 1 top-k descent, 2 top-p descent */
+    int level;        /* 0..3: bits 31..24, .., 7..0 */
+    uint32_t pfx;     /* the key bits chosen so far */
+    long long need;   /* phase 1: how many keys still to take from the bins at and below the current range */
+    double above;     /* mass of the keys above the current range (phase 1: before cuts; phase 2: kept) */
+    double W;         /* phase 2: the kept mass after top-k */
+};
+#define HS_WIDE_BINS 256
+
+__device__ __forceinline__ void hs_wide_begin(int64_t row, int64_t top_k, hs_wide *wide, unsigned long long *hcnt,
+                                              double *hmass, unsigned *ctr) {
+    for (int j = threadIdx.x; j < HS_WIDE_BINS; j += blockDim.x) {
+        hcnt[row * HS_WIDE_BINS + j] = 0;
+        hmass[row * HS_WIDE_BINS + j] = 0.0;
     }
-    double W = 0.0;
-    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) W += hs_warp_w(s, hs_ld<DT>(logits, base + v), v, temperature, zmax);
-    W = hs_block_reduce(W, (double *)red, hs_op_sum());
-    if (top_p < 1.0) {
-        /* Mass-weighted radix descent: find the token where the best-first cumulative probability first
-         * reaches top_p; everything before it and it are kept. */
-        uint32_t pfx = 0;
-        double above_all = 0.0; /* mass of keys above the current bin range */
-        int found = 1;
-        for (int shift = 24; shift >= 0 && found; shift -= 8) {
-            for (unsigned j = threadIdx.x; j < 256; j += blockDim.x) hm[j] = 0.0;
-            __syncthreads();
-            for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
-                float x = hs_ld<DT>(logits, base + v);
-                uint32_t kk = hs_key32(x);
-                if (shift == 24 || (kk >> (shift + 8)) == pfx) {
-                    double w = hs_warp_w(s, x, v, temperature, zmax);
-                    if (w > 0.0) atomicAdd(&hm[(kk >> shift) & 255u], w);
-                }
+    if (threadIdx.x == 0) {
+        hs_wide w;
+        memset(&w, 0, sizeof w);
+        w.phase = top_k > 0 ? 1 : 2;
+        w.need = top_k;
+        ctr[row] = 0;
+        wide[row] = w;
+    }
+}
+
+/* The row's statistics done (thread 0 of its last block). */
+__device__ __forceinline__ void hs_wide_done(int64_t row, hs_warp_stats s, double R, hs_wide *wide,
+                                             hs_warp_stats *stats) {
+    s.R = R;
+    s.status = 0;
+    stats[row] = s;
+    wide[row].phase = 0;
+}
+
+template <int DT>
+__global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_wide_level(const void *logits, int64_t T, int64_t V, const int64_t *n_dev,
+                                                            double temperature, double top_p, int64_t len,
+                                                            int64_t C, int phase, int level, hs_warp_stats *stats,
+                                                            hs_wide *wide, unsigned long long *hcnt, double *hmass,
+                                                            unsigned *ctr) {
+    char *sm = hs_smem();
+    long long *red = (long long *)sm;
+    double *bmass = (double *)(red + blockDim.x);
+    unsigned *bcnt = (unsigned *)(bmass + HS_WIDE_BINS);
+    int *flag = (int *)(bcnt + HS_WIDE_BINS);
+    const int64_t row = blockIdx.x / C, c = blockIdx.x % C;
+    if (n_dev && row % T >= n_dev[row / T]) return;
+    const hs_wide w0 = wide[row];
+    if (w0.phase != phase || w0.level != level) return; /* block-uniform */
+    hs_warp_stats s = stats[row];
+    const double zmax = (double)s.m / temperature;
+    const int shift = 24 - 8 * level;
+    for (int j = threadIdx.x; j < HS_WIDE_BINS; j += blockDim.x) {
+        bmass[j] = 0.0;
+        bcnt[j] = 0;
+    }
+    __syncthreads();
+    const int64_t c0 = c * len, c1 = V - c0 < len ? V : c0 + len;
+    for (int64_t v = c0 + threadIdx.x; v < c1; v += blockDim.x) {
+        const float x = hs_ld<DT>(logits, row * V + v);
+        const uint32_t key = hs_key32(x);
+        if (level > 0 && (key >> (shift + 8)) != w0.pfx) continue;
+        const unsigned bin = (key >> shift) & 255u;
+        if (phase == 1) { /* every key counts toward the k-th largest; the mass is the uncut weight */
+            atomicAdd(&bcnt[bin], 1u);
+            const double e = hs_exp_nonpos_f64((double)x / temperature - zmax);
+            if (e > 0.0) atomicAdd(&bmass[bin], e);
+        } else {
+            const double e = hs_warp_w(s, x, v, temperature, zmax);
+            if (e > 0.0) {
+                atomicAdd(&bcnt[bin], 1u);
+                atomicAdd(&bmass[bin], e);
             }
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                /* bins from the top; the first whose inclusion reaches top_p holds the crossing token */
-                double a = above_all;
-                long long pick = -1, lowest = -1;
-                for (int j = 255; j >= 0; j--) {
-                    if (hm[j] > 0.0 && (a + hm[j]) / W >= top_p) {
-                        pick = j;
-                        break;
-                    }
-                    if (hm[j] > 0.0) lowest = j;
-                    a += hm[j];
-                }
-                if (pick < 0 && shift < 24) { /* this level's sums fell short by rounding: the bin's last key */
-                    pick = lowest;
-                    a -= hm[lowest];
-                }
-                hm[256] = (double)pick;
-                hm[257] = a;
-            }
-            __syncthreads();
-            long long pick = (long long)hm[256];
-            above_all = hm[257];
-            __syncthreads();
-            if (pick < 0) found = 0; /* rounding left the total short of top_p: keep every survivor */
-            else pfx = (pfx << 8) | (uint32_t)pick;
         }
-        if (found) {
-            /* pfx is now one key (one value): its tokens have equal weight; keep them in id order while the
-             * cumulative probability before each is < top_p */
-            float xv = hs_unkey32(pfx);
-            double wv = hs_warp_w(s, xv, -1, temperature, zmax);
-            long long cnt = 0;
-            for (int64_t v = threadIdx.x; v < V; v += blockDim.x) cnt += hs_key32(hs_ld<DT>(logits, base + v)) == pfx;
-            cnt = hs_block_reduce(cnt, red, hs_op_sum());
-            long long q = 0;
-            double c = above_all / W;
-            while (q < cnt && c < top_p) {
-                c += wv / W;
-                q++;
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < HS_WIDE_BINS; j += blockDim.x) {
+        if (bcnt[j]) atomicAdd(&hcnt[row * HS_WIDE_BINS + j], (unsigned long long)bcnt[j]);
+        if (bmass[j] > 0.0) atomicAdd(&hmass[row * HS_WIDE_BINS + j], bmass[j]);
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) *flag = atomicAdd(&ctr[row], 1u) == (unsigned)(C - 1);
+    __syncthreads();
+    if (!*flag) return;
+    /* the last block of the row: the row's histogram, then the bin */
+    __threadfence();
+    const volatile unsigned long long *gc = hcnt + row * HS_WIDE_BINS;
+    const volatile double *gm = hmass + row * HS_WIDE_BINS;
+    for (int j = threadIdx.x; j < HS_WIDE_BINS; j += blockDim.x) {
+        bcnt[j] = (unsigned)gc[j];
+        bmass[j] = gm[j];
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < HS_WIDE_BINS; j += blockDim.x) { /* zero for the next level */
+        hcnt[row * HS_WIDE_BINS + j] = 0;
+        hmass[row * HS_WIDE_BINS + j] = 0.0;
+    }
+    if (threadIdx.x == 0) ctr[row] = 0;
+    hs_wide w = w0;
+    long long tie_q = -1; /* phase 2 at the last level: the count of crossing-key tokens kept (all: -1) */
+    double R = 0.0;
+    int finish = 0;
+    if (threadIdx.x == 0) {
+        if (phase == 1) {
+            /* the bin holding the need-th largest key, from the top */
+            long long a = 0;
+            double am = 0.0;
+            int pick = 0;
+            for (int j = 255; j >= 0; j--) {
+                if (a + (long long)bcnt[j] >= w.need) {
+                    pick = j;
+                    break;
+                }
+                a += bcnt[j];
+                am += bmass[j];
             }
-            /* the q-th token with this key, in id order (all of them: no ordered scan needed) */
-            long long cut = q < cnt ? -1 : V - 1, seen = 0;
-            for (int64_t t0 = 0; q < cnt && t0 < V && seen < q; t0 += blockDim.x) {
-                int64_t v = t0 + threadIdx.x;
-                long long f = v < V && hs_key32(hs_ld<DT>(logits, base + v)) == pfx;
+            w.need -= a;
+            w.above += am;
+            w.pfx = (w.pfx << 8) | (uint32_t)pick;
+            if (bcnt[pick] == (unsigned)w.need || shift == 0) { /* the bin is taken whole: the cut is found */
+                s.kshift = shift;
+                s.kpfx = w.pfx;
+                stats[row] = s;
+                R = w.above + bmass[pick];
+                if (top_p < 1.0) {
+                    w.phase = 2;
+                    w.level = 0;
+                    w.pfx = 0;
+                    w.above = 0.0;
+                } else {
+                    finish = 1;
+                }
+            } else {
+                w.level++;
+            }
+        } else {
+            if (level == 0) {
+                double W = 0.0;
+                for (int j = 0; j < HS_WIDE_BINS; j++) W += bmass[j];
+                w.W = W;
+            }
+            const double W = w.W;
+            /* bins from the top; the first whose inclusion reaches top_p holds the crossing token */
+            double a = w.above;
+            int pick = -1, lowest = -1;
+            for (int j = 255; j >= 0; j--) {
+                if (bmass[j] > 0.0 && (a + bmass[j]) / W >= top_p) {
+                    pick = j;
+                    break;
+                }
+                if (bmass[j] > 0.0) {
+                    lowest = j;
+                    a += bmass[j];
+                }
+            }
+            if (pick < 0 && level > 0 && lowest >= 0) { /* this level's sums fell short by rounding: the last key */
+                pick = lowest;
+                a -= bmass[lowest];
+            }
+            if (pick < 0) { /* rounding left the total short of top_p: every survivor is kept */
+                R = W;
+                finish = 1;
+            } else {
+                w.above = a;
+                w.pfx = (w.pfx << 8) | (uint32_t)pick;
+                if (shift == 0) {
+                    /* pfx is one key: its tokens have equal weight; keep them in id order while the cumulative
+                     * probability before each is < top_p, as the CPU adds w / W token by token */
+                    const double wv = hs_warp_w(s, hs_unkey32(w.pfx), -1, temperature, zmax);
+                    const long long cnt = (long long)bcnt[pick];
+                    long long q = 0;
+                    double cum = a / W, r = a;
+                    while (q < cnt && cum < top_p) {
+                        cum += wv / W;
+                        r += wv;
+                        q++;
+                    }
+                    R = r;
+                    tie_q = q < cnt ? q : -1;
+                    finish = 2;
+                } else {
+                    w.level++;
+                }
+            }
+        }
+        wide[row] = w;
+        red[0] = finish;
+        red[1] = tie_q;
+        ((double *)red)[2] = R;
+    }
+    __syncthreads();
+    finish = (int)red[0];
+    tie_q = red[1];
+    R = ((double *)red)[2];
+    __syncthreads();
+    if (!finish) return;
+    if (finish == 2) {
+        s.pmode = 1;
+        s.pkey = wide[row].pfx;
+        s.ptie = tie_q < 0 ? V - 1 : -1; /* all of the key's tokens, or the first tie_q of them (none: -1) */
+        if (tie_q > 0) { /* the tie_q-th token with the crossing key, in id order */
+            long long seen = 0;
+            for (int64_t t0 = 0; t0 < V && seen < tie_q; t0 += blockDim.x) {
+                const int64_t v = t0 + threadIdx.x;
+                const long long f = v < V && hs_key32(hs_ld<DT>(logits, row * V + v)) == s.pkey;
                 long long total;
-                long long ex = hs_block_exscan(f, red, &total);
-                if (f && seen + ex == q - 1) hm[258] = (double)v;
+                const long long ex = hs_block_exscan(f, red, &total);
+                if (f && seen + ex == tie_q - 1) *flag = (int)v;
                 __syncthreads();
-                if (seen + total >= q) cut = (long long)hm[258];
+                if (seen + total >= tie_q) s.ptie = *flag;
                 seen += total;
                 __syncthreads();
             }
-            s.pmode = 1;
-            s.pkey = pfx;
-            s.ptie = cut;
-            double R = 0.0;
-            for (int64_t v = threadIdx.x; v < V; v += blockDim.x) R += hs_warp_w(s, hs_ld<DT>(logits, base + v), v, temperature, zmax);
-            W = hs_block_reduce(R, (double *)red, hs_op_sum());
         }
     }
-    s.R = W;
-    s.status = 0;
-    if (threadIdx.x == 0) stats[row] = s;
+    if (threadIdx.x == 0) hs_wide_done(row, s, R, wide, stats);
 }
 
-/* The unsplit statistics: one block per node row (top_k > HS_CAND_MAX). */
-template <int DT>
-__global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_warp_stats(const void *logits, int64_t T, int64_t V, const int64_t *n_dev,
-                                                          double temperature, int64_t top_k, double top_p,
-                                                          hs_warp_stats *stats) {
-    const int64_t row = blockIdx.x, b = row / T, i = row % T;
-    if (n_dev && i >= n_dev[b]) return;
-    hs_warp_stats_row<DT>(logits, row, V, temperature, top_k, top_p, hs_smem(), stats);
+static size_t hs_wide_smem(unsigned threads) {
+    return threads * sizeof(long long) + HS_WIDE_BINS * (sizeof(double) + sizeof(unsigned)) + 16;
 }
 
 /* The split statistics' second half, one block per node row: the row's max and first bad entry from its
@@ -364,13 +481,13 @@ __global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_warp_stats(const void *logits, in
  *     values may follow there);
  *   - top-p without top-k: the chunks kept their HS_TOPP_CAND best; every key above theta (the largest
  *     last key of a chunk that was cut short) is a candidate, so a crossing above theta is exact.
- * Otherwise (a flat row whose nucleus is wider than the candidates, many equal values) the block computes
- * the row as the unsplit kernel does (hs_warp_stats_row): same semantics, slower. */
-template <int DT>
-__global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_sample_merge(const void *logits, int64_t T, int64_t V, const int64_t *n_dev,
+ * Otherwise (a flat row whose nucleus is wider than the candidates, many equal values, a top-k above
+ * HS_CAND_MAX) the row is set up for the wide kernels (hs_k_wide_level), which finish it across blocks. */
+__global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_sample_merge(int64_t T, int64_t V, const int64_t *n_dev,
                                                             double temperature, int64_t top_k, double top_p, int64_t len,
                                                             int64_t C, int K, const hs_part *parts, const uint32_t *ckey,
-                                                            const int64_t *cidx, hs_warp_stats *stats) {
+                                                            const int64_t *cidx, hs_warp_stats *stats, hs_wide *wide,
+                                                            unsigned long long *hcnt, double *hmass, unsigned *ctr) {
     char *sm = hs_smem();
     long long *red = (long long *)sm;
     double *sw = (double *)(sm + hs_al16(blockDim.x * sizeof(long long) + HS_RADIX_SMEM + 260 * sizeof(double)));
@@ -384,9 +501,15 @@ __global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_sample_merge(const void *logits, 
     long long bad;
     hs_merge_max(P, C, red, &m, &bad);
     hs_warp_stats s;
+    if (threadIdx.x == 0) wide[row].phase = 0;
     if (!hs_warp_begin(&s, m, bad, stats + row)) return;
     const double zmax = (double)m / temperature;
     const int topk = top_k > 0 && top_k < V;
+    if (topk && top_k > HS_CAND_MAX) { /* no candidates can decide it: the wide kernels take the row */
+        if (threadIdx.x == 0) stats[row] = s;
+        hs_wide_begin(row, top_k, wide, hcnt, hmass, ctr);
+        return;
+    }
     const uint32_t *CK = ckey + row * C * K;
     const int64_t *CI = cidx + row * C * K;
     long long nc = 0, theta = -1;
@@ -496,9 +619,11 @@ __global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_sample_merge(const void *logits, 
             ok = 0;
         } /* else rounding left the total short of top_p: every survivor is kept */
     }
-    if (!ok) {
+    if (!ok) { /* the wide kernels finish the row from its uncut statistics */
         __syncthreads();
-        hs_warp_stats_row<DT>(logits, row, V, temperature, top_k, top_p, sm, stats);
+        hs_warp_begin(&s, m, bad, stats + row);
+        if (threadIdx.x == 0) stats[row] = s;
+        hs_wide_begin(row, topk ? top_k : 0, wide, hcnt, hmass, ctr);
         return;
     }
     s.R = R;
@@ -725,9 +850,14 @@ __global__ void HS_BOUNDS(HS_TREE_THREADS) hs_k_sample_walk(const void *tt, int 
 
 /* Workspace of the split verify_sample, in order: stats [rows], partials [rows * C], candidate keys and ids
  * [rows * C * HS_CAND_MAX], walk records [batch], rejected tokens [batch * T], residual masses and last
- * tokens [batch * C2] (rows = batch * T). */
+ * tokens [batch * C2], the wide rows' state [rows], histograms [rows * 256] (counts, masses) and counters
+ * [rows] (rows = batch * T). */
 struct hs_sample_ws {
     hs_warp_stats *stats;
+    hs_wide *wide;
+    unsigned long long *hcnt;
+    double *hmass;
+    unsigned *ctr;
     hs_part *parts;
     uint32_t *ckey;
     int64_t *cidx;
@@ -759,6 +889,10 @@ static hs_sample_ws hs_sample_layout(void *ws, int64_t batch, int64_t T, int64_t
     HS_TAKE(rejg, int64_t, nb * (T > 0 ? T : 1))
     HS_TAKE(rmass, double, nb * w.C2)
     HS_TAKE(rlast, long long, nb * w.C2)
+    HS_TAKE(wide, hs_wide, rows)
+    HS_TAKE(hcnt, unsigned long long, rows * HS_WIDE_BINS)
+    HS_TAKE(hmass, double, rows * HS_WIDE_BINS)
+    HS_TAKE(ctr, unsigned, rows)
 #undef HS_TAKE
     w.bytes = off;
     return w;
@@ -792,27 +926,33 @@ extern "C" hs_status hs_cuda_verify_sample(const void *tree_tokens, hs_dtype tok
         return hs_fail(herr, HS_ERR_VALUE, op, "tree_tokens", "expected at most 2^31 - 1 (node, chunk) blocks, got %lld",
                        (long long)(rows * w.C));
     const int topk = sp.top_k > 0 && sp.top_k < V;
-    const int split = !topk || sp.top_k <= HS_CAND_MAX;
-    const int K = topk ? (int)sp.top_k : (sp.top_p < 1.0 ? HS_TOPP_CAND : 0);
+    /* the candidates each chunk keeps: the top-k's (none above HS_CAND_MAX: those rows go wide at once), or the
+     * top-p's */
+    const int K = topk ? (sp.top_k <= HS_CAND_MAX ? (int)sp.top_k : 0) : (sp.top_p < 1.0 ? HS_TOPP_CAND : 0);
     const unsigned th = HS_ROW_THREADS, tc = HS_CHUNK_THREADS;
-    const size_t sm_stats = hs_row_smem(th) + 260 * sizeof(double);
     const size_t sm_merge = hs_al16(th * sizeof(long long) + HS_RADIX_SMEM + 260 * sizeof(double)) +
                             (size_t)HS_SORT_MAX * (8 + 8 + 4) + 16;
     const size_t sm_walk = HS_TREE_THREADS * sizeof(long long) + 8 * 8 + (size_t)T * 16 + (size_t)(T + 1) * sizeof(int);
     const size_t sm_resid = tc * sizeof(long long) + (size_t)T * 8 + 16;
-    if (split) { /* the chunks of every node row (rows.cu); hs_k_sample_merge decides each row from them */
+    { /* the chunks of every node row (rows.cu); hs_k_sample_merge decides each row from them */
         const hs_chunk_job job = {logits, logit_dtype, rows, V, w.len, w.C, T, n_dev, K, !topk, 1, sp.temperature,
                                   w.parts, w.ckey, w.cidx};
         const hs_status st = hs_launch_chunk_job(job, op, "target_logits", stream, herr);
         if (st != HS_OK) return st;
     }
     int rc = 0;
+    /* the wide rows' descents: four levels of the top-k phase when there is a top-k, four of the top-p phase when
+     * there is a top-p (every call, so that a recorded graph holds them whatever its rows need) */
+    const int phases[2] = {topk ? 1 : 0, sp.top_p < 1.0 ? 2 : 0};
+    const size_t sm_wide = hs_wide_smem(tc);
 #define HS_SAMPLE_LAUNCH(DT)                                                                                          \
-    rc = split ? HS_LAUNCH(hs_k_sample_merge<DT>, rows, th, sm_merge, stream, logits, T, V, n_dev, sp.temperature,    \
-                           sp.top_k, sp.top_p, w.len, w.C, K, (const hs_part *)w.parts, (const uint32_t *)w.ckey,     \
-                           (const int64_t *)w.cidx, w.stats)                                                          \
-               : HS_LAUNCH(hs_k_warp_stats<DT>, rows, th, sm_stats, stream, logits, T, V, n_dev, sp.temperature,      \
-                           sp.top_k, sp.top_p, w.stats);                                                              \
+    rc = HS_LAUNCH(hs_k_sample_merge, rows, th, sm_merge, stream, T, V, n_dev, sp.temperature, sp.top_k,              \
+                   sp.top_p, w.len, w.C, K, (const hs_part *)w.parts, (const uint32_t *)w.ckey,                       \
+                   (const int64_t *)w.cidx, w.stats, w.wide, w.hcnt, w.hmass, w.ctr);                                 \
+    for (int ph = 0; ph < 2 && !rc; ph++)                                                                             \
+        for (int lv = 0; lv < 4 && !rc && phases[ph]; lv++)                                                           \
+            rc = HS_LAUNCH(hs_k_wide_level<DT>, rows * w.C, tc, sm_wide, stream, logits, T, V, n_dev, sp.temperature, \
+                           sp.top_p, w.len, w.C, phases[ph], lv, w.stats, w.wide, w.hcnt, w.hmass, w.ctr);            \
     if (!rc)                                                                                                          \
         rc = HS_LAUNCH(hs_k_sample_walk<DT>, batch, HS_TREE_THREADS, sm_walk, stream, tree_tokens, (int)token_dtype,  \
                        tree_parents, (int)parent_dtype, T, n_dev, logits, V, sp.temperature,                          \
