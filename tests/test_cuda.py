@@ -138,6 +138,21 @@ def _expand_matches_cpu(dev, cpu, scores, nodes, k, d2t=None):
             np.testing.assert_array_equal(g, w, err_msg=name)
 
 
+@pytest.mark.parametrize("B,k", [(5, 256), (3, 342), (4, 256), (100, 10), (2, 10)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_expand_next_beams_by_rank_and_by_radix_select(B, k, ties):
+    """The last block picks a request's next beams from its B * k scores: by rank counting up to 1024 scores
+    (EAGLE's 10 x 10; 4 x 256 at the limit), by the radix select above it (5 x 256, 3 x 342); both give the
+    CPU's order, ties (equal scores from equal logits) to the lower index."""
+    rng = np.random.default_rng(B * 1000 + k + ties)
+    V = 2 * k + 37
+    x = logits(rng, B, V, ties)
+    dev, cpu = D.put_logits(x, "float32")
+    scores = (np.zeros(B) if ties else -rng.random(B) * 3).astype(np.float64)
+    nodes = rng.integers(-1, 50, B).astype(np.int64)
+    _expand_matches_cpu(dev, cpu, scores, nodes, k)
+
+
 @pytest.mark.parametrize("M,n", [(1, 0), (1, 1), (10, 4), (333, 59), (1000, 1000), (700, 1)])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_select_parity(M, n, dtype):
