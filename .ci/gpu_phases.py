@@ -266,19 +266,21 @@ def bench_args():
             " --device cuda")
 
 
-def _data_dir(ctx, env_name, carried, shared):
+def _data_dir(ctx, env_name, carried, shared, in_repo=None):
     d = os.environ.get(env_name)
-    for cand in ([d] if d else []) + [os.path.join(ctx.work, "carry", "files", carried),
-                                      os.path.join(REPO, "..", "shared", "data", shared)]:
+    for cand in ([d] if d else []) + ([os.path.join(REPO, in_repo)] if in_repo else []) + \
+            [os.path.join(ctx.work, "carry", "files", carried), os.path.join(REPO, "..", "shared", "data", shared)]:
         if os.path.isdir(cand):
             return cand
     return None
 
 
 def questions(ctx):
-    """The folder of the benchmark files (bench --questions takes it): $HETEROSPEC_QUESTIONS, a carried
-    bundle's questions/, or ../shared/data/benchmarks; None when none is here."""
-    return _data_dir(ctx, "HETEROSPEC_QUESTIONS", "questions", "benchmarks")
+    """The folder of the benchmark files (bench --questions takes it): $HETEROSPEC_QUESTIONS, the checkout's
+    benchmarks/data/questions (it travels with the working tree), a carried bundle's questions/, or
+    ../shared/data/benchmarks; None when none is here."""
+    return _data_dir(ctx, "HETEROSPEC_QUESTIONS", "questions", "benchmarks", os.path.join("benchmarks", "data",
+                                                                                           "questions"))
 
 
 def train_files(ctx):

@@ -1,7 +1,18 @@
 """heterospec: lossless speculative decoding (EAGLE-3 drafts, HeteroSpec entropy-adaptive trees) on a C core.
 
-The tree operations live in :mod:`heterospec.ops` (C core) and :mod:`heterospec.reference` (pure NumPy
-twin with identical semantics); see docs/ops.md for their exact definitions.
+Decoding:
+    target, tokenizer, draft = heterospec.default_pair()     # SmolLM2-135M-Instruct + the shipped EAGLE-3 head
+    policy = heterospec.default_policy("cpu")                # HeteroSpec: the profile calibrated for this device
+    with heterospec.HeteroSpec(target, draft, policy) as hs:
+        sequences, stats = hs.generate(input_ids, max_new_tokens=128)   # the target's own output, faster
+
+* :class:`HeteroSpec` (the engine), :func:`custom_generate` (``model.generate(custom_generate=...)``);
+* :class:`Policy`: ``Policy.static(...)`` (EAGLE-3), ``Policy.paper(...)``, ``Policy.from_profile(path)`` (a
+  calibrated profile, ``heterospec calibrate``), ``Policy.autoregressive()``;
+* :class:`Eagle3Draft` (EAGLE-3 heads in the SafeAILab, SpecForge, vLLM and speculators layouts);
+* :func:`default_pair`, :func:`default_policy`: the embedded default pair and its shipped profiles;
+* :mod:`heterospec.ops` (the C core's tree operations) and :mod:`heterospec.reference` (their pure NumPy twin,
+  identical semantics; docs/ops.md defines them).
 """
 from ._types import VerifyTree
 
@@ -15,6 +26,8 @@ _LAZY = {  # the torch/transformers side loads on first use, so `import heterosp
     "Policy": ("policy", "Policy"),
     "Eagle3Draft": ("models.draft", "Eagle3Draft"),
     "Eagle3Config": ("models.draft", "Eagle3Config"),
+    "default_pair": ("models.default", "default_pair"),
+    "default_policy": ("policy.profile", "default_policy"),
 }
 
 
@@ -34,7 +47,7 @@ def __getattr__(name):
 
 def build_info():
     """What the C core was compiled with: ``{"cuda": bool, "version": str, "compiler": str, ...}``."""
-    from . import _C
+    from ._native import _C
 
     info = dict(_C.build_info())
     info["package_version"] = __version__

@@ -148,3 +148,18 @@ def machine_info(device="cpu"):
     info["summary"] = (f"{info.get('gpu') or info.get('cpu_model') or info['processor']}, {info['cpus']} cores, "
                        f"Python {info['python']}, torch {info['torch']}, transformers {info.get('transformers', '?')}")
     return info
+
+
+def load_warning(load=None, cores=None):
+    """One line when the machine's load (the 1-minute average: other processes included) exceeds its cores, so
+    that timings taken meanwhile mean little; None otherwise or where the load cannot be read."""
+    try:
+        load = os.getloadavg()[0] if load is None else load
+    except (AttributeError, OSError):
+        return None
+    cores = cores or os.cpu_count() or 1
+    if load <= cores:
+        return None
+    return (f"warning: the machine's load ({load:.1f}) exceeded its {cores} cores during this run, so these timings "
+            "are unreliable (torch's threads compete with the other work); run again when it is idle, or with fewer "
+            "intra-op threads (OMP_NUM_THREADS) when cores are shared")

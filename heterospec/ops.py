@@ -34,7 +34,7 @@ import operator
 
 import numpy as np
 
-from . import _C
+from ._native import _C
 from ._types import MIN_TEMPERATURE, OP_NAMES, VerifyTree, is_decoding_temperature, sequence_as_array
 
 __all__ = [*OP_NAMES, "VerifyTree", "KVTensors", "MIN_TEMPERATURE", "is_decoding_temperature"]

@@ -349,13 +349,13 @@ def test_the_shipped_profile_is_chosen_per_device_and_says_which(tmp_path):
     import shutil
 
     from heterospec.models.default import DEFAULT_HEAD
-    from heterospec.policy.profile import load_profile, shipped_policy, shipped_profile
+    from heterospec.policy.profile import load_profile, default_policy, shipped_profile
 
     head = tmp_path / "head"
     head.mkdir()
     assert shipped_profile("cpu", str(head))[0] is None
     with pytest.raises(FileNotFoundError, match="no shipped profile"):
-        shipped_policy("cuda", str(head))
+        default_policy("cuda", str(head))
     shutil.copy(os.path.join(DEFAULT_HEAD, "profile.json"), head / "profile.json")
     path, what = shipped_profile("cuda:0", str(head))
     assert path == str(head / "profile.json") and "CPU profile" in what and "no profile calibrated on a cuda" in what
@@ -366,8 +366,9 @@ def test_the_shipped_profile_is_chosen_per_device_and_says_which(tmp_path):
         path, what = shipped_profile(dev, str(head))
         assert path == str(head / "profile-cuda.json") and "GPU profile" in what
     assert shipped_profile("cpu", str(head))[0] == str(head / "profile.json")
-    gpu_policy, _ = shipped_policy("cuda", str(head))
+    gpu_policy = default_policy("cuda", str(head))
     assert gpu_policy.thresholds == load_profile(str(head / "profile-cuda.json"))[0].thresholds
-    assert gpu_policy.thresholds != shipped_policy("cpu", str(head))[0].thresholds
+    assert gpu_policy.thresholds != default_policy("cpu", str(head)).thresholds
+    assert Policy.from_profile(str(head / "profile-cuda.json")) == gpu_policy
     # the default head: its CPU profile on the CPU
     assert shipped_profile("cpu")[0] == os.path.join(DEFAULT_HEAD, "profile.json")

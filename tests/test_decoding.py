@@ -41,6 +41,9 @@ def tiny_target(arch, vocab=V, layers=8, seed=0, sharpen=40.0):
     else:
         cfg, cls = transformers.Qwen3Config(head_dim=16, **common), transformers.Qwen3ForCausalLM
     model = cls(cfg).eval().float()
+    # no EOS: the tests compare fixed-length greedy outputs (reference_greedy decodes `new` tokens whatever comes),
+    # and generate() would otherwise stop at the config's default eos id 2, as HF's generate does
+    model.generation_config.eos_token_id = None
     with torch.no_grad():
         model.lm_head.weight.mul_(sharpen)
     return model.to(DEVICE)
@@ -294,6 +297,36 @@ def test_bad_policies():
         Policy.paper(7, 10, 60, thresholds=(1.0, 0.5))
     with pytest.raises(ValueError, match="top_k"):
         Policy.static(7, 0, 60)
+
+
+def test_generate_stops_at_the_models_eos_by_default_as_hf_generate_does():
+    """Issue 41.3: eos_token_id=None means the model's generation_config.eos_token_id (HF's generate does the
+    same), an explicit id or list is used as given, and [] means none.  A user calling hs.generate(ids,
+    max_new_tokens=64) ran 64 tokens past <|im_end|> where HF's generate stopped."""
+    import heterospec
+
+    model = tiny_target("llama")
+    p = prompts(1)[0]
+    free = reference_greedy(model, p, 24)[0, p.shape[1]:].tolist()
+    eos = free[9]                                   # a token the greedy output reaches at step 10 (maybe earlier)
+    stop = free.index(eos) + 1
+    model.generation_config.eos_token_id = eos
+    hf = model.generate(p, attention_mask=torch.ones_like(p), do_sample=False, max_new_tokens=24, pad_token_id=0)
+    assert hf.shape[1] - p.shape[1] == stop         # HF stops at the model's EOS
+    for policy, draft in ((heterospec.Policy.static(4, 3, 10), OracleDraft(model)),
+                          (heterospec.Policy.autoregressive(), None)):
+        with heterospec.HeteroSpec(model, draft, policy) as hs:
+            seq, _ = hs.generate(p, max_new_tokens=24)
+            assert seq.tolist() == hf.cpu().tolist()
+            assert hs.generate(p, max_new_tokens=24, eos_token_id=[])[0].shape[1] == p.shape[1] + 24
+            other = free[3] if free[3] != eos else free[4]
+            assert hs.generate(p, max_new_tokens=24, eos_token_id=other)[0][0, -1].item() == other
+            model.generation_config.eos_token_id = [12345, eos]          # a list, as Llama 3 ships it
+            assert hs.generate(p, max_new_tokens=24)[0].tolist() == hf.cpu().tolist()
+            model.generation_config.eos_token_id = eos
+            with pytest.raises(ValueError, match="argument 'eos_token_id' expected a token id"):
+                hs.generate(p, max_new_tokens=4, eos_token_id="</s>")
+    model.generation_config.eos_token_id = None
 
 
 # ---- HuggingFace generate integration ------------------------------------------------------------------------

@@ -213,3 +213,94 @@ def test_no_machine_path_in_code_or_docs():
                     text = open(path, encoding="utf-8", errors="replace").read()
                     found += [(os.path.relpath(path, root), m.group(0)) for m in pattern.finditer(text)]
     assert found == []
+
+
+def test_a_source_tree_without_its_extension_says_so_in_one_line(tmp_path):
+    """41.6: Python started in a clone's root imports the source tree, whose C extension was never built; `from
+    heterospec import ops` said only "cannot import name '_C'".  Now one line says why and what to do.  (The
+    source tree is a copy without _C, put first on the path; an editable install's finder is taken out.)"""
+    import os
+    import shutil
+
+    import heterospec
+
+    src = os.path.dirname(heterospec.__file__)
+    shutil.copytree(src, tmp_path / "heterospec", ignore=shutil.ignore_patterns("_C.*", "__pycache__", "data"))
+    code = ("import sys; sys.meta_path = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
+            f"sys.path.insert(0, {str(tmp_path)!r}); from heterospec import ops")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 1
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: heterospec: the C extension is not built in ") and "pip install -e ." in last
+    assert str(tmp_path / "heterospec") in last
+
+
+def test_a_clone_has_the_benchmark_questions_and_bench_finds_them(tmp_path, monkeypatch):
+    """41.5: `heterospec bench` in a fresh clone found no questions (it looked only for ../shared/data/benchmarks,
+    outside the repository).  The five EAGLE files ship in benchmarks/data/questions, with their sources and
+    licences, and are the default wherever the command runs from."""
+    import os
+
+    from heterospec.tools.bench.questions import BENCHMARKS, default_question_files, load_questions
+
+    monkeypatch.chdir(tmp_path)                         # not the checkout, and no ../shared beside it
+    files = default_question_files()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert [os.path.dirname(f) for f in files] == [os.path.join(repo, "benchmarks", "data", "questions")] * 5
+    assert sorted(os.path.basename(f)[:-6] for f in files) == sorted(BENCHMARKS)
+    qs = load_questions(files, None)
+    assert all(len(v) >= 79 for v in qs.values()) and len(qs["mt_bench"][0]["turns"]) == 2
+    readme = open(os.path.join(repo, "benchmarks", "data", "questions", "README.md")).read()
+    assert "SafeAILab/EAGLE" in readme and "CC BY-NC 4.0" in readme
+
+
+@pytest.mark.parametrize("bad", ["missing", "notjson"])
+def test_an_unreadable_questions_file_is_one_line_and_status_2(tmp_path, bad):
+    """41.7: an unreadable or malformed --questions file exited 1 with a bare message; it is a usage error."""
+    path = tmp_path / "q.jsonl"
+    if bad == "notjson":
+        path.write_text("{nope\n")
+    res = subprocess.run([sys.executable, "-m", "heterospec", "bench", "--questions", str(path), "--methods", "ar",
+                          "--limit", "1"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "argument --questions" in lines[0] and str(path) in lines[0], res.stderr
+
+
+@pytest.mark.parametrize("argv, arg", [(["generate", "--temperature", "abc", "--prompt", "x"], "--temperature"),
+                                       (["generate", "--method", "nope", "--prompt", "x"], "--method"),
+                                       (["bench", "--dtype", "int8"], "--dtype"),
+                                       (["calibrate", "--target", "t"], "the following arguments are required")])
+def test_argparse_errors_are_one_line_with_status_2(argv, arg):
+    """41.7: argparse's own errors (a bad type, an unknown choice, a missing argument) printed its 12-line
+    usage block before the message; now one line, as the package's own checks."""
+    res = subprocess.run([sys.executable, "-m", "heterospec", *argv], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stdout == ""
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and arg in lines[0] and "--help" in lines[0], res.stderr
+
+
+def test_calibrate_and_generate_help_show_every_default_and_explain_the_tree():
+    """41.7: `calibrate --help` / `generate --help` showed no defaults, and nothing for --max-prompts, --depth,
+    --top-k-tree, --total-tokens, --fit-target."""
+    from heterospec.tools import cli
+
+    for cmd, flags in (("calibrate", ("--max-prompts", "--depth", "--top-k-tree", "--total-tokens", "--fit-target",
+                                      "--max-new-tokens")),
+                       ("generate", ("--depth", "--top-k-tree", "--total-tokens", "--max-new-tokens"))):
+        sub = cli.build_parser()._subparsers._group_actions[0].choices[cmd]
+        for a in sub._actions:
+            if set(a.option_strings) & set(flags):
+                assert a.help and len(a.help) > 15, (cmd, a.option_strings)
+        text = " ".join(sub.format_help().split())      # as wrapped for any terminal width
+        assert "(default: 7)" in text and "(default: 60)" in text, cmd
+
+
+def test_calibrate_warns_when_bins_are_fitted_on_too_few_cycles():
+    """41.7: a 6-prompt calibration wrote a 4-bin profile whose bins held about 3 cycles each, silently."""
+    from heterospec.tools.cli import MIN_BIN_CYCLES, thin_bins_warning
+
+    assert thin_bins_warning({0: {"cycles": 400}, 1: {"cycles": MIN_BIN_CYCLES}}, 40) is None
+    w = thin_bins_warning({0: {"cycles": 3}, 1: {"cycles": 120}, 2: {"cycles": 5}}, 6)
+    assert w.startswith("heterospec calibrate: warning: 2 of 3 bins") and "bin 0: 3, bin 2: 5" in w
+    assert f"about {-(-6 * MIN_BIN_CYCLES // 3)} prompts" in w and "\n" not in w

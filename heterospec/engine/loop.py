@@ -252,6 +252,8 @@ class HeteroSpec:
                  stopping_criteria=None, streamer=None, seed=None, attention_mask=None, pad_token_id=None,
                  finished_rows="drop"):
         """Returns (sequences [1, S + new] int64 on the CPU, GenerationStats).  Greedy when temperature == 0.
+        A request ends at ``max_new_tokens`` or at an ``eos_token_id`` (an id or ids; None, the default: the
+        target's ``generation_config.eos_token_id``, as HuggingFace's ``generate`` takes it; [] for none).
 
         A batch (:mod:`.batch`): ``input_ids`` [B, S] left-padded with an ``attention_mask`` [B, S] (as a
         HuggingFace tokenizer pads prompts for generation; None: no padding), or a list of prompts of any lengths
@@ -268,7 +270,8 @@ class HeteroSpec:
         alone and committing nothing, so every cycle keeps the batch's shape; with ``cuda_graphs`` a batch's
         recorded steps have a fixed batch, so finished rows are always masked)."""
         _check_generate_args(max_new_tokens, temperature, top_k, top_p)
-        eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+        eos_token_id = self._eos_ids(eos_token_id)
+        eos = set(eos_token_id)
         if finished_rows not in ("drop", "mask"):
             raise ValueError(f"generate: argument 'finished_rows' expected 'drop' or 'mask', got {finished_rows!r}")
         pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
@@ -327,6 +330,21 @@ class HeteroSpec:
             for b, x in enumerate(new):
                 out[b, S:S + len(x)] = torch.tensor(x, dtype=torch.long)
             return out, stats
+
+    def _eos_ids(self, eos_token_id):
+        """The ids that end a request, as a list: ``eos_token_id`` (an int or ints), or for None the target's
+        ``generation_config.eos_token_id`` (an int, a list or None: none)."""
+        if eos_token_id is None:
+            eos_token_id = getattr(getattr(self.target.model, "generation_config", None), "eos_token_id", None)
+        if eos_token_id is None:
+            return []
+        if isinstance(eos_token_id, torch.Tensor):
+            eos_token_id = eos_token_id.tolist()
+        ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise ValueError(f"generate: argument 'eos_token_id' expected a token id, a list of ids or None (the "
+                             f"model's), got {eos_token_id!r}")
+        return ids
 
     def _generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, stopping_criteria,
                   streamer, seed):

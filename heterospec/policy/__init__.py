@@ -63,6 +63,14 @@ class Policy:
         return cls(depth, top_k, total_tokens, tuple(thresholds), extra, keep, name="heterospec")
 
     @classmethod
+    def from_profile(cls, path, *, target=None, draft=None):
+        """The policy of a profile JSON (``heterospec calibrate --out``), checked as :func:`heterospec.policy.
+        profile.load_profile` checks it (``target`` / ``draft``: model identities to warn on a mismatch)."""
+        from .profile import load_profile
+
+        return load_profile(path, target=target, draft=draft)[0]
+
+    @classmethod
     def autoregressive(cls):
         return cls(0, 1, 1, name="ar")
 

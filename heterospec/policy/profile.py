@@ -203,10 +203,11 @@ def shipped_profile(device="cpu", head=None):
     return None, "no shipped profile for this head (run heterospec calibrate and pass the profile)"
 
 
-def shipped_policy(device="cpu", head=None):
-    """``(Policy, description)``: the shipped profile of ``head`` (default: the default pair's head) for
-    ``device`` (see :func:`shipped_profile`); raises FileNotFoundError when the head ships none."""
+def default_policy(device="cpu", head=None):
+    """HeteroSpec's :class:`Policy` for the default pair (or ``head``, a head directory that ships profiles) on
+    ``device``: the calibrated profile that ships for that device type (:func:`shipped_profile` says which).
+    Raises FileNotFoundError when the head ships none."""
     path, what = shipped_profile(device, head)
     if path is None:
         raise FileNotFoundError(f"{head}: {what}")
-    return load_profile(path)[0], what
+    return load_profile(path)[0]

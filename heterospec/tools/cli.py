@@ -374,7 +374,7 @@ def generate_cmd(args, out=None):
         check_profile_pair(args.profile[1], args.profile[0], target=t_id, draft=d_id)
     ids = encode(tokenizer, args.prompt, not args.no_chat_template).to(args.device)
     streamer = TextStreamer(tokenizer, skip_prompt=True)
-    eos = tokenizer.eos_token_id if args.eos else None
+    eos = tokenizer.eos_token_id if args.eos else []          # [] : no EOS (None would be the model's)
     graphs = {"on": True, "off": False, "auto": "auto"}[getattr(args, "cuda_graphs", "off")]   # auto: falls back
     print(f"[{args.method}] {args.policy_what}", file=out)
     with HeteroSpec(target, draft if policy.drafts else None, policy, cuda_graphs=graphs) as hs:
@@ -460,7 +460,29 @@ def calibrate_cmd(args, out=None):
     png = str(args.out).rsplit(".", 1)[0] + ".png"
     _figure(png, x, thresholds, calibrated)
     print(f"profile: {args.out}; figure: {png}", file=out)
+    thin = thin_bins_warning(calibrated.per_bin(), len(texts))
+    if thin:
+        print(thin, file=sys.stderr)
     return policy
+
+
+MIN_BIN_CYCLES = 50   # fewer cycles than this in a bin leave its mean acceptance, and so its plan, to noise
+
+
+def thin_bins_warning(per_bin, prompts):
+    """One line when a bin of the fitted profile holds fewer than MIN_BIN_CYCLES cycles, with the number of
+    prompts that would fill the thinnest (cycles grow with prompts); None when every bin has enough."""
+    if not per_bin:
+        return None
+    thin = {b: v["cycles"] for b, v in per_bin.items() if v["cycles"] < MIN_BIN_CYCLES}
+    if not thin:
+        return None
+    least = max(1, min(thin.values()))
+    need = -(-prompts * MIN_BIN_CYCLES // least)
+    bins = ", ".join(f"bin {b}: {c}" for b, c in sorted(thin.items()))
+    return (f"heterospec calibrate: warning: {len(thin)} of {len(per_bin)} bins were fitted on fewer than "
+            f"{MIN_BIN_CYCLES} cycles ({bins}), so their plans are noise; calibrate on about {need} prompts "
+            f"(--prompts, --max-prompts) instead of {prompts}")
 
 
 def bin_table(replay, policy):
@@ -666,9 +688,21 @@ def train_draft_cmd(args, out=None):
     print(f"draft written to {args.out} (training curves: {os.path.join(args.out, 'training_curves.png')})", file=out)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with every subcommand's defaults in its --help, and a usage error as one line (status 2), not the
+    usage block followed by the message."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the arguments)\n")
+
+
 def build_parser():
     """The ``heterospec`` command line (argparse only: the checks that need no model run in :func:`main`)."""
-    parser = argparse.ArgumentParser(prog="heterospec", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="heterospec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="the default pair (SmolLM2-135M-Instruct + shipped EAGLE-3 head): "
                                     "autoregressive vs EAGLE-3 vs HeteroSpec on built-in prompts")
@@ -680,7 +714,7 @@ def build_parser():
                         "on the shipped bins (default: the shipped calibrated profile)")
     d.add_argument("--device", default="cpu")
     d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    d.add_argument("--max-new-tokens", type=int, default=96)
+    d.add_argument("--max-new-tokens", type=int, default=96, help="new tokens per prompt (fewer at EOS)")
     d.add_argument("--num-prompts", type=int, default=3, help="how many of the built-in prompts (up to 6)")
     d.add_argument("--prompt", default=None, help="one prompt of your own instead of the built-in ones")
     d.add_argument("--no-stream", action="store_true")
@@ -698,12 +732,12 @@ def build_parser():
     g.add_argument("--prompt", required=True)
     g.add_argument("--method", choices=["ar", "eagle3", "heterospec"], default=None,
                    help="ar (no draft), eagle3 (static tree) or heterospec (entropy-adaptive trees; the default)")
-    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--max-new-tokens", type=int, default=256, help="new tokens at most (fewer at EOS)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0, help="sampling top-k (0: off)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--depth", type=int, default=7)
+    g.add_argument("--depth", type=int, default=7, help="draft tree depth (levels drafted per cycle)")
     g.add_argument("--top-k-tree", type=int, default=10, help="draft tree branching / beam width")
     g.add_argument("--total-tokens", type=int, default=60, help="verified tree nodes, root included")
     g.add_argument("--thresholds", default="",
@@ -725,12 +759,16 @@ def build_parser():
     c.add_argument("--draft", required=True)
     c.add_argument("--prompts", nargs="+", required=True, help="question.jsonl / JSON lines / text files")
     c.add_argument("--out", required=True, help="profile JSON (a PNG figure is written next to it)")
-    c.add_argument("--max-prompts", type=int, default=None)
-    c.add_argument("--max-new-tokens", type=int, default=128)
-    c.add_argument("--depth", type=int, default=7)
-    c.add_argument("--top-k-tree", type=int, default=10)
-    c.add_argument("--total-tokens", type=int, default=60)
-    c.add_argument("--fit-target", choices=["rank", "accepted"], default="rank")
+    c.add_argument("--max-prompts", type=int, default=None,
+                   help="use the first N prompts (default: all); a profile's bins need a few hundred cycles each "
+                        "(about 40 prompts of 128 tokens for 4 bins)")
+    c.add_argument("--max-new-tokens", type=int, default=128, help="greedy tokens recorded per prompt")
+    c.add_argument("--depth", type=int, default=7, help="the base tree's depth (HeteroSpec drafts deeper per bin)")
+    c.add_argument("--top-k-tree", type=int, default=10, help="the base tree's branching / beam width")
+    c.add_argument("--total-tokens", type=int, default=60, help="the base tree's verified nodes, root included")
+    c.add_argument("--fit-target", choices=["rank", "accepted"], default="rank",
+                   help="what the entropy bins are fitted to predict (Eq. 2): the rank of the most confident "
+                        "path's last candidate, or the accepted length")
     c.add_argument("--search-base-tree", action="store_true",
                    help="first find the static base tree (depth, nodes) that is fastest on this machine, as bench's "
                         "eagle3-tuned does (the grid replayed on the trace with the measured cost model, the best 3 "

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import ProgressBar
+from .. import measure
 from ..models.default import DATA_DIR, DEFAULT_HEAD, DEFAULT_PROFILE, load_pair as _load_pair
 from ..policy.profile import shipped_profile
 from .prompts import encode as _encode
@@ -81,25 +82,34 @@ def compare(target, draft, input_ids_list, methods, *, max_new_tokens=128, eos_t
             stream_method=None, warmup_tokens=8, progress=None):
     """Run every method on every prompt (one loop, same settings) and return {name: MethodResult}.
 
-    A short untimed warm-up per method comes first.  ``streamer`` (e.g. transformers' TextStreamer)
-    streams the first prompt's answer of ``stream_method`` (default: the last method).  ``progress(name,
-    i, n, streaming)`` is called before each prompt."""
+    A short untimed warm-up per method comes first.  The methods take turns prompt by prompt (the order rotated
+    from one prompt to the next), so a slow spell of the machine (a background job) is shared among them
+    instead of landing on one.  ``streamer`` (e.g. transformers' TextStreamer) streams the first prompt's
+    answer of ``stream_method`` (default: the last method).  ``progress(name, i, n, streaming)`` is called
+    before each prompt of each method."""
+    from contextlib import ExitStack
+
     from ..engine.loop import HeteroSpec
 
     stream_method = stream_method or methods[-1][0]
-    results = {}
-    for name, policy in methods:
-        d = draft if policy.drafts else None
-        res = results[name] = MethodResult(name)
-        with HeteroSpec(target, d, policy) as hs:
-            if warmup_tokens:
+    results = {name: MethodResult(name) for name, _ in methods}
+    names = [name for name, _ in methods]
+    with ExitStack() as stack:
+        engines = {name: stack.enter_context(HeteroSpec(target, draft if policy.drafts else None, policy))
+                   for name, policy in methods}
+        if warmup_tokens:
+            for hs in engines.values():
                 hs.generate(input_ids_list[0], max_new_tokens=warmup_tokens, eos_token_id=eos_token_id)
-            for i, ids in enumerate(input_ids_list):
+        for i, ids in enumerate(input_ids_list):
+            r = i % len(names)
+            for name in names[r:] + names[:r]:
+                res = results[name]
                 s = streamer if (streamer is not None and i == 0 and name == stream_method) else None
                 if progress is not None:
                     progress(name, i, len(input_ids_list), s is not None)
                 t0 = time.perf_counter()
-                seq, st = hs.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, streamer=s)
+                seq, st = engines[name].generate(ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                                                 streamer=s)
                 dt = time.perf_counter() - t0
                 res.sequences.append(seq.cpu())
                 res.new_tokens += st.new_tokens
@@ -131,12 +141,14 @@ def table(results):
     """The markdown table: method, tokens/s, speedup over the first method, tau, calls, verified tokens."""
     names = list(results)
     base = results[names[0]]
-    lines = ["| method | tokens/s | speedup | tau | verification calls | verified tokens |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| method | tokens/s | per prompt (min-max) | speedup | tau | verification calls | verified tokens |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for n in names:
         r = results[n]
         sp = r.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0
-        lines.append(f"| {n} | {r.tokens_per_s:.1f} | {sp:.2f}x | {r.tau:.2f} | {r.cycles} | {r.verified_tokens} |")
+        spread = f"{min(r.per_prompt_tps):.1f}-{max(r.per_prompt_tps):.1f}" if r.per_prompt_tps else "-"
+        lines.append(f"| {n} | {r.tokens_per_s:.1f} | {spread} | {sp:.2f}x | {r.tau:.2f} | {r.cycles} | "
+                     f"{r.verified_tokens} |")
     return "\n".join(lines)
 
 
@@ -171,14 +183,15 @@ def run(args, out=None):
     print(f"  eagle3: static tree depth 7, top_k 10, 60 nodes; heterospec: {hs_what}{th}", file=out)
     streamer = None if args.no_stream else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
-    bar, names = ProgressBar(), [n for n, _ in methods]
+    bar, names, done = ProgressBar(), [n for n, _ in methods], [0]
 
-    def progress(name, i, n, streaming):   # before prompt i of method name: the prompts done so far
+    def progress(name, i, n, streaming):   # before prompt i of method name: the (method, prompt) runs done so far
         if streaming:   # the answer streams to the terminal: no bar on its lines
             bar.clear()
             print(f"[{name}, streamed] >>> {texts[0]}\n", file=out, flush=True)
         else:
-            bar(names.index(name) * n + i, len(names) * n, desc=f"{name}: prompt {i + 1}/{n}")
+            bar(done[0], len(names) * n, desc=f"prompt {i + 1}/{n}: {name}")
+        done[0] += 1
 
     results = compare(target, draft, ids, methods, max_new_tokens=args.max_new_tokens,
                       eos_token_id=tokenizer.eos_token_id, streamer=streamer, progress=progress)
@@ -198,4 +211,7 @@ def run(args, out=None):
     print(table(results), file=out)
     print(f"\n(total {time.perf_counter() - t0:.0f} s; tokens/s = new tokens / decoding time, after a warm-up; "
           f"tau = tokens committed per verification call)", file=out)
+    busy = measure.load_warning()
+    if busy:
+        print(busy, file=out)
     return 1 if bad else 0

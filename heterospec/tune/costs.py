@@ -232,6 +232,6 @@ def _measure_overhead(target, draft, ctx, tokens, graphs, cpu_gemm, device):
     policy = Policy.static() if draft is not None else Policy.autoregressive()
     prompt = _prompt(target, ctx, device)
     with _engine(target, draft, policy, graphs, cpu_gemm) as hs:
-        hs.generate(prompt, max_new_tokens=min(tokens, 8))
-        _, stats = hs.generate(prompt, max_new_tokens=tokens)
+        hs.generate(prompt, max_new_tokens=min(tokens, 8), eos_token_id=[])   # timed to the budget, EOS or not
+        _, stats = hs.generate(prompt, max_new_tokens=tokens, eos_token_id=[])
     return overhead_per_cycle(stats)

@@ -207,7 +207,7 @@ def record(target, draft, prompts, *, max_new_tokens, top_k=10, levels=11, progr
         for i, prompt in enumerate(prompts):
             S = prompt.shape[1]
             # the greedy continuation, long enough for the last cycles' acceptance past the budget
-            seq, _ = ar.generate(prompt, max_new_tokens=max_new_tokens + levels + 2)
+            seq, _ = ar.generate(prompt, max_new_tokens=max_new_tokens + levels + 2, eos_token_id=[])
             seq = seq.to(dev)  # generate returns host ids; the target may live on a GPU
             out = seq[0, S:].cpu().numpy().astype(np.int64)
             _, taps = adapter.prefill(seq)  # the target's taps of every position, in one forward

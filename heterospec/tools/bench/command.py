@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from ...measure import DeviceTimer, machine_info
+from ...measure import DeviceTimer, load_warning, machine_info
 from .. import ProgressBar
 from ..prompts import encode_turn, read_prompts
 from .methods import HF_METHODS, METHODS, build_methods, check_method_names, method_dict, parse_tree
@@ -62,12 +62,15 @@ def main(args, out=None):
         print(f"heterospec bench: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     if not paths:
-        raise SystemExit("heterospec bench: no question files: ../shared/data/benchmarks is not here; pass "
-                         "--questions PATH [PATH ...] (EAGLE question.jsonl format)")
+        print("heterospec bench: error: argument --questions: expected question files, got none: this is not a "
+              "checkout (its benchmarks/data/questions holds the five EAGLE files) and ../shared/data/benchmarks is "
+              "not here; pass --questions PATH [PATH ...] (EAGLE question.jsonl format)", file=sys.stderr)
+        raise SystemExit(2)
     try:
         questions = load_questions(paths, args.limit)
-    except ValueError as e:
-        raise SystemExit(f"heterospec bench: {e}") from None
+    except (ValueError, OSError) as e:   # an unreadable or malformed --questions file: a usage error
+        print(f"heterospec bench: error: argument --questions: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     if args.draft is None and args.target == "default":
         args.draft = DEFAULT_HEAD
     if args.draft is None and any(n != "ar" and n not in HF_METHODS for n in names):
@@ -148,6 +151,9 @@ def main(args, out=None):
             print(f"MISMATCH at temperature 0: {m['method']} differs from {m['reference']} on {m['bench']} question "
                   f"{m['question_id']} turn {m['turn'] + 1} at new token {m['first_diff']}", file=out)
     print(f"wrote {', '.join(written)} (total {result['seconds']:.0f} s)", file=out)
+    busy = load_warning()
+    if busy:
+        print(busy, file=out)
     return status
 
 
@@ -188,6 +194,9 @@ def _batched(args, names, sizes, questions, tokenizer, target, draft, profile, p
         print(f"MISMATCH at temperature 0: {x['method']} differs from ar at batch size {x['batch_size']} on prompt "
               f"{x['prompt']} at new token {x['first_diff']}", file=out)
     print(f"wrote {', '.join(paths)} (total {time.perf_counter() - t_start:.0f} s)", file=out)
+    busy = load_warning()
+    if busy:
+        print(busy, file=out)
     return 1 if r["mismatches"] else 0
 
 
@@ -241,7 +250,7 @@ def add_arguments(p):
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
     p.add_argument("--questions", nargs="+", default=None,
                    help="EAGLE question.jsonl files, or a directory of the five benchmark files (default: "
-                        "the five of ../shared/data/benchmarks)")
+                        "the checkout's benchmarks/data/questions, else ../shared/data/benchmarks)")
     p.add_argument("--limit", type=int, default=None, help="questions per file")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one run per value, e.g. 0 1")

@@ -18,13 +18,19 @@ def benchmark_files(d):
     return files if all(os.path.isfile(f) for f in files) else []
 
 
+# where the five benchmark files are found without --questions: the checkout's copy (benchmarks/data/questions,
+# with their sources and licences), then ../shared/data/benchmarks beside the working directory or the checkout
+QUESTION_DIRS = (os.path.join("benchmarks", "data", "questions"), os.path.join("..", "shared", "data", "benchmarks"))
+
+
 def default_question_files():
-    """The five benchmark files of ../shared/data/benchmarks (next to the working directory or the
-    checkout), or [] when neither has them."""
-    for root in (os.getcwd(), REPO):
-        files = benchmark_files(os.path.join(root, "..", "shared", "data", "benchmarks"))
-        if files:
-            return files
+    """The five benchmark files of a checkout (benchmarks/data/questions) or of ../shared/data/benchmarks (next to
+    the working directory or the checkout), or [] when none has them (an installed package without a checkout)."""
+    for rel in QUESTION_DIRS:
+        for root in (REPO, os.getcwd()):
+            files = benchmark_files(os.path.join(root, rel))
+            if files:
+                return files
     return []
 
 

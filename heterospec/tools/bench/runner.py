@@ -57,7 +57,7 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
                 if isinstance(pol, HFMethod) and pol.cache_implementation == "static":
                     kw = {"cache_len": cache_len, "stop_after": warmup_tokens}  # compiles (where it does)
                 (_, st), warmup_s[name] = timer(lambda: engines[name].generate(
-                    ids, max_new_tokens=warmup_tokens, temperature=temperature, seed=seed, **kw))
+                    ids, max_new_tokens=warmup_tokens, temperature=temperature, seed=seed, eos_token_id=[], **kw))
                 capture_s[name] = capture_s.get(name, 0.0) + getattr(st, "capture_s", 0.0)
                 if kw and st.compiled is not None:
                     compiled.append(st.compiled)

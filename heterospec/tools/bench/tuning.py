@@ -38,9 +38,9 @@ def tune_static_tree(target, draft, prompt_ids, tr, *, cost_model, depths=TUNE_D
         new, secs = 0, 0.0
         longest = max(ids.shape[1] for ids in prompt_ids) + tr.max_new_tokens
         with HeteroSpec(target, draft, pol, cuda_graphs=cuda_graphs, max_length=longest) as hs:
-            hs.generate(prompt_ids[0], max_new_tokens=8)  # warm-up (and recording, with cuda_graphs)
+            hs.generate(prompt_ids[0], max_new_tokens=8, eos_token_id=[])  # warm-up (and recording, with cuda_graphs)
             for ids in prompt_ids:
-                (_, st), dt = timer(lambda: hs.generate(ids, max_new_tokens=tr.max_new_tokens))
+                (_, st), dt = timer(lambda: hs.generate(ids, max_new_tokens=tr.max_new_tokens, eos_token_id=[]))
                 new += st.new_tokens
                 secs += dt
         measured.append(dict(g, measured_tokens_per_s=new / secs if secs else 0.0))
