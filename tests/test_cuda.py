@@ -792,6 +792,15 @@ def test_wide_rows_a_mix_of_wide_and_decided_rows_equals_the_cpu(dtype, warp):
         assert got[1:] == want[1:], f"trial {trial}"
 
 
+def _root_draws_match(x, dtype, seed, trials=6, **warp):
+    """A root-only tree over the row x [1, V]: the residual draw samples the warped row itself; the next token
+    and the draws equal the CPU's for `trials` seeds."""
+    tokens, parents = np.zeros(1, np.int64), np.full(1, -1, np.int64)
+    for trial in range(trials):
+        got, want = _sample_both(tokens, parents, x, dtype, temperature=1.0, seed=seed + trial, offset=trial, **warp)
+        assert got[1:] == want[1:], f"trial {trial}"
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("count, top_k", [(700, 700), (700, 701), (700, 699), (1800, 1800)])
 def test_wide_rows_top_k_at_a_run_of_equal_maxima(dtype, count, top_k):
@@ -802,11 +811,7 @@ def test_wide_rows_top_k_at_a_run_of_equal_maxima(dtype, count, top_k):
     rng = np.random.default_rng(count + top_k)
     x = rng.integers(-3, 2, (1, V)).astype(np.float32)      # -3 .. 1, and `count` tokens at 4
     x[0, rng.choice(V, count, replace=False)] = 4.0
-    tokens, parents = np.zeros(1, np.int64), np.full(1, -1, np.int64)
-    for trial in range(6):
-        got, want = _sample_both(tokens, parents, x, dtype, temperature=1.0, seed=300 + trial, offset=trial,
-                                 top_k=top_k)
-        assert got[1:] == want[1:], f"trial {trial}"
+    _root_draws_match(x, dtype, 300, top_k=top_k)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -821,11 +826,7 @@ def test_wide_rows_top_p_crossing_inside_a_long_run_of_equal_logits(dtype, count
     rng = np.random.default_rng(count)
     x = np.full((1, V), -np.inf, np.float32)
     x[0, rng.choice(V, count, replace=False)] = 1.5
-    tokens, parents = np.zeros(1, np.int64), np.full(1, -1, np.int64)
-    for trial in range(6):
-        got, want = _sample_both(tokens, parents, x, dtype, temperature=1.0, seed=900 + trial, offset=trial,
-                                 top_p=top_p)
-        assert got[1:] == want[1:], f"trial {trial}"
+    _root_draws_match(x, dtype, 900, top_p=top_p)
 
 
 def test_wide_rows_leave_no_state_for_the_next_call():
