@@ -365,7 +365,7 @@ class HeteroSpec:
         need = max(need, self._capacity(0, self.max_length or 0))
         if self.cuda_graphs and self.max_length is None:
             need = -(-need // 256) * 256      # fewer distinct capacities: each one is captured anew
-        eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+        eos = set(eos_token_id)                  # generate() resolved it (_eos_ids): a list
         sample = temperature > 0
         settings = (sample, float(temperature), int(top_k), float(top_p)) if sample else (False, 0.0, 0, 1.0)
         dev = self.device

@@ -80,7 +80,7 @@ def main(args, out=None):
                                   (None, "no profile"))
     profile = load_profile(profile_path)[0] if profile_path else None
     if profile is not None and {"heterospec", "heterospec-paper"} & set(names):
-        print(f"heterospec bench: heterospec's profile: {profile_what}", flush=True)
+        print(f"heterospec bench: heterospec's profile: {profile_what}", file=out, flush=True)
     # the cheap checks before the models load
     try:
         if args.tuned_tree:
@@ -158,9 +158,10 @@ def main(args, out=None):
 
 
 def _batched(args, names, sizes, questions, tokenizer, target, draft, profile, profile_src, out, t_start):
-    profile_path, profile_what = profile_src
     """``--batch-size``: throughput against batch size (:mod:`.batched`), greedy; writes batch.json, batch.md and
-    batch.png under --out.  Returns 1 when a greedy output differs from ar's."""
+    batch.png under --out.  ``profile_src``: (the profile's path, what it is).  Returns 1 when a greedy output
+    differs from ar's."""
+    profile_path, profile_what = profile_src
     import json
 
     try:
