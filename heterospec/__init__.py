@@ -11,6 +11,11 @@ Decoding:
   calibrated profile, ``heterospec calibrate``), ``Policy.autoregressive()``;
 * :class:`Eagle3Draft` (EAGLE-3 heads in the SafeAILab, SpecForge, vLLM and speculators layouts);
 * :func:`default_pair`, :func:`default_policy`: the embedded default pair and its shipped profiles;
+  :func:`shipped_profile` (which file, and why), :func:`load_profile` (a profile's policy, cost model and fields);
+* :func:`compare`: methods side by side on the same prompts through one loop, their turns interleaved (a
+  ``Comparison``: ``.mismatches()``, ``.table()``, shown as that table in Jupyter); :func:`demo_prompts`, the
+  demo's prompts (none from a benchmark);
+* :mod:`heterospec.tune.trace` (for ablations: record a trace once, replay any policy exactly, no model run);
 * :mod:`heterospec.ops` (the C core's tree operations) and :mod:`heterospec.reference` (their pure NumPy twin,
   identical semantics; docs/ops.md defines them).
 """
@@ -28,6 +33,10 @@ _LAZY = {  # the torch/transformers side loads on first use, so `import heterosp
     "Eagle3Config": ("models.draft", "Eagle3Config"),
     "default_pair": ("models.default", "default_pair"),
     "default_policy": ("policy.profile", "default_policy"),
+    "shipped_profile": ("policy.profile", "shipped_profile"),
+    "load_profile": ("policy.profile", "load_profile"),
+    "compare": ("tools.demo", "compare"),
+    "demo_prompts": ("tools.demo", "demo_prompts"),
 }
 
 

@@ -28,7 +28,7 @@ def test_compare_gives_the_targets_greedy_output_for_every_method(tmp_path):
     ps = prompts(3)
     res = demo.compare(model, draft, ps, _methods(), max_new_tokens=20, warmup_tokens=4)
     assert list(res) == ["ar", "eagle3", "heterospec"]
-    assert demo.mismatches(res) == []
+    assert res.mismatches() == []
     for i, p in enumerate(ps):
         ref = reference_greedy(model, p, 20)
         for name in res:
@@ -38,7 +38,7 @@ def test_compare_gives_the_targets_greedy_output_for_every_method(tmp_path):
     # autoregressive: one verification call per token after the prefill's, each committing one token
     assert res["ar"].cycles == 3 * 19 and res["ar"].tau == 1.0
     assert res["eagle3"].verified_tokens > res["eagle3"].cycles  # trees of several nodes
-    rows = demo.table(res).splitlines()
+    rows = res.table().splitlines()
     assert rows[0].startswith("| method | tokens/s | per prompt (min-max) | speedup | tau |") and len(rows) == 5
     assert rows[2].split("|")[4].strip() == "1.00x"
     assert [r.split("|")[1].strip() for r in rows[2:]] == ["ar", "eagle3", "heterospec"]
@@ -53,13 +53,15 @@ def test_mismatch_check_fires_on_a_broken_method(tmp_path):
     pos = ps[1].shape[1] + 5
     broken[0, pos] = (broken[0, pos] + 1) % model.config.vocab_size
     res["eagle3"].sequences[1] = broken
-    assert demo.mismatches(res) == [("eagle3", 1, pos)]
+    assert res.mismatches() == [("eagle3", 1, pos)]
 
 
 def test_demo_prompts_are_not_benchmark_prompts():
     texts = demo.demo_prompts()
     assert len(texts) >= 4 and all(isinstance(t, str) and t for t in texts)
     bench = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "data", "questions")   # in the checkout
+    if not os.path.isdir(bench):
+        pytest.skip("benchmarks/ is not next to tests/ (CI's wheel stages copy tests/ alone)")
     seen = set()
     for name in sorted(n for n in os.listdir(bench) if n.endswith(".jsonl")):
         for line in open(os.path.join(bench, name)):
@@ -237,8 +239,8 @@ def test_compare_interleaves_the_methods_prompt_by_prompt(tmp_path):
                        progress=lambda name, i, n, streaming: calls.append((i, name)))
     assert calls == [(0, "ar"), (0, "eagle3"), (0, "heterospec"), (1, "eagle3"), (1, "heterospec"), (1, "ar"),
                      (2, "heterospec"), (2, "ar"), (2, "eagle3"), (3, "ar"), (3, "eagle3"), (3, "heterospec")]
-    assert demo.mismatches(res) == [] and all(len(r.sequences) == 4 for r in res.values())
-    header, rule, *rows = demo.table(res).splitlines()
+    assert res.mismatches() == [] and all(len(r.sequences) == 4 for r in res.values())
+    header, rule, *rows = res.table().splitlines()
     assert "per prompt (min-max)" in header and len(rows) == 3
     lo, hi = (float(v) for v in rows[0].split("|")[3].split("-"))
     assert 0 < lo <= hi

@@ -64,9 +64,41 @@ def test_notebook_runs_top_to_bottom_in_a_kernel(path, monkeypatch):
     ran = [c for c in nb.cells if c.cell_type == "code"]
     assert all(c.execution_count for c in ran)
     assert not any(o.get("output_type") == "error" for c in ran for o in c.outputs)
+    stderr = "".join(o.get("text", "") for c in ran for o in c.outputs if o.get("name") == "stderr")
+    assert "IProgress not found" not in stderr, "tqdm's notebook warning (ipywidgets: the notebook extra)"
     if path.name in NEEDS_DEFAULT_PAIR:  # a plot came out
         assert any("image/png" in o.get("data", {}) for c in ran for o in c.outputs)
 
 
 def test_there_are_the_three_notebooks():
     assert {"ops_tour.ipynb", "quickstart.ipynb", "ablation.ipynb"} <= {p.name for p in NOTEBOOKS}
+
+
+# the package's documented modules beside its top-level names (help(heterospec) lists each)
+PUBLIC_MODULES = {"heterospec.ops", "heterospec.reference", "heterospec.tune.trace"}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_uses_public_names_only(path):
+    """Issue 41.2: the notebooks import no internal module (they once took the default pair, the profile and the
+    comparison from heterospec.models.default, heterospec.policy.profile and heterospec.tools.demo)."""
+    import ast
+
+    import heterospec
+
+    code = "\n".join("".join(c["source"]) for c in _committed_clean(json.loads(path.read_text())))
+    tree = ast.parse("\n".join(line for line in code.splitlines() if not line.lstrip().startswith(("%", "!"))))
+    used = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("heterospec"):
+            names = [f"{node.module}.{a.name}" for a in node.names]
+            used.update(n for n in names if node.module != "heterospec")
+            bad = [a.name for a in node.names if node.module == "heterospec" and a.name not in heterospec.__all__]
+            assert not bad, f"{path.name}: from heterospec import {bad}: not in heterospec.__all__"
+        elif isinstance(node, ast.Import):
+            used.update(a.name for a in node.names if a.name.startswith("heterospec."))
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "heterospec":
+            assert node.attr in heterospec.__all__, f"{path.name}: heterospec.{node.attr} is not public"
+    assert used <= PUBLIC_MODULES, f"{path.name} imports internal modules: {sorted(used - PUBLIC_MODULES)}"
+    for name in PUBLIC_MODULES:
+        assert name.split(".", 1)[1] in heterospec.__doc__, f"{name} is not in help(heterospec)"

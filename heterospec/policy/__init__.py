@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import numpy as np
 
@@ -29,6 +30,7 @@ class Policy:
     extra: tuple = ()
     keep: tuple = ()
     name: str = "static"
+    PAPER_GAMMAS: ClassVar[tuple] = GAMMA   # γ of bins 0-2 in the paper's rule (:meth:`paper`)
 
     def __post_init__(self):
         for field, lo in (("depth", 0), ("top_k", 1), ("total_tokens", 1)):

@@ -80,7 +80,7 @@ def heterospec_policy(choice, default_profile=None, default_what=None):
 
 def compare(target, draft, input_ids_list, methods, *, max_new_tokens=128, eos_token_id=None, streamer=None,
             stream_method=None, warmup_tokens=8, progress=None):
-    """Run every method on every prompt (one loop, same settings) and return {name: MethodResult}.
+    """Run every method on every prompt (one loop, same settings): a :class:`Comparison`, {name: MethodResult}.
 
     A short untimed warm-up per method comes first.  The methods take turns prompt by prompt (the order rotated
     from one prompt to the next), so a slow spell of the machine (a background job) is shared among them
@@ -92,7 +92,7 @@ def compare(target, draft, input_ids_list, methods, *, max_new_tokens=128, eos_t
     from ..engine.loop import HeteroSpec
 
     stream_method = stream_method or methods[-1][0]
-    results = {name: MethodResult(name) for name, _ in methods}
+    results = Comparison((name, MethodResult(name)) for name, _ in methods)
     names = [name for name, _ in methods]
     with ExitStack() as stack:
         engines = {name: stack.enter_context(HeteroSpec(target, draft if policy.drafts else None, policy))
@@ -123,33 +123,40 @@ def compare(target, draft, input_ids_list, methods, *, max_new_tokens=128, eos_t
     return results
 
 
-def mismatches(results):
-    """[(method, prompt index, first differing position)] against the first method's outputs."""
-    names = list(results)
-    ref = results[names[0]].sequences
-    bad = []
-    for name in names[1:]:
-        for i, (a, b) in enumerate(zip(ref, results[name].sequences)):
-            a, b = a.view(-1).tolist(), b.view(-1).tolist()
-            if a != b:
-                pos = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-                bad.append((name, i, pos))
-    return bad
+class Comparison(dict):
+    """{method name: MethodResult}, in the order the methods were given (what :func:`compare` returns).  In
+    Jupyter it displays as :meth:`table`."""
 
+    def mismatches(self):
+        """[(method, prompt index, first differing position)] against the first method's outputs."""
+        names = list(self)
+        ref = self[names[0]].sequences
+        bad = []
+        for name in names[1:]:
+            for i, (a, b) in enumerate(zip(ref, self[name].sequences)):
+                a, b = a.view(-1).tolist(), b.view(-1).tolist()
+                if a != b:
+                    pos = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                    bad.append((name, i, pos))
+        return bad
 
-def table(results):
-    """The markdown table: method, tokens/s, speedup over the first method, tau, calls, verified tokens."""
-    names = list(results)
-    base = results[names[0]]
-    lines = ["| method | tokens/s | per prompt (min-max) | speedup | tau | verification calls | verified tokens |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for n in names:
-        r = results[n]
-        sp = r.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0
-        spread = f"{min(r.per_prompt_tps):.1f}-{max(r.per_prompt_tps):.1f}" if r.per_prompt_tps else "-"
-        lines.append(f"| {n} | {r.tokens_per_s:.1f} | {spread} | {sp:.2f}x | {r.tau:.2f} | {r.cycles} | "
-                     f"{r.verified_tokens} |")
-    return "\n".join(lines)
+    def table(self):
+        """The markdown table: method, tokens/s, its spread over the prompts, speedup over the first method, tau,
+        calls, verified tokens."""
+        names = list(self)
+        base = self[names[0]]
+        lines = ["| method | tokens/s | per prompt (min-max) | speedup | tau | verification calls | verified tokens |",
+                 "|---|---:|---:|---:|---:|---:|---:|"]
+        for n in names:
+            r = self[n]
+            sp = r.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0
+            spread = f"{min(r.per_prompt_tps):.1f}-{max(r.per_prompt_tps):.1f}" if r.per_prompt_tps else "-"
+            lines.append(f"| {n} | {r.tokens_per_s:.1f} | {spread} | {sp:.2f}x | {r.tau:.2f} | {r.cycles} | "
+                         f"{r.verified_tokens} |")
+        return "\n".join(lines)
+
+    def _repr_markdown_(self):
+        return self.table()
 
 
 def run(args, out=None):
@@ -200,7 +207,7 @@ def run(args, out=None):
         first = results[methods[-1][0]].sequences[0]
         print(f"[{methods[-1][0]}] >>> {texts[0]}\n", file=out)
         print(tokenizer.decode(first[0, ids[0].shape[1]:], skip_special_tokens=True), file=out)
-    bad = mismatches(results)
+    bad = results.mismatches()
     print(file=out)
     if bad:
         for name, i, pos in bad:
@@ -208,7 +215,7 @@ def run(args, out=None):
     else:
         print(f"identical greedy outputs across {', '.join(results)} on all {len(texts)} prompts", file=out)
     print(file=out)
-    print(table(results), file=out)
+    print(results.table(), file=out)
     print(f"\n(total {time.perf_counter() - t0:.0f} s; tokens/s = new tokens / decoding time, after a warm-up; "
           f"tau = tokens committed per verification call)", file=out)
     busy = measure.load_warning()
