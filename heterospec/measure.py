@@ -117,6 +117,13 @@ class PhaseClock:
         self.pending.clear()
 
 
+def cache_path(*parts):
+    """A path in heterospec's cache (``$HETEROSPEC_CACHE``, default ``~/.cache/heterospec``): the converted
+    default model, the measured CPU matrix paths."""
+    root = os.environ.get("HETEROSPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "heterospec")
+    return os.path.join(root, *parts)
+
+
 def machine_info(device="cpu"):
     """The machine and software a measurement was taken with: platform, processor and CPU model, cores,
     torch threads, the versions of Python, NumPy, torch, transformers and heterospec (with what its C core

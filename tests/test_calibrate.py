@@ -78,6 +78,23 @@ def test_optimiser_deepens_and_prunes_the_easy_bins(stretch_trace):
     assert policy.extra[easy] >= 1 and policy.keep[easy] < N
 
 
+def test_the_calibrated_policy_never_predicts_slower_than_the_static_tree(stretch_trace):
+    """42.2: the descent starts from the static tree as well as from the paper's rule, so however few sweeps it
+    gets, the result is at least the static tree of its base (here a machine where drafting is dear, so the
+    paper's deeper bins predict slower than static)."""
+    dear_draft = CostModel(verify=(0.010, 0.0002, 0.0, 0.0), level=(0.02, 0.002), overhead=0.0005)
+    x, acc = stretch_trace.features(BASE, N, target="accepted")
+    thresholds = tuple(fit_thresholds(x, acc, depth=3, min_leaf=10))
+    static = stretch_trace.replay(Policy.static(BASE, K, N), cost_model=dear_draft).tokens_per_s
+    paper = stretch_trace.replay(Policy.paper(BASE, K, N, thresholds), cost_model=dear_draft).tokens_per_s
+    assert paper < static   # the case the guarantee is for
+    for sweeps in (0, 1, 4):
+        policy, predicted = optimise_policy(stretch_trace, dear_draft, base_depth=BASE, total_tokens=N,
+                                            thresholds=thresholds, max_sweeps=sweeps)
+        assert predicted >= static
+        assert stretch_trace.replay(policy, cost_model=dear_draft).tokens_per_s == pytest.approx(predicted)
+
+
 def test_model_identity_is_stable_and_pathless(tmp_path):
     """Issue 18.3: a profile names its pair by what fixes the model (architecture fields hashed, vocabulary
     sizes), never a path: the same config in another directory or with fields transformers adds or drops

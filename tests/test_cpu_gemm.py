@@ -93,3 +93,114 @@ def test_auto_packs_bfloat16_only_where_onednn_runs_it(monkeypatch):
     with pytest.raises(ValueError, match=r"argument 'cpu_gemm' expected 'auto' or False here .*bfloat16.*got True"):
         cpu_gemm.wanted(True, model)
     assert cpu_gemm.wanted("auto", model.to(torch.float32)) is cpu_gemm.available()
+
+
+# --- 'auto' measures the path (issue 42.1) ------------------------------------------------------------------
+
+
+class FakeTimer:
+    """(default, packed) seconds as a machine would report them: the packed path ``slow`` at the row counts
+    listed, fast elsewhere; counts its calls."""
+
+    def __init__(self, packed_slow_at=()):
+        self.slow = set(packed_slow_at)
+        self.calls = []
+
+    def __call__(self, layers, rows, reps):
+        self.calls.append((cpu_gemm.shape_key(layers[0]), rows))
+        return (1.0, 2.0) if rows in self.slow else (1.0, 0.5)
+
+
+def _two_shapes():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 64, bias=False),
+                               torch.nn.Linear(64, 96))
+
+
+@pytest.fixture
+def fresh_choices(tmp_path, monkeypatch):
+    monkeypatch.setenv("HETEROSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_gemm, "_CHOICES", {})
+    return tmp_path
+
+
+def test_a_slower_packed_path_is_never_picked(fresh_choices):
+    model = _two_shapes()
+    one_row_slow = FakeTimer(packed_slow_at=(1,))
+    choice = cpu_gemm.choose([model], timer=one_row_slow)
+    assert choice == {"float32 64x96 bias": (False, True, True), "float32 96x64": (False, True, True)}
+    # one timing per shape and probed row count: the two 64x96 layers are one group
+    assert sorted(one_row_slow.calls) == sorted((k, r) for k in choice for r in cpu_gemm.PROBE_ROWS)
+    cpu_gemm._CHOICES.clear()
+    never = cpu_gemm.choose([model], timer=FakeTimer(packed_slow_at=cpu_gemm.PROBE_ROWS), cache=False)
+    assert set(never.values()) == {(False, False, False)}
+    off = cpu_gemm.PackedLinears([model], choice=never)
+    assert off.prepare() == 0 and off.describe() == "off"
+    with off:
+        assert not any("forward" in vars(m) for m in model.modules())   # nothing routed, nothing packed
+
+
+def test_the_choice_is_kept_for_the_process_and_on_disk(fresh_choices):
+    import json
+
+    model = _two_shapes()
+    first = FakeTimer(packed_slow_at=(48,))
+    choice = cpu_gemm.choose([model], timer=first)
+    assert len(first.calls) == 2 * len(cpu_gemm.PROBE_ROWS)
+    again = FakeTimer()
+    assert cpu_gemm.choose([model], timer=again) == choice and again.calls == []      # this process
+    stored = json.loads((fresh_choices / cpu_gemm.CHOICES_FILE).read_text())
+    assert stored == {cpu_gemm.machine_key(): {k: list(v) for k, v in choice.items()}}
+    cpu_gemm._CHOICES.clear()                                                           # a new process
+    assert cpu_gemm.choose([model], timer=again) == choice and again.calls == []
+    # another shape is measured and added; the stored ones stay
+    bigger = torch.nn.Linear(64, 128)
+    cpu_gemm.choose([bigger], timer=again)
+    assert again.calls == [("float32 64x128 bias", r) for r in cpu_gemm.PROBE_ROWS]
+    stored = json.loads((fresh_choices / cpu_gemm.CHOICES_FILE).read_text())[cpu_gemm.machine_key()]
+    assert set(stored) == {"float32 64x96 bias", "float32 96x64", "float32 64x128 bias"}
+
+
+def test_a_broken_choices_file_is_measured_again(fresh_choices):
+    (fresh_choices / cpu_gemm.CHOICES_FILE).write_text("{not json")
+    t = FakeTimer()
+    assert set(cpu_gemm.choose([_two_shapes()], timer=t).values()) == {(True, True, True)}
+    assert len(t.calls) == 2 * len(cpu_gemm.PROBE_ROWS)
+
+
+@needs
+def test_each_row_class_runs_the_path_chosen_for_it(monkeypatch):
+    """One row through torch's default, 2-16 rows packed, more rows default (both paths spied on); each output
+    agrees with a float64 product."""
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(192, 320)
+    seen = []
+    linear, pointwise = torch.nn.functional.linear, torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: seen.append("default") or linear(*a))
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: seen.append("packed") or pointwise(*a))
+    g = cpu_gemm.PackedLinears([lin], choice={cpu_gemm.shape_key(lin): (False, True, False)})
+    for rows, path in ((1, "default"), (8, "packed"), (16, "packed"), (17, "default"), (40, "default")):
+        x = torch.randn(2, rows, 192)[:1]   # [1, rows, 192]: rows per call as the engine sends them
+        seen.clear()
+        with g:
+            y = lin(x)
+        assert seen == [path], rows
+        assert not y.requires_grad   # inference only, whichever path: the ops take it through DLPack
+        ref = x.double().numpy() @ lin.weight.detach().double().numpy().T + lin.bias.detach().double().numpy()
+        np.testing.assert_allclose(y.numpy(), ref, rtol=1e-5, atol=1e-5)
+
+
+@needs
+def test_the_engine_reports_its_matrix_path(fresh_choices, monkeypatch):
+    model = tiny_target("llama")
+    p = prompts(1)[0]
+    monkeypatch.setattr(cpu_gemm, "_time_group", FakeTimer(packed_slow_at=(1,)))
+    with HeteroSpec(model, cpu_gemm="auto") as hs:
+        _, st = hs.generate(p, max_new_tokens=4)
+    shapes = len({cpu_gemm.shape_key(m) for m in model.modules() if isinstance(m, torch.nn.Linear)})
+    assert st.cpu_gemm == hs.cpu_gemm == (f"packed for 1 row: 0/{shapes} shapes, 2-16: {shapes}/{shapes}, "
+                                          f"17+: {shapes}/{shapes} (measured)")
+    with HeteroSpec(model, cpu_gemm=True) as hs:
+        assert hs.generate(p, max_new_tokens=2)[1].cpu_gemm.endswith("(forced)")
+    with HeteroSpec(model, cpu_gemm=False) as hs:
+        assert hs.generate(p, max_new_tokens=2)[1].cpu_gemm == "off"

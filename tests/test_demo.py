@@ -39,9 +39,32 @@ def test_compare_gives_the_targets_greedy_output_for_every_method(tmp_path):
     assert res["ar"].cycles == 3 * 19 and res["ar"].tau == 1.0
     assert res["eagle3"].verified_tokens > res["eagle3"].cycles  # trees of several nodes
     rows = res.table().splitlines()
-    assert rows[0].startswith("| method | tokens/s | per prompt (min-max) | speedup | tau |") and len(rows) == 5
+    assert rows[0].startswith("| method | tokens/s | per prompt (min-max) | x ar | tau |") and len(rows) == 5
     assert rows[2].split("|")[4].strip() == "1.00x"
     assert [r.split("|")[1].strip() for r in rows[2:]] == ["ar", "eagle3", "heterospec"]
+
+
+def test_compare_puts_hf_generate_beside_ar(tmp_path):
+    """42.4: the demo's methods include the target's own generate (what a user already has) and the table shows
+    each method against it as well as against ar."""
+    from heterospec.tools.bench.methods import HFMethod
+
+    model = tiny_target("llama")
+    draft = eagle3_head(model, tmp_path / "draft")
+    methods = demo.default_methods(draft, Policy.paper(4, 3, 12, THRESHOLDS))
+    assert [n for n, _ in methods] == ["ar", "hf", "eagle3", "heterospec"] and isinstance(methods[1][1], HFMethod)
+    ps = prompts(2)
+    res = demo.compare(model, draft, ps, methods, max_new_tokens=10, warmup_tokens=0)
+    assert res.mismatches() == []
+    assert res["hf"].sequences[1].tolist() == reference_greedy(model, ps[1], 10).tolist()
+    assert res["hf"].new_tokens == 20 and res["hf"].cycles == 0
+    header, rule, *rows = res.table().splitlines()
+    cols = [c.strip() for c in header.split("|")[1:-1]]
+    assert cols[3:5] == ["x ar", "x HF generate"] and len(rows) == 4 and rule.count("|") == header.count("|")
+    cells = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[1:-1]] for r in rows}
+    assert cells["ar"][3] == "1.00x" and cells["hf"][4] == "1.00x" and cells["hf"][5:] == ["-", "-", "-"]
+    want = res["heterospec"].tokens_per_s / res["hf"].tokens_per_s
+    assert cells["heterospec"][4] == f"{want:.2f}x"
 
 
 def test_mismatch_check_fires_on_a_broken_method(tmp_path):
@@ -83,10 +106,11 @@ def test_demo_command_on_a_tiny_pair(tmp_path):
            "--max-new-tokens", "12"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
-    assert "identical greedy outputs across ar, eagle3, heterospec" in res.stdout
+    assert "identical greedy outputs across ar, hf, eagle3, heterospec" in res.stdout
     assert "[heterospec, streamed] >>> w5 w17 w3 w40 w22" in res.stdout
     rows = [line for line in res.stdout.splitlines() if line.startswith("| ")]
-    assert [r.split("|")[1].strip() for r in rows[1:]] == ["ar", "eagle3", "heterospec"]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["ar", "hf", "eagle3", "heterospec"]
+    assert "x HF generate" in rows[0]
     # without a profile for a head of one's own, the heterospec row is left out and the reason printed
     res = subprocess.run(cmd[:8] + cmd[10:] + ["--no-stream"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr

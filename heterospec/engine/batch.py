@@ -362,9 +362,8 @@ def generate_batch(hs, input_ids, attention_mask, lengths, *, max_new_tokens, te
         need = max(need, hs._capacity(0, hs.max_length or 0) + hs._levels + 2)
         if hs.max_length is None:
             need = -(-need // 256) * 256      # fewer distinct capacities: each one is recorded anew
-    mode = hs.cuda_graphs if isinstance(hs.cuda_graphs, str) else ("cuda" if graphs else "off")
-    total = GenerationStats(graphs=mode)
-    rows = [GenerationStats(graphs=mode) for _ in range(B)]
+    total = hs._new_stats(graphs)
+    rows = [hs._new_stats(graphs) for _ in range(B)]
     clock = PhaseClock(dev, total)
     with sync.outside_cycle():
         cyc = _cycle_for(hs, B, need, graphs)

@@ -134,6 +134,22 @@ def _check_buckets(buckets, device):
     return tuple(buckets or ())
 
 
+def eos_ids(model, eos_token_id):
+    """The ids that end a request, as a list: ``eos_token_id`` (an int or ints), or for None ``model``'s
+    ``generation_config.eos_token_id`` (an int, a list or None: none), as HuggingFace's ``generate`` does."""
+    if eos_token_id is None:
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos_token_id is None:
+        return []
+    if isinstance(eos_token_id, torch.Tensor):
+        eos_token_id = eos_token_id.tolist()
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"generate: argument 'eos_token_id' expected a token id, a list of ids or None (the "
+                         f"model's), got {eos_token_id!r}")
+    return ids
+
+
 class HeteroSpec:
     """Speculative decoding of a HuggingFace target with an EAGLE-3 draft (or none: autoregressive).
 
@@ -150,10 +166,13 @@ class HeteroSpec:
     through ``torch.compile`` (True = inductor, or a backend name), one specialisation per shape; with
     ``cuda_graphs`` the compiled forward is what gets captured (fewer kernels per forward).  ``cpu_gemm``: on the
     CPU, run the target's and the draft's linear layers through oneDNN with weights packed once
-    (:mod:`heterospec.models.cpu_gemm`; 'auto' = for a CPU model in float32 or bfloat16 where torch has it, True
-    insists, False = torch's default ``linear``), only inside ``generate``: between calls the model is as it was.
-    A forward over the few rows of a tree then costs about what one row does (MKL's default path costs 1.5-1.7x
-    one row for 2 rows or more); the logits agree with the default path to ~1e-4."""
+    (:mod:`heterospec.models.cpu_gemm`), only inside ``generate``: between calls the model is as it was.  'auto'
+    (for a CPU model in float32 or bfloat16 where torch has it) measures, per layer shape and rows per call (1;
+    2-16; more), whether the packed path beats torch's default on this machine and routes only there (measured
+    once per machine, a few seconds for a 135M model, then cached on disk); True packs every layer for every
+    row count, False = torch's default ``linear``.  ``self.cpu_gemm`` and every call's stats say which.  On the
+    2-core AMD EPYC a forward over the few rows of a tree then costs about what one row does (MKL's default
+    path costs 1.5-1.7x one row for 2 rows or more); the logits agree with the default path to ~1e-4."""
 
     def __init__(self, target, draft=None, policy=None, *, max_length=None, buckets="auto", cuda_graphs=False,
                  compile=False, cpu_gemm="auto"):
@@ -201,6 +220,7 @@ class HeteroSpec:
         self.target = TargetAdapter(target, tap_layers=taps, capture_taps=draft is not None, compile=compile)
         # packed once here (outside any timed call), routed only inside generate
         self._gemm = gemm.for_models(cpu_gemm, target, draft)
+        self.cpu_gemm = self._gemm.describe()   # which row classes run packed: in every call's stats
         self._drafting = draft is not None and self.policy.drafts
         pol = self.policy
         self._levels = pol.levels
@@ -246,6 +266,11 @@ class HeteroSpec:
 
     # ---- the loop -----------------------------------------------------------------------------------
 
+    def _new_stats(self, graphs):
+        """A call's GenerationStats, saying how it runs: recorded steps or not, the CPU matrix path."""
+        return GenerationStats(graphs=self.cuda_graphs if isinstance(self.cuda_graphs, str) else
+                               ("cuda" if graphs else "off"), cpu_gemm=self.cpu_gemm)
+
     @_exclusive
     @torch.no_grad()
     def generate(self, input_ids, *, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, eos_token_id=None,
@@ -270,7 +295,7 @@ class HeteroSpec:
         alone and committing nothing, so every cycle keeps the batch's shape; with ``cuda_graphs`` a batch's
         recorded steps have a fixed batch, so finished rows are always masked)."""
         _check_generate_args(max_new_tokens, temperature, top_k, top_p)
-        eos_token_id = self._eos_ids(eos_token_id)
+        eos_token_id = eos_ids(self.target.model, eos_token_id)
         eos = set(eos_token_id)
         if finished_rows not in ("drop", "mask"):
             raise ValueError(f"generate: argument 'finished_rows' expected 'drop' or 'mask', got {finished_rows!r}")
@@ -331,21 +356,6 @@ class HeteroSpec:
                 out[b, S:S + len(x)] = torch.tensor(x, dtype=torch.long)
             return out, stats
 
-    def _eos_ids(self, eos_token_id):
-        """The ids that end a request, as a list: ``eos_token_id`` (an int or ints), or for None the target's
-        ``generation_config.eos_token_id`` (an int, a list or None: none)."""
-        if eos_token_id is None:
-            eos_token_id = getattr(getattr(self.target.model, "generation_config", None), "eos_token_id", None)
-        if eos_token_id is None:
-            return []
-        if isinstance(eos_token_id, torch.Tensor):
-            eos_token_id = eos_token_id.tolist()
-        ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-            raise ValueError(f"generate: argument 'eos_token_id' expected a token id, a list of ids or None (the "
-                             f"model's), got {eos_token_id!r}")
-        return ids
-
     def _generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, stopping_criteria,
                   streamer, seed):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
@@ -365,13 +375,12 @@ class HeteroSpec:
         need = max(need, self._capacity(0, self.max_length or 0))
         if self.cuda_graphs and self.max_length is None:
             need = -(-need // 256) * 256      # fewer distinct capacities: each one is captured anew
-        eos = set(eos_token_id)                  # generate() resolved it (_eos_ids): a list
+        eos = set(eos_token_id)                  # generate() resolved it (eos_ids): a list
         sample = temperature > 0
         settings = (sample, float(temperature), int(top_k), float(top_p)) if sample else (False, 0.0, 0, 1.0)
         dev = self.device
         graphs = bool(self.cuda_graphs)
-        stats = GenerationStats(graphs=self.cuda_graphs if isinstance(self.cuda_graphs, str) else
-                                ("cuda" if graphs else "off"))
+        stats = self._new_stats(graphs)
         clock = PhaseClock(dev, stats)
         tgt, dr, cycle, st = self.target, self._drafter, self._cycle, self._cycle.state
 

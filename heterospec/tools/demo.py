@@ -37,6 +37,7 @@ class MethodResult:
     verified_tokens: int = 0
     committed: int = 0                             # tokens committed by verification calls (tau's numerator)
     per_prompt_tps: list = field(default_factory=list)
+    baseline: bool = False                         # HuggingFace's generate: no verification calls, no tau
 
     @property
     def tokens_per_s(self):
@@ -48,11 +49,12 @@ class MethodResult:
 
 
 def default_methods(draft, policy=None, depth=7, top_k=10, total_tokens=60):
-    """[(name, Policy)]: ar, eagle3 (static tree: depth 7, top_k 10, 60 nodes) and, when a HeteroSpec
-    ``policy`` is given, heterospec."""
+    """[(name, Policy or HFMethod)]: ar, hf (the target's own ``generate``, what a user has already), eagle3
+    (static tree: depth 7, top_k 10, 60 nodes) and, when a HeteroSpec ``policy`` is given, heterospec."""
     from ..policy import Policy
+    from .bench.methods import HF_BASELINES
 
-    methods = [("ar", Policy.autoregressive())]
+    methods = [("ar", Policy.autoregressive()), ("hf", HF_BASELINES["hf"])]
     if draft is not None:
         methods.append(("eagle3", Policy.static(depth, top_k, total_tokens)))
         if policy is not None:
@@ -89,14 +91,28 @@ def compare(target, draft, input_ids_list, methods, *, max_new_tokens=128, eos_t
     before each prompt of each method."""
     from contextlib import ExitStack
 
-    from ..engine.loop import HeteroSpec
+    from ..engine.loop import HeteroSpec, eos_ids
+    from .bench.baselines import HFGenerate
+    from .bench.methods import HFMethod
 
     stream_method = stream_method or methods[-1][0]
-    results = Comparison((name, MethodResult(name)) for name, _ in methods)
+    results = Comparison((name, MethodResult(name, baseline=isinstance(pol, HFMethod))) for name, pol in methods)
     names = [name for name, _ in methods]
+    eos_token_id = eos_ids(target, eos_token_id)   # the model's when None, for HF's generate as for ours
+    gen_config = getattr(target, "generation_config", None)
+    pad = getattr(gen_config, "pad_token_id", None)
+    pad = pad if pad is not None else (eos_token_id[0] if eos_token_id else 0)
+
+    def engine(policy):
+        if isinstance(policy, HFMethod):
+            return HFGenerate(target, policy, pad_token_id=pad)
+        return HeteroSpec(target, draft if policy.drafts else None, policy)
+
     with ExitStack() as stack:
-        engines = {name: stack.enter_context(HeteroSpec(target, draft if policy.drafts else None, policy))
-                   for name, policy in methods}
+        engines = {}
+        for name, policy in methods:
+            e = engine(policy)
+            engines[name] = stack.enter_context(e) if isinstance(e, HeteroSpec) else e
         if warmup_tokens:
             for hs in engines.values():
                 hs.generate(input_ids_list[0], max_new_tokens=warmup_tokens, eos_token_id=eos_token_id)
@@ -108,15 +124,15 @@ def compare(target, draft, input_ids_list, methods, *, max_new_tokens=128, eos_t
                 if progress is not None:
                     progress(name, i, len(input_ids_list), s is not None)
                 t0 = time.perf_counter()
-                seq, st = engines[name].generate(ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                                                 streamer=s)
+                kw = {} if s is None else {"streamer": s}
+                seq, st = engines[name].generate(ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, **kw)
                 dt = time.perf_counter() - t0
                 res.sequences.append(seq.cpu())
                 res.new_tokens += st.new_tokens
                 res.seconds += dt
-                res.cycles += st.cycles
-                res.verified_tokens += st.verified_tokens
-                res.committed += st.committed
+                res.cycles += getattr(st, "cycles", 0)            # HF's generate reports new tokens only
+                res.verified_tokens += getattr(st, "verified_tokens", 0)
+                res.committed += getattr(st, "committed", 0)
                 res.per_prompt_tps.append(st.new_tokens / dt if dt else 0.0)
                 if s is not None:
                     print(file=sys.stdout, flush=True)  # end the streamed answer's line
@@ -141,18 +157,23 @@ class Comparison(dict):
         return bad
 
     def table(self):
-        """The markdown table: method, tokens/s, its spread over the prompts, speedup over the first method, tau,
-        calls, verified tokens."""
+        """The markdown table: method, tokens/s, its spread over the prompts, speed against the first method and
+        against HuggingFace's ``generate`` (a method named "hf", when there is one), tau, calls, verified tokens."""
         names = list(self)
-        base = self[names[0]]
-        lines = ["| method | tokens/s | per prompt (min-max) | speedup | tau | verification calls | verified tokens |",
-                 "|---|---:|---:|---:|---:|---:|---:|"]
+        base, hf = self[names[0]], self.get("hf")
+
+        def ratio(r, ref):
+            return f"{r.tokens_per_s / ref.tokens_per_s:.2f}x" if ref is not None and ref.tokens_per_s else "-"
+
+        head = f"| method | tokens/s | per prompt (min-max) | x {names[0]} |" + (" x HF generate |" if hf else "")
+        lines = [head + " tau | verification calls | verified tokens |",
+                 "|---|---:|---:|---:|" + ("---:|" if hf else "") + "---:|---:|---:|"]
         for n in names:
             r = self[n]
-            sp = r.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0
             spread = f"{min(r.per_prompt_tps):.1f}-{max(r.per_prompt_tps):.1f}" if r.per_prompt_tps else "-"
-            lines.append(f"| {n} | {r.tokens_per_s:.1f} | {spread} | {sp:.2f}x | {r.tau:.2f} | {r.cycles} | "
-                         f"{r.verified_tokens} |")
+            calls = ("-", "-", "-") if r.baseline else (f"{r.tau:.2f}", str(r.cycles), str(r.verified_tokens))
+            lines.append(f"| {n} | {r.tokens_per_s:.1f} | {spread} | {ratio(r, base)} |"
+                         + (f" {ratio(r, hf)} |" if hf else "") + " " + " | ".join(calls) + " |")
         return "\n".join(lines)
 
     def _repr_markdown_(self):

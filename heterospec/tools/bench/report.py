@@ -96,6 +96,11 @@ def markdown(result):
                          + (", ".join(f"{n} {v:.2f} s" for n, v in caps.items()) or "no time in this run")
                          + " (untimed in the tables).")
             lines.append("")
+        paths = {v for v in (run.get("cpu_gemm") or {}).values() if v != "off"}
+        if paths:
+            lines.append("Our engines' CPU matrix path (torch's default or oneDNN with packed weights, measured on "
+                         "this machine per layer shape and rows per call): " + "; ".join(sorted(paths)) + ".")
+            lines.append("")
         if run.get("warmup_s"):
             lines.append("Warm-up before the timed run (untimed in the tables): " + ", ".join(
                 f"{n} {v:.2f} s" for n, v in run["warmup_s"].items()) + ".")

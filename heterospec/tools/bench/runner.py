@@ -19,7 +19,7 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
               device="cpu", warmup_tokens=32, chat=True, eos_token_id=None, progress=None, cuda_graphs=False):
     """Answer every question with every method (questions outer, methods inner).  Returns
     {"temperature", "files": {bench: {method: metrics}}, "mean": {method: metrics}, "mismatches": [...],
-    "warmup_s": {method: seconds}, "strongest_hf": name or None, "hf_static": {...} (with hf-static),
+    "warmup_s": {method: seconds}, "cpu_gemm": {our method: its CPU matrix path (HeteroSpec.cpu_gemm)}, "strongest_hf": name or None, "hf_static": {...} (with hf-static),
     "answers": [records]}.  ``methods``: [(name, Policy or HFMethod)] (:func:`.methods.build_methods`).
     ``cuda_graphs``: passed to our engines (sized once for the longest conversation, so each tree shape is
     recorded once, in the warm-up); capture time is kept out of the timings and reported as "capture_s"."""
@@ -104,8 +104,9 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
     mean = {n: mean_row([files[b][n] for b in questions]) for n in names}
     strongest = add_speedup_over_hf(files, mean)
     mism = mismatch_report(per_q, names) if temperature == 0 else []
+    gemm = {n: e.cpu_gemm for n, e in engines.items() if isinstance(e, HeteroSpec)}
     out = {"temperature": temperature, "files": files, "mean": mean, "mismatches": mism, "warmup_s": warmup_s,
-           "strongest_hf": strongest, "cuda_graphs": cuda_graphs, "capture_s": capture_s}
+           "strongest_hf": strongest, "cuda_graphs": cuda_graphs, "capture_s": capture_s, "cpu_gemm": gemm}
     if "hf-static" in names:
         out["hf_static"] = {"compiled": any(compiled) if compiled else None, "static_cache_len": cache_len,
                             "warmup_s": warmup_s.get("hf-static"), "device": str(device)}
