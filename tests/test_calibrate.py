@@ -376,6 +376,12 @@ def test_the_shipped_profile_is_chosen_per_device_and_says_which(tmp_path):
     shutil.copy(os.path.join(DEFAULT_HEAD, "profile.json"), head / "profile.json")
     path, what = shipped_profile("cuda:0", str(head))
     assert path == str(head / "profile.json") and "CPU profile" in what and "no profile calibrated on a cuda" in what
+    # 42.2: before the CPU profile (a searched base tree may be tiny), the one calibrated around 7/10/60
+    shutil.copy(os.path.join(DEFAULT_HEAD, "profile-eagle3-base.json"), head / "profile-eagle3-base.json")
+    path, what = shipped_profile("cuda", str(head))
+    assert path == str(head / "profile-eagle3-base.json") and "7/10/60" in what and "no profile calibrated" in what
+    assert default_policy("cuda", str(head)).depth == 7 and default_policy("cpu", str(head)).depth == 1
+    assert shipped_profile("cpu", str(head))[0] == str(head / "profile.json")
     raw = json.loads((head / "profile.json").read_text())
     raw["policy"]["thresholds"] = [t + 0.125 for t in raw["policy"]["thresholds"]]   # a different, valid profile
     (head / "profile-cuda.json").write_text(json.dumps(raw))

@@ -24,13 +24,14 @@ PROFILE = os.path.join(HEAD, "profile.json")
 
 
 def test_a_profile_read_as_chain_lengths():
-    # the shipped profile: depth 7, bins 0-3 keep 12, 6, 6, 6 nodes without extra levels -> a chain of at most
-    # 1 + 7 levels: 8, then 5 tokens
+    # the shipped profile (searched on the CPU, issue 42): depth 1; bins 0-1 draft 3 extra levels and keep 7 nodes,
+    # bins 2-4 none and keep 5, 4, 4 -> chains of 1 + 1 + 3 = 5 tokens in bins 0-1 (under keep - 1 = 6), then
+    # 1 + 1 = 2 (under 4 and 3)
     shipped = json.load(open(PROFILE))["policy"]
     pol = Policy(shipped["depth"], shipped["top_k"], shipped["total_tokens"], tuple(shipped["thresholds"]),
                  tuple(shipped["extra"]), tuple(shipped["keep"]))
-    assert (pol.depth, pol.keep, pol.extra) == (7, (12, 6, 6, 6), (0, 0, 0, 0))
-    assert pol.chain_lengths() == (8, 5, 5, 5)
+    assert (pol.depth, pol.keep, pol.extra) == (1, (7, 7, 5, 4, 4), (3, 3, 0, 0, 0))
+    assert pol.chain_lengths() == (5, 5, 2, 2, 2)
     # the paper's rule (depth 4, N = 20): bins 0-2 draft 2, 1, 0 extra levels -> 1 + 4 + extra tokens, capped
     # by keep - 1 = round(0.3 * 20) + 2 - 1 = 7, 12, 19; the other 5 bins 1 + 4
     paper = Policy.paper(4, 8, 20, (1, 2, 3, 4, 5, 6, 7))
@@ -156,7 +157,7 @@ def test_vllm_greedy_outputs_are_identical_with_the_plugin(greedy_runs):
         assert spec["num_drafts"] > 0 and spec["num_accepted_tokens"] > 0, (name, spec)
     st = greedy_runs["plugin"]["plugin"]
     assert st["calls"] > 0 and st["kept"] < st["drafted"] and sum(b > 0 for b in st["bins"]) >= 2, st
-    assert st["num_speculative_tokens"] == 8 and st["lengths"] == [8, 5, 5, 5]
+    assert st["num_speculative_tokens"] == 8 and st["lengths"] == [5, 5, 2, 2, 2]
 
 
 def _third_token_test(a, b):

@@ -184,19 +184,29 @@ def load_profile(path, *, target=None, draft=None):
 # model (on a GPU a 60-node tree costs about what 12 do, on a 2-core CPU five times more), so each device type
 # gets its own; a device type without one uses the CPU profile, and says so
 PROFILE_FILES = {"cpu": "profile.json", "cuda": "profile-cuda.json"}
+# where a head has no profile calibrated on a GPU: one calibrated (on a CPU) around EAGLE-3's default tree, 7/10/60,
+# whose bins fit a deep tree, before the CPU profile, whose searched base tree may be tiny (depth 1 for the default
+# pair on a 2-core CPU, where verifying a token costs nearly what generating one does; a GPU verifies 60 for the
+# price of one)
+DEEP_BASE_FILE = "profile-eagle3-base.json"
 
 
 def shipped_profile(device="cpu", head=None):
     """The profile that ships with ``head`` for ``device`` (a torch device or its name): ``(path or None,
     description)``.  CUDA uses ``profile-cuda.json`` (calibrated on an H100/H200) where the head has one, else
-    the CPU profile; None when the head ships no profile at all."""
+    the profile calibrated around EAGLE-3's 7/10/60 tree (``profile-eagle3-base.json``), else the CPU profile;
+    None when the head ships no profile at all."""
     if head is None:
         from ..models.default import DEFAULT_HEAD as head
     kind = str(getattr(device, "type", device) or "cpu").split(":")[0]
     own = os.path.join(head, PROFILE_FILES.get(kind, PROFILE_FILES["cpu"]))
     cpu = os.path.join(head, PROFILE_FILES["cpu"])
+    deep = os.path.join(head, DEEP_BASE_FILE)
     if os.path.exists(own):
         return own, f"the shipped {'GPU' if kind == 'cuda' else 'CPU'} profile ({os.path.basename(own)})"
+    if kind == "cuda" and os.path.exists(deep):
+        return deep, (f"the shipped profile for EAGLE-3's 7/10/60 tree ({DEEP_BASE_FILE}, calibrated on a CPU; no "
+                      f"profile calibrated on a cuda device ships with this head yet)")
     if os.path.exists(cpu):
         return cpu, (f"the shipped CPU profile ({os.path.basename(cpu)}; no profile calibrated on a {kind} device "
                      "ships with this head yet)")

@@ -96,10 +96,13 @@ def markdown(result):
                          + (", ".join(f"{n} {v:.2f} s" for n, v in caps.items()) or "no time in this run")
                          + " (untimed in the tables).")
             lines.append("")
-        paths = {v for v in (run.get("cpu_gemm") or {}).values() if v != "off"}
-        if paths:
+        paths = {}
+        for n, v in (run.get("cpu_gemm") or {}).items():
+            paths.setdefault(v, []).append(n)
+        if set(paths) - {"off"}:
             lines.append("Our engines' CPU matrix path (torch's default or oneDNN with packed weights, measured on "
-                         "this machine per layer shape and rows per call): " + "; ".join(sorted(paths)) + ".")
+                         "this machine per layer shape and rows per call; the target's layers, and the draft's "
+                         "with a draft): " + "; ".join(f"{', '.join(ns)}: {v}" for v, ns in paths.items()) + ".")
             lines.append("")
         if run.get("warmup_s"):
             lines.append("Warm-up before the timed run (untimed in the tables): " + ", ".join(
