@@ -13,8 +13,10 @@ Decoding:
 * :func:`default_pair`, :func:`default_policy`: the embedded default pair and its shipped profiles;
   :func:`shipped_profile` (which file, and why), :func:`load_profile` (a profile's policy, cost model and fields);
 * :func:`compare`: methods side by side on the same prompts through one loop, their turns interleaved (a
-  ``Comparison``: ``.mismatches()``, ``.table()``, shown as that table in Jupyter); :func:`demo_prompts`, the
-  demo's prompts (none from a benchmark);
+  ``Comparison``: ``.mismatches()``, ``.table()``, shown as that table in Jupyter); a method is a
+  :class:`Policy` or an :class:`HFMethod` (the model's own ``generate``: ``HFMethod("hf")``, or with
+  ``cache_implementation="static"`` or ``prompt_lookup_num_tokens=10``); :func:`demo_prompts`, the demo's
+  prompts (none from a benchmark);
 * :mod:`heterospec.tune.trace` (for ablations: record a trace once, replay any policy exactly, no model run);
 * :mod:`heterospec.ops` (the C core's tree operations) and :mod:`heterospec.reference` (their pure NumPy twin,
   identical semantics; docs/ops.md defines them).
@@ -36,6 +38,7 @@ _LAZY = {  # the torch/transformers side loads on first use, so `import heterosp
     "shipped_profile": ("policy.profile", "shipped_profile"),
     "load_profile": ("policy.profile", "load_profile"),
     "compare": ("tools.demo", "compare"),
+    "HFMethod": ("tools.bench.methods", "HFMethod"),
     "demo_prompts": ("tools.demo", "demo_prompts"),
 }
 

@@ -47,8 +47,10 @@ def test_compare_gives_the_targets_greedy_output_for_every_method(tmp_path):
 def test_compare_puts_hf_generate_beside_ar(tmp_path):
     """42.4: the demo's methods include the target's own generate (what a user already has) and the table shows
     each method against it as well as against ar."""
+    import heterospec
     from heterospec.tools.bench.methods import HFMethod
 
+    assert heterospec.HFMethod is HFMethod and "HFMethod" in heterospec.__all__   # public, for compare()
     model = tiny_target("llama")
     draft = eagle3_head(model, tmp_path / "draft")
     methods = demo.default_methods(draft, Policy.paper(4, 3, 12, THRESHOLDS))
