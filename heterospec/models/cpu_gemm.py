@@ -137,11 +137,12 @@ class PackedLinears:
         self.choice = choice
         self._patched = []
 
-    def _use(self, lin):
-        return self._use_key(shape_key(lin))
+    def _use(self, key):
+        """The row classes a layer of shape ``key`` runs packed in."""
+        return ALL_PACKED if self.choice is None else tuple(self.choice.get(key, (False,) * len(ROW_CLASSES)))
 
     def _layers(self):
-        return [lin for lin in _linears(self._modules) if any(self._use(lin))]
+        return [lin for lin in _linears(self._modules) if any(self._use(shape_key(lin)))]
 
     def prepare(self):
         """Pack every routed layer now (outside any timed region); returns the number of layers."""
@@ -150,7 +151,7 @@ class PackedLinears:
     def __enter__(self):
         for lin in self._layers():
             if "forward" not in vars(lin):
-                lin.forward = _routed_forward(lin, _packed(lin, self._rows), self._use(lin))
+                lin.forward = _routed_forward(lin, _packed(lin, self._rows), self._use(shape_key(lin)))
                 self._patched.append(lin)
         return self
 
@@ -166,14 +167,11 @@ class PackedLinears:
         shapes = sorted({shape_key(lin) for lin in _linears(self._modules)})
         if not shapes or not self._layers():
             return "off"
-        counts = [sum(1 for k in shapes if self._use_key(k)[c]) for c in range(len(ROW_CLASSES))]
+        counts = [sum(1 for k in shapes if self._use(k)[c]) for c in range(len(ROW_CLASSES))]
         how = "measured" if self.choice is not None else "forced"
         parts = [f"{ROW_CLASSES[0]} row: {counts[0]}/{len(shapes)} shapes"] + \
                 [f"{name}: {n}/{len(shapes)}" for name, n in zip(ROW_CLASSES[1:], counts[1:])]
         return f"packed for {', '.join(parts)} ({how})"
-
-    def _use_key(self, key):
-        return ALL_PACKED if self.choice is None else tuple(self.choice.get(key, (False,) * len(ROW_CLASSES)))
 
 
 def machine_key():

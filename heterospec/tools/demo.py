@@ -83,6 +83,8 @@ def heterospec_policy(choice, default_profile=None, default_what=None):
 def compare(target, draft, input_ids_list, methods, *, max_new_tokens=128, eos_token_id=None, streamer=None,
             stream_method=None, warmup_tokens=8, progress=None):
     """Run every method on every prompt (one loop, same settings): a :class:`Comparison`, {name: MethodResult}.
+    ``methods``: [(name, Policy or HFMethod)]; an HFMethod runs the target's own ``generate`` (no verification
+    calls, so no tau), with the same EOS (None: the model's) and budget.
 
     A short untimed warm-up per method comes first.  The methods take turns prompt by prompt (the order rotated
     from one prompt to the next), so a slow spell of the machine (a background job) is shared among them

@@ -19,7 +19,8 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
               device="cpu", warmup_tokens=32, chat=True, eos_token_id=None, progress=None, cuda_graphs=False):
     """Answer every question with every method (questions outer, methods inner).  Returns
     {"temperature", "files": {bench: {method: metrics}}, "mean": {method: metrics}, "mismatches": [...],
-    "warmup_s": {method: seconds}, "cpu_gemm": {our method: its CPU matrix path (HeteroSpec.cpu_gemm)}, "strongest_hf": name or None, "hf_static": {...} (with hf-static),
+    "warmup_s": {method: seconds}, "cpu_gemm": {our method: its CPU matrix path (HeteroSpec.cpu_gemm)},
+    "strongest_hf": name or None, "hf_static": {...} (with hf-static),
     "answers": [records]}.  ``methods``: [(name, Policy or HFMethod)] (:func:`.methods.build_methods`).
     ``cuda_graphs``: passed to our engines (sized once for the longest conversation, so each tree shape is
     recorded once, in the warm-up); capture time is kept out of the timings and reported as "capture_s"."""
