@@ -196,6 +196,15 @@ PHASES = (
                              "and the engine in the three modes, fp32 and bf16", (
         Step("bench-graphs", "{py} -m benchmarks.bench_graphs --out {dir}/bench-graphs"),
     ), needs=("cuda", "pair"), kind="speed"),
+    # issue 44: the engine at the scale users run, random weights of the right shapes made on the GPU (no files);
+    # tau ~ 1 with random weights, so the report's speedups at real taus are projections, labelled as such
+    Phase("scale", 5, "benchmarks/scale_rehearsal.py on the llama-3.1-8b shape in bf16 with its EAGLE-3 head "
+                      "(32K draft vocabulary; saved and loaded in SafeAILab's and vLLM's layouts): hf, hf-static, ar, "
+                      "eagle3, heterospec at batch 1 and 8, the cost model, ar against the memory floor, the caches "
+                      "for 4,096 positions at batch 8; projected tokens/s at tau 2-7", (
+        Step("rehearsal", "{py} -m benchmarks.scale_rehearsal --shape llama-3.1-8b --device cuda --dtype bfloat16 "
+                          "--prompts 2 --new-tokens 128 --batch 8 --out {dir}/scale"),
+    ), needs=("cuda",), kind="speed"),
     # the calibrate step that died on the H200 (a4c01c4 fixed it on the CPU): its own phase, so a window sees it first
     Phase("calibrate", 1.5, "calibrate --device cuda --cuda-graphs on end to end on the default pair (4 prompts)", (
         Step("calibrate", "CUDA_LAUNCH_BLOCKING=1 {py} -m heterospec calibrate --target default --draft default --device cuda "
@@ -720,6 +729,16 @@ def graphs_numbers(pdir):
     return lines
 
 
+def scale_numbers(pdir):
+    text = ""
+    try:
+        with open(os.path.join(pdir, "scale", "scale.md")) as f:
+            text = f.read()
+    except OSError:
+        return []
+    return text.splitlines()[2:]
+
+
 def head_numbers(pdir):
     r = _load(os.path.join(pdir, "training_log.json"))
     if not r:
@@ -772,7 +791,7 @@ def ledger_numbers(name, pdir, counts=None):
 
 NUMBERS = {"kernels-bench": kernel_numbers, "bench": bench_numbers, "bench-eager": bench_numbers,
            "bench-bf16": bench_numbers, "bench-tuned": bench_numbers, "bench-batch": batch_numbers,
-           "graphs-bench": graphs_numbers,
+           "graphs-bench": graphs_numbers, "scale": scale_numbers,
            "head": head_numbers}
 
 

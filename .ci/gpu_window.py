@@ -53,7 +53,7 @@ KINDS = ("correctness", "speed")
 PRIORITY = ("build", "kernels", "engine", "engine-chi2-oracle", "engine-chi2-noisy", "graphs", "sanitizer",
             "calibrate", "smoke",
             "kernels-bench", "bench-bf16", "bench", "profile-gpu", "bench-batch", "bench-eager", "graphs-bench",
-            "bench-tuned")
+            "bench-tuned", "scale")
 START_MINUTES = 2.0      # machine start, the first call's transfer, the bundle calls: off the top of a window
 CONTENTION = 0.25        # side by side on one GPU, each further correctness phase adds this share of its minutes
 SETUP_PHASES = ("build",)  # run first whenever a CUDA phase runs (a fresh machine has no build)

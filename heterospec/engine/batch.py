@@ -167,7 +167,7 @@ class BatchCycle(RecordedCycle):
         self.drafting, self.binned = hs._drafting, hs._drafting and pol.binned
         self.emulate = hs.cuda_graphs == "emulate"
         self.target = TargetAdapter(hs.target.model, tap_layers=hs.target.tap_layers, capture_taps=self.drafting,
-                                 batch=batch)
+                                 batch=batch, invariant=hs.target.invariant)
         self.drafter = (BatchDraftState(hs.draft, pol.top_k, hs._levels, hs._drafter.d2t, batch)
                    if self.drafting else None)
         z = lambda *shape: torch.zeros(shape, dtype=torch.long, device=self.device)

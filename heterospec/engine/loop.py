@@ -122,6 +122,21 @@ def _check_graphs(cuda_graphs, device, draft, target=None):
     return cuda_graphs
 
 
+def _check_invariant(setting, param):
+    """``batch_invariant`` ('auto', True or False) -> whether to try row-invariant verification for a target whose
+    first parameter is ``param`` ('auto': a bfloat16 CPU target; True: ValueError for any other)."""
+    from ..models.target import INVARIANT_DTYPES
+
+    if setting not in ("auto", True, False):
+        raise ValueError(f"HeteroSpec: argument 'batch_invariant' expected 'auto', True or False, got {setting!r}")
+    fits = param.device.type == "cpu" and param.dtype in INVARIANT_DTYPES
+    if setting is True and not fits:
+        raise ValueError(f"HeteroSpec: argument 'batch_invariant' expected 'auto' or False for a "
+                         f"{str(param.dtype).replace('torch.', '')} target on {param.device} (True needs a bfloat16 "
+                         f"target on the CPU), got True")
+    return bool(setting) and fits
+
+
 def _check_buckets(buckets, device):
     if isinstance(buckets, str) and buckets == "auto":
         return GPU_BUCKETS if device.type == "cuda" else ()
@@ -172,10 +187,18 @@ class HeteroSpec:
     once per machine, a few seconds for a 135M model, then cached on disk); True packs every layer for every
     row count, False = torch's default ``linear``.  ``self.cpu_gemm`` and every call's stats say which.  On the
     2-core AMD EPYC a forward over the few rows of a tree then costs about what one row does (MKL's default
-    path costs 1.5-1.7x one row for 2 rows or more); the logits agree with the default path to ~1e-4."""
+    path costs 1.5-1.7x one row for 2 rows or more); the logits agree with the default path to ~1e-4.
+
+    ``batch_invariant``: verify so that every tree node's logits are bit for bit what a one-row step of the same
+    engine gives (each row attends to exactly its keys; each linear layer of the target on one path for every
+    row count, one row padded to two), so that speculative output equals this engine's autoregressive output
+    in bfloat16 too, where the sums of a forward over many rows otherwise round differently from one row's.
+    'auto' (default): on for a bfloat16 target on the CPU when both properties hold on this machine (checked
+    when the engine is made; off with a warning where they do not); True insists (ValueError where it cannot);
+    False: off.  In float32 it is never needed for the greedy output to match (and is not offered)."""
 
     def __init__(self, target, draft=None, policy=None, *, max_length=None, buckets="auto", cuda_graphs=False,
-                 compile=False, cpu_gemm="auto"):
+                 compile=False, cpu_gemm="auto", batch_invariant="auto"):
         self.draft = draft
         self.policy = policy if policy is not None else (Policy.static() if draft is not None else
                                                          Policy.autoregressive())
@@ -217,9 +240,21 @@ class HeteroSpec:
         if not (isinstance(compile, bool) or (isinstance(compile, str) and compile)):
             raise ValueError(f"HeteroSpec: argument 'compile' expected a bool or a torch.compile backend name, got "
                              f"{compile!r}")
-        self.target = TargetAdapter(target, tap_layers=taps, capture_taps=draft is not None, compile=compile)
-        # packed once here (outside any timed call), routed only inside generate
-        self._gemm = gemm.for_models(cpu_gemm, target, draft)
+        self.batch_invariant = _check_invariant(batch_invariant, p)
+        try:
+            self.target = TargetAdapter(target, tap_layers=taps, capture_taps=draft is not None, compile=compile,
+                                        invariant=self.batch_invariant)
+            # packed once here (outside any timed call), routed only inside generate
+            self._gemm = gemm.for_models(cpu_gemm, target, draft, invariant=self.batch_invariant)
+        except ValueError as e:
+            if batch_invariant is True or "row-invariant" not in str(e):
+                raise
+            if getattr(self, "target", None) is not None:
+                self.target.close()
+            warnings.warn(f"HeteroSpec: batch_invariant='auto' is off here: {e}", stacklevel=2)
+            self.batch_invariant = False
+            self.target = TargetAdapter(target, tap_layers=taps, capture_taps=draft is not None, compile=compile)
+            self._gemm = gemm.for_models(cpu_gemm, target, draft)
         self.cpu_gemm = self._gemm.describe()   # which row classes run packed: in every call's stats
         self._drafting = draft is not None and self.policy.drafts
         pol = self.policy

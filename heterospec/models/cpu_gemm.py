@@ -103,6 +103,39 @@ def _routed_forward(lin, packed, use):
     return forward
 
 
+def _invariant_forward(lin, packed):
+    """``lin``'s forward on one path for every row count (the packed weight, or torch's default where ``packed``
+    is None), a one-row call padded to two rows: on the CPUs measured, a row's result does not depend on the
+    number of rows from two on, while one row takes another kernel (a matrix-vector product)."""
+    bias = None if lin.bias is None else lin.bias.detach()
+    weight = lin.weight.detach()
+    if packed is None:
+        def mm(x2):
+            return torch.nn.functional.linear(x2, weight, bias)
+    else:
+        pointwise = torch.ops.mkldnn._linear_pointwise
+
+        def mm(x2):
+            return pointwise(x2, packed, bias, "none", [], "")
+
+    def forward(x):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        y = mm(x2.expand(2, -1))[:1] if x2.shape[0] == 1 else mm(x2)
+        return y.view(*shape[:-1], y.shape[-1])
+    return forward
+
+
+def check_invariant(forward, lin):
+    """Whether ``forward`` (a routed linear) gives each row what it gives that row in any other number of rows:
+    random rows through 1, 2, 3, 7, 17 and 40 rows at a time, compared bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40, lin.in_features, generator=gen).to(lin.weight.dtype)
+    with torch.no_grad():
+        whole = forward(x)
+        return all(torch.equal(forward(x[i:i + m]), whole[i:i + m]) for m in (1, 2, 3, 7, 17) for i in (0, 5))
+
+
 def _linears(modules):
     for m in modules:
         for lin in m.modules():
@@ -129,29 +162,58 @@ class PackedLinears:
     that shares the model (HuggingFace's ``generate`` in the same process) never sees the packed path.  The
     packed copies are made once per layer (:meth:`prepare`, or the first entry) and kept while the layer lives;
     a layer packed for no row class is neither packed nor routed.  ``rows``: the typical rows per call (a
-    layout hint; any count works).  Re-entrant: a layer already routed is left to the outer context."""
+    layout hint; any count works).  Re-entrant: a layer already routed is left to the outer context.
 
-    def __init__(self, modules, rows=4, choice=None):
+    ``invariant``: modules (the target, for bfloat16 verification that equals its one-row steps bit for bit) whose
+    layers run on one path for every row count -- packed where ``choice`` packs the shape for 2-16 rows (``pack``
+    False: never) -- with a one-row call padded to two rows (:func:`_invariant_forward`); ValueError where that
+    path is not row-invariant on this machine (:func:`check_invariant`, once per shape and path)."""
+
+    def __init__(self, modules, rows=4, choice=None, invariant=(), pack=True):
         self._modules = [m for m in modules if m is not None]
         self._rows = rows
         self.choice = choice
+        self._pack = pack
+        self._invariant = set(_linears([m for m in invariant if m is not None]))
         self._patched = []
+        self._check_invariant()
+
+    def _invariant_path(self, lin):
+        """The packed weight an invariant layer runs on, or None for torch's default."""
+        return _packed(lin, self._rows) if self._pack and self._use(shape_key(lin))[1] else None
+
+    def _check_invariant(self):
+        seen = set()
+        for lin in self._invariant:
+            key = (shape_key(lin), self._pack and self._use(shape_key(lin))[1])
+            if key in seen:
+                continue
+            seen.add(key)
+            if not check_invariant(_invariant_forward(lin, self._invariant_path(lin)), lin):
+                raise ValueError(f"HeteroSpec: row-invariant verification: the {'packed' if key[1] else 'default'} "
+                                 f"matrix path of the {key[0]} layers gives a row another result in a call over "
+                                 f"more rows on this machine; use float32 or batch_invariant=False")
 
     def _use(self, key):
         """The row classes a layer of shape ``key`` runs packed in."""
+        if not self._pack:
+            return (False,) * len(ROW_CLASSES)
         return ALL_PACKED if self.choice is None else tuple(self.choice.get(key, (False,) * len(ROW_CLASSES)))
 
     def _layers(self):
-        return [lin for lin in _linears(self._modules) if any(self._use(shape_key(lin)))]
+        return [lin for lin in _linears(self._modules) if any(self._use(shape_key(lin)))
+                and lin not in self._invariant]
 
     def prepare(self):
         """Pack every routed layer now (outside any timed region); returns the number of layers."""
-        return sum(1 for lin in self._layers() if _packed(lin, self._rows) is not None)
+        return sum(1 for lin in self._layers() if _packed(lin, self._rows) is not None) + \
+            sum(1 for lin in self._invariant if self._invariant_path(lin) is not None)
 
     def __enter__(self):
-        for lin in self._layers():
+        for lin in self._layers() + sorted(self._invariant, key=id):
             if "forward" not in vars(lin):
-                lin.forward = _routed_forward(lin, _packed(lin, self._rows), self._use(shape_key(lin)))
+                lin.forward = _invariant_forward(lin, self._invariant_path(lin)) if lin in self._invariant else \
+                    _routed_forward(lin, _packed(lin, self._rows), self._use(shape_key(lin)))
                 self._patched.append(lin)
         return self
 
@@ -163,15 +225,24 @@ class PackedLinears:
 
     def describe(self):
         """One line: the packed path's share of the layer shapes per row class, e.g. ``"packed for 1 row: 0/8
-        shapes, 2-16: 8/8, 17+: 8/8 (measured)"``; ``"off"`` when no layer is routed."""
-        shapes = sorted({shape_key(lin) for lin in _linears(self._modules)})
-        if not shapes or not self._layers():
-            return "off"
-        counts = [sum(1 for k in shapes if self._use(k)[c]) for c in range(len(ROW_CLASSES))]
-        how = "measured" if self.choice is not None else "forced"
-        parts = [f"{ROW_CLASSES[0]} row: {counts[0]}/{len(shapes)} shapes"] + \
-                [f"{name}: {n}/{len(shapes)}" for name, n in zip(ROW_CLASSES[1:], counts[1:])]
-        return f"packed for {', '.join(parts)} ({how})"
+        shapes, 2-16: 8/8, 17+: 8/8 (measured)"``; ``"off"`` when no layer is routed; with ``invariant``
+        layers, their one path first (``"target row-invariant: one path for every row count, packed for 4/5
+        shapes; draft: ..."``)."""
+        shapes = sorted({shape_key(lin) for lin in _linears(self._modules) if lin not in self._invariant})
+        line = "off"
+        if shapes and self._layers():
+            counts = [sum(1 for k in shapes if self._use(k)[c]) for c in range(len(ROW_CLASSES))]
+            how = "measured" if self.choice is not None else "forced"
+            parts = [f"{ROW_CLASSES[0]} row: {counts[0]}/{len(shapes)} shapes"] + \
+                    [f"{name}: {n}/{len(shapes)}" for name, n in zip(ROW_CLASSES[1:], counts[1:])]
+            line = f"packed for {', '.join(parts)} ({how})"
+        if not self._invariant:
+            return line
+        inv = sorted({shape_key(lin) for lin in self._invariant})
+        packed = sum(1 for k in inv if self._pack and self._use(k)[1])
+        head = (f"target row-invariant: one path for every row count (one row padded to two), packed for "
+                f"{packed}/{len(inv)} shapes")
+        return head if not shapes else f"{head}; draft: {line}"
 
 
 def machine_key():
@@ -267,13 +338,16 @@ def choose(modules, *, reps=5, cache=True, timer=None):
     return {k: _CHOICES[(machine, k)] for k in groups}
 
 
-def for_models(setting, target, *others):
+def for_models(setting, target, *others, invariant=False):
     """The routed layers of ``target`` and ``others`` (None skipped) for a ``cpu_gemm`` setting (:func:`wanted`
     decides from the target; 'auto' routes what :func:`choose` measured faster, True every layer and row
-    class), packed now: the one way the engine and the cost profile set it up."""
+    class), packed now: the one way the engine and the cost profile set it up.  ``invariant``: the target's
+    layers on one row-invariant path each (:class:`PackedLinears`), whatever the setting."""
     modules = [target, *others]
-    if not wanted(setting, target):
+    pack = wanted(setting, target)
+    if not pack and not invariant:
         return PackedLinears([])
-    packed = PackedLinears(modules, choice=choose(modules) if setting == "auto" else None)
+    choice = choose(modules) if pack and setting == "auto" else None
+    packed = PackedLinears(modules, choice=choice, invariant=[target] if invariant else (), pack=pack)
     packed.prepare()
     return packed

@@ -103,6 +103,116 @@ def attention_window(device, used, nodes):
     return -(-(used + nodes) // 64) * 64
 
 
+INVARIANT_ATTN = "heterospec_exact_keys"   # the attention the target runs under while it verifies row-invariantly
+INVARIANT_DTYPES = (torch.bfloat16,)
+
+
+def key_groups(allowed):
+    """The exact keys of every query row, for :func:`exact_keys_attention`: ``allowed`` [B, n, W] bool (what row
+    i of request b sees) -> a list of (query rows [g] into the flattened B*n rows, or None for all of them in
+    order; their requests [g]; key columns [g, c]) with the rows that see the same number c of keys, the columns
+    in cache order (the committed prefix, then the ancestors root first).  A lone row that sees the columns 0 ..
+    c-1 (a one-row step, a tree's root) has (None or [1], request (an int), c): a view of the cache, no copy."""
+    B, n, W = allowed.shape
+    flat = allowed.reshape(B * n, W)
+    counts = flat.sum(1)
+    distinct = torch.unique(counts).tolist()
+    groups = []
+    for c in distinct:
+        rows = (counts == c).nonzero().view(-1)
+        cols = flat.index_select(0, rows).nonzero()[:, 1].view(-1, c)
+        if rows.shape[0] == 1 and int(cols[0, -1]) == c - 1:     # c columns ascending, the last is c-1: 0 .. c-1
+            cols, requests = c, int(rows[0]) // n
+        else:
+            requests = torch.div(rows, n, rounding_mode="floor")
+        groups.append((None if len(distinct) == 1 else rows, requests, cols))
+    return groups
+
+
+def _gather_keys(states, requests, cols):
+    """states [B, kv_heads, W, D], requests [g] (an int with ``cols`` an int c: keys 0 .. c-1 of that request,
+    a view), cols [g, c] -> [g, kv_heads, c, D]: each row's own keys."""
+    if isinstance(cols, int):
+        return states[requests:requests + 1, :, :cols]
+    if states.shape[0] == 1:
+        g, c = cols.shape
+        return states[0].index_select(1, cols.reshape(-1)).view(states.shape[1], g, c, -1).transpose(0, 1)
+    return states[requests.view(-1, 1), :, cols].transpose(1, 2)
+
+
+def exact_keys_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """A transformers attention function (registered as :data:`INVARIANT_ATTN`) in which every query row attends
+    to exactly the keys it sees, in cache order, with no mask: rows that see as many keys are one batched call.
+    A row's output then does not depend on how many rows the forward verifies or which other rows are in it
+    (bit for bit, where the CPU's attention kernel gives a row of a batched call what it gives the row alone:
+    :func:`check_invariant_attention`), so a bfloat16 verify over a tree gives each node what a one-row step
+    over the same keys gives.  ``heterospec_keys`` (the :func:`key_groups` of the forward) comes through the
+    model's keyword arguments; without it (any other forward of the model) this is transformers' sdpa."""
+    groups = kwargs.pop("heterospec_keys", None)
+    if groups is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    B, H, n, D = query.shape
+    kv_heads = key.shape[1]
+    q = query.transpose(1, 2).reshape(B * n, kv_heads, H // kv_heads, D)   # query head h reads kv head h // rep
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    out = None
+    for rows, requests, cols in groups:
+        o = sdpa(q if rows is None else q.index_select(0, rows), _gather_keys(key, requests, cols),
+                 _gather_keys(value, requests, cols), scale=scaling)
+        if rows is None:
+            out = o
+        else:
+            out = query.new_empty(B * n, kv_heads, H // kv_heads, D) if out is None else out
+            out[rows] = o
+    return out.view(B, n, H, D), None
+
+
+_REGISTERED = []
+
+
+def _register_invariant_attention():
+    if _REGISTERED:
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(INVARIANT_ATTN, exact_keys_attention)
+    try:   # the model's own 2D-mask forwards while our name is set (none of ours: they pass 4D masks)
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        AttentionMaskInterface.register(INVARIANT_ATTN, sdpa_mask)
+    except ImportError:
+        pass
+    _REGISTERED.append(True)
+
+
+_ATTN_CHECKED = {}
+
+
+def check_invariant_attention(dtype, heads, kv_heads, head_dim):
+    """Whether :func:`exact_keys_attention` gives each row of a batched call exactly what the row gets alone, on
+    this machine in ``dtype`` (measured once per process and shape: random rows and keys, 3 key counts)."""
+    key = (dtype, heads, kv_heads, head_dim)
+    if key not in _ATTN_CHECKED:
+        gen = torch.Generator().manual_seed(0)
+        ok = True
+        for c in (37, 200, 600):
+            g = 5
+            q = torch.randn(1, heads, g, head_dim, generator=gen).to(dtype)
+            kv = torch.randn(2, 1, kv_heads, c, head_dim, generator=gen).to(dtype)
+            allowed = torch.ones(1, g, c, dtype=torch.bool)
+            both = exact_keys_attention(None, q, kv[0], kv[1], None, scaling=head_dim ** -0.5,
+                                        heterospec_keys=key_groups(allowed))[0]
+            for r in range(g):
+                one = exact_keys_attention(None, q[:, :, r:r + 1], kv[0], kv[1], None, scaling=head_dim ** -0.5,
+                                           heterospec_keys=key_groups(allowed[:, :1]))[0]
+                ok = ok and torch.equal(both[0, r], one[0, 0])
+        _ATTN_CHECKED[key] = ok
+    return _ATTN_CHECKED[key]
+
+
 def _kv_shape(config):
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = c.num_attention_heads
@@ -131,9 +241,16 @@ class TargetAdapter:
     :meth:`allocate` sizes the cache (prompt + new tokens + the largest tree); the engine calls it before
     decoding, outside the cycle.  ``compile``: run the verify forward through ``torch.compile`` (True or a
     backend name; one specialisation per tree size), fewer kernels per forward before CUDA-graph capture.
-    The prefill stays eager: its length changes with every prompt."""
+    The prefill stays eager: its length changes with every prompt.
 
-    def __init__(self, model, tap_layers=None, capture_taps=True, compile=None, batch=1):
+    ``invariant``: verify so that each row's logits are bit for bit what a one-row step over the same keys gives,
+    however many rows the forward has (a bfloat16 model on the CPU: :data:`INVARIANT_DTYPES`).  Every verify then
+    runs :func:`exact_keys_attention` (each row its exact keys, no mask), a batch's prompts are prefilled one
+    by one, and the linear layers must be row-invariant too (the engine routes them so:
+    :mod:`heterospec.models.cpu_gemm`).  Checked on this machine when the adapter is made (ValueError where
+    the attention kernel is not)."""
+
+    def __init__(self, model, tap_layers=None, capture_taps=True, compile=None, batch=1, invariant=False):
         impl = getattr(model.config, "_attn_implementation", None)
         if impl not in TREE_MASK_ATTN:
             raise ValueError(
@@ -155,13 +272,26 @@ class TargetAdapter:
             raise ValueError(
                 f"target: expected 3 tap layers in [0, {n}) (input-of-layer ids), got {self.tap_layers}"
             )
+        p = next(model.parameters())
+        self.dtype, self.device = p.dtype, p.device
+        self.invariant = bool(invariant)
+        if self.invariant:
+            if self.device.type != "cpu" or self.dtype not in INVARIANT_DTYPES:
+                raise ValueError(f"target: row-invariant verification expected a CPU model in one of "
+                                 f"{[str(d).replace('torch.', '') for d in INVARIANT_DTYPES]}, got {self.device} "
+                                 f"{str(self.dtype).replace('torch.', '')}")
+            c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+            _, kv_heads, head_dim = _kv_shape(model.config)
+            if not check_invariant_attention(self.dtype, c.num_attention_heads, kv_heads, head_dim):
+                raise ValueError("target: row-invariant verification: this machine's attention kernel gives a "
+                                 "row of a batched call another result than the row alone; use float32 or "
+                                 "batch_invariant=False")
+            _register_invariant_attention()
         self._captured = {}
         self._hooks = []
         if capture_taps:
             for i in self.tap_layers:
                 self._hooks.append(layers[i].register_forward_pre_hook(self._make_hook(i), with_kwargs=True))
-        p = next(model.parameters())
-        self.dtype, self.device = p.dtype, p.device
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.capacity = 0
         self.kv = None
@@ -217,19 +347,30 @@ class TargetAdapter:
         self._kv_rows = ops.KVTensors([self.kv.view(self.batch, -1, self.capacity, self.kv.shape[-1])])
         self.prefix = self.prefix.index_select(0, idx)
 
-    def _forward(self, ids, positions, slots, allowed, call=None, **kw):
+    def _forward(self, ids, positions, slots, allowed, call=None, cache=None, exact=False, **kw):
         """ids/positions [B, n], slots [n] (the same cache columns in every row) or [B, n] (per row), allowed
         bool [n, W] or [B, n, W] over the first W = window or capacity columns; ``call``: the model or its
-        compiled forward (default: the model)."""
-        self.cache.slots = slots
+        compiled forward (default: the model); ``cache``: the StaticKV written (default: the whole cache);
+        ``exact``: attend with :func:`exact_keys_attention` (row-invariant verification)."""
+        cache = self.cache if cache is None else cache
+        cache.slots = slots
         W = allowed.shape[-1]
-        self.cache.window = W if W < self.capacity else None
+        cache.window = W if W < self.capacity else None
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, self._neg)
         mask = mask.view(1, 1, *allowed.shape) if allowed.dim() == 2 else mask.unsqueeze(1)
+        call = self.model if call is None else call
         # cache_position is informational here (our cache writes at `slots`; the 4D mask skips mask building)
-        return (self.model if call is None else call)(input_ids=ids, position_ids=positions,
-                          cache_position=slots if slots.dim() == 1 else slots[0], attention_mask=mask,
-                          use_cache=True, **{self._cache_kw: self.cache}, **kw)
+        args = dict(input_ids=ids, position_ids=positions, cache_position=slots if slots.dim() == 1 else slots[0],
+                    attention_mask=mask, use_cache=True, **{self._cache_kw: cache}, **kw)
+        if not exact:
+            return call(**args)
+        config = self.model.config
+        before = config._attn_implementation
+        config._attn_implementation = INVARIANT_ATTN     # for this forward only: the model is the user's
+        try:
+            return call(**args, heterospec_keys=key_groups(allowed.view(-1, *allowed.shape[-2:])))
+        finally:
+            config._attn_implementation = before
 
     @torch.no_grad()
     def prefill(self, input_ids, attention_mask=None):
@@ -245,6 +386,8 @@ class TargetAdapter:
             self.allocate(S)
         rows = self._cols[:S]
         causal = self._cols[:S].view(1, -1) <= rows.view(-1, 1)    # causal over the prompt (S columns)
+        if self.invariant and B > 1:
+            return self._prefill_each(input_ids, attention_mask, causal)
         if attention_mask is None:
             out = self._forward(input_ids, rows.expand(B, S), rows, causal, logits_to_keep=1)
             self.prefix.fill_(S)
@@ -269,6 +412,24 @@ class TargetAdapter:
         logits = out.logits[:, -1].float()
         return (logits[0] if self.batch == 1 else logits), taps
 
+    def _prefill_each(self, input_ids, attention_mask, causal):
+        """:meth:`prefill` one prompt at a time, each into its own cache row (row-invariant verification: a
+        request's prompt is then computed exactly as when it is decoded alone)."""
+        B, S = input_ids.shape
+        lengths = [S] * B if attention_mask is None else attention_mask.to(torch.long).sum(1).tolist()
+        logits, taps = [], None
+        for b, n in enumerate(lengths):
+            rows = self._cols[:n]
+            out = self._forward(input_ids[b:b + 1, S - n:], rows.view(1, n), rows, causal[:n, :n],
+                                cache=StaticKV(self.kv[b:b + 1]), logits_to_keep=1)
+            logits.append(out.logits[0, -1].float())
+            t = self._taps()
+            if t is not None:
+                taps = t.new_zeros(B, S, t.shape[-1]) if taps is None else taps
+                taps[b, :n] = t[0]
+            self.prefix[b] = n
+        return torch.stack(logits), taps
+
     @torch.no_grad()
     def verify(self, tree_tokens, tree_depths, tree_mask, window=None):
         """One forward over a verification tree per row: tree_tokens/tree_depths [n] int64 and tree_mask [n, n]
@@ -286,14 +447,14 @@ class TargetAdapter:
             allowed = (self._cols[:W] < P).expand(n, W).clone()
             allowed.scatter_(1, slots.expand(n, n), tree_mask)           # the tree block: ancestors and self
             out = self._forward(tree_tokens.view(1, n), (tree_depths + P).view(1, n), slots, allowed,
-                                call=self._call)
+                                call=self._call, exact=self.invariant)
             return out.logits[0].float(), self._taps()
         B, n = tree_tokens.shape
         P = self.prefix.view(B, 1)
         slots = P + self._cols[:n]                                       # [B, n]
         allowed = (self._cols[:W].view(1, 1, W) < P.view(B, 1, 1)).expand(B, n, W).clone()
         allowed.scatter_(2, slots.view(B, 1, n).expand(B, n, n), tree_mask)
-        out = self._forward(tree_tokens, tree_depths + P, slots, allowed, call=self._call)
+        out = self._forward(tree_tokens, tree_depths + P, slots, allowed, call=self._call, exact=self.invariant)
         return out.logits.float(), self._taps()
 
     def commit(self, path, length, *, check=True):

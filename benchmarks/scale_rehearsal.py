@@ -1,0 +1,416 @@
+"""At the scale our users run (issue 44): the engine on a target of a real model's shape (Llama-3.1-8B, Qwen3-8B)
+and an EAGLE-3 head of the official shape, with seeded random weights made on the device (no files to download).
+
+A forward's cost does not depend on the weights' values, so random weights give the real costs, the real memory and
+the real loader path; they accept almost nothing (tau ~ 1), so tokens per second at the taus real heads reach are
+**projected** from the measured cycle costs (tau / cycle time), and labelled so everywhere.
+
+What one run does, in one process (``--shape tiny`` is the same code at a size the CPU test suite runs):
+1. builds the target with transformers' own model class from a config of that shape, in ``--dtype`` on
+   ``--device``, and an EAGLE-3 head of the official shape (one layer, the shape's draft vocabulary with a seeded
+   ``d2t``); saves the head in SafeAILab's layout and in vLLM / speculators' (``layers.0.*``) and loads both back
+   through ``Eagle3Draft.from_pretrained(..., target=...)``, the path a user takes, checking every tensor;
+2. times HF ``generate`` (dynamic cache) and ``hf-static`` (static cache: compiled by transformers on a GPU), our
+   ``ar``, ``eagle3`` (7/10/60) and ``heterospec`` (the paper's rule on the 7/10/60 base: random weights carry no
+   entropy signal to calibrate bins on), CUDA graphs on where there is a GPU, at batch 1 and a batch of
+   ``--batch``;
+3. fits the engine's cost model here (``heterospec.tune.profile_costs``: the verify forward over n tree tokens,
+   the draft levels) and reports per cycle: target verify, draft levels, and the rest (tree ops, host, idle);
+   the ``ar`` step against the memory floor (weight bytes / the copy bandwidth measured in the same run); peak
+   memory and the caches' sizes (4,096 positions at batch 8 allocated for real);
+4. checks that every method's greedy output equals ``ar``'s (enforced in float32, and in bfloat16 on the CPU where
+   verification is row-invariant; reported elsewhere, where a tree forward may round differently);
+5. projects tokens/s at tau = 2..7 from the measured cycle times, the paper's tau marked.
+
+    python -m benchmarks.scale_rehearsal --shape llama-3.1-8b --device cuda --out scale
+    python -m benchmarks.scale_rehearsal --shape tiny --device cpu --dtype float32 --new-tokens 16 --out /tmp/s
+
+Exit status 1 when an enforced output differs from ``ar``'s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+SHAPES = {
+    # meta-llama/Llama-3.1-8B-Instruct's config, and yuhuili/EAGLE3-LLaMA3.1-Instruct-8B's head (32,000 draft tokens)
+    "llama-3.1-8b": dict(arch="llama", draft_vocab=32000, config=dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192}, tie_word_embeddings=False)),
+    # Qwen/Qwen3-8B's config; its EAGLE-3 heads (e.g. Tengyunw/qwen3_8b_eagle3) use a 32,000-token draft vocabulary
+    "qwen3-8b": dict(arch="qwen3", draft_vocab=32000, config=dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        tie_word_embeddings=False)),
+    # the same code at a size the CPU test suite runs
+    "tiny": dict(arch="llama", draft_vocab=96, config=dict(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5, rope_theta=10000.0,
+        tie_word_embeddings=False)),
+}
+PAPER_TAU = {"HeteroSpec (paper, L3.1-8B)": 6.57, "EAGLE-3 (paper, L3.1-8B)": 6.31}
+PROJECTED_TAUS = (2, 3, 4, 5, 6, 7)
+EAGLE3 = (7, 10, 60)
+
+
+def target_config(shape):
+    import transformers
+
+    s = SHAPES[shape]
+    cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[s["arch"]]
+    return cls(**s["config"], attn_implementation="sdpa")
+
+
+def build_target(shape, device, dtype, seed=0):
+    """transformers' own model class for ``shape``, its weights seeded random numbers made on ``device`` in
+    ``dtype`` (no files); no EOS, so every method runs its full budget."""
+    import torch
+    import transformers
+
+    cfg = target_config(shape)
+    cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[SHAPES[shape]["arch"]]
+    torch.manual_seed(seed)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(cfg)
+    finally:
+        torch.set_default_dtype(before)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def build_head(model, shape, folder, seed=0):
+    """An EAGLE-3 head of the official shape for ``model`` (seeded weights and ``d2t``), saved in SafeAILab's
+    layout and in vLLM / speculators' (``layers.0.*`` keys), both loaded back through
+    ``Eagle3Draft.from_pretrained(..., target=model)``.  Returns (the head loaded from SafeAILab's layout, a dict
+    of what was checked)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from heterospec.models.draft import Eagle3Config, Eagle3Draft
+
+    c = model.config
+    vd = SHAPES[shape]["draft_vocab"]
+    config = Eagle3Config(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                          num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                          head_dim=getattr(c, "head_dim", None), vocab_size=c.vocab_size, draft_vocab_size=vd,
+                          rms_norm_eps=c.rms_norm_eps, rope_theta=getattr(c, "rope_theta", 10000.0),
+                          rope_scaling=getattr(c, "rope_scaling", None) if SHAPES[shape]["config"].get("rope_scaling")
+                          else None, max_position_embeddings=c.max_position_embeddings)
+    p = next(model.parameters())
+    torch.manual_seed(seed)
+    with torch.device(p.device):
+        head = Eagle3Draft(config, embed_tokens=model.get_input_embeddings().weight.detach())
+    head = head.to(p.dtype)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        used = torch.sort(torch.randperm(c.vocab_size, generator=g)[:vd]).values.to(p.device)
+        head.d2t.copy_(used - torch.arange(vd, device=p.device))
+        head.t2d.zero_()
+        head.t2d[used] = True
+    safeailab = os.path.join(folder, "safeailab")
+    vllm = os.path.join(folder, "vllm-speculators")
+    head.save_pretrained(safeailab)
+    os.makedirs(vllm, exist_ok=True)
+    shutil.copy(os.path.join(safeailab, "config.json"), vllm)
+    state = load_file(os.path.join(safeailab, "model.safetensors"))
+    save_file({k.replace("midlayer.", "layers.0.", 1): v for k, v in state.items()},
+              os.path.join(vllm, "model.safetensors"))
+    want = head.state_dict()
+    checked = {}
+    loaded = None
+    for name, path in (("safeailab", safeailab), ("vllm-speculators", vllm)):
+        t = time.perf_counter()
+        back = Eagle3Draft.from_pretrained(path, target=model)
+        got = back.state_dict()
+        same = set(got) == set(want) and all(torch.equal(got[k].to(want[k].device), want[k]) for k in want)
+        checked[name] = {"load_s": round(time.perf_counter() - t, 2), "equal": same,
+                         "bytes": os.path.getsize(os.path.join(path, "model.safetensors"))}
+        loaded = back if loaded is None else loaded
+    return loaded, checked
+
+
+def copy_bandwidth(device, nbytes):
+    """Bytes moved per second (read + write) by one device-to-device copy of ``nbytes``, the fastest of 5."""
+    import torch
+
+    from heterospec.measure import device_timer
+
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    timer = device_timer(device)
+    dst.copy_(src)
+    best = min(timer(lambda: dst.copy_(src))[1] for _ in range(5))
+    del src, dst
+    return 2 * nbytes / best
+
+
+def weight_bytes(model):
+    """Bytes a decode step reads: every parameter but the input embedding (one row of it is read), unless tied."""
+    emb = model.get_input_embeddings().weight
+    tied = emb is model.get_output_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in model.parameters() if tied or p is not emb)
+
+
+def random_prompts(vocab, n, length, seed):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (1, length), generator=g) for _ in range(n)]
+
+
+def run_methods(model, head, prompts, new_tokens, graphs, batch, thresholds):
+    """{method: {batch: row}}: tokens/s, cycles, tau, the greedy ids; batch 1 over ``prompts`` one by one, then
+    one batched call over ``batch`` prompts (0: none)."""
+    import torch
+
+    import heterospec
+    from heterospec.tools.bench.baselines import HFGenerate
+
+    dev = next(model.parameters()).device
+    d, k, n = EAGLE3
+    methods = {
+        "hf": heterospec.HFMethod("hf"),
+        "hf-static": heterospec.HFMethod("hf-static", cache_implementation="static"),
+        "ar": heterospec.Policy.autoregressive(),
+        "eagle3": heterospec.Policy.static(d, k, n),
+        "heterospec": heterospec.Policy.paper(d, k, n, thresholds),
+    }
+    out = {}
+    for name, m in methods.items():
+        is_hf = isinstance(m, heterospec.HFMethod)
+        eng = HFGenerate(model, m, pad_token_id=0) if is_hf else heterospec.HeteroSpec(
+            model, head if m.drafts else None, m, cuda_graphs=graphs, max_length=prompts[0].shape[1] + new_tokens + 80)
+        rows = {}
+        try:
+            warm = prompts[0].to(dev)
+            kw = {"cache_len": warm.shape[1] + new_tokens} if is_hf else {}
+            eng.generate(warm, max_new_tokens=new_tokens, eos_token_id=[], **kw)   # warm-up (and capture)
+            ids, toks, secs, cycles, committed, idle, graph = [], 0, 0.0, 0, 0, 0.0, 0.0
+            for p in prompts:
+                p = p.to(dev)
+                heterospec.measure.synchronize(dev)
+                t = time.perf_counter()
+                seq, st = eng.generate(p, max_new_tokens=new_tokens, eos_token_id=[])
+                heterospec.measure.synchronize(dev)
+                secs += time.perf_counter() - t - getattr(st, "capture_s", 0.0)
+                ids.append(seq[0, p.shape[1]:].tolist())
+                toks += len(ids[-1])
+                cycles += getattr(st, "cycles", 0) or 0
+                committed += st.committed if hasattr(st, "committed") else 0
+                idle += getattr(st, "idle_s", 0.0) or 0.0
+                graph += getattr(st, "graph_s", 0.0) or 0.0
+            rows[1] = {"tokens_per_s": toks / secs, "seconds": secs, "tokens": toks, "cycles": cycles,
+                       "tau": committed / cycles if cycles else None,
+                       "cycle_ms": 1e3 * secs / cycles if cycles else None,
+                       "idle_ms_per_cycle": 1e3 * idle / cycles if cycles else None, "ids": ids}
+            if batch:
+                many = [prompts[i % len(prompts)][0] for i in range(batch)]
+                if is_hf:
+                    S = max(x.shape[0] for x in many)
+                    ids_b = torch.stack([torch.nn.functional.pad(x, (S - x.shape[0], 0)) for x in many]).to(dev)
+                    mask = torch.stack([torch.nn.functional.pad(torch.ones_like(x), (S - x.shape[0], 0))
+                                        for x in many]).to(dev)
+                    eng.generate(ids_b, max_new_tokens=new_tokens, eos_token_id=[], attention_mask=mask,
+                                 cache_len=S + new_tokens)
+                    heterospec.measure.synchronize(dev)
+                    t = time.perf_counter()
+                    new, st = eng.generate(ids_b, max_new_tokens=new_tokens, eos_token_id=[], attention_mask=mask)
+                    heterospec.measure.synchronize(dev)
+                    secs_b, got = time.perf_counter() - t, [list(r) for r in new]
+                else:
+                    many = [x.to(dev) for x in many]
+                    eng.generate(many, max_new_tokens=new_tokens, eos_token_id=[])
+                    heterospec.measure.synchronize(dev)
+                    t = time.perf_counter()
+                    seqs, st = eng.generate(many, max_new_tokens=new_tokens, eos_token_id=[])
+                    heterospec.measure.synchronize(dev)
+                    secs_b = time.perf_counter() - t - getattr(st, "capture_s", 0.0)
+                    got = [s[x.shape[0]:].tolist() for s, x in zip(seqs, many)]
+                rows[batch] = {"tokens_per_s": sum(len(x) for x in got) / secs_b, "seconds": secs_b,
+                               "tokens": sum(len(x) for x in got), "ids": got}
+        finally:
+            if not is_hf:
+                eng.close()
+        out[name] = rows
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default="bfloat16")
+    ap.add_argument("--prompts", type=int, default=2, help="prompts timed one by one (random tokens)")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8, help="the batch timed after batch 1 (0: none)")
+    ap.add_argument("--cache-check", type=int, default=4096, help="positions of the batch-8 cache allocated (0: none)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    import heterospec
+    from heterospec.measure import machine_info
+    from heterospec.models.target import TargetAdapter
+    from heterospec.tune.costs import profile_costs
+
+    dev = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    cuda = dev.type == "cuda"
+    t0 = time.perf_counter()
+    model = build_target(args.shape, dev, dtype, args.seed)
+    build_s = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as tmp:
+        head, loaders = build_head(model, args.shape, tmp, args.seed)
+    thresholds = heterospec.default_policy("cuda").thresholds or (1.0, 2.0, 3.0)
+    wbytes = weight_bytes(model)
+    bandwidth = copy_bandwidth(dev, min(1 << 30, max(1 << 24, wbytes // 4)))
+    prompts = random_prompts(model.config.vocab_size, args.prompts, args.prompt_len, args.seed + 1)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+    runs = run_methods(model, head, prompts, args.new_tokens, cuda, args.batch, thresholds)
+    peak = torch.cuda.max_memory_allocated(dev) if cuda else None
+    # the cost model the calibration fits, here: verify over n tree tokens, the draft's levels
+    ctx = args.prompt_len + args.new_tokens // 2
+    cost = profile_costs(model, head, tree_tokens=(1, 8, 16, 32, 60), contexts=(ctx,), beams=(1, 10),
+                         levels=(1, 7), reps=3, graphs=cuda, overhead_tokens=0)
+    a, b, c, d = cost.verify
+
+    def verify_s(nodes):
+        return a + b * nodes + c * ctx + d * nodes * ctx
+
+    # the caches for --cache-check positions at batch 8, allocated for real
+    caches = None
+    if args.cache_check:
+        adapter = TargetAdapter(model, capture_taps=False, batch=8)
+        tgt_bytes = adapter.cache_bytes(args.cache_check)
+        before = torch.cuda.memory_allocated(dev) if cuda else None
+        adapter.allocate(args.cache_check)
+        after = torch.cuda.memory_allocated(dev) if cuda else None
+        dcache = head.new_cache(args.cache_check, batch=8) if hasattr(head, "new_cache") else None
+        draft_bytes = sum(t.numel() * t.element_size() for t in (dcache if isinstance(dcache, (list, tuple))
+                                                                 else [dcache]) if t is not None)
+        total = torch.cuda.get_device_properties(dev).total_memory if cuda else None
+        caches = {"positions": args.cache_check, "batch": 8, "target_bytes": tgt_bytes, "draft_bytes": draft_bytes,
+                  "allocated_bytes": (after - before) if cuda else None, "weights_bytes": wbytes,
+                  "head_bytes": sum(p.numel() * p.element_size() for p in head.parameters()),
+                  "device_total_bytes": total}
+        del adapter, dcache
+
+    # lossless: every method's greedy ids against ar's (enforced where the engine is bitwise: fp32, CPU bf16)
+    enforced = dtype == torch.float32 or (dev.type == "cpu" and dtype == torch.bfloat16)
+    same = {m: {B: r["ids"] == runs["ar"][B]["ids"] for B, r in rows.items()} for m, rows in runs.items()}
+    ours_same = all(v for m, by in same.items() if not m.startswith("hf") for v in by.values())
+    ar_step = runs["ar"][1]["cycle_ms"] / 1e3
+    floor = wbytes / bandwidth
+    hf_static = runs["hf-static"][1]["tokens_per_s"]
+    per_cycle = {}
+    for m in ("ar", "eagle3", "heterospec"):
+        r = runs[m][1]
+        nodes = 1 if m == "ar" else EAGLE3[2]
+        levels = 0 if m == "ar" else EAGLE3[0]
+        v, dr = verify_s(nodes), (cost.draft(levels, EAGLE3[1]) if m != "ar" else 0.0)
+        cyc = r["cycle_ms"] / 1e3
+        per_cycle[m] = {"cycle_ms": 1e3 * cyc, "verify_ms": 1e3 * v, "draft_ms": 1e3 * dr,
+                        "rest_ms": 1e3 * (cyc - v - dr), "rest_share": (cyc - v - dr) / cyc,
+                        "idle_ms": r["idle_ms_per_cycle"], "tau_measured": r["tau"]}
+    projection = {m: {str(t): {"tokens_per_s": t / (per_cycle[m]["cycle_ms"] / 1e3),
+                               "x_hf_static": t / (per_cycle[m]["cycle_ms"] / 1e3) / hf_static}
+                      for t in PROJECTED_TAUS + tuple(PAPER_TAU.values())}
+                  for m in ("eagle3", "heterospec")}
+    result = {
+        "shape": args.shape, "config": SHAPES[args.shape]["config"], "draft_vocab": SHAPES[args.shape]["draft_vocab"],
+        "device": str(dev), "dtype": args.dtype, "machine": machine_info(args.device), "torch": torch.__version__,
+        "build_s": build_s, "loaders": loaders, "prompts": args.prompts, "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens, "batch": args.batch, "cuda_graphs": cuda,
+        "methods": {m: {str(B): {k: v for k, v in r.items() if k != "ids"} for B, r in rows.items()}
+                    for m, rows in runs.items()},
+        "same_as_ar": {m: {str(B): v for B, v in by.items()} for m, by in same.items()}, "enforced": enforced,
+        "cost_model": cost.to_dict(), "verify_ms": {str(n): 1e3 * verify_s(n) for n in (1, 8, 16, 32, 60)},
+        "verify_60_over_1": verify_s(60) / verify_s(1),
+        "weight_bytes": wbytes, "copy_bandwidth_Bps": bandwidth, "memory_floor_ms": 1e3 * floor,
+        "ar_step_ms": 1e3 * ar_step, "ar_over_floor": ar_step / floor,
+        "ar_over_hf_static": runs["ar"][1]["tokens_per_s"] / hf_static,
+        "peak_memory_bytes": peak, "caches": caches, "per_cycle": per_cycle,
+        "projection": projection, "projection_note": "PROJECTED, not measured: tau / the measured cycle time, "
+                                                     "random weights (tau ~ 1 measured)",
+        "paper_tau": PAPER_TAU,
+    }
+    text = markdown(result)
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "scale.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.join(args.out, "scale.md"), "w") as f:
+            f.write(text + "\n")
+    return 1 if enforced and not ours_same else 0
+
+
+def _size(n):
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 28 else f"{n / (1 << 20):.2f} MiB"
+
+
+def markdown(r):
+    lines = [f"# Scale rehearsal: {r['shape']} ({r['dtype']}, {r['device']})", "",
+             f"{r['machine'].get('summary', r['device'])}; torch {r['torch']}; random weights made on the device in "
+             f"{r['build_s']:.1f} s; {r['prompts']} prompts of {r['prompt_len']} random tokens, {r['new_tokens']} new "
+             f"tokens, greedy, CUDA graphs {'on' if r['cuda_graphs'] else 'off'}; one run.", "",
+             "Head loaders: " + "; ".join(f"{k} {'equal' if v['equal'] else 'DIFFERENT'} ({v['load_s']} s)"
+                                          for k, v in r["loaders"].items()), "",
+             "## Measured", "", "| method | batch | tokens/s | x hf-static | cycle ms | tau (random weights) | "
+             "= ar |", "|---|---:|---:|---:|---:|---:|---|"]
+    base = r["methods"]["hf-static"]["1"]["tokens_per_s"]
+    for m, rows in r["methods"].items():
+        for B, x in rows.items():
+            cyc = "-" if x.get("cycle_ms") is None else f"{x['cycle_ms']:.2f}"
+            lines.append(f"| {m} | {B} | {x['tokens_per_s']:.1f} | {x['tokens_per_s'] / base:.2f}x | {cyc} | {'-' if x.get('tau') is None else round(x['tau'], 2)} | "
+                         f"{'yes' if r['same_as_ar'][m][B] else 'no'} |")
+    lines += ["", f"`ar` step {r['ar_step_ms']:.2f} ms against the memory floor {r['memory_floor_ms']:.2f} ms "
+                  f"({_size(r['weight_bytes'])} of weights at {r['copy_bandwidth_Bps'] / 1e9:.0f} GB/s copy "
+                  f"bandwidth): {r['ar_over_floor']:.2f}x the floor; `ar` {r['ar_over_hf_static']:.2f}x hf-static.",
+              f"Verify over 60 tree tokens {r['verify_ms']['60']:.2f} ms = {r['verify_60_over_1']:.2f}x one token "
+              f"({r['verify_ms']['1']:.2f} ms; the cost model fitted here).", "",
+              "Per cycle (batch 1): | method | cycle ms | verify ms | draft ms | rest (tree ops, host, idle) ms | "
+              "rest share | idle ms |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for m, x in r["per_cycle"].items():
+        idle = "-" if x["idle_ms"] is None else f"{x['idle_ms']:.2f}"
+        lines.append(f"| {m} | {x['cycle_ms']:.2f} | {x['verify_ms']:.2f} | {x['draft_ms']:.2f} | "
+                     f"{x['rest_ms']:.2f} | {100 * x['rest_share']:.0f} % | {idle} |")
+    if r["caches"]:
+        c = r["caches"]
+        lines += ["", f"Caches for {c['positions']} positions at batch {c['batch']}: target {_size(c['target_bytes'])}"
+                      f", draft {_size(c['draft_bytes'])}, beside {_size(c['weights_bytes'])} of weights and a "
+                      f"{_size(c['head_bytes'])} head"
+                      + (f" on a {_size(c['device_total_bytes'])} device (room left: "
+                         f"{_size(c['device_total_bytes'] - c['weights_bytes'] - c['head_bytes'] - c['target_bytes'] - c['draft_bytes'])})"
+                         if c["device_total_bytes"] else "")
+                      + (f"; peak memory of the timed runs {_size(r['peak_memory_bytes'])}"
+                         if r["peak_memory_bytes"] else "") + "."]
+    lines += ["", "## PROJECTED (not measured)", "", r["projection_note"] + "; tokens/s = tau / cycle time.", "",
+              "| method | " + " | ".join(f"tau {t}" for t in PROJECTED_TAUS) + " | "
+              + " | ".join(f"{k}: tau {v}" for k, v in PAPER_TAU.items()) + " |",
+              "|---|" + "---:|" * (len(PROJECTED_TAUS) + len(PAPER_TAU))]
+    for m, by in r["projection"].items():
+        vals = [by[str(t)] for t in PROJECTED_TAUS + tuple(PAPER_TAU.values())]
+        lines.append(f"| {m} (projected) | " + " | ".join(f"{v['tokens_per_s']:.0f} tok/s ({v['x_hf_static']:.2f}x)"
+                                                         for v in vals) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
