@@ -241,7 +241,7 @@ BAD_DEVICES = ["foo", "cuda:x", "meta"] + ([] if torch.cuda.is_available() else 
 def test_a_bad_device_is_a_one_line_usage_error(cmd, device, capsys, monkeypatch):
     from heterospec.tools import cli
 
-    monkeypatch.setattr(cli, "load_pair", lambda *a, **k: pytest.fail("loaded models with a bad --device"))
+    monkeypatch.setattr("heterospec.tools.commands.load_pair", lambda *a, **k: pytest.fail("loaded models with a bad --device"))
     with pytest.raises(SystemExit) as e:
         cli.main(COMMANDS[cmd] + ["--device", device])
     assert e.value.code == 2
@@ -273,7 +273,7 @@ def test_device_reaches_load_pair(cmd, monkeypatch, tmp_path):
         seen["device"] = device
         raise _Loaded
 
-    monkeypatch.setattr(cli, "load_pair", load_pair)
+    monkeypatch.setattr("heterospec.tools.commands.load_pair", load_pair)
     monkeypatch.setattr("heterospec.models.default.load_pair", load_pair)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "T").mkdir()              # generate checks that these exist before it loads anything
@@ -298,7 +298,7 @@ GRAPH_COMMANDS = {
 def test_cuda_graphs_on_without_a_gpu_is_a_one_line_usage_error(cmd, capsys, monkeypatch):
     from heterospec.tools import cli
 
-    monkeypatch.setattr(cli, "load_pair", lambda *a, **k: pytest.fail("loaded models before checking --cuda-graphs"))
+    monkeypatch.setattr("heterospec.tools.commands.load_pair", lambda *a, **k: pytest.fail("loaded models before checking --cuda-graphs"))
     monkeypatch.setattr("heterospec.models.default.load_pair", lambda *a, **k: pytest.fail("loaded models"))
     with pytest.raises(SystemExit) as e:
         cli.main(GRAPH_COMMANDS[cmd] + ["--device", "cpu", "--cuda-graphs", "on"])

@@ -35,84 +35,13 @@ from .. import ops
 from ..growth import candidate_count
 from ..measure import PhaseClock
 from ..models.target import TargetAdapter, attention_window
-from . import health, sync
+from . import health, requests, sync
 from .cycle import RecordedCycle
 from .stats import GenerationStats
 from .tree import BatchDraftState, bucket_for, tree_size
 
 # batch sizes whose recorded steps (and static caches) the recorded engine keeps at once
 MAX_BATCH_CYCLES = 2
-
-
-def left_pad(prompts, pad_token_id, device):
-    """A list of prompts (1-D int sequences, or [1, S] tensors) -> (ids [B, S], attention_mask [B, S]) left-padded
-    as a HuggingFace tokenizer pads a batch for generation."""
-    rows = []
-    for i, p in enumerate(prompts):
-        t = torch.as_tensor(p, dtype=torch.long).reshape(-1) if not isinstance(p, torch.Tensor) else p.reshape(-1)
-        if t.numel() == 0:
-            raise ValueError(f"generate: argument 'input_ids' expected a token in every prompt, got an empty "
-                             f"prompt at index {i}")
-        rows.append(t.to("cpu", torch.long))
-    S = max(r.numel() for r in rows)
-    ids = torch.full((len(rows), S), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), S), dtype=torch.long)
-    for b, r in enumerate(rows):
-        ids[b, S - r.numel():] = r
-        mask[b, S - r.numel():] = 1
-    return ids.to(device), mask.to(device)
-
-
-def check_mask(input_ids, attention_mask):
-    """The prompts' lengths (a host list) from a left-padded ``attention_mask`` [B, S] of 0/1; one-line errors
-    for a wrong shape, an empty row or padding after a token."""
-    if input_ids.shape[1] < 1:
-        raise ValueError("generate: argument 'input_ids' expected at least one token, got 0")
-    if attention_mask is None:
-        return [input_ids.shape[1]] * input_ids.shape[0]
-    if not isinstance(attention_mask, torch.Tensor):
-        raise ValueError(f"generate: argument 'attention_mask' expected a torch.Tensor of the shape of input_ids "
-                         f"{tuple(input_ids.shape)}, got {type(attention_mask).__name__}")
-    if tuple(attention_mask.shape) != tuple(input_ids.shape):
-        raise ValueError(f"generate: argument 'attention_mask' expected the shape of input_ids "
-                         f"{tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}")
-    m = attention_mask.detach().to("cpu", torch.long)
-    if bool(((m != 0) & (m != 1)).any()):
-        raise ValueError("generate: argument 'attention_mask' expected only 0 and 1, got other values")
-    lengths = m.sum(1).tolist()
-    for b, n in enumerate(lengths):
-        if n == 0:
-            raise ValueError(f"generate: argument 'attention_mask' expected at least one token per row, got an "
-                             f"empty row {b}")
-        if bool((m[b, m.shape[1] - n:] != 1).any()):
-            raise ValueError(f"generate: argument 'attention_mask' expected left padding (zeros only before the "
-                             f"tokens), got a zero after a token in row {b}")
-    return lengths
-
-
-def available_bytes(device):
-    """Memory a new allocation can take on ``device``: free GPU memory, or the host's MemAvailable; None when
-    it cannot be told."""
-    if device.type == "cuda":   # free memory, and what torch's caching allocator holds without using it
-        return (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
-                - torch.cuda.memory_allocated(device))
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def to_device(values, device, dtype=torch.long):
-    """A host list as a tensor on ``device``.  On a GPU through pinned memory with a non-blocking copy:
-    ``torch.tensor(values, device="cuda")`` synchronises the stream, which inside a cycle would wait for the
-    draft's work already launched (a third host sync per cycle)."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def batch_tree(g, n, m, root, T, check):
@@ -199,8 +128,8 @@ class BatchCycle(RecordedCycle):
 
     def set_rows(self, n, m, finished):
         """The host's per-row plan for this cycle (host lists): kept nodes without the root, candidate counts,
-        finished flags -- one copy to the device, not a sync (:func:`to_device`)."""
-        self.rows.copy_(to_device([n, m, finished], self.device))
+        finished flags -- one copy to the device, not a sync (:func:`.requests.to_device`)."""
+        self.rows.copy_(requests.to_device([n, m, finished], self.device))
 
     def shapes(self):
         """The (extra levels, padded tree size) a cycle of this policy can take: the deepest extra depth and the
@@ -292,7 +221,7 @@ def _cycle_for(hs, B, need, graphs):
     # the target's cache twice: dropping finished rows copies the kept rows before the old cache is freed (the
     # draft's cache, far smaller, fits in that bound too)
     nbytes = cyc.target.cache_bytes(need) * 2
-    free = available_bytes(dev)
+    free = requests.available_bytes(dev)
     error = None
     if free is not None and nbytes > free:
         error = (f"generate: argument 'input_ids' expected a batch whose static caches fit the {dev} memory "
@@ -325,7 +254,7 @@ def _raise_flagged(hs, flags, alive, done, rows, prefix_host):
 
 def generate_batch(hs, input_ids, attention_mask, lengths, *, max_new_tokens, temperature, top_k, top_p, eos, seed,
                    finished="drop", stop=None):
-    """The batched loop of :meth:`HeteroSpec.generate` (``lengths``: :func:`check_mask`'s) -> (per-row lists of
+    """The batched loop of :meth:`HeteroSpec.generate` (``lengths``: :func:`.requests.check_mask`'s) -> (per-row lists of
     new tokens, per-row GenerationStats, the batch's GenerationStats).  ``finished``: "drop" (a finished row
     leaves the caches at the end of its cycle) or "mask" (it stays, with a root-only tree whose commit is
     zeroed, so the shapes stay those of the whole batch -- what a recorded step of fixed batch needs: with
@@ -424,7 +353,7 @@ def generate_batch(hs, input_ids, attention_mask, lengths, *, max_new_tokens, te
             if not keep:
                 break
             if finished == "drop" and len(keep) < len(alive):   # finished rows stop costing work
-                cyc.keep_rows(to_device(keep, dev))
+                cyc.keep_rows(requests.to_device(keep, dev))
                 alive = [alive[i] for i in keep]
             if first or not graphs:
                 clock.start()

@@ -27,7 +27,7 @@ from ..measure import PhaseClock
 from ..models import cpu_gemm as gemm
 from ..models.target import TargetAdapter, _decoder_layers, attention_window
 from ..policy import Policy
-from . import batch, health, sync
+from . import batch, health, requests, sync
 from .cycle import Cycle
 from .stats import GenerationStats
 from .tree import DraftState, NoDraft, bucket_for
@@ -342,13 +342,13 @@ class HeteroSpec:
             if attention_mask is not None:
                 raise ValueError("generate: argument 'attention_mask' expected None with a list of prompts (they "
                                  "are padded here), got a mask")
-            input_ids, attention_mask = batch.left_pad(input_ids, pad, self.device)
+            input_ids, attention_mask = requests.left_pad(input_ids, pad, self.device)
         elif not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(f"generate: argument 'input_ids' expected a [B, S] tensor or a list of prompts, got "
                              f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
         B = input_ids.shape[0]
         with sync.outside_cycle():                      # the mask's check reads it on the host
-            lengths = batch.check_mask(input_ids, attention_mask)
+            lengths = requests.check_mask(input_ids, attention_mask)
         if isinstance(seed, (list, tuple)) and len(seed) != B:
             raise ValueError(f"generate: argument 'seed' expected an int or {B} ints (one per prompt), got "
                              f"{len(seed)}")

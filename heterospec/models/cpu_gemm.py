@@ -152,6 +152,7 @@ def shape_key(lin):
 
 
 ALL_PACKED = (True,) * len(ROW_CLASSES)
+_INVARIANT = {}   # (shape_key, packed) -> whether that path is row-invariant on this machine (check_invariant)
 
 
 class PackedLinears:
@@ -183,13 +184,11 @@ class PackedLinears:
         return _packed(lin, self._rows) if self._pack and self._use(shape_key(lin))[1] else None
 
     def _check_invariant(self):
-        seen = set()
         for lin in self._invariant:
             key = (shape_key(lin), self._pack and self._use(shape_key(lin))[1])
-            if key in seen:
-                continue
-            seen.add(key)
-            if not check_invariant(_invariant_forward(lin, self._invariant_path(lin)), lin):
+            if key not in _INVARIANT:   # once per shape and path in a process
+                _INVARIANT[key] = check_invariant(_invariant_forward(lin, self._invariant_path(lin)), lin)
+            if not _INVARIANT[key]:
                 raise ValueError(f"HeteroSpec: row-invariant verification: the {'packed' if key[1] else 'default'} "
                                  f"matrix path of the {key[0]} layers gives a row another result in a call over "
                                  f"more rows on this machine; use float32 or batch_invariant=False")

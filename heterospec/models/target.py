@@ -109,45 +109,40 @@ INVARIANT_DTYPES = (torch.bfloat16,)
 
 def key_groups(allowed):
     """The exact keys of every query row, for :func:`exact_keys_attention`: ``allowed`` [B, n, W] bool (what row
-    i of request b sees) -> a list of (query rows [g] into the flattened B*n rows, or None for all of them in
-    order; their requests [g]; key columns [g, c]) with the rows that see the same number c of keys, the columns
-    in cache order (the committed prefix, then the ancestors root first).  A lone row that sees the columns 0 ..
-    c-1 (a one-row step, a tree's root) has (None or [1], request (an int), c): a view of the cache, no copy."""
+    i of request b sees) -> one (row into the flattened B*n rows, or None when there is one row; its request;
+    its key columns) per row, the columns in cache order (the committed prefix, then the ancestors root first):
+    an int c when they are 0 .. c-1 (a one-row step, a tree's root: a view of the cache, no copy), else a [c]
+    tensor.  Host ints: computed once per forward, read by every layer."""
     B, n, W = allowed.shape
     flat = allowed.reshape(B * n, W)
-    counts = flat.sum(1)
-    distinct = torch.unique(counts).tolist()
-    groups = []
-    for c in distinct:
-        rows = (counts == c).nonzero().view(-1)
-        cols = flat.index_select(0, rows).nonzero()[:, 1].view(-1, c)
-        if rows.shape[0] == 1 and int(cols[0, -1]) == c - 1:     # c columns ascending, the last is c-1: 0 .. c-1
-            cols, requests = c, int(rows[0]) // n
-        else:
-            requests = torch.div(rows, n, rounding_mode="floor")
-        groups.append((None if len(distinct) == 1 else rows, requests, cols))
+    counts = flat.sum(1).tolist()
+    where = flat.nonzero()[:, 1]
+    groups, start = [], 0
+    for r, c in enumerate(counts):
+        cols = where[start:start + c]
+        start += c
+        contiguous = int(cols[-1]) == c - 1          # c columns ascending, the last is c-1: 0 .. c-1
+        groups.append((None if B * n == 1 else r, r // n, c if contiguous else cols))
     return groups
 
 
-def _gather_keys(states, requests, cols):
-    """states [B, kv_heads, W, D], requests [g] (an int with ``cols`` an int c: keys 0 .. c-1 of that request,
-    a view), cols [g, c] -> [g, kv_heads, c, D]: each row's own keys."""
+def _row_keys(states, request, cols):
+    """states [B, kv_heads, W, D] -> [1, kv_heads, c, D]: one row's own keys (a view for an int c)."""
     if isinstance(cols, int):
-        return states[requests:requests + 1, :, :cols]
-    if states.shape[0] == 1:
-        g, c = cols.shape
-        return states[0].index_select(1, cols.reshape(-1)).view(states.shape[1], g, c, -1).transpose(0, 1)
-    return states[requests.view(-1, 1), :, cols].transpose(1, 2)
+        return states[request:request + 1, :, :cols]
+    return states[request].index_select(1, cols).unsqueeze(0)
 
 
 def exact_keys_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """A transformers attention function (registered as :data:`INVARIANT_ATTN`) in which every query row attends
-    to exactly the keys it sees, in cache order, with no mask: rows that see as many keys are one batched call.
-    A row's output then does not depend on how many rows the forward verifies or which other rows are in it
-    (bit for bit, where the CPU's attention kernel gives a row of a batched call what it gives the row alone:
-    :func:`check_invariant_attention`), so a bfloat16 verify over a tree gives each node what a one-row step
-    over the same keys gives.  ``heterospec_keys`` (the :func:`key_groups` of the forward) comes through the
-    model's keyword arguments; without it (any other forward of the model) this is transformers' sdpa."""
+    to exactly the keys it sees, in cache order, with no mask, in a call of its own: the same call, on the same
+    values, that a one-row step over those keys makes.  A row's output then does not depend on how many rows the
+    forward verifies or which other rows are in it, so a bfloat16 verify over a tree gives each node what a
+    one-row step gives, bit for bit.  (Rows of equal length batched into one call are not enough: on the 2-core
+    AMD EPYC, torch's CPU attention gave the rows that its first thread computed other low bits than the same
+    row alone; with one thread it did not.)  ``heterospec_keys`` (the :func:`key_groups` of the forward) comes
+    through the model's keyword arguments; without it (any other forward of the model) this is transformers'
+    sdpa."""
     groups = kwargs.pop("heterospec_keys", None)
     if groups is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -158,15 +153,14 @@ def exact_keys_attention(module, query, key, value, attention_mask, scaling=None
     kv_heads = key.shape[1]
     q = query.transpose(1, 2).reshape(B * n, kv_heads, H // kv_heads, D)   # query head h reads kv head h // rep
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    out = None
-    for rows, requests, cols in groups:
-        o = sdpa(q if rows is None else q.index_select(0, rows), _gather_keys(key, requests, cols),
-                 _gather_keys(value, requests, cols), scale=scaling)
-        if rows is None:
-            out = o
-        else:
-            out = query.new_empty(B * n, kv_heads, H // kv_heads, D) if out is None else out
-            out[rows] = o
+    if len(groups) == 1:
+        _, request, cols = groups[0]
+        out = sdpa(q, _row_keys(key, request, cols), _row_keys(value, request, cols), scale=scaling)
+        return out.view(B, n, H, D), None
+    out = query.new_empty(B * n, kv_heads, H // kv_heads, D)
+    for row, request, cols in groups:
+        out[row] = sdpa(q[row:row + 1], _row_keys(key, request, cols), _row_keys(value, request, cols),
+                        scale=scaling)[0]
     return out.view(B, n, H, D), None
 
 
@@ -192,23 +186,30 @@ _ATTN_CHECKED = {}
 
 
 def check_invariant_attention(dtype, heads, kv_heads, head_dim):
-    """Whether :func:`exact_keys_attention` gives each row of a batched call exactly what the row gets alone, on
-    this machine in ``dtype`` (measured once per process and shape: random rows and keys, 3 key counts)."""
+    """Whether :func:`exact_keys_attention` gives a row the same output whether its keys are a view of the cache
+    (a one-row step) or a gathered copy (a tree node), on this machine in ``dtype`` (measured once per process
+    and shape: random keys, 3 key counts, a tree row beside others)."""
     key = (dtype, heads, kv_heads, head_dim)
     if key not in _ATTN_CHECKED:
         gen = torch.Generator().manual_seed(0)
         ok = True
         for c in (37, 200, 600):
-            g = 5
-            q = torch.randn(1, heads, g, head_dim, generator=gen).to(dtype)
-            kv = torch.randn(2, 1, kv_heads, c, head_dim, generator=gen).to(dtype)
-            allowed = torch.ones(1, g, c, dtype=torch.bool)
-            both = exact_keys_attention(None, q, kv[0], kv[1], None, scaling=head_dim ** -0.5,
+            q = torch.randn(1, heads, 3, head_dim, generator=gen).to(dtype)
+            kv = torch.randn(2, 1, kv_heads, c + 2, head_dim, generator=gen).to(dtype)
+            # a tree: row 0 sees 0..c-1 (a view), rows 1 and 2 see 0..c-2 and c, c+1 (gathered copies)
+            allowed = torch.zeros(1, 3, c + 2, dtype=torch.bool)
+            allowed[0, 0, :c] = True
+            allowed[0, 1:, :c - 1] = True
+            allowed[0, 1, c] = allowed[0, 2, c + 1] = True
+            tree = exact_keys_attention(None, q, kv[0], kv[1], None, scaling=head_dim ** -0.5,
                                         heterospec_keys=key_groups(allowed))[0]
-            for r in range(g):
-                one = exact_keys_attention(None, q[:, :, r:r + 1], kv[0], kv[1], None, scaling=head_dim ** -0.5,
-                                           heterospec_keys=key_groups(allowed[:, :1]))[0]
-                ok = ok and torch.equal(both[0, r], one[0, 0])
+            for r, col in ((0, None), (1, c), (2, c + 1)):
+                # the same keys laid out as a one-row step sees them: contiguous columns 0 .. c-1
+                k = kv[0] if col is None else torch.cat([kv[0][:, :, :c - 1], kv[0][:, :, col:col + 1]], 2)
+                v = kv[1] if col is None else torch.cat([kv[1][:, :, :c - 1], kv[1][:, :, col:col + 1]], 2)
+                one = exact_keys_attention(None, q[:, :, r:r + 1], k, v, None, scaling=head_dim ** -0.5,
+                                           heterospec_keys=key_groups(torch.ones(1, 1, c, dtype=torch.bool)))[0]
+                ok = ok and torch.equal(tree[0, r], one[0, 0])
         _ATTN_CHECKED[key] = ok
     return _ATTN_CHECKED[key]
 

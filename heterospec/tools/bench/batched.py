@@ -50,7 +50,7 @@ def run_batch_bench(target, tokenizer, draft, methods, prompts, batch_sizes, *, 
     the longest prompt (each batch size is recorded in its untimed warm-up, the last, smaller group's too)."""
     import torch
 
-    from ...engine.batch import left_pad
+    from ...engine.requests import left_pad
     from ...engine.loop import HeteroSpec
 
     timer = DeviceTimer(device)

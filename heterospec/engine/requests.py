@@ -1,0 +1,77 @@
+"""A batch's requests on their way in: prompts left-padded as a HuggingFace tokenizer pads them, the attention
+mask checked (each row's prompt length), the memory a batch's caches may take, and host lists copied to the
+device without a sync.  Used by the host loop (:mod:`.loop`) and the batched cycle (:mod:`.batch`)."""
+from __future__ import annotations
+
+import torch
+
+
+def left_pad(prompts, pad_token_id, device):
+    """A list of prompts (1-D int sequences, or [1, S] tensors) -> (ids [B, S], attention_mask [B, S]) left-padded
+    as a HuggingFace tokenizer pads a batch for generation."""
+    rows = []
+    for i, p in enumerate(prompts):
+        t = torch.as_tensor(p, dtype=torch.long).reshape(-1) if not isinstance(p, torch.Tensor) else p.reshape(-1)
+        if t.numel() == 0:
+            raise ValueError(f"generate: argument 'input_ids' expected a token in every prompt, got an empty "
+                             f"prompt at index {i}")
+        rows.append(t.to("cpu", torch.long))
+    S = max(r.numel() for r in rows)
+    ids = torch.full((len(rows), S), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), S), dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, S - r.numel():] = r
+        mask[b, S - r.numel():] = 1
+    return ids.to(device), mask.to(device)
+
+
+def check_mask(input_ids, attention_mask):
+    """The prompts' lengths (a host list) from a left-padded ``attention_mask`` [B, S] of 0/1; one-line errors
+    for a wrong shape, an empty row or padding after a token."""
+    if input_ids.shape[1] < 1:
+        raise ValueError("generate: argument 'input_ids' expected at least one token, got 0")
+    if attention_mask is None:
+        return [input_ids.shape[1]] * input_ids.shape[0]
+    if not isinstance(attention_mask, torch.Tensor):
+        raise ValueError(f"generate: argument 'attention_mask' expected a torch.Tensor of the shape of input_ids "
+                         f"{tuple(input_ids.shape)}, got {type(attention_mask).__name__}")
+    if tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"generate: argument 'attention_mask' expected the shape of input_ids "
+                         f"{tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}")
+    m = attention_mask.detach().to("cpu", torch.long)
+    if bool(((m != 0) & (m != 1)).any()):
+        raise ValueError("generate: argument 'attention_mask' expected only 0 and 1, got other values")
+    lengths = m.sum(1).tolist()
+    for b, n in enumerate(lengths):
+        if n == 0:
+            raise ValueError(f"generate: argument 'attention_mask' expected at least one token per row, got an "
+                             f"empty row {b}")
+        if bool((m[b, m.shape[1] - n:] != 1).any()):
+            raise ValueError(f"generate: argument 'attention_mask' expected left padding (zeros only before the "
+                             f"tokens), got a zero after a token in row {b}")
+    return lengths
+
+
+def available_bytes(device):
+    """Memory a new allocation can take on ``device``: free GPU memory, or the host's MemAvailable; None when
+    it cannot be told."""
+    if device.type == "cuda":   # free memory, and what torch's caching allocator holds without using it
+        return (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+                - torch.cuda.memory_allocated(device))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def to_device(values, device, dtype=torch.long):
+    """A host list as a tensor on ``device``.  On a GPU through pinned memory with a non-blocking copy:
+    ``torch.tensor(values, device="cuda")`` synchronises the stream, which inside a cycle would wait for the
+    draft's work already launched (a third host sync per cycle)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

@@ -1,0 +1,345 @@
+"""The bodies of ``heterospec generate``, ``calibrate`` and ``train-draft`` (``demo`` is :mod:`.demo`, ``bench``
+:mod:`.bench`); :mod:`.cli` parses and dispatches, :mod:`.checks` checks the arguments first."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from ..models.default import DEFAULT_HEAD, load_pair
+from . import ProgressBar
+from .checks import pair_identity, resolve_generate, target_name, _records_dir
+from .prompts import SELF, encode, read_prompts, self_written_prompts
+
+
+def generate_cmd(args, out=None):
+    """Load target (+ draft), apply the chat template, stream the answer, print the stats."""
+    out = sys.stdout if out is None else out   # the stdout of the call, not of the import
+    from transformers import TextStreamer
+
+    from .. import HeteroSpec
+
+    if not hasattr(args, "policy_obj"):
+        resolve_generate(args)
+    tokenizer, target, draft = load_pair(args, args.device)
+    policy = args.policy_obj
+    if getattr(args, "profile", None) is not None:  # warn if the profile was calibrated for another pair
+        from ..policy.profile import check_profile_pair
+
+        t_id, d_id = pair_identity(args, target)
+        check_profile_pair(args.profile[1], args.profile[0], target=t_id, draft=d_id)
+    ids = encode(tokenizer, args.prompt, not args.no_chat_template).to(args.device)
+    streamer = TextStreamer(tokenizer, skip_prompt=True)
+    eos = tokenizer.eos_token_id if args.eos else []          # [] : no EOS (None would be the model's)
+    graphs = {"on": True, "off": False, "auto": "auto"}[getattr(args, "cuda_graphs", "off")]   # auto: falls back
+    print(f"[{args.method}] {args.policy_what}", file=out)
+    with HeteroSpec(target, draft if policy.drafts else None, policy, cuda_graphs=graphs) as hs:
+        seq, stats = hs.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                 top_k=args.top_k, top_p=args.top_p, eos_token_id=eos, streamer=streamer,
+                                 seed=args.seed)
+    d = stats.as_dict()
+    print(f"\n[{args.method}] {d['new_tokens']} tokens in {d['total_s']:.2f} s ({d['tokens_per_s']:.1f} tok/s); "
+          f"verification calls {d['cycles']}, tree tokens verified {d['verified_tokens']}, tau {d['tau']:.2f}; "
+          f"accepted-length histogram {d['accepted_hist']}; bins {d['bins']}; draft {d['draft_s']:.2f} s, "
+          f"verify {d['verify_s']:.2f} s, ops {d['ops_s']:.3f} s", file=out)
+    return seq, stats
+
+
+def calibrate_cmd(args, out=None):
+    """Record a trace on the prompts, fit the entropy bins, measure this machine, optimise per bin, save
+    the profile, print the per-bin table and draw the figure."""
+    out = sys.stdout if out is None else out   # the stdout of the call, not of the import
+    import math
+
+    from ..tune.optimise import optimise_policy
+    from ..tune.costs import profile_costs
+    from ..policy.profile import save_profile
+    from ..policy import Policy
+    from ..tune.bins import fit_thresholds
+    from ..tune.trace import record
+
+    if not args.draft:
+        raise SystemExit("heterospec calibrate: --draft PATH is required")
+    tokenizer, target, draft = load_pair(args, args.device)
+    texts = read_prompts(args.prompts, args.max_prompts)
+    if not texts:
+        raise SystemExit("heterospec calibrate: no prompts found in " + ", ".join(args.prompts))
+    ids = [encode(tokenizer, t, not args.no_chat_template).to(args.device) for t in texts]
+    levels = args.depth + math.ceil(args.depth / 2)
+    search = getattr(args, "search_base_tree", False)
+    if search:  # the trace must hold the deepest tree of the search grid and its extra levels
+        from .bench.tuning import TUNE_DEPTHS
+
+        levels = max(levels, max(TUNE_DEPTHS) + math.ceil(max(TUNE_DEPTHS) / 2) + 1)
+
+    bar = ProgressBar("recording traces")
+    trace = record(target, draft, ids, max_new_tokens=args.max_new_tokens, top_k=args.top_k_tree, levels=levels,
+                   progress=bar)
+    bar.close()
+    cost = profile_costs(target, draft, reps=2, graphs=getattr(args, "graphs", False))
+    searched = None
+    if search:
+        # the static base tree that is fastest here, as bench's eagle3-tuned finds it: every (depth, nodes) of the
+        # grid replayed on the trace with this machine's cost model, the best 3 decoded for real
+        from ..measure import DeviceTimer
+        from .bench.tuning import tune_static_tree
+
+        base, searched = tune_static_tree(target, draft, ids[: args.search_prompts], trace, cost_model=cost,
+                                          timer=DeviceTimer(args.device), cuda_graphs=getattr(args, "graphs", False))
+        args.depth, args.total_tokens = base.depth, base.total_tokens
+        print(f"base tree searched on this machine: depth {base.depth}, top_k {base.top_k}, {base.total_tokens} nodes "
+              f"({len(searched['grid'])} trees replayed, {len(searched['measured'])} timed on "
+              f"{min(len(ids), args.search_prompts)} prompts)", file=out)
+    x, y = trace.features(args.depth, args.total_tokens, target=args.fit_target)
+    thresholds = tuple(fit_thresholds(x, y, depth=3, min_leaf=max(5, len(x) // 50)))
+    policy, predicted = optimise_policy(trace, cost, base_depth=args.depth, total_tokens=args.total_tokens,
+                                        thresholds=thresholds)
+    static = trace.replay(Policy.static(args.depth, args.top_k_tree, args.total_tokens), cost_model=cost)
+    paper = trace.replay(Policy.paper(args.depth, args.top_k_tree, args.total_tokens, thresholds), cost_model=cost)
+    calibrated = trace.replay(policy, cost_model=cost)
+    t_id, d_id = pair_identity(args, target)
+    save_profile(args.out, policy, cost, target=t_id, draft=d_id,
+                 notes={"prompts": len(texts), "positions": int(len(x)), "fit_target": args.fit_target,
+                        "predicted_tokens_per_s": {"static": static.tokens_per_s,
+                                                   "paper": paper.tokens_per_s,
+                                                   "calibrated": calibrated.tokens_per_s},
+                        "target_name": target_name(args),   # what a person calls it, never a path
+                        "per_bin": {str(b): {"cycles": v["cycles"], "mean_accepted": v["mean_accepted"],
+                                             "mean_nodes": v["mean_nodes"], "predicted_tokens_per_s": v["tokens_per_s"]}
+                                    for b, v in calibrated.per_bin().items()},
+                        **({"base_tree_search": searched} if searched is not None else {})})
+    print(f"entropy thresholds: {', '.join(f'{t:.4g}' for t in thresholds)}", file=out)
+    print(bin_table(calibrated, policy), file=out)
+    for label, r in (("static EAGLE-3", static), ("paper rule", paper), ("calibrated", calibrated)):
+        print(f"{label}: tau {r.tau:.2f}, calls {r.cycles}, verified tokens {r.verified_tokens}, "
+              f"predicted {r.tokens_per_s:.1f} tok/s", file=out)
+    png = str(args.out).rsplit(".", 1)[0] + ".png"
+    _figure(png, x, thresholds, calibrated)
+    print(f"profile: {args.out}; figure: {png}", file=out)
+    thin = thin_bins_warning(calibrated.per_bin(), len(texts))
+    if thin:
+        print(thin, file=sys.stderr)
+    return policy
+
+
+MIN_BIN_CYCLES = 50   # fewer cycles than this in a bin leave its mean acceptance, and so its plan, to noise
+
+
+def thin_bins_warning(per_bin, prompts):
+    """One line when a bin of the fitted profile holds fewer than MIN_BIN_CYCLES cycles, with the number of
+    prompts that would fill the thinnest (cycles grow with prompts); None when every bin has enough."""
+    if not per_bin:
+        return None
+    thin = {b: v["cycles"] for b, v in per_bin.items() if v["cycles"] < MIN_BIN_CYCLES}
+    if not thin:
+        return None
+    least = max(1, min(thin.values()))
+    need = -(-prompts * MIN_BIN_CYCLES // least)
+    bins = ", ".join(f"bin {b}: {c}" for b, c in sorted(thin.items()))
+    return (f"heterospec calibrate: warning: {len(thin)} of {len(per_bin)} bins were fitted on fewer than "
+            f"{MIN_BIN_CYCLES} cycles ({bins}), so their plans are noise; calibrate on about {need} prompts "
+            f"(--prompts, --max-prompts) instead of {prompts}")
+
+
+def bin_table(replay, policy):
+    """The calibration's per-bin markdown table: share of cycles, extra depth, kept nodes, and the replay's
+    predicted tau and tokens/s of the bin's cycles (committed tokens per predicted second)."""
+    total = max(1, replay.cycles)
+    rows = ["| bin | share of cycles | extra depth | kept nodes | predicted tau | predicted tokens/s |",
+            "|---:|---:|---:|---:|---:|---:|"]
+    for b, v in replay.per_bin().items():
+        tps = v["tokens_per_s"]
+        rows.append(f"| {b} | {v['cycles'] / total:.2f} | {policy.extra[b] if b < len(policy.extra) else 0} "
+                    f"| {policy.keep[b] if b < len(policy.keep) else policy.total_tokens} | {v['mean_accepted'] + 1:.2f} "
+                    f"| {'–' if tps is None else f'{tps:.1f}'} |")
+    return "\n".join(rows)
+
+
+def _figure(path, x, thresholds, replay):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    a.hist(x, bins=40, color="#4477aa")
+    for t in thresholds:
+        a.axvline(t, color="#cc3311", lw=1)
+    a.set_xlabel("cumulative top-K entropy along P* (nats)")
+    a.set_ylabel("positions")
+    a.set_title("entropy and bin thresholds")
+    per_bin = replay.per_bin()
+    b.bar([str(k) for k in per_bin], [v["mean_accepted"] for v in per_bin.values()], color="#228833")
+    b.set_xlabel("bin")
+    b.set_ylabel("mean accepted length")
+    b.set_title("accepted length by bin (calibrated)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def training_prompts(args, target, tokenizer):
+    """The training prompts of ``--data``, shuffled (seeded) so that any first N are a fair sample of every
+    source.  With a shard directory as ``--records`` the list is written there (prompts.json) on the first run
+    and read back on later ones: the target's self-written prompts are sampled once, and a resumed run answers
+    exactly the prompts the finished shards were cut from."""
+    shards = _records_dir(args)
+    saved = os.path.join(shards, "prompts.json") if shards else None
+    if saved and os.path.exists(saved):
+        with open(saved) as f:
+            return json.load(f)["prompts"]
+    texts = _prompt_texts(args, target, tokenizer)
+    if saved:
+        os.makedirs(shards, exist_ok=True)
+        with open(saved + ".tmp", "w") as f:
+            json.dump({"data": list(args.data), "seed": args.seed, "prompts": texts}, f)
+        os.replace(saved + ".tmp", saved)
+    return texts
+
+
+def _prompt_texts(args, target, tokenizer):
+    """The prompts of --data (files, 'sharegpt', self:N), shuffled with --seed."""
+    import random
+
+    files = [d for d in args.data if not d.startswith(SELF)]
+    texts = read_prompts(files) if files else []
+    for d in args.data:
+        if d.startswith(SELF):  # prompts the target writes for itself
+            texts += self_written_prompts(target, tokenizer, int(d[len(SELF):]), seed=args.seed)
+    if not texts:
+        raise SystemExit("heterospec train-draft: no prompts found in " + ", ".join(args.data))
+    random.Random(args.seed).shuffle(texts)
+    return texts
+
+
+def collect_answers(args, target, tokenizer, progress, out, collect=True):
+    """--answers DIR: the answer store for the training prompts (the list kept in DIR/prompts.json.gz, made from
+    --data on the first run), with the shards covering the first --max-prompts prompts (all without it) answered
+    when ``collect``."""
+    import torch
+
+    from ..models.answers import AnswerStore
+    from ..policy.profile import model_identity
+
+    saved = AnswerStore.read_prompts(args.answers)
+    if saved is not None:
+        texts = saved["prompts"]
+    else:
+        texts = _prompt_texts(args, target, tokenizer)
+    ids = [encode(tokenizer, t, not args.no_chat_template).view(-1).numpy() for t in texts]
+    adtype = getattr(torch, args.answer_dtype) if args.answer_dtype else target.dtype
+    store = AnswerStore.open(args.answers, prompt_ids=ids, target=model_identity(target.config, target_name(args)),
+                             dtype=str(adtype).replace("torch.", ""), max_new_tokens=args.max_new_tokens,
+                             eos_token_id=tokenizer.eos_token_id, shard_size=args.shard_size,
+                             vocab_size=target.config.vocab_size,
+                             texts=None if saved is not None else {"data": list(args.data), "seed": args.seed,
+                                                                   "chat_template": not args.no_chat_template,
+                                                                   "prompts": texts})
+    limit = args.max_prompts
+    todo = [k for k in range(store.n_shards(limit)) if not os.path.exists(store.shard_path(k))] if collect else []
+    print(f"{args.answers}: {len(store.present())} of {store.n_shards()} shards answered "
+          f"({store.answer_tokens()} answer tokens); {len(todo)} to answer now", file=out, flush=True)
+    if not todo:
+        return store, ids
+    answerer = target
+    if adtype != target.dtype:
+        import copy
+
+        answerer = copy.deepcopy(target).to(adtype)   # the target stays as loaded, for the features
+
+    def log(k, seconds, ntok):
+        print(f"shard {k}: {ntok} answer tokens in {seconds:.0f} s ({ntok / seconds:.1f} tokens/s, "
+              f"{answerer.dtype}, batch {args.gen_batch_size}, {torch.get_num_threads()} threads)", file=out, flush=True)
+
+    store.collect(answerer, ids, batch_size=args.gen_batch_size, limit=limit,
+                  keep=lambda i: ids[i].size <= args.max_prompt_tokens,
+                  progress=lambda k, i, n: progress(i, n), log=log)
+    del answerer
+    return store, ids
+
+
+def answer_records(args, target, store, out):
+    """The training records of --answers: each answered shard's features by one teacher-forced forward of the
+    target (in --dtype), cached in --features."""
+    from ..models.default import _cache_dir
+    from ..models.train import store_features
+
+    ident = store.manifest["target"]
+    dtype = str(target.dtype).replace("torch.", "")
+    cache = args.features or os.path.join(_cache_dir(), "features",
+                                          f"{ident['name']}-{ident['config_sha256'][:12]}-{dtype}")
+    t0 = time.time()
+
+    def log(k, seconds, positions, cached):
+        what = "cached" if cached else f"computed in {seconds:.0f} s ({positions / max(seconds, 1e-9):.0f} positions/s)"
+        print(f"features of shard {k}: {positions} positions, {what}", file=out, flush=True)
+
+    records, agree, total = store_features(target, store, cache, ident, topk=args.topk, limit=args.max_prompts,
+                                           log=log)
+    if total:
+        print(f"{len(records)} sequences, {total} answer tokens ({time.time() - t0:.0f} s); the answers "
+              f"({store.manifest['dtype']}) equal the target's {dtype} greedy token at {100 * agree / total:.2f} % "
+              f"of their positions", file=out)
+    if not records:
+        raise SystemExit(f"heterospec train-draft: {args.answers} holds no answered shard yet (run with "
+                         f"--collect-only first)")
+    return records
+
+
+def train_draft_cmd(args, out=None):
+    """Train an EAGLE-3 head on the target's own answers to the training prompts."""
+    out = sys.stdout if out is None else out   # the stdout of the call, not of the import
+
+    from ..models.train import collect, collect_shards, load_records, save_records, train_draft
+
+    args.draft = None
+    tokenizer, target, _ = load_pair(args, args.device)
+
+    train_line, answering = ProgressBar("training"), ProgressBar("the target answers the prompts")
+
+    def progress(step, steps, loss, accs, elapsed):
+        train_line(step, steps, postfix=f"loss {loss:.3f} acc/step {' '.join(f'{a:.2f}' for a in accs)}")
+
+    if args.answers:
+        # a training run answers only what --max-prompts asks for; without it, it trains on the answered shards
+        store, ids = collect_answers(args, target, tokenizer, answering, out,
+                                     collect=args.collect_only or args.max_prompts is not None)
+        answering.close()
+        if args.collect_only:
+            return
+        records = answer_records(args, target, store, out)
+    sharded = _records_dir(args) is not None
+    if args.answers:
+        pass
+    elif args.records and not sharded and os.path.exists(args.records):
+        records, _ = load_records(args.records)
+    else:
+        texts = training_prompts(args, target, tokenizer)
+        ids = [encode(tokenizer, t, not args.no_chat_template) for t in texts]
+        ids = [i for i in ids if i.shape[1] <= args.max_prompt_tokens]
+        if sharded:
+            records = collect_shards(target, ids, args.records, shard_size=args.shard_size,
+                                     max_new_tokens=args.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                                     batch_size=args.gen_batch_size, topk=args.topk, progress=answering,
+                                     limit=args.max_prompts)
+        else:
+            records = collect(target, ids[:args.max_prompts], args.max_new_tokens, tokenizer.eos_token_id,
+                              batch_size=args.gen_batch_size, topk=args.topk, progress=answering)
+        answering.close()
+        if args.records and not sharded:
+            save_records(args.records, records, {"data": [str(d) for d in args.data], "max_new_tokens": args.max_new_tokens})
+    if args.collect_only:
+        print(f"{len(records)} answered prompts in {args.records} "
+              f"({sum(r['ids'].numel() - r['start'] for r in records)} answer tokens)", file=out)
+        return
+    train_draft(target, None, args.out, records=records, draft_vocab_size=args.draft_vocab_size, steps=args.steps,
+                lr=args.lr, ttt_steps=args.ttt_steps, max_new_tokens=args.max_new_tokens, resume=args.resume,
+                progress=progress, batch_size=args.batch_size,
+                warmup=args.warmup, init=args.init_from_target, save_every=args.save_every, seed=args.seed,
+                val_fraction=args.val_fraction, eval_every=args.eval_every, patience=args.patience or None,
+                autocast=None if args.autocast == "off" else args.autocast, epochs=args.epochs,
+                init_head=None if args.init_head is None else
+                (DEFAULT_HEAD if args.init_head == "default" else args.init_head))
+    train_line.close()
+    print(f"draft written to {args.out} (training curves: {os.path.join(args.out, 'training_curves.png')})", file=out)
