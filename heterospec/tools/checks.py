@@ -247,6 +247,7 @@ def check_train_draft(args):
           "no --answers")
     if args.init_head is not None:
         _check_draft(args.init_head, "--init-head")
+    _check_files("--exclude", getattr(args, "exclude", None) or [])
     _check_target(args)
     shards = _records_dir(args)
     if args.answers:

