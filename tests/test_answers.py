@@ -199,3 +199,60 @@ def test_training_under_bf16_autocast_lowers_the_loss(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "training_log.json").read_text())["autocast"] == "bfloat16"
     with pytest.raises(ValueError, match="argument 'autocast' expected"):
         tr.train_draft(model, None, tmp_path / "x", records=records, steps=1, autocast="int8")
+
+
+def test_later_turns_are_answered_after_the_targets_own_earlier_answers(tmp_path):
+    """Issue 43.1, multi-turn: a conversation's turn t is asked after turns 1..t-1 and the target's own answers to
+    them (the chat rendering of encode_turn), in a store of its own per answered shard and turn; training reads
+    them all."""
+    from test_cli_generate import save_tiny_pair
+
+    from heterospec.tools.commands import LATER
+    from heterospec.tools.prompts import encode_turn
+
+    model, tok = save_tiny_pair(tmp_path)
+    data = tmp_path / "conv.jsonl"
+    convs = [["w1 w2 w3", "w4 w5", "w6"], ["w7 w8"], ["w9 w10 w11", "w12 w13"]]
+    data.write_text("\n".join(json.dumps({"turns": c}) for c in convs))
+    ans = tmp_path / "answers"
+    base = [sys.executable, "-m", "heterospec", "train-draft", "--target", str(tmp_path / "target"), "--data",
+            str(data), "--out", str(tmp_path / "trained"), "--max-new-tokens", "6", "--answers", str(ans),
+            "--shard-size", "2", "--device", "cpu", "--features", str(tmp_path / "feat")]
+    res = subprocess.run(base + ["--collect-only"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    saved = am.AnswerStore.read_prompts(ans)
+    order = saved["prompts"]                                    # the first turns, shuffled
+    assert sorted(order) == sorted(c[0] for c in convs)
+    assert {order[int(i)]: t for i, t in saved["later_turns"].items()} == {c[0]: c[1:] for c in convs if len(c) > 1}
+    first = {}
+    store = am.AnswerStore(ans, am.AnswerStore.read_manifest(ans))
+    for k in store.present():
+        for i, seq, start in store.load_shard(k):
+            first[order[i]] = seq[start:]
+    later = sorted(p.name for p in (ans / LATER).iterdir())
+    checked = 0
+    for name in later:
+        d = ans / LATER / name
+        s = am.AnswerStore(d, am.AnswerStore.read_manifest(d))
+        meta = am.AnswerStore.read_prompts(d)
+        for j, seq, start in s.load_shard(0):
+            c = next(c for c in convs if c[0] == order[meta["conversations"][j]])
+            t = meta["turn"]
+            answers = [tok.decode(first[c[0]], skip_special_tokens=True)]
+            if t == 3:   # the turn-2 answer of the same conversation, from its own store
+                d2 = ans / LATER / name.replace("turn-3", "turn-2")
+                m2 = am.AnswerStore.read_prompts(d2)
+                s2 = am.AnswerStore(d2, am.AnswerStore.read_manifest(d2))
+                a2 = {m2["conversations"][jj]: sq[st:] for jj, sq, st in s2.load_shard(0)}
+                answers.append(tok.decode(a2[meta["conversations"][j]], skip_special_tokens=True))
+            prompt = encode_turn(tok, c[:t], answers, chat=True)
+            assert np.array_equal(seq[:start], prompt[0].numpy())
+            want = reference_greedy(model, prompt, new=6)[0, prompt.shape[1]:].numpy()
+            assert np.array_equal(seq[start:], want)
+            checked += 1
+    assert checked == 3                                          # turn 2 of two conversations, turn 3 of one
+    res = subprocess.run(base + ["--steps", "2", "--val-fraction", "0", "--draft-vocab-size", "40"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    meta = json.loads((tmp_path / "trained" / "training_log.json").read_text())
+    assert meta["sequences"] == 3 + 3                            # three first turns, three later ones

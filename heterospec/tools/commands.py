@@ -10,7 +10,7 @@ import time
 from ..models.default import DEFAULT_HEAD, load_pair
 from . import ProgressBar
 from .checks import pair_identity, resolve_generate, target_name, _records_dir
-from .prompts import SELF, OverlapGuard, encode, read_prompts, self_written_prompts
+from .prompts import SELF, OverlapGuard, encode, read_conversations, read_prompts, self_written_prompts
 
 
 def generate_cmd(args, out=None):
@@ -199,27 +199,33 @@ def training_prompts(args, target, tokenizer):
 
 
 def _prompt_texts(args, target, tokenizer):
-    """The prompts of --data (files, 'sharegpt', self:N), shuffled with --seed."""
+    """The prompts of --data (files, 'sharegpt', self:N), shuffled with --seed: each conversation's first turn."""
+    return [c[0] for c in _conversations(args, target, tokenizer)]
+
+
+def _conversations(args, target, tokenizer):
+    """The conversations of --data (lists of user turns: files, 'sharegpt', self:N as single turns), shuffled
+    with --seed; a conversation with a turn that overlaps a benchmark question is refused whole."""
     import random
 
     files = [d for d in args.data if not d.startswith(SELF)]
-    texts = read_prompts(files) if files else []
+    convs = read_conversations(files) if files else []
     for d in args.data:
         if d.startswith(SELF):  # prompts the target writes for itself
-            texts += self_written_prompts(target, tokenizer, int(d[len(SELF):]), seed=args.seed)
+            convs += [[t] for t in self_written_prompts(target, tokenizer, int(d[len(SELF):]), seed=args.seed)]
     guard = OverlapGuard.default(getattr(args, "exclude", None) or ())
     if guard.files:   # never a prompt that overlaps a benchmark question
-        before = len(texts)
-        texts = [t for t in texts if not guard.overlaps(t)]
-        print(f"train-draft: {before - len(texts)} of {before} prompts refused: they overlap a question of "
+        before = len(convs)
+        convs = [c for c in convs if not any(guard.overlaps(t) for t in c)]
+        print(f"train-draft: {before - len(convs)} of {before} prompts refused: they overlap a question of "
               f"{len(guard.files)} benchmark file(s) ({guard.questions} questions)", file=sys.stderr)
     else:
         print("train-draft: no benchmark files here to keep out of training (a clone's benchmarks/data/questions, "
               "or --exclude FILES)", file=sys.stderr)
-    if not texts:
+    if not convs:
         raise SystemExit("heterospec train-draft: no prompts found in " + ", ".join(args.data))
-    random.Random(args.seed).shuffle(texts)
-    return texts
+    random.Random(args.seed).shuffle(convs)
+    return convs
 
 
 def collect_answers(args, target, tokenizer, progress, out, collect=True):
@@ -234,8 +240,11 @@ def collect_answers(args, target, tokenizer, progress, out, collect=True):
     saved = AnswerStore.read_prompts(args.answers)
     if saved is not None:
         texts = saved["prompts"]
+        later = saved.get("later_turns") or {}
     else:
-        texts = _prompt_texts(args, target, tokenizer)
+        convs = _conversations(args, target, tokenizer)
+        texts = [c[0] for c in convs]
+        later = {str(i): c[1:] for i, c in enumerate(convs) if len(c) > 1}   # answered after the first turn's
     ids = [encode(tokenizer, t, not args.no_chat_template).view(-1).numpy() for t in texts]
     adtype = getattr(torch, args.answer_dtype) if args.answer_dtype else target.dtype
     store = AnswerStore.open(args.answers, prompt_ids=ids, target=model_identity(target.config, target_name(args)),
@@ -244,15 +253,13 @@ def collect_answers(args, target, tokenizer, progress, out, collect=True):
                              vocab_size=target.config.vocab_size,
                              texts=None if saved is not None else {"data": list(args.data), "seed": args.seed,
                                                                    "chat_template": not args.no_chat_template,
-                                                                   "prompts": texts})
+                                                                   "prompts": texts, "later_turns": later})
     limit = args.max_prompts
     todo = [k for k in range(store.n_shards(limit)) if not os.path.exists(store.shard_path(k))] if collect else []
     print(f"{args.answers}: {len(store.present())} of {store.n_shards()} shards answered "
           f"({store.answer_tokens()} answer tokens); {len(todo)} to answer now", file=out, flush=True)
-    if not todo:
-        return store, ids
     answerer = target
-    if adtype != target.dtype:
+    if adtype != target.dtype and collect:
         import copy
 
         answerer = copy.deepcopy(target).to(adtype)   # the target stays as loaded, for the features
@@ -269,16 +276,68 @@ def collect_answers(args, target, tokenizer, progress, out, collect=True):
     if refused:
         print(f"{args.answers}: {len(refused)} saved prompt(s) overlap a benchmark question and are never answered",
               file=out, flush=True)
-    store.collect(answerer, ids, batch_size=args.gen_batch_size, limit=limit,
-                  keep=lambda i: ids[i].size <= args.max_prompt_tokens and i not in refused,
-                  progress=lambda k, i, n: progress(i, n), log=log)
+    if todo:
+        store.collect(answerer, ids, batch_size=args.gen_batch_size, limit=limit,
+                      keep=lambda i: ids[i].size <= args.max_prompt_tokens and i not in refused,
+                      progress=lambda k, i, n: progress(i, n), log=log)
+    stores = [store] + later_turn_stores(args, answerer, tokenizer, store, texts, later, adtype, collect, out, log)
     del answerer
-    return store, ids
+    return stores, ids
 
 
-def answer_records(args, target, store, out):
+LATER = "later-turns"   # inside --answers: one store per answered shard and turn (shard-NNNNN-turn-T)
+
+
+def later_turn_stores(args, answerer, tokenizer, store, texts, later, adtype, collect, out, log):
+    """The later turns of multi-turn prompts, each answered after the target's own answers to the turns before
+    it: for every answered shard of ``store`` and turn t = 2, 3, ..., a store of its own (``--answers``/
+    later-turns/shard-NNNNN-turn-T, one shard) whose prompts are the conversations of that shard with a t-th turn,
+    rendered with the chat template as [turn 1, answer 1, ..., turn t]; answered when ``collect``.  Returns the
+    stores there (answered or not)."""
+    from ..models.answers import AnswerStore
+    from .prompts import encode_turn
+
+    if not later:
+        return []
+    base = os.path.join(args.answers, LATER)
+    common = dict(target=store.manifest["target"], dtype=store.manifest["dtype"], max_new_tokens=args.max_new_tokens,
+                  eos_token_id=tokenizer.eos_token_id, vocab_size=store.manifest["vocab_size"])
+    stores = []
+    for k in [k for k in store.present() if k < store.n_shards(args.max_prompts)]:
+        answers = {i: [tokenizer.decode(seq[start:], skip_special_tokens=True)] for i, seq, start in store.load_shard(k)}
+        turn = 2
+        while True:
+            convs = sorted(i for i, a in answers.items() if len(later.get(str(i), ())) >= turn - 1)
+            if not convs:
+                break
+            prompt_ids = [encode_turn(tokenizer, [texts[i]] + later[str(i)][:turn - 1], answers[i],
+                                      not args.no_chat_template).view(-1).numpy() for i in convs]
+            d = os.path.join(base, f"shard-{k:05d}-turn-{turn}")
+            if not os.path.exists(os.path.join(d, "manifest.json")) and not collect:
+                break
+            s = AnswerStore.open(d, prompt_ids=prompt_ids, shard_size=max(1, len(convs)),
+                                 texts={"shard": k, "turn": turn, "conversations": convs,
+                                        "prompts": [later[str(i)][turn - 2] for i in convs]}, **common)
+            if collect and not s.present():
+                s.collect(answerer, prompt_ids, batch_size=args.gen_batch_size,
+                          keep=lambda j: prompt_ids[j].size <= args.max_prompt_tokens, log=log)
+            stores.append(s)
+            if not s.present():
+                break
+            got = {convs[j]: tokenizer.decode(seq[start:], skip_special_tokens=True) for j, seq, start in s.load_shard(0)}
+            answers = {i: answers[i] + [got[i]] for i in convs if i in got}
+            turn += 1
+    if stores:
+        n = sum(s.manifest["prompts"] for s in stores)
+        print(f"{args.answers}: {n} later turns of multi-turn prompts in {len(stores)} stores under {LATER}/ "
+              f"({sum(s.answer_tokens() for s in stores)} answer tokens)", file=out, flush=True)
+    return stores
+
+
+def answer_records(args, target, store, out, sub=None, limit="args"):
     """The training records of --answers: each answered shard's features by one teacher-forced forward of the
-    target (in --dtype), cached in --features."""
+    target (in --dtype), cached in --features (``sub``: a folder of it, for a later-turn store; ``limit``: the
+    prompts used, default --max-prompts)."""
     from ..models.default import _cache_dir
     from ..models.train import store_features
 
@@ -286,14 +345,15 @@ def answer_records(args, target, store, out):
     dtype = str(target.dtype).replace("torch.", "")
     cache = args.features or os.path.join(_cache_dir(), "features",
                                           f"{ident['name']}-{ident['config_sha256'][:12]}-{dtype}")
+    cache = cache if sub is None else os.path.join(cache, sub)
     t0 = time.time()
 
     def log(k, seconds, positions, cached):
         what = "cached" if cached else f"computed in {seconds:.0f} s ({positions / max(seconds, 1e-9):.0f} positions/s)"
         print(f"features of shard {k}: {positions} positions, {what}", file=out, flush=True)
 
-    records, agree, total = store_features(target, store, cache, ident, topk=args.topk, limit=args.max_prompts,
-                                           log=log)
+    records, agree, total = store_features(target, store, cache, ident, topk=args.topk,
+                                           limit=args.max_prompts if limit == "args" else limit, log=log)
     if total:
         print(f"{len(records)} sequences, {total} answer tokens ({time.time() - t0:.0f} s); the answers "
               f"({store.manifest['dtype']}) equal the target's {dtype} greedy token at {100 * agree / total:.2f} % "
@@ -320,12 +380,15 @@ def train_draft_cmd(args, out=None):
 
     if args.answers:
         # a training run answers only what --max-prompts asks for; without it, it trains on the answered shards
-        store, ids = collect_answers(args, target, tokenizer, answering, out,
-                                     collect=args.collect_only or args.max_prompts is not None)
+        stores, ids = collect_answers(args, target, tokenizer, answering, out,
+                                      collect=args.collect_only or args.max_prompts is not None)
         answering.close()
         if args.collect_only:
             return
-        records = answer_records(args, target, store, out)
+        records = answer_records(args, target, stores[0], out)
+        for s in stores[1:]:   # the later turns (their first --max-prompts is not a limit: each is one shard)
+            if s.present():
+                records += answer_records(args, target, s, out, sub=os.path.basename(s.directory), limit=None)
     sharded = _records_dir(args) is not None
     if args.answers:
         pass

