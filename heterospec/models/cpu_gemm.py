@@ -85,8 +85,9 @@ def _packed(lin, rows):
     return hit[1]
 
 
-def _routed_forward(lin, packed, use):
-    """``lin``'s forward with the packed weight for the row classes ``use`` marks, torch's default otherwise."""
+def _routed_forward(lin, packed, use, pad_one=False):
+    """``lin``'s forward with the packed weight for the row classes ``use`` marks, torch's default otherwise;
+    ``pad_one``: a one-row call runs as two rows (the row-invariant route, :func:`_invariant_forward`)."""
     bias = None if lin.bias is None else lin.bias.detach()
     weight = lin.weight.detach()   # shares the storage: a weight written in place is seen (inference only)
     linear = torch.nn.functional.linear
@@ -95,10 +96,14 @@ def _routed_forward(lin, packed, use):
     def forward(x):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
+        one = pad_one and x2.shape[0] == 1
+        if one:
+            x2 = x2.expand(2, -1)
         if use[row_class(x2.shape[0])]:
             y = pointwise(x2, packed, bias, "none", [], "")
         else:
             y = linear(x2, weight, bias)
+        y = y[:1] if one else y
         return y.view(*shape[:-1], y.shape[-1])
     return forward
 
@@ -107,23 +112,7 @@ def _invariant_forward(lin, packed):
     """``lin``'s forward on one path for every row count (the packed weight, or torch's default where ``packed``
     is None), a one-row call padded to two rows: on the CPUs measured, a row's result does not depend on the
     number of rows from two on, while one row takes another kernel (a matrix-vector product)."""
-    bias = None if lin.bias is None else lin.bias.detach()
-    weight = lin.weight.detach()
-    if packed is None:
-        def mm(x2):
-            return torch.nn.functional.linear(x2, weight, bias)
-    else:
-        pointwise = torch.ops.mkldnn._linear_pointwise
-
-        def mm(x2):
-            return pointwise(x2, packed, bias, "none", [], "")
-
-    def forward(x):
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        y = mm(x2.expand(2, -1))[:1] if x2.shape[0] == 1 else mm(x2)
-        return y.view(*shape[:-1], y.shape[-1])
-    return forward
+    return _routed_forward(lin, packed, (packed is not None,) * len(ROW_CLASSES), pad_one=True)
 
 
 def check_invariant(forward, lin):
@@ -209,7 +198,7 @@ class PackedLinears:
             sum(1 for lin in self._invariant if self._invariant_path(lin) is not None)
 
     def __enter__(self):
-        for lin in self._layers() + sorted(self._invariant, key=id):
+        for lin in [*self._layers(), *self._invariant]:
             if "forward" not in vars(lin):
                 lin.forward = _invariant_forward(lin, self._invariant_path(lin)) if lin in self._invariant else \
                     _routed_forward(lin, _packed(lin, self._rows), self._use(shape_key(lin)))

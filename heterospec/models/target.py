@@ -115,14 +115,15 @@ def key_groups(allowed):
     tensor.  Host ints: computed once per forward, read by every layer."""
     B, n, W = allowed.shape
     flat = allowed.reshape(B * n, W)
-    counts = flat.sum(1).tolist()
+    counts = flat.sum(1)
     where = flat.nonzero()[:, 1]
+    ends = counts.cumsum(0)
+    # c columns ascending whose last is c-1 are 0 .. c-1 (one host read for every row)
+    contiguous = (where[ends - 1] == counts - 1).tolist()
     groups, start = [], 0
-    for r, c in enumerate(counts):
-        cols = where[start:start + c]
+    for r, (c, view) in enumerate(zip(counts.tolist(), contiguous)):
+        groups.append((None if B * n == 1 else r, r // n, c if view else where[start:start + c]))
         start += c
-        contiguous = int(cols[-1]) == c - 1          # c columns ascending, the last is c-1: 0 .. c-1
-        groups.append((None if B * n == 1 else r, r // n, c if contiguous else cols))
     return groups
 
 

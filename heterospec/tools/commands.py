@@ -203,6 +203,11 @@ def _prompt_texts(args, target, tokenizer):
     return [c[0] for c in _conversations(args, target, tokenizer)]
 
 
+def _guard(args):
+    """The benchmark questions training must never see: a clone's five benchmark files and --exclude's."""
+    return OverlapGuard.default(getattr(args, "exclude", None) or ())
+
+
 def _conversations(args, target, tokenizer):
     """The conversations of --data (lists of user turns: files, 'sharegpt', self:N as single turns), shuffled
     with --seed; a conversation with a turn that overlaps a benchmark question is refused whole."""
@@ -213,7 +218,7 @@ def _conversations(args, target, tokenizer):
     for d in args.data:
         if d.startswith(SELF):  # prompts the target writes for itself
             convs += [[t] for t in self_written_prompts(target, tokenizer, int(d[len(SELF):]), seed=args.seed)]
-    guard = OverlapGuard.default(getattr(args, "exclude", None) or ())
+    guard = _guard(args)
     if guard.files:   # never a prompt that overlaps a benchmark question
         before = len(convs)
         convs = [c for c in convs if not any(guard.overlaps(t) for t in c)]
@@ -271,7 +276,7 @@ def collect_answers(args, target, tokenizer, progress, out, collect=True):
     # a list saved before the benchmark check (or by another version) is checked here: such a prompt is never
     # answered, so never trained on (the committed list holds one GSM8K training question that shares 13 words
     # with a benchmark question)
-    guard = OverlapGuard.default(getattr(args, "exclude", None) or ()) if saved is not None else None
+    guard = _guard(args) if saved is not None else None
     refused = set(i for i, t in enumerate(texts) if guard.overlaps(t)) if guard is not None and guard.files else set()
     if refused:
         print(f"{args.answers}: {len(refused)} saved prompt(s) overlap a benchmark question and are never answered",

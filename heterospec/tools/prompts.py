@@ -57,17 +57,22 @@ def sharegpt_records(path=None):
         out.append(rec)
 
 
-def sharegpt_prompts(limit=None, path=None):
-    """The first non-empty human turn of every complete ShareGPT conversation (:func:`sharegpt_records`);
+def sharegpt_conversations(limit=None, path=None):
+    """The user turns of every complete ShareGPT conversation (:func:`sharegpt_records`, :func:`record_turns`);
     conversations without one are skipped."""
     out = []
     for rec in sharegpt_records(path):
-        prompt = record_prompt(rec) if isinstance(rec, dict) else None
-        if prompt and prompt.strip():
-            out.append(prompt)
+        turns = record_turns(rec) if isinstance(rec, dict) else []
+        if turns:
+            out.append(turns)
             if limit is not None and len(out) >= limit:
                 break
     return out
+
+
+def sharegpt_prompts(limit=None, path=None):
+    """The first non-empty human turn of every complete ShareGPT conversation (:func:`sharegpt_conversations`)."""
+    return [c[0] for c in sharegpt_conversations(limit, path)]
 
 
 # ---- training prompts that never overlap a benchmark ------------------------------------------------------
@@ -149,7 +154,7 @@ def training_conversations(train_dir, *, sharegpt_path=None, guard=None, sharegp
     (:class:`OverlapGuard`) refuses is dropped whole.  Returns ([{"turns", "source"}], {source: {"kept",
     "turns", "duplicates", "refused"}})."""
     sources = []
-    if sharegpt:
+    if sharegpt:   # each conversation cut at its first empty or non-ASCII human turn (the target is English)
         convs = []
         for rec in sharegpt_records(sharegpt_path):
             turns = []
@@ -256,12 +261,9 @@ def read_conversations(paths, limit=None):
     out = []
     for path in paths:
         if str(path) == SHAREGPT:
-            for rec in sharegpt_records():
-                turns = record_turns(rec) if isinstance(rec, dict) else []
-                if turns:
-                    out.append(turns)
-                    if limit is not None and len(out) >= limit:
-                        return out
+            out += sharegpt_conversations(None if limit is None else limit - len(out))
+            if limit is not None and len(out) >= limit:
+                return out
             continue
         with _open_text(path) as f:
             for line in f:
