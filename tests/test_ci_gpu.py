@@ -144,8 +144,8 @@ def test_every_phase_command_parses_with_the_real_command_line(tmp_path, monkeyp
     seen = set()
     for ph in phases.PHASES:
         for step in ph.steps:
-            cmd = ctx.fill(step.cmd, str(tmp_path / ph.name)).replace("${HEAD_PROMPTS:-8192}", "8192") \
-                .replace("${HEAD_STEPS:-3000}", "3000").replace("${BATCH_TOKENS:-64}", "64")
+            cmd = ctx.fill(step.cmd, str(tmp_path / ph.name)).replace("${HEAD_SECONDS:-500}", "500") \
+                .replace("${BATCH_TOKENS:-64}", "64")
             for argv in _heterospec_calls(cmd):
                 args = parser.parse_args(argv)       # an unknown flag or a bad choice exits here
                 seen.add(args.cmd)
@@ -156,7 +156,12 @@ def test_every_phase_command_parses_with_the_real_command_line(tmp_path, monkeyp
             if "-m" in words and words[words.index("-m") + 1].startswith("benchmarks."):
                 mod = words[words.index("-m") + 1]
                 assert os.path.isfile(os.path.join(REPO, *mod.split(".")) + ".py"), cmd
-    assert {"bench", "demo", "generate", "calibrate", "train-draft", "info"} <= seen
+                if mod == "benchmarks.head_window":
+                    from benchmarks import head_window
+
+                    head_window.build_parser().parse_args(words[words.index("-m") + 2:])
+                    seen.add("head_window")
+    assert {"bench", "demo", "generate", "calibrate", "train-draft", "info", "head_window"} <= seen
 
 
 def test_the_bench_phases_run_on_cuda_and_check_identity_at_fp32():
@@ -462,6 +467,34 @@ def test_prepare_packs_local_wheels_and_the_shared_data(tmp_path):
     if os.path.isdir(shared):
         assert "questions/mt_bench.jsonl" in m["files"]
     assert "HETEROSPEC_WHEELS=" in r.stdout and m["bundles"] == len(os.listdir(out))
+
+
+def test_prepare_carries_the_head_windows_state_where_the_head_phase_reads_it(tmp_path):
+    wd, state = tmp_path / "wheels", tmp_path / "state"
+    wd.mkdir()
+    state.mkdir()
+    _wheel(wd / "hsfake-1.0-py3-none-any.whl")
+    for k in (1, 2):
+        (state / f"head-window.tar.{k:02d}").write_bytes(os.urandom(3000))
+    (state / "notes.txt").write_text("not a part")
+    out = tmp_path / "bundles"
+    r = subprocess.run([sys.executable, os.path.join(CI, "gpu_carry.py"), "prepare", "--from", str(wd), "--out",
+                        str(out), "--max-mb", "1", "--head-state", str(state)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    m = json.loads((out / "1" / "MANIFEST.json").read_text())
+    assert {"head/head-window.tar.01", "head/head-window.tar.02"} <= set(m["files"]) and "head/notes.txt" not in m["files"]
+    store = tmp_path / "store"
+    for b in sorted(os.listdir(out)):
+        phases.gpu_carry.stash(str(out / b), str(store))
+    assert (store / "files" / "head" / "head-window.tar.02").read_bytes() == (state / "head-window.tar.02").read_bytes()
+    ctx = phases.make_context()
+    cmd = ctx.fill(phases.BY_NAME["head"].steps[0].cmd, str(tmp_path / "head"))
+    assert f"--state {os.path.join(ctx.work, 'carry', 'files', 'head')}" in cmd   # where stash puts them
+    r = subprocess.run([sys.executable, os.path.join(CI, "gpu_carry.py"), "prepare", "--from", str(wd), "--out",
+                        str(tmp_path / "b2"), "--head-state", str(tmp_path / "none")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "--head-state" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_bench_batch_numbers_are_the_benchs_own_table(tmp_path):

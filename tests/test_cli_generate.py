@@ -349,6 +349,8 @@ def test_cuda_graphs_reaches_the_engine(tmp_path, monkeypatch, given, want):
     (["train-draft", "--target", "default", "--data", "self:0", "--out", "o"], "--data"),
     (["train-draft", "--target", "default", "--out", "o"], "--data"),             # no prompts, no --answers
     (["train-draft", "--target", "default", "--data", "Q", "--out", "o", "--epochs", "-1"], "--epochs"),
+    (["train-draft", "--target", "default", "--data", "Q", "--out", "o", "--on-the-fly"], "--on-the-fly"),
+    (["train-draft", "--target", "default", "--data", "Q", "--out", "o", "--time-limit", "0"], "--time-limit"),
 ])
 def test_bad_input_to_other_commands_is_one_line_before_loading(tmp_path, argv, arg):
     """Issue 18.4 for demo, calibrate and train-draft: the checks that need no model run first."""

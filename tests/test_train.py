@@ -346,3 +346,61 @@ def test_the_eagle31_normalisations_are_training_options(tmp_path):
     with pytest.raises(ValueError, match=r"argument 'head_options' expected booleans for fc_norm, norm_hidden_out, "
                                          r"got qk_norm=True"):
         train_draft(model, None, tmp_path / "r", records=records, steps=1, head_options={"qk_norm": True})
+
+
+def test_features_on_the_fly_equal_the_cached_ones_and_train_the_same_head(tmp_path):
+    """Issue 43.2: the answers as token ids alone, each batch's features from one teacher-forced forward
+    (``on_the_fly``), give the batches the cached records give (float16 features both ways; the forward's
+    batch differs, so equal to float16 rounding) and so the same training curve."""
+    from heterospec.models.target import TargetAdapter
+    from heterospec.models.train import _batch, teacher_forced
+
+    model = tiny_target("llama")
+    recs = collect(model, prompts(5), max_new_tokens=10, batch_size=5, topk=6)
+    seqs = [(r["ids"], r["start"]) for r in recs]
+    cached, agree, total = teacher_forced(model, seqs, topk=6, token_budget=40)   # several forwards
+    assert agree == total                       # the answers are this target's greedy ones
+    bare = [{"ids": r["ids"], "start": r["start"]} for r in recs]
+    t2d = torch.zeros(model.config.vocab_size, dtype=torch.bool)
+    t2d[::2] = True                             # half the vocabulary: targets outside it must drop out
+    tmap = (t2d.long().cumsum(0) - 1).clamp(min=0)
+    adapter = TargetAdapter(model, tap_layers=None)
+    try:
+        a = _batch(cached, [0, 2, 4], 6, t2d, tmap)
+        b = _batch(bare, [0, 2, 4], 6, t2d, tmap, (model, adapter, torch.device("cpu")))
+    finally:
+        adapter.close()
+    taps_a, ids_a, d_a, w_a, valid_a = a
+    taps_b, ids_b, d_b, w_b, valid_b = b
+    assert torch.equal(ids_a, ids_b) and torch.equal(valid_a, valid_b)
+    assert 0 < int(valid_a.sum()) < int((ids_a[:, 1:-8] != 0).sum())    # some answer positions, not all
+    # every position of the sequences (the cached records keep zeros before the answer: never a target)
+    L = taps_a.shape[1]
+    ans = torch.stack([(torch.arange(L) >= cached[i]["start"] - 1) & (torch.arange(L) < cached[i]["ids"].numel() - 1)
+                       for i in (0, 2, 4)])
+    real = torch.stack([torch.arange(L) < cached[i]["ids"].numel() - 1 for i in (0, 2, 4)])
+    assert torch.equal(d_a[ans], d_b[ans]) and torch.equal(torch.isinf(w_a[ans]), torch.isinf(w_b[ans]))
+    assert torch.allclose(w_a[ans].clamp(min=-1e4), w_b[ans].clamp(min=-1e4), atol=2e-3)
+    assert torch.allclose(taps_a[real], taps_b[real], atol=2e-3, rtol=2e-3)
+    assert torch.all(torch.isinf(w_b[~real]))                           # past a sequence's end: no target
+    logs = []
+    for k, records in enumerate((cached, bare)):
+        logs.append(train_draft(model, None, tmp_path / str(k), records=records, draft_vocab_size=40, steps=4,
+                                log_every=1, batch_size=2, topk=6, on_the_fly=k == 1))
+    assert [s for s, _, _ in logs[0]] == [s for s, _, _ in logs[1]]
+    assert np.allclose([x for _, x, _ in logs[0]], [x for _, x, _ in logs[1]], rtol=1e-3)
+    with pytest.raises(ValueError, match="token ids"):
+        train_draft(model, None, tmp_path / "x", records=cached, steps=1, on_the_fly=True)
+
+
+def test_training_stops_at_its_deadline_and_resumes(tmp_path):
+    import time
+
+    model = tiny_target("llama")
+    recs = collect(model, prompts(4), max_new_tokens=8, batch_size=4, topk=4)
+    log = train_draft(model, None, tmp_path, records=recs, draft_vocab_size=40, steps=50, log_every=1, batch_size=2,
+                      deadline=time.monotonic() - 1)
+    assert [s for s, _, _ in log] == [1]        # one step, then out of time, checkpointed
+    log2 = train_draft(model, None, tmp_path, records=recs, draft_vocab_size=40, steps=3, log_every=1, batch_size=2,
+                       resume=True)
+    assert [s for s, _, _ in log2] == [1, 2, 3]

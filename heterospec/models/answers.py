@@ -172,21 +172,25 @@ class AnswerStore:
         """Indices of the shards on disk."""
         return sorted(int(f[6:11]) for f in os.listdir(self.directory) if f.startswith("shard-") and f.endswith(".npz"))
 
-    def collect(self, target, prompt_ids, *, batch_size=64, limit=None, keep=None, progress=None, log=None):
+    def collect(self, target, prompt_ids, *, batch_size=64, limit=None, keep=None, progress=None, log=None,
+                deadline=None):
         """Answer the shards covering the first ``limit`` prompts (all by default) that are not on disk yet,
         in order, each saved as soon as it is answered.  ``keep(i)`` says whether prompt ``i`` is answered (a
         skipped prompt is simply absent from its shard).  ``log(k, seconds, answer_tokens)`` hears of each new
-        shard.  Returns the indices of the shards written."""
+        shard.  ``deadline`` (a ``time.monotonic()`` value): no shard is started that the last one's time says
+        would end past it.  Returns the indices of the shards written."""
         m = self.manifest
         if len(prompt_ids) != m["prompts"]:
             raise ValueError(f"AnswerStore.collect: argument 'prompt_ids' expected the {m['prompts']} prompts of "
                              f"{self.directory}, got {len(prompt_ids)}")
         gen = m["generation"]
         S = m["shard_size"]
-        written = []
+        written, last = [], 0.0
         for k in range(self.n_shards(limit)):
             if os.path.exists(self.shard_path(k)):
                 continue
+            if deadline is not None and time.monotonic() + last > deadline:
+                break
             which = [i for i in range(k * S, min((k + 1) * S, m["prompts"])) if keep is None or keep(i)]
             t0 = time.perf_counter()
             inner = None if progress is None else (lambda i, n, k=k: progress(k, i, n))
@@ -195,7 +199,7 @@ class AnswerStore:
             seqs = [np.concatenate([np.asarray(prompt_ids[i]).reshape(-1), a]) for i, a in zip(which, ans)]
             starts = [int(np.asarray(prompt_ids[i]).size) for i in which]
             self._save(k, which, seqs, starts)
-            seconds = time.perf_counter() - t0
+            seconds = last = time.perf_counter() - t0
             ntok = int(sum(a.size for a in ans))
             m["shards"][f"{k:05d}"] = {"sha256": file_sha256(self.shard_path(k)), "sequences": len(which),
                                        "answer_tokens": ntok, "seconds": round(seconds, 1),

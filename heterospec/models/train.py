@@ -215,50 +215,67 @@ def collect_shards(target, prompts, directory, *, shard_size=256, max_new_tokens
 
 
 @torch.no_grad()
+def forced_features(target, adapter, ids, lengths, topk):
+    """One teacher-forced forward of the target over right-padded sequences (``ids`` [B, L] on the target's
+    device, row b real up to ``lengths[b]``): the taps of positions 0..L-2 as float16 [B, L-1, 3H] and the
+    target's top-``topk`` log-probabilities of the next token there (float16 [B, L-1, topk], int32 ids), on
+    that device.  What the cached records (:func:`teacher_forced`) and the on-the-fly batches of
+    :func:`train_draft` both read: one rule for the features, rounded to float16 both ways."""
+    B, L = ids.shape
+    mask = (torch.arange(L, device=ids.device).view(1, L) < lengths.to(ids.device).view(B, 1)).long()
+    out = target(input_ids=ids, attention_mask=mask, use_cache=False)
+    taps = adapter._taps()[:, : L - 1].to(torch.float16)
+    top_lp = torch.empty(B, L - 1, topk, dtype=torch.float16, device=ids.device)
+    top_ids = torch.empty(B, L - 1, topk, dtype=torch.int32, device=ids.device)
+    for r in range(B):      # a row at a time: a float32 copy of [L, V] logits, not of the batch's
+        lp = torch.log_softmax(out.logits[r, : L - 1].float(), -1)
+        tv, ti = lp.topk(topk, -1)
+        top_lp[r], top_ids[r] = tv.to(torch.float16), ti.to(torch.int32)
+    return taps, top_lp, top_ids
+
+
+def _padded(seqs, device):
+    """Right-padded [B, max S] int64 ids and the lengths [B] of 1-D id tensors."""
+    lengths = torch.tensor([s.numel() for s in seqs], dtype=torch.long, device="cpu")
+    ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long, device="cpu")
+    for r, s in enumerate(seqs):
+        ids[r, : s.numel()] = s
+    return ids.to(device), lengths
+
+
+@torch.no_grad()
 def teacher_forced(target, seqs, topk=32, token_budget=2048, progress=None):
     """What training needs from the target, for answers already written (``seqs``: [(ids [S], start)]): one
-    teacher-forced forward per batch of sequences (sorted by length, right-padded, at most ``token_budget``
-    positions a batch) instead of decoding token by token.  Returns (records as :func:`collect` writes them,
-    agree, total): ``agree`` of the ``total`` answer positions have the target's argmax here (in its dtype now)
-    equal to the answer's next token (how far the answers' own dtype agrees with this one's greedy)."""
+    teacher-forced forward per batch of sequences (:func:`forced_features`; sorted by length, right-padded, at
+    most ``token_budget`` positions a batch) instead of decoding token by token.  Returns (records as
+    :func:`collect` writes them, agree, total): ``agree`` of the ``total`` answer positions have the target's
+    argmax here (in its dtype now) equal to the answer's next token (how far the answers' own dtype agrees
+    with this one's greedy)."""
     adapter = TargetAdapter(target, tap_layers=None)
     dev = next(target.parameters()).device
-    V = target.config.vocab_size
-    topk = min(topk, V)
+    topk = min(topk, target.config.vocab_size)
     order = sorted(range(len(seqs)), key=lambda i: seqs[i][0].numel())
     records = [None] * len(seqs)
     agree = total = done = 0
     try:
         b0 = 0
         while b0 < len(order):
-            L = seqs[order[b0]][0].numel()
             b1 = b0 + 1
             while b1 < len(order) and (b1 - b0 + 1) * seqs[order[b1]][0].numel() <= token_budget:
                 b1 += 1
             idx = order[b0:b1]
-            L = max(seqs[i][0].numel() for i in idx)
-            ids = torch.zeros(len(idx), L, dtype=torch.long)
-            mask = torch.zeros(len(idx), L, dtype=torch.long)
-            for r, i in enumerate(idx):
-                n = seqs[i][0].numel()
-                ids[r, :n] = seqs[i][0]
-                mask[r, :n] = 1
-            out = target(input_ids=ids.to(dev), attention_mask=mask.to(dev), use_cache=False)
-            taps = adapter._taps().to(torch.float16).cpu()
+            ids, lengths = _padded([seqs[i][0] for i in idx], dev)
+            taps, top_lp, top_ids = (t.cpu() for t in forced_features(target, adapter, ids, lengths, topk))
             for r, i in enumerate(idx):
                 full, start = seqs[i]
                 S = full.numel()
-                lp = torch.log_softmax(out.logits[r, start - 1: S - 1].float(), -1)
-                tv, ti = lp.topk(topk, -1)
-                top_lp = torch.zeros(S - 1, topk, dtype=torch.float16)
-                top_ids = torch.zeros(S - 1, topk, dtype=torch.int32)
-                top_lp[start - 1:] = tv.to(torch.float16).cpu()
-                top_ids[start - 1:] = ti.to(torch.int32).cpu()
-                agree += int((ti[:, 0].cpu() == full[start:]).sum())
+                tl = torch.zeros(S - 1, topk, dtype=torch.float16, device="cpu")   # rows before start - 1: zeros
+                ti = torch.zeros(S - 1, topk, dtype=torch.int32, device="cpu")
+                tl[start - 1:] = top_lp[r, start - 1: S - 1]
+                ti[start - 1:] = top_ids[r, start - 1: S - 1]
+                agree += int((ti[start - 1:, 0].long() == full[start:]).sum())
                 total += S - start
-                records[i] = dict(ids=full.clone(), start=start, taps=taps[r, : S - 1].clone(), top_ids=top_ids,
-                                  top_lp=top_lp)
-            del out
+                records[i] = dict(ids=full.clone(), start=start, taps=taps[r, : S - 1].clone(), top_ids=ti, top_lp=tl)
             done += len(idx)
             b0 = b1
             if progress is not None:
@@ -345,29 +362,41 @@ def init_from_target(draft, target):
     return True
 
 
-def _batch(records, which, topk, t2d, tmap):
-    """Right-padded training tensors for the records ``which``, built on the host from the host records
-    (the caller moves the batch to the training device in one copy per tensor)."""
-    L = max(records[i]["ids"].numel() for i in which) - 1
-    B = len(which)
-    H3 = records[which[0]]["taps"].shape[-1]
-    cpu = torch.device("cpu")
-    taps = torch.zeros(B, L, H3, device=cpu)
-    ids = torch.zeros(B, L + 1 + 8, dtype=torch.long, device=cpu)   # room for tokens t+1+j past the end
-    tgt_d = torch.zeros(B, L, topk, dtype=torch.long, device=cpu)   # draft ids of the target's top entries
-    tgt_w = torch.full((B, L, topk), -math.inf, device=cpu)         # their log-probabilities (-inf: not in Vd)
-    valid = torch.zeros(B, L, dtype=torch.bool, device=cpu)         # position p holds a trainable target
-    for r, i in enumerate(which):
-        rec = records[i]
-        S = rec["ids"].numel()
-        taps[r, : S - 1] = rec["taps"].float()
-        ids[r, :S] = rec["ids"]
-        ti = rec["top_ids"].long()
-        inside = t2d[ti]
-        tgt_d[r, : S - 1] = torch.where(inside, tmap[ti], 0)
-        tgt_w[r, : S - 1] = torch.where(inside, rec["top_lp"].float(), -math.inf)
-        valid[r, rec["start"] - 1: S - 1] = inside[rec["start"] - 1:, 0]  # target argmax inside the draft vocabulary
-    return taps, ids, tgt_d, tgt_w, valid
+def _batch(records, which, topk, t2d, tmap, forced=None):
+    """Right-padded training tensors for the records ``which`` on the training device: the taps, the ids
+    (with room for tokens t+1+j past the end), the draft ids of the target's top entries and their
+    log-probabilities (-inf: not in the draft vocabulary), and ``valid`` (position p holds a trainable target:
+    an answer position whose target argmax is in the draft vocabulary).  The features come from the records
+    (cached: one host copy per tensor) or, with ``forced`` (target, adapter, device), from one teacher-forced
+    forward of the target on the batch (:func:`forced_features`, on the fly)."""
+    recs = [records[i] for i in which]
+    ids, lengths = _padded([r["ids"] for r in recs], torch.device("cpu"))
+    starts = torch.tensor([r["start"] for r in recs], dtype=torch.long, device="cpu")
+    B, L = ids.shape[0], ids.shape[1] - 1
+    if forced is not None:
+        target, adapter, device = forced
+        taps, top_lp, top_ids = forced_features(target, adapter, ids.to(device), lengths, topk)
+    else:
+        device = None
+        H3 = recs[0]["taps"].shape[-1]
+        cpu = torch.device("cpu")     # host records: the batch is built on the host, moved in one copy a tensor
+        taps = torch.zeros(B, L, H3, dtype=torch.float16, device=cpu)
+        top_lp = torch.zeros(B, L, topk, dtype=torch.float16, device=cpu)
+        top_ids = torch.zeros(B, L, topk, dtype=torch.int32, device=cpu)
+        for r, rec in enumerate(recs):
+            n = rec["ids"].numel() - 1
+            taps[r, :n], top_lp[r, :n], top_ids[r, :n] = rec["taps"], rec["top_lp"], rec["top_ids"]
+    dev = taps.device
+    ti = top_ids.long()
+    inside = t2d.to(dev)[ti]
+    p = torch.arange(L, device=dev).view(1, L)
+    real = (p < (lengths.to(dev) - 1).view(B, 1)).unsqueeze(-1)     # the positions of each sequence
+    tgt_d = torch.where(inside & real, tmap.to(dev)[ti], 0)
+    tgt_w = torch.where(inside & real, top_lp.float(), -math.inf)
+    answer = (p >= (starts.to(dev) - 1).view(B, 1)) & real[..., 0]
+    valid = answer & inside[..., 0]
+    ids = torch.cat([ids, torch.zeros(B, 8, dtype=torch.long, device="cpu")], 1).to(dev)
+    return taps.float(), ids, tgt_d, tgt_w, valid
 
 
 def ttt_loss(draft, taps, ids, tgt_d, tgt_w, valid, ttt_steps):
@@ -413,7 +442,7 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
                 max_new_tokens=128, seed=0, resume=False, log_every=None, progress=None, eos_token_id=None,
                 answer_progress=None, batch_size=4, gen_batch_size=16, topk=32, warmup=None, records=None,
                 init=False, save_every=None, val_fraction=0.0, eval_every=None, patience=None, init_head=None,
-                autocast=None, epochs=None, head_options=None):
+                autocast=None, epochs=None, head_options=None, on_the_fly=False, deadline=None):
     """Train an EAGLE-3 head for ``target`` on the target's own answers to ``prompts`` ([1, S] tensors),
     or on ``records`` from :func:`collect` when given; writes ``out_dir`` (loadable with
     ``Eagle3Draft.from_pretrained(out_dir, target=target)``).  ``batch_size`` sequences per optimiser
@@ -438,7 +467,13 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
     :data:`HEAD_OPTIONS` -- EAGLE-3.1's two normalisations: ``fc_norm`` (an RMSNorm on each of the three fused
     taps, SpecForge's and vLLM's layout) and ``norm_hidden_out`` (the post-norm state fed back to the next draft
     step; our flat config key: vLLM reads this switch only from a speculators config's ``norm_output``, and
-    SafeAILab's loader does not know it).  A head started from ``init_head`` or resumed keeps its own."""
+    SafeAILab's loader does not know it).  A head started from ``init_head`` or resumed keeps its own.
+
+    ``on_the_fly``: ``records`` hold only ``ids`` and ``start`` (the answers as token ids), and every batch's
+    features come from one teacher-forced forward of ``target`` (:func:`forced_features`) -- no feature files,
+    however many answers (a GPU's way: the forward costs about what the head's step does).  ``deadline`` (a
+    ``time.monotonic()`` value): training stops at the first step past it and checkpoints, so ``resume``
+    continues; ``steps`` still sets the schedule."""
     if autocast not in (None, "bfloat16", "float16"):
         raise ValueError(f"train_draft: argument 'autocast' expected None, 'bfloat16' or 'float16', got {autocast!r}")
     head_options = dict(head_options or {})
@@ -453,7 +488,13 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
     if records is None:
         records = collect(target, prompts, max_new_tokens, eos_token_id, batch_size=gen_batch_size, topk=topk,
                           progress=answer_progress)
-    topk = records[0]["top_ids"].shape[-1]
+    if on_the_fly:
+        if records is None or any("taps" in r for r in records[:1]):
+            raise ValueError("train_draft: argument 'records' expected answers as token ids (ids, start) with "
+                             "on_the_fly=True, got " + ("None" if records is None else "records with features"))
+        topk = min(topk, V)
+    else:
+        topk = records[0]["top_ids"].shape[-1]
     val_records = []
     if val_fraction > 0:
         if not 0 < val_fraction < 1:
@@ -511,6 +552,8 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
     draft = draft.to(device)
     t2d = draft.t2d.cpu()
     tmap = (t2d.long().cumsum(0) - 1).clamp(min=0)
+    adapter = TargetAdapter(target, tap_layers=None) if on_the_fly else None
+    forced = (target, adapter, device) if on_the_fly else None
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     warmup = max(1, steps // 20) if warmup is None else max(1, warmup)
@@ -562,7 +605,7 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
         with torch.no_grad():
             for k in range(0, len(val_records), batch_size):
                 which = list(range(k, min(k + batch_size, len(val_records))))
-                vb = [t.to(device) for t in _batch(val_records, which, topk, t2d, tmap)]
+                vb = [t.to(device) for t in _batch(val_records, which, topk, t2d, tmap, forced)]
                 with amp():
                     loss_v, acc_v = ttt_loss(draft, *vb, ttt_steps)
                 tot += float(loss_v) * len(which)
@@ -576,43 +619,49 @@ def train_draft(target, prompts, out_dir, *, draft_vocab_size=None, steps=200, l
     lengths = torch.tensor([r["ids"].numel() for r in records], dtype=torch.float64, device="cpu")
     per_epoch = max(1, len(records) // batch_size)
     done = start_step                        # the steps taken so far (the log keeps every log_every-th)
-    for step in range(start_step, steps):
-        e = step // per_epoch
-        if e != epoch:
-            # batches of similar lengths (little padding), jittered so they differ between epochs, in random order
-            g = torch.Generator(device="cpu").manual_seed(seed + e)
-            jitter = torch.rand(len(records), generator=g, dtype=torch.float64, device="cpu")
-            order = torch.argsort(lengths + 32.0 * jitter)
-            chunks = [order[k * batch_size: (k + 1) * batch_size].tolist() for k in range(per_epoch)]
-            perm, epoch = [chunks[k] for k in torch.randperm(per_epoch, generator=g, device="cpu").tolist()], e
-        which = perm[step % per_epoch]
-        batch = [t.to(device) for t in _batch(records, which, topk, t2d, tmap)]
-        with amp():
-            loss, accs = ttt_loss(draft, *batch, ttt_steps)
-        for group in opt.param_groups:
-            group["lr"] = lr * sched(step)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        opt.step()
-        done = step + 1
-        if (step + 1) % log_every == 0 or step == start_step:
-            log.append((step + 1, float(loss.detach()), accs))
-            if progress is not None:
-                progress(step + 1, steps, float(loss.detach()), accs, time.time() - t0)
-        if val_records and ((step + 1) % eval_every == 0 or step + 1 == steps):
-            v_loss, v_accs = validate()
-            val_log.append((step + 1, v_loss, v_accs))
-            if v_loss < best["loss"]:
-                best.update(loss=v_loss, step=step + 1)
-                stale = 0
-                save(step + 1)               # the best head so far is the one on disk
-            else:
-                stale += 1
-                if patience is not None and stale >= patience:
-                    break                    # early stop: the head on disk is the best one
-        if save_every and (step + 1) % save_every == 0 and step + 1 < steps:
-            checkpoint(step + 1)
+    try:
+        for step in range(start_step, steps):
+            e = step // per_epoch
+            if e != epoch:
+                # batches of similar lengths (little padding), jittered so they differ between epochs, in random order
+                g = torch.Generator(device="cpu").manual_seed(seed + e)
+                jitter = torch.rand(len(records), generator=g, dtype=torch.float64, device="cpu")
+                order = torch.argsort(lengths + 32.0 * jitter)
+                chunks = [order[k * batch_size: (k + 1) * batch_size].tolist() for k in range(per_epoch)]
+                perm, epoch = [chunks[k] for k in torch.randperm(per_epoch, generator=g, device="cpu").tolist()], e
+            which = perm[step % per_epoch]
+            batch = [t.to(device) for t in _batch(records, which, topk, t2d, tmap, forced)]
+            with amp():
+                loss, accs = ttt_loss(draft, *batch, ttt_steps)
+            for group in opt.param_groups:
+                group["lr"] = lr * sched(step)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 0.5)
+            opt.step()
+            done = step + 1
+            if (step + 1) % log_every == 0 or step == start_step:
+                log.append((step + 1, float(loss.detach()), accs))
+                if progress is not None:
+                    progress(step + 1, steps, float(loss.detach()), accs, time.time() - t0)
+            if val_records and ((step + 1) % eval_every == 0 or step + 1 == steps):
+                v_loss, v_accs = validate()
+                val_log.append((step + 1, v_loss, v_accs))
+                if v_loss < best["loss"]:
+                    best.update(loss=v_loss, step=step + 1)
+                    stale = 0
+                    save(step + 1)               # the best head so far is the one on disk
+                else:
+                    stale += 1
+                    if patience is not None and stale >= patience:
+                        break                    # early stop: the head on disk is the best one
+            if save_every and (step + 1) % save_every == 0 and step + 1 < steps:
+                checkpoint(step + 1)
+            if deadline is not None and time.monotonic() > deadline:
+                break                            # out of time: checkpointed below, --resume goes on
+    finally:
+        if adapter is not None:
+            adapter.close()
     draft.eval()
     checkpoint(done)    # the head (without validation), and what --resume to a larger --steps needs
     _plot_curves(os.path.join(out_dir, "training_curves.png"), log, val_log, ttt_steps)

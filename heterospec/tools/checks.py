@@ -245,6 +245,10 @@ def check_train_draft(args):
           "both")
     _need(args.features is None or bool(args.answers), "--features", "--answers to compute features from",
           "no --answers")
+    _need(not args.on_the_fly or bool(args.answers), "--on-the-fly", "--answers to compute features from",
+          "no --answers")
+    _need(not (args.on_the_fly and args.features), "--on-the-fly", "no --features with it (it writes none)", "both")
+    _need(args.time_limit is None or args.time_limit > 0, "--time-limit", "seconds > 0", args.time_limit)
     if args.init_head is not None:
         _check_draft(args.init_head, "--init-head")
     _check_files("--exclude", getattr(args, "exclude", None) or [])

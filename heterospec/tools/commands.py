@@ -236,7 +236,7 @@ def _conversations(args, target, tokenizer):
 def collect_answers(args, target, tokenizer, progress, out, collect=True):
     """--answers DIR: the answer store for the training prompts (the list kept in DIR/prompts.json.gz, made from
     --data on the first run), with the shards covering the first --max-prompts prompts (all without it) answered
-    when ``collect``."""
+    when ``collect`` (none started past --time-limit)."""
     import torch
 
     from ..models.answers import AnswerStore
@@ -284,7 +284,7 @@ def collect_answers(args, target, tokenizer, progress, out, collect=True):
     if todo:
         store.collect(answerer, ids, batch_size=args.gen_batch_size, limit=limit,
                       keep=lambda i: ids[i].size <= args.max_prompt_tokens and i not in refused,
-                      progress=lambda k, i, n: progress(i, n), log=log)
+                      progress=lambda k, i, n: progress(i, n), log=log, deadline=args.deadline)
     stores = [store] + later_turn_stores(args, answerer, tokenizer, store, texts, later, adtype, collect, out, log)
     del answerer
     return stores, ids
@@ -325,7 +325,7 @@ def later_turn_stores(args, answerer, tokenizer, store, texts, later, adtype, co
                                         "prompts": [later[str(i)][turn - 2] for i in convs]}, **common)
             if collect and not s.present():
                 s.collect(answerer, prompt_ids, batch_size=args.gen_batch_size,
-                          keep=lambda j: prompt_ids[j].size <= args.max_prompt_tokens, log=log)
+                          keep=lambda j: prompt_ids[j].size <= args.max_prompt_tokens, log=log, deadline=args.deadline)
             stores.append(s)
             if not s.present():
                 break
@@ -342,9 +342,21 @@ def later_turn_stores(args, answerer, tokenizer, store, texts, later, adtype, co
 def answer_records(args, target, store, out, sub=None, limit="args"):
     """The training records of --answers: each answered shard's features by one teacher-forced forward of the
     target (in --dtype), cached in --features (``sub``: a folder of it, for a later-turn store; ``limit``: the
-    prompts used, default --max-prompts)."""
+    prompts used, default --max-prompts); with --on-the-fly the answers alone, as token ids (the features are
+    computed batch by batch in training)."""
     from ..models.default import _cache_dir
     from ..models.train import store_features
+
+    limit = args.max_prompts if limit == "args" else limit
+    if args.on_the_fly:
+        records = [{"ids": ids, "start": start} for k in store.present() if k < store.n_shards(limit)
+                   for _, ids, start in store.load_shard(k)]
+        if not records and sub is None:
+            raise SystemExit(f"heterospec train-draft: {args.answers} holds no answered shard yet (run with "
+                             f"--collect-only first)")
+        print(f"{store.directory}: {len(records)} sequences, {store.answer_tokens()} answer tokens (features on the "
+              f"fly)", file=out, flush=True)
+        return records
 
     ident = store.manifest["target"]
     dtype = str(target.dtype).replace("torch.", "")
@@ -357,8 +369,7 @@ def answer_records(args, target, store, out, sub=None, limit="args"):
         what = "cached" if cached else f"computed in {seconds:.0f} s ({positions / max(seconds, 1e-9):.0f} positions/s)"
         print(f"features of shard {k}: {positions} positions, {what}", file=out, flush=True)
 
-    records, agree, total = store_features(target, store, cache, ident, topk=args.topk,
-                                           limit=args.max_prompts if limit == "args" else limit, log=log)
+    records, agree, total = store_features(target, store, cache, ident, topk=args.topk, limit=limit, log=log)
     if total:
         print(f"{len(records)} sequences, {total} answer tokens ({time.time() - t0:.0f} s); the answers "
               f"({store.manifest['dtype']}) equal the target's {dtype} greedy token at {100 * agree / total:.2f} % "
@@ -376,6 +387,7 @@ def train_draft_cmd(args, out=None):
     from ..models.train import collect, collect_shards, load_records, save_records, train_draft
 
     args.draft = None
+    args.deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
     tokenizer, target, _ = load_pair(args, args.device)
 
     train_line, answering = ProgressBar("training"), ProgressBar("the target answers the prompts")
@@ -424,6 +436,7 @@ def train_draft_cmd(args, out=None):
                 warmup=args.warmup, init=args.init_from_target, save_every=args.save_every, seed=args.seed,
                 val_fraction=args.val_fraction, eval_every=args.eval_every, patience=args.patience or None,
                 autocast=None if args.autocast == "off" else args.autocast, epochs=args.epochs,
+                on_the_fly=bool(args.answers and args.on_the_fly), deadline=args.deadline, topk=args.topk,
                 head_options={k: True for k in ("fc_norm", "norm_hidden_out") if getattr(args, k, False)},
                 init_head=None if args.init_head is None else
                 (DEFAULT_HEAD if args.init_head == "default" else args.init_head))
