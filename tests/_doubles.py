@@ -2,7 +2,7 @@
 ``forward(hidden, input_ids, position_ids, past_kv=None, attn_mask=None) -> (logits, h_out, (k, v))`` (the
 trace recorder's dynamic cache) and the engine's static-cache pair ``new_cache(capacity)``,
 ``step(hidden, input_ids, position_ids, cache, slots, attn_mask) -> h2`` and ``head(h2) -> (logits, h_out)``
-(here h2 is the logits themselves).
+(here h2 is the logits themselves), for a batch of one request (the engine's batched form at batch 1).
 
 OracleDraft proposes the target's own next tokens: for every fed row it runs the target on exactly the
 context that row can see (the committed tokens, plus the row's tree ancestors, plus its own token), so its
@@ -29,8 +29,10 @@ class _DoubleBase(torch.nn.Module):
         return torch.zeros(2, batch, 1, capacity, 1, device=self.d2t.device)
 
     def step(self, hidden, input_ids, position_ids, cache, slots, attn_mask):
-        cache[0, 0, 0, slots, 0] = input_ids[0].float()   # the "keys" are the fed token ids
-        return self._logits(cache[0, 0, 0, :, 0].long(), attn_mask, input_ids, position_ids)
+        # the engine's batched form for one request: [1, n] ids and positions, [1, n, W] mask, [n] or [1, n] slots
+        assert input_ids.shape[0] == 1 and attn_mask.dim() == 3 and attn_mask.shape[0] == 1, "a batch of one"
+        cache[0, 0, 0, slots.reshape(-1), 0] = input_ids[0].float()   # the "keys" are the fed token ids
+        return self._logits(cache[0, 0, 0, :, 0].long(), attn_mask[0], input_ids, position_ids)
 
     def head(self, h2):
         return h2.float(), torch.zeros(*h2.shape[:-1], self.hidden_size, device=h2.device)

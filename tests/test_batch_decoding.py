@@ -16,7 +16,7 @@ from test_decoding import DEVICE, THRESHOLDS, _warp, eagle3_head, prompts, refer
 
 from heterospec import ops  # noqa: E402
 from heterospec.engine import HeteroSpec  # noqa: E402
-from heterospec.engine.batch import batch_tree  # noqa: E402
+from heterospec.engine.tree import verification_tree  # noqa: E402
 from heterospec.growth import Growth  # noqa: E402
 from heterospec.policy import Policy  # noqa: E402
 
@@ -101,7 +101,7 @@ def test_rows_that_finish_stop_and_the_others_go_on(finished):
 
 
 def test_padding_nodes_are_never_accepted():
-    """batch_tree pads ragged trees with the row's root token at depth 1 under the root; logits planted so
+    """verification_tree pads ragged trees with the row's root token at depth 1 under the root; logits planted so
     that this token is the target's choice at the root make a padding node acceptable if it were read --
     the acceptance ops read the first n[b] nodes only, so row 1 accepts nothing there."""
     K, V = 2, 16
@@ -110,7 +110,7 @@ def test_padding_nodes_are_never_accepted():
     root = torch.tensor([7, 9])
     # row 0 keeps 4 of the 6 candidates of one level, row 1 one of the root expansion's 2
     T = 5
-    tokens, parents, depths, mask, n = batch_tree(g, torch.tensor([4, 1]), torch.tensor([6, 2]), root, T, True)
+    tokens, parents, depths, mask, n = verification_tree(g, torch.tensor([4, 1]), torch.tensor([6, 2]), root, T, True)
     assert tokens.shape == (2, T) and n.tolist() == [5, 2]
     assert tokens[1, 2:].tolist() == [9, 9, 9] and depths[1, 2:].tolist() == [1, 1, 1]
     assert mask[1, 2:].tolist() == [[True, False, True, False, False], [True, False, False, True, False],

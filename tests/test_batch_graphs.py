@@ -90,7 +90,7 @@ def test_each_batch_shape_is_recorded_once_and_kept(setup):
     with HeteroSpec(model, table, policy, cuda_graphs=MODE, max_length=96) as hs:
         _, _, first = _run(hs, ps)
         _, _, second = _run(hs, ps)
-        cyc = hs._batch_cycles[ROWS]
+        cyc = hs._cycles[ROWS]
         (steps,) = cyc._recorded.values()
         keys = cyc.shapes()
         assert steps.captured == [("base",)] + [("finish", e, T) for e, T in keys]
@@ -101,8 +101,8 @@ def test_each_batch_shape_is_recorded_once_and_kept(setup):
         _run(hs, ps, temperature=0.7, seed=1)
         assert len(cyc._recorded) == 2
         hs.generate([p[0] for p in ps[:2]], max_new_tokens=8)
-        assert sorted(hs._batch_cycles) == [2, ROWS]
-    assert not hs._batch_cycles                                              # close() drops them
+        assert sorted(hs._cycles) == [2, ROWS]
+    assert not hs._cycles                                              # close() drops them
     assert all(not layer._forward_pre_hooks for layer in model.model.layers)  # no tap hook left
 
 
@@ -111,7 +111,7 @@ def test_ar_and_a_static_tree_are_one_replay_per_cycle(setup):
     for d, pol, key in [(table, Policy.static(4, 3, 12), ("cycle", 0, 12)), (None, None, ("cycle", 0, 1))]:
         with HeteroSpec(model, d, pol, cuda_graphs=MODE) as hs:
             _, _, st = _run(hs, ps)
-            (steps,) = hs._batch_cycles[ROWS]._recorded.values()
+            (steps,) = hs._cycles[ROWS]._recorded.values()
             assert steps.captured == [key] and steps.replays == st.batch_calls
 
 

@@ -20,6 +20,8 @@ from heterospec import HeteroSpec, Policy, build_info  # noqa: E402
 from heterospec.engine import sync  # noqa: E402
 from heterospec.engine.graphs import StepGraphs, tensors_of  # noqa: E402
 from heterospec.engine.loop import GPU_BUCKETS  # noqa: E402
+from heterospec.engine.tree import bucket_for  # noqa: E402
+from heterospec.growth import candidate_count  # noqa: E402
 
 DEVICE = torch.device(os.environ.get("HETEROSPEC_TEST_DEVICE", "cpu"))
 if DEVICE.type == "cuda" and not (torch.cuda.is_available() and build_info()["cuda"]):
@@ -104,17 +106,20 @@ def test_each_shape_is_recorded_once_and_reported_apart(setup):
         for p, ref in zip(ps, refs):
             draft.load(ref[0])
             stats.append(hs.generate(p, max_new_tokens=NEW)[1])
-        (steps, _), = [(s, k) for k, s in hs._cycle._recorded.items()]
-        assert steps.captured == [("base",)] + [("finish",) + p for p in plans]
+        (steps, _), = [(s, k) for k, s in hs.cycle._recorded.items()]
+        # one recording per (extra levels, tree size): plans whose trees come out the same size share it
+        shapes = sorted({(e, bucket_for(min(k - 1, candidate_count(3, 3 + e)) + 1, hs.buckets)) for e, k in plans})
+        assert hs.cycle.shapes() == shapes and len(shapes) >= 3
+        assert steps.captured == [("base",)] + [("finish",) + sh for sh in shapes]
         assert stats[0].capture_s > 0 and all(s.capture_s == 0 for s in stats[1:])
-        assert all(s.captured_steps == 1 + len(plans) for s in stats)
+        assert all(s.captured_steps == 1 + len(shapes) for s in stats)
         assert all(s.graphs == ("cuda" if MODE is True else "emulate") for s in stats)
         assert steps.replays == sum(s.cycles * 2 for s in stats)   # base + finish per cycle
         # the prompt's prefill and the first tokens are outside the timed decoding, capture too
         assert all(s.total_s > 0 and s.graph_s > 0 for s in stats)
         # new sampling settings record a second set; the greedy set is kept
         hs.generate(ps[0], max_new_tokens=8, temperature=0.7, seed=1)
-        assert len(hs._cycle._recorded) == 2
+        assert len(hs.cycle._recorded) == 2
 
 
 def test_static_policy_and_ar_are_one_step_per_cycle(setup):
@@ -123,7 +128,7 @@ def test_static_policy_and_ar_are_one_step_per_cycle(setup):
     for d, pol, key in [(draft, Policy.static(4, 3, 12), ("cycle", 0, 12)), (None, None, ("cycle", 0, 1))]:
         with HeteroSpec(model, d, pol, cuda_graphs=MODE) as hs:
             _, st = hs.generate(ps[0], max_new_tokens=NEW)
-            (steps,) = hs._cycle._recorded.values()
+            (steps,) = hs.cycle._recorded.values()
             assert steps.captured == [key] and steps.replays == st.cycles
 
 
@@ -263,9 +268,9 @@ def test_recorded_sets_are_kept_for_the_latest_sampling_settings_only(setup):
         first = hs.generate(ps[0], max_new_tokens=8, temperature=temps[0], seed=3)[0].tolist()
         for t in temps[1:]:
             hs.generate(ps[0], max_new_tokens=8, temperature=t, seed=3)
-            assert len(hs._cycle._recorded) <= MAX_GRAPH_SETS
-        assert len(hs._cycle._recorded) == MAX_GRAPH_SETS
-        kept = [s[1] for s in hs._cycle._recorded]
+            assert len(hs.cycle._recorded) <= MAX_GRAPH_SETS
+        assert len(hs.cycle._recorded) == MAX_GRAPH_SETS
+        kept = [s[1] for s in hs.cycle._recorded]
         assert kept == pytest.approx(temps[-MAX_GRAPH_SETS:])
         again, st = hs.generate(ps[0], max_new_tokens=8, temperature=temps[0], seed=3)
         assert again.tolist() == first
@@ -273,7 +278,7 @@ def test_recorded_sets_are_kept_for_the_latest_sampling_settings_only(setup):
         hit = temps[-MAX_GRAPH_SETS + 1]                   # kept and not the newest
         st = hs.generate(ps[0], max_new_tokens=8, temperature=hit, seed=3)[1]
         assert st.capture_s == 0.0                         # replayed, not recorded
-        assert [s[1] for s in hs._cycle._recorded][-1] == pytest.approx(hit)   # a hit becomes the most recent
+        assert [s[1] for s in hs.cycle._recorded][-1] == pytest.approx(hit)   # a hit becomes the most recent
 
 
 def test_captured_costs_need_a_gpu(setup):

@@ -23,7 +23,6 @@ from test_decoding import (
 )
 
 from heterospec import HeteroSpec, NonFiniteLogitsError, Policy, ops
-from heterospec.engine import batch as batch_mod
 from heterospec.engine import cycle as cycle_mod
 
 NEW = 24
@@ -203,7 +202,7 @@ def test_batch_names_the_request(pair, graphs):
 def test_batch_flags_alone_stop_the_cycle(pair, monkeypatch):
     model, head = pair
     real = ops.verify_greedy
-    monkeypatch.setattr(batch_mod.ops, "verify_greedy",
+    monkeypatch.setattr(cycle_mod.ops, "verify_greedy",
                         lambda t, pa, lg, **kw: real(t, pa, torch.nan_to_num(lg, nan=0.0, posinf=0.0), **kw))
     ps = [q[0] for q in prompts(3)]
     with HeteroSpec(model, head, POLICIES["eagle3"]()) as hs:

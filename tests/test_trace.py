@@ -48,8 +48,12 @@ def spread_thresholds(x, quantiles, gap=1e-4):
 def policies(trace):
     x, _ = trace.features(BASE, N)
     thresholds = spread_thresholds(x, [0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9])
+    # a depth-0 policy with thresholds is not binned (no path entropy before the root expansion): the replay must
+    # decide that as the engine does (issue 45)
+    depth0 = Policy(0, K, N, thresholds[:2], (1, 0), (N, 6), name="depth-0")
+    assert not depth0.binned
     return [Policy.static(BASE, K, N), Policy.paper(BASE, K, N, thresholds), Policy.static(LEVELS, K, 5),
-            Policy.autoregressive()]
+            Policy.autoregressive(), depth0]
 
 
 def test_replay_reproduces_the_live_loop_exactly(model, draft_and_trace):
@@ -67,7 +71,7 @@ def test_replay_reproduces_the_live_loop_exactly(model, draft_and_trace):
         assert (r.cycles, r.verified_tokens, r.accepted_hist, r.bins) == (cycles, verified, hist, bins), policy
         assert r.new_tokens == NEW * len(ps)
         assert abs(r.tau - sum((a + 1) * c for a, c in hist.items()) / cycles) < 1e-12
-        if policy.thresholds:
+        if policy.binned:
             assert len(r.bins) >= 3  # the quantile thresholds really spread the cycles over bins
 
 

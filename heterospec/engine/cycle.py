@@ -1,24 +1,29 @@
-"""One lossless speculative cycle, read top to bottom.  Every step runs on the model's device:
+"""One lossless speculative cycle for a batch of requests (batch 1 is a batch of one), read top to bottom.
+Every step runs on the model's device:
 
-  1-4. ``base``: the drafter grows the root expansion and the policy's base depth on the draft's static
-       cache; the path entropy of the most confident candidate comes back (device tensor).  The host then
-       reads it at the sync point "bin" and the policy picks the bin's extra depth and kept nodes
-       (:meth:`heterospec.policy.Policy.plan`) -- only for policies with bins;
-  5.   ``finish``: the drafter grows the extra levels and makes the verification tree (``ops.select`` +
-       ``ops.build_tree``, device outputs, padded to a bucket);
-  6.   the target's forward over the tree on its static cache (``TargetAdapter.verify``, 4D tree mask);
-  7.   acceptance: ``ops.verify_greedy`` / ``ops.verify_sample`` with device outputs (the accepted path,
-       padded, its length and the next token, never copied to the host here);
-  8.   commit: the drafter catches up on the accepted positions straight from the padded path
-       (``follow``; fixed shape per tree shape), then ``TargetAdapter.commit`` (``ops.kv_compact`` with the
-       prefix length as a device tensor), and the next root is written in place.
-The host loop (:mod:`.loop`) then reads the accepted tokens at the sync point "accepted".
+  1-4. ``base``: the drafter grows the root expansion and the policy's base depth for every row on the
+       draft's static cache; the path entropies of each row's most confident candidate come back (a device
+       tensor [B]).  The host then reads them at the sync point "bin" (one read for the batch) and the policy
+       plans each row (:meth:`heterospec.policy.Policy.plan`) -- only for policies with bins;
+  5.   ``finish``: the drafter grows the deepest extra depth any row needs, and each row keeps its own tree
+       from the candidates of its own depth (:func:`~.tree.verification_tree`: ``ops.select`` and
+       ``ops.build_tree`` with per-row sizes); the ragged trees are padded to the cycle's largest (a bucket on
+       a GPU) by the one padding rule: past each row's node count, which the acceptance ops never read;
+  6.   one target forward over the ``[B, T]`` trees (``TargetAdapter.verify``, per-row slots and positions);
+  7.   per-row acceptance: ``ops.verify_greedy`` / ``ops.verify_sample`` with device outputs (Philox key and
+       counter per row, so a row's draws never depend on its neighbours);
+  8.   commit: the drafter catches up on each row's accepted positions straight from the padded path (fixed
+       shape per tree shape), then ``TargetAdapter.commit`` (``ops.kv_compact``'s per-row form, the prefixes
+       as device tensors), and the next roots are written in place.
+The host loop (:mod:`.loop`) then reads the accepted tokens at the sync point "accepted" (one read).
 
 Autoregressive decoding is the same cycle with a drafter that drafts nothing (:class:`~.tree.NoDraft`).
-With recorded steps (``record``) the same ``base`` and ``finish`` are captured once per tree shape and
-replayed (:mod:`.graphs`): one replay per cycle, or two around the "bin" sync point.  Every tensor a recorded
-step reads or writes across steps and cycles lives at a fixed address in :class:`CycleState`, in the
-drafter's static buffers or in the target's static cache.
+With recorded steps the same ``base`` and ``finish`` are captured once per (extra levels, padded tree size)
+and replayed (:mod:`.graphs`): one replay per cycle, or two around the "bin" sync point.  Every tensor a
+recorded step reads or writes across steps and cycles lives at a fixed address in :class:`CycleState`, in the
+drafter's static buffers or in the target's static cache; the per-row plan the host makes at the "bin" sync
+point goes into ``CycleState.rows`` before the replay.  A graph's batch is fixed, so with recorded steps
+finished rows are masked (they verify their root alone and commit nothing).
 """
 from __future__ import annotations
 
@@ -29,8 +34,9 @@ from collections import OrderedDict
 import torch
 
 from .. import ops
-from . import health, sync
+from . import health, requests, sync
 from .graphs import WORKSPACE_BYTES, StepGraphs, warm_up
+from .tree import NoDraft, bucket_for, tree_size, verification_tree
 
 # recorded step sets kept at once, one per sampling setting (each holds its own graph memory pool): the least
 # recently used is dropped beyond this, so a sweep over temperatures cannot exhaust GPU memory
@@ -39,67 +45,182 @@ MAX_GRAPH_SETS = 4
 
 @dataclasses.dataclass
 class CycleState:
-    """The cycle's own fixed-address state (read and written in place by recorded steps)."""
+    """The cycle's own fixed-address state, one entry per request (read and written in place by recorded
+    steps)."""
 
-    root: torch.Tensor     # [1] int64: the next tree's root token
-    seed: torch.Tensor     # [1] int64: the Philox key of sampled acceptance
-    offset: torch.Tensor   # [1] int64: the Philox counter, advanced by each verify_sample
-    bad: torch.Tensor      # [1] int64: the target's logits were not finite in this call (:mod:`.health`)
+    root: torch.Tensor     # [B] int64: each row's next tree root token
+    seed: torch.Tensor     # [B] int64: each row's Philox key of sampled acceptance
+    offset: torch.Tensor   # [B] int64: each row's Philox counter, advanced by each verify_sample
+    bad: torch.Tensor      # [B] int64: the target's logits of that row were not finite in this call (:mod:`.health`)
+    rows: torch.Tensor     # [3, B] int64: the host's plan per row -- kept nodes (root excluded), candidate
+    #                        count, finished -- written before each cycle's tree is made
 
     @classmethod
-    def on(cls, device):
-        return cls(*(torch.zeros(1, dtype=torch.long, device=device) for _ in range(4)))
+    def on(cls, device, batch):
+        z = lambda *shape: torch.zeros(shape, dtype=torch.long, device=device)   # noqa: E731
+        return cls(z(batch), z(batch), z(batch), z(batch), z(3, batch))
+
+    def keep(self, idx):
+        """The state of the rows ``idx`` alone (the eager engine drops finished rows)."""
+        return CycleState(self.root[idx], self.seed[idx], self.offset[idx], self.bad[idx], self.rows.index_select(1, idx))
 
 
-class RecordedCycle:
-    """What the cycle of one request (:class:`Cycle`) and of a batch (``engine.batch.BatchCycle``) share: the
-    recording of their steps -- ``base`` (binned policies) and ``finish(g, a, b, settings)`` for each shape
-    ``(a, b)`` of :meth:`shapes` -- on dummy state, kept per sampling settings (at most ``MAX_GRAPH_SETS``,
-    least recently used dropped) until the caches are reallocated, and their replay.  A subclass sets
-    ``target`` (a TargetAdapter), ``drafter`` (None: nothing drafted), ``policy``, ``binned``, ``device`` and
-    ``emulate``, and provides ``finish``, ``shapes`` and ``reset`` (the state a step starts from when warmed up
-    and captured)."""
+class Cycle:
+    """The steps of one cycle for ``batch`` requests: a target adapter on a static cache of ``batch`` rows
+    (``TargetAdapter`` in its batched form), a drafter of the same batch (:class:`~.tree.DraftState` or
+    :class:`~.tree.NoDraft`), a policy, and :class:`CycleState`.  Every shape of a step depends only on (extra
+    levels grown, padded tree size ``T``), so the steps run eagerly or are recorded once per such key --
+    ``base`` (binned policies) and ``finish`` per shape of :meth:`shapes` -- on dummy state, kept per sampling
+    setting (at most ``MAX_GRAPH_SETS``, least recently used dropped) until the caches are reallocated, and
+    replayed.  ``owns_target``: :meth:`close` closes the adapter too (a batch's own; the engine's batch-1
+    cycle shares the engine's adapter)."""
 
-    def _init_recordings(self):
+    def __init__(self, target, drafter, policy, buckets, device, emulate=False, owns_target=False):
+        self.target, self.drafter, self.policy, self.buckets, self.device = target, drafter, policy, buckets, device
+        self.drafting = not isinstance(drafter, NoDraft)
+        self.binned = self.drafting and policy.binned
+        self.emulate = emulate
+        self.owns_target = owns_target
+        self.state = CycleState.on(device, target.batch)
         self._recorded = OrderedDict()    # sampling settings -> StepGraphs, least recently used first
         self._capacity = None
 
+    @property
+    def batch(self):
+        return self.target.batch
+
+    def close(self):
+        if self.owns_target:
+            self.target.close()
+        self.drop_recordings()
+
+    def allocate(self, need):
+        """Room in both static caches for ``need`` positions per row (kept when already large enough)."""
+        self.target.allocate(need)
+        self.drafter.allocate(need, self.device)
+
+    def keep_rows(self, idx):
+        """Keep the requests ``idx`` ([b'] int64, ascending): the eager engine's dropped finished rows (a
+        recorded step keeps its batch)."""
+        self.target.keep_rows(idx)
+        self.drafter.keep_rows(idx)
+        self.state = self.state.keep(idx)
+
+    def set_rows(self, n, m, finished):
+        """The host's per-row plan for this cycle (host lists): kept nodes without the root, candidate counts,
+        finished flags -- one copy to the device, not a sync (:func:`.requests.to_device`)."""
+        self.state.rows.copy_(requests.to_device([n, m, finished], self.device))
+
+    def clear_flags(self):
+        self.state.bad.zero_()
+        self.drafter.bad.zero_()
+
+    # ---- the steps (fixed shapes per key: run eagerly, or recorded once and replayed) -------------------
+
     def base(self, clock=None):
-        """Steps 1-4 of a binned policy: the root expansion and the base depth -> (Growth, path entropy: [1],
-        or [batch])."""
+        """Steps 1-4 of a binned policy: the root expansion and the base depth -> (Growth, path entropy [B])."""
         g = self.drafter.grow(None, self.policy.depth, self.target.prefix)
         if clock is not None:
             clock.lap("draft_s")
         return g, g.path_entropy()
 
+    def finish(self, g, extra, T, settings, window=None, clock=None):
+        """Steps 5-8 on the Growth ``g`` of :meth:`base` (None: grow the whole tree from the root): ``extra``
+        more levels, each row's tree from ``state.rows`` padded to ``T``, the target's forward, per-row
+        acceptance (finished rows commit nothing) and commit -> [B, 4 + R] int64 on the device: each row's
+        accepted length (root included), next token, path tokens (R), then its target's and its draft's
+        non-finite flags (:mod:`.health`)."""
+        lap = clock.lap if clock is not None else (lambda field: None)
+        tgt, dr, st, B = self.target, self.drafter, self.state, self.batch
+        check = self.device.type != "cuda"
+        n, m, masked = st.rows[0], st.rows[1], st.rows[2] != 0
+        # 5: the rest of the trees, the verification trees
+        g = dr.grow(g, extra if g is not None else self.policy.depth + extra, tgt.prefix)
+        tokens, parents, depths, tmask, n_real = verification_tree(g, n, m, st.root, T, check)
+        lap("draft_s")
+        # 6: the target's forward
+        logits, vtaps = tgt.verify(tokens, depths, tmask, window)
+        health.mark(st.bad, logits, n_real)
+        lap("verify_s")
+        # 7: acceptance
+        sample, temperature, top_k, top_p = settings
+        if sample:
+            path, length, nxt, _ = ops.verify_sample(tokens, parents, logits, temperature=temperature, top_k=top_k,
+                                                     top_p=top_p, seed=st.seed, offset=st.offset, n=n_real,
+                                                     check=check, advance_offset=True)
+        else:
+            path, length, nxt = ops.verify_greedy(tokens, parents, logits, n=n_real, check=check)
+        length = length.masked_fill(masked, 0)              # a finished row commits nothing
+        path = path.masked_fill(masked.view(B, 1), -1)
+        R = min(T, self.policy.levels + 2) if self.drafting else 1
+        kept = path[:, :R].clamp(min=0)
+        path_tokens = tokens.gather(1, kept)
+        lap("ops_s")
+        # 8: the draft catches up on the accepted positions (before the prefixes move), then the commit
+        dr.follow(vtaps, kept, path_tokens, length, nxt, tgt.prefix)
+        lap("draft_s")
+        if T == 1:
+            tgt.prefix += (~masked).long()
+        else:
+            tgt.commit(path, length, check=check)
+        st.root.copy_(nxt)
+        lap("ops_s")
+        flags = torch.stack([st.bad, dr.bad], 1)
+        return torch.cat([length.view(B, 1), nxt.view(B, 1), path_tokens, flags], 1)
+
+    def shapes(self):
+        """The (extra levels, padded tree size) a cycle of this policy can take: one row's plans; with more rows,
+        the deepest extra depth and the largest tree of any two rows (one of them still decoding, the other
+        perhaps finished: a root-only tree), which covers every batch."""
+        if not self.drafting:
+            return [(0, 1)]
+        K, depth = self.policy.top_k, self.policy.depth
+        plans = self.policy.plans() if self.binned else self.policy.plans()[:1]
+        live = {(e, tree_size(K, depth + e, keep)) for e, keep in plans}
+        pairs = [((e1, s1), (e2, s2)) for e1, s1 in live for e2, s2 in live | {(0, 1)}] if self.batch > 1 else \
+            [(x, x) for x in live]
+        out = set()
+        for (e1, s1), (e2, s2) in pairs:
+            s = max(s1, s2)
+            out.add((max(e1, e2), bucket_for(s, self.buckets) if s > 1 else 1))
+        return sorted(out)
+
+    # ---- recording: ("base",), then ("finish", extra, T) per shape, or ("cycle", extra, T) -----------------
+
+    def reset(self):
+        """The state a step starts from when warmed up and captured."""
+        self.target.prefix.fill_(1)
+        self.state.root.zero_()
+        self.state.rows.zero_()
+        self.clear_flags()
+
     def capacity_key(self):
         """What the recordings depend on: the caches' sizes (recorded anew when they are reallocated)."""
-        return (self.target.capacity, getattr(self.drafter, "base", 0))
+        return (self.target.capacity, self.drafter.base)
 
     def dummy_state(self):
         """A prefill and the draft's catch-up on one-token dummy prompts (the real prefill overwrites them)."""
-        B, dev = self.target.batch, self.device
+        B, dev = self.batch, self.device
         one = torch.zeros((B, 1), dtype=torch.long, device=dev)
         _, taps = self.target.prefill(one)
-        if self.drafter is not None:
-            self.drafter.prime(taps, one, torch.zeros(B, dtype=torch.long, device=dev))
+        self.drafter.prime(taps, one, torch.zeros(B, dtype=torch.long, device=dev))
 
     def step_key(self, shape):
         return ("finish" if self.binned else "cycle",) + tuple(shape)
 
     def run_base(self, steps, clock):
-        """Steps 1-4, eager (``steps`` None) or replayed -> (Growth or None, path entropy on the device)."""
+        """Steps 1-4, eager (``steps`` None) or replayed -> (Growth or None, path entropies on the device)."""
         if steps is None:
             return self.base(clock)
         _, entropy = steps.replay(("base",))
         clock.lap("graph_s")
         return None, entropy
 
-    def run_finish(self, steps, g, a, b, settings, window, clock):
-        """Steps 5-8 for the shape ``(a, b)``, eager or replayed (its recording)."""
+    def run_finish(self, steps, g, extra, T, settings, window, clock):
+        """Steps 5-8 for the shape ``(extra, T)``, eager or replayed (its recording)."""
         if steps is None:
-            return self.finish(g, a, b, settings, window, clock)
-        out = steps.replay(self.step_key((a, b)))
+            return self.finish(g, extra, T, settings, window, clock)
+        out = steps.replay(self.step_key((extra, T)))
         clock.lap("graph_s")
         return out
 
@@ -148,67 +269,3 @@ class RecordedCycle:
 
     def drop_recordings(self):
         self._recorded.clear()
-
-
-class Cycle(RecordedCycle):
-    """The steps of one cycle for a target (a ``TargetAdapter``), a drafter (``DraftState`` or ``NoDraft``)
-    and a policy, and their recordings per sampling setting (shapes: the policy's plans)."""
-
-    def __init__(self, target, drafter, policy, buckets, device, emulate=False):
-        self.target, self.drafter, self.policy, self.buckets, self.device = target, drafter, policy, buckets, device
-        self.binned = policy.binned
-        self.state = CycleState.on(device)
-        self.emulate = emulate
-        self._init_recordings()
-
-    # ---- the steps (fixed shapes per plan: run eagerly, or recorded once and replayed) -----------------
-
-    def finish(self, g, extra, keep, settings, window=None, clock=None):
-        """Steps 5-8 for one plan on the Growth ``g`` of :meth:`base` (None: grow the whole tree from the
-        root).  Returns ([length, next token, path tokens (R), target flag, draft flag] int64 on the device, real
-        tree size); a flag is set when that model's logits were not finite (:mod:`.health`)."""
-        lap = clock.lap if clock is not None else (lambda field: None)
-        dr, tgt, st = self.drafter, self.target, self.state
-        check = self.device.type != "cuda"
-        # 5: the rest of the tree, the verification tree
-        g = dr.grow(g, extra if g is not None else self.policy.depth + extra, tgt.prefix)
-        tokens, parents, depths, mask, size = dr.tree(g, keep, st.root, self.buckets)
-        lap("draft_s")
-        # 6: the target's forward
-        logits, vtaps = tgt.verify(tokens, depths, mask, window)
-        health.mark(st.bad, logits)
-        lap("verify_s")
-        # 7: acceptance
-        sample, temperature, top_k, top_p = settings
-        if sample:
-            path, length, nxt, _ = ops.verify_sample(
-                tokens, parents, logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=st.seed,
-                offset=st.offset, check=check, device_outputs=True, advance_offset=True)
-        else:
-            path, length, nxt = ops.verify_greedy(tokens, parents, logits, check=check, device_outputs=True)
-        # 8: the draft catches up on the accepted positions (before the prefix moves), then the commit
-        kept = path[:dr.rows(g, tokens.shape[0])].clamp(min=0)
-        path_tokens = tokens[kept]
-        lap("ops_s")
-        dr.follow(vtaps, kept, path_tokens, length, nxt, tgt.prefix)
-        lap("draft_s")
-        if size == 1:
-            tgt.prefix += 1
-        else:
-            tgt.commit(path, length, check=check)
-        st.root.copy_(nxt.view(1))
-        lap("ops_s")
-        return torch.cat([length.view(1), nxt.view(1), path_tokens, st.bad, dr.bad]), size
-
-    # ---- recording (RecordedCycle.record) -------------------------------------------------------------
-
-    def shapes(self):
-        """(extra levels, kept nodes) of every plan; a policy without bins has one."""
-        plans = self.policy.plans()
-        return plans if self.binned else plans[:1]
-
-    def reset(self):
-        self.target.prefix.fill_(1)
-        self.state.root.zero_()
-        self.state.bad.zero_()
-        self.drafter.bad.zero_()

@@ -1,8 +1,14 @@
-"""The decoding loop (batch 1): argument checks, the static caches, the prefill, the host loop around
-:class:`~.cycle.Cycle` with its two declared sync points (:mod:`.sync`: "bin" for policies with bins, then
-"accepted"), streaming, EOS and stopping criteria, and the stats.  The cycle's steps themselves, in order,
-are in :mod:`.cycle`.  On a GPU the ops run as our CUDA kernels with ``check=False``; device-side errors are
-raised at the end of the call (``ops.cuda_check``).
+"""The decoding loop, one for every batch size (batch 1 is a batch of one): argument checks, the static caches,
+the prefill, the host loop around :class:`~.cycle.Cycle` with its two declared sync points (:mod:`.sync`:
+"bin" for policies with bins, then "accepted"; one host read each for the whole batch), streaming (one
+request), EOS and stopping criteria per request, and the stats.  The cycle's steps themselves, in order, are
+in :mod:`.cycle`.  On a GPU the ops run as our CUDA kernels with ``check=False``; device-side errors are raised
+at the end of the call (``ops.cuda_check``).
+
+A batch (issue 29): B prompts in the rows of the same static caches, each row with its own prefix length,
+entropy bin, tree and accepted path, lossless per row.  Rows that finish (EOS, ``max_new_tokens`` or a stopping
+criterion) are dropped from the caches at the end of the cycle in which they finish, so they stop costing work,
+or masked (``finished_rows="mask"``; always with recorded steps, whose batch is fixed).
 
 Counting conventions: every node count includes the root (like EAGLE's ``total_token``); ``depth`` is the
 number of expansion levels after the root expansion (EAGLE's ``depth``), so the deepest drafted token is at
@@ -18,7 +24,6 @@ import warnings
 import weakref
 from collections import OrderedDict
 
-import numpy as np
 import torch
 
 from .. import ops
@@ -27,10 +32,13 @@ from ..measure import PhaseClock
 from ..models import cpu_gemm as gemm
 from ..models.target import TargetAdapter, _decoder_layers, attention_window
 from ..policy import Policy
-from . import batch, health, requests, sync
+from . import health, requests, sync
 from .cycle import Cycle
 from .stats import GenerationStats
-from .tree import DraftState, NoDraft, bucket_for
+from .tree import DraftState, NoDraft, bucket_for, tree_size
+
+# batch sizes > 1 whose recorded steps (and static caches) the recorded engine keeps at once
+MAX_BATCH_CYCLES = 2
 
 # tree sizes (root included) a verification is padded to on a GPU: one static shape per bucket.  On the CPU
 # a padded node costs its full share of a compute-bound forward, so trees keep their exact size there.
@@ -243,7 +251,7 @@ class HeteroSpec:
         self.batch_invariant = _check_invariant(batch_invariant, p)
         try:
             self.target = TargetAdapter(target, tap_layers=taps, capture_taps=draft is not None, compile=compile,
-                                        invariant=self.batch_invariant)
+                                        invariant=self.batch_invariant, batched=True)
             # packed once here (outside any timed call), routed only inside generate
             self._gemm = gemm.for_models(cpu_gemm, target, draft, invariant=self.batch_invariant)
         except ValueError as e:
@@ -253,7 +261,8 @@ class HeteroSpec:
                 self.target.close()
             warnings.warn(f"HeteroSpec: batch_invariant='auto' is off here: {e}", stacklevel=2)
             self.batch_invariant = False
-            self.target = TargetAdapter(target, tap_layers=taps, capture_taps=draft is not None, compile=compile)
+            self.target = TargetAdapter(target, tap_layers=taps, capture_taps=draft is not None, compile=compile,
+                                        batched=True)
             self._gemm = gemm.for_models(cpu_gemm, target, draft)
         self.cpu_gemm = self._gemm.describe()   # which row classes run packed: in every call's stats
         self._drafting = draft is not None and self.policy.drafts
@@ -261,32 +270,41 @@ class HeteroSpec:
         self._levels = pol.levels
         most = max((pol.total_tokens, *pol.keep))
         self._max_nodes = bucket_for(min(most, candidate_count(pol.top_k, self._levels) + 1), self.buckets)
+        self._d2t = None
         if self._drafting:
             d2t = getattr(draft, "d2t", None)
             with sync.outside_cycle():
                 d2t = d2t.detach().to(self.device, torch.long) if d2t is not None and bool(torch.any(d2t != 0)) else None
-            self._drafter = DraftState(draft, pol.top_k, self._levels, d2t)
-        else:
-            self._drafter = NoDraft(self.device)
+            self._d2t = d2t
         self.cuda_graphs = _check_graphs(cuda_graphs, self.device, draft, target)
         self._graphs_fallback = cuda_graphs == "auto"    # 'auto': a recording that fails falls back to eager
-        self._cycle = Cycle(self.target, self._drafter, pol, self.buckets, self.device,
-                            emulate=self.cuda_graphs == "emulate")
-        self._batch_cycles = OrderedDict()   # recorded engine: batch size -> its BatchCycle (engine/batch.py)
+        self._cycle = self._new_cycle(1)      # batch 1: the engine's own adapter and caches, kept between calls
+        self._cycles = OrderedDict()          # recorded engine: batch size > 1 -> its Cycle (own adapter, caches)
+
+    def _new_cycle(self, batch):
+        """A :class:`~.cycle.Cycle` of ``batch`` rows: batch 1 on the engine's adapter, a batch on an adapter of
+        its own (its own static caches, closed with the cycle)."""
+        tgt = self.target if batch == 1 else TargetAdapter(
+            self.target.model, tap_layers=self.target.tap_layers, capture_taps=self._drafting, batch=batch,
+            invariant=self.target.invariant)
+        dr = (DraftState(self.draft, self.policy.top_k, self._levels, self._d2t, batch) if self._drafting
+              else NoDraft(self.device, batch))
+        return Cycle(tgt, dr, self.policy, self.buckets, self.device, emulate=self.cuda_graphs == "emulate",
+                     owns_target=batch > 1)
 
     @property
     def cycle(self):
-        """The engine's :class:`~.cycle.Cycle`: its target adapter (``.target``), drafter (``.drafter``) and
-        steps, on the static caches (what :func:`heterospec.tune.profile_costs` times)."""
+        """The engine's batch-1 :class:`~.cycle.Cycle`: its target adapter (``.target``), drafter (``.drafter``)
+        and steps, on the static caches (what :func:`heterospec.tune.profile_costs` times)."""
         return self._cycle
 
     def close(self):
         """Remove the tap hooks from the target and drop the recorded steps (also done on exit of a ``with``
         block)."""
         self.target.close()
-        self._cycle.drop_recordings()
-        while self._batch_cycles:
-            self._batch_cycles.popitem()[1].close()
+        self._cycle.close()
+        while self._cycles:
+            self._cycles.popitem()[1].close()
 
     def __enter__(self):
         return self
@@ -294,10 +312,15 @@ class HeteroSpec:
     def __exit__(self, *exc):
         self.close()
 
-    def _capacity(self, prompt_len, max_new_tokens):
-        """Static cache positions a call needs: every committed token plus the largest tree (or the draft's
-        catch-up rows) written past them."""
+    def capacity(self, prompt_len, max_new_tokens):
+        """Static cache positions per row a request needs: every committed token plus the largest tree (or the
+        draft's catch-up rows) written past them."""
         return prompt_len + max_new_tokens + max(self._max_nodes, self._levels + 2) + 1
+
+    def overshoot(self):
+        """Positions a cycle may commit past a request's budget (its deepest path and the bonus token): a masked
+        finished row keeps them and still verifies a tree there every cycle."""
+        return self._levels + 2
 
     # ---- the loop -----------------------------------------------------------------------------------
 
@@ -315,7 +338,7 @@ class HeteroSpec:
         A request ends at ``max_new_tokens`` or at an ``eos_token_id`` (an id or ids; None, the default: the
         target's ``generation_config.eos_token_id``, as HuggingFace's ``generate`` takes it; [] for none).
 
-        A batch (:mod:`.batch`): ``input_ids`` [B, S] left-padded with an ``attention_mask`` [B, S] (as a
+        A batch (the same loop: batch 1 is a batch of one): ``input_ids`` [B, S] left-padded with an ``attention_mask`` [B, S] (as a
         HuggingFace tokenizer pads prompts for generation; None: no padding), or a list of prompts of any lengths
         (1-D token sequences).  Each row decodes losslessly on its own: its output equals that prompt decoded
         alone.  Returns the sequences -- for a tensor, [B, S + the longest generation] with each row's input
@@ -352,171 +375,292 @@ class HeteroSpec:
         if isinstance(seed, (list, tuple)) and len(seed) != B:
             raise ValueError(f"generate: argument 'seed' expected an int or {B} ints (one per prompt), got "
                              f"{len(seed)}")
-        if B == 1:
-            S = input_ids.shape[1]
-            prompt = input_ids[:, S - lengths[0]:]
-            with self._gemm:
-                seq, stats = self._generate(prompt, max_new_tokens, temperature, top_k, top_p, eos_token_id,
-                                            stopping_criteria, streamer, seed[0] if isinstance(seed, (list, tuple))
-                                            else seed)
-            if as_list:
-                return [seq[0]], stats
-            if lengths[0] == S:
-                return seq, stats
-            with sync.outside_cycle():
-                return torch.cat([input_ids[:, :S - lengths[0]].cpu(), seq], dim=1), stats
-        if streamer is not None:
-            raise ValueError(f"generate: argument 'streamer' expected a single prompt, got a batch of {B}")
         if B < 1:
             raise ValueError("generate: argument 'input_ids' expected at least one prompt, got 0 rows")
+        if streamer is not None and B > 1:
+            raise ValueError(f"generate: argument 'streamer' expected a single prompt, got a batch of {B}")
         S = input_ids.shape[1]
-        maxpos = self.target.max_positions
-        if maxpos is not None and S + max_new_tokens > maxpos:
-            raise ValueError(f"generate: prompt ({S}) + max_new_tokens ({max_new_tokens}) "
-                             f"exceed the target's max_position_embeddings ({maxpos})")
-        with self._gemm:
-            new, _, stats = batch.generate_batch(self, input_ids, attention_mask, lengths, max_new_tokens=max_new_tokens,
-                                                 temperature=temperature, top_k=top_k, top_p=top_p, eos=eos,
-                                                 seed=seed, finished=finished_rows,
-                                                 stop=(lambda seq: self._stop(stopping_criteria, seq))
-                                                 if stopping_criteria else None)
-        with sync.outside_cycle():                      # the results, on the host
-            ids = input_ids.cpu()
-            if as_list:
-                return [torch.cat([ids[b, S - lengths[b]:], torch.tensor(new[b], dtype=torch.long)])
-                        for b in range(B)], stats
-            out = torch.full((B, S + max(len(x) for x in new)), pad, dtype=torch.long)
-            out[:, :S] = ids
-            for b, x in enumerate(new):
-                out[b, S:S + len(x)] = torch.tensor(x, dtype=torch.long)
-            return out, stats
-
-    def _generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, stopping_criteria,
-                  streamer, seed):
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise ValueError(f"generate: argument 'input_ids' expected a [1, S] tensor, got "
-                             f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
-        S = input_ids.shape[1]
-        if S < 1:
+        if max(lengths) < 1:
             raise ValueError("generate: argument 'input_ids' expected at least one token, got 0")
         maxpos = self.target.max_positions
         if maxpos is not None and S + max_new_tokens > maxpos:
             raise ValueError(f"generate: prompt ({S}) + max_new_tokens ({max_new_tokens}) "
                              f"exceed the target's max_position_embeddings ({maxpos})")
-        need = self._capacity(S, max_new_tokens)
-        if self.max_length is not None and need > self._capacity(0, self.max_length):
+        pad_front = None
+        if B == 1 and lengths[0] < S:             # one request: its padding is not decoded, only given back
+            with sync.outside_cycle():
+                pad_front = input_ids[:, :S - lengths[0]].cpu()
+            input_ids, attention_mask = input_ids[:, S - lengths[0]:], None
+        with self._gemm:
+            new, stats = self._decode(input_ids, attention_mask, lengths, max_new_tokens, temperature, top_k, top_p,
+                                      eos, seed, finished_rows, stopping_criteria, streamer)
+        with sync.outside_cycle():                      # the results, on the host
+            ids = input_ids.cpu()
+            S = ids.shape[1]
+            if as_list:
+                return [torch.cat([ids[b, S - lengths[b]:], torch.tensor(new[b], dtype=torch.long, device="cpu")])
+                        for b in range(B)], stats
+            if B == 1 and pad_front is not None:
+                ids = torch.cat([pad_front, ids], dim=1)
+                S = ids.shape[1]
+            out = torch.full((B, S + max(len(x) for x in new)), pad, dtype=torch.long, device="cpu")
+            out[:, :S] = ids
+            for b, x in enumerate(new):
+                out[b, S:S + len(x)] = torch.tensor(x, dtype=torch.long, device="cpu")
+            return out, stats
+
+    def _cycle_for(self, B, need, graphs):
+        """The Cycle of a call of ``B`` requests with its caches allocated for ``need`` positions per row (a
+        one-line error before any decoding when they cannot fit).  Batch 1 is the engine's own, kept between
+        calls; the eager engine makes a batch's per call, the recorded engine keeps one per batch size (at most
+        ``MAX_BATCH_CYCLES``, least recently used dropped) with its recordings."""
+        if B == 1:
+            self._cycle.allocate(need)
+            return self._cycle
+        kept = self._cycles
+        if graphs and B in kept:
+            cyc = kept.pop(B)
+            kept[B] = cyc
+            if need <= cyc.target.capacity:
+                return cyc
+        else:
+            cyc = self._new_cycle(B)
+        dev = self.device
+        # the target's cache twice: dropping finished rows copies the kept rows before the old cache is freed (the
+        # draft's cache, far smaller, fits in that bound too)
+        nbytes = cyc.target.cache_bytes(need) * 2
+        free = requests.available_bytes(dev)
+        error = None
+        if free is not None and nbytes > free:
+            error = (f"generate: argument 'input_ids' expected a batch whose static caches fit the {dev} memory "
+                     f"available ({free / 2**30:.2f} GiB), got {B} prompts needing about {nbytes / 2**30:.2f} GiB "
+                     f"({need} positions per row)")
+        else:
+            try:
+                cyc.allocate(need)
+            except RuntimeError as e:   # an allocation the device cannot hold after all, before any decoding
+                error = (f"generate: argument 'input_ids' expected a batch whose static caches fit the {dev} "
+                         f"memory, got {B} prompts of {need} positions per row ({type(e).__name__})")
+        if error is not None:
+            kept.pop(B, None)
+            cyc.close()
+            raise ValueError(error)
+        if graphs:
+            kept[B] = cyc
+            while len(kept) > MAX_BATCH_CYCLES:
+                kept.pop(next(iter(kept))).close()
+        return cyc
+
+    def _seeds(self, seed, B):
+        """Each row's Philox key: ``seed[b]``, or ``seed + b`` (row b draws as its prompt alone with that seed)."""
+        if isinstance(seed, (list, tuple)):           # its length is checked by generate
+            seeds = [int(s) for s in seed]
+        else:
+            with sync.outside_cycle():
+                base = int(seed) if seed is not None else int(torch.randint(0, 2**62, (1,), device="cpu").item())
+            seeds = [base + b for b in range(B)]
+        bad = [s for s in seeds if not 0 <= s < 2**63]
+        if bad:
+            raise ValueError(f"generate: argument 'seed' expected seeds in [0, 2**63) for every row (row b uses "
+                             f"seed + b), got {bad[0]}")
+        return seeds
+
+    def _need(self, S, max_new_tokens, masked, graphs):
+        """Static cache positions per row for prompts of ``S`` columns (a one-line error past ``max_length``)."""
+        more = self.overshoot() if masked else 0
+        need = self.capacity(S, max_new_tokens) + more
+        if self.max_length is not None and need > self.capacity(0, self.max_length) + more:
             raise ValueError(f"generate: prompt ({S}) + max_new_tokens ({max_new_tokens}) = {S + max_new_tokens} "
                              f"exceed the static caches' max_length ({self.max_length}) given to HeteroSpec")
-        need = max(need, self._capacity(0, self.max_length or 0))
-        if self.cuda_graphs and self.max_length is None:
-            need = -(-need // 256) * 256      # fewer distinct capacities: each one is captured anew
-        eos = set(eos_token_id)                  # generate() resolved it (eos_ids): a list
-        sample = temperature > 0
-        settings = (sample, float(temperature), int(top_k), float(top_p)) if sample else (False, 0.0, 0, 1.0)
-        dev = self.device
-        graphs = bool(self.cuda_graphs)
-        stats = self._new_stats(graphs)
-        clock = PhaseClock(dev, stats)
-        tgt, dr, cycle, st = self.target, self._drafter, self._cycle, self._cycle.state
+        need = max(need, self.capacity(0, self.max_length or 0) + more)
+        if graphs and self.max_length is None:
+            need = -(-need // 256) * 256      # fewer distinct capacities: each one is recorded anew
+        return need
 
+    def _decode(self, input_ids, attention_mask, lengths, max_new_tokens, temperature, top_k, top_p, eos, seed,
+                finished, stopping_criteria, streamer):
+        """The host loop for ``B`` requests (``lengths``: :func:`.requests.check_mask`'s) -> (per-row lists of new
+        tokens, GenerationStats: the request's own for one, the batch's with ``per_row`` for more).
+        ``finished``: "drop" (a finished row leaves the caches at the end of its cycle) or "mask" (it stays, with
+        a root-only tree whose commit is zeroed, so the shapes stay those of the whole batch -- what a recorded
+        step of fixed batch needs: with recorded steps finished rows are always masked).  Stopping criteria are
+        asked after every new token of a request, with its prompt and new tokens."""
+        dev, pol = self.device, self.policy
+        B, S = input_ids.shape
+        sample = temperature > 0
+        settings = (True, float(temperature), int(top_k), float(top_p)) if sample else (False, 0.0, 0, 1.0)
+        graphs = bool(self.cuda_graphs)
+        if graphs:
+            finished = "mask"
+        seeds = self._seeds(seed, B)
+        need = self._need(S, max_new_tokens, finished == "mask" and B > 1, graphs)
+        total = self._new_stats(graphs)
+        rows = [self._new_stats(graphs) for _ in range(B)] if B > 1 else [total]
+        clock = PhaseClock(dev, total)
         with sync.outside_cycle():
-            tgt.allocate(need)
-            dr.allocate(need, dev)
-            steps = self._record(cycle, settings, stats) if graphs else None
-            graphs = steps is not None
-            st.bad.zero_()
-            dr.bad.zero_()
-        start = time.perf_counter()
-        with sync.outside_cycle():
-            rng_seed = int(seed) if seed is not None else int(torch.randint(0, 2**62, (1,), device="cpu").item())
-            input_ids = input_ids.to(dev)
-            last_logits, taps = tgt.prefill(input_ids)
-            health.check_prefill(last_logits, tgt.model, S)
-            if sample:
-                _, root, draws = ops.verify_sample(np.zeros(1, np.int64), np.full(1, -1, np.int64),
-                                                   last_logits.view(1, -1).cpu().numpy(), temperature=temperature,
-                                                   top_k=top_k, top_p=top_p, seed=rng_seed, offset=0)
-                st.seed.fill_(rng_seed)
-                st.offset.fill_(draws)   # the cycles' uniforms follow the prefill's
-            else:
-                root = int(torch.argmax(last_logits))
-            stats.prefill_s = time.perf_counter() - start
-            out = input_ids[0].tolist()
-        generated = [root]
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
-            streamer.put(torch.tensor([root], device="cpu"))
-        done = root in eos or len(generated) >= max_new_tokens or self._stop(stopping_criteria, out + generated)
-        st.root.fill_(root)
-        if not done:
-            clock.start()
-            ids = torch.cat([input_ids[:, 1:], st.root.view(1, 1)], dim=1)
-            dr.prime(taps, ids, torch.full((1,), S - 1, dtype=torch.long, device=dev), prompt=input_ids)
-            clock.lap("draft_s")
-        pol = self.policy
-        default = (None, 0, pol.total_tokens) if self._drafting else (None, 0, 1)
-        first = True
-        while not done:
-            t_cycle = time.perf_counter()   # the cycle's wall time, host and device, ends at the accepted sync
-            # With recorded steps the device's idle time between replays (the host reading the bin or the
-            # accepted tokens, streaming, stopping checks, launching) is timed as idle_s, from the previous
-            # cycle's last replay on.
-            if first or not graphs:
+            cyc = self._cycle_for(B, need, graphs)
+        tgt, dr, st = cyc.target, cyc.drafter, cyc.state
+        steps = None
+        try:
+            with sync.outside_cycle():
+                if graphs:
+                    steps = self._record(cyc, settings, total)
+                    if steps is None:                   # 'auto' after a failed recording: eager from now on
+                        graphs = False
+                        self._cycles.pop(B, None)       # closed below, as an eager call's
+                cyc.clear_flags()
+                start = time.perf_counter()
+                ids_dev = input_ids.to(dev)
+                mask = attention_mask.to(dev) if attention_mask is not None else None
+                last_logits, taps = tgt.prefill(ids_dev, attention_mask=mask)
+                health.check_prefill(last_logits, tgt.model, S)
+                st.seed.copy_(torch.tensor(seeds, dtype=torch.long, device="cpu"))
+                st.offset.zero_()
+                if sample:
+                    zeros = torch.zeros((B, 1), dtype=torch.long, device=dev)
+                    _, _, root, draws = ops.verify_sample(zeros, zeros - 1, last_logits.view(B, 1, -1),
+                                                          temperature=temperature, top_k=top_k, top_p=top_p,
+                                                          seed=st.seed, offset=st.offset)
+                    st.offset.copy_(draws)                # the cycles' uniforms follow the prefill's, per row
+                else:
+                    root = torch.argmax(last_logits, dim=-1)
+                st.root.copy_(root)
+                roots = root.tolist()
+                total.prefill_s = time.perf_counter() - start
+                prompts_host = [row[S - n:] for row, n in zip(input_ids.tolist(), lengths)]
+            generated = [[r] for r in roots]
+            if streamer is not None:
+                streamer.put(input_ids.cpu())
+                streamer.put(torch.tensor(roots, device="cpu"))
+            alive = list(range(B))
+            done = [r in eos or max_new_tokens <= 1 or self._stop(stopping_criteria, prompts_host[a] + [r])
+                    for a, r in enumerate(roots)]
+            for a in range(B):
+                if done[a]:
+                    rows[a].total_s = time.perf_counter() - start
+            if self._drafting and not all(done):
                 clock.start()
-            else:
-                clock.lap("idle_s")
-            first = False
-            b, extra, keep = default
-            g = None
-            position = len(out) + len(generated)
-            try:
-                if cycle.binned:
-                    g, entropy = cycle.run_base(steps, clock)
-                    with sync.point("bin", stats):
-                        b, extra, keep = pol.plan(entropy.item())
-                    if graphs:
-                        clock.lap("idle_s")
-                # on the CPU the target attends over the used columns only: a host-known bound, rounded
-                window = attention_window(dev, position, self._max_nodes)
-                acc, size = cycle.run_finish(steps, g, extra, keep, settings, window, clock)
-            except ValueError:   # on the CPU the ops refuse non-finite logits mid-cycle: say which model's
-                with sync.outside_cycle():
-                    flags = [int(st.bad), int(dr.bad)]
-                health.raise_flagged(flags, self._models(), stats.cycles + 1, position, dev)
-                raise
-            # the accepted tokens, for streaming, EOS and stopping criteria (and the models' non-finite flags)
-            with sync.point("accepted", stats):
-                host = acc.tolist()
-            health.raise_flagged(host[-2:], self._models(), stats.cycles + 1, position, dev)
-            clock.flush()
-            n_acc = host[0] - 1
-            committed = host[3:3 + n_acc] + [host[1]]
-            stats.cycles += 1
-            stats.verified_tokens += size
-            stats.accepted_hist[n_acc] += 1
-            if b is not None:
-                stats.bins[b] += 1
-                stats.bin_accepted[b] += n_acc
-                stats.bin_verified[b] += size
-                stats.bin_s[b] += time.perf_counter() - t_cycle
-            # truncate at the budget, at EOS, or where a stopping criterion fires
-            for t in committed:
-                generated.append(t)
-                if streamer is not None:
-                    streamer.put(torch.tensor([t], device="cpu"))
-                if t in eos or len(generated) >= max_new_tokens or self._stop(stopping_criteria, out + generated):
-                    done = True
+                front = ids_dev.gather(1, (torch.tensor([S - n for n in lengths], device=dev).view(B, 1)
+                                           + torch.arange(S, device=dev)).clamp(max=S - 1))
+                ids = torch.cat([front[:, 1:], front[:, :1]], dim=1)
+                last = torch.tensor([n - 1 for n in lengths], dtype=torch.long, device=dev)
+                ids.scatter_(1, last.view(B, 1), st.root.view(B, 1))
+                dr.prime(taps, ids, last, prompt=ids_dev if B == 1 else None)
+                clock.lap("draft_s")
+            prefix_host = list(lengths)
+            K = pol.top_k
+            batch_calls = 0
+            first = True
+            while True:
+                keep = [i for i, a in enumerate(alive) if not done[a]]
+                if not keep:
                     break
-        if dev.type == "cuda":
-            ops.cuda_check(dev)   # device-side errors of the check=False launches
+                if finished == "drop" and len(keep) < len(alive):   # finished rows stop costing work
+                    cyc.keep_rows(requests.to_device(keep, dev))
+                    st = cyc.state
+                    alive = [alive[i] for i in keep]
+                t_cycle = time.perf_counter()   # the cycle's wall time, host and device, ends at the accepted sync
+                # With recorded steps the device's idle time between replays (the host reading the bin or the
+                # accepted tokens, streaming, stopping checks, launching) is timed as idle_s, from the previous
+                # cycle's last replay on.
+                if first or not graphs:
+                    clock.start()
+                else:
+                    clock.lap("idle_s")
+                first = False
+                g = None
+                try:
+                    if cyc.binned:
+                        g, entropy = cyc.run_base(steps, clock)
+                        with sync.point("bin", total):
+                            ent = entropy.tolist()
+                        plans = [pol.plan(e) if not done[a] else (None, 0, 1) for e, a in zip(ent, alive)]
+                        if graphs:
+                            clock.lap("idle_s")
+                    elif cyc.drafting:
+                        plans = [(None, 0, pol.total_tokens) if not done[a] else (None, 0, 1) for a in alive]
+                    else:
+                        plans = [(None, 0, 1)] * len(alive)
+                    extra = max(p[1] for p in plans)
+                    levels = [pol.depth + p[1] for p in plans]
+                    sizes = [tree_size(K, lv, p[2]) if cyc.drafting else 1 for lv, p in zip(levels, plans)]
+                    T = bucket_for(max(sizes), self.buckets) if max(sizes) > 1 else 1
+                    cyc.set_rows([s - 1 for s in sizes], [candidate_count(K, lv) if cyc.drafting else 0 for lv in levels],
+                                 [int(done[a]) for a in alive])
+                    # on the CPU the eager target attends over the used columns only; a recording keeps the whole
+                    # cache
+                    window = None if graphs else attention_window(dev, max(prefix_host[a] for a in alive) + 1, T)
+                    acc = cyc.run_finish(steps, g, extra, T, settings, window, clock)
+                except ValueError:   # on the CPU the ops refuse non-finite logits mid-cycle: say which model's
+                    with sync.outside_cycle():
+                        flags = [[int(t), int(d)] for t, d in zip(st.bad.tolist(), dr.bad.tolist())]
+                    self._raise_flagged(flags, alive, done, rows, prefix_host, B)
+                    raise
+                with sync.point("accepted", total):
+                    host = acc.tolist()
+                self._raise_flagged([row[-2:] for row in host], alive, done, rows, prefix_host, B)
+                clock.flush()
+                batch_calls += 1
+                for j, a in enumerate(alive):
+                    if done[a]:
+                        continue
+                    row = host[j]
+                    n_acc = row[0] - 1
+                    rs = rows[a]
+                    rs.cycles += 1
+                    rs.verified_tokens += sizes[j]
+                    rs.accepted_hist[n_acc] += 1
+                    b = plans[j][0]
+                    if b is not None:
+                        rs.bins[b] += 1
+                        rs.bin_accepted[b] += n_acc
+                        rs.bin_verified[b] += sizes[j]
+                        rs.bin_s[b] += time.perf_counter() - t_cycle
+                    prefix_host[a] += n_acc + 1
+                    # truncate at the budget, at EOS, or where a stopping criterion fires
+                    for t in row[3:3 + n_acc] + [row[1]]:
+                        generated[a].append(t)
+                        if streamer is not None:
+                            streamer.put(torch.tensor([t], device="cpu"))
+                        if (t in eos or len(generated[a]) >= max_new_tokens
+                                or self._stop(stopping_criteria, prompts_host[a] + generated[a])):
+                            done[a] = True
+                            rs.total_s = time.perf_counter() - start     # this request's latency
+                            break
+            if dev.type == "cuda":
+                ops.cuda_check(dev)   # device-side errors of the check=False launches
+        finally:
+            if not graphs and B > 1:
+                cyc.close()
         if streamer is not None:
             streamer.end()
-        stats.new_tokens = len(generated)
-        stats.total_s = time.perf_counter() - start
-        return torch.tensor([out + generated], dtype=torch.long, device="cpu"), stats
+        for rs, gen in zip(rows, generated):
+            rs.new_tokens = len(gen)
+        total.total_s = time.perf_counter() - start
+        if B == 1:
+            return generated, total
+        # the batch's counts are the rows' pooled (cycles: request-cycles, so tau is the mean tokens per row per
+        # call); its times are the batch's own
+        pooled = GenerationStats.pooled(rows)
+        for f in ("new_tokens", "cycles", "verified_tokens", "accepted_hist", "bins", "bin_accepted", "bin_verified",
+                  "bin_s"):
+            setattr(total, f, getattr(pooled, f))
+        total.batch_calls = batch_calls
+        total.per_row = rows
+        for rs in rows:
+            rs.prefill_s = total.prefill_s
+            rs.graphs = total.graphs
+        return generated, total
+
+    def _raise_flagged(self, flags, alive, done, rows, prefix_host, B):
+        """The first live request whose target or draft logits were not finite this cycle (:mod:`.health`)."""
+        for f, a in zip(flags, alive):
+            if not done[a]:
+                health.raise_flagged(f, self._models(), rows[a].cycles + 1, prefix_host[a], self.device,
+                                     row=a if B > 1 else None)
 
     def _record(self, cycle, settings, stats):
-        """``cycle.record(settings)`` (a :class:`~.cycle.RecordedCycle`: one request's or a batch's) -> its
+        """``cycle.record(settings)`` (a :class:`~.cycle.Cycle` of any batch) -> its
         StepGraphs, with the capture time in ``stats``; or None when recording failed under
         ``cuda_graphs='auto'``, which then decodes eagerly from here on (warned)."""
         try:

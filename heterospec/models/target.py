@@ -238,8 +238,9 @@ class TargetAdapter:
     """Drives a HuggingFace causal LM as the speculative-decoding target on a static cache of ``batch`` rows.
 
     ``prefix`` is an int64 tensor ``[batch]`` on the model's device: each row's number of committed positions.
-    With ``batch=1`` the calls take and return unbatched trees (``[n]`` tokens, ``[n, V]`` logits); with a batch
-    every tree input and output has a leading ``[batch]`` dimension.
+    With ``batch=1`` the calls take and return unbatched trees (``[n]`` tokens, ``[n, V]`` logits) unless
+    ``batched`` (the decoding engine's form: batch 1 is a batch of one); with a batch every tree input and
+    output has a leading ``[batch]`` dimension.
     :meth:`allocate` sizes the cache (prompt + new tokens + the largest tree); the engine calls it before
     decoding, outside the cycle.  ``compile``: run the verify forward through ``torch.compile`` (True or a
     backend name; one specialisation per tree size), fewer kernels per forward before CUDA-graph capture.
@@ -252,7 +253,8 @@ class TargetAdapter:
     :mod:`heterospec.models.cpu_gemm`).  Checked on this machine when the adapter is made (ValueError where
     the attention kernel is not)."""
 
-    def __init__(self, model, tap_layers=None, capture_taps=True, compile=None, batch=1, invariant=False):
+    def __init__(self, model, tap_layers=None, capture_taps=True, compile=None, batch=1, invariant=False,
+                 batched=False):
         impl = getattr(model.config, "_attn_implementation", None)
         if impl not in TREE_MASK_ATTN:
             raise ValueError(
@@ -264,6 +266,7 @@ class TargetAdapter:
             raise ValueError(f"target: argument 'batch' expected an int >= 1, got {batch!r}")
         self.model = model
         self.batch = batch
+        self.batched = bool(batched) or batch > 1
         layers = _decoder_layers(model)
         n = len(layers)
         # the engine and the trace recorder pass a loaded head's own, checked taps; the default here (no draft,
@@ -333,7 +336,7 @@ class TargetAdapter:
         self.cache = StaticKV(self.kv)
         # one tensor for kv_compact, imported once: [2 * layers * kv_heads, capacity, head_dim] (batch 1), or
         # [batch, 2 * layers * kv_heads, capacity, head_dim] for the per-row (batched) form
-        rows = self.kv.view(-1, capacity, head_dim) if B == 1 else self.kv.view(B, -1, capacity, head_dim)
+        rows = self.kv.view(B, -1, capacity, head_dim) if self.batched else self.kv.view(-1, capacity, head_dim)
         self._kv_rows = ops.KVTensors([rows])
         self._cols = torch.arange(capacity, device=self.device)
         self.capacity = capacity
@@ -346,6 +349,7 @@ class TargetAdapter:
         self.kv = self.kv.index_select(0, idx)
         self.cache = StaticKV(self.kv)
         self.batch = int(idx.shape[0])
+        self.batched = True
         self._kv_rows = ops.KVTensors([self.kv.view(self.batch, -1, self.capacity, self.kv.shape[-1])])
         self.prefix = self.prefix.index_select(0, idx)
 
@@ -378,7 +382,7 @@ class TargetAdapter:
     def prefill(self, input_ids, attention_mask=None):
         """Run the prompts ``input_ids`` [batch, S] (the cache must hold S positions), left-padded where
         ``attention_mask`` [batch, S] (1 = token, 0 = padding, zeros only before ones; None: no padding) says so.
-        Returns (logits of each row's last position, float32: [V] with batch 1, else [batch, V]; the taps
+        Returns (logits of each row's last position, float32: [V] unbatched, else [batch, V]; the taps
         [batch, S, 3H] or None, each row's prompt moved to the front as in the cache).  Sets ``prefix`` to each
         row's prompt length."""
         B, S = input_ids.shape
@@ -406,13 +410,13 @@ class TargetAdapter:
             src = pad + rows.view(1, S)
             slots = torch.where(rows.view(1, S) < lengths.view(B, 1), src, torch.full_like(src, -1))
             ops.kv_compact(self._kv_rows, torch.zeros(B, dtype=torch.long, device=self.device),
-                           slots if B > 1 else slots[0], check=self.device.type != "cuda")
+                           slots if self.batched else slots[0], check=self.device.type != "cuda")
             self.prefix.copy_(lengths)
             taps = self._taps()
             if taps is not None:
                 taps = taps.gather(1, src.clamp(max=S - 1).unsqueeze(-1).expand(-1, -1, taps.shape[-1]))
         logits = out.logits[:, -1].float()
-        return (logits[0] if self.batch == 1 else logits), taps
+        return (logits if self.batched else logits[0]), taps
 
     def _prefill_each(self, input_ids, attention_mask, causal):
         """:meth:`prefill` one prompt at a time, each into its own cache row (row-invariant verification: a

@@ -125,8 +125,8 @@ def _fit_verify(target, draft, tree_tokens, contexts, reps, graphs, cpu_gemm, de
                 mask = torch.ones(m, m, dtype=torch.bool, device=device).tril()
                 window = attention_window(device, ctx + 1, m)   # the committed tokens and the root, then the tree
 
-                def forward(tokens=tokens, depths=depths, mask=mask, window=window):
-                    return tgt.verify(tokens, depths, mask, window)
+                def forward(tokens=tokens.view(1, m), depths=depths.view(1, m), mask=mask.view(1, m, m), window=window):
+                    return tgt.verify(tokens, depths, mask, window)       # the engine's form: a batch of one
 
                 # as in decoding: the prefix at ctx committed positions (a prefill's content, never read back)
                 calls.append((n, ctx, lambda c=ctx: tgt.prefix.fill_(c), forward))
@@ -170,7 +170,7 @@ def _fit_levels(target, draft, beams, levels, ctx, reps, graphs, cpu_gemm, devic
     """draft(L, K) from the draft's side of the engine's cycle (growth, verification tree, catch-up): (e, f, g, h)."""
     import torch
 
-    from ..engine.tree import bucket_for
+    from ..engine.tree import bucket_for, tree_size, verification_tree
     from ..growth import candidate_count
     from ..policy import Policy
 
@@ -193,15 +193,18 @@ def _fit_levels(target, draft, beams, levels, ctx, reps, graphs, cpu_gemm, devic
             dr.prime(taps, ids, torch.full((1,), ctx - 1, dtype=torch.long, device=device), prompt=prompt)
             for L in levels:
                 R = min(L + 2, ctx)                       # the rows a cycle of L levels may commit
-                kept = torch.arange(R, device=device)
-                path_tokens = prompt[0, :R].clone()
+                kept = torch.arange(R, device=device).view(1, R)
+                path_tokens = prompt[:, :R].clone()
                 length = torch.full((1,), R, dtype=torch.long, device=device)
                 nxt = prompt[0, :1].clone()
+                n = tree_size(K, L, policy.total_tokens) - 1
+                T = bucket_for(n + 1, hs.buckets)
+                n, m = (torch.full((1,), x, dtype=torch.long, device=device) for x in (n, candidate_count(K, L)))
 
                 def side(L=L, kept=kept, path_tokens=path_tokens, length=length, nxt=nxt, vtaps=taps[:, :R],
-                         dr=dr, tgt=tgt, cyc=cyc, keep=policy.total_tokens, buckets=hs.buckets):
+                         dr=dr, tgt=tgt, cyc=cyc, n=n, m=m, T=T):
                     g = dr.grow(None, L, tgt.prefix)
-                    dr.tree(g, keep, cyc.state.root, buckets)
+                    verification_tree(g, n, m, cyc.state.root, T, device.type != "cuda")
                     dr.follow(vtaps, kept, path_tokens, length, nxt, tgt.prefix)
 
                 points.append((L, K, _recorded(side, device) if graphs else side))

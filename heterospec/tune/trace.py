@@ -96,7 +96,7 @@ class Trace:
                     tree = trees[t]
                     keep = policy.total_tokens
                     levels = policy.depth
-                    if policy.thresholds:
+                    if policy.binned:            # as the engine decides (a depth-0 policy is not binned)
                         b, extra, keep = policy.plan(tree.path_entropy(policy.depth))
                         levels += extra
                     m = tree.size(levels)
@@ -201,7 +201,7 @@ def record(target, draft, prompts, *, max_new_tokens, top_k=10, levels=11, progr
     dev = next(target.parameters()).device
     d2t = getattr(draft, "d2t", None)
     d2t = d2t.detach().to(dev, torch.long) if d2t is not None and bool(torch.any(d2t != 0)) else None
-    ds = DraftState(draft, top_k, levels, d2t)
+    ds = DraftState(draft, top_k, levels, d2t)        # a batch of one
     out_prompts, outputs, trees = [], [], []
     try:
         for i, prompt in enumerate(prompts):
@@ -219,7 +219,7 @@ def record(target, draft, prompts, *, max_new_tokens, top_k=10, levels=11, progr
                     ds.prime(taps[:, :S], seq[:, 1:S + 1], torch.full((1,), S - 1, dtype=torch.long, device=dev),
                              prompt=prompt)
                 else:      # the position the previous root was committed at
-                    ds.catch_up(taps[:, P - 1:P], seq[:, P:P + 1], torch.full((1,), P - 1, device=dev),
+                    ds.catch_up(taps[:, P - 1:P], seq[:, P:P + 1], torch.full((1,), P - 1, dtype=torch.long, device=dev),
                                 torch.zeros(1, dtype=torch.long, device=dev))
                 per_pos.append(_grown(ds, torch.full((1,), P, dtype=torch.long, device=dev), levels))
             out_prompts.append(prompt[0].cpu().numpy().astype(np.int64))
@@ -240,12 +240,12 @@ def _grown(ds, prefix, levels):
     """The engine's tree at one position, grown one level at a time (growing a then b levels is growing a + b:
     the engine grows the base depth, then a bin's extra levels), as a host CandidateTree."""
     g = ds.grow(None, 0, prefix)
-    path_h, best = [g.path_entropy()], [g.beams[:1]]
+    path_h, best = [g.path_entropy()], [g.beams[:, 0]]
     for _ in range(levels):
         g = ds.grow(g, 1, prefix)
         path_h.append(g.path_entropy())
-        best.append(g.beams[:1])
-    tokens, scores, parents = (x.cpu().numpy() for x in g.candidates())
+        best.append(g.beams[:, 0])
+    tokens, scores, parents = (x[0].cpu().numpy() for x in g.candidates())      # the batch's one row
     return CandidateTree(tokens.astype(np.int64), scores.astype(np.float32), parents.astype(np.int64),
                          torch.cat(path_h).cpu().numpy().astype(np.float64),
                          torch.cat(best).cpu().numpy().astype(np.int64), ds.K)
