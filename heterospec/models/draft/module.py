@@ -77,6 +77,8 @@ def write_at(dst, slots, src):
     """A static cache's write: ``src`` [B, heads, S, D] into ``dst`` [B, heads, C, D] at columns ``slots`` -- [S],
     the same columns in every row (one ``index_copy_``), or [B, S], each row its own (a ``scatter_``)."""
     src = src.to(dst.dtype)
+    if slots.dim() == 2 and slots.shape[0] == 1:
+        slots = slots[0]         # one row's own columns are the same columns in every row: the faster copy
     if slots.dim() == 1:
         dst.index_copy_(2, slots, src)
     else:
