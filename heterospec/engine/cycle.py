@@ -62,7 +62,8 @@ class CycleState:
 
     def keep(self, idx):
         """The state of the rows ``idx`` alone (the eager engine drops finished rows)."""
-        return CycleState(self.root[idx], self.seed[idx], self.offset[idx], self.bad[idx], self.rows.index_select(1, idx))
+        return CycleState(self.root[idx], self.seed[idx], self.offset[idx], self.bad[idx],
+                          self.rows.index_select(1, idx))
 
 
 class Cycle:
@@ -152,7 +153,7 @@ class Cycle:
             path, length, nxt = ops.verify_greedy(tokens, parents, logits, n=n_real, check=check)
         length = length.masked_fill(masked, 0)              # a finished row commits nothing
         path = path.masked_fill(masked.view(B, 1), -1)
-        R = min(T, self.policy.levels + 2) if self.drafting else 1
+        R = min(T, self.policy.levels + 2) if self.drafting else 1   # positions a cycle may commit: the catch-up's rows
         kept = path[:, :R].clamp(min=0)
         path_tokens = tokens.gather(1, kept)
         lap("ops_s")

@@ -338,7 +338,8 @@ class HeteroSpec:
         A request ends at ``max_new_tokens`` or at an ``eos_token_id`` (an id or ids; None, the default: the
         target's ``generation_config.eos_token_id``, as HuggingFace's ``generate`` takes it; [] for none).
 
-        A batch (the same loop: batch 1 is a batch of one): ``input_ids`` [B, S] left-padded with an ``attention_mask`` [B, S] (as a
+        A batch (the same loop: batch 1 is a batch of one): ``input_ids`` [B, S] left-padded with an
+        ``attention_mask`` [B, S] (as a
         HuggingFace tokenizer pads prompts for generation; None: no padding), or a list of prompts of any lengths
         (1-D token sequences).  Each row decodes losslessly on its own: its output equals that prompt decoded
         alone.  Returns the sequences -- for a tensor, [B, S + the longest generation] with each row's input
@@ -585,7 +586,8 @@ class HeteroSpec:
                     levels = [pol.depth + p[1] for p in plans]
                     sizes = [tree_size(K, lv, p[2]) if cyc.drafting else 1 for lv, p in zip(levels, plans)]
                     T = bucket_for(max(sizes), self.buckets) if max(sizes) > 1 else 1
-                    cyc.set_rows([s - 1 for s in sizes], [candidate_count(K, lv) if cyc.drafting else 0 for lv in levels],
+                    cyc.set_rows([s - 1 for s in sizes],
+                                 [candidate_count(K, lv) if cyc.drafting else 0 for lv in levels],
                                  [int(done[a]) for a in alive])
                     # on the CPU the eager target attends over the used columns only; a recording keeps the whole
                     # cache

@@ -74,4 +74,4 @@ def to_device(values, device, dtype=torch.long):
     draft's work already launched (a third host sync per cycle)."""
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, device="cpu", pin_memory=True).to(device, non_blocking=True)

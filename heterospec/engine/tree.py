@@ -1,7 +1,7 @@
 """The drafters: cycle steps 1-5 and the draft's side of step 8 on the device, for a batch of requests (batch 1
 is a batch of one).  :class:`DraftState` (an EAGLE-3 draft): draft catch-up and tree growth with the path
 entropy after the base depth; :class:`NoDraft` (autoregressive decoding): nothing drafted.  Both answer the
-same calls (``prime``, ``grow``, ``rows``, ``follow``, ``keep_rows``), so the cycle (:mod:`.cycle`) has no
+same calls (``prime``, ``grow``, ``follow``, ``keep_rows``), so the cycle (:mod:`.cycle`) has no
 branch on whether there is a draft.  :func:`verification_tree`: step 5, each row's Top-N tree from its growth,
 padded to the cycle's size by the one padding rule.
 
@@ -106,11 +106,6 @@ class DraftState:
             self.draft.begin_sequence(prompt)
         self.catch_up(taps, ids, torch.zeros_like(last), last)
 
-    def rows(self, g, tree_size):
-        """Positions a cycle may commit, the catch-up's fixed row count: the tree's depth (``g.level + 2``:
-        the root expansion, the levels, the bonus token), at most the tree's size."""
-        return min(tree_size, g.level + 2)
-
     def follow(self, vtaps, kept, path_tokens, length, nxt, prefix):
         """Step 8's draft side, per request: catch up on the accepted positions straight from the padded paths,
         before the prefix moves.  ``kept`` [B, R]: each path's tree rows (padding clamped to the root),
@@ -189,9 +184,6 @@ class NoDraft:
 
     def grow(self, g, levels, prefix):
         return None
-
-    def rows(self, g, tree_size):
-        return 1
 
     def follow(self, vtaps, kept, path_tokens, length, nxt, prefix):
         pass
