@@ -7,7 +7,9 @@ network (the device tool's image), through ``bash .ci/gpu``:
     bash .ci/gpu --list                   the phases, their expected minutes and what they run
     bash .ci/gpu                          every default phase in order (not `head`), in the foreground
     bash .ci/gpu PHASE...                 those phases, in the foreground
-    bash .ci/gpu --background PHASE...    those phases detached from the calling shell; returns at once
+    bash .ci/gpu --background PHASE...    those phases detached from the calling shell; returns at once, running
+                                          from a snapshot of the checkout (``src/`` in the work folder), since
+                                          the device tool re-sends the working tree with every later call
     bash .ci/gpu --wait SECONDS           wait up to SECONDS for the background run, then report
     bash .ci/gpu --dry-run PHASE...       print the commands, run nothing
 
@@ -57,6 +59,8 @@ import xml.etree.ElementTree as ET
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+# the checkout a background run was started from (it runs from a snapshot of it: start_background)
+ORIGIN = os.path.abspath(os.environ.get("HETEROSPEC_GPU_ORIGIN", REPO))
 sys.path.insert(0, HERE)
 import gpu_carry  # noqa: E402  (the bundle format, one implementation for both sides)
 import gpu_window  # noqa: E402  (the ledger, the digests and the window plan)
@@ -280,7 +284,7 @@ def bench_args():
 def _data_dir(ctx, env_name, carried, shared, in_repo=None):
     d = os.environ.get(env_name)
     for cand in ([d] if d else []) + ([os.path.join(REPO, in_repo)] if in_repo else []) + \
-            [os.path.join(ctx.work, "carry", "files", carried), os.path.join(REPO, "..", "shared", "data", shared)]:
+            [os.path.join(ctx.work, "carry", "files", carried), os.path.join(ORIGIN, "..", "shared", "data", shared)]:
         if os.path.isdir(cand):
             return cand
     return None
@@ -904,14 +908,47 @@ def background_state(ctx):
     return bg
 
 
+# what a snapshot leaves out: version control, environments, build trees, caches and our own output folders
+# (top-level names), and anything of these names at any depth
+SNAPSHOT_SKIP_TOP = {".git", "build", "dist", "gpu-out", "bench-out", "head-window", "head-recipe"}
+SNAPSHOT_SKIP_ANY = {"__pycache__", ".pytest_cache", ".hypothesis", ".ruff_cache", ".ipynb_checkpoints"}
+
+
+def snapshot(src, dst, skip=()):
+    """A copy of the checkout ``src`` at ``dst`` (replaced), for a background run to work from.
+
+    The device tool sends the working tree again with every call, and a call made while a background run
+    goes (``--wait``) rewrites the files under it: the third window's build once found a header missing,
+    and one pytest-xdist worker collected the op tests without ``tests/conftest.py`` (so without their
+    ``impl`` parameter) while the others had it.  The run works from its own copy instead.  Built
+    extensions (``*.so``) are kept: a run without the build phase uses the one built in place before."""
+    src, dst = os.path.abspath(src), os.path.abspath(dst)
+    skip = {os.path.abspath(s) for s in skip} | {dst}
+
+    def ignore(base, names):
+        top = os.path.abspath(base) == src
+        return [n for n in names if n in SNAPSHOT_SKIP_ANY or n.endswith(".egg-info")
+                or (top and (n in SNAPSHOT_SKIP_TOP or n.startswith((".venv", ".gpu-carry"))))
+                or os.path.join(os.path.abspath(base), n) in skip]
+
+    if os.path.lexists(dst):
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst, symlinks=True, ignore=ignore)
+    return dst
+
+
 def start_background(ctx, names, phases_file=None, child_args=None):
     log = open(os.path.join(ctx.work, "background.log"), "w")
     env = dict(ctx.env)
     env.pop("OUT", None)                        # $OUT is emptied by the next call: the child writes to work
     env["HETEROSPEC_GPU_WORK"] = ctx.work
-    cmd = [sys.executable, os.path.abspath(__file__)] + (["--phases-file", phases_file] if phases_file else []) + \
-        (child_args or names)
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    env["HETEROSPEC_GPU_ORIGIN"] = ORIGIN       # where ../shared is looked for
+    src = snapshot(REPO, os.path.join(ctx.work, "src"), skip=[ctx.work])
+    if phases_file:
+        phases_file = os.path.abspath(phases_file)
+    cmd = [sys.executable, os.path.join(src, os.path.relpath(os.path.abspath(__file__), REPO))] + \
+        (["--phases-file", phases_file] if phases_file else []) + (child_args or names)
+    proc = subprocess.Popen(cmd, cwd=src, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True)
     write_json(os.path.join(ctx.work, "background.json"), {"pid": proc.pid, "phases": names, "started": now()})
     print(f"gpu: started {', '.join(names)} in the background (pid {proc.pid}; log {ctx.work}/background.log); "

@@ -279,6 +279,34 @@ def test_background_returns_at_once_and_wait_reports(tmp_path):
     assert "background run of quick, slow: finished" in text
 
 
+def test_a_background_run_works_from_its_own_snapshot_of_the_checkout(tmp_path):
+    """The device tool re-sends the working tree with every call, so a background run works from a copy: the
+    third window lost a header mid-build and one xdist worker collected the op tests without their conftest."""
+    table = [{"name": "where", "steps": [["x", "pwd; test -f tests/conftest.py && test -f csrc/cuda/rows.cuh "
+                                               "&& test ! -e .git && echo complete"]]}]
+    f = _phases_file(tmp_path, table)
+    assert _gpu(["--phases-file", f, "--background", "where"], tmp_path).returncode == 0
+    assert _gpu(["--phases-file", f, "--wait", "60"], tmp_path).returncode == 0
+    log = (tmp_path / "work" / "where" / "x.log").read_text()
+    assert str(tmp_path / "work" / "src") in log and "complete" in log, log
+
+
+def test_a_snapshot_copies_the_tree_without_environments_builds_or_itself(tmp_path):
+    src = tmp_path / "repo"
+    for rel in ("a.py", "pkg/_C.so", "tests/conftest.py", ".git/HEAD", ".venv/bin/python", "build/x.o",
+                "pkg/__pycache__/a.pyc", "x.egg-info/PKG-INFO", ".gpu-carry/1/part", "benchmarks/build/keep.txt",
+                "gpu-out/phase/log"):
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(rel)
+    dst = src / "gpu-out" / "src"          # inside the checkout, as the default work folder is
+    (dst / "stale").mkdir(parents=True)
+    phases.snapshot(str(src), str(dst), skip=[str(src / "gpu-out")])
+    got = sorted(str(p.relative_to(dst)) for p in dst.rglob("*") if p.is_file())
+    assert got == ["a.py", "benchmarks/build/keep.txt", "pkg/_C.so", "tests/conftest.py"]
+    (src / "a.py").write_text("changed")   # the next call's copy of the tree does not reach the run's
+    assert (dst / "a.py").read_text() == "a.py"
+
+
 def test_a_killed_background_run_leaves_its_phase_interrupted_not_running(tmp_path):
     table = [{"name": "slow", "steps": [["x", "sleep 60"]]}]
     f = _phases_file(tmp_path, table)
