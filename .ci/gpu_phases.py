@@ -131,14 +131,18 @@ PHASES = (
     ), needs=("cuda",), workers=3),
     # compute-sanitizer instruments our kernels only (kns=hs_k: every kernel of csrc/cuda is named hs_k_*), so
     # torch's own kernels run at full speed; no caching allocator, so an overrun past a tensor is seen
-    Phase("sanitizer", 4, "compute-sanitizer memcheck, then racecheck, over the CUDA op tests (our kernels only)", (
+    # The third window (H200): memcheck 99 s, but torch's allocator is off under it (every out-of-bounds access
+    # shows), so a graph capture's allocations fail: the two capture tests run in `kernels` instead.  racecheck
+    # took 441 s for half the file in one process: it spreads over 4 processes and leaves out the float16 and
+    # bfloat16 cases (the same kernels and barriers as float32, other loads).
+    Phase("sanitizer", 5, "compute-sanitizer memcheck, then racecheck, over the CUDA op tests (our kernels only)", (
         Step("memcheck", "PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --kernel-name kns=hs_k "
                          "--error-exitcode 99 --print-limit 20 " + PYTEST % "memcheck" + " -m 'not statistical'"
-                         " tests/test_cuda.py"),
+                         " -k 'not graph_capture' tests/test_cuda.py"),
         Step("racecheck", "compute-sanitizer --tool racecheck --racecheck-report hazard --kernel-name kns=hs_k "
                           "--error-exitcode 99 --print-limit 20 " + PYTEST % "racecheck" + " -m 'not statistical'"
-                          " tests/test_cuda.py"),
-    ), needs=("cuda",)),
+                          " -k 'not graph_capture and not float16' tests/test_cuda.py"),
+    ), needs=("cuda",), workers=4),
     Phase("kernels-bench", 2, "the cycle and per-op kernel times against the memory floor (V = 49,152 and "
                               "128,256; greedy and sampled), and the kernel probe", (
         Step("cuda-cycle", "{py} -m benchmarks.bench_cuda_cycle --per-op --iters 200 --out {dir}/cuda-cycle.json"),

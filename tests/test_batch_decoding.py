@@ -3,6 +3,8 @@ HuggingFace's greedy generate of that prompt alone and the engine's own batch-1 
 EAGLE-3 and HeteroSpec policies on Llama, Qwen2 and Qwen3 tiny targets -- with ragged per-row trees whose padding
 is never accepted, rows that finish early dropped, per-row sampling keyed by seed + row (a row draws as its
 prompt alone, and by chi-square follows the warped target), and one-line errors for bad batches."""
+import re
+
 import numpy as np
 import pytest
 
@@ -201,7 +203,7 @@ def test_sampling_per_row_matches_the_target_distribution(setting):
      r"generate: argument 'streamer' expected a single prompt, got a batch of 3"),
     (lambda hs, ids, m: hs.generate(ids, attention_mask=m, max_new_tokens=4, finished_rows="keep"),
      r"generate: argument 'finished_rows' expected 'drop' or 'mask', got 'keep'"),
-    (lambda hs, ids, m: hs.generate(ids, attention_mask=m.numpy(), max_new_tokens=4),
+    (lambda hs, ids, m: hs.generate(ids, attention_mask=m.cpu().numpy(), max_new_tokens=4),
      r"generate: argument 'attention_mask' expected a torch.Tensor of the shape of input_ids \(3, \d+\), got ndarray"),
     (lambda hs, ids, m: hs.generate(ids[:, :0], max_new_tokens=4),
      r"generate: argument 'input_ids' expected at least one token, got 0"),
@@ -286,8 +288,9 @@ def test_a_batch_too_large_for_memory_is_refused_before_decoding(monkeypatch):
     ids, mask = left_padded(prompts(3))
     hs = HeteroSpec(model)
     monkeypatch.setattr(requests_mod, "available_bytes", lambda device: 1000)
+    where = re.escape(str(ids.device))            # a tensor's device has its index: cuda:0
     with pytest.raises(ValueError, match=r"^generate: argument 'input_ids' expected a batch whose static caches fit "
-                                         r"the cpu memory available \(0.00 GiB\), got 3 prompts needing about "
+                                         r"the " + where + r" memory available \(0.00 GiB\), got 3 prompts needing about "
                                          r"[0-9.]+ GiB \(\d+ positions per row\)$"):
         hs.generate(ids, attention_mask=mask, max_new_tokens=8)
     assert all(not layer._forward_pre_hooks for layer in model.model.layers)   # nothing left on the model

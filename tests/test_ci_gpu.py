@@ -614,6 +614,8 @@ def test_expected_minutes_come_from_the_last_run_of_the_same_definition():
     assert window.expected_minutes(ph, _entry("x", "pass", 1.25, same)) == 1.25
     assert window.expected_minutes(ph, _entry("x", "pass", 1.25, "another")) == 3   # run another way then
     assert window.expected_minutes(ph, _entry("x", "timeout", 9.0, same)) == 9.0    # cut: at least that again
+    assert window.expected_minutes(ph, _entry("x", "fail", 0.2, same)) == 3        # failed early: the estimate
+    assert window.expected_minutes(ph, _entry("x", "fail", 6.5, same)) == 6.5      # failed late: that again
 
 
 def _git_repo(tmp_path):

@@ -592,6 +592,7 @@ def test_graph_captured_kv_compact_follows_the_plen_tensor():
 
 
 @need_gpu
+@pytest.mark.statistical     # 4,000 synchronised calls: the sanitizer phase leaves it out (racecheck stalled on it)
 def test_sampled_tokens_have_the_target_distribution_on_gpu():
     """Chi-square test of the emitted first token against the warped target distribution (GPU path)."""
     import torch
@@ -1055,6 +1056,133 @@ def test_a_failed_verify_row_leaves_outputs_later_ops_can_index_and_the_error_re
     with pytest.raises(ValueError, match="expected finite" if bad == "nan" else "at least one"):
         ops.cuda_check(0, stream=0)
     ops.cuda_check(0, stream=0)    # consumed
+
+
+def _deferred_error(match):
+    with pytest.raises(ValueError, match=match):
+        ops.cuda_check(0, stream=0)
+    ops.cuda_check(0, stream=0)    # consumed
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "allneg", "beam"])
+@pytest.mark.parametrize("k", [3, 300])        # the split kernels (k <= 256) and the one-block-per-row one
+def test_a_refused_expand_row_leaves_outputs_the_engine_can_index(bad, k, monkeypatch):
+    """The third GPU window: a draft with NaN logits made expand (check=False, as the engine calls it) leave a
+    row's parents and tokens as the allocator left them, and the engine's next gather killed the CUDA context
+    with a device-side assert.  A refused row writes candidates 0..k-1 with score -inf and the row's node as
+    parent, entropy 0; the other rows are the CPU core's, the next beams come from them, and the error is
+    recorded for cuda_check."""
+    _poisoned_outputs(monkeypatch)
+    rng = np.random.default_rng(k)
+    B, Vd, offset = 3, 400, 7
+    x = rng.normal(0, 2, (B, Vd)).astype(np.float32)
+    scores = np.array([-0.5, -1.0, -0.25])
+    nodes = np.array([0, 2, 5], np.int64)
+    clean_x, clean_scores = x.copy(), scores.copy()
+    if bad == "nan":
+        x[1, 9] = np.nan
+    elif bad == "inf":
+        x[1, 9] = np.inf
+    elif bad == "allneg":
+        x[1] = -np.inf
+    else:
+        scores[1] = np.nan
+    dev, _ = D.put_logits(x, "float32")
+    tok, sc, par, ent, nxt = (D.get(a) for a in ops.expand(dev, D.put(scores), D.put(nodes), k,
+                                                           node_offset=offset, check=False))
+    want = ops.expand(clean_x, clean_scores, nodes, k, node_offset=offset)
+    row = slice(k, 2 * k)
+    np.testing.assert_array_equal(tok[row], np.arange(k))
+    assert np.all(sc[row] == -np.inf) and np.all(par[row] == 2) and ent[1] == 0.0
+    for r in (0, 2):
+        sl = slice(r * k, (r + 1) * k)
+        np.testing.assert_array_equal(tok[sl], want[0][sl])
+        np.testing.assert_allclose(sc[sl], want[1][sl], rtol=1e-5)
+        np.testing.assert_array_equal(par[sl], want[2][sl])
+    assert np.all((nxt >= offset) & (nxt < offset + B * k)) and not np.any((nxt >= offset + k) & (nxt < offset + 2 * k))
+    _deferred_error(r"argument '(logits|beam_scores)' expected")
+
+
+def test_a_refused_topk_entropy_row_is_zero_and_the_others_are_the_cpus(monkeypatch):
+    _poisoned_outputs(monkeypatch)
+    for k in (3, 300):
+        x = np.random.default_rng(k).normal(0, 1, (3, 500)).astype(np.float32)
+        clean = x.copy()
+        x[1, 4] = np.nan
+        dev, _ = D.put_logits(x, "float32")
+        got = D.get(ops.topk_entropy(dev, k, check=False))
+        want = ops.topk_entropy(clean, k)
+        assert got[1] == 0.0
+        np.testing.assert_allclose(got[[0, 2]], want[[0, 2]], rtol=1e-5)
+        _deferred_error(r"argument 'logits' expected finite values .*got nan at \[1, 4\]")
+
+
+def test_a_refused_select_row_selects_its_first_candidates(monkeypatch):
+    _poisoned_outputs(monkeypatch)
+    s = np.random.default_rng(0).normal(0, 1, (2, 40))
+    clean = s.copy()
+    s[0, 13] = np.nan
+    got = D.get(ops.select(D.put(s), 5, check=False))
+    np.testing.assert_array_equal(got[0], np.arange(5))
+    np.testing.assert_array_equal(got[1], ops.select(clean, 5)[1])
+    _deferred_error(r"argument 'scores' expected")
+    # per-row sizes out of range: that row selects nothing (-1), the other is the CPU's
+    got = D.get(ops.select(D.put(clean), D.put(np.array([3, 50], np.int64)), width=6, check=False))
+    np.testing.assert_array_equal(got[1], np.full(6, -1))
+    np.testing.assert_array_equal(got[0], ops.select(clean, np.array([3, 3], np.int64), width=6)[0])
+    _deferred_error(r"cuda_check: argument")
+
+
+def _star(T, n, root):
+    """The tree a refused build_tree request gets: n nodes under the root, all with the root's token."""
+    tokens = np.full(T, -1)
+    tokens[:n + 1] = root
+    parents = np.full(T, -1)
+    parents[1:n + 1] = 0
+    depths = np.full(T, -1)
+    depths[0], depths[1:n + 1] = 0, 1
+    mask = np.zeros((T, T), bool)
+    mask[:n + 1, 0] = True
+    mask[np.arange(n + 1), np.arange(n + 1)] = True
+    retrieve = np.full((T, T), -1)
+    if n == 0:
+        retrieve[0, 0] = 0
+    for i in range(1, n + 1):
+        retrieve[i - 1, :2] = (0, i)
+    return tokens, parents, depths, mask, retrieve, max(n, 1), min(n, 1)
+
+
+@pytest.mark.parametrize("bad", ["not-closed", "range", "order", "root", "size"])
+def test_a_refused_build_tree_request_gets_a_tree_the_engine_can_index(bad, monkeypatch):
+    """A refused request's tree: its nodes all children of the root with the root's token (0 for a negative
+    root), so the verify forward's embedding, positions, mask and retrieve gathers stay in range; the other
+    request's tree is the CPU core's."""
+    _poisoned_outputs(monkeypatch)
+    tokens = np.array([[4, 5, 6, 7], [8, 9, 10, 11]], np.int64)
+    parents = np.array([[-1, 0, 1, -1], [-1, 0, 0, 2]], np.int64)
+    sel = np.array([[0, 1, 3], [0, 2, 3]], np.int64)
+    root = np.array([1, 2], np.int64)
+    n = np.array([3, 3], np.int64)
+    if bad == "not-closed":
+        sel[0] = [0, 2, 3]           # candidate 2's parent 1 is not selected
+    elif bad == "range":
+        sel[0] = [0, 1, 9]
+    elif bad == "order":
+        sel[0] = [1, 0, 3]
+    elif bad == "root":
+        root[0] = -3
+    else:
+        n[0] = 7
+    tree, leaves, depth = ops.build_tree(D.put(tokens), D.put(parents), D.put(sel), D.put(root), n=D.put(n),
+                                         check=False)
+    got = [D.get(a)[0] for a in tree] + [int(D.get(leaves)[0]), int(D.get(depth)[0])]
+    want = _star(4, 0 if bad == "size" else 3, 0 if bad == "root" else 1)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    ok = ops.build_tree(tokens[[1, 1]], parents[[1, 1]], sel[[1, 1]], root[[1, 1]], n=n[[1, 1]])
+    for g, w in zip(list(tree) + [leaves, depth], list(ok[0]) + [ok[1], ok[2]]):
+        np.testing.assert_array_equal(D.get(g)[1], np.asarray(w)[1])
+    _deferred_error(r"cuda_check: argument '(selected|root_token|n)' expected")
 
 
 def test_a_grown_workspace_keeps_the_old_one_for_recorded_graphs():

@@ -42,18 +42,32 @@ def pair(tmp_path_factory):
 
 class Poison:
     """A forward hook on a module's output logits: from its ``at``-th call on (1-based), sets one entry of
-    request ``row``'s first position to ``value``."""
+    request ``row``'s first position to ``value``.  The count and the switch live on the device and the hook
+    uses no host value, so a CUDA graph recorded with the hook on replays it: a hook added after the recording,
+    or a Python counter, is never run by a replay (the third GPU window).  ``at=None``: off; :meth:`arm`
+    restarts the count."""
+
+    OFF = 2**62
 
     def __init__(self, module, at, value=float("nan"), row=0):
-        self.calls, self.at, self.value, self.row = 0, at, value, row
+        device = next(module.parameters()).device
+        self.calls = torch.zeros((), dtype=torch.long, device=device)
+        self.at = torch.full((), self.OFF, dtype=torch.long, device=device)
+        self.value, self.row = value, row
+        self.arm(at)
         self.handle = module.register_forward_hook(self)
 
+    def arm(self, at):
+        self.calls.zero_()
+        self.at.fill_(self.OFF if at is None else at)
+
     def __call__(self, module, args, out):
-        self.calls += 1
-        if self.calls >= self.at:
-            out = out.clone()
-            out[self.row, 0, 5] = self.value
+        self.calls.add_(1)
+        if out.shape[0] <= self.row:     # a forward of fewer requests (a batch's prompts are prefilled one by one)
             return out
+        out = out.clone()
+        entry = out[self.row, 0, 5]
+        out[self.row, 0, 5] = torch.where(self.calls >= self.at, torch.full_like(entry, self.value), entry)
         return out
 
     def remove(self):
@@ -78,24 +92,26 @@ def test_target_nan_or_inf_is_a_clear_error_naming_the_target_and_the_cycle(pair
     model, head = pair
     p = prompts(2)[1]
     want = reference_greedy(model, p, NEW)[0, p.shape[1]:].tolist()
-    with HeteroSpec(model, None if name == "ar" else head, POLICIES[name](), cuda_graphs=graphs) as hs:
-        hs.generate(p, max_new_tokens=NEW)      # records the steps (cuda_graphs), which run the target too
-        poison = Poison(model.lm_head, at=4)    # call 1: the prefill; call c + 1: cycle c's verification
-        out = Streamed()
-        try:
+    poison = Poison(model.lm_head, at=None)     # on before the steps are recorded, so replays run it
+    try:
+        with HeteroSpec(model, None if name == "ar" else head, POLICIES[name](), cuda_graphs=graphs) as hs:
+            hs.generate(p, max_new_tokens=NEW)  # records the steps (cuda_graphs), which run the target too
+            poison.arm(4)                       # call 1: the prefill; call c + 1: cycle c's verification
+            out = Streamed()
             with pytest.raises(NonFiniteLogitsError) as e:
                 hs.generate(p, max_new_tokens=NEW, streamer=out)
-        finally:
-            poison.remove()
-        msg = str(e.value)
-        assert "\n" not in msg and "target model LlamaForCausalLM (float32)" in msg and "cycle 3" in msg, msg
-        assert "non-finite logits" in msg and "position" in msg
-        # what was streamed before the error is the target's own greedy output, and nothing of cycle 3
-        streamed = out.tokens[p.shape[1]:]
-        assert streamed == want[:len(streamed)]
-        # the engine is usable afterwards: the same call gives the target's greedy output
-        seq, _ = hs.generate(p, max_new_tokens=NEW)
-        assert seq[0, p.shape[1]:].tolist() == want
+            poison.arm(None)
+            msg = str(e.value)
+            assert "\n" not in msg and "target model LlamaForCausalLM (float32)" in msg and "cycle 3" in msg, msg
+            assert "non-finite logits" in msg and "position" in msg
+            # what was streamed before the error is the target's own greedy output, and nothing of cycle 3
+            streamed = out.tokens[p.shape[1]:]
+            assert streamed == want[:len(streamed)]
+            # the engine is usable afterwards: the same call gives the target's greedy output
+            seq, _ = hs.generate(p, max_new_tokens=NEW)
+            assert seq[0, p.shape[1]:].tolist() == want
+    finally:
+        poison.remove()
 
 
 def test_nan_in_the_prompts_forward_is_named_as_such(pair):
@@ -186,15 +202,17 @@ def test_float16_overflow_says_so(pair):
 def test_batch_names_the_request(pair, graphs):
     model, head = pair
     ps = [q[0] for q in prompts(3)]
-    with HeteroSpec(model, head, POLICIES["heterospec"](), cuda_graphs=graphs) as hs:
-        hs.generate(ps, max_new_tokens=NEW)     # records the steps (cuda_graphs), which run the target too
-        poison = Poison(model.lm_head, at=3, row=1)
-        try:
+    poison = Poison(model.lm_head, at=None, row=1)   # on before the recording (Poison)
+    try:
+        with HeteroSpec(model, head, POLICIES["heterospec"](), cuda_graphs=graphs) as hs:
+            hs.generate(ps, max_new_tokens=NEW)     # records the steps (cuda_graphs), which run the target too
+            poison.arm(3)
             with pytest.raises(NonFiniteLogitsError, match="target model .* in cycle 2 for request 1, at position"):
                 hs.generate(ps, max_new_tokens=NEW)
-        finally:
-            poison.remove()
-        seqs, _ = hs.generate(ps, max_new_tokens=NEW)
+            poison.arm(None)
+            seqs, _ = hs.generate(ps, max_new_tokens=NEW)
+    finally:
+        poison.remove()
     for q, s in zip(ps, seqs):
         assert s[q.shape[0]:].tolist() == reference_greedy(model, q.view(1, -1), NEW)[0, q.shape[0]:].tolist()
 

@@ -23,7 +23,10 @@ __global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_topk_entropy(const void *logits, 
     float m;
     long long bad;
     hs_row_max_check<DT>(logits, base, V, red, &m, &bad);
-    if (!hs_row_ok(bad, m, r, err)) return;
+    if (!hs_row_ok(bad, m, r, err)) {
+        if (threadIdx.x == 0) out[r] = 0.f; /* refused (reported): a defined value, never the allocator's */
+        return;
+    }
     hs_logit_key<DT> key{logits, base};
     hs_radix<uint32_t> sel;
     hs_block_radix_select(key, V, k, scratch, red, &sel);
@@ -49,7 +52,10 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_entropy_merge(int64_t C, int64_
     float m;
     long long bad;
     hs_merge_max(P, C, red, &m, &bad);
-    if (!hs_row_ok(bad, m, r, err)) return;
+    if (!hs_row_ok(bad, m, r, err)) {
+        if (threadIdx.x == 0) out[r] = 0.f;
+        return;
+    }
     const uint32_t *CK = ckey + r * C * k;
     const int64_t *CI = cidx + r * C * k;
     const double zmax = (double)m / temperature;

@@ -39,6 +39,20 @@ __device__ __forceinline__ void hs_expand_out(int64_t id, float x, int64_t o, fl
     }
 }
 
+/* A refused beam row (its error already reported) still writes outputs that later ops and the engine's gathers
+ * can index, never the allocator's garbage: candidate j is draft id j (a token of both vocabularies), score
+ * -inf (never preferred to a real candidate), parent the row's node (-1 when that was the bad input), entropy
+ * 0.  The caller raises the recorded error before any of it is used as a token. */
+__device__ __forceinline__ void hs_expand_refused(int64_t r, int64_t k, int64_t node, int64_t *out_tokens,
+                                                  float *out_scores, int64_t *out_parents, float *out_entropy) {
+    for (int64_t c = threadIdx.x; c < k; c += blockDim.x) {
+        out_tokens[r * k + c] = c;
+        out_scores[r * k + c] = -HS_INF;
+        out_parents[r * k + c] = node < -1 ? -1 : node;
+    }
+    if (threadIdx.x == 0) out_entropy[r] = 0.f;
+}
+
 /* What both expand kernels start from: their shared memory (the block reduction, the radix scratch, then k
  * candidates: ids, keys, ranks, and two ints: [0] count, [1] last-block flag) and this block's beam row r (request
  * bi, beam b) with its score and node, checked (thread 0 reports; ok is 0 if either is bad). */
@@ -146,6 +160,8 @@ __global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_expand(const void *logits, int64_
             hs_expand_out(w.cand[c], hs_unkey32(w.cval[c]), (w.bi * B + w.b) * k + w.rank[c], m, lse, w.base, w.node,
                           d2t, d2t_dt, out_tokens, out_scores, out_parents, &Z, &S, err);
         hs_block_entropy(Z, S, w.red, out_entropy + r);
+    } else {
+        hs_expand_refused(r, k, w.node, out_tokens, out_scores, out_parents, out_entropy);
     }
     /* the last block of request bi to get here picks the next beams from all B*k scores */
     hs_pick_next_beams(w, B, k, node_offset, out_scores, out_next_beams, counters);
@@ -183,6 +199,8 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_expand_merge(int64_t B, int64_t
                           out_tokens, out_scores, out_parents, &Z, &S, err);
         }
         hs_block_entropy(Z, S, w.red, out_entropy + r);
+    } else {
+        hs_expand_refused(r, k, w.node, out_tokens, out_scores, out_parents, out_entropy);
     }
     hs_pick_next_beams(w, B, k, node_offset, out_scores, out_next_beams, counters);
 }
@@ -261,6 +279,7 @@ __global__ void HS_BOUNDS(HS_TREE_THREADS) hs_k_select(const void *scores, int d
     const int64_t b = blockIdx.x, mb = m_dev ? m_dev[b] : M, nb = n_dev ? n_dev[b] : N;
     if (mb < 0 || mb > M || nb < 0 || nb > mb || nb > N) {
         if (threadIdx.x == 0) hs_report(err, HS_CE_SIZE, nb, mb);
+        for (int64_t i = threadIdx.x; i < N; i += blockDim.x) out[b * N + i] = -1; /* refused: nothing selected */
         return;
     }
     for (int64_t i = nb + threadIdx.x; i < N; i += blockDim.x) out[b * N + i] = -1; /* past the row's count */
@@ -272,6 +291,8 @@ __global__ void HS_BOUNDS(HS_TREE_THREADS) hs_k_select(const void *scores, int d
     nan_at = hs_block_reduce(nan_at, red, hs_op_min());
     if (nan_at != 0x7fffffffffffffffll) {
         if (threadIdx.x == 0) hs_report(err, HS_CE_SCORE_NAN, nan_at);
+        /* refused (reported): the first nb candidates, ascending and in range, never the allocator's garbage */
+        for (int64_t i = threadIdx.x; i < nb; i += blockDim.x) out[b * N + i] = i;
         return;
     }
     if (nb == 0) return;
@@ -304,6 +325,29 @@ extern "C" hs_status hs_cuda_select(const void *scores, hs_dtype score_dtype, in
 
 /* ---- build_tree ------------------------------------------------------------------------------------------ */
 
+/* A refused request (its error already reported) still gets a tree that later ops and the engine's gathers can
+ * index, never the allocator's garbage: its Tb nodes all children of the root, every token the root's (0 when
+ * the root was the bad input), one retrieve row per leaf.  The caller raises the recorded error before the
+ * tree is verified against anything. */
+__device__ void hs_tree_refused(int64_t T, int64_t Tb, int64_t R, int64_t *ot, int64_t *op_, int64_t *od,
+                                uint8_t *mk, int64_t *rt, int64_t *num_leaves, int64_t *max_depth) {
+    __syncthreads(); /* after every thread's writes of the checked path */
+    for (int64_t i = threadIdx.x; i < Tb; i += blockDim.x) {
+        ot[i] = R < 0 ? 0 : R;
+        op_[i] = i == 0 ? -1 : 0;
+        od[i] = i == 0 ? 0 : 1;
+    }
+    for (int64_t e = threadIdx.x; e < Tb * T; e += blockDim.x) mk[e] = e % T == 0 || e % T == e / T;
+    for (int64_t e = threadIdx.x; e < T * T; e += blockDim.x) {
+        const int64_t row = e / T, col = e % T;
+        rt[e] = Tb == 1 ? (row == 0 && col == 0 ? 0 : -1) : row + 1 < Tb && col < 2 ? (col == 0 ? 0 : row + 1) : -1;
+    }
+    if (threadIdx.x == 0) {
+        *num_leaves = Tb == 1 ? 1 : Tb - 1;
+        *max_depth = Tb == 1 ? 0 : 1;
+    }
+}
+
 __global__ void HS_BOUNDS(HS_TREE_THREADS) hs_k_build_tree(const void *tokens, int tdt, const void *parents, int pdt, int64_t M,
                                 const void *selected, int sdt, int64_t N, const int64_t *n_dev,
                                 const int64_t *root_dev, int64_t root_token, int64_t *out_tokens,
@@ -317,11 +361,10 @@ __global__ void HS_BOUNDS(HS_TREE_THREADS) hs_k_build_tree(const void *tokens, i
     int *dep = par + T;
     int *has_child = dep + T;
     int *flag = has_child + T;
-    const int64_t nb = n_dev ? n_dev[b] : N;
-    if (nb < 0 || nb > N || nb > M) {
-        if (threadIdx.x == 0) hs_report(err, HS_CE_SIZE, nb, N < M ? N : M);
-        return;
-    }
+    const int64_t nb_in = n_dev ? n_dev[b] : N;
+    const int size_ok = nb_in >= 0 && nb_in <= N && nb_in <= M;
+    if (!size_ok && threadIdx.x == 0) hs_report(err, HS_CE_SIZE, nb_in, N < M ? N : M);
+    const int64_t nb = size_ok ? nb_in : 0; /* refused: the root alone (hs_tree_refused) */
     const int64_t Tb = nb + 1, R = root_dev ? root_dev[b] : root_token;
     if (threadIdx.x == 0) *flag = 0;
     const char *se = (const char *)selected;
@@ -330,8 +373,11 @@ __global__ void HS_BOUNDS(HS_TREE_THREADS) hs_k_build_tree(const void *tokens, i
     /* rows past the tree: -1 and no mask bits (a batch's shorter rows) */
     for (int64_t i = Tb + threadIdx.x; i < T; i += blockDim.x) ot[i] = op_[i] = od[i] = -1;
     for (int64_t e = Tb * T + threadIdx.x; e < T * T; e += blockDim.x) out_mask[b * T * T + e] = 0;
-    if (R < 0) {
-        if (threadIdx.x == 0) hs_report(err, HS_CE_ROOT_NEG, R, b);
+    int64_t *rt = out_retrieve + b * T * T;
+    uint8_t *mk = out_mask + b * T * T;
+    if (R < 0 || !size_ok) { /* block-uniform */
+        if (R < 0 && threadIdx.x == 0) hs_report(err, HS_CE_ROOT_NEG, R, b);
+        hs_tree_refused(T, Tb, R, ot, op_, od, mk, rt, out_num_leaves + b, out_max_depth + b);
         return;
     }
     __syncthreads();
@@ -383,7 +429,10 @@ __global__ void HS_BOUNDS(HS_TREE_THREADS) hs_k_build_tree(const void *tokens, i
         op_[0] = -1;
     }
     __syncthreads();
-    if (*flag) return;
+    if (*flag) {
+        hs_tree_refused(T, Tb, R, ot, op_, od, mk, rt, out_num_leaves + b, out_max_depth + b);
+        return;
+    }
     long long maxd = 0;
     for (int64_t i = threadIdx.x; i < Tb; i += blockDim.x) {
         int d = 0;
@@ -396,14 +445,12 @@ __global__ void HS_BOUNDS(HS_TREE_THREADS) hs_k_build_tree(const void *tokens, i
     maxd = hs_block_reduce(maxd, red, hs_op_max());
     for (int64_t i = 1 + threadIdx.x; i < Tb; i += blockDim.x) has_child[par[i]] = 1;
     /* ancestor-or-self mask, rows 0..nb: parents precede children, so walk up from i while above j */
-    uint8_t *mk = out_mask + b * T * T;
     for (int64_t e = threadIdx.x; e < Tb * T; e += blockDim.x) {
         int64_t i = e / T, j = e % T;
         int a = (int)i;
         while (a > j) a = par[a];
         mk[e] = a == j;
     }
-    int64_t *rt = out_retrieve + b * T * T;
     for (int64_t e = threadIdx.x; e < T * T; e += blockDim.x) rt[e] = -1;
     __syncthreads();
     long long leaves = 0;
