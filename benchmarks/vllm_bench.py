@@ -7,7 +7,7 @@ checkout::
     python -m benchmarks.vllm_bench --target ~/.cache/heterospec/smollm2-135m-instruct \\
         --profile benchmarks/results/vllm-cpu/profile.json --out benchmarks/results/vllm-cpu
 
-Each configuration is one vLLM process (:func:`heterospec.integrations.vllm.run_vllm`) that runs every batch
+Each configuration is one vLLM process (:func:`heterospec.integrations.vllm_runner.run_vllm`) that runs every batch
 size after its own warm-up; every output is checked against vLLM without speculation.  Reported per batch size
 and method: tokens/s (and × none), mean acceptance length (tokens per request-step: vLLM's accepted tokens per
 draft plus one; a plugin step that kept no draft counts as a step committing one token), draft tokens verified
@@ -84,7 +84,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from heterospec.integrations.vllm import ChainSchedule, run_vllm
+    from heterospec.integrations.vllm import ChainSchedule
+    from heterospec.integrations.vllm_runner import run_vllm
     from heterospec.policy.profile import load_profile
     from heterospec.tools.bench.questions import default_question_files, question_paths
 

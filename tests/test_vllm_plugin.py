@@ -18,6 +18,8 @@ torch = pytest.importorskip("torch")
 from heterospec import Policy  # noqa: E402
 from heterospec.growth import chain_path_entropy  # noqa: E402
 from heterospec.integrations import vllm as plugin  # noqa: E402
+from heterospec.integrations import vllm_runner as runner  # noqa: E402
+from heterospec.tune import chain  # noqa: E402
 
 HEAD = os.path.join(os.path.dirname(plugin.__file__), "..", "data", "smollm2-135m-instruct-eagle3")
 PROFILE = os.path.join(HEAD, "profile.json")
@@ -135,9 +137,9 @@ def greedy_runs():
     target = _target()
     prompts = _prompts(target, 4)
     cfg = dict(target=target, prompts=prompts, max_new_tokens=48, batches=[4], warmup_tokens=4, enforce_eager=True)
-    return {"none": plugin.run_vllm(cfg)["runs"][0],
-            "eagle3": plugin.run_vllm(dict(cfg, draft=HEAD, k=3))["runs"][0],
-            "plugin": plugin.run_vllm(dict(cfg, draft=HEAD, k=8), profile=PROFILE)["runs"][0]}
+    return {"none": runner.run_vllm(cfg)["runs"][0],
+            "eagle3": runner.run_vllm(dict(cfg, draft=HEAD, k=3))["runs"][0],
+            "plugin": runner.run_vllm(dict(cfg, draft=HEAD, k=8), profile=PROFILE)["runs"][0]}
 
 
 def test_vllm_greedy_outputs_are_identical_with_the_plugin(greedy_runs):
@@ -184,14 +186,14 @@ def test_vllm_sampling_with_the_plugin_keeps_the_target_distribution():
     n = 400
     cfg = dict(target=target, prompts=[prompt] * n, max_new_tokens=3, batches=[n], temperature=1.0, seed=1000,
                warmup_tokens=0, enforce_eager=True)
-    alone = plugin.run_vllm(cfg)["runs"][0]
-    own = plugin.run_vllm(dict(cfg, draft=HEAD, k=3, seed=3000))["runs"][0]   # other seeds: independent samples
+    alone = runner.run_vllm(cfg)["runs"][0]
+    own = runner.run_vllm(dict(cfg, draft=HEAD, k=3, seed=3000))["runs"][0]   # other seeds: independent samples
     p_own, table = _third_token_test(alone, own)
     if p_own <= 1e-3:
         pytest.xfail(f"vLLM's own EAGLE-3 sampling (no plugin) differs from vLLM without speculation on this "
                      f"backend: chi-square p = {p_own:.2g} on the third new token ({table.tolist()}); a vLLM bug, "
                      f"so the plugin cannot be lossless when sampling here")
-    run = plugin.run_vllm(dict(cfg, draft=HEAD, k=8, seed=5000), profile=PROFILE)["runs"][0]
+    run = runner.run_vllm(dict(cfg, draft=HEAD, k=8, seed=5000), profile=PROFILE)["runs"][0]
     p, table = _third_token_test(alone, run)
     assert p > 1e-3, (p, table)
 
@@ -249,12 +251,12 @@ def test_a_trace_is_read_against_the_outputs(tmp_path):
     ]
     path = tmp_path / "trace.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    ent, acc, steps, checks = plugin.read_trace(str(path), out, 3)
+    ent, acc, steps, checks = chain.read_trace(str(path), out, 3)
     assert acc.tolist() == [2, 3, 1, 3, 3, 3, 3] and checks == {"matched": 7, "misaligned": 0, "censored": 1}
     assert ent.shape == (7, 3) and ent[1].tolist() == [1.0, 1.0, 1.0]
     assert [(round(g, 6), v, r) for g, v, r, _ in steps] == [(0.4, 6, 2), (0.3, 4, 2), (0.5, 4, 2)]
     # a wrong next token: the request is dropped from there on
     bad = [dict(recs[0]), dict(recs[1], next=[13, 99])]
     path.write_text("".join(json.dumps(r) + "\n" for r in bad))
-    _, acc, _, checks = plugin.read_trace(str(path), out, 3)
+    _, acc, _, checks = chain.read_trace(str(path), out, 3)
     assert checks["misaligned"] == 1 and acc.tolist() == [2, 3, 1]

@@ -19,7 +19,7 @@ vLLM 0.32 verifies chains only (no token trees), so the plugin drafts chains.
 
 Use: ``pip install "heterospec[vllm]"`` registers :func:`register` under vLLM's ``vllm.general_plugins`` entry
 point; it does nothing unless ``HETEROSPEC_VLLM_PROFILE`` names a profile (``heterospec calibrate``'s JSON, or
-one fitted from vLLM's own runs by :func:`calibrate_chain`), so installing heterospec never changes vLLM's
+one fitted from vLLM's own runs by ``heterospec calibrate --engine vllm``), so installing heterospec never changes vLLM's
 behaviour by itself.  Then vLLM's own options select EAGLE-3 as usual::
 
     HETEROSPEC_VLLM_PROFILE=profile.json python serve.py   # LLM(..., speculative_config={"method": "eagle3",
@@ -28,7 +28,8 @@ behaviour by itself.  Then vLLM's own options select EAGLE-3 as usual::
 ``num_speculative_tokens`` is the deepest chain any bin may keep (lengths above it are cut to it) and must
 cover the ``depth + 1`` positions the path entropy sums.  Optional: ``HETEROSPEC_VLLM_STATS`` (a JSON file the
 proposer keeps up to date: bins chosen, tokens drafted and kept), ``HETEROSPEC_VLLM_RECORD`` (a JSON-lines trace
-for :func:`calibrate_chain`: the full chains, their per-position entropies, and random kept lengths).
+for the chain calibration in :mod:`heterospec.integrations.vllm_runner`: the full chains, their per-position
+entropies, and random kept lengths).
 """
 from __future__ import annotations
 
@@ -36,8 +37,6 @@ import json
 import os
 import random
 import time
-
-import numpy as np
 
 ENV_PROFILE = "HETEROSPEC_VLLM_PROFILE"
 ENV_STATS = "HETEROSPEC_VLLM_STATS"
@@ -215,273 +214,6 @@ def register():
         gmr.EagleProposer = proposer_class()
 
 
-# ---- running vLLM: one configuration per process (the plugin reads its environment when vLLM loads it) ------
-
-def _counters(metrics):
-    """vLLM's speculative-decoding counters from ``LLM.get_metrics()``: drafts, draft tokens, accepted tokens and
-    the accepted count per position."""
-    out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": []}
-    names = {"vllm:spec_decode_num_drafts": "num_drafts", "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
-             "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens"}
-    for m in metrics:
-        if m.name in names:
-            out[names[m.name]] += int(m.value)
-        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            vals = [int(v) for v in m.values]
-            acc = out["accepted_per_pos"]
-            out["accepted_per_pos"] = [a + b for a, b in zip(acc + [0] * (len(vals) - len(acc)), vals)]
-    return out
-
-
-def _diff(after, before):
-    out = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-    pb = before["accepted_per_pos"] + [0] * (len(after["accepted_per_pos"]) - len(before["accepted_per_pos"]))
-    out["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], pb)]
-    return out
-
-
-def _plugin_stats():
-    path = os.environ.get(ENV_STATS)
-    if not path or not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def _stats_diff(after, before):
-    if after is None:
-        return None
-    before = before or {}
-    out = dict(after)
-    for k in ("calls", "requests", "drafted", "kept", "empty"):
-        out[k] = after[k] - before.get(k, 0)
-    for k in ("bins", "kept_at"):
-        out[k] = [a - b for a, b in zip(after[k], before.get(k, [0] * len(after[k])))]
-    return out
-
-
-def run_config(cfg):
-    """Run vLLM once, in this process, for ``cfg`` (a dict: ``target``, ``prompts`` (token id lists),
-    ``max_new_tokens``, ``batches`` (a list of batch sizes: the prompts go to vLLM that many at a time, each
-    size timed apart after its own warm-up), optional ``draft`` + ``k`` (EAGLE-3 with k draft tokens),
-    ``temperature``, ``seed``, ``dtype``, ``warmup_tokens``, ``max_model_len``, ``memory_fraction`` (of the host's
-    memory on the CPU backend), ``enforce_eager`` (no compilation: a faster start)) -> {"versions", "runs": one per
-    batch size: {"batch", "tokens", "seconds", "new_tokens", "spec" (vLLM's counters over the timed part),
-    "plugin" (the plugin's, when it is on)}}.  The plugin is on when this process's ``HETEROSPEC_VLLM_PROFILE``
-    is set."""
-    import torch
-    import transformers
-    import vllm
-    from vllm import LLM, SamplingParams
-
-    spec = None
-    if cfg.get("draft") and cfg.get("k"):
-        spec = {"method": "eagle3", "model": cfg["draft"], "num_speculative_tokens": int(cfg["k"])}
-    prompts = [{"prompt_token_ids": list(p)} for p in cfg["prompts"]]
-    longest = max(len(p) for p in cfg["prompts"])
-    llm = LLM(model=cfg["target"], dtype=cfg.get("dtype", "float32"), seed=int(cfg.get("seed") or 0),
-              max_model_len=int(cfg.get("max_model_len") or longest + cfg["max_new_tokens"] + 64),
-              speculative_config=spec, disable_log_stats=False, async_scheduling=False,
-              # on the CPU backend the fraction of the host's memory vLLM reserves (its default, 0.92, refuses
-              # to start beside anything else)
-              gpu_memory_utilization=float(cfg.get("memory_fraction", 0.3)),
-              enforce_eager=bool(cfg.get("enforce_eager", False)))
-    temperature = float(cfg.get("temperature", 0.0))
-    runs = []
-    for B in cfg.get("batches", [1]):
-        warm = int(cfg.get("warmup_tokens", 8))
-        if warm:
-            llm.generate(prompts[:B], SamplingParams(max_tokens=warm, temperature=0.0), use_tqdm=False)
-        before, pbefore = _counters(llm.get_metrics()), _plugin_stats()
-        outs = []
-        t0 = time.perf_counter()
-        for i in range(0, len(prompts), B):
-            group = prompts[i:i + B]
-            # sampling draws from vLLM's generator seeded by ``seed`` (per-request seeds fail on vLLM 0.32's
-            # CPU backend: "CPU Generator does not use offset")
-            sps = SamplingParams(max_tokens=int(cfg["max_new_tokens"]), temperature=temperature)
-            outs += llm.generate(group, sps, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
-        runs.append({"batch": B, "tokens": tokens, "seconds": seconds, "new_tokens": sum(len(t) for t in tokens),
-                     "spec": _diff(_counters(llm.get_metrics()), before),
-                     "plugin": _stats_diff(_plugin_stats(), pbefore)})
-    return {"runs": runs, "versions": {"vllm": vllm.__version__, "torch": torch.__version__,
-                                       "transformers": transformers.__version__}}
-
-
-def run_vllm(cfg, *, profile=None, record=None, python=None, timeout=1800):
-    """:func:`run_config` in a fresh process (``python``: that interpreter, default this one), with the plugin
-    on when ``profile`` is given (``record``: a calibration trace) -> its result.  A failure raises
-    RuntimeError with the child's last output lines."""
-    import subprocess
-    import sys
-    import tempfile
-
-    env = {k: v for k, v in os.environ.items() if k not in (ENV_PROFILE, ENV_STATS, ENV_RECORD)}
-    with tempfile.TemporaryDirectory() as tmp:
-        for key, value in ((ENV_PROFILE, profile), (ENV_STATS, profile and os.path.join(tmp, "stats.json")),
-                           (ENV_RECORD, record)):
-            if value:
-                env[key] = os.path.abspath(value)
-        src, dst = os.path.join(tmp, "config.json"), os.path.join(tmp, "result.json")
-        with open(src, "w") as f:
-            json.dump(cfg, f)
-        p = subprocess.run([python or sys.executable, "-m", "heterospec.integrations.vllm", "run", src, dst],
-                           env=env, capture_output=True, text=True, timeout=timeout)
-        if p.returncode != 0 or not os.path.exists(dst):
-            tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-15:])
-            raise RuntimeError(f"vLLM run failed (exit {p.returncode}):\n{tail}")
-        with open(dst) as f:
-            return json.load(f)
-
-
-# ---- calibration from vLLM's own runs -----------------------------------------------------------------------
-
-def read_trace(path, outputs, max_tokens):
-    """A calibration trace (``HETEROSPEC_VLLM_RECORD``) against the run's greedy outputs (``outputs``: each
-    prompt's new tokens, in prompt order; requests appear in the trace in that order) -> (entropy [N, D],
-    accepted [N], steps: [(seconds between this propose and the next, verified tokens, requests, propose
-    seconds)], checks: {"matched", "misaligned", "censored"}).  A request-step's full chain is accepted up to
-    its first token that differs from the output (at temperature 0 the output is the target's greedy
-    continuation); steps whose chain runs past the output's end are left out (censored), and a request whose
-    recorded next token disagrees with the output is dropped from there on (misaligned)."""
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    order = {}
-    for r in records:
-        for rid in r["req_ids"]:
-            order.setdefault(rid, len(order))
-    if len(order) != len(outputs):
-        raise ValueError(f"read_trace: expected {len(outputs)} requests in {path}, got {len(order)}")
-    pos = {rid: 1 for rid in order}        # output tokens already known when the request's next propose runs
-    dead = set()
-    ent, acc = [], []
-    checks = {"matched": 0, "misaligned": 0, "censored": 0}
-    for r in records:
-        for rid, nxt, draft, kept, h in zip(r["req_ids"], r["next"], r["drafts"], r["lengths"], r["entropy"]):
-            if rid in dead:
-                continue
-            out, n = outputs[order[rid]], pos[rid]
-            if n > len(out) or out[n - 1] != nxt:
-                checks["misaligned"] += 1
-                dead.add(rid)
-                continue
-            if n + max_tokens > len(out):
-                checks["censored"] += 1
-                dead.add(rid)
-                continue
-            a = 0
-            while a < max_tokens and draft[a] == out[n + a]:
-                a += 1
-            ent.append(h[:max_tokens])
-            acc.append(a)
-            checks["matched"] += 1
-            pos[rid] = n + min(a, kept) + 1
-    steps = []
-    for r, q in zip(records, records[1:]):
-        if q["req_ids"] == r["req_ids"]:       # the same requests go on: the gap is their verification step
-            steps.append((q["t0"] - r["t1"], sum(r["lengths"]) + len(r["lengths"]), len(r["lengths"]),
-                          r["t1"] - r["t0"]))
-    return np.asarray(ent, np.float64).reshape(-1, max_tokens), np.asarray(acc, np.int64), steps, checks
-
-
-def fit_cost(steps, max_tokens):
-    """A :class:`~heterospec.tune.chain.ChainCost` from a trace's steps: the verification step's seconds fitted
-    as a + b x verified tokens (least squares, over steps of the same batch), shared per request; drafting as
-    the median propose time per request and drafted position."""
-    from ..tune.chain import ChainCost
-
-    if len(steps) < 8:
-        raise ValueError(f"fit_cost: expected at least 8 consecutive steps of the same requests, got {len(steps)}")
-    gap, verified, reqs, draft = (np.asarray(c, np.float64) for c in zip(*steps))
-    b, a = np.polyfit(verified, gap, 1)
-    B = float(np.median(reqs))
-    return ChainCost(step=max(float(a), 0.0) / B, per_token=max(float(b), 0.0),
-                     per_position=float(np.median(draft / reqs)) / max_tokens)
-
-
-def calibrate_chain(target, draft, prompts, out, *, max_tokens=6, batch=1, max_new_tokens=128, top_k=10,
-                    python=None, progress=print):
-    """Fit a chain profile for ``draft`` on ``target`` from vLLM's own run: the plugin records full chains of
-    ``max_tokens`` drafts with random kept lengths (so that each length's cost is seen) over ``prompts`` (token
-    id lists) at temperature 0, :func:`read_trace` and :func:`fit_cost` read it, and
-    :func:`heterospec.tune.chain.fit_chain_policy` picks bins and lengths (or a fixed length, when no binning
-    beats it on this trace).  Writes the profile to ``out`` (``heterospec calibrate``'s format) and returns
-    (Policy, num_speculative_tokens to pass vLLM, report)."""
-    import tempfile
-
-    from ..policy.profile import save_profile
-    from ..tune.chain import chain_policy, fit_chain_policy
-
-    with tempfile.TemporaryDirectory() as tmp:
-        probe = os.path.join(tmp, "probe.json")
-        save_profile(probe, chain_policy([max_tokens], top_k=top_k, name="record"))
-        trace = os.path.join(tmp, "trace.jsonl")
-        cfg = dict(target=target, draft=draft, k=max_tokens, prompts=prompts, max_new_tokens=max_new_tokens,
-                   batches=[batch], warmup_tokens=0, temperature=0.0)
-        progress(f"calibrate: vLLM with {len(prompts)} prompts, chains of {max_tokens} drafts, batch {batch}")
-        run = run_vllm(cfg, profile=probe, record=trace, python=python)
-        result = run["runs"][0]
-        entropy, accepted, steps, checks = read_trace(trace, result["tokens"], max_tokens)
-    cost = fit_cost(steps, max_tokens)
-    policy, need, report = fit_chain_policy(entropy, accepted, cost, top_k=top_k)
-    report.update(checks=checks, cost=cost.to_dict(), request_steps=int(accepted.shape[0]),
-                  mean_accepted_full=float(accepted.mean()), versions=run["versions"], batch=batch,
-                  max_tokens=max_tokens, prompts=len(prompts), max_new_tokens=max_new_tokens)
-    save_profile(out, policy, notes={"engine": "vllm", "num_speculative_tokens": need, "fit": report})
-    return policy, need, report
-
-
-def main(argv=None):
-    """``python -m heterospec.integrations.vllm calibrate ...`` (a chain profile from vLLM's own run) or ``run
-    CONFIG.json RESULT.json`` (one :func:`run_config`, what :func:`run_vllm` starts)."""
-    import argparse
-    import sys
-
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["run"] and len(argv) == 3:
-        with open(argv[1]) as f:
-            cfg = json.load(f)
-        _write_json(argv[2], run_config(cfg))
-        return 0
-    p = argparse.ArgumentParser(prog="python -m heterospec.integrations.vllm",
-                                description="heterospec's vLLM plugin: fit a chain profile from vLLM's own run")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("calibrate", help="record full chains in vLLM and fit entropy bins and a draft length per bin")
-    c.add_argument("--target", required=True, help="the target's HuggingFace directory (what vLLM serves)")
-    c.add_argument("--draft", required=True, help="the EAGLE-3 head's directory")
-    c.add_argument("--prompts", nargs="+", required=True, help="prompt files (JSON lines or text; not benchmark questions)")
-    c.add_argument("--limit", type=int, default=24, help="prompts used (default 24)")
-    c.add_argument("--out", required=True, help="the profile JSON to write")
-    c.add_argument("--max-tokens", type=int, default=6, help="the longest chain recorded and allowed (default 6)")
-    c.add_argument("--batch", type=int, default=1, help="requests decoded together, as you will serve them (default 1)")
-    c.add_argument("--max-new-tokens", type=int, default=128)
-    c.add_argument("--top-k", type=int, default=10, help="K of the top-K entropy (default 10)")
-    c.add_argument("--no-chat-template", action="store_true")
-    args = p.parse_args(argv)
-    for name in ("limit", "max_tokens", "batch", "max_new_tokens", "top_k"):
-        if getattr(args, name) < 1:
-            p.error(f"argument --{name.replace('_', '-')}: expected an int >= 1, got {getattr(args, name)}")
-    for name in ("target", "draft"):
-        if not os.path.exists(os.path.join(getattr(args, name), "config.json")):
-            p.error(f"argument --{name}: expected a model directory with a config.json, got {getattr(args, name)!r}")
-    from transformers import AutoTokenizer
-
-    from ..tools.prompts import encode_turn, read_prompts
-
-    tok = AutoTokenizer.from_pretrained(args.target)
-    texts = read_prompts(args.prompts, args.limit)
-    prompts = [encode_turn(tok, [t], [], not args.no_chat_template)[0].tolist() for t in texts]
-    policy, need, report = calibrate_chain(args.target, args.draft, prompts, args.out, max_tokens=args.max_tokens,
-                                           batch=args.batch, max_new_tokens=args.max_new_tokens, top_k=args.top_k)
-    ch = report["chosen"]
-    print(f"wrote {args.out}: chain lengths {ch['lengths']} over {len(ch['thresholds']) + 1} bin(s), the path "
-          f"entropy of the first {ch['positions']} position(s); pass num_speculative_tokens={need}; predicted "
-          f"{ch['rate']:.1f} tokens/s against {max(report['fixed'].values()):.1f} for the best fixed length "
-          f"({report['request_steps']} request-steps, {report['checks']})")
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit("python -m heterospec.integrations.vllm: the chain calibration is `heterospec calibrate "
+                     "--engine vllm --target DIR --draft DIR --prompts FILE --out PROFILE` now")

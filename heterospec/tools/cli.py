@@ -85,18 +85,31 @@ def build_parser():
     g.add_argument("--cuda-graphs", default="off", choices=["auto", "on", "off"],
                    help="record the decoding cycle's steps once per tree shape and replay them as CUDA graphs "
                         "(auto: on with a CUDA --device)")
-    c = sub.add_parser("calibrate", help="fit entropy bins and per-bin tree shapes for a model pair on this machine")
+    c = sub.add_parser("calibrate", help="fit entropy bins and per-bin tree shapes for a model pair on this machine "
+                                         "(or, with --engine vllm, per-bin chain lengths from vLLM's own run)")
+    c.add_argument("--engine", default="heterospec", choices=["heterospec", "vllm"],
+                   help="the engine the profile is for: heterospec's own (trees, timed here; default) or vLLM's "
+                        "EAGLE-3 proposer with heterospec's plugin (chains: vLLM records full chains on the prompts "
+                        "and the bins and lengths are fitted on its trace and its step times; --target and --draft "
+                        "are HF directories vLLM loads)")
     c.add_argument("--target", required=True)
     c.add_argument("--gguf-file", default=None)
     c.add_argument("--draft", required=True)
     c.add_argument("--prompts", nargs="+", required=True, help="question.jsonl / JSON lines / text files")
     c.add_argument("--out", required=True, help="profile JSON (a PNG figure is written next to it)")
     c.add_argument("--max-prompts", type=int, default=None,
-                   help="use the first N prompts (default: all); a profile's bins need a few hundred cycles each "
-                        "(about 40 prompts of 128 tokens for 4 bins)")
+                   help="use the first N prompts (default: all; 24 with --engine vllm); a profile's bins need a few "
+                        "hundred cycles each (about 40 prompts of 128 tokens for 4 bins)")
+    c.add_argument("--max-chain", type=int, default=6,
+                   help="--engine vllm: the longest chain recorded and allowed (vLLM's num_speculative_tokens "
+                        "during the recording; default 6)")
+    c.add_argument("--batch", type=int, default=1,
+                   help="--engine vllm: requests vLLM decodes together, as you will serve them (default 1)")
     c.add_argument("--max-new-tokens", type=int, default=128, help="greedy tokens recorded per prompt")
     c.add_argument("--depth", type=int, default=7, help="the base tree's depth (HeteroSpec drafts deeper per bin)")
-    c.add_argument("--top-k-tree", type=int, default=10, help="the base tree's branching / beam width")
+    c.add_argument("--top-k-tree", type=int, default=10,
+                   help="the base tree's branching / beam width, and the K of the top-K entropy (with --engine vllm: "
+                        "that K alone)")
     c.add_argument("--total-tokens", type=int, default=60, help="the base tree's verified nodes, root included")
     c.add_argument("--fit-target", choices=["rank", "accepted"], default="rank",
                    help="what the entropy bins are fitted to predict (Eq. 2): the rank of the most confident "

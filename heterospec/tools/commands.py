@@ -10,7 +10,7 @@ import time
 from ..models.default import DEFAULT_HEAD, load_pair
 from . import ProgressBar
 from .checks import pair_identity, resolve_generate, target_name, _records_dir
-from .prompts import SELF, OverlapGuard, encode, read_conversations, read_prompts, self_written_prompts
+from .prompts import SELF, OverlapGuard, encode, encode_turn, read_conversations, read_prompts, self_written_prompts
 
 
 def generate_cmd(args, out=None):
@@ -48,8 +48,10 @@ def generate_cmd(args, out=None):
 
 def calibrate_cmd(args, out=None):
     """Record a trace on the prompts, fit the entropy bins, measure this machine, optimise per bin, save
-    the profile, print the per-bin table and draw the figure."""
+    the profile, print the per-bin table and draw the figure (``--engine vllm``: :func:`calibrate_vllm_cmd`)."""
     out = sys.stdout if out is None else out   # the stdout of the call, not of the import
+    if getattr(args, "engine", "heterospec") == "vllm":
+        return calibrate_vllm_cmd(args, out)
     import math
 
     from ..tune.optimise import optimise_policy
@@ -124,6 +126,28 @@ def calibrate_cmd(args, out=None):
 
 
 MIN_BIN_CYCLES = 50   # fewer cycles than this in a bin leave its mean acceptance, and so its plan, to noise
+
+
+def calibrate_vllm_cmd(args, out):
+    """``calibrate --engine vllm``: a chain profile for vLLM's EAGLE-3 proposer with the plugin, from vLLM's own
+    run on the prompts (:func:`heterospec.integrations.vllm_runner.calibrate_chain`)."""
+    from transformers import AutoTokenizer
+
+    from ..integrations.vllm_runner import calibrate_chain
+
+    tok = AutoTokenizer.from_pretrained(args.target)
+    texts = read_prompts(args.prompts, args.max_prompts or 24)
+    if not texts:
+        raise SystemExit("heterospec calibrate: no prompts found in " + ", ".join(args.prompts))
+    prompts = [encode_turn(tok, [t], [], not args.no_chat_template)[0].tolist() for t in texts]
+    policy, need, report = calibrate_chain(args.target, args.draft, prompts, args.out, max_tokens=args.max_chain,
+                                           batch=args.batch, max_new_tokens=args.max_new_tokens,
+                                           top_k=args.top_k_tree, progress=lambda m: print(m, file=sys.stderr))
+    ch = report["chosen"]
+    print(f"wrote {args.out}: chain lengths {ch['lengths']} over {len(ch['thresholds']) + 1} bin(s), the path "
+          f"entropy of the first {ch['positions']} position(s); pass num_speculative_tokens={need}; predicted "
+          f"{ch['rate']:.1f} tokens/s against {max(report['fixed'].values()):.1f} for the best fixed length "
+          f"({report['request_steps']} request-steps, {report['checks']})", file=out)
 
 
 def thin_bins_warning(per_bin, prompts):
@@ -300,7 +324,6 @@ def later_turn_stores(args, answerer, tokenizer, store, texts, later, adtype, co
     rendered with the chat template as [turn 1, answer 1, ..., turn t]; answered when ``collect``.  Returns the
     stores there (answered or not)."""
     from ..models.answers import AnswerStore
-    from .prompts import encode_turn
 
     if not later:
         return []

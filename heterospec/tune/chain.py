@@ -18,6 +18,7 @@ the prediction for every candidate.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 
@@ -121,3 +122,66 @@ def fit_chain_policy(entropy, accepted, cost, *, top_k=10, positions=(1, 2, 3), 
     report["chosen"] = {"rate": rate, "num_speculative_tokens": need, "lengths": list(policy.chain_lengths()),
                         "positions": policy.depth + 1, "thresholds": list(policy.thresholds)}
     return policy, need, report
+
+
+# ---- the trace the vLLM plugin records (HETEROSPEC_VLLM_RECORD), read against the run's own outputs -----------
+
+def read_trace(path, outputs, max_tokens):
+    """A calibration trace (``HETEROSPEC_VLLM_RECORD``) against the run's greedy outputs (``outputs``: each
+    prompt's new tokens, in prompt order; requests appear in the trace in that order) -> (entropy [N, D],
+    accepted [N], steps: [(seconds between this propose and the next, verified tokens, requests, propose
+    seconds)], checks: {"matched", "misaligned", "censored"}).  A request-step's full chain is accepted up to
+    its first token that differs from the output (at temperature 0 the output is the target's greedy
+    continuation); steps whose chain runs past the output's end are left out (censored), and a request whose
+    recorded next token disagrees with the output is dropped from there on (misaligned)."""
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    order = {}
+    for r in records:
+        for rid in r["req_ids"]:
+            order.setdefault(rid, len(order))
+    if len(order) != len(outputs):
+        raise ValueError(f"read_trace: expected {len(outputs)} requests in {path}, got {len(order)}")
+    pos = {rid: 1 for rid in order}        # output tokens already known when the request's next propose runs
+    dead = set()
+    ent, acc = [], []
+    checks = {"matched": 0, "misaligned": 0, "censored": 0}
+    for r in records:
+        for rid, nxt, draft, kept, h in zip(r["req_ids"], r["next"], r["drafts"], r["lengths"], r["entropy"]):
+            if rid in dead:
+                continue
+            out, n = outputs[order[rid]], pos[rid]
+            if n > len(out) or out[n - 1] != nxt:
+                checks["misaligned"] += 1
+                dead.add(rid)
+                continue
+            if n + max_tokens > len(out):
+                checks["censored"] += 1
+                dead.add(rid)
+                continue
+            a = 0
+            while a < max_tokens and draft[a] == out[n + a]:
+                a += 1
+            ent.append(h[:max_tokens])
+            acc.append(a)
+            checks["matched"] += 1
+            pos[rid] = n + min(a, kept) + 1
+    steps = []
+    for r, q in zip(records, records[1:]):
+        if q["req_ids"] == r["req_ids"]:       # the same requests go on: the gap is their verification step
+            steps.append((q["t0"] - r["t1"], sum(r["lengths"]) + len(r["lengths"]), len(r["lengths"]),
+                          r["t1"] - r["t0"]))
+    return np.asarray(ent, np.float64).reshape(-1, max_tokens), np.asarray(acc, np.int64), steps, checks
+
+
+def fit_cost(steps, max_tokens):
+    """A :class:`ChainCost` from a trace's steps: the verification step's seconds fitted
+    as a + b x verified tokens (least squares, over steps of the same batch), shared per request; drafting as
+    the median propose time per request and drafted position."""
+    if len(steps) < 8:
+        raise ValueError(f"fit_cost: expected at least 8 consecutive steps of the same requests, got {len(steps)}")
+    gap, verified, reqs, draft = (np.asarray(c, np.float64) for c in zip(*steps))
+    b, a = np.polyfit(verified, gap, 1)
+    B = float(np.median(reqs))
+    return ChainCost(step=max(float(a), 0.0) / B, per_token=max(float(b), 0.0),
+                     per_position=float(np.median(draft / reqs)) / max_tokens)
