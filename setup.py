@@ -12,7 +12,7 @@ Environment switches:
   HETEROSPEC_CUDA=0       never build it
   HETEROSPEC_CUDA=emu     compile the kernels as host C++ (one std::thread per CUDA thread) and treat
                           DLPack "CUDA" tensors as host memory: for testing the kernels' logic on machines
-                          without a GPU (tests/test_cuda.py); never for real use
+                          without a GPU (the device tests of tests/ops); never for real use
   HETEROSPEC_EMU_BLOCKS=gpu with HETEROSPEC_CUDA=emu: emulate the GPU's block sizes (1024/256 threads)
                           instead of 64, so the kernels' large-block paths run too (slow)
   HETEROSPEC_CUDA_ARCHS   compute capabilities to build, default "80,90" (the last one also as PTX)

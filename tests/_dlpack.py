@@ -1,4 +1,4 @@
-"""ctypes declarations of the DLPack ABI, for tests that hand-make capsules (test_interop, test_cuda)."""
+"""ctypes declarations of the DLPack ABI, for tests that hand-make capsules (tests/ops: test_interop and the device tests)."""
 import ctypes
 
 
@@ -37,7 +37,7 @@ _NAME = ctypes.c_char_p(b"dltensor_versioned")  # capsule names must outlive the
 
 
 # ---- emulated device tensors ----------------------------------------------------------------------------------
-# For the emulated build (HETEROSPEC_CUDA=emu: tests/test_cuda.py, tests/fuzz/fuzz_ops.py): a NumPy array's
+# For the emulated build (HETEROSPEC_CUDA=emu: the device tests of tests/ops, tests/fuzz/fuzz_ops.py): a NumPy array's
 # memory exported through DLPack as if it lived on cuda:0.
 
 _CODES = {"f": 2, "i": 0, "u": 1, "b": 6, "c": 5}

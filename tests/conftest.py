@@ -20,6 +20,11 @@ def pytest_configure(config):
         "statistical: large Monte-Carlo tests (10^5 verify_sample calls); they run by default, "
         "deselect with -m 'not statistical' for a quick run",
     )
+    config.addinivalue_line(
+        "markers",
+        "device: the op tests on a device (tests/ops: a real GPU, or the emulated build); .ci/gpu's kernel phases "
+        "select them with -m device",
+    )
 
 
 @pytest.fixture(scope="session", params=list(IMPLS), ids=list(IMPLS))

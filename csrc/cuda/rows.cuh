@@ -33,7 +33,7 @@
 #endif
 /* four blocks per SM of an H100 (132 SMs); the emulation uses the same target, so that its rows are split as
  * a GPU's are (with a target of 1 block, rows * V / 1 >= V kept every row in one chunk and the merge paths
- * were never run off a GPU: tests/test_cuda.py checks hs_cuda_chunks) */
+ * were never run off a GPU: tests/ops/test_device.py checks hs_cuda_chunks) */
 #define HS_TARGET_BLOCKS 528
 #define HS_MAX_CHUNKS 32
 #define HS_CAND_MAX 256   /* the largest K the split path takes (expand k, verify_sample top_k) */

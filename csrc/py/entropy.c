@@ -1,6 +1,6 @@
 /*
  * entropy.c -- the binding of topk_entropy and bucketize (CPU core: csrc/core/entropy.c; kernels:
- * csrc/cuda/entropy.cu; NumPy twins: heterospec/reference.py; machinery: call.h).
+ * csrc/cuda/entropy.cu; NumPy twins: heterospec/reference/entropy.py; machinery: call.h).
  */
 #include "call.h"
 

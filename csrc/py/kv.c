@@ -1,6 +1,6 @@
 /*
  * kv.c -- the binding of kv_compact and KVTensors (CPU core: csrc/core/kv.c; kernel: csrc/cuda/kv.cu; NumPy twin:
- * heterospec/reference.py; machinery: call.h).
+ * heterospec/reference/kv.py; machinery: call.h).
  *
  * The tensors of a call are an hs_kv_set: imported and validated either per call (a list or tuple) or once,
  * by a KVTensors object that keeps the imports (and the tensors) alive, so that a static cache's per-cycle

@@ -1,6 +1,6 @@
 /*
  * tree.c -- the binding of expand, select and build_tree (CPU core: csrc/core/tree.c; kernels:
- * csrc/cuda/tree.cu; NumPy twins: heterospec/reference.py; machinery: call.h).
+ * csrc/cuda/tree.cu; NumPy twins: heterospec/reference/tree.py; machinery: call.h).
  */
 #include "call.h"
 

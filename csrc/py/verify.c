@@ -1,6 +1,6 @@
 /*
  * verify.c -- the binding of verify_greedy, verify_sample and the Philox helpers (CPU core: csrc/core/verify.c;
- * kernels: csrc/cuda/verify.cu; NumPy twins: heterospec/reference.py; machinery: call.h).
+ * kernels: csrc/cuda/verify.cu; NumPy twins: heterospec/reference/verify.py; machinery: call.h).
  *
  * Both verify ops take tree_tokens, tree_parents [batch, T], target_logits [batch, T, V] and n (None: every row has
  * T nodes, or an int64 [batch] array on the inputs' device: nodes per row), and give path [batch, T] (-1 past each

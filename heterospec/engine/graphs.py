@@ -18,7 +18,7 @@ new values into the kept outputs, so a later step that reads a step's outputs re
 replay would have written them; and a replay that reads memory from outside the step that the capture did
 not read (a tensor rebound between cycles, which a real graph would read at its old address) is an error.
 The CPU tests use it to prove the static-buffer engine equals the eager one; that a real replay equals
-eager decoding is tested on a GPU (tests/test_graphs.py under ``.ci/gpu``).
+eager decoding is tested on a GPU (tests/engine/test_graphs.py under ``.ci/gpu``).
 """
 from __future__ import annotations
 

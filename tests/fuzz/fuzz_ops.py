@@ -16,7 +16,7 @@ Passing:
   results (integers equal, floats to 1e-6) and leave every argument array with the same contents;
 - on the device, the kernels agree with the C core on the same arrays on the CPU, the same way (1e-5).
 Anything else -- another exception type, a disagreement, a sanitizer report, a crash or a hang (-timeout) --
-is a finding: libFuzzer stops and writes the input; each one became a test in tests/test_fuzz_findings.py and
+is a finding: libFuzzer stops and writes the input; each one became a test in tests/ops/test_fuzz_findings.py and
 its file stays in tests/fuzz/corpus/, which every run replays first.
 
 Run on the ASan + UBSan + coverage build (.ci/run stage 2b; docs/ops.md "Fuzzing"):

@@ -4,7 +4,7 @@
  * The core implements the tree operations of EAGLE-2/3 style speculative decoding and of HeteroSpec
  * (arXiv 2505.13254): top-k entropy (paper Eq. 1), one level of dynamic-tree expansion, Top-N reranking,
  * verification-tree construction, lossless greedy and sampled acceptance, KV-cache compaction and
- * entropy bucketing.  Exact semantics of every op: docs/ops.md (the NumPy twin heterospec/reference.py
+ * entropy bucketing.  Exact semantics of every op: docs/ops.md (the NumPy twin heterospec/reference/
  * is the executable specification).
  *
  * Rules of this layer (see docs/design.md, "Layers"):

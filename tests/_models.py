@@ -1,0 +1,95 @@
+"""The engine tests' tiny models (tests/engine/, and every folder that decodes): random transformers targets of
+three architectures, an EAGLE-3 head for them saved and loaded through the real loader, prompts, HuggingFace's own
+greedy output as the reference, and the warped distribution the chi-square tests compare against.
+
+HETEROSPEC_TEST_DEVICE=cuda puts models and prompts on the GPU (.ci/gpu does); a test module importing this is
+skipped there without a GPU and a CUDA build."""
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from heterospec import build_info  # noqa: E402
+
+DEVICE = torch.device(os.environ.get("HETEROSPEC_TEST_DEVICE", "cpu"))
+if DEVICE.type == "cuda" and not (torch.cuda.is_available() and build_info()["cuda"]):
+    pytest.skip("HETEROSPEC_TEST_DEVICE=cuda needs a GPU and a CUDA build of the core", allow_module_level=True)
+
+V = 97
+N_PROMPTS = 20
+NEW = 64
+THRESHOLDS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0)
+
+
+def tiny_target(arch, vocab=V, layers=8, seed=0, sharpen=40.0):
+    """A tiny random model, its lm_head scaled up so that sampled distributions are not nearly uniform
+    (the chi-square tests need that to have power)."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  attn_implementation="sdpa")
+    if arch == "llama":
+        cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    elif arch == "qwen2":
+        cfg, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    else:
+        cfg, cls = transformers.Qwen3Config(head_dim=16, **common), transformers.Qwen3ForCausalLM
+    model = cls(cfg).eval().float()
+    # no EOS: the tests compare fixed-length greedy outputs (reference_greedy decodes `new` tokens whatever comes),
+    # and generate() would otherwise stop at the config's default eos id 2, as HF's generate does
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpen)
+    return model.to(DEVICE)
+
+
+def prompts(n=N_PROMPTS, vocab=V, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 24, (n,), generator=g)
+    return [torch.randint(0, vocab, (1, int(s)), generator=g).to(DEVICE) for s in lengths]
+
+
+def reference_greedy(model, prompt, new=NEW):
+    # an explicit all-ones attention mask: otherwise generate() treats prompt tokens equal to the pad id
+    # as padding and masks them out
+    return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=new,
+                          min_new_tokens=new, pad_token_id=0, eos_token_id=None).cpu()
+
+
+def eagle3_head(model, tmp_dir, vd=60, seed=0):
+    """A random EAGLE-3 head for the tiny target, saved and loaded back through from_pretrained (strict,
+    checked against the target) so the real module and loader run in the loop."""
+    from heterospec.models.draft import Eagle3Config, Eagle3Draft
+
+    c = model.config
+    config = Eagle3Config(hidden_size=c.hidden_size, intermediate_size=64, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=c.vocab_size, draft_vocab_size=vd,
+                          rms_norm_eps=1e-5, max_position_embeddings=512, rope_theta=10000.0)
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(config, embed_tokens=model.get_input_embeddings().weight.detach().clone())
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name.startswith("embed_tokens"):
+                continue
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
+        used = torch.sort(torch.randperm(c.vocab_size, generator=torch.Generator().manual_seed(seed))[:vd]).values
+        draft.d2t.copy_(used - torch.arange(vd))
+        draft.t2d.zero_()
+        draft.t2d[used] = True
+    draft.save_pretrained(tmp_dir)
+    return Eagle3Draft.from_pretrained(tmp_dir, target=model)
+
+
+def _warp(logits, temperature, top_k, top_p):
+    z = logits.double() / temperature
+    if 0 < top_k < z.numel():
+        z[z < torch.topk(z, top_k).values[-1]] = -float("inf")
+    p = torch.softmax(z, -1)
+    if top_p < 1.0:
+        order = torch.argsort(z, descending=True, stable=True)
+        before = torch.cumsum(p[order], 0) - p[order]
+        p[order[before >= top_p]] = 0
+        p = p / p.sum()
+    return p

@@ -1,0 +1,296 @@
+"""The decoding loop on real transformers models (tiny, random, float32, CPU): lossless greedy output for
+every method and policy on Llama, Qwen2 and Qwen3; distributional equality under sampling; stopping,
+streaming and bad input.  Drafts here are test doubles (tests/_doubles.py); the EAGLE-3 head has its own
+tests.
+
+HETEROSPEC_TEST_DEVICE=cuda runs the same tests with models and prompts on the GPU (.ci/gpu does)."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+scipy_stats = pytest.importorskip("scipy.stats")
+
+from _doubles import NoisyDraft, OracleDraft  # noqa: E402
+from _models import (  # noqa: E402
+    DEVICE,
+    NEW,
+    THRESHOLDS,
+    V,
+    _warp,
+    eagle3_head,
+    prompts,
+    reference_greedy,
+    tiny_target,
+)
+
+from heterospec import GenerationStats, HeteroSpec, Policy  # noqa: E402
+
+METHODS = {
+    "autoregressive": lambda m: (None, None),
+    "eagle3-oracle": lambda m: (OracleDraft(m), Policy.static(7, 4, 24)),
+    "heterospec-oracle": lambda m: (OracleDraft(m), Policy.paper(5, 3, 16, THRESHOLDS)),
+    "deep-9-levels": lambda m: (OracleDraft(m), Policy.static(9, 2, 12)),
+    "pruned-to-4": lambda m: (OracleDraft(m), Policy.static(6, 3, 4)),
+    "eagle3-noisy": lambda m: (NoisyDraft(32, V).to(DEVICE), Policy.static(5, 3, 16)),
+    "heterospec-noisy": lambda m: (NoisyDraft(32, V, seed=3).to(DEVICE), Policy.paper(4, 4, 20, THRESHOLDS)),
+    "eagle3-head": "head",
+}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def target_and_refs(request):
+    model = tiny_target(request.param)
+    ps = prompts()
+    return model, ps, [reference_greedy(model, p) for p in ps]
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_greedy_output_equals_target_generate(target_and_refs, method, tmp_path):
+    model, ps, refs = target_and_refs
+    if METHODS[method] == "head":
+        draft, policy = eagle3_head(model, tmp_path), Policy.paper(6, 4, 24, THRESHOLDS)
+    else:
+        draft, policy = METHODS[method](model)
+    hs = HeteroSpec(model, draft, policy)
+    taus = []
+    for p, ref in zip(ps, refs):
+        seq, stats = hs.generate(p, max_new_tokens=NEW)
+        assert seq.tolist() == ref.tolist(), f"{method}: output differs from target.generate"
+        assert stats.new_tokens == NEW
+        taus.append(stats.tau)
+    if method == "eagle3-oracle":
+        # the oracle proposes the target's own tokens: every cycle accepts the whole depth-8 chain
+        assert np.mean(taus) > 7.5, taus
+    if method == "pruned-to-4":
+        assert max(taus) <= 4.0 + 1e-9  # 3 drafted nodes + the bonus token per call, at most
+
+
+def test_oracle_run_statistics():
+    """The test-double run the closing note reports: τ, calls and tree tokens at depth 7, top-k 10."""
+    model = tiny_target("llama")
+    hs = HeteroSpec(model, OracleDraft(model), Policy.static(7, 10, 60))
+    stats = GenerationStats()
+    for p in prompts(5):
+        _, s = hs.generate(p, max_new_tokens=NEW)
+        stats.cycles += s.cycles
+        stats.verified_tokens += s.verified_tokens
+        stats.accepted_hist.update(s.accepted_hist)
+    assert stats.tau > 8.0  # max 9: 8 drafted + bonus, short only where max_new_tokens cuts the last cycle
+    assert stats.verified_tokens == 60 * stats.cycles
+
+
+def test_heterospec_policy_bins_and_shapes():
+    model = tiny_target("llama")
+    pol = Policy.paper(7, 10, 60, THRESHOLDS)
+    assert pol.extra == (4, 3, 2) and pol.keep == (22, 39, 62)  # paper §4.3 with N = 60, α = 4
+    hs = HeteroSpec(model, OracleDraft(model), pol)
+    _, stats = hs.generate(prompts(1)[0], max_new_tokens=32)
+    assert sum(stats.bins.values()) == stats.cycles
+    # every binned cycle's wall time is charged to its bin, and the cycles fit inside the call (issue 19.4)
+    assert set(stats.bin_s) == set(stats.bins) and all(v > 0 for v in stats.bin_s.values())
+    assert sum(stats.bin_s.values()) <= stats.total_s - stats.prefill_s
+    assert pol.plan(0.1) == (0, 4, 22) and pol.plan(100.0) == (7, 0, 60)
+
+
+# ---- sampling ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("setting", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.2, 0, 0.8)])
+@pytest.mark.parametrize("draft_kind", ["oracle", "noisy"])
+def test_sampling_matches_the_target_distribution(setting, draft_kind):
+    """Two sampled tokens, 2,000 seeds: the joint distribution of (t1, t2) matches the exact target
+    distribution p(t1) p(t2 | t1) by chi-square (cells with expected count < 5 merged)."""
+    temperature, top_k, top_p = setting
+    vocab = 12
+    model = tiny_target("llama", vocab=vocab, layers=4, seed=5)
+    prompt = torch.tensor([[3, 7, 1]], device=DEVICE)
+    draft = OracleDraft(model) if draft_kind == "oracle" else NoisyDraft(32, vocab).to(DEVICE)
+    hs = HeteroSpec(model, draft, Policy.static(3, 3, 8))
+    with torch.no_grad():
+        p1 = _warp(model(prompt).logits[0, -1], temperature, top_k, top_p)
+        joint = torch.stack([
+            p1[a] * _warp(model(torch.cat([prompt, torch.tensor([[a]], device=DEVICE)], 1)).logits[0, -1], temperature,
+                          top_k, top_p)
+            for a in range(vocab)
+        ]).cpu().numpy().ravel()
+    counts = np.zeros(vocab * vocab)
+    n = 2000
+    for seed in range(n):
+        seq, _ = hs.generate(prompt, max_new_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        a, b = seq[0, -2:].tolist()
+        counts[a * vocab + b] += 1
+    assert counts[joint == 0].sum() == 0, "emitted a pair the warped target never emits"
+    exp = joint / joint.sum() * counts.sum()   # sums to the observed total exactly, as chisquare checks
+    keep = exp >= 5
+    obs_cells = np.append(counts[keep], counts[~keep].sum())
+    exp_cells = np.append(exp[keep], exp[~keep].sum())
+    if exp_cells[-1] < 5:  # fold the small remainder into the smallest kept cell
+        i = int(np.argmin(exp_cells[:-1]))
+        obs_cells[i] += obs_cells[-1]
+        exp_cells[i] += exp_cells[-1]
+        obs_cells, exp_cells = obs_cells[:-1], exp_cells[:-1]
+    assert len(exp_cells) >= 3
+    assert scipy_stats.chisquare(obs_cells, exp_cells).pvalue > 1e-4
+
+
+def test_sampling_is_reproducible_with_a_seed():
+    model = tiny_target("llama")
+    hs = HeteroSpec(model, OracleDraft(model), Policy.static(4, 3, 10))
+    p = prompts(1)[0]
+    a, _ = hs.generate(p, max_new_tokens=20, temperature=0.9, seed=7)
+    b, _ = hs.generate(p, max_new_tokens=20, temperature=0.9, seed=7)
+    c, _ = hs.generate(p, max_new_tokens=20, temperature=0.9, seed=8)
+    assert a.tolist() == b.tolist() and a.tolist() != c.tolist()
+
+
+# ---- stopping and streaming -----------------------------------------------------------------------------
+
+
+class Recorder:
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.view(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_eos_inside_an_accepted_path_truncates_there():
+    model = tiny_target("llama")
+    p = prompts(1)[0]
+    ref = reference_greedy(model, p, 40)[0, p.shape[1]:].tolist()
+    eos = ref[13]  # the oracle accepts ~8 tokens a cycle, so this lands inside an accepted path
+    first = ref.index(eos)
+    rec = Recorder()
+    seq, stats = HeteroSpec(model, OracleDraft(model), Policy.static(7, 3, 20)).generate(
+        p, max_new_tokens=40, eos_token_id=eos, streamer=rec)
+    assert seq[0, p.shape[1]:].tolist() == ref[: first + 1]
+    assert rec.chunks[0] == p[0].tolist() and sum(rec.chunks[1:], []) == ref[: first + 1] and rec.ended
+
+
+@pytest.mark.parametrize("budget", [1, 2, 9, 17])
+def test_max_new_tokens_is_never_overshot(budget):
+    model = tiny_target("llama")
+    p = prompts(1)[0]
+    seq, stats = HeteroSpec(model, OracleDraft(model), Policy.static(7, 3, 20)).generate(p, max_new_tokens=budget)
+    assert seq.shape[1] - p.shape[1] == budget == stats.new_tokens
+    assert seq.tolist() == reference_greedy(model, p, budget).tolist()
+
+
+def test_stopping_criteria_inside_a_path():
+    model = tiny_target("llama")
+    p = prompts(1)[0]
+    ref = reference_greedy(model, p, 30)[0].tolist()
+    stop_len = p.shape[1] + 11
+
+    def crit(ids, scores):
+        return torch.tensor([ids.shape[1] >= stop_len])
+
+    seq, _ = HeteroSpec(model, OracleDraft(model), Policy.static(7, 3, 20)).generate(
+        p, max_new_tokens=30, stopping_criteria=[crit])
+    assert seq[0].tolist() == ref[:stop_len]
+
+
+# ---- bad input --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=-3), "max_new_tokens"),
+    (dict(max_new_tokens=5, temperature=-0.1), "temperature"),
+    (dict(max_new_tokens=5, temperature=0.5, top_p=0.0), "top_p"),
+    (dict(max_new_tokens=5, temperature=0.5, top_p=1.5), "top_p"),
+    (dict(max_new_tokens=5, top_k=-1), "top_k"),
+    (dict(max_new_tokens=600), "max_position_embeddings"),
+])
+def test_bad_generate_arguments(kwargs, match):
+    model = tiny_target("llama")
+    with pytest.raises(ValueError, match=match):
+        HeteroSpec(model).generate(prompts(1)[0], **kwargs)
+
+
+def test_attention_implementation_without_tree_masks_is_refused():
+    model = tiny_target("llama")
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="sdpa"):
+        HeteroSpec(model)
+
+
+def test_bad_policies():
+    with pytest.raises(ValueError, match="thresholds"):
+        Policy.paper(7, 10, 60, thresholds=(1.0, 0.5))
+    with pytest.raises(ValueError, match="top_k"):
+        Policy.static(7, 0, 60)
+
+
+def test_generate_stops_at_the_models_eos_by_default_as_hf_generate_does():
+    """Issue 41.3: eos_token_id=None means the model's generation_config.eos_token_id (HF's generate does the
+    same), an explicit id or list is used as given, and [] means none.  A user calling hs.generate(ids,
+    max_new_tokens=64) ran 64 tokens past <|im_end|> where HF's generate stopped."""
+    import heterospec
+
+    model = tiny_target("llama")
+    p = prompts(1)[0]
+    free = reference_greedy(model, p, 24)[0, p.shape[1]:].tolist()
+    eos = free[9]                                   # a token the greedy output reaches at step 10 (maybe earlier)
+    stop = free.index(eos) + 1
+    model.generation_config.eos_token_id = eos
+    hf = model.generate(p, attention_mask=torch.ones_like(p), do_sample=False, max_new_tokens=24, pad_token_id=0)
+    assert hf.shape[1] - p.shape[1] == stop         # HF stops at the model's EOS
+    for policy, draft in ((heterospec.Policy.static(4, 3, 10), OracleDraft(model)),
+                          (heterospec.Policy.autoregressive(), None)):
+        with heterospec.HeteroSpec(model, draft, policy) as hs:
+            seq, _ = hs.generate(p, max_new_tokens=24)
+            assert seq.tolist() == hf.cpu().tolist()
+            assert hs.generate(p, max_new_tokens=24, eos_token_id=[])[0].shape[1] == p.shape[1] + 24
+            other = free[3] if free[3] != eos else free[4]
+            assert hs.generate(p, max_new_tokens=24, eos_token_id=other)[0][0, -1].item() == other
+            model.generation_config.eos_token_id = [12345, eos]          # a list, as Llama 3 ships it
+            assert hs.generate(p, max_new_tokens=24)[0].tolist() == hf.cpu().tolist()
+            model.generation_config.eos_token_id = eos
+            with pytest.raises(ValueError, match="argument 'eos_token_id' expected a token id"):
+                hs.generate(p, max_new_tokens=4, eos_token_id="</s>")
+    model.generation_config.eos_token_id = None
+
+
+# ---- HuggingFace generate integration ------------------------------------------------------------------------
+
+
+def test_custom_generate_in_hf_generate_is_lossless():
+    import heterospec
+
+    model = tiny_target("qwen2")
+    for p in prompts(4):
+        ref = reference_greedy(model, p, 24)
+        out = model.generate(p, attention_mask=torch.ones_like(p), custom_generate=heterospec.custom_generate,
+                             draft=OracleDraft(model), policy=heterospec.Policy.static(5, 3, 12),
+                             max_new_tokens=24, do_sample=False, pad_token_id=0)
+        assert out.tolist() == ref.tolist()
+    # hooks are removed after each call: none left on the model
+    assert all(not layer._forward_pre_hooks for layer in model.model.layers)
+
+
+def test_custom_generate_refuses_lossy_processors():
+    import heterospec
+
+    model = tiny_target("llama")
+    p = prompts(1)[0]
+    with pytest.raises(ValueError, match="RepetitionPenaltyLogitsProcessor"):
+        model.generate(p, attention_mask=torch.ones_like(p), custom_generate=heterospec.custom_generate,
+                       draft=OracleDraft(model), max_new_tokens=5, repetition_penalty=1.3, pad_token_id=0)
+
+
+def test_custom_generate_eos_from_the_generation_config():
+    import heterospec
+
+    model = tiny_target("llama")
+    p = prompts(1)[0]
+    ref = reference_greedy(model, p, 30)[0, p.shape[1]:].tolist()
+    eos = ref[9]
+    out = model.generate(p, attention_mask=torch.ones_like(p), custom_generate=heterospec.custom_generate,
+                         draft=OracleDraft(model), policy=heterospec.Policy.static(6, 3, 16), max_new_tokens=30,
+                         eos_token_id=eos, pad_token_id=0)
+    assert out[0, p.shape[1]:].tolist() == ref[: ref.index(eos) + 1]

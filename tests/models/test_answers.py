@@ -1,0 +1,258 @@
+"""The target's answers kept as token ids (heterospec.models.answers) and the training features computed from them
+by one teacher-forced forward (heterospec.models.train.teacher_forced / store_features), on a tiny random target;
+the CLI's --answers."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from _models import prompts, reference_greedy, tiny_target  # noqa: E402
+
+from heterospec.models import answers as am  # noqa: E402
+from heterospec.models import train as tr  # noqa: E402
+
+IDENT = {"name": "tiny", "config_sha256": "0" * 64, "vocab_size": 64}
+
+
+def _ids(ps):
+    return [p.view(-1).cpu().numpy() for p in ps]
+
+
+def test_batched_answers_equal_each_prompt_decoded_alone():
+    """answer(): left-padded batches on the static cache give every prompt the target's own greedy answer (HF
+    generate on that prompt alone, no padding), cut after the first end-of-turn id."""
+    model = tiny_target("llama")
+    ps = prompts(7)
+    got = am.answer(model, _ids(ps), max_new_tokens=9, eos_token_id=None, batch_size=3)
+    for p, a in zip(ps, got):
+        want = reference_greedy(model, p, new=9)[0, p.shape[1]:].numpy()
+        assert a.dtype == np.int64 and np.array_equal(a, want)
+    eos = int(got[0][3])                                    # a token the first answer emits at its 4th step
+    cut = am.answer(model, _ids(ps), max_new_tokens=9, eos_token_id=eos, batch_size=4)
+    for a, c in zip(got, cut):
+        hit = np.flatnonzero(a == eos)
+        assert np.array_equal(c, a[: hit[0] + 1] if hit.size else a)
+    assert cut[0].size == np.flatnonzero(got[0] == eos)[0] + 1
+
+
+def _open(d, ps, **kw):
+    args = dict(prompt_ids=_ids(ps), target=IDENT, dtype="float32", max_new_tokens=6, eos_token_id=None,
+                shard_size=2, vocab_size=64)
+    args.update(kw)
+    return am.AnswerStore.open(d, **args)
+
+
+def test_the_store_grows_shard_by_shard_and_refuses_other_settings(tmp_path, monkeypatch):
+    model = tiny_target("llama")
+    ps = prompts(5)
+    d = tmp_path / "answers"
+    store = _open(d, ps, texts={"prompts": [f"p{i}" for i in range(5)]})
+    assert store.collect(model, _ids(ps), limit=3) == [0, 1]
+    assert store.present() == [0, 1]
+    calls = []
+    real = am.answer
+    monkeypatch.setattr(am, "answer", lambda m, p, **k: calls.append(len(p)) or real(m, p, **k))
+    again = _open(d, ps)                                   # a later run, reading the manifest back
+    assert again.collect(model, _ids(ps), keep=lambda i: i != 4) == [2]
+    assert calls == [0]                                    # only the third shard, whose one prompt is skipped
+    assert am.AnswerStore.read_prompts(d) == {"prompts": [f"p{i}" for i in range(5)]}
+    for k in (0, 1):
+        for j, (i, ids, start) in enumerate(again.load_shard(k)):
+            assert i == 2 * k + j and start == ps[i].shape[1]
+            want = reference_greedy(model, ps[i], new=6)[0]
+            assert torch.equal(ids, want)                  # prompt + answer, as int64
+    assert again.load_shard(2) == []
+    with np.load(again.shard_path(0)) as z:
+        assert z["tokens"].dtype == np.uint16              # a vocabulary of 64 fits 16 bits
+    m = am.AnswerStore.read_manifest(d)
+    assert m["shards"]["00000"]["sequences"] == 2 and again.answer_tokens() == 4 * 6
+    with pytest.raises(ValueError, match=r"max_new_tokens.*6.*7"):
+        _open(d, ps, max_new_tokens=7)
+    with pytest.raises(ValueError, match="prompts_sha256"):
+        _open(d, ps[::-1])
+    with pytest.raises(ValueError, match="dtype: 'float32' there, 'bfloat16' now"):
+        _open(d, ps, dtype="bfloat16")
+    with pytest.raises(ValueError, match="argument 'prompt_ids' expected the 5 prompts"):
+        again.collect(model, _ids(ps[:4]))
+    raw = bytearray(open(again.shard_path(1), "rb").read())
+    raw[-3] ^= 0xFF
+    open(again.shard_path(1), "wb").write(bytes(raw))
+    with pytest.raises(ValueError, match="does not match the sha256"):
+        again.load_shard(1)
+
+
+def test_teacher_forced_features_equal_those_recorded_while_decoding():
+    """One forward over prompt + answer gives what collect() records token by token: the same top-k ids, the
+    same taps (to float16 rounding and summation order) and, for an fp32 answer, full agreement."""
+    model = tiny_target("llama")
+    ps = prompts(5)
+    rec = tr.collect(model, ps, max_new_tokens=7, eos_token_id=None, batch_size=2, topk=4)
+    seqs = [(r["ids"], r["start"]) for r in rec]
+    got, agree, total = tr.teacher_forced(model, seqs, topk=4, token_budget=40)
+    assert total == 5 * 7 and agree == total
+    for a, b in zip(got, rec):
+        assert a["start"] == b["start"] and torch.equal(a["ids"], b["ids"])
+        assert a["taps"].shape == b["taps"].shape and a["taps"].dtype == torch.float16
+        assert torch.allclose(a["taps"].float(), b["taps"].float(), atol=3e-3, rtol=2e-3)
+        s = a["start"] - 1
+        assert torch.equal(a["top_ids"][s:], b["top_ids"][s:])
+        assert torch.allclose(a["top_lp"].float(), b["top_lp"].float(), atol=2e-3)
+        assert not a["top_ids"][:s].any()                  # rows before the answer are unused zeros
+    wrong = [(torch.cat([ids[:s], (ids[s:] + 1) % 64]), s) for ids, s in seqs]
+    _, agree2, _ = tr.teacher_forced(model, wrong, topk=4)
+    assert agree2 < total
+
+
+def test_features_are_cached_per_shard_and_recomputed_for_other_settings(tmp_path, monkeypatch):
+    model = tiny_target("llama")
+    ps = prompts(5)
+    store = _open(tmp_path / "answers", ps)
+    store.collect(model, _ids(ps), limit=4)
+    calls = []
+    real = tr.teacher_forced
+    monkeypatch.setattr(tr, "teacher_forced", lambda m, s, **k: calls.append(len(s)) or real(m, s, **k))
+    cache = tmp_path / "features"
+    recs, agree, total = tr.store_features(model, store, cache, IDENT, topk=4)
+    assert calls == [2, 2] and len(recs) == 4 and agree == total == 4 * 6
+    recs2, agree2, _ = tr.store_features(model, store, cache, IDENT, topk=4)
+    assert calls == [2, 2] and agree2 == agree               # from the cache
+    for a, b in zip(recs, recs2):
+        assert torch.equal(a["ids"], b["ids"]) and torch.equal(a["taps"], b["taps"])
+    tr.store_features(model, store, cache, IDENT, topk=3, limit=2)
+    assert calls == [2, 2, 2]                                 # another top-k: the first shard again, not the second
+    store.collect(model, _ids(ps))
+    recs3, _, _ = tr.store_features(model, store, cache, IDENT, topk=4)
+    assert calls == [2, 2, 2, 2, 1] and len(recs3) == 5      # shard 0 was overwritten with top-k 3; shard 2 is new
+
+
+def test_train_draft_on_answers_command(tmp_path):
+    """The CLI: --answers DIR --collect-only answers the shuffled list (kept in DIR/prompts.json.gz); a later run
+    trains on the first --max-prompts from them, the features cached in --features; bad combinations exit 2."""
+    from _pairs import save_tiny_pair
+
+    save_tiny_pair(tmp_path)
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps({"question": f"w{i} w{i + 3} w{i + 7}"}) for i in range(7)))
+    ans = tmp_path / "answers"
+    base = [sys.executable, "-m", "heterospec", "train-draft", "--target", str(tmp_path / "target"), "--data",
+            str(data), "--out", str(tmp_path / "trained"), "--max-new-tokens", "8", "--answers", str(ans),
+            "--shard-size", "3", "--device", "cpu", "--features", str(tmp_path / "feat")]
+    res = subprocess.run(base + ["--collect-only", "--max-prompts", "5"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "0 of 3 shards answered" in res.stdout and not (tmp_path / "trained").exists()
+    listed = am.AnswerStore.read_prompts(ans)["prompts"]
+    assert sorted(listed) == sorted(f"w{i} w{i + 3} w{i + 7}" for i in range(7))
+    assert am.AnswerStore(ans, am.AnswerStore.read_manifest(ans)).present() == [0, 1]
+    data.write_text("")                                   # a rerun reads the saved list, not --data
+    res = subprocess.run(base + ["--max-prompts", "6", "--steps", "3", "--val-fraction", "0.2",
+                                 "--draft-vocab-size", "40"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "features of shard 1" in res.stdout and "100.00 %" in res.stdout
+    assert sorted(p.name for p in (tmp_path / "feat").glob("*.pt")) == ["features-00000.pt", "features-00001.pt"]
+    meta = json.loads((tmp_path / "trained" / "training_log.json").read_text())
+    assert meta["sequences"] + meta["validation_sequences"] == 6
+    # without --max-prompts a training run answers nothing new: it trains on the answered shards, --epochs
+    # passes over them (6 sequences, batches of 4: 2 epochs = 3 steps)
+    res = subprocess.run(base + ["--epochs", "2", "--batch-size", "4", "--val-fraction", "0", "--draft-vocab-size",
+                                 "40", "--out", str(tmp_path / "epochs")], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "2 of 3 shards answered" in res.stdout and "0 to answer now" in res.stdout
+    assert am.AnswerStore(ans, am.AnswerStore.read_manifest(ans)).present() == [0, 1]
+    meta = json.loads((tmp_path / "epochs" / "training_log.json").read_text())
+    assert meta["sequences"] == 6 and meta["steps"] == 3
+    res = subprocess.run(base + ["--epochs", "0"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "--epochs: expected a number > 0, got 0" in res.stderr
+    res = subprocess.run(base + ["--records", str(tmp_path / "rec")], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "--answers" in res.stderr and "Traceback" not in res.stderr
+    res = subprocess.run(base + ["--max-new-tokens", "9", "--collect-only"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2 and "--max-new-tokens: expected 8 (the answers in" in res.stderr
+    assert "got 9" in res.stderr and "Traceback" not in res.stderr
+    res = subprocess.run(base + ["--answer-dtype", "bfloat16", "--collect-only"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2 and "--answer-dtype: expected float32" in res.stderr
+
+
+def test_training_under_bf16_autocast_lowers_the_loss(tmp_path, monkeypatch):
+    """--autocast bfloat16: the head's forward runs in bf16 (seen by the linear layers), its weights stay fp32, and
+    training still learns; anything but bfloat16 / float16 / None is refused."""
+    model = tiny_target("llama")
+    ps = prompts(6)
+    records = tr.collect(model, ps, max_new_tokens=32, eos_token_id=None, batch_size=3, topk=8)
+    seen = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda x, w, b=None: (seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
+                                                          else None), real(x, w, b))[1])
+    log = tr.train_draft(model, None, tmp_path, records=records, draft_vocab_size=60, steps=100, lr=3e-3,
+                         ttt_steps=3, log_every=10, autocast="bfloat16")
+    assert seen and set(seen) == {torch.bfloat16}
+    first, last = log[0][1], np.mean([loss for _, loss, _ in log[-3:]])
+    assert last < 0.7 * first, log
+    head = torch.load(tmp_path / "trainer_state.pt", weights_only=True)["optimizer"]["state"][0]["exp_avg"]
+    assert head.dtype == torch.float32
+    assert json.loads((tmp_path / "training_log.json").read_text())["autocast"] == "bfloat16"
+    with pytest.raises(ValueError, match="argument 'autocast' expected"):
+        tr.train_draft(model, None, tmp_path / "x", records=records, steps=1, autocast="int8")
+
+
+def test_later_turns_are_answered_after_the_targets_own_earlier_answers(tmp_path):
+    """Issue 43.1, multi-turn: a conversation's turn t is asked after turns 1..t-1 and the target's own answers to
+    them (the chat rendering of encode_turn), in a store of its own per answered shard and turn; training reads
+    them all."""
+    from _pairs import save_tiny_pair
+
+    from heterospec.tools.commands import LATER
+    from heterospec.tools.prompts import encode_turn
+
+    model, tok = save_tiny_pair(tmp_path)
+    data = tmp_path / "conv.jsonl"
+    convs = [["w1 w2 w3", "w4 w5", "w6"], ["w7 w8"], ["w9 w10 w11", "w12 w13"]]
+    data.write_text("\n".join(json.dumps({"turns": c}) for c in convs))
+    ans = tmp_path / "answers"
+    base = [sys.executable, "-m", "heterospec", "train-draft", "--target", str(tmp_path / "target"), "--data",
+            str(data), "--out", str(tmp_path / "trained"), "--max-new-tokens", "6", "--answers", str(ans),
+            "--shard-size", "2", "--device", "cpu", "--features", str(tmp_path / "feat")]
+    res = subprocess.run(base + ["--collect-only"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    saved = am.AnswerStore.read_prompts(ans)
+    order = saved["prompts"]                                    # the first turns, shuffled
+    assert sorted(order) == sorted(c[0] for c in convs)
+    assert {order[int(i)]: t for i, t in saved["later_turns"].items()} == {c[0]: c[1:] for c in convs if len(c) > 1}
+    first = {}
+    store = am.AnswerStore(ans, am.AnswerStore.read_manifest(ans))
+    for k in store.present():
+        for i, seq, start in store.load_shard(k):
+            first[order[i]] = seq[start:]
+    later = sorted(p.name for p in (ans / LATER).iterdir())
+    checked = 0
+    for name in later:
+        d = ans / LATER / name
+        s = am.AnswerStore(d, am.AnswerStore.read_manifest(d))
+        meta = am.AnswerStore.read_prompts(d)
+        for j, seq, start in s.load_shard(0):
+            c = next(c for c in convs if c[0] == order[meta["conversations"][j]])
+            t = meta["turn"]
+            answers = [tok.decode(first[c[0]], skip_special_tokens=True)]
+            if t == 3:   # the turn-2 answer of the same conversation, from its own store
+                d2 = ans / LATER / name.replace("turn-3", "turn-2")
+                m2 = am.AnswerStore.read_prompts(d2)
+                s2 = am.AnswerStore(d2, am.AnswerStore.read_manifest(d2))
+                a2 = {m2["conversations"][jj]: sq[st:] for jj, sq, st in s2.load_shard(0)}
+                answers.append(tok.decode(a2[meta["conversations"][j]], skip_special_tokens=True))
+            prompt = encode_turn(tok, c[:t], answers, chat=True)
+            assert np.array_equal(seq[:start], prompt[0].numpy())
+            want = reference_greedy(model, prompt, new=6)[0, prompt.shape[1]:].numpy()
+            assert np.array_equal(seq[start:], want)
+            checked += 1
+    assert checked == 3                                          # turn 2 of two conversations, turn 3 of one
+    res = subprocess.run(base + ["--steps", "2", "--val-fraction", "0", "--draft-vocab-size", "40"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    meta = json.loads((tmp_path / "trained" / "training_log.json").read_text())
+    assert meta["sequences"] == 3 + 3                            # three first turns, three later ones

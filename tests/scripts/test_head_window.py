@@ -1,0 +1,172 @@
+"""The head recipe's GPU window (issue 43.2) at a tiny scale on the CPU: a tiny target answers into an answer
+store, the head trains on every answered shard with its features computed on the fly, tau is measured on five
+benchmark files, and the whole state comes back as parts of at most 16 MiB; ``merge`` puts the answers into
+the committed store and the next window, on a fresh work folder, continues from the state's step."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not os.path.isdir(os.path.join(ROOT, "benchmarks")):
+    pytest.skip("benchmarks/ is not next to tests/ here", allow_module_level=True)
+sys.path.insert(0, ROOT)
+
+from benchmarks import head_window as hw  # noqa: E402
+from _pairs import WORDS, save_tiny_pair  # noqa: E402
+
+from heterospec.models.answers import AnswerStore  # noqa: E402
+from heterospec.models.draft import Eagle3Draft  # noqa: E402
+
+
+def test_the_second_moment_in_8_bits_keeps_its_square_root_within_the_blocks_step():
+    g = torch.Generator().manual_seed(0)
+    v = torch.exp(torch.empty(1000).uniform_(-28, -5, generator=g))   # AdamW's v spans decades
+    v[7] = 0.0                                                         # a weight that never had a gradient
+    q, lo, hi = hw.quantize_moment(v)
+    assert q.dtype == np.uint8 and q.size == 1000 and lo.size == hi.size == 4
+    back = hw.dequantize_moment(q, lo, hi, (1000,))
+    assert back[7] == 0.0
+    rel = (back.sqrt() / v.sqrt() - 1).abs()
+    rel[7] = 0
+    bound = float(np.exp((hi - lo).max() / 508) - 1)     # half a code step on the log scale, in sqrt(v)
+    assert bound < 0.06 and float(rel.max()) <= bound * 1.01
+
+
+def test_the_archive_splits_into_parts_and_refuses_a_missing_or_changed_one(tmp_path):
+    rng = np.random.default_rng(0)
+    members = {"a.bin": rng.bytes(5000), "b/c.json": b'{"x": 1}'}
+    paths = hw.write_parts(members, tmp_path / "out", {"step": 3}, part_bytes=2048)
+    assert [os.path.basename(p) for p in paths] == [f"head-window.tar.{k:02d}" for k in range(1, len(paths) + 1)]
+    assert len(paths) >= 3 and all(os.path.getsize(p) <= 2048 for p in paths)
+    index, got = hw.read_parts(list(reversed(paths)))
+    assert got == members and index["step"] == 3
+    with pytest.raises(ValueError, match="all of them"):
+        hw.read_parts(paths[:1] + paths[2:])
+    data = bytearray(open(paths[1], "rb").read())
+    data[100] ^= 0xFF
+    open(paths[1], "wb").write(bytes(data))
+    with pytest.raises(ValueError):
+        hw.read_parts(paths)
+
+
+def _bench_files(d):
+    d.mkdir()
+    for k, name in enumerate(("mt_bench", "humaneval", "gsm8k", "alpaca", "sum")):
+        with open(d / f"{name}.jsonl", "w") as f:
+            for i in range(2):
+                words = " ".join(WORDS[(k * 7 + i * 3 + j) % len(WORDS)] for j in range(5))
+                f.write(json.dumps({"question_id": i, "turns": [words]}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def window(tmp_path_factory):
+    root = tmp_path_factory.mktemp("window")
+    save_tiny_pair(root)
+    data = root / "train.jsonl"
+    data.write_text("\n".join(json.dumps({"question": " ".join(WORDS[(i * 5 + j) % len(WORDS)] for j in range(4))})
+                              for i in range(12)))
+    store = root / "store"
+    # the committed store: a list of 12 prompts, its first shard answered (what the repository holds)
+    res = subprocess.run([sys.executable, "-m", "heterospec", "train-draft", "--target", str(root / "target"),
+                          "--data", str(data), "--answers", str(store), "--max-new-tokens", "12", "--shard-size", "4",
+                          "--max-prompts", "4", "--collect-only", "--no-chat-template", "--out", str(root / "x"),
+                          "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    repo_copy = root / "repo-store"
+    shutil.copytree(store, repo_copy)          # the store as it is in the repository, before the window
+    _bench_files(root / "bench")
+    args = ["run", "--target", str(root / "target"), "--device", "cpu", "--answers", str(store), "--init-head",
+            str(root / "draft"), "--dtype", "float32", "--answer-dtype", "float32", "--autocast", "off",
+            "--max-new-tokens", "12", "--shard-size", "4", "--gen-batch-size", "4", "--batch-size", "2",
+            "--total-steps", "6", "--warmup", "2", "--save-every", "3", "--seconds", "240", "--collect-seconds", "120",
+            "--reserve", "30", "--bench-dir", str(root / "bench"), "--tau-limit", "2", "--tau-tokens", "8",
+            "--no-chat-template"]
+    rc = hw.main(args + ["--work", str(root / "work1"), "--out", str(root / "out1")])
+    assert rc == 0
+    return root, store, repo_copy, args
+
+
+def test_a_window_answers_trains_on_every_shard_measures_tau_and_packs_its_state(window):
+    root, store, repo_copy, _ = window
+    info = json.loads((root / "work1" / "head-window.json").read_text())
+    m = AnswerStore.read_manifest(store)
+    assert sorted(m["shards"]) == ["00000", "00001", "00002"]          # the two missing shards answered
+    assert info["new_answer_files"] == 2 and info["step"] == 6
+    assert info["new_answer_tokens"] == m["shards"]["00001"]["answer_tokens"] + m["shards"]["00002"]["answer_tokens"]
+    log = json.loads((root / "work1" / "out" / "training_log.json").read_text())
+    assert log["sequences"] == sum(s["sequences"] for s in m["shards"].values())   # every answered shard
+    assert log["ttt_steps"] == 7
+    assert set(info["tau"]["rows"]) == {"mt_bench", "humaneval", "gsm8k", "alpaca", "sum"}
+    for r in info["tau"]["rows"].values():
+        assert r["tau"] >= 1.0 and r["prompts"] == 2 and 0.0 <= r["first_step_acceptance"] <= 1.0
+    parts = sorted(os.listdir(root / "out1"))
+    assert parts == ["head-window.tar.01"] and all(os.path.getsize(root / "out1" / p) <= 16 * 2**20 for p in parts)
+    index, members = hw.read_parts([str(root / "out1" / p) for p in parts])
+    assert {"answers/shard-00001.npz", "answers/shard-00002.npz"} <= set(members)
+    assert "answers/shard-00000.npz" not in members                    # the committed shard stays where it is
+    # the packed head is the trained one, in float16, and loads as it is
+    hdir = root / "unpacked"
+    hw.restore_state(members, str(hdir))
+    target_cls = __import__("transformers").AutoModelForCausalLM
+    target = target_cls.from_pretrained(root / "target")
+    packed = Eagle3Draft.from_pretrained(hdir, target=target)
+    trained = Eagle3Draft.from_pretrained(root / "work1" / "out", target=target)
+    for (k, a), (_, b) in zip(packed.state_dict().items(), trained.state_dict().items()):
+        if a.is_floating_point() and a.numel() and k != "embed_tokens.weight":
+            assert torch.allclose(a, b.to(torch.float16).float(), atol=0, rtol=0), k
+    # the optimizer: step counts kept, the second moment within its quantisation, the first moment dropped
+    full = torch.load(root / "work1" / "out" / "trainer_state.pt", weights_only=True)["optimizer"]
+    back = torch.load(hdir / "trainer_state.pt", weights_only=True)["optimizer"]
+    for i, s in full["state"].items():
+        b = back["state"][i]
+        assert float(b["step"]) == float(s["step"]) == 6
+        assert torch.all(b["exp_avg"] == 0)
+        keep = s["exp_avg_sq"] > 1e-16
+        assert torch.allclose(b["exp_avg_sq"][keep].sqrt(), s["exp_avg_sq"][keep].sqrt(), rtol=0.1)
+
+
+def test_merge_adds_the_answers_and_the_next_window_continues_from_the_state(window):
+    root, store, repo_copy, args = window
+    parts = [str(root / "out1" / p) for p in sorted(os.listdir(root / "out1"))]
+    carry = root / "carry"
+    assert hw.main(["merge", *parts, "--answers", str(repo_copy), "--carry-out", str(carry)]) == 0
+    mine, theirs = AnswerStore.read_manifest(repo_copy), AnswerStore.read_manifest(store)
+    assert mine["shards"] == theirs["shards"]
+    for k in ("00001", "00002"):
+        assert open(repo_copy / f"shard-{k}.npz", "rb").read() == open(store / f"shard-{k}.npz", "rb").read()
+    assert hw.main(["merge", *parts, "--answers", str(repo_copy), "--carry-out", str(carry)]) == 0  # idempotent
+    _, state = hw.read_parts([str(carry / p) for p in sorted(os.listdir(carry))])
+    assert not any(k.startswith("answers/") for k in state)             # the next carry: the state alone
+    # the next window: a fresh machine (new work folder), the committed store (all 3 shards), the carried state
+    args2 = [a if a != "6" else "9" for a in args]                      # --total-steps 9: three more steps
+    i = args2.index("--answers")
+    args2[i + 1] = str(repo_copy)
+    rc = hw.main(args2 + ["--work", str(root / "work2"), "--out", str(root / "out2"), "--state", str(carry),
+                          "--collect-seconds", "0"])
+    assert rc == 0
+    info = json.loads((root / "work2" / "head-window.json").read_text())
+    assert info["step"] == 9 and "step 6" in info["started_from"] and info["new_answer_files"] == 0
+    log = json.loads((root / "work2" / "out" / "training_log.json").read_text())
+    assert log["steps"] == 9 and log["log"][0][0] <= 6 < log["log"][-1][0]   # the curve goes on from window 1
+
+
+def test_merge_refuses_a_window_of_another_store(window, tmp_path):
+    root, store, _, _ = window
+    other = tmp_path / "other"
+    shutil.copytree(store, other)
+    m = AnswerStore.read_manifest(other)
+    m["prompts_sha256"] = "0" * 64
+    (other / "manifest.json").write_text(json.dumps(m))
+    parts = [str(root / "out1" / p) for p in sorted(os.listdir(root / "out1"))]
+    res = subprocess.run([sys.executable, "-m", "benchmarks.head_window", "merge", *parts, "--answers", str(other),
+                          "--carry-out", str(tmp_path / "c")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode == 2 and "prompts_sha256" in res.stderr and "Traceback" not in res.stderr

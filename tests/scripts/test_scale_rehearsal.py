@@ -1,0 +1,82 @@
+"""The scale rehearsal (issue 44) at its `tiny` shape on the CPU: the same code path as the 8B run on a GPU --
+a target of transformers' own class built from a config with random weights, an EAGLE-3 head saved in SafeAILab's
+and vLLM's layouts and loaded back, every method timed, the cost model fitted, the caches allocated, greedy output
+checked against ar's, and a projection that says it is one."""
+import json
+import os
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not os.path.isdir(os.path.join(ROOT, "benchmarks")):
+    pytest.skip("benchmarks/ is not next to tests/ here", allow_module_level=True)
+sys.path.insert(0, ROOT)
+
+from benchmarks import scale_rehearsal  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("scale")
+    rc = scale_rehearsal.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--prompts", "1",
+                               "--prompt-len", "24", "--new-tokens", "12", "--batch", "2", "--cache-check", "256",
+                               "--out", str(out)])
+    with open(out / "scale.json") as f:
+        r = json.load(f)
+    with open(out / "scale.md") as f:
+        md = f.read()
+    return rc, r, md
+
+
+def test_the_tiny_rehearsal_runs_every_method_and_is_lossless(run):
+    rc, r, _ = run
+    assert rc == 0
+    assert set(r["methods"]) == {"hf", "hf-static", "ar", "eagle3", "heterospec"}
+    for m, rows in r["methods"].items():
+        assert set(rows) == {"1", "2"}, m
+        assert all(x["tokens"] == 12 * int(B) and x["tokens_per_s"] > 0 for B, x in rows.items()), m
+    assert r["enforced"] and all(all(v.values()) for v in r["same_as_ar"].values())
+    # random weights accept no draft token: the prefill's token, then one per cycle
+    assert r["methods"]["eagle3"]["1"]["cycles"] == 11 and r["methods"]["eagle3"]["1"]["tau"] == 1.0
+
+
+def test_the_head_is_saved_in_both_layouts_and_loaded_back_equal(run):
+    _, r, _ = run
+    assert set(r["loaders"]) == {"safeailab", "vllm-speculators"}
+    assert all(v["equal"] and v["bytes"] > 0 for v in r["loaders"].values())
+
+
+def test_costs_floor_and_caches_are_reported(run):
+    _, r, _ = run
+    c = scale_rehearsal.SHAPES["tiny"]["config"]
+    kv_heads, hd = c["num_key_value_heads"], c["hidden_size"] // c["num_attention_heads"]
+    assert r["caches"]["target_bytes"] == 8 * 2 * c["num_hidden_layers"] * kv_heads * 256 * hd * 4
+    assert r["weight_bytes"] == sum(4 * n for n in (
+        c["vocab_size"] * c["hidden_size"],                                   # lm_head (the embedding is not read)
+        c["num_hidden_layers"] * (2 * c["hidden_size"] * c["hidden_size"]     # q, o
+                                  + 2 * c["hidden_size"] * kv_heads * hd      # k, v
+                                  + 3 * c["hidden_size"] * c["intermediate_size"]
+                                  + 2 * c["hidden_size"]),                    # two norms
+        c["hidden_size"]))                                                    # the final norm
+    assert r["memory_floor_ms"] > 0 and r["ar_over_floor"] == pytest.approx(r["ar_step_ms"] / r["memory_floor_ms"])
+    assert set(r["verify_ms"]) == {"1", "8", "16", "32", "60"}
+    for m in ("ar", "eagle3", "heterospec"):
+        x = r["per_cycle"][m]
+        assert x["cycle_ms"] == pytest.approx(x["verify_ms"] + x["draft_ms"] + x["rest_ms"])
+
+
+def test_the_projection_is_labelled_and_follows_from_the_measured_cycle(run):
+    _, r, md = run
+    cyc = r["per_cycle"]["eagle3"]["cycle_ms"] / 1e3
+    assert r["projection"]["eagle3"]["4"]["tokens_per_s"] == pytest.approx(4 / cyc)
+    assert "PROJECTED" in r["projection_note"]
+    measured, projected = md.split("## PROJECTED (not measured)")
+    assert "(projected)" not in measured
+    rows = [line for line in projected.splitlines() if line.startswith("| eagle3") or line.startswith("| heterospec")]
+    assert rows and all("(projected)" in line for line in rows)
+    assert "6.57" in projected
