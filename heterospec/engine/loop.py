@@ -193,7 +193,8 @@ class HeteroSpec:
     (for a CPU model in float32 or bfloat16 where torch has it) measures, per layer shape and rows per call (1;
     2-16; more), whether the packed path beats torch's default on this machine and routes only there (measured
     once per machine, a few seconds for a 135M model, then cached on disk); True packs every layer for every
-    row count, False = torch's default ``linear``.  ``self.cpu_gemm`` and every call's stats say which.  On the
+    row count, False = torch's default ``linear`` (and what ``compile=True`` uses: inductor lowers the linear layers
+    itself).  ``self.cpu_gemm`` and every call's stats say which.  On the
     2-core AMD EPYC a forward over the few rows of a tree then costs about what one row does (MKL's default
     path costs 1.5-1.7x one row for 2 rows or more); the logits agree with the default path to ~1e-4.
 
@@ -248,6 +249,13 @@ class HeteroSpec:
         if not (isinstance(compile, bool) or (isinstance(compile, str) and compile)):
             raise ValueError(f"HeteroSpec: argument 'compile' expected a bool or a torch.compile backend name, got "
                              f"{compile!r}")
+        if compile is True or compile == "inductor":
+            # inductor lowers the linear layers itself and cannot lower oneDNN's packed ones (an InductorError at
+            # the first verify forward on the CPU): the packed path stays off under it
+            if cpu_gemm is True:
+                raise ValueError("HeteroSpec: argument 'cpu_gemm' expected False or 'auto' with compile=True "
+                                 "(inductor compiles the linear layers itself), got True")
+            cpu_gemm = False
         self.batch_invariant = _check_invariant(batch_invariant, p)
         try:
             self.target = TargetAdapter(target, tap_layers=taps, capture_taps=draft is not None, compile=compile,
@@ -590,8 +598,9 @@ class HeteroSpec:
                                  [candidate_count(K, lv) if cyc.drafting else 0 for lv in levels],
                                  [int(done[a]) for a in alive])
                     # on the CPU the eager target attends over the used columns only; a recording keeps the whole
-                    # cache
-                    window = None if graphs else attention_window(dev, max(prefix_host[a] for a in alive) + 1, T)
+                    # cache, and so does a compiled forward (a new width would be a new compilation every 64 tokens)
+                    window = None if graphs or cyc.target.compiled else \
+                        attention_window(dev, max(prefix_host[a] for a in alive) + 1, T)
                     acc = cyc.run_finish(steps, g, extra, T, settings, window, clock)
                 except ValueError:   # on the CPU the ops refuse non-finite logits mid-cycle: say which model's
                     with sync.outside_cycle():

@@ -303,6 +303,7 @@ class TargetAdapter:
         self.cache = None
         self.prefix = torch.zeros(batch, dtype=torch.long, device=self.device)
         self._call = model if not compile else _compiled(model, compile)
+        self.compiled = bool(compile)   # a compiled verify forward: one compilation per shape, so no windows
         self._cache_kw = cache_kwarg(model)
 
     def _make_hook(self, i):

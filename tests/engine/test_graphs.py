@@ -193,6 +193,35 @@ def test_compiled_target_forward_decodes_as_the_plain_one(setup):
         HeteroSpec(model, compile=3)
 
 
+def test_a_compiled_target_is_compiled_once_per_tree_shape_not_per_attention_window(setup):
+    """Issue 40.3: a compiled verify forward sees one shape per tree shape.  On the CPU the eager target attends
+    over the used columns only, rounded to 64, and a compiled one recompiled at every new width: 9 graphs for
+    the 3 shapes of this policy over 120 tokens.  With ``compile`` the whole cache is attended, as on a GPU."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    model, ps, refs, head = setup
+    policy = Policy.paper(4, 3, 16, THRESHOLDS)
+    torch._dynamo.reset()
+    counters.clear()
+    with HeteroSpec(model, head, policy, compile="eager") as hs:
+        for p in ps[:3]:
+            seq, _ = hs.generate(p, max_new_tokens=120)          # past two 64-column windows
+        shapes = hs.cycle.shapes()
+    assert 1 <= counters["stats"]["unique_graphs"] <= len(shapes), (dict(counters["stats"]), shapes)
+    torch._dynamo.reset()
+
+
+def test_inductor_keeps_the_packed_cpu_linears_off(setup):
+    """compile=True with the packed oneDNN linears died in inductor's lowering at the first verify forward on
+    the CPU (mkldnn._linear_pointwise): under inductor the packed path is off, and asking for it is one line."""
+    model = setup[0]
+    assert HeteroSpec(model, compile=True).cpu_gemm == "off"
+    with pytest.raises(ValueError, match=r"^HeteroSpec: argument 'cpu_gemm' expected False or 'auto' with "
+                                         r"compile=True .*, got True$"):
+        HeteroSpec(model, compile=True, cpu_gemm=True)
+
+
 def test_the_guard_sees_host_reads_inside_torch():
     """Indexing with a 0-d tensor, boolean masks and tensor repeats read device values inside torch's C++
     (a host sync on a GPU, an error in graph capture): forbid_host_transfers catches them on the CPU, and
