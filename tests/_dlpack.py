@@ -1,4 +1,5 @@
-"""ctypes declarations of the DLPack ABI, for tests that hand-make capsules (tests/ops: test_interop and the device tests)."""
+"""ctypes declarations of the DLPack ABI, for tests that hand-make capsules (tests/ops: test_interop and the
+device tests)."""
 import ctypes
 
 

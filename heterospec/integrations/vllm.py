@@ -19,8 +19,8 @@ vLLM 0.32 verifies chains only (no token trees), so the plugin drafts chains.
 
 Use: ``pip install "heterospec[vllm]"`` registers :func:`register` under vLLM's ``vllm.general_plugins`` entry
 point; it does nothing unless ``HETEROSPEC_VLLM_PROFILE`` names a profile (``heterospec calibrate``'s JSON, or
-one fitted from vLLM's own runs by ``heterospec calibrate --engine vllm``), so installing heterospec never changes vLLM's
-behaviour by itself.  Then vLLM's own options select EAGLE-3 as usual::
+one fitted from vLLM's own runs by ``heterospec calibrate --engine vllm``), so installing heterospec never
+changes vLLM's behaviour by itself.  Then vLLM's own options select EAGLE-3 as usual::
 
     HETEROSPEC_VLLM_PROFILE=profile.json python serve.py   # LLM(..., speculative_config={"method": "eagle3",
                                                            #      "model": head, "num_speculative_tokens": 8})

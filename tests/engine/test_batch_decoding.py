@@ -290,8 +290,8 @@ def test_a_batch_too_large_for_memory_is_refused_before_decoding(monkeypatch):
     monkeypatch.setattr(requests_mod, "available_bytes", lambda device: 1000)
     where = re.escape(str(ids.device))            # a tensor's device has its index: cuda:0
     with pytest.raises(ValueError, match=r"^generate: argument 'input_ids' expected a batch whose static caches fit "
-                                         r"the " + where + r" memory available \(0.00 GiB\), got 3 prompts needing about "
-                                         r"[0-9.]+ GiB \(\d+ positions per row\)$"):
+                                         r"the " + where + r" memory available \(0.00 GiB\), got 3 prompts "
+                                         r"needing about [0-9.]+ GiB \(\d+ positions per row\)$"):
         hs.generate(ids, attention_mask=mask, max_new_tokens=8)
     assert all(not layer._forward_pre_hooks for layer in model.model.layers)   # nothing left on the model
     monkeypatch.setattr(requests_mod, "available_bytes", lambda device: None)     # unknown: decoding goes on

@@ -1,11 +1,10 @@
 """The tree family of ops, expand, select and build_tree: every test of the family in one file, as the C sources are
 (csrc/core/tree.c, csrc/cuda/tree.cu, csrc/py/tree.c, heterospec/reference/tree.py; docs/ops.md).
 
-In order: the cases against brute-force expectations (C core and NumPy twin, fixture ``impl``); the C core
-against the NumPy twin on random input; batched calls against the same calls row by row; bad input (the
-documented exception naming the argument); and on the device (``on_device``): CPU <-> CUDA parity and
-device-side checks, on a real GPU or on the emulated build (HETEROSPEC_CUDA=emu, CI stage 2), skipped
-elsewhere."""
+In order: the cases against brute-force expectations (C core and NumPy twin, fixture ``impl``); the C core against
+the NumPy twin on random input; batched calls against the same calls row by row; bad input (the documented exception
+naming the argument); and on the device (``on_device``): CPU <-> CUDA parity and device-side checks, on a real GPU
+or on the emulated build (HETEROSPEC_CUDA=emu, CI stage 2), skipped elsewhere."""
 import numpy as np
 import pytest
 from _agree import (
