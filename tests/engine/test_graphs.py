@@ -196,7 +196,9 @@ def test_compiled_target_forward_decodes_as_the_plain_one(setup):
 def test_a_compiled_target_is_compiled_once_per_tree_shape_not_per_attention_window(setup):
     """Issue 40.3: a compiled verify forward sees one shape per tree shape.  On the CPU the eager target attends
     over the used columns only, rounded to 64, and a compiled one recompiled at every new width: 9 graphs for
-    the 3 shapes of this policy over 120 tokens.  With ``compile`` the whole cache is attended, as on a GPU."""
+    the 3 shapes of this policy over 120 tokens.  With ``compile`` the whole cache is attended, as on a GPU, and
+    the layers are compiled one region at a time: one compiled layer serves all 8 (a whole-model compilation,
+    or one per layer, would be more graphs than shapes), and the user's layers are left as they were."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -208,6 +210,7 @@ def test_a_compiled_target_is_compiled_once_per_tree_shape_not_per_attention_win
         for p in ps[:3]:
             seq, _ = hs.generate(p, max_new_tokens=120)          # past two 64-column windows
         shapes = hs.cycle.shapes()
+        assert all(layer._compiled_call_impl is None for layer in model.model.layers)   # between calls: as it was
     assert 1 <= counters["stats"]["unique_graphs"] <= len(shapes), (dict(counters["stats"]), shapes)
     torch._dynamo.reset()
 
