@@ -210,7 +210,8 @@ def check_demo(args):
         _load_policy(args.policy, args)
 
 
-# calibrate's options that only heterospec's own engine reads, with their defaults (--engine vllm refuses others)
+# calibrate's options that only heterospec's own engine reads, and their defaults (the parser's, from here;
+# --engine vllm refuses any other value)
 TREE_ONLY = {"gguf_file": None, "depth": 7, "total_tokens": 60, "fit_target": "rank", "search_base_tree": False,
              "dtype": "float32", "cuda_graphs": "off"}
 

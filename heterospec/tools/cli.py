@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from .checks import (UsageError, check_calibrate, check_demo, check_device, check_train_draft,  # noqa: F401
+from .checks import (TREE_ONLY, UsageError, check_calibrate, check_demo, check_device, check_train_draft,  # noqa: F401
                      pair_identity, resolve_generate)
 from .commands import MIN_BIN_CYCLES, calibrate_cmd, generate_cmd, thin_bins_warning, train_draft_cmd  # noqa: F401
 
@@ -106,12 +106,13 @@ def build_parser():
     c.add_argument("--batch", type=int, default=1,
                    help="--engine vllm: requests vLLM decodes together, as you will serve them (default 1)")
     c.add_argument("--max-new-tokens", type=int, default=128, help="greedy tokens recorded per prompt")
-    c.add_argument("--depth", type=int, default=7, help="the base tree's depth (HeteroSpec drafts deeper per bin)")
+    c.add_argument("--depth", type=int, default=TREE_ONLY["depth"], help="the base tree's depth (HeteroSpec drafts deeper per bin)")
     c.add_argument("--top-k-tree", type=int, default=10,
                    help="the base tree's branching / beam width, and the K of the top-K entropy (with --engine vllm: "
                         "that K alone)")
-    c.add_argument("--total-tokens", type=int, default=60, help="the base tree's verified nodes, root included")
-    c.add_argument("--fit-target", choices=["rank", "accepted"], default="rank",
+    c.add_argument("--total-tokens", type=int, default=TREE_ONLY["total_tokens"],
+                   help="the base tree's verified nodes, root included")
+    c.add_argument("--fit-target", choices=["rank", "accepted"], default=TREE_ONLY["fit_target"],
                    help="what the entropy bins are fitted to predict (Eq. 2): the rank of the most confident "
                         "path's last candidate, or the accepted length")
     c.add_argument("--search-base-tree", action="store_true",
@@ -123,9 +124,9 @@ def build_parser():
                    help="--search-base-tree: prompts the best trees are decoded on for timing")
     c.add_argument("--device", default="cpu", help="where the pair runs and is timed: cpu, cuda, cuda:1, ... "
                    "(calibrate on the device you will generate on: the cost model is this device's)")
-    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    c.add_argument("--dtype", default=TREE_ONLY["dtype"], choices=["float32", "bfloat16", "float16"])
     c.add_argument("--no-chat-template", action="store_true")
-    c.add_argument("--cuda-graphs", default="off", choices=["auto", "on", "off"],
+    c.add_argument("--cuda-graphs", default=TREE_ONLY["cuda_graphs"], choices=["auto", "on", "off"],
                    help="time verify forwards and draft levels as replayed CUDA graphs, as the engine with "
                         "--cuda-graphs runs them (auto: on with a CUDA --device)")
     t = sub.add_parser("train-draft", help="train an EAGLE-3 head for a target on the target's own answers")
