@@ -333,7 +333,14 @@ def record(results, table, ledger_path=LEDGER, keep_raw=True, out=sys.stdout):
                   f"{entry['minutes']} min) on {entry['device']}, commit {commit or 'unknown (digest differs)'}",
                   file=out)
         if recorded:
-            led["windows"].append({"date": date, "device": device, "commit": head, "phases": recorded})
+            window = {"date": date, "device": device, "commit": head, "phases": recorded}
+            last = led["windows"][-1] if led["windows"] else None
+            # the same window recorded again (its later calls return every phase so far) replaces its entry
+            if last and {k: last.get(k) for k in ("date", "device", "commit")} == \
+                    {k: window[k] for k in ("date", "device", "commit")} and set(last["phases"]) <= set(recorded):
+                led["windows"][-1] = window
+            else:
+                led["windows"].append(window)
             save_ledger(led, ledger_path)
             if keep_raw:
                 dest = os.path.join(os.path.dirname(os.path.abspath(ledger_path)), WINDOWS_DIR, f"{date}-{re.sub(r'[^A-Za-z0-9]+', '-', device or 'gpu').strip('-')}"
@@ -342,6 +349,9 @@ def record(results, table, ledger_path=LEDGER, keep_raw=True, out=sys.stdout):
                     shutil.copytree(os.path.join(src, name), os.path.join(dest, name), dirs_exist_ok=True,
                                     ignore=lambda d, names: [n for n in names if os.path.isfile(os.path.join(d, n))
                                                              and os.path.getsize(os.path.join(d, n)) > 2**20])
+                for fn in ("background.log", "monitor.log"):   # the run's own log and the machine's samples
+                    if os.path.isfile(os.path.join(src, fn)) and os.path.getsize(os.path.join(src, fn)) <= 2**20:
+                        shutil.copyfile(os.path.join(src, fn), os.path.join(dest, fn))
                 print(f"record: raw results (files up to 1 MiB) in {dest}", file=out)
     return recorded
 

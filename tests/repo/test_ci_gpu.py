@@ -228,7 +228,7 @@ def test_only_the_named_phases_run_and_a_passing_run_exits_zero(tmp_path):
     f = _phases_file(tmp_path, table)
     r = _gpu(["--phases-file", f, "a"], tmp_path)
     assert r.returncode == 0, r.stdout
-    assert sorted(os.listdir(tmp_path / "work")) == ["a", "site", "state"]
+    assert sorted(os.listdir(tmp_path / "work")) == ["a", phases.MONITOR_LOG, "site", "state"]
     r = _gpu(["--phases-file", f], tmp_path)           # no argument: the default phases, in order
     assert r.returncode == 1 and "phase c" not in r.stdout
     assert r.stdout.index("phase a") < r.stdout.index("phase b")
@@ -670,7 +670,7 @@ def test_a_window_runs_correctness_side_by_side_then_speed_alone_and_records_int
     f = _phases_file(tmp_path, table)
     ledger = tmp_path / "results" / "ledger.json"
     r = _gpu(["--phases-file", f, "--window", "3", "--ledger", str(ledger)], tmp_path,
-             {"HETEROSPEC_GPU_WORK": str(tmp_path / "work")})
+             {"HETEROSPEC_GPU_WORK": str(tmp_path / "work"), "HETEROSPEC_GPU_MONITOR_S": "0.5"})
     assert r.returncode == 1, r.stdout + r.stderr          # c3 failed
     assert "side by side: c1, c2, c3" in r.stdout
     work = tmp_path / "work"
@@ -694,6 +694,18 @@ def test_a_window_runs_correctness_side_by_side_then_speed_alone_and_records_int
     assert e["minutes"] is not None and e["expected_minutes"] == 0.05 and e["numbers"] == {}
     assert led["phases"]["c3"]["state"] == "fail" and led["windows"][-1]["phases"] == sorted(led["phases"])
     assert (ledger.parent / "gpu-windows").is_dir()          # the raw files kept beside it
+    # the machine was sampled while the phases ran (over 2 s at 0.5 s), and the samples came back and were kept
+    with tarfile.open(tmp_path / "out" / phases.RESULTS_TAR) as tar:
+        samples = tar.extractfile(phases.MONITOR_LOG).read().decode().splitlines()
+    assert len(samples) >= 3, samples
+    for line in samples:
+        m = re.search(r"host ([0-9.]+) of ([0-9.]+) GiB available, load [0-9.]+, gpu.*\| largest: (.*)", line)
+        assert m and 0 < float(m.group(1)) <= float(m.group(2)) + 0.5 and "GiB pid" in m.group(3), line
+    (kept,) = (ledger.parent / "gpu-windows").iterdir()
+    assert (kept / phases.MONITOR_LOG).read_text().splitlines() == samples
+    # the same results recorded again (a later call returns every phase so far) replace the window's entry
+    r = _gpu(["--phases-file", f, "--record", str(tmp_path / "out"), "--ledger", str(ledger)], tmp_path)
+    assert r.returncode == 0 and len(json.loads(ledger.read_text())["windows"]) == len(led["windows"])
     # the next plan skips what passed on this code and runs what failed
     r = _gpu(["--phases-file", f, "--window", "3", "--dry-run", "--ledger", str(ledger)], tmp_path)
     planned = re.findall(r"^\| \d+ \| (\S+) \|", r.stdout, flags=re.M)
@@ -742,6 +754,6 @@ def test_the_window_phases_cover_the_issues_correctness_list_and_use_xdist(tmp_p
     monkeypatch.setenv("HETEROSPEC_GPU_WORK", str(tmp_path))
     ctx = phases.make_context()
     ctx.xdist = True
-    assert " -n 4 " in ctx.fill(by["engine"].steps[0].cmd, str(tmp_path), by["engine"].workers)
+    assert " -n 6 " in ctx.fill(by["engine"].steps[0].cmd, str(tmp_path), by["engine"].workers)
     ctx.xdist = False
     assert " -n " not in ctx.fill(by["engine"].steps[0].cmd, str(tmp_path), by["engine"].workers)
