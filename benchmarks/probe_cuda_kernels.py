@@ -11,13 +11,33 @@ two questions on a GPU in a few seconds:
    peaked rows (the same plus 30 on one token per row, which then holds > 99.9 % of the mass, as a
    confident language model's rows do).
 
+The fourth window (H100, RESULTS.md) left two questions, answered by three more tables:
+
+3. the cycle's kernels inside its CUDA graph (the replay profiled): where the 0.7 ms (V = 49,152) and 1.5 ms
+   (V = 128,256) of bench_cuda_cycle's graph go, kernel by kernel, rather than op by op;
+4. the split rows' merges (hs_k_entropy_merge, hs_k_expand_merge: 34-41 us each in the eager profile, 8 per
+   cycle) against the number of chunks a row is cut into: 10 rows of Vd = 1,024 ... 32,000 give 1 ... 32
+   chunks, so a merge whose time grows with them is paying for hs_merge_rank's per-candidate binary searches
+   over every other chunk, and one that does not is paying for something else;
+5. verify_sample's wide rows (hs_k_wide_level: 944 us of a 978 us call at top-p 0.9 on 60 x 128,256 flat
+   rows, four launches: one per 8-bit level of the key) against how the keys fall into the first level's
+   bins.  Each level adds every kept token's weight into 256 shared histogram bins with float64 atomicAdd,
+   and randn * 3 puts a row into about a dozen of them.  The same rows shifted by a constant (float32:
+   randn * 3 + 30, + 1000) have the same softmax (to float32's rounding), so the same nucleus and the same
+   work, but fall into 2 or 1 bins: if level 0's launch slows as the bins narrow while levels 1-3 do not, the time is those atomics'
+   contention.
+
     python -m benchmarks.probe_cuda_kernels [--iters 100] [--out probe.json]
 """
 import argparse
 import collections
 import json
 
-from benchmarks.bench_cuda_cycle import capture, make_inputs, make_state, per_op_calls, timeit
+from benchmarks.bench_cuda_cycle import capture, cycle_ops, make_inputs, make_state, per_op_calls, timeit
+
+MERGE_VOCABS = (1024, 4096, 16384, 32000)     # 10 rows each: 1, 4, 16 and 32 chunks a row on a GPU
+# (dtype, shift) for randn * 3 + shift: the same softmax (so the same nucleus), keys in fewer level-0 bins
+WIDE_CASES = (("bfloat16", 0.0), ("float32", 0.0), ("float32", 30.0), ("float32", 1000.0))
 
 
 def kernel_table(torch, fn, reps=5):
@@ -48,6 +68,93 @@ def peaked_rows(torch, logits, bump=30.0, seed=0):
     out = logits.clone()
     out[torch.arange(logits.shape[0], device=logits.device), cols] += bump
     return out
+
+
+def key_bins(torch, logits):
+    """How a row's keys fall into the first level of verify_sample's wide descent: the top 8 bits of the
+    order-preserving 32-bit key of each value as float32 (hs_key32 in csrc/cuda/common.cuh: -0 as +0, the
+    sign bit flipped for non-negative values, every bit for negative ones).  Returns (the mean over rows of
+    the number of distinct bins, the mean over rows of the largest bin's share of the row)."""
+    x = logits.float()
+    x = torch.where(x == 0, torch.zeros_like(x), x)
+    u = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    key = torch.where(u >= 0x80000000, (~u) & 0xFFFFFFFF, u | 0x80000000)
+    top = (key >> 24).long()
+    counts = torch.zeros(top.shape[0], 256, dtype=torch.long, device=top.device)
+    counts.scatter_add_(1, top, torch.ones_like(top))
+    distinct = (counts > 0).sum(1).float().mean().item()
+    largest = (counts.max(1).values.float() / top.shape[1]).mean().item()
+    return distinct, largest
+
+
+def chunks_per_row(rows, V):
+    """The chunks the split-row kernels cut each of `rows` rows of V into (the CUDA build's own rule)."""
+    from heterospec._native import _C
+    return int(_C.cuda_chunks(rows, V))
+
+
+def launches(torch, fn, match):
+    """The device microseconds of each launch of the kernels whose name contains `match`, in launch order,
+    over one call of fn (after one unprofiled call)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    evs = [e for e in prof.events() if match in e.name and "CUDA" in str(getattr(e, "device_type", "CUDA"))]
+    evs.sort(key=lambda e: getattr(e, "time_range", None).start if getattr(e, "time_range", None) else 0)
+    return [float(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0) or 0.0) for e in evs]
+
+
+def graph_kernels(torch, graph, reps=5):
+    """The kernels of `reps` replays of a captured graph, per replay (kernel_table on graph.replay; with a
+    profiler that does not see inside graphs this is empty, which the report says)."""
+    return kernel_table(torch, graph.replay, reps)
+
+
+def merge_sweep(ops, torch, dev, iters):
+    """topk_entropy and expand (k = 10) on 10 rows of each Vd in MERGE_VOCABS: chunks per row, the op replayed
+    alone in a graph, and its kernels (eager, profiled)."""
+    rows = []
+    k = 10
+    for Vd in MERGE_VOCABS:
+        g = torch.Generator(device="cpu").manual_seed(Vd)
+        logits = (torch.randn(k, Vd, generator=g) * 3).to(dev)
+        scores = torch.zeros(k, device=dev)
+        nodes = torch.arange(k, device=dev)
+        for op, fn in (("topk_entropy", lambda lg=logits: ops.topk_entropy(lg, k, check=False)),
+                       ("expand", lambda lg=logits: ops.expand(lg, scores, nodes, k, None, k, check=False))):
+            graph = capture(torch, fn)
+            t = timeit(torch, graph.replay, iters)
+            ops.cuda_check(dev)
+            ker = kernel_table(torch, fn)
+            rows.append(dict(op=op, rows=k, Vd=Vd, chunks=chunks_per_row(k, Vd), graph_median_us=t["median_us"],
+                             kernels={name: v for name, v in list(ker.items())[:4]}))
+            del graph
+    return rows
+
+
+def wide_sweep(ops, torch, dev, tree_tokens, tree_parents, V, iters):
+    """verify_sample at top-p 0.9 on the tree's rows of randn * 3 + shift (WIDE_CASES): the level-0 bins the
+    rows' keys fall into, the call replayed in a graph, and each hs_k_wide_level launch (levels 0-3)."""
+    rows = []
+    T = tree_tokens.shape[0]
+    for dtype, shift in WIDE_CASES:
+        g = torch.Generator(device="cpu").manual_seed(7)
+        lg = (torch.randn(T, V, generator=g) * 3 + shift).to(dev, getattr(torch, dtype))
+        distinct, largest = key_bins(torch, lg)
+        off = torch.zeros(1, dtype=torch.long, device=dev)
+        fn = lambda lg=lg, off=off: ops.verify_sample(  # noqa: E731
+            tree_tokens, tree_parents, lg, temperature=1.0, top_p=0.9, seed=1, offset=off, check=False,
+            device_outputs=True, advance_offset=True)
+        graph = capture(torch, fn)
+        t = timeit(torch, graph.replay, iters)
+        ops.cuda_check(dev)
+        rows.append(dict(dtype=dtype, shift=shift, bins=distinct, largest_bin=largest, graph_median_us=t["median_us"],
+                         wide_level_us=launches(torch, fn, "wide_level")))
+        del graph, lg
+    return rows
 
 
 def main(argv=None):
@@ -99,6 +206,35 @@ def main(argv=None):
             print(f"verify_sample {lname:13s} {str(warp):28s} graph {t['median_us']:8.1f} us   top kernels: "
                   + "; ".join(f"{k2[:40]} {v[1]:.0f}us" for k2, v in list(ker.items())[:3]))
             del g
+    with open(args.out, "w") as f:   # what is measured so far is kept if a table below fails
+        json.dump(out, f, indent=1)
+
+    # 3. the whole cycle in its graph, kernel by kernel
+    cyc = capture(torch, lambda: cycle_ops(ops, torch, x, state))
+    out["cycle_graph"] = dict(median_us=timeit(torch, cyc.replay, args.iters)["median_us"],
+                              kernels=graph_kernels(torch, cyc))
+    ops.cuda_check(dev)
+    del cyc
+    print(f"## the cycle in its graph: {out['cycle_graph']['median_us']:.1f} us a replay")
+    if not out["cycle_graph"]["kernels"]:
+        print("  (the profiler saw no kernels inside the graph's replays)")
+    for name, (n, us) in list(out["cycle_graph"]["kernels"].items())[:16]:
+        print(f"  {us:9.1f} us  x{n:4.1f}  {name}")
+
+    # 4. the merges against the chunks per row
+    out["merge_sweep"] = merge_sweep(ops, torch, dev, args.iters)
+    print("\n| op | rows x Vd | chunks a row | graph us | kernels (eager profile) |\n|---|---|---:|---:|---|")
+    for r in out["merge_sweep"]:
+        print(f"| {r['op']} | {r['rows']} x {r['Vd']} | {r['chunks']} | {r['graph_median_us']:.1f} | "
+              + "; ".join(f"{n[:28]} {v[1]:.1f}" for n, v in r["kernels"].items()) + " |")
+
+    # 5. the wide rows against the level-0 bins
+    out["wide_sweep"] = wide_sweep(ops, torch, dev, tree_tokens, tree_parents, flat.shape[1], args.iters)
+    print("\n| logits | bins at level 0 | largest bin | graph us | hs_k_wide_level us, levels 0-3 |\n"
+          "|---|---:|---:|---:|---|")
+    for r in out["wide_sweep"]:
+        print(f"| {r['dtype']} randn x 3 + {r['shift']:g} | {r['bins']:.1f} | {r['largest_bin']:.2f} | "
+              f"{r['graph_median_us']:.1f} | {' / '.join(f'{u:.1f}' for u in r['wide_level_us'])} |")
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     return out
