@@ -70,6 +70,20 @@ def peaked_rows(torch, logits, bump=30.0, seed=0):
     return out
 
 
+def draft_tree(ops, torch, x, state):
+    """The cycle's draft tree (every level expanded, the n best selected, built): its tokens and parents."""
+    k, n = x["k"], x["n"]
+    scores, nodes, offset, tk, sc, pa = state["s0"], state["n0"], 0, [], [], []
+    for logits in x["draft"]:
+        t, s, p, _, nb = ops.expand(logits, scores, nodes, k, x["d2t"], offset, check=False)
+        tk.append(t), sc.append(s), pa.append(p)
+        scores, nodes = s[nb - offset], nb
+        offset += t.shape[0]
+    tree, _, _ = ops.build_tree(torch.cat(tk), torch.cat(pa), ops.select(torch.cat(sc), n, check=False), 1,
+                                check=False, device_outputs=True)
+    return tree.tokens, tree.parents
+
+
 def key_bins(torch, logits):
     """How a row's keys fall into the first level of verify_sample's wide descent: the top 8 bits of the
     order-preserving 32-bit key of each value as float32 (hs_key32 in csrc/cuda/common.cuh: -0 as +0, the
@@ -124,7 +138,7 @@ def merge_sweep(ops, torch, dev, iters):
         scores = torch.zeros(k, device=dev)
         nodes = torch.arange(k, device=dev)
         for op, fn in (("topk_entropy", lambda lg=logits: ops.topk_entropy(lg, k, check=False)),
-                       ("expand", lambda lg=logits: ops.expand(lg, scores, nodes, k, None, k, check=False))):
+                       ("expand", lambda lg=logits, sc=scores, nd=nodes: ops.expand(lg, sc, nd, k, None, k, check=False))):
             graph = capture(torch, fn)
             t = timeit(torch, graph.replay, iters)
             ops.cuda_check(dev)
@@ -178,16 +192,7 @@ def main(argv=None):
     ops.cuda_check(dev)
 
     # verify_sample: warps x logits, replayed in a graph
-    k, n = x["k"], x["n"]
-    scores, nodes, offset, tk, sc, pa = state["s0"], state["n0"], 0, [], [], []
-    for logits in x["draft"]:
-        t, s, p, _, nb = ops.expand(logits, scores, nodes, k, x["d2t"], offset, check=False)
-        tk.append(t), sc.append(s), pa.append(p)
-        scores, nodes = s[nb - offset], nb
-        offset += t.shape[0]
-    tree, _, _ = ops.build_tree(torch.cat(tk), torch.cat(pa), ops.select(torch.cat(sc), n, check=False), 1,
-                                check=False, device_outputs=True)
-    tree_tokens, tree_parents = tree.tokens, tree.parents
+    tree_tokens, tree_parents = draft_tree(ops, torch, x, state)
     flat = x["target"]
     peaked = peaked_rows(torch, flat)
     for lname, lg in (("flat randn*3", flat), ("peaked +30", peaked)):

@@ -5,10 +5,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import heterospec  # noqa: E402
 from benchmarks import probe_cuda_kernels as probe  # noqa: E402
 from benchmarks.bench_cuda_cycle import make_inputs, make_state  # noqa: E402
-
-import heterospec  # noqa: E402
 from heterospec import ops  # noqa: E402
 
 
@@ -68,17 +67,9 @@ def test_the_sweeps_call_the_ops_with_arguments_they_accept(monkeypatch):
     assert [(r["op"], r["Vd"]) for r in rows] == [(op, v) for v in probe.MERGE_VOCABS for op in ("topk_entropy", "expand")]
     assert all(r["graph_median_us"] == 1.0 and r["chunks"] >= 1 for r in rows)
     x = make_inputs(torch, dev, Vd=1024, V=4096)
-    state = make_state(torch, dev)
-    k, n = x["k"], x["n"]
-    scores, nodes, offset, tk, sc, pa = state["s0"], state["n0"], 0, [], [], []
-    for logits in x["draft"]:
-        t, s, p, _, nb = ops.expand(logits, scores, nodes, k, x["d2t"], offset, check=False)
-        tk.append(t), sc.append(s), pa.append(p)
-        scores, nodes = s[nb - offset], nb
-        offset += t.shape[0]
-    tree, _, _ = ops.build_tree(torch.cat(tk), torch.cat(pa), ops.select(torch.cat(sc), n, check=False), 1,
-                                check=False, device_outputs=True)
-    wide = probe.wide_sweep(ops, torch, dev, tree.tokens, tree.parents, 4096, iters=3)
+    tokens, parents = probe.draft_tree(ops, torch, x, make_state(torch, dev))
+    assert tokens.shape == (x["n"] + 1,) and parents.shape == (x["n"] + 1,)
+    wide = probe.wide_sweep(ops, torch, dev, tokens, parents, 4096, iters=3)
     assert [(r["dtype"], r["shift"]) for r in wide] == list(probe.WIDE_CASES)
     assert [r["bins"] for r in wide][-1] == 1.0 and all(len(r["wide_level_us"]) == 4 for r in wide)
     assert calls == [3] * (len(rows) + len(wide))
