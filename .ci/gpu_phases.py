@@ -130,8 +130,8 @@ PHASES = (
     # graphs 1.2): the ledger's measured minutes only count for a phase run as it is defined now, and moving the
     # tests into folders changed every definition.  The fourth window (H100, side by side) took 8.9 min for
     # `engine` over 4 workers, 535 s of its 540 s limit, with test_decoding's greedy identity tests 1,468 s of
-    # its 1,909 test-seconds.  It passed on that code, and the workers are part of a phase's definition (a change
-    # makes the plan run it again), so they stay at 4 until the engine's code changes anyway: then 6.
+    # its 1,909 test-seconds: it spreads over 6 workers (raised with the next change that put it back in the plan
+    # anyway, since the workers are part of a phase's definition).
     Phase("kernels", 1, "CUDA op tests: parity with the CPU core, capture, chi-square, batch rows", (
         Step("pytest", PYTEST % "kernels" + " -m device tests/ops"),
         Step("cycle-check", PYTEST % "cycle-check" + " tests/scripts/test_bench_cuda_cycle.py"),
@@ -163,7 +163,7 @@ PHASES = (
         Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "engine" + " -k 'not " + CHI2 + " and not "
              + CHI2_BATCH + "'" + " tests/engine/test_decoding.py tests/engine/test_engine_device.py tests/engine/test_batch_target.py"
              " tests/engine/test_batch_decoding.py tests/engine/test_nonfinite.py"),
-    ), needs=("cuda",), workers=4),
+    ), needs=("cuda",), workers=6),
     Phase("engine-chi2-oracle", 6, "chi-square sampling on the GPU with the oracle draft (3 warps x 2,000 seeds)", (
         Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "chi2-oracle" + " -k '" + CHI2 + " and oracle'"
              + " tests/engine/test_decoding.py"),

@@ -69,15 +69,19 @@ class OracleDraft(_DoubleBase):
     @torch.no_grad()
     def _logits(self, ids, mask, input_ids, position_ids):
         S = input_ids.shape[1]
-        ctxs = [torch.cat([self.first, ids[mask[s]]]) for s in range(S)]
-        lengths = [c.shape[0] for c in ctxs]
-        # one right-padded batch: a causal model's logits at a row's last real token ignore the padding
-        batch = torch.zeros(S, max(lengths), dtype=torch.long, device=ids.device)
-        for s, c in enumerate(ctxs):
-            batch[s, : c.shape[0]] = c
+        mask = mask.bool()
+        # row s's context: token 0, then the ids its mask shows, in order (a stable sort puts the shown positions
+        # first); one right-padded batch with zeros, built without a loop over the rows (each boolean index was
+        # a host sync, which made the GPU's chi-square and greedy tests slow); a causal model's logits at a row's
+        # last real token ignore the padding
+        shown = mask.sum(1)
+        width = int(shown.max()) if S else 0
+        order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :width]
+        picked = torch.where(torch.arange(width, device=ids.device) < shown[:, None], ids.long()[order], 0)
+        batch = torch.cat([self.first.view(1, 1).expand(S, 1), picked], 1)
         out = self.target(batch).logits.float()
         rows = torch.arange(S, device=ids.device)
-        logits = out[rows, torch.tensor(lengths, device=ids.device) - 1].clone()
+        logits = out[rows, shown].clone()
         # the target's argmax boosted: the same top-1, confident enough that the greedy chain wins the
         # Top-N rerank
         logits[rows, logits.argmax(-1)] += self.boost

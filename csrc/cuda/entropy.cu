@@ -47,6 +47,7 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_entropy_merge(int64_t C, int64_
                                                                const uint32_t *ckey, const int64_t *cidx, float *out,
                                                                hs_cuda_error *err) {
     long long *red = (long long *)hs_smem();
+    char *stage = (char *)(red + blockDim.x);
     const int64_t r = blockIdx.x;
     const hs_part *P = parts + r * C;
     float m;
@@ -56,14 +57,13 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_entropy_merge(int64_t C, int64_
         if (threadIdx.x == 0) out[r] = 0.f;
         return;
     }
-    const uint32_t *CK = ckey + r * C * k;
-    const int64_t *CI = cidx + r * C * k;
+    const hs_cands v = hs_merge_stage(ckey + r * C * k, cidx + r * C * k, P, C, k, HS_MERGE_STAGE_MAX, stage);
     const double zmax = (double)m / temperature;
     double Z = 0.0, S = 0.0;
     for (int64_t e = threadIdx.x; e < C * k; e += blockDim.x) {
         const int64_t c = e / k, j = e % k;
-        if (j >= P[c].count || hs_merge_rank(CK, CI, P, C, (int)k, c, j) >= k) continue;
-        const float x = hs_unkey32(CK[e]);
+        if (j >= v.count[c] || hs_merge_rank(v, C, (int)k, c, j) >= k) continue;
+        const float x = hs_unkey32(v.key[e]);
         if (x == -HS_INF) continue;
         double d = (double)x / temperature - zmax, ex = exp(d);
         Z += ex;
@@ -95,7 +95,8 @@ extern "C" hs_status hs_cuda_topk_entropy(const void *logits, hs_dtype dtype, in
         hs_chunk_out o;
         hs_status st = hs_launch_chunks(op, logits, dtype, rows, V, k, 0, ws, &o, stream, herr);
         if (st != HS_OK) return st;
-        rc = HS_LAUNCH(hs_k_entropy_merge, rows, HS_CHUNK_THREADS, HS_CHUNK_THREADS * sizeof(long long), stream, o.C, k,
+        rc = HS_LAUNCH(hs_k_entropy_merge, rows, HS_CHUNK_THREADS,
+                       HS_CHUNK_THREADS * sizeof(long long) + hs_merge_stage_smem(o.C, k, HS_MERGE_STAGE_MAX), stream, o.C, k,
                        temperature, (const hs_part *)o.parts, (const uint32_t *)o.ck, (const int64_t *)o.ci, out, err);
         return hs_launched(rc, op, herr);
     }

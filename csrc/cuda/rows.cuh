@@ -128,10 +128,47 @@ __device__ __forceinline__ void hs_merge_max(const hs_part *P, int64_t C, long l
     *bad_out = bad == 0x7fffffffffffffffll ? -1 : bad;
 }
 
+/* A merge's view of its row's candidates: every chunk's count, and the keys and ids of its sorted lists (K slots
+ * a chunk).  hs_merge_stage copies the counts into shared memory, and the keys and ids too when there are at
+ * most `limit` slots; the binary searches of hs_merge_rank (C - 1 of them per candidate, each a chain of
+ * dependent loads) then read shared memory instead of global memory.  `at`: 16-byte aligned shared memory of
+ * hs_merge_stage_smem(C, K, limit) bytes. */
+struct hs_cands {
+    const uint32_t *key;
+    const int64_t *id;
+    const int *count;
+};
+__host__ __device__ static inline size_t hs_merge_stage_smem(int64_t C, int64_t K, int64_t limit) {
+    return hs_al16((size_t)C * sizeof(int)) + (C * K <= limit ? hs_al16((size_t)(C * K) * 4) + (size_t)(C * K) * 8 : 0);
+}
+__device__ __forceinline__ hs_cands hs_merge_stage(const uint32_t *CK, const int64_t *CI, const hs_part *P, int64_t C,
+                                                   int64_t K, int64_t limit, char *at) {
+    int *cnt = (int *)at;
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) cnt[c] = P[c].count;
+    hs_cands v = {CK, CI, cnt};
+    if (C * K <= limit) {
+        uint32_t *key = (uint32_t *)(at + hs_al16((size_t)C * sizeof(int)));
+        int64_t *id = (int64_t *)((char *)key + hs_al16((size_t)(C * K) * 4));
+        for (int64_t e = threadIdx.x; e < C * K; e += blockDim.x)
+            if (e % K < P[e / K].count) { /* the slots past a chunk's count are never read */
+                key[e] = CK[e];
+                id[e] = CI[e];
+            }
+        v.key = key;
+        v.id = id;
+    }
+    __syncthreads();
+    return v;
+}
+/* Candidates the entropy and expand merges stage (12 bytes each: 24 KB); the sample merge stages its counts only
+ * (its sorted copy already fills its shared memory). */
+#define HS_MERGE_STAGE_MAX 2048
+
 /* Rank of candidate (key, id) among all chunks' sorted lists: entries before it in its own list (j) plus, in
  * every other list, the prefix that beats it (key desc, id asc), found by binary search. */
-__device__ __forceinline__ int64_t hs_merge_rank(const uint32_t *CK, const int64_t *CI, const hs_part *P, int64_t C, int K,
-                                                 int64_t c, int64_t j) {
+__device__ __forceinline__ int64_t hs_merge_rank(const hs_cands &v, int64_t C, int K, int64_t c, int64_t j) {
+    const uint32_t *CK = v.key;
+    const int64_t *CI = v.id;
     const uint32_t key = CK[c * K + j];
     const int64_t id = CI[c * K + j];
     int64_t r = j;
@@ -139,7 +176,7 @@ __device__ __forceinline__ int64_t hs_merge_rank(const uint32_t *CK, const int64
         if (o == c) continue;
         const uint32_t *ok = CK + o * K;
         const int64_t *oi = CI + o * K;
-        int lo = 0, hi = P[o].count;
+        int lo = 0, hi = v.count[o];
         while (lo < hi) {
             int mid = (lo + hi) >> 1;
             if (ok[mid] > key || (ok[mid] == key && oi[mid] < id)) lo = mid + 1;

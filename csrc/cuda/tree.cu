@@ -174,28 +174,30 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_expand_merge(int64_t B, int64_t
                                                               const void *beam_nodes, int node_dt, int64_t k, const void *d2t,
                                                               int d2t_dt, int64_t node_offset, int64_t *out_tokens,
                                                               float *out_scores, int64_t *out_parents, float *out_entropy,
-                                                              int64_t *out_next_beams, unsigned *counters, hs_cuda_error *err) {
+                                                              int64_t *out_next_beams, unsigned *counters, hs_cuda_error *err,
+                                                              size_t stage_off) {
     const hs_expand_row w = hs_expand_begin(B, k, beam_scores, score_dt, beam_nodes, node_dt, err);
     const int64_t r = w.r;
     const hs_part *P = parts + r * C;
     float m;
     long long bad;
     hs_merge_max(P, C, w.red, &m, &bad);
+    /* past the expand kernels' own shared memory (hs_expand_smem, 16-byte aligned) */
+    const hs_cands v = hs_merge_stage(ckey + r * C * k, cidx + r * C * k, P, C, k, HS_MERGE_STAGE_MAX,
+                                      hs_smem() + stage_off);
     if (hs_row_ok(bad, m, r, err) && w.ok) {
         double s = 0.0;
         for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
             if (P[c].m != -HS_INF) s += P[c].s * exp((double)P[c].m - (double)m);
         s = hs_block_reduce(s, (double *)w.red, hs_op_sum());
         const double lse = log(s);
-        const uint32_t *CK = ckey + r * C * k;
-        const int64_t *CI = cidx + r * C * k;
         double Z = 0.0, S = 0.0;
         for (int64_t e = threadIdx.x; e < C * k; e += blockDim.x) {
             const int64_t c = e / k, j = e % k;
-            if (j >= P[c].count) continue;
-            const int64_t rk = hs_merge_rank(CK, CI, P, C, (int)k, c, j);
+            if (j >= v.count[c]) continue;
+            const int64_t rk = hs_merge_rank(v, C, (int)k, c, j);
             if (rk >= k) continue;
-            hs_expand_out(CI[e], hs_unkey32(CK[e]), (w.bi * B + w.b) * k + rk, m, lse, w.base, w.node, d2t, d2t_dt,
+            hs_expand_out(v.id[e], hs_unkey32(v.key[e]), (w.bi * B + w.b) * k + rk, m, lse, w.base, w.node, d2t, d2t_dt,
                           out_tokens, out_scores, out_parents, &Z, &S, err);
         }
         hs_block_entropy(Z, S, w.red, out_entropy + r);
@@ -247,10 +249,11 @@ extern "C" hs_status hs_cuda_expand(const void *logits, hs_dtype logit_dtype, in
                                         stream, herr);
         if (st != HS_OK) return st;
         const unsigned tc = HS_CHUNK_THREADS;
-        rc = HS_LAUNCH(hs_k_expand_merge, rows, tc, hs_expand_smem(tc, k), stream, B, o.C, (const hs_part *)o.parts,
-                       (const uint32_t *)o.ck, (const int64_t *)o.ci, beam_scores, (int)score_dtype, beam_nodes,
-                       (int)node_dtype, k, d2t, (int)d2t_dtype, node_offset, out_tokens, out_scores, out_parents,
-                       out_entropy, out_next_beams, ctr, err);
+        const size_t stage_off = hs_al16(hs_expand_smem(tc, k));
+        rc = HS_LAUNCH(hs_k_expand_merge, rows, tc, stage_off + hs_merge_stage_smem(o.C, k, HS_MERGE_STAGE_MAX), stream,
+                       B, o.C, (const hs_part *)o.parts, (const uint32_t *)o.ck, (const int64_t *)o.ci, beam_scores,
+                       (int)score_dtype, beam_nodes, (int)node_dtype, k, d2t, (int)d2t_dtype, node_offset, out_tokens,
+                       out_scores, out_parents, out_entropy, out_next_beams, ctr, err, stage_off);
         return hs_launched(rc, op, herr);
     }
     const unsigned th = HS_ROW_THREADS;

@@ -258,6 +258,15 @@ struct hs_wide {
     double W;         /* phase 2: the kept mass after top-k */
 };
 #define HS_WIDE_BINS 256
+/* Copies of a block's histogram: thread t adds into copy t % HS_WIDE_COPIES, so the threads of a warp add into
+ * 15 different copies (at most three threads each) instead of one.  A flat row falls into few of the 256 bins
+ * at level 0 (randn * 3: about 20, a quarter of the row in one), and the float64 atomicAdd of shared memory is a
+ * compare-and-swap loop: with one copy every thread of a warp that lands in the same bin retries in turn.  A
+ * copy is HS_WIDE_STRIDE = 257 entries long, so one bin's copies sit in different shared-memory banks; 15 copies
+ * keep the kernel under the 48 KB of shared memory a launch gets without opting in.  The fourth window (H100)
+ * timed the four launches at 944 us for 60 x 128,256 at top-p 0.9 with one copy. */
+#define HS_WIDE_COPIES 15
+#define HS_WIDE_STRIDE (HS_WIDE_BINS + 1)
 
 __device__ __forceinline__ void hs_wide_begin(int64_t row, int64_t top_k, hs_wide *wide, unsigned long long *hcnt,
                                               double *hmass, unsigned *ctr) {
@@ -292,9 +301,9 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_wide_level(const void *logits, 
                                                             unsigned *ctr) {
     char *sm = hs_smem();
     long long *red = (long long *)sm;
-    double *bmass = (double *)(red + blockDim.x);
-    unsigned *bcnt = (unsigned *)(bmass + HS_WIDE_BINS);
-    int *flag = (int *)(bcnt + HS_WIDE_BINS);
+    double *bmass = (double *)(red + blockDim.x);                         /* [HS_WIDE_COPIES][HS_WIDE_STRIDE] */
+    unsigned *bcnt = (unsigned *)(bmass + HS_WIDE_COPIES * HS_WIDE_STRIDE); /* [HS_WIDE_COPIES][HS_WIDE_STRIDE] */
+    int *flag = (int *)(bcnt + HS_WIDE_COPIES * HS_WIDE_STRIDE);
     const int64_t row = blockIdx.x / C, c = blockIdx.x % C;
     if (n_dev && row % T >= n_dev[row / T]) return;
     const hs_wide w0 = wide[row];
@@ -302,11 +311,13 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_wide_level(const void *logits, 
     hs_warp_stats s = stats[row];
     const double zmax = (double)s.m / temperature;
     const int shift = 24 - 8 * level;
-    for (int j = threadIdx.x; j < HS_WIDE_BINS; j += blockDim.x) {
+    for (int j = threadIdx.x; j < HS_WIDE_COPIES * HS_WIDE_STRIDE; j += blockDim.x) {
         bmass[j] = 0.0;
         bcnt[j] = 0;
     }
     __syncthreads();
+    double *mine_m = bmass + (threadIdx.x % HS_WIDE_COPIES) * HS_WIDE_STRIDE;
+    unsigned *mine_c = bcnt + (threadIdx.x % HS_WIDE_COPIES) * HS_WIDE_STRIDE;
     const int64_t c0 = c * len, c1 = V - c0 < len ? V : c0 + len;
     for (int64_t v = c0 + threadIdx.x; v < c1; v += blockDim.x) {
         const float x = hs_ld<DT>(logits, row * V + v);
@@ -314,21 +325,28 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_wide_level(const void *logits, 
         if (level > 0 && (key >> (shift + 8)) != w0.pfx) continue;
         const unsigned bin = (key >> shift) & 255u;
         if (phase == 1) { /* every key counts toward the k-th largest; the mass is the uncut weight */
-            atomicAdd(&bcnt[bin], 1u);
+            atomicAdd(&mine_c[bin], 1u);
             const double e = hs_exp_nonpos_f64((double)x / temperature - zmax);
-            if (e > 0.0) atomicAdd(&bmass[bin], e);
+            if (e > 0.0) atomicAdd(&mine_m[bin], e);
         } else {
             const double e = hs_warp_w(s, x, v, temperature, zmax);
             if (e > 0.0) {
-                atomicAdd(&bcnt[bin], 1u);
-                atomicAdd(&bmass[bin], e);
+                atomicAdd(&mine_c[bin], 1u);
+                atomicAdd(&mine_m[bin], e);
             }
         }
     }
     __syncthreads();
+    /* the copies folded (in copy order), the block's histogram added into the row's */
     for (int j = threadIdx.x; j < HS_WIDE_BINS; j += blockDim.x) {
-        if (bcnt[j]) atomicAdd(&hcnt[row * HS_WIDE_BINS + j], (unsigned long long)bcnt[j]);
-        if (bmass[j] > 0.0) atomicAdd(&hmass[row * HS_WIDE_BINS + j], bmass[j]);
+        unsigned long long n = 0;
+        double m = 0.0;
+        for (int q = 0; q < HS_WIDE_COPIES; q++) {
+            n += bcnt[q * HS_WIDE_STRIDE + j];
+            m += bmass[q * HS_WIDE_STRIDE + j];
+        }
+        if (n) atomicAdd(&hcnt[row * HS_WIDE_BINS + j], n);
+        if (m > 0.0) atomicAdd(&hmass[row * HS_WIDE_BINS + j], m);
     }
     __threadfence();
     __syncthreads();
@@ -451,26 +469,35 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_wide_level(const void *logits, 
         s.pmode = 1;
         s.pkey = wide[row].pfx;
         s.ptie = tie_q < 0 ? V - 1 : -1; /* all of the key's tokens, or the first tie_q of them (none: -1) */
-        if (tie_q > 0) { /* the tie_q-th token with the crossing key, in id order */
-            long long seen = 0;
-            for (int64_t t0 = 0; t0 < V && seen < tie_q; t0 += blockDim.x) {
-                const int64_t v = t0 + threadIdx.x;
-                const long long f = v < V && hs_key32(hs_ld<DT>(logits, row * V + v)) == s.pkey;
-                long long total;
-                const long long ex = hs_block_exscan(f, red, &total);
-                if (f && seen + ex == tie_q - 1) *flag = (int)v;
-                __syncthreads();
-                if (seen + total >= tie_q) s.ptie = *flag;
-                seen += total;
-                __syncthreads();
+        if (tie_q > 0) {
+            /* the tie_q-th token with the crossing key, in id order: each thread counts the key's tokens in its
+             * own contiguous slice of the row, one scan over the threads (their slices are in id order) finds the
+             * slice that holds it, and that thread walks its slice.  One scan instead of one per blockDim tokens:
+             * a bf16 row of 128,256 has ties at almost every key, and the old walk took 500 block scans. */
+            const int64_t seg = (V + blockDim.x - 1) / blockDim.x;
+            const int64_t lo = (int64_t)threadIdx.x * seg, hi = lo + seg < V ? lo + seg : V;
+            long long cnt = 0;
+            for (int64_t v = lo; v < hi; v++) cnt += hs_key32(hs_ld<DT>(logits, row * V + v)) == s.pkey;
+            if (threadIdx.x == 0) *flag = -1;
+            long long total;
+            const long long ex = hs_block_exscan(cnt, red, &total);
+            if (ex < tie_q && ex + cnt >= tie_q) {
+                long long need = tie_q - ex;
+                for (int64_t v = lo; v < hi; v++)
+                    if (hs_key32(hs_ld<DT>(logits, row * V + v)) == s.pkey && --need == 0) {
+                        *flag = (int)v;
+                        break;
+                    }
             }
+            __syncthreads();
+            s.ptie = *flag;
         }
     }
     if (threadIdx.x == 0) hs_wide_done(row, s, R, wide, stats);
 }
 
 static size_t hs_wide_smem(unsigned threads) {
-    return threads * sizeof(long long) + HS_WIDE_BINS * (sizeof(double) + sizeof(unsigned)) + 16;
+    return threads * sizeof(long long) + HS_WIDE_COPIES * HS_WIDE_STRIDE * (sizeof(double) + sizeof(unsigned)) + 16;
 }
 
 /* The split statistics' second half, one block per node row: the row's max and first bad entry from its
@@ -487,7 +514,8 @@ __global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_sample_merge(int64_t T, int64_t V
                                                             double temperature, int64_t top_k, double top_p, int64_t len,
                                                             int64_t C, int K, const hs_part *parts, const uint32_t *ckey,
                                                             const int64_t *cidx, hs_warp_stats *stats, hs_wide *wide,
-                                                            unsigned long long *hcnt, double *hmass, unsigned *ctr) {
+                                                            unsigned long long *hcnt, double *hmass, unsigned *ctr,
+                                                            size_t stage_off) {
     char *sm = hs_smem();
     long long *red = (long long *)sm;
     double *sw = (double *)(sm + hs_al16(blockDim.x * sizeof(long long) + HS_RADIX_SMEM + 260 * sizeof(double)));
@@ -512,6 +540,7 @@ __global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_sample_merge(int64_t T, int64_t V
     }
     const uint32_t *CK = ckey + row * C * K;
     const int64_t *CI = cidx + row * C * K;
+    const hs_cands v = hs_merge_stage(CK, CI, P, C, K, 0, sm + stage_off);   /* the counts */
     long long nc = 0, theta = -1;
     for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
         const int64_t nch = V - c * len < len ? V - c * len : len;
@@ -526,7 +555,7 @@ __global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_sample_merge(int64_t T, int64_t V
     for (int64_t e = threadIdx.x; e < C * K; e += blockDim.x) {
         const int64_t c = e / K, j = e % K;
         if (j >= P[c].count) continue;
-        const int64_t rk = hs_merge_rank(CK, CI, P, C, K, c, j);
+        const int64_t rk = hs_merge_rank(v, C, K, c, j);
         if (rk < HS_SORT_MAX) {
             sk[rk] = CK[e];
             sid[rk] = CI[e];
@@ -930,8 +959,9 @@ extern "C" hs_status hs_cuda_verify_sample(const void *tree_tokens, hs_dtype tok
      * top-p's */
     const int K = topk ? (sp.top_k <= HS_CAND_MAX ? (int)sp.top_k : 0) : (sp.top_p < 1.0 ? HS_TOPP_CAND : 0);
     const unsigned th = HS_ROW_THREADS, tc = HS_CHUNK_THREADS;
-    const size_t sm_merge = hs_al16(th * sizeof(long long) + HS_RADIX_SMEM + 260 * sizeof(double)) +
-                            (size_t)HS_SORT_MAX * (8 + 8 + 4) + 16;
+    const size_t stage_off = hs_al16(hs_al16(th * sizeof(long long) + HS_RADIX_SMEM + 260 * sizeof(double)) +
+                                     (size_t)HS_SORT_MAX * (8 + 8 + 4) + 16);
+    const size_t sm_merge = stage_off + hs_merge_stage_smem(w.C, K, 0);
     const size_t sm_walk = HS_TREE_THREADS * sizeof(long long) + 8 * 8 + (size_t)T * 16 + (size_t)(T + 1) * sizeof(int);
     const size_t sm_resid = tc * sizeof(long long) + (size_t)T * 8 + 16;
     { /* the chunks of every node row (rows.cu); hs_k_sample_merge decides each row from them */
@@ -948,7 +978,7 @@ extern "C" hs_status hs_cuda_verify_sample(const void *tree_tokens, hs_dtype tok
 #define HS_SAMPLE_LAUNCH(DT)                                                                                          \
     rc = HS_LAUNCH(hs_k_sample_merge, rows, th, sm_merge, stream, T, V, n_dev, sp.temperature, sp.top_k,              \
                    sp.top_p, w.len, w.C, K, (const hs_part *)w.parts, (const uint32_t *)w.ckey,                       \
-                   (const int64_t *)w.cidx, w.stats, w.wide, w.hcnt, w.hmass, w.ctr);                                 \
+                   (const int64_t *)w.cidx, w.stats, w.wide, w.hcnt, w.hmass, w.ctr, stage_off);                      \
     for (int ph = 0; ph < 2 && !rc; ph++)                                                                             \
         for (int lv = 0; lv < 4 && !rc && phases[ph]; lv++)                                                           \
             rc = HS_LAUNCH(hs_k_wide_level<DT>, rows * w.C, tc, sm_wide, stream, logits, T, V, n_dev, sp.temperature, \

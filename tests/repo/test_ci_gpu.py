@@ -754,6 +754,6 @@ def test_the_window_phases_cover_the_issues_correctness_list_and_use_xdist(tmp_p
     monkeypatch.setenv("HETEROSPEC_GPU_WORK", str(tmp_path))
     ctx = phases.make_context()
     ctx.xdist = True
-    assert " -n 4 " in ctx.fill(by["engine"].steps[0].cmd, str(tmp_path), by["engine"].workers)
+    assert " -n 6 " in ctx.fill(by["engine"].steps[0].cmd, str(tmp_path), by["engine"].workers)
     ctx.xdist = False
     assert " -n " not in ctx.fill(by["engine"].steps[0].cmd, str(tmp_path), by["engine"].workers)
