@@ -66,7 +66,16 @@ SKIP_SUFFIXES = (".so", ".pyc", ".pyo", ".o", ".pyd")
 SKIP_PARTS = {"__pycache__", ".ipynb_checkpoints", ".pytest_cache", ".hypothesis"}
 TEST_HELPERS = ("tests/conftest.py", "tests/_doubles.py", "tests/_oracles.py", "tests/_dlpack.py", "tests/_models.py",
                 "tests/_pairs.py")
-
+# What only the command line, the benches and the vLLM plugin use: no module of the engine, the models, the
+# policy, tune or the ops imports them (tests/repo/test_ci_gpu.py checks), so a phase that runs neither the
+# command line nor a benchmark module, and whose test files and helpers do not reach them, does not depend on
+# them: a session that changes only the command line does not put the GPU's correctness phases back in the plan.
+CLI_ONLY = ("heterospec/tools/", "heterospec/integrations/", "heterospec/__main__.py")
+# how a command or a test file reaches them: a module of theirs named, the command line or a benchmark run, or one
+# of heterospec/__init__.py's lazy names that live in tools imported
+REACHES_CLI = re.compile(r"heterospec\.(tools|integrations)\b|-m heterospec\b|-m benchmarks\.|"
+                         r"\bheterospec (demo|bench|generate|calibrate|train-draft|info)\b")
+CLI_NAMES = re.compile(r"\b(compare|HFMethod|demo_prompts)\b")
 
 class LedgerError(ValueError):
     pass
@@ -74,8 +83,10 @@ class LedgerError(ValueError):
 
 # ---- digests ------------------------------------------------------------------------------------------------
 
-def phase_deps(phase):
-    """The paths (files, or folders ending in /) a phase's result depends on."""
+def phase_deps(phase, tree=None):
+    """The paths (files, or folders ending in /) a phase's result depends on; "!PATH" leaves PATH out.  With the
+    tree, the CLI_ONLY paths are left out when neither the commands nor the test files and helpers they name (as
+    the tree holds them) reach the command line."""
     deps = list(COMMON_DEPS)
     text = " ".join(s.cmd for s in phase.steps)
     deps += re.findall(r"\b(tests/[\w/.-]+\.py)\b", text)
@@ -83,7 +94,21 @@ def phase_deps(phase):
     deps += re.findall(r"\b(benchmarks/data/[\w/.-]+)", text)
     if "pytest" in text:
         deps += list(TEST_HELPERS)
+    if tree is not None and not _reaches_cli(text, [d for d in deps if d.startswith("tests/")], tree):
+        deps += ["!" + p for p in CLI_ONLY]
     return sorted(set(deps))
+
+
+def _reaches_cli(text, test_files, tree):
+    have = set(tree.files())
+    return any(_text_reaches_cli(t) for t in [text] + [tree.read(f).decode("utf-8", "replace") for f in test_files
+                                                        if f in have])
+
+
+def _text_reaches_cli(t):
+    if REACHES_CLI.search(t) or re.search(r"heterospec\.(compare|HFMethod|demo_prompts)\b", t):
+        return True
+    return any(CLI_NAMES.search(m.group(1)) for m in re.finditer(r"from heterospec import (\([^)]*\)|[^\n]*)", t))
 
 
 def _skipped(path):
@@ -125,7 +150,12 @@ class Tree:
             return f.read()
 
     def matching(self, deps):
-        return [f for f in self.files() if any(f == d or (d.endswith("/") and f.startswith(d)) for d in deps)]
+        """The files some dep names ("PATH" or "FOLDER/") and no "!PATH" / "!FOLDER/" leaves out."""
+        def hit(f, d):
+            return f == d or (d.endswith("/") and f.startswith(d))
+        inc = [d for d in deps if not d.startswith("!")]
+        exc = [d[1:] for d in deps if d.startswith("!")]
+        return [f for f in self.files() if any(hit(f, d) for d in inc) and not any(hit(f, d) for d in exc)]
 
 
 def phase_definition(phase):
@@ -139,7 +169,7 @@ def phase_digest(phase, tree):
     """sha256 of the phase's definition and of every file it depends on (path and bytes)."""
     h = hashlib.sha256()
     h.update(phase_definition(phase).encode())
-    for path in tree.matching(phase_deps(phase)):
+    for path in tree.matching(phase_deps(phase, tree)):
         h.update(path.encode() + b"\0" + hashlib.sha256(tree.read(path)).digest())
     return h.hexdigest()[:16]
 

@@ -658,6 +658,70 @@ def test_a_digest_is_the_same_from_a_checkout_a_copy_and_a_commit_and_follows_th
     assert window.phase_digest(ph2, window.Tree(str(root), head)) != d
 
 
+def test_the_command_line_counts_only_for_phases_that_reach_it(tmp_path):
+    """A change to heterospec/tools/ (or integrations/, __main__.py) leaves a pytest phase's digest alone unless its
+    command or a test file it names reaches the command line: a module of tools named, one of the package's lazy
+    names from tools imported (also in a parenthesised import over several lines), `-m heterospec`, a benchmark."""
+    root = _git_repo(tmp_path)
+    (root / "heterospec" / "tools").mkdir()
+    (root / "heterospec" / "tools" / "cli.py").write_text("x = 1\n")
+    (root / "heterospec" / "engine.py").write_text("y = 1\n")
+    tree = window.Tree(str(root))
+
+    def digest(cmd, test_text=None):
+        if test_text is not None:
+            (root / "tests" / "test_k.py").write_text(test_text)
+        ph = phases.Phase("k", 1, "", (phases.Step("s", cmd),), ("cuda",))
+        return window.phase_digest(ph, window.Tree(str(root)))
+
+    plain = "{py} -m pytest tests/test_k.py"
+    cases = {   # test file text -> reaches the command line
+        "def test(): pass  # compare the outputs\n": False,
+        "from heterospec import HeteroSpec, Policy\n": False,
+        "from heterospec.tools import cli\n": True,
+        "from heterospec import (\n    HeteroSpec,\n    compare,\n)\n": True,
+        "import heterospec\nheterospec.HFMethod\n": True,
+    }
+    for text, reaches in cases.items():
+        before = digest(plain, text)
+        (root / "heterospec" / "tools" / "cli.py").write_text("x = 2\n")
+        assert (digest(plain) != before) == reaches, text
+        (root / "heterospec" / "tools" / "cli.py").write_text("x = 1\n")
+        before = digest(plain)
+        (root / "heterospec" / "engine.py").write_text("y = 2\n")   # the rest of the package always counts
+        assert digest(plain) != before, text
+        (root / "heterospec" / "engine.py").write_text("y = 1\n")
+    for cmd in ("{py} -m heterospec info", "{py} -m benchmarks.b --x", "heterospec bench --device cuda"):
+        before = digest(cmd, "def test(): pass\n")
+        (root / "heterospec" / "tools" / "cli.py").write_text("x = 3\n")
+        assert digest(cmd) != before, cmd
+        (root / "heterospec" / "tools" / "cli.py").write_text("x = 1\n")
+    assert tree.matching(["heterospec/", "!heterospec/tools/"]) == ["heterospec/__init__.py", "heterospec/engine.py"]
+
+
+def test_no_module_outside_the_command_line_imports_it():
+    """CLI_ONLY's premise: the engine, models, policy, tune, ops and the package's import never import tools/ or
+    integrations/ (heterospec/__init__.py names tools' modules lazily, for the names CLI_NAMES matches)."""
+    import re
+    pkg = os.path.join(REPO, "heterospec")
+    bad = []
+    for base, _, names in os.walk(pkg):
+        rel = os.path.relpath(base, REPO).replace(os.sep, "/") + "/"
+        if any(rel.startswith(p) for p in window.CLI_ONLY if p.endswith("/")):
+            continue
+        for n in names:
+            path = rel + n
+            if not n.endswith(".py") or path in window.CLI_ONLY:
+                continue
+            for line in open(os.path.join(REPO, path), encoding="utf-8"):
+                if re.match(r"\s*(from\s+(\.+|heterospec\.)(tools|integrations)\b|from\s+(\.+|heterospec)\s+import\s+.*"
+                            r"\b(tools|integrations)\b|import\s+heterospec\.(tools|integrations)\b)", line):
+                    bad.append(f"{path}: {line.strip()}")
+    assert bad == []
+    lazy = re.findall(r'"(\w+)": \("tools\.', open(os.path.join(pkg, "__init__.py")).read())
+    assert lazy and all(window.CLI_NAMES.fullmatch(n) for n in lazy), lazy
+
+
 def test_a_window_runs_correctness_side_by_side_then_speed_alone_and_records_into_the_ledger(tmp_path):
     span = "date +%s.%N > {dir}/t0; sleep 2; date +%s.%N > {dir}/t1"
     table = [{"name": "build", "minutes": 0.01, "steps": [["b", "echo built"]]},
