@@ -76,7 +76,7 @@ class OracleDraft(_DoubleBase):
         # last real token ignore the padding
         shown = mask.sum(1)
         width = int(shown.max()) if S else 0
-        order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :width]
+        order = torch.argsort((~mask).to(torch.int32), dim=1, stable=True)[:, :width]
         picked = torch.where(torch.arange(width, device=ids.device) < shown[:, None], ids.long()[order], 0)
         batch = torch.cat([self.first.view(1, 1).expand(S, 1), picked], 1)
         out = self.target(batch).logits.float()
