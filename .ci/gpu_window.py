@@ -73,8 +73,8 @@ TEST_HELPERS = ("tests/conftest.py", "tests/_doubles.py", "tests/_oracles.py", "
 CLI_ONLY = ("heterospec/tools/", "heterospec/integrations/", "heterospec/__main__.py")
 # how a command or a test file reaches them: a module of theirs named, the command line or a benchmark run, or one
 # of heterospec/__init__.py's lazy names that live in tools imported
-REACHES_CLI = re.compile(r"heterospec\.(tools|integrations)\b|-m heterospec\b|-m benchmarks\.|"
-                         r"\bheterospec (demo|bench|generate|calibrate|train-draft|info)\b")
+REACHES_CLI = re.compile(r"heterospec\.(tools|integrations|compare|HFMethod|demo_prompts)\b|-m heterospec\b|"
+                         r"-m benchmarks\.|\bheterospec (demo|bench|generate|calibrate|train-draft|info)\b")
 CLI_NAMES = re.compile(r"\b(compare|HFMethod|demo_prompts)\b")
 
 class LedgerError(ValueError):
@@ -106,7 +106,7 @@ def _reaches_cli(text, test_files, tree):
 
 
 def _text_reaches_cli(t):
-    if REACHES_CLI.search(t) or re.search(r"heterospec\.(compare|HFMethod|demo_prompts)\b", t):
+    if REACHES_CLI.search(t):
         return True
     return any(CLI_NAMES.search(m.group(1)) for m in re.finditer(r"from heterospec import (\([^)]*\)|[^\n]*)", t))
 

@@ -40,8 +40,8 @@ MERGE_VOCABS = (1024, 4096, 16384, 32000)     # 10 rows each: 1, 4, 16 and 32 ch
 WIDE_CASES = (("bfloat16", 0.0), ("float32", 0.0), ("float32", 30.0), ("float32", 1000.0))
 
 
-def kernel_table(torch, fn, reps=5):
-    """CUDA kernels run by reps calls of fn: name -> (calls per call of fn, us per call of fn)."""
+def device_events(torch, fn, reps):
+    """The CUDA kernel events of reps calls of fn (after one unprofiled call), in launch order: (name, us)."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
@@ -49,13 +49,16 @@ def kernel_table(torch, fn, reps=5):
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
+    evs = [e for e in prof.events() if "CUDA" in str(getattr(e, "device_type", None) or "CUDA")]
+    evs.sort(key=lambda e: e.time_range.start if getattr(e, "time_range", None) else 0)
+    return [(e.name, float(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0) or 0.0)) for e in evs]
+
+
+def kernel_table(torch, fn, reps=5):
+    """CUDA kernels run by reps calls of fn: name -> (calls per call of fn, us per call of fn)."""
     agg = collections.defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        dt = getattr(e, "device_type", None)
-        if dt is not None and "CUDA" not in str(dt):
-            continue
-        us = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0) or 0.0
-        a = agg[e.name[:90]]
+    for name, us in device_events(torch, fn, reps):
+        a = agg[name[:90]]
         a[0] += 1
         a[1] += us
     return {k: (v[0] / reps, v[1] / reps) for k, v in sorted(agg.items(), key=lambda kv: -kv[1][1])}
@@ -109,22 +112,8 @@ def chunks_per_row(rows, V):
 
 def launches(torch, fn, match):
     """The device microseconds of each launch of the kernels whose name contains `match`, in launch order,
-    over one call of fn (after one unprofiled call)."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    evs = [e for e in prof.events() if match in e.name and "CUDA" in str(getattr(e, "device_type", "CUDA"))]
-    evs.sort(key=lambda e: getattr(e, "time_range", None).start if getattr(e, "time_range", None) else 0)
-    return [float(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0) or 0.0) for e in evs]
-
-
-def graph_kernels(torch, graph, reps=5):
-    """The kernels of `reps` replays of a captured graph, per replay (kernel_table on graph.replay; with a
-    profiler that does not see inside graphs this is empty, which the report says)."""
-    return kernel_table(torch, graph.replay, reps)
+    over one call of fn."""
+    return [us for name, us in device_events(torch, fn, 1) if match in name]
 
 
 def merge_sweep(ops, torch, dev, iters):
@@ -217,7 +206,7 @@ def main(argv=None):
     # 3. the whole cycle in its graph, kernel by kernel
     cyc = capture(torch, lambda: cycle_ops(ops, torch, x, state))
     out["cycle_graph"] = dict(median_us=timeit(torch, cyc.replay, args.iters)["median_us"],
-                              kernels=graph_kernels(torch, cyc))
+                              kernels=kernel_table(torch, cyc.replay))
     ops.cuda_check(dev)
     del cyc
     print(f"## the cycle in its graph: {out['cycle_graph']['median_us']:.1f} us a replay")
