@@ -641,12 +641,19 @@ def _largest_processes(n=4):
             with open(f"/proc/{pid}/status") as f:
                 rss = next((int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")), 0)
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                cmd = f.read().decode(errors="replace")
         except OSError:
             continue
         rows.append((rss / 2**20, int(pid), cmd))
     rows.sort(reverse=True)
-    return [(g, pid, (cmd[:60] + "...") if len(cmd) > 63 else cmd) for g, pid, cmd in rows[:n]]
+    return [(g, pid, _one_line(cmd)) for g, pid, cmd in rows[:n]]
+
+
+def _one_line(cmdline, width=63):
+    """A process's command line (NUL-separated arguments) as one short line: any run of whitespace, the
+    newlines inside a `bash -c` script included, becomes one space, so each sample stays one line."""
+    cmd = " ".join(cmdline.replace("\0", " ").split())
+    return (cmd[:width - 3] + "...") if len(cmd) > width else cmd
 
 
 def _gpu_sample():

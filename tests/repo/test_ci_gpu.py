@@ -821,3 +821,14 @@ def test_the_window_phases_cover_the_issues_correctness_list_and_use_xdist(tmp_p
     assert " -n 6 " in ctx.fill(by["engine"].steps[0].cmd, str(tmp_path), by["engine"].workers)
     ctx.xdist = False
     assert " -n " not in ctx.fill(by["engine"].steps[0].cmd, str(tmp_path), by["engine"].workers)
+
+
+def test_a_monitor_sample_is_one_line_whatever_the_processes_command_lines_hold():
+    # CI's machine had a `bash -c` process whose script (newlines and all) was among the four largest: the
+    # sample split over many lines and the log could no longer be read one sample a line
+    script = "bash\0-c\0#!/bin/bash\nset -e\n\tpython3 -m pytest   tests/\n\0"
+    assert phases._one_line(script) == "bash -c #!/bin/bash set -e python3 -m pytest tests/"
+    assert phases._one_line("x" * 100) == "x" * 60 + "..." and phases._one_line("x" * 63) == "x" * 63
+    assert phases._one_line("") == ""
+    for _, _, cmd in phases._largest_processes():
+        assert "\n" not in cmd and "\t" not in cmd and len(cmd) <= 63, cmd
