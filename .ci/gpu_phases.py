@@ -66,6 +66,7 @@ import gpu_carry  # noqa: E402  (the bundle format, one implementation for both 
 import gpu_window  # noqa: E402  (the ledger, the digests and the window plan)
 
 PHASE_LIMIT_S = 540
+DUMP_BEFORE_KILL_S = 45     # pytest's faulthandler dump, this long before a phase is killed (see PYTEST)
 STILL_RUNNING = 75
 RESULTS_TAR = "gpu-results.tar.gz"
 HEAD_PARTS = "head-parts"         # state/head-parts: the head window's state, copied into $OUT as it is
@@ -101,10 +102,15 @@ class Phase:
     workers: int = 1          # pytest-xdist workers for the phase's pytest steps ({xdist})
 
 
-# faulthandler: a test stuck past 5 minutes (a GPU hang) has its traceback dumped in the log before the limit
+# faulthandler: a stuck test (a GPU hang) has its traceback dumped in the log DUMP_BEFORE_KILL_S before the phase
+# is killed, never earlier.  The dump walks every thread's frames from a watchdog thread without the GIL, and a
+# thread that is still running can crash it: in the fourth window (H100) the dump at 5 minutes killed the
+# pytest-xdist worker of engine-chi2-oracle's setting 0 mid-traceback (the log's "File ???, line 32764"), a test
+# that needs about 7 minutes there, as its two siblings did.  `faulthandler.dump_traceback_later` on a busy
+# CPython 3.11 thread segfaults within seconds here too.  So the dump now comes only when the kill is near anyway.
 # {xdist}: "-n N" with pytest-xdist where it is installed (the device image has it; N from the phase's workers,
 # HETEROSPEC_GPU_XDIST=0 turns it off), so a phase's tests spread over the device machine's 16 cores
-PYTEST = ("{py} -m pytest -v -rs -p no:cacheprovider -o faulthandler_timeout=300 {xdist}"
+PYTEST = ("{py} -m pytest -v -rs -p no:cacheprovider -o faulthandler_timeout={dump_s} {xdist}"
           "--junitxml={dir}/junit-%s.xml")
 BENCH = "{py} -m heterospec bench {bench} --questions {questions} --no-plots"
 # a bench exits 1 on a T=0 mismatch after writing results.json: a failure at fp32, a report in bf16
@@ -279,7 +285,8 @@ class Context:
                           carried=shlex.quote(os.path.join(self.work, "carry", "files")),
                           bench=bench_args(), questions=shlex.quote(questions(self) or "NO-QUESTIONS-HERE"),
                           train=" ".join(shlex.quote(t) for t in train_files(self)),
-                          xdist=f"-n {workers} " if self.xdist and workers > 1 else "")
+                          xdist=f"-n {workers} " if self.xdist and workers > 1 else "",
+                          dump_s=max(10, int(self.limit_s) - DUMP_BEFORE_KILL_S))
 
     def digest(self, name):
         if name not in self.digests:
@@ -670,9 +677,8 @@ def _gpu_sample():
 
 class Monitor:
     """Samples the machine every HETEROSPEC_GPU_MONITOR_S seconds (default 15) into {work}/monitor.log while
-    phases run: host memory available, load, GPU memory and use, the largest processes.  The fourth window
-    lost a pytest-xdist worker with no traceback (a SIGKILL, the kernel's OOM killer's signal); this log says
-    next time whether memory ran out and which process held it."""
+    phases run: host memory available, load, GPU memory and use, the largest processes: whether memory ran out
+    when a phase failed, and which process held it."""
 
     def __init__(self, ctx):
         self.path = os.path.join(ctx.work, MONITOR_LOG)

@@ -97,6 +97,14 @@ def test_steps_run_with_the_faulthandler_and_calibrate_reports_the_failing_launc
     assert ctx.env["PYTHONFAULTHANDLER"] == "1"    # a signal (the first H200 run's calibrate) leaves a traceback
     (cal,) = [s for s in phases.BY_NAME["calibrate"].steps if s.name == "calibrate"]
     assert cal.cmd.startswith("CUDA_LAUNCH_BLOCKING=1 ")
+    # the timed traceback dump comes only in the phase's last minute: the dump can crash a worker whose test is
+    # still running (the fourth window lost engine-chi2-oracle's setting 0, a 7-minute test, to the dump at 5)
+    for limit in (540, 300):
+        monkeypatch.setenv("HETEROSPEC_GPU_PHASE_LIMIT", str(limit))
+        ctx = phases.make_context(phases.BY_NAME)
+        (step,) = [s for s in phases.BY_NAME["engine-chi2-oracle"].steps if s.name == "pytest"]
+        dump = int(re.search(r"-o faulthandler_timeout=(\d+) ", ctx.fill(step.cmd, str(tmp_path))).group(1))
+        assert limit - 60 <= dump < limit, (limit, dump)
 
 
 def test_the_summary_imports_the_checkout_not_an_installed_copy(monkeypatch):
