@@ -6,7 +6,9 @@ at most a few files of 16 MiB.  So one call of ``run`` does everything a window 
 1. **continue**: the training state of the last window (``--state DIR``: the parts ``merge`` made, carried in
    by ``.ci/gpu_carry.py prepare --head-state``), or the state already in ``--work`` on this machine, or the
    shipped head (``--init-head``);
-2. **answer**: the target answers the next prompts of the committed answer store (``--answers``: HF's
+2. **answer**: once per store, the target first writes ``--self-prompts`` prompts for itself, appended to the
+   list; then it answers the later turns of conversations begun in earlier windows and the next prompts of the
+   committed answer store (``--answers``: HF's
    ``generate`` on the static cache at ``--gen-batch-size``, bfloat16), no shard started past its share of
    the time;
 3. **train** on every answered shard (the committed ones and the new), the features recomputed on the fly
@@ -222,6 +224,17 @@ def restore_state(members, head_dir):
 
 # ---- the answers --------------------------------------------------------------------------------------------
 
+PROMPTS_FILE = "prompts.json.gz"   # the store's prompt list (heterospec.models.answers.PROMPTS)
+
+
+def window_wrote_prompts(store):
+    """Whether the store's list holds prompts the target wrote for itself added by --add-prompts (a window's)."""
+    from heterospec.models.answers import AnswerStore
+
+    saved = AnswerStore.read_prompts(store) or {}
+    return any(d.startswith("self:") for add in saved.get("added", []) for d in add.get("data", []))
+
+
 def answer_files(store):
     """{path relative to the store: sha256 from its manifest} of every answered shard of ``store`` and of its
     later-turn stores (their manifests and prompt lists too, as whole files)."""
@@ -253,24 +266,42 @@ def merge_answers(members, store):
 
     mine = AnswerStore.read_manifest(store)
     theirs = json.loads(members["answers/" + MANIFEST])
+    # a window that grew the list (--add-prompts) carries a manifest whose earlier lists include ours
+    grew = {"prompts": mine.get("prompts"), "prompts_sha256": mine.get("prompts_sha256")} in theirs.get("extended", [])
+    if grew and "answers/" + PROMPTS_FILE not in members:
+        raise ValueError(f"head_window: the window grew the prompt list but its archive lacks {PROMPTS_FILE}")
     for key in ("target", "dtype", "generation", "prompts", "prompts_sha256", "shard_size", "vocab_size"):
-        if mine.get(key) != theirs.get(key):
+        if mine.get(key) != theirs.get(key) and not (grew and key in ("prompts", "prompts_sha256")):
             raise ValueError(f"head_window: the window's answers are for another store ({key}: {theirs.get(key)!r} "
                              f"there, {mine.get(key)!r} in {store})")
+    if grew:
+        n, S = mine["prompts"], mine["shard_size"]
+        short = f"{n // S:05d}" if n % S else None   # the old list's short last shard: removed by the extension
+        if short in mine.get("shards", {}):   # the window's shard of that index, if any, comes in below
+            del mine["shards"][short]
+            os.remove(os.path.join(store, f"shard-{short}.npz"))
+        for key in ("prompts", "prompts_sha256", "extended"):
+            mine[key] = theirs[key]
     new = tokens = 0
     for name, data in sorted(members.items()):
         if not name.startswith("answers/") or name == "answers/" + MANIFEST:
             continue
         rel = name[len("answers/"):]
         dst = os.path.join(store, rel)
-        if os.path.exists(dst):
+        if rel == PROMPTS_FILE:
+            if os.path.exists(dst) and _file_sha(dst) == _sha(data):
+                continue
+            if not grew:
+                raise ValueError(f"head_window: the window's {PROMPTS_FILE} differs but its manifest does not "
+                                 f"extend {store}'s list")
+        elif os.path.exists(dst):
             with open(dst, "rb") as f:
                 same = f.read() == data
             if same:
                 continue
             if not rel.endswith("/" + MANIFEST):   # a later-turn store's manifest: the window's is the newer one
                 raise ValueError(f"head_window: {dst} differs from the window's copy; not overwritten")
-        if "/" not in rel:   # a shard of the main store: its manifest entry must say this sha256
+        if "/" not in rel and rel != PROMPTS_FILE:   # a main store's shard: its manifest entry must say this sha256
             entry = theirs["shards"][rel[len("shard-"):-len(".npz")]]
             if entry["sha256"] != _sha(data):
                 raise ValueError(f"head_window: {rel} does not match the sha256 of the window's manifest")
@@ -318,14 +349,26 @@ def run(a):
     common = ["--target", a.target, "--device", a.device, "--answers", store, "--answer-dtype", a.answer_dtype,
               "--max-new-tokens", str(a.max_new_tokens), "--shard-size", str(a.shard_size), "--out", head]
     common += ["--no-chat-template"] if a.no_chat_template else []
-    collect_s = min(a.collect_seconds, end - a.reserve - time.monotonic())
+    listed = os.path.join(store, PROMPTS_FILE)
+    prompts_before = _file_sha(listed) if os.path.exists(listed) else None
     t_collect = time.monotonic()
+    if a.self_prompts > 0 and not window_wrote_prompts(store):
+        # once: the target writes prompts for itself (issue 43.1), appended to the list; answering them is for
+        # this and later windows.  A failure here costs this step only.
+        try:
+            _cli(["train-draft"] + common + ["--dtype", a.answer_dtype, "--collect-only", "--max-prompts", "0",
+                                             "--add-prompts", "--data", f"self:{a.self_prompts}", "--gen-batch-size",
+                                             str(a.gen_batch_size)])
+        except SystemExit as e:
+            print(f"head_window: no self-written prompts added ({e}); answering goes on", file=sys.stderr, flush=True)
+    collect_s = min(a.collect_seconds - (time.monotonic() - t_collect), end - a.reserve - time.monotonic())
     if collect_s > 0:
         _cli(["train-draft"] + common + ["--dtype", a.answer_dtype, "--collect-only", "--gen-batch-size",
                                          str(a.gen_batch_size), "--time-limit", str(collect_s)])
     t_train = time.monotonic()
     after = answer_files(store)
-    fresh = sorted(set(after) - set(before))
+    # new files, and a shard answered again (the old list's short last shard, when the list grew)
+    fresh = sorted(k for k, sha in after.items() if k not in before or (sha is not None and before[k] != sha))
     # a later-turn store's manifest changed when its shard came now (opened in an earlier window, answered now)
     fresh += sorted(k for k in manifests if k in after and _file_sha(os.path.join(store, k)) != manifests[k])
     train_s = end - a.reserve - time.monotonic()
@@ -342,6 +385,8 @@ def run(a):
     members = state_members(head)
     from heterospec.models.answers import MANIFEST
 
+    if os.path.exists(listed) and _file_sha(listed) != prompts_before:   # the list grew in this window
+        fresh.append(PROMPTS_FILE)
     for rel in fresh:
         with open(os.path.join(store, rel), "rb") as f:
             members["answers/" + rel] = f.read()
@@ -435,6 +480,9 @@ def build_parser():
     r.add_argument("--tau-tokens", type=int, default=256)
     r.add_argument("--tau-dtype", default="float32")
     r.add_argument("--no-chat-template", action="store_true")
+    r.add_argument("--self-prompts", type=int, default=33000,
+                   help="once per store: the target writes this many prompts for itself, appended to the list "
+                        "(train-draft --add-prompts --data self:N), inside answering's share of the window")
     m = sub.add_parser("merge", help="here, after a window: its answers into the store, its state for the next")
     m.add_argument("parts", nargs="+")
     m.add_argument("--answers", default=os.path.join(REPO, ANSWERS))

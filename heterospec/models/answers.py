@@ -88,6 +88,14 @@ def answer(target, prompts, *, max_new_tokens, eos_token_id, batch_size=64, stat
     return out
 
 
+def _write_prompts(directory, texts):
+    """``prompts.json.gz``, the same bytes for the same texts (no time or name in the gzip header)."""
+    with open(os.path.join(directory, PROMPTS + ".tmp"), "wb") as raw, \
+            gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
+        f.write(json.dumps(texts).encode("utf-8"))
+    os.replace(os.path.join(directory, PROMPTS + ".tmp"), os.path.join(directory, PROMPTS))
+
+
 def _token_dtype(vocab_size):
     return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
 
@@ -131,13 +139,38 @@ class AnswerStore:
             raise FileNotFoundError(f"AnswerStore: {directory} has no {MANIFEST}")
         os.makedirs(directory, exist_ok=True)
         if texts is not None:
-            with gzip.open(os.path.join(directory, PROMPTS + ".tmp"), "wt", encoding="utf-8") as f:
-                json.dump(texts, f)
-            os.replace(os.path.join(directory, PROMPTS + ".tmp"), os.path.join(directory, PROMPTS))
+            _write_prompts(directory, texts)
         want["shards"] = {}
         store = cls(directory, want)
         store._write_manifest()
         return store
+
+    def extend(self, prompt_ids, texts=None):
+        """Append prompts to the store's list: ``prompt_ids`` is the whole new list, which must begin with the
+        list the store was cut from (its count and sha256 pinned in the manifest); ``texts`` replaces
+        ``prompts.json.gz``.  Shards keep their ranges, so the answered ones stay valid, except a last shard
+        of the old list that was short (its range now holds more prompts): it is removed, to be answered again.
+        The manifest keeps each earlier list's count and sha256 under ``"extended"``.  Returns the removed
+        shards' indices."""
+        m = self.manifest
+        n = m["prompts"]
+        if len(prompt_ids) < n or prompts_sha256(prompt_ids[:n]) != m["prompts_sha256"]:
+            raise ValueError(f"AnswerStore.extend: argument 'prompt_ids' expected a list beginning with the {n} "
+                             f"prompts of {self.directory}, got {len(prompt_ids)} prompts that do not")
+        removed = []
+        S = m["shard_size"]
+        if len(prompt_ids) > n and n % S and os.path.exists(self.shard_path(n // S)):
+            os.remove(self.shard_path(n // S))
+            m.get("shards", {}).pop(f"{n // S:05d}", None)
+            removed.append(n // S)
+        if texts is not None:
+            _write_prompts(self.directory, texts)
+        if len(prompt_ids) > n:
+            m.setdefault("extended", []).append({"prompts": n, "prompts_sha256": m["prompts_sha256"]})
+            m["prompts"] = len(prompt_ids)
+            m["prompts_sha256"] = prompts_sha256(prompt_ids)
+        self._write_manifest()
+        return removed
 
     @staticmethod
     def read_manifest(directory):

@@ -178,6 +178,12 @@ def build_parser():
                    help="a directory of the target's answers as token ids (kept in the repository: "
                         "benchmarks/answers/...), grown shard by shard across runs and machines; the prompt list and "
                         "the settings are pinned in it; training computes the features from it (cached in --features)")
+    t.add_argument("--add-prompts", action="store_true",
+                   help="with --answers holding a list already: add --data's conversations to it. A conversation "
+                        "whose first turn is in the list gives that prompt its later turns (answered after the "
+                        "target's own answers), if its shard has none yet; any other is appended (shuffled with "
+                        "--seed). The answered shards stay valid; rerunning with the same --data adds nothing. With "
+                        "--collect-only --max-prompts 0 the list grows and nothing is answered")
     t.add_argument("--answer-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="with --answers: the dtype the target answers in (default --dtype; bfloat16: 1.5x the "
                         "speed on a CPU with AVX512-BF16, 98.9 %% of positions the float32 greedy token); the "

@@ -241,7 +241,8 @@ def _conversations(args, target, tokenizer):
     convs = read_conversations(files) if files else []
     for d in args.data:
         if d.startswith(SELF):  # prompts the target writes for itself
-            convs += [[t] for t in self_written_prompts(target, tokenizer, int(d[len(SELF):]), seed=args.seed)]
+            convs += [[t] for t in self_written_prompts(target, tokenizer, int(d[len(SELF):]), seed=args.seed,
+                                                        batch_size=max(16, getattr(args, "gen_batch_size", 16)))]
     guard = _guard(args)
     if guard.files:   # never a prompt that overlaps a benchmark question
         before = len(convs)
@@ -267,22 +268,32 @@ def collect_answers(args, target, tokenizer, progress, out, collect=True):
     from ..policy.profile import model_identity
 
     saved = AnswerStore.read_prompts(args.answers)
+    grown = None
     if saved is not None:
         texts = saved["prompts"]
         later = saved.get("later_turns") or {}
+        if getattr(args, "add_prompts", False):
+            grown = add_prompts(args, target, tokenizer, saved, out)
+            texts, later = grown["prompts"], grown["later_turns"]
     else:
         convs = _conversations(args, target, tokenizer)
         texts = [c[0] for c in convs]
         later = {str(i): c[1:] for i, c in enumerate(convs) if len(c) > 1}   # answered after the first turn's
     ids = [encode(tokenizer, t, not args.no_chat_template).view(-1).numpy() for t in texts]
     adtype = getattr(torch, args.answer_dtype) if args.answer_dtype else target.dtype
-    store = AnswerStore.open(args.answers, prompt_ids=ids, target=model_identity(target.config, target_name(args)),
+    n_saved = len(saved["prompts"]) if saved is not None else len(ids)
+    store = AnswerStore.open(args.answers, prompt_ids=ids[:n_saved],
+                             target=model_identity(target.config, target_name(args)),
                              dtype=str(adtype).replace("torch.", ""), max_new_tokens=args.max_new_tokens,
                              eos_token_id=tokenizer.eos_token_id, shard_size=args.shard_size,
                              vocab_size=target.config.vocab_size,
                              texts=None if saved is not None else {"data": list(args.data), "seed": args.seed,
                                                                    "chat_template": not args.no_chat_template,
                                                                    "prompts": texts, "later_turns": later})
+    if grown is not None:
+        for k in store.extend(ids, grown):
+            print(f"{args.answers}: shard {k} was the old list's short last shard; it is answered again with the "
+                  f"prompts now in its range", file=out, flush=True)
     limit = args.max_prompts
     todo = [k for k in range(store.n_shards(limit)) if not os.path.exists(store.shard_path(k))] if collect else []
     print(f"{args.answers}: {len(store.present())} of {store.n_shards()} shards answered "
@@ -306,6 +317,8 @@ def collect_answers(args, target, tokenizer, progress, out, collect=True):
         print(f"{args.answers}: {len(refused)} saved prompt(s) overlap a benchmark question and are never answered",
               file=out, flush=True)
     if todo:
+        if later:   # the conversations begun in earlier runs go on first: their later turns before new shards
+            later_turn_stores(args, answerer, tokenizer, store, texts, later, adtype, collect, out, log)
         store.collect(answerer, ids, batch_size=args.gen_batch_size, limit=limit,
                       keep=lambda i: ids[i].size <= args.max_prompt_tokens and i not in refused,
                       progress=lambda k, i, n: progress(i, n), log=log, deadline=args.deadline)
@@ -315,6 +328,51 @@ def collect_answers(args, target, tokenizer, progress, out, collect=True):
 
 
 LATER = "later-turns"   # inside --answers: one store per answered shard and turn (shard-NNNNN-turn-T)
+
+
+def add_prompts(args, target, tokenizer, saved, out):
+    """--add-prompts: the saved prompt list (``prompts.json.gz``'s dict) grown by --data's conversations.  Each
+    conversation claims an unclaimed entry of the list with its first turn, in list order: the entry gains the
+    conversation's later turns unless it has some, or its shard has later-turn stores already (their prompt lists
+    are pinned); a conversation with no such entry is appended.  So the same --data twice adds nothing, and a
+    list made from first turns alone gets its conversations' later turns.  Returns the new dict (``added``
+    records each call's sources and counts)."""
+    import collections
+
+    from ..models.answers import AnswerStore
+
+    convs = _conversations(args, target, tokenizer)     # the benchmark guard applied, shuffled with --seed
+    texts = list(saved["prompts"])
+    later = dict(saved.get("later_turns") or {})
+    size = AnswerStore.read_manifest(args.answers)["shard_size"]
+    base = os.path.join(args.answers, LATER)
+    answered = {int(d[6:11]) for d in os.listdir(base) if d.startswith("shard-")} if os.path.isdir(base) else set()
+    free = collections.defaultdict(collections.deque)
+    for i, t in enumerate(texts):
+        free[t].append(i)
+    appended = turns = locked = 0
+    for c in convs:
+        if free.get(c[0]):
+            i = free[c[0]].popleft()
+            if len(c) > 1 and str(i) not in later:
+                if i // size in answered:
+                    locked += 1
+                    continue
+                later[str(i)] = list(c[1:])
+                turns += len(c) - 1
+        else:
+            if len(c) > 1:
+                later[str(len(texts))] = list(c[1:])
+                turns += len(c) - 1
+            texts.append(c[0])
+            appended += 1
+    print(f"{args.answers}: --add-prompts: {appended} prompts appended to the {len(saved['prompts'])} there, "
+          f"{turns} later turns added" + (f"; {locked} conversations' later turns left out (their shard has "
+                                           f"later-turn stores already)" if locked else ""), file=out, flush=True)
+    grown = dict(saved, prompts=texts, later_turns=later)
+    grown["added"] = list(saved.get("added", [])) + [{"data": list(args.data), "seed": args.seed,
+                                                      "prompts": appended, "later_turns": turns}]
+    return grown
 
 
 def later_turn_stores(args, answerer, tokenizer, store, texts, later, adtype, collect, out, log):

@@ -256,3 +256,97 @@ def test_later_turns_are_answered_after_the_targets_own_earlier_answers(tmp_path
     assert res.returncode == 0, res.stderr
     meta = json.loads((tmp_path / "trained" / "training_log.json").read_text())
     assert meta["sequences"] == 3 + 3                            # three first turns, three later ones
+
+
+def test_a_store_grows_its_prompt_list_and_keeps_its_answered_shards(tmp_path):
+    """extend(): the new list must begin with the old; the answered shards keep their ranges and stay valid,
+    except the old list's short last shard (its range now holds more prompts), which is removed and answered
+    again; the manifest keeps the old list's count and sha256."""
+    model = tiny_target("llama")
+    ps = prompts(7)
+    d = tmp_path / "answers"
+    store = _open(d, ps[:5], texts={"prompts": ["a"] * 5})
+    assert store.collect(model, _ids(ps[:5])) == [0, 1, 2]         # shard 2 holds prompt 4 alone
+    kept = {k: open(store.shard_path(k), "rb").read() for k in (0, 1)}
+    old_sha = store.manifest["prompts_sha256"]
+    with pytest.raises(ValueError, match=r"argument 'prompt_ids' expected a list beginning with the 5 prompts"):
+        store.extend(_ids(ps[1:7]))
+    with pytest.raises(ValueError, match="argument 'prompt_ids'"):
+        store.extend(_ids(ps[:4]))
+    assert store.extend(_ids(ps[:5])) == [] and store.present() == [0, 1, 2]   # the same list: nothing changes
+    assert store.extend(_ids(ps), {"prompts": ["a"] * 7}) == [2]
+    assert store.present() == [0, 1] and "00002" not in store.manifest["shards"]
+    m = am.AnswerStore.read_manifest(d)
+    assert m["prompts"] == 7 and m["prompts_sha256"] == am.prompts_sha256(_ids(ps))
+    assert m["extended"] == [{"prompts": 5, "prompts_sha256": old_sha}]
+    assert am.AnswerStore.read_prompts(d) == {"prompts": ["a"] * 7}
+    again = _open(d, ps)                                           # the grown list opens; the old one no longer
+    with pytest.raises(ValueError, match="prompts_sha256"):
+        _open(d, ps[:5])
+    assert again.collect(model, _ids(ps)) == [2, 3]
+    for k in (0, 1):
+        assert open(again.shard_path(k), "rb").read() == kept[k]
+    for k in (2, 3):
+        for j, (i, ids, start) in enumerate(again.load_shard(k)):
+            assert i == 2 * k + j and torch.equal(ids, reference_greedy(model, ps[i], new=6)[0])
+    # the prompt list's file is the same bytes for the same texts (a window's copy compares equal)
+    before = (d / am.PROMPTS).read_bytes()
+    again.extend(_ids(ps), {"prompts": ["a"] * 7})
+    assert (d / am.PROMPTS).read_bytes() == before
+
+
+def test_add_prompts_gives_a_first_turn_list_its_later_turns_and_appends_new_conversations(tmp_path):
+    """train-draft --add-prompts (issue 43.1): a store made from first turns alone gains its conversations'
+    later turns, new conversations are appended to the list, the answered shards stay; the later turns of
+    answered shards are answered before new shards; the same --data again adds nothing."""
+    from _pairs import save_tiny_pair
+
+    from heterospec.tools.commands import LATER
+
+    save_tiny_pair(tmp_path)
+    convs = [["w1 w2 w3", "w4 w5", "w6"], ["w7 w8"], ["w9 w10 w11", "w12 w13"], ["w14 w15", "w16"]]
+    firsts = tmp_path / "firsts.txt"
+    firsts.write_text("\n".join(c[0] for c in convs[:3]))
+    full = tmp_path / "conv.jsonl"
+    full.write_text("\n".join(json.dumps({"turns": c}) for c in convs))
+    ans = tmp_path / "answers"
+
+    def run(data, *extra):
+        cmd = [sys.executable, "-m", "heterospec", "train-draft", "--target", str(tmp_path / "target"), "--data",
+               str(data), "--out", str(tmp_path / "trained"), "--max-new-tokens", "5", "--answers", str(ans),
+               "--shard-size", "2", "--device", "cpu", "--collect-only", *extra]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr
+        return res.stdout
+
+    run(firsts, "--max-prompts", "2")                          # shard 0 answered, shard 1 (one prompt) not
+    before = am.AnswerStore.read_prompts(ans)
+    assert "later_turns" not in before or not before["later_turns"]
+    shard0 = (ans / "shard-00000.npz").read_bytes()
+    out = run(full, "--add-prompts")
+    assert "1 prompts appended to the 3 there, 4 later turns added" in out
+    saved = am.AnswerStore.read_prompts(ans)
+    assert saved["prompts"][:3] == before["prompts"] and saved["prompts"][3] == "w14 w15"
+    assert {saved["prompts"][int(i)]: t for i, t in saved["later_turns"].items()} == \
+        {c[0]: c[1:] for c in convs if len(c) > 1}
+    assert saved["added"] == [{"data": [str(full)], "seed": 0, "prompts": 1, "later_turns": 4}]
+    m = am.AnswerStore.read_manifest(ans)
+    assert m["prompts"] == 4 and m["extended"][0]["prompts"] == 3
+    assert (ans / "shard-00000.npz").read_bytes() == shard0     # answered before, kept as it was
+    store = am.AnswerStore(ans, m)
+    assert store.present() == [0, 1]
+    # every conversation's later turns were answered, the first shard's before the second was started
+    later = sorted(p.name for p in (ans / LATER).iterdir())
+    assert (ans / LATER / "shard-00000-turn-2" / "shard-00000.npz").stat().st_mtime_ns < \
+        (ans / "shard-00001.npz").stat().st_mtime_ns
+    n_turns = sum(am.AnswerStore.read_manifest(ans / LATER / n)["prompts"] for n in later)
+    assert n_turns == 4                                        # turns 2 and 3 of w1.., turn 2 of w9.. and of w14..
+    assert "0 prompts appended to the 4 there, 0 later turns added" in run(full, "--add-prompts")
+    assert am.AnswerStore.read_manifest(ans)["prompts"] == 4
+    # a later turn for a prompt whose shard's later turns are answered already is left out (their lists are pinned)
+    i = saved["prompts"].index("w7 w8")
+    assert any(n.startswith(f"shard-{i // 2:05d}-") for n in later)
+    more = tmp_path / "more.jsonl"
+    more.write_text(json.dumps({"turns": ["w7 w8", "w17"]}))
+    assert "1 conversations' later turns left out" in run(more, "--add-prompts")
+    assert str(i) not in am.AnswerStore.read_prompts(ans)["later_turns"]

@@ -89,7 +89,7 @@ def window(tmp_path_factory):
             "--max-new-tokens", "12", "--shard-size", "4", "--gen-batch-size", "4", "--batch-size", "2",
             "--total-steps", "6", "--warmup", "2", "--save-every", "3", "--seconds", "240", "--collect-seconds", "120",
             "--reserve", "30", "--bench-dir", str(root / "bench"), "--tau-limit", "2", "--tau-tokens", "8",
-            "--no-chat-template"]
+            "--no-chat-template", "--self-prompts", "0"]
     rc = hw.main(args + ["--work", str(root / "work1"), "--out", str(root / "out1")])
     assert rc == 0
     return root, store, repo_copy, args
@@ -170,3 +170,70 @@ def test_merge_refuses_a_window_of_another_store(window, tmp_path):
     res = subprocess.run([sys.executable, "-m", "benchmarks.head_window", "merge", *parts, "--answers", str(other),
                           "--carry-out", str(tmp_path / "c")], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.returncode == 2 and "prompts_sha256" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_window_adds_self_written_prompts_once_and_merge_takes_the_grown_list(window, tmp_path):
+    """--self-prompts N: the first window appends the target's own prompts to the list (the answered shards
+    stay, the old short last shard is answered again); merge takes the grown list; a later window adds none."""
+    root, store, _, args = window
+    mine, theirs = tmp_path / "repo", tmp_path / "machine"
+    shutil.copytree(root / "repo-store", mine)
+    shutil.copytree(root / "repo-store", theirs)
+    old = AnswerStore.read_prompts(mine)["prompts"]
+    run = list(args)
+    run[run.index("--answers") + 1] = str(theirs)
+    run[run.index("--self-prompts") + 1] = "3"
+    run[run.index("--total-steps") + 1] = "1"
+    assert hw.main(run + ["--work", str(tmp_path / "w1"), "--out", str(tmp_path / "o1"), "--tau-limit", "0"]) == 0
+    grown = AnswerStore.read_prompts(theirs)
+    assert grown["prompts"][:len(old)] == old and 1 <= len(grown["prompts"]) - len(old) <= 3
+    assert grown["added"][-1]["data"] == ["self:3"] and hw.window_wrote_prompts(str(theirs))
+    m = AnswerStore.read_manifest(theirs)
+    assert m["prompts"] == len(grown["prompts"]) and m["extended"] == [
+        {"prompts": len(old), "prompts_sha256": AnswerStore.read_manifest(mine)["prompts_sha256"]}]
+    parts = [str(tmp_path / "o1" / p) for p in sorted(os.listdir(tmp_path / "o1"))]
+    _, members = hw.read_parts(parts)
+    assert "answers/prompts.json.gz" in members
+    assert hw.main(["merge", *parts, "--answers", str(mine), "--carry-out", str(tmp_path / "c")]) == 0
+    got = AnswerStore.read_manifest(mine)
+    assert {k: got[k] for k in ("prompts", "prompts_sha256", "extended", "shards")} == \
+        {k: m[k] for k in ("prompts", "prompts_sha256", "extended", "shards")}
+    assert AnswerStore.read_prompts(mine) == grown
+    assert sorted(AnswerStore(str(mine), got).present()) == sorted(int(k) for k in got["shards"])
+    assert hw.main(["merge", *parts, "--answers", str(mine), "--carry-out", str(tmp_path / "c")]) == 0  # idempotent
+    # the next window finds them and adds none
+    assert hw.main(run + ["--work", str(tmp_path / "w2"), "--out", str(tmp_path / "o2"), "--tau-limit", "0",
+                          "--collect-seconds", "0"]) == 0
+    assert AnswerStore.read_prompts(theirs) == grown
+
+
+def test_merge_of_a_grown_list_replaces_the_old_short_last_shard(tmp_path):
+    """The repository's list of 5 ends in a short shard (prompt 4 alone), answered; the window grew the list to
+    7, which removed that shard there and answered it again with prompts 4 and 5.  Merge takes the new shard
+    and manifest; a window whose manifest does not extend ours, or that lacks the grown list, is refused."""
+    from _models import prompts, tiny_target
+
+    model = tiny_target("llama")
+    ids = [p.view(-1).numpy() for p in prompts(7)]
+    kw = dict(target={"name": "tiny", "config_sha256": "0" * 64, "vocab_size": 64}, dtype="float32",
+              max_new_tokens=4, eos_token_id=None, shard_size=2, vocab_size=64)
+    mine, theirs = tmp_path / "repo", tmp_path / "machine"
+    AnswerStore.open(str(mine), prompt_ids=ids[:5], texts={"prompts": list("abcde")}, **kw).collect(model, ids[:5])
+    shutil.copytree(mine, theirs)
+    there = AnswerStore.open(str(theirs), prompt_ids=ids[:5], **kw)
+    assert there.extend(ids, {"prompts": list("abcdefg")}) == [2]
+    there.collect(model, ids)
+    members = {"answers/" + f: open(theirs / f, "rb").read()
+               for f in ("manifest.json", hw.PROMPTS_FILE, "shard-00002.npz", "shard-00003.npz")}
+    without = {k: v for k, v in members.items() if not k.endswith(hw.PROMPTS_FILE)}
+    with pytest.raises(ValueError, match="lacks prompts.json.gz"):
+        hw.merge_answers(without, str(mine))
+    assert hw.merge_answers(members, str(mine)) == (2, 4 * (2 + 1))
+    got, want = AnswerStore.read_manifest(mine), AnswerStore.read_manifest(theirs)
+    assert got == want
+    assert open(mine / "shard-00002.npz", "rb").read() == open(theirs / "shard-00002.npz", "rb").read()
+    assert AnswerStore.read_prompts(mine) == {"prompts": list("abcdefg")}
+    other = tmp_path / "other"
+    AnswerStore.open(str(other), prompt_ids=ids[1:6], texts={"prompts": list("bcdef")}, **kw)
+    with pytest.raises(ValueError, match="another store"):
+        hw.merge_answers(members, str(other))

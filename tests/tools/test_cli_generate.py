@@ -334,9 +334,12 @@ def test_cuda_graphs_reaches_the_engine(tmp_path, monkeypatch, given, want):
     (["train-draft", "--target", "default", "--data", "Q", "--out", "o", "--epochs", "-1"], "--epochs"),
     (["train-draft", "--target", "default", "--data", "Q", "--out", "o", "--on-the-fly"], "--on-the-fly"),
     (["train-draft", "--target", "default", "--data", "Q", "--out", "o", "--time-limit", "0"], "--time-limit"),
+    (["train-draft", "--target", "default", "--data", "Q", "--out", "o", "--add-prompts"], "--add-prompts"),
+    (["train-draft", "--target", "default", "--data", "Q", "--out", "o", "--answers", "A", "--collect-only",
+      "--max-prompts", "0"], "--max-prompts"),                                  # 0 only to grow a list
 ])
 def test_bad_input_to_other_commands_is_one_line_before_loading(tmp_path, argv, arg):
     """Issue 18.4 for demo, calibrate and train-draft: the checks that need no model run first."""
     (tmp_path / "q.jsonl").write_text('{"turns": ["w1"]}\n')
-    res = _run(*[str(tmp_path / "q.jsonl") if a == "Q" else a for a in argv])
+    res = _run(*[str(tmp_path / "q.jsonl") if a == "Q" else str(tmp_path / "a") if a == "A" else a for a in argv])
     _one_line_usage_error(res, arg)
