@@ -163,18 +163,25 @@ PHASES = (
                                "--out {dir}/cuda-cycle-49152.json"),
         Step("probe", "{py} -m benchmarks.probe_cuda_kernels --out {dir}/probe.json"),
     ), needs=("cuda",), kind="speed"),
-    Phase("engine", 7, "the decoding engine's tests on the GPU (HETEROSPEC_TEST_DEVICE=cuda): greedy identity "
+    # test_decoding's greedy identity tests send their 20 prompts as one batch on a GPU (and the first two alone),
+    # instead of 20 single calls: an estimate until a window runs it.
+    Phase("engine", 4, "the decoding engine's tests on the GPU (HETEROSPEC_TEST_DEVICE=cuda): greedy identity "
                        "with HF for every method, no host transfer in the cycle, the batched target and the batched engine, "
                        "non-finite logits stopped by the device flags (real CUDA graphs too)", (
         Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "engine" + " -k 'not " + CHI2 + " and not "
              + CHI2_BATCH + "'" + " tests/engine/test_decoding.py tests/engine/test_engine_device.py tests/engine/test_batch_target.py"
              " tests/engine/test_batch_decoding.py tests/engine/test_nonfinite.py"),
     ), needs=("cuda",), workers=6),
-    Phase("engine-chi2-oracle", 6, "chi-square sampling on the GPU with the oracle draft (3 warps x 2,000 seeds)", (
+    # The chi-square phases draw their 2,000 seeds a setting as 40 calls of 50 rows on a GPU (test_decoding's
+    # CHI2_CASES; each row draws as its prompt alone with its seed): 2,000 single calls took 7.4 minutes in the
+    # fourth window, about 0.2 s a call whatever its rows.  The estimates below are guesses until a window runs them.
+    Phase("engine-chi2-oracle", 1.5, "chi-square sampling on the GPU with the oracle draft (3 warps x 2,000 seeds, "
+                                     "as 40 batched calls of 50 rows each)", (
         Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "chi2-oracle" + " -k '" + CHI2 + " and oracle'"
              + " tests/engine/test_decoding.py"),
     ), needs=("cuda",), workers=3),
-    Phase("engine-chi2-noisy", 2, "chi-square sampling on the GPU with the noisy draft (3 warps x 2,000 seeds)", (
+    Phase("engine-chi2-noisy", 1, "chi-square sampling on the GPU with the noisy draft (3 warps x 2,000 seeds, as "
+                                   "40 batched calls of 50 rows each)", (
         Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "chi2-noisy" + " -k '" + CHI2 + " and noisy'"
              + " tests/engine/test_decoding.py"),
     ), needs=("cuda",), workers=3),

@@ -21,6 +21,7 @@ class _DoubleBase(torch.nn.Module):
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
         self.register_buffer("d2t", torch.zeros(vocab_size, dtype=torch.long))
+        self.first = self.pending = None
 
     def fuse(self, taps):
         return torch.zeros(taps.shape[0], taps.shape[1], self.hidden_size, device=taps.device)
@@ -29,17 +30,26 @@ class _DoubleBase(torch.nn.Module):
         return torch.zeros(2, batch, 1, capacity, 1, device=self.d2t.device)
 
     def step(self, hidden, input_ids, position_ids, cache, slots, attn_mask):
-        # the engine's batched form for one request: [1, n] ids and positions, [1, n, W] mask, [n] or [1, n] slots
-        assert input_ids.shape[0] == 1 and attn_mask.dim() == 3 and attn_mask.shape[0] == 1, "a batch of one"
-        cache[0, 0, 0, slots.reshape(-1), 0] = input_ids[0].float()   # the "keys" are the fed token ids
-        return self._logits(cache[0, 0, 0, :, 0].long(), attn_mask[0], input_ids, position_ids)
+        # the engine's batched form: [B, n] ids and positions, [B, n, W] mask, [n] or [B, n] slots.  The "keys" are
+        # the fed token ids; the first "value" of a row holds its token 0 (begin_sequence), which is never fed and
+        # so moves with the row when finished rows leave the batch
+        B, S = input_ids.shape
+        assert attn_mask.dim() == 3 and attn_mask.shape[0] == B, "a [B, n, W] mask"
+        slots = slots.reshape(-1, S).expand(B, S)
+        cache[0, torch.arange(B, device=cache.device).view(B, 1), 0, slots, 0] = input_ids.float()
+        if self.pending is not None:
+            cache[1, :, 0, 0, 0] = self.pending.view(-1).float()
+            self.pending = None
+        return self._logits(cache[0, :, 0, :, 0].long(), attn_mask, input_ids, position_ids,
+                            cache[1, :, 0, 0, 0].long())
 
     def head(self, h2):
         return h2.float(), torch.zeros(*h2.shape[:-1], self.hidden_size, device=h2.device)
 
     def forward(self, hidden, input_ids, position_ids, past_kv=None, attn_mask=None):
         ids, mask, kv = self._rows(past_kv, input_ids, attn_mask)
-        logits = self._logits(ids, mask, input_ids, position_ids)
+        first = self.first.view(-1)[:1] if self.first is not None else ids.new_zeros(1)
+        logits = self._logits(ids.unsqueeze(0), mask.unsqueeze(0), input_ids, position_ids, first)
         return logits, torch.zeros(1, input_ids.shape[1], self.hidden_size), kv
 
     @staticmethod
@@ -60,32 +70,33 @@ class OracleDraft(_DoubleBase):
         self.d2t = self.d2t.to(next(target.parameters()).device)
         self.target = target
         self.boost = boost
-        self.first = None
 
     def begin_sequence(self, input_ids):
-        # row t of the draft sees tokens 1..t+1 (EAGLE's shift); token 0 comes from here
-        self.first = input_ids[0, :1].long()
+        # [B, S]: each request's prompt from column 0.  Row t of the draft sees tokens 1..t+1 (EAGLE's shift);
+        # token 0 comes from here, into the cache with the next step
+        self.first = input_ids[:, :1].long()
+        self.pending = self.first
 
     @torch.no_grad()
-    def _logits(self, ids, mask, input_ids, position_ids):
-        S = input_ids.shape[1]
+    def _logits(self, ids, mask, input_ids, position_ids, first):
+        B, S = input_ids.shape
         mask = mask.bool()
-        # row s's context: token 0, then the ids its mask shows, in order (a stable sort puts the shown positions
-        # first); one right-padded batch with zeros, built without a loop over the rows (each boolean index was
-        # a host sync, which made the GPU's chi-square and greedy tests slow); a causal model's logits at a row's
-        # last real token ignore the padding
-        shown = mask.sum(1)
+        # row (b, s)'s context: token 0, then the ids its mask shows, in order (a stable sort puts the shown
+        # positions first); one right-padded batch of B * S rows with zeros, built without a loop over the rows
+        # (each boolean index was a host sync, which made the GPU's chi-square and greedy tests slow); a causal
+        # model's logits at a row's last real token ignore the padding
+        shown = mask.sum(-1)                                                         # [B, S]
         width = int(shown.max()) if S else 0
-        order = torch.argsort((~mask).to(torch.int32), dim=1, stable=True)[:, :width]
-        picked = torch.where(torch.arange(width, device=ids.device) < shown[:, None], ids.long()[order], 0)
-        batch = torch.cat([self.first.view(1, 1).expand(S, 1), picked], 1)
-        out = self.target(batch).logits.float()
-        rows = torch.arange(S, device=ids.device)
-        logits = out[rows, shown].clone()
+        order = torch.argsort((~mask).to(torch.int32), dim=-1, stable=True)[..., :width]
+        seen = torch.gather(ids.long().unsqueeze(1).expand(B, S, ids.shape[-1]), 2, order)
+        picked = torch.where(torch.arange(width, device=ids.device) < shown.unsqueeze(-1), seen, 0)
+        batch = torch.cat([first.view(-1, 1, 1).expand(B, S, 1), picked], -1).view(B * S, width + 1)
+        out = self.target(batch).logits.float().view(B, S, width + 1, -1)
+        logits = out.gather(2, shown.view(B, S, 1, 1).expand(B, S, 1, out.shape[-1])).squeeze(2)
         # the target's argmax boosted: the same top-1, confident enough that the greedy chain wins the
         # Top-N rerank
-        logits[rows, logits.argmax(-1)] += self.boost
-        return logits.unsqueeze(0)
+        top = logits.argmax(-1, keepdim=True)
+        return logits.scatter(-1, top, logits.gather(-1, top) + self.boost)
 
 
 class NoisyDraft(_DoubleBase):
@@ -94,8 +105,9 @@ class NoisyDraft(_DoubleBase):
         g = torch.Generator().manual_seed(seed)
         self.register_buffer("table", torch.randn(vocab_size, vocab_size, generator=g) * 3.0)
 
-    def _logits(self, ids, mask, input_ids, position_ids):
-        return (self.table[input_ids[0].long()] + 0.1 * position_ids.reshape(-1).float().view(-1, 1)).unsqueeze(0)
+    def _logits(self, ids, mask, input_ids, position_ids, first):
+        B, S = input_ids.shape
+        return self.table[input_ids.long()] + 0.1 * position_ids.float().reshape(-1, S, 1).expand(B, S, 1)
 
 
 class StretchDraft(OracleDraft):
@@ -110,11 +122,11 @@ class StretchDraft(OracleDraft):
         self.period = period
 
     @torch.no_grad()
-    def _logits(self, ids, mask, input_ids, position_ids):
-        logits = super()._logits(ids, mask, input_ids, position_ids)
-        hard = ((position_ids.reshape(-1) // self.period) % 2 == 1).view(-1, 1)
-        noisy = self.table[input_ids[0].long()]
-        return torch.where(hard, noisy, logits[0]).unsqueeze(0)
+    def _logits(self, ids, mask, input_ids, position_ids, first):
+        B, S = input_ids.shape
+        logits = super()._logits(ids, mask, input_ids, position_ids, first)
+        hard = ((position_ids.reshape(-1, S).expand(B, S) // self.period) % 2 == 1).unsqueeze(-1)
+        return torch.where(hard, self.table[input_ids.long()], logits)
 
 
 class ScriptDraft(_DoubleBase):
@@ -135,17 +147,15 @@ class ScriptDraft(_DoubleBase):
         self.script[: seq.shape[0]].copy_(seq.to(self.script.device))
         return self
 
-    def _logits(self, ids, mask, input_ids, position_ids):
-        p = position_ids.reshape(-1)
-        S, V = p.shape[0], self.vocab_size
-        right = self.script[(p + 2).clamp(max=self.script.shape[0] - 1)]
-        wrong = (right + 1) % V
-        miss = (p % self.miss_every) == (self.miss_every - 2)
-        logits = torch.zeros(S, V, device=p.device)
-        rows = torch.arange(S, device=p.device)
-        logits[rows, right] = torch.where(miss, self.boost / 2, self.boost)
-        logits[rows, wrong] = torch.where(miss, self.boost, 0.0)
-        return logits.unsqueeze(0)
+    def _logits(self, ids, mask, input_ids, position_ids, first):
+        B, S = input_ids.shape
+        p = position_ids.reshape(-1, S).expand(B, S)
+        right = self.script[(p + 2).clamp(max=self.script.shape[0] - 1)].unsqueeze(-1)
+        wrong = (right + 1) % self.vocab_size
+        miss = ((p % self.miss_every) == (self.miss_every - 2)).unsqueeze(-1)
+        logits = torch.zeros(B, S, self.vocab_size, device=p.device)
+        logits.scatter_(-1, right, torch.where(miss, self.boost / 2, self.boost))
+        return logits.scatter_(-1, wrong, torch.where(miss, self.boost, 0.0))
 
 
 class BatchScriptDraft(_DoubleBase):

@@ -554,7 +554,7 @@ class HeteroSpec:
                 ids = torch.cat([front[:, 1:], front[:, :1]], dim=1)
                 last = torch.tensor([n - 1 for n in lengths], dtype=torch.long, device=dev)
                 ids.scatter_(1, last.view(B, 1), st.root.view(B, 1))
-                dr.prime(taps, ids, last, prompt=ids_dev if B == 1 else None)
+                dr.prime(taps, ids, last, prompt=front)
                 clock.lap("draft_s")
             prefix_host = list(lengths)
             K = pol.top_k

@@ -101,7 +101,8 @@ class DraftState:
     def prime(self, taps, ids, last, prompt=None):
         """The draft's catch-up on whole prefixes from position 0 (after the target's prefill): ``taps``
         [B, S, 3H], ``ids`` [B, S] the token after each position, ``last`` [B] the row that expands each root;
-        a draft with ``begin_sequence`` is told the ``prompt`` ([1, S]: a request alone) first."""
+        a draft with ``begin_sequence`` is told the ``prompt`` first ([B, S]: each request's prompt from column 0,
+        then whatever fills the row; the tests' oracle draft reads it)."""
         if prompt is not None and hasattr(self.draft, "begin_sequence"):
             self.draft.begin_sequence(prompt)
         self.catch_up(taps, ids, torch.zeros_like(last), last)

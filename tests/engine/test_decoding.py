@@ -53,9 +53,17 @@ def test_greedy_output_equals_target_generate(target_and_refs, method, tmp_path)
     else:
         draft, policy = METHODS[method](model)
     hs = HeteroSpec(model, draft, policy)
+    if DEVICE.type == "cpu":
+        runs = [(ref, *hs.generate(p, max_new_tokens=NEW)) for p, ref in zip(ps, refs)]
+    else:
+        # On a GPU the 20 prompts go as one batch (a row decodes as its prompt alone: test_batch_decoding), and the
+        # first two alone too: a call of these tiny targets costs about the same there whatever its rows, and
+        # 20 x 24 single calls were three quarters of the engine phase's 9 minutes in the fourth window (H100).
+        outs, st = hs.generate([p[0] for p in ps], max_new_tokens=NEW)
+        runs = [(ref, o.view(1, -1), s) for ref, o, s in zip(refs, outs, st.per_row)]
+        runs += [(ref, *hs.generate(p, max_new_tokens=NEW)) for p, ref in zip(ps[:2], refs)]
     taus = []
-    for p, ref in zip(ps, refs):
-        seq, stats = hs.generate(p, max_new_tokens=NEW)
+    for ref, seq, stats in runs:
         assert seq.tolist() == ref.tolist(), f"{method}: output differs from target.generate"
         assert stats.new_tokens == NEW
         taus.append(stats.tau)
@@ -96,9 +104,19 @@ def test_heterospec_policy_bins_and_shapes():
 # ---- sampling ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("setting", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.2, 0, 0.8)])
+SETTINGS = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.2, 0, 0.8)]
+# The 2,000 draws of a setting: on the CPU one call per seed (the batch-1 path, as a user calls it); on a GPU 40
+# calls of 50 rows, row b of call c keyed with seed 50c + b.  A row draws exactly as its prompt alone with that
+# seed (checked below on the first call's rows, and by test_batch_decoding), and a call of this tiny target on a
+# GPU costs about the same whatever its rows: launch- and sync-bound, about 0.2 s, so 2,000 single calls took 7
+# of a 15-minute window's minutes on an H100.  The CPU runs the batched form too, for one setting.
+CHI2_CASES = ([(s, 1) for s in SETTINGS] + [(SETTINGS[0], 50)]) if DEVICE.type == "cpu" else [(s, 50) for s in SETTINGS]
+
+
+@pytest.mark.parametrize("setting, rows", [pytest.param(s, r, id=f"setting{SETTINGS.index(s)}-rows{r}")
+                                           for s, r in CHI2_CASES])
 @pytest.mark.parametrize("draft_kind", ["oracle", "noisy"])
-def test_sampling_matches_the_target_distribution(setting, draft_kind):
+def test_sampling_matches_the_target_distribution(setting, rows, draft_kind):
     """Two sampled tokens, 2,000 seeds: the joint distribution of (t1, t2) matches the exact target
     distribution p(t1) p(t2 | t1) by chi-square (cells with expected count < 5 merged)."""
     temperature, top_k, top_p = setting
@@ -116,10 +134,20 @@ def test_sampling_matches_the_target_distribution(setting, draft_kind):
         ]).cpu().numpy().ravel()
     counts = np.zeros(vocab * vocab)
     n = 2000
-    for seed in range(n):
-        seq, _ = hs.generate(prompt, max_new_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        a, b = seq[0, -2:].tolist()
-        counts[a * vocab + b] += 1
+    kw = dict(max_new_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p)
+    for call in range(n // rows):
+        if rows == 1:
+            seq, _ = hs.generate(prompt, seed=call, **kw)
+            pairs = [seq[0, -2:].tolist()]
+        else:
+            outs, _ = hs.generate([prompt[0]] * rows, seed=[call * rows + r for r in range(rows)], **kw)
+            pairs = [o[-2:].tolist() for o in outs]
+            if call == 0:   # a row draws as the prompt alone with its seed
+                for r in range(3):
+                    alone, _ = hs.generate(prompt, seed=r, **kw)
+                    assert alone[0, -2:].tolist() == pairs[r], r
+        for a, b in pairs:
+            counts[a * vocab + b] += 1
     assert counts[joint == 0].sum() == 0, "emitted a pair the warped target never emits"
     exp = joint / joint.sum() * counts.sum()   # sums to the observed total exactly, as chisquare checks
     keep = exp >= 5

@@ -164,9 +164,9 @@ class NaNDraft(OracleDraft):
         super().__init__(target)
         self.at, self.value, self.calls = at, value, 0
 
-    def _logits(self, ids, mask, input_ids, position_ids):
+    def _logits(self, ids, mask, input_ids, position_ids, first):
         self.calls += 1
-        out = super()._logits(ids, mask, input_ids, position_ids)
+        out = super()._logits(ids, mask, input_ids, position_ids, first)
         if self.calls >= self.at:
             out[..., 3] = self.value
         return out
