@@ -224,9 +224,6 @@ def restore_state(members, head_dir):
 
 # ---- the answers --------------------------------------------------------------------------------------------
 
-PROMPTS_FILE = "prompts.json.gz"   # the store's prompt list (heterospec.models.answers.PROMPTS)
-
-
 def window_wrote_prompts(store):
     """Whether the store's list holds prompts the target wrote for itself added by --add-prompts (a window's)."""
     from heterospec.models.answers import AnswerStore
@@ -262,21 +259,21 @@ def merge_answers(members, store):
     """Put an archive's answers (``answers/...``) into the store at ``store``: new shard files and later-turn
     stores are written, the main manifest gains their entries; a file already there must be equal.  Returns
     (new shards, new answer tokens)."""
-    from heterospec.models.answers import MANIFEST, AnswerStore
+    from heterospec.models.answers import MANIFEST, PROMPTS, AnswerStore, short_last_shard
 
     mine = AnswerStore.read_manifest(store)
     theirs = json.loads(members["answers/" + MANIFEST])
     # a window that grew the list (--add-prompts) carries a manifest whose earlier lists include ours
     grew = {"prompts": mine.get("prompts"), "prompts_sha256": mine.get("prompts_sha256")} in theirs.get("extended", [])
-    if grew and "answers/" + PROMPTS_FILE not in members:
-        raise ValueError(f"head_window: the window grew the prompt list but its archive lacks {PROMPTS_FILE}")
+    if grew and "answers/" + PROMPTS not in members:
+        raise ValueError(f"head_window: the window grew the prompt list but its archive lacks {PROMPTS}")
     for key in ("target", "dtype", "generation", "prompts", "prompts_sha256", "shard_size", "vocab_size"):
         if mine.get(key) != theirs.get(key) and not (grew and key in ("prompts", "prompts_sha256")):
             raise ValueError(f"head_window: the window's answers are for another store ({key}: {theirs.get(key)!r} "
                              f"there, {mine.get(key)!r} in {store})")
     if grew:
-        n, S = mine["prompts"], mine["shard_size"]
-        short = f"{n // S:05d}" if n % S else None   # the old list's short last shard: removed by the extension
+        k = short_last_shard(mine["prompts"], mine["shard_size"])   # removed by the extension
+        short = None if k is None else f"{k:05d}"
         if short in mine.get("shards", {}):   # the window's shard of that index, if any, comes in below
             del mine["shards"][short]
             os.remove(os.path.join(store, f"shard-{short}.npz"))
@@ -288,11 +285,11 @@ def merge_answers(members, store):
             continue
         rel = name[len("answers/"):]
         dst = os.path.join(store, rel)
-        if rel == PROMPTS_FILE:
+        if rel == PROMPTS:
             if os.path.exists(dst) and _file_sha(dst) == _sha(data):
                 continue
             if not grew:
-                raise ValueError(f"head_window: the window's {PROMPTS_FILE} differs but its manifest does not "
+                raise ValueError(f"head_window: the window's {PROMPTS} differs but its manifest does not "
                                  f"extend {store}'s list")
         elif os.path.exists(dst):
             with open(dst, "rb") as f:
@@ -301,7 +298,7 @@ def merge_answers(members, store):
                 continue
             if not rel.endswith("/" + MANIFEST):   # a later-turn store's manifest: the window's is the newer one
                 raise ValueError(f"head_window: {dst} differs from the window's copy; not overwritten")
-        if "/" not in rel and rel != PROMPTS_FILE:   # a main store's shard: its manifest entry must say this sha256
+        if "/" not in rel and rel != PROMPTS:   # a main store's shard: its manifest entry must say this sha256
             entry = theirs["shards"][rel[len("shard-"):-len(".npz")]]
             if entry["sha256"] != _sha(data):
                 raise ValueError(f"head_window: {rel} does not match the sha256 of the window's manifest")
@@ -349,7 +346,9 @@ def run(a):
     common = ["--target", a.target, "--device", a.device, "--answers", store, "--answer-dtype", a.answer_dtype,
               "--max-new-tokens", str(a.max_new_tokens), "--shard-size", str(a.shard_size), "--out", head]
     common += ["--no-chat-template"] if a.no_chat_template else []
-    listed = os.path.join(store, PROMPTS_FILE)
+    from heterospec.models.answers import MANIFEST, PROMPTS
+
+    listed = os.path.join(store, PROMPTS)
     prompts_before = _file_sha(listed) if os.path.exists(listed) else None
     t_collect = time.monotonic()
     if a.self_prompts > 0 and not window_wrote_prompts(store):
@@ -383,10 +382,8 @@ def run(a):
     tau = measure_head(a, head) if a.tau_limit > 0 else None
     t_pack = time.monotonic()
     members = state_members(head)
-    from heterospec.models.answers import MANIFEST
-
     if os.path.exists(listed) and _file_sha(listed) != prompts_before:   # the list grew in this window
-        fresh.append(PROMPTS_FILE)
+        fresh.append(PROMPTS)
     for rel in fresh:
         with open(os.path.join(store, rel), "rb") as f:
             members["answers/" + rel] = f.read()

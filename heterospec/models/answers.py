@@ -88,6 +88,12 @@ def answer(target, prompts, *, max_new_tokens, eos_token_id, batch_size=64, stat
     return out
 
 
+def short_last_shard(prompts, shard_size):
+    """The index of a list's last shard when it holds fewer than ``shard_size`` prompts (its range grows when the
+    list does), else None."""
+    return prompts // shard_size if prompts % shard_size else None
+
+
 def _write_prompts(directory, texts):
     """``prompts.json.gz``, the same bytes for the same texts (no time or name in the gzip header)."""
     with open(os.path.join(directory, PROMPTS + ".tmp"), "wb") as raw, \
@@ -158,11 +164,11 @@ class AnswerStore:
             raise ValueError(f"AnswerStore.extend: argument 'prompt_ids' expected a list beginning with the {n} "
                              f"prompts of {self.directory}, got {len(prompt_ids)} prompts that do not")
         removed = []
-        S = m["shard_size"]
-        if len(prompt_ids) > n and n % S and os.path.exists(self.shard_path(n // S)):
-            os.remove(self.shard_path(n // S))
-            m.get("shards", {}).pop(f"{n // S:05d}", None)
-            removed.append(n // S)
+        short = short_last_shard(n, m["shard_size"])
+        if len(prompt_ids) > n and short is not None and os.path.exists(self.shard_path(short)):
+            os.remove(self.shard_path(short))
+            m.get("shards", {}).pop(f"{short:05d}", None)
+            removed.append(short)
         if texts is not None:
             _write_prompts(self.directory, texts)
         if len(prompt_ids) > n:

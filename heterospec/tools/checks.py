@@ -268,10 +268,10 @@ def check_train_draft(args):
     _need(args.patience >= 0, "--patience", "an int >= 0", args.patience)
     _need(args.shard_size >= 1, "--shard-size", "an int >= 1", args.shard_size)
     # 0 with --collect-only --add-prompts: grow the list, answer nothing now
-    least = 0 if args.collect_only and getattr(args, "add_prompts", False) else 1
+    least = 0 if args.collect_only and args.add_prompts else 1
     _need(args.max_prompts is None or args.max_prompts >= least, "--max-prompts", f"an int >= {least}",
           args.max_prompts)
-    _need(not getattr(args, "add_prompts", False) or bool(args.answers), "--add-prompts",
+    _need(not args.add_prompts or bool(args.answers), "--add-prompts",
           "--answers (the store whose list grows)", "no --answers")
     _need(not args.collect_only or bool(args.records or args.answers), "--collect-only",
           "--answers (or --records) to collect into", "neither")

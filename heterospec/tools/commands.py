@@ -242,7 +242,7 @@ def _conversations(args, target, tokenizer):
     for d in args.data:
         if d.startswith(SELF):  # prompts the target writes for itself
             convs += [[t] for t in self_written_prompts(target, tokenizer, int(d[len(SELF):]), seed=args.seed,
-                                                        batch_size=max(16, getattr(args, "gen_batch_size", 16)))]
+                                                        batch_size=max(16, args.gen_batch_size))]
     guard = _guard(args)
     if guard.files:   # never a prompt that overlaps a benchmark question
         before = len(convs)
@@ -272,7 +272,7 @@ def collect_answers(args, target, tokenizer, progress, out, collect=True):
     if saved is not None:
         texts = saved["prompts"]
         later = saved.get("later_turns") or {}
-        if getattr(args, "add_prompts", False):
+        if args.add_prompts:
             grown = add_prompts(args, target, tokenizer, saved, out)
             texts, later = grown["prompts"], grown["later_turns"]
     else:

@@ -23,7 +23,7 @@ sys.path.insert(0, ROOT)
 from benchmarks import head_window as hw  # noqa: E402
 from _pairs import WORDS, save_tiny_pair  # noqa: E402
 
-from heterospec.models.answers import AnswerStore  # noqa: E402
+from heterospec.models.answers import PROMPTS, AnswerStore  # noqa: E402
 from heterospec.models.draft import Eagle3Draft  # noqa: E402
 
 
@@ -224,8 +224,8 @@ def test_merge_of_a_grown_list_replaces_the_old_short_last_shard(tmp_path):
     assert there.extend(ids, {"prompts": list("abcdefg")}) == [2]
     there.collect(model, ids)
     members = {"answers/" + f: open(theirs / f, "rb").read()
-               for f in ("manifest.json", hw.PROMPTS_FILE, "shard-00002.npz", "shard-00003.npz")}
-    without = {k: v for k, v in members.items() if not k.endswith(hw.PROMPTS_FILE)}
+               for f in ("manifest.json", PROMPTS, "shard-00002.npz", "shard-00003.npz")}
+    without = {k: v for k, v in members.items() if not k.endswith(PROMPTS)}
     with pytest.raises(ValueError, match="lacks prompts.json.gz"):
         hw.merge_answers(without, str(mine))
     assert hw.merge_answers(members, str(mine)) == (2, 4 * (2 + 1))
