@@ -48,32 +48,37 @@ SHAPES = {
         vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
         tie_word_embeddings=False)),
-    # the same code at a size the CPU test suite runs
+    # the same code at a size the CPU test suite runs (Llama-3.1's RoPE: its base and llama3 scaling)
     "tiny": dict(arch="llama", draft_vocab=96, config=dict(
         vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5, rope_theta=10000.0,
-        tie_word_embeddings=False)),
+        num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 256}, tie_word_embeddings=False)),
 }
 PAPER_TAU = {"HeteroSpec (paper, L3.1-8B)": 6.57, "EAGLE-3 (paper, L3.1-8B)": 6.31}
 PROJECTED_TAUS = (2, 3, 4, 5, 6, 7)
 EAGLE3 = (7, 10, 60)
 
 
-def target_config(shape):
+def target_config(shape, layers=None):
+    """The shape's config; ``layers``: that many decoder layers instead of the shape's (every width, the
+    vocabulary and the RoPE as the shape has them: the code path at full width on a machine that cannot hold
+    the whole model; its timings are not the shape's)."""
     import transformers
 
     s = SHAPES[shape]
     cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[s["arch"]]
-    return cls(**s["config"], attn_implementation="sdpa")
+    kw = dict(s["config"], **({"num_hidden_layers": layers} if layers else {}))
+    return cls(**kw, attn_implementation="sdpa")
 
 
-def build_target(shape, device, dtype, seed=0):
-    """transformers' own model class for ``shape``, its weights seeded random numbers made on ``device`` in
-    ``dtype`` (no files); no EOS, so every method runs its full budget."""
+def build_target(shape, device, dtype, seed=0, layers=None):
+    """transformers' own model class for ``shape`` (``layers``: see target_config), its weights seeded random
+    numbers made on ``device`` in ``dtype`` (no files); no EOS, so every method runs its full budget."""
     import torch
     import transformers
 
-    cfg = target_config(shape)
+    cfg = target_config(shape, layers)
     cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[SHAPES[shape]["arch"]]
     torch.manual_seed(seed)
     before = torch.get_default_dtype()
@@ -98,16 +103,12 @@ def build_head(model, shape, folder, seed=0):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from heterospec.models.draft import Eagle3Config, Eagle3Draft
+    from heterospec.models.draft import Eagle3Draft
+    from heterospec.models.train import draft_config_for
 
-    c = model.config
-    vd = SHAPES[shape]["draft_vocab"]
-    config = Eagle3Config(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                          num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                          head_dim=getattr(c, "head_dim", None), vocab_size=c.vocab_size, draft_vocab_size=vd,
-                          rms_norm_eps=c.rms_norm_eps, rope_theta=getattr(c, "rope_theta", 10000.0),
-                          rope_scaling=getattr(c, "rope_scaling", None) if SHAPES[shape]["config"].get("rope_scaling")
-                          else None, max_position_embeddings=c.max_position_embeddings)
+    # the target's RoPE base and scaling as the loader reads them (transformers 5 keeps them in rope_parameters)
+    config = draft_config_for(model, SHAPES[shape]["draft_vocab"])
+    vd, c = config.draft_vocab_size, model.config
     p = next(model.parameters())
     torch.manual_seed(seed)
     with torch.device(p.device):
@@ -136,7 +137,8 @@ def build_head(model, shape, folder, seed=0):
         got = back.state_dict()
         same = set(got) == set(want) and all(torch.equal(got[k].to(want[k].device), want[k]) for k in want)
         checked[name] = {"load_s": round(time.perf_counter() - t, 2), "equal": same,
-                         "bytes": os.path.getsize(os.path.join(path, "model.safetensors"))}
+                         "bytes": os.path.getsize(os.path.join(path, "model.safetensors")),
+                         "rope_theta": back.config.rope_theta, "rope_scaling": back.config.rope_scaling}
         loaded = back if loaded is None else loaded
     return loaded, checked
 
@@ -160,6 +162,12 @@ def weight_bytes(model):
     emb = model.get_input_embeddings().weight
     tied = emb is model.get_output_embeddings().weight
     return sum(p.numel() * p.element_size() for p in model.parameters() if tied or p is not emb)
+
+
+def head_bytes(head, model):
+    """The head's own parameter bytes: its token embedding is the target's (shared at load), not counted twice."""
+    shared = {p.data_ptr() for p in model.parameters()}
+    return sum(p.numel() * p.element_size() for p in head.parameters() if p.data_ptr() not in shared)
 
 
 def random_prompts(vocab, n, length, seed):
@@ -257,8 +265,14 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=8, help="the batch timed after batch 1 (0: none)")
     ap.add_argument("--cache-check", type=int, default=4096, help="positions of the batch-8 cache allocated (0: none)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers instead of the shape's, at least 7 (full width: the code path on a smaller machine; "
+                         "the timings are then not the shape's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.layers is not None and args.layers < 7:
+        ap.error(f"--layers: expected at least 7 decoder layers (the official head's taps [2, L//2, L-3] must be "
+                 f"distinct and ascending), got {args.layers}")
 
     import torch
 
@@ -271,7 +285,7 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype)
     cuda = dev.type == "cuda"
     t0 = time.perf_counter()
-    model = build_target(args.shape, dev, dtype, args.seed)
+    model = build_target(args.shape, dev, dtype, args.seed, args.layers)
     build_s = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as tmp:
         head, loaders = build_head(model, args.shape, tmp, args.seed)
@@ -306,7 +320,7 @@ def main(argv=None):
         total = torch.cuda.get_device_properties(dev).total_memory if cuda else None
         caches = {"positions": args.cache_check, "batch": 8, "target_bytes": tgt_bytes, "draft_bytes": draft_bytes,
                   "allocated_bytes": (after - before) if cuda else None, "weights_bytes": wbytes,
-                  "head_bytes": sum(p.numel() * p.element_size() for p in head.parameters()),
+                  "head_bytes": head_bytes(head, model),
                   "device_total_bytes": total}
         del adapter, dcache
 
@@ -332,7 +346,8 @@ def main(argv=None):
                       for t in PROJECTED_TAUS + tuple(PAPER_TAU.values())}
                   for m in ("eagle3", "heterospec")}
     result = {
-        "shape": args.shape, "config": SHAPES[args.shape]["config"], "draft_vocab": SHAPES[args.shape]["draft_vocab"],
+        "shape": args.shape, "layers": model.config.num_hidden_layers,
+        "shape_layers": SHAPES[args.shape]["config"]["num_hidden_layers"], "config": SHAPES[args.shape]["config"], "draft_vocab": SHAPES[args.shape]["draft_vocab"],
         "device": str(dev), "dtype": args.dtype, "machine": machine_info(args.device), "torch": torch.__version__,
         "build_s": build_s, "loaders": loaders, "prompts": args.prompts, "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "batch": args.batch, "cuda_graphs": cuda,
@@ -346,7 +361,10 @@ def main(argv=None):
         "ar_over_hf_static": runs["ar"][1]["tokens_per_s"] / hf_static,
         "peak_memory_bytes": peak, "caches": caches, "per_cycle": per_cycle,
         "projection": projection, "projection_note": "PROJECTED, not measured: tau / the measured cycle time, "
-                                                     "random weights (tau ~ 1 measured)",
+                                                     "random weights (tau ~ 1 measured)"
+                                                     + ("" if model.config.num_hidden_layers == SHAPES[args.shape]["config"]["num_hidden_layers"]
+                                                        else f"; {model.config.num_hidden_layers} decoder layers, not "
+                                                             f"the shape's: not a projection for the shape"),
         "paper_tau": PAPER_TAU,
     }
     text = markdown(result)
@@ -365,7 +383,13 @@ def _size(n):
 
 
 def markdown(r):
-    lines = [f"# Scale rehearsal: {r['shape']} ({r['dtype']}, {r['device']})", "",
+    cut = r["layers"] != r["shape_layers"]
+    lines = [f"# Scale rehearsal: {r['shape']} ({r['dtype']}, {r['device']})", ""]
+    if cut:
+        lines += [f"**{r['layers']} of the shape's {r['shape_layers']} decoder layers** (every width, the vocabulary "
+                  f"and the RoPE as the shape has them): this run checks the code path; its timings are not the "
+                  f"shape's.", ""]
+    lines += [
              f"{r['machine'].get('summary', r['device'])}; torch {r['torch']}; random weights made on the device in "
              f"{r['build_s']:.1f} s; {r['prompts']} prompts of {r['prompt_len']} random tokens, {r['new_tokens']} new "
              f"tokens, greedy, CUDA graphs {'on' if r['cuda_graphs'] else 'off'}; one run.", "",

@@ -49,6 +49,19 @@ def test_the_head_is_saved_in_both_layouts_and_loaded_back_equal(run):
     _, r, _ = run
     assert set(r["loaders"]) == {"safeailab", "vllm-speculators"}
     assert all(v["equal"] and v["bytes"] > 0 for v in r["loaders"].values())
+    # the head has the target's RoPE (transformers 5 keeps it in rope_parameters: reading config.rope_theta there
+    # found nothing and gave the head the default base 10000)
+    for v in r["loaders"].values():
+        assert v["rope_theta"] == 500000.0
+        assert v["rope_scaling"]["rope_type"] == "llama3" and v["rope_scaling"]["factor"] == 4.0
+    # the head's own bytes: its embedding is the target's, shared (not counted): fc, one layer, four norms, lm_head;
+    # d2t / t2d buffers are not parameters
+    c = scale_rehearsal.SHAPES["tiny"]["config"]
+    h, i = c["hidden_size"], c["intermediate_size"]
+    kv = c["num_key_value_heads"] * h // c["num_attention_heads"]
+    own = (3 * h * h + (2 * h) * h + 2 * (2 * h) * kv + h * h + 3 * h * i + 4 * h
+           + scale_rehearsal.SHAPES["tiny"]["draft_vocab"] * h)
+    assert r["caches"]["head_bytes"] == 4 * own
 
 
 def test_costs_floor_and_caches_are_reported(run):
@@ -80,3 +93,23 @@ def test_the_projection_is_labelled_and_follows_from_the_measured_cycle(run):
     rows = [line for line in projected.splitlines() if line.startswith("| eagle3") or line.startswith("| heterospec")]
     assert rows and all("(projected)" in line for line in rows)
     assert "6.57" in projected
+
+
+def test_fewer_layers_keep_every_width_and_say_so(run):
+    full = scale_rehearsal.target_config("llama-3.1-8b")
+    cut = scale_rehearsal.target_config("llama-3.1-8b", layers=7)
+    assert (full.num_hidden_layers, cut.num_hidden_layers) == (32, 7)
+    for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "rope_parameters"):
+        assert getattr(cut, k) == getattr(full, k), k
+    _, r, md = run
+    assert r["layers"] == r["shape_layers"] == 8 and "decoder layers**" not in md
+    assert "7 of the shape's 8 decoder layers" in scale_rehearsal.markdown(dict(r, layers=7))
+
+
+def test_too_few_layers_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        scale_rehearsal.main(["--shape", "tiny", "--device", "cpu", "--layers", "3"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--layers" in err and "at least 7" in err and "got 3" in err
