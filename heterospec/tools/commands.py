@@ -2,8 +2,10 @@
 :mod:`.bench`); :mod:`.cli` parses and dispatches, :mod:`.checks` checks the arguments first."""
 from __future__ import annotations
 
+import glob
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -294,6 +296,8 @@ def collect_answers(args, target, tokenizer, progress, out, collect=True):
         for k in store.extend(ids, grown):
             print(f"{args.answers}: shard {k} was the old list's short last shard; it is answered again with the "
                   f"prompts now in its range", file=out, flush=True)
+            for d in glob.glob(os.path.join(args.answers, LATER, f"shard-{k:05d}-turn-*")):
+                shutil.rmtree(d)   # its later turns were built on the answers just removed
     limit = args.max_prompts
     todo = [k for k in range(store.n_shards(limit)) if not os.path.exists(store.shard_path(k))] if collect else []
     print(f"{args.answers}: {len(store.present())} of {store.n_shards()} shards answered "
@@ -304,8 +308,9 @@ def collect_answers(args, target, tokenizer, progress, out, collect=True):
 
         answerer = copy.deepcopy(target).to(adtype)   # the target stays as loaded, for the features
 
-    def log(k, seconds, ntok):
-        print(f"shard {k}: {ntok} answer tokens in {seconds:.0f} s ({ntok / seconds:.1f} tokens/s, "
+    def log(k, seconds, ntok):   # k: a shard's index, or a later-turn store's name
+        name = f"shard {k}" if isinstance(k, int) else k
+        print(f"{name}: {ntok} answer tokens in {seconds:.0f} s ({ntok / seconds:.1f} tokens/s, "
               f"{answerer.dtype}, batch {args.gen_batch_size}, {torch.get_num_threads()} threads)", file=out, flush=True)
 
     # a list saved before the benchmark check (or by another version) is checked here: such a prompt is never
@@ -380,7 +385,12 @@ def later_turn_stores(args, answerer, tokenizer, store, texts, later, adtype, co
     it: for every answered shard of ``store`` and turn t = 2, 3, ..., a store of its own (``--answers``/
     later-turns/shard-NNNNN-turn-T, one shard) whose prompts are the conversations of that shard with a t-th turn,
     rendered with the chat template as [turn 1, answer 1, ..., turn t]; answered when ``collect``.  Returns the
-    stores there (answered or not)."""
+    stores there (answered or not).
+
+    An answered turn store records the sha256 of the answer shards its prompts were built from (``built_on``:
+    the first turns' shard, then each earlier turn's); while they are unchanged it is opened as it is, so a run
+    over answered shards decodes and renders nothing.  Otherwise (a store being answered, or one written
+    before the record) its prompts are rendered again from the answers and checked against its manifest."""
     from ..models.answers import AnswerStore
 
     if not later:
@@ -390,34 +400,78 @@ def later_turn_stores(args, answerer, tokenizer, store, texts, later, adtype, co
                   eos_token_id=tokenizer.eos_token_id, vocab_size=store.manifest["vocab_size"])
     stores = []
     for k in [k for k in store.present() if k < store.n_shards(args.max_prompts)]:
-        answers = {i: [tokenizer.decode(seq[start:], skip_special_tokens=True)] for i, seq, start in store.load_shard(k)}
-        turn = 2
+        chain = [store.manifest["shards"][f"{k:05d}"]["sha256"]]
+        mine, answers, turn = [], None, 2      # answers: {conversation: its answer texts}, decoded when needed
         while True:
-            convs = sorted(i for i, a in answers.items() if len(later.get(str(i), ())) >= turn - 1)
-            if not convs:
-                break
-            prompt_ids = [encode_turn(tokenizer, [texts[i]] + later[str(i)][:turn - 1], answers[i],
-                                      not args.no_chat_template).view(-1).numpy() for i in convs]
             d = os.path.join(base, f"shard-{k:05d}-turn-{turn}")
-            if not os.path.exists(os.path.join(d, "manifest.json")) and not collect:
-                break
-            s = AnswerStore.open(d, prompt_ids=prompt_ids, shard_size=max(1, len(convs)),
-                                 texts={"shard": k, "turn": turn, "conversations": convs,
-                                        "prompts": [later[str(i)][turn - 2] for i in convs]}, **common)
-            if collect and not s.present():
-                s.collect(answerer, prompt_ids, batch_size=args.gen_batch_size,
-                          keep=lambda j: prompt_ids[j].size <= args.max_prompt_tokens, log=log, deadline=args.deadline)
+            s = _answered_turn(d, chain, common)
+            if s is None:
+                if not os.path.exists(os.path.join(d, "manifest.json")) and not collect:
+                    break
+                if answers is None:
+                    answers = _turn_answers(tokenizer, store, k, mine)
+                convs = sorted(i for i, a in answers.items() if len(later.get(str(i), ())) >= turn - 1)
+                if not convs:
+                    break
+                prompt_ids = [encode_turn(tokenizer, [texts[i]] + later[str(i)][:turn - 1], answers[i],
+                                          not args.no_chat_template).view(-1).numpy() for i in convs]
+                s = AnswerStore.open(d, prompt_ids=prompt_ids, shard_size=max(1, len(convs)),
+                                     texts={"shard": k, "turn": turn, "conversations": convs,
+                                            "prompts": [later[str(i)][turn - 2] for i in convs]}, **common)
+                if collect and not s.present():
+                    s.collect(answerer, prompt_ids, batch_size=args.gen_batch_size,
+                              keep=lambda j: prompt_ids[j].size <= args.max_prompt_tokens, deadline=args.deadline,
+                              log=lambda _, seconds, ntok, d=d: log(os.path.relpath(d, args.answers), seconds, ntok))
+                if s.present():
+                    s.manifest["built_on"] = chain
+                    s._write_manifest()
             stores.append(s)
+            mine.append(s)
             if not s.present():
                 break
-            got = {convs[j]: tokenizer.decode(seq[start:], skip_special_tokens=True) for j, seq, start in s.load_shard(0)}
-            answers = {i: answers[i] + [got[i]] for i in convs if i in got}
+            if answers is not None:   # the conversations answered at this turn go on, with that answer
+                convs = AnswerStore.read_prompts(d)["conversations"]
+                got = {convs[j]: tokenizer.decode(seq[start:], skip_special_tokens=True)
+                       for j, seq, start in s.load_shard(0)}
+                answers = {i: answers[i] + [got[i]] for i in convs if i in got}
+            chain = chain + [s.manifest["shards"]["00000"]["sha256"]]
             turn += 1
     if stores:
         n = sum(s.manifest["prompts"] for s in stores)
         print(f"{args.answers}: {n} later turns of multi-turn prompts in {len(stores)} stores under {LATER}/ "
               f"({sum(s.answer_tokens() for s in stores)} answer tokens)", file=out, flush=True)
     return stores
+
+
+def _answered_turn(directory, built_on, common):
+    """The answered turn store in ``directory`` when it was built on exactly the answer shards ``built_on``
+    (sha256s) with these settings, else None."""
+    from ..models.answers import AnswerStore
+
+    path = os.path.join(directory, "manifest.json")
+    if not os.path.exists(path):
+        return None
+    m = AnswerStore.read_manifest(directory)
+    g = m.get("generation", {})
+    if (m.get("built_on") != built_on or m.get("target") != common["target"] or m.get("dtype") != common["dtype"]
+            or g.get("max_new_tokens") != common["max_new_tokens"] or g.get("eos_token_id") != common["eos_token_id"]
+            or "00000" not in m.get("shards", {})):
+        return None
+    s = AnswerStore(directory, m)
+    return s if s.present() == [0] else None
+
+
+def _turn_answers(tokenizer, store, k, earlier):
+    """{conversation: [answer text of turn 1, 2, ...]} for the conversations of ``store``'s shard ``k`` still
+    going after the turn stores ``earlier`` (turns 2, 3, ... of that shard, answered)."""
+    from ..models.answers import AnswerStore
+
+    answers = {i: [tokenizer.decode(seq[start:], skip_special_tokens=True)] for i, seq, start in store.load_shard(k)}
+    for s in earlier:
+        convs = AnswerStore.read_prompts(s.directory)["conversations"]
+        got = {convs[j]: tokenizer.decode(seq[start:], skip_special_tokens=True) for j, seq, start in s.load_shard(0)}
+        answers = {i: answers[i] + [got[i]] for i in convs if i in got}
+    return answers
 
 
 def answer_records(args, target, store, out, sub=None, limit="args"):

@@ -2,6 +2,7 @@
 by one teacher-forced forward (heterospec.models.train.teacher_forced / store_features), on a tiny random target;
 the CLI's --answers."""
 import json
+import os
 import subprocess
 import sys
 
@@ -258,6 +259,66 @@ def test_later_turns_are_answered_after_the_targets_own_earlier_answers(tmp_path
     assert meta["sequences"] == 3 + 3                            # three first turns, three later ones
 
 
+def test_answered_later_turns_are_reopened_without_rendering_unless_their_answers_changed(tmp_path, monkeypatch):
+    """A run over answered later turns (training's, or a window's second pass) opens each turn store by the
+    sha256s of the answers its prompts were built on: nothing decoded or rendered.  A store without that record
+    (written before it) is rendered and checked once, then recorded; a changed first-turn answer makes its turn
+    stores fail the check, as before."""
+    import io
+    import types
+
+    from _pairs import save_tiny_pair
+
+    from heterospec.tools import commands
+
+    _, tok = save_tiny_pair(tmp_path)
+    data = tmp_path / "conv.jsonl"
+    convs = [["w1 w2 w3", "w4 w5", "w6"], ["w7 w8"], ["w9 w10 w11", "w12 w13"]]
+    data.write_text("\n".join(json.dumps({"turns": c}) for c in convs))
+    ans = tmp_path / "answers"
+    res = subprocess.run([sys.executable, "-m", "heterospec", "train-draft", "--target", str(tmp_path / "target"),
+                          "--data", str(data), "--out", str(tmp_path / "o"), "--max-new-tokens", "6", "--answers",
+                          str(ans), "--shard-size", "2", "--device", "cpu", "--collect-only"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "later-turns/shard-" in res.stdout                      # each turn store's own line in the log
+    saved = am.AnswerStore.read_prompts(ans)
+    args = types.SimpleNamespace(answers=str(ans), max_new_tokens=6, max_prompts=None, no_chat_template=False,
+                                 gen_batch_size=4, max_prompt_tokens=1024, deadline=None)
+    rendered = []
+    real = commands.encode_turn
+    monkeypatch.setattr(commands, "encode_turn", lambda *a, **k: rendered.append(1) or real(*a, **k))
+
+    def stores():
+        store = am.AnswerStore(str(ans), am.AnswerStore.read_manifest(ans))
+        got = commands.later_turn_stores(args, None, tok, store, saved["prompts"], saved["later_turns"], None,
+                                         False, io.StringIO(), None)
+        return sorted(os.path.basename(s.directory) for s in got)
+
+    names = sorted(p.name for p in (ans / commands.LATER).iterdir())
+    assert any(n.endswith("turn-3") for n in names) and stores() == names and rendered == []
+    turn3 = next(n for n in names if n.endswith("turn-3"))
+    m = am.AnswerStore.read_manifest(ans / commands.LATER / turn3)
+    assert len(m["built_on"]) == 2                                 # the first turns' shard, then turn 2's
+    del m["built_on"]                                              # a store written before the record
+    (ans / commands.LATER / turn3 / "manifest.json").write_text(json.dumps(m))
+    assert stores() == names and len(rendered) == 1                # its one prompt rendered and checked
+    assert "built_on" in am.AnswerStore.read_manifest(ans / commands.LATER / turn3)
+    rendered.clear()
+    assert stores() == names and rendered == []
+    # a first-turn answer changes: the turn stores built on it no longer match their prompts
+    store = am.AnswerStore(str(ans), am.AnswerStore.read_manifest(ans))
+    k = int(turn3[6:11])
+    rows = store.load_shard(k)
+    seqs = [ids.numpy().copy() for _, ids, _ in rows]
+    seqs[0][-1] = (seqs[0][-1] + 1) % 97
+    store._save(k, [i for i, _, _ in rows], seqs, [st for _, _, st in rows])
+    store.manifest["shards"][f"{k:05d}"]["sha256"] = am.file_sha256(store.shard_path(k))
+    store._write_manifest()
+    with pytest.raises(ValueError, match="holds answers for other prompts"):
+        stores()
+
+
 def test_a_store_grows_its_prompt_list_and_keeps_its_answered_shards(tmp_path):
     """extend(): the new list must begin with the old; the answered shards keep their ranges and stay valid,
     except the old list's short last shard (its range now holds more prompts), which is removed and answered
@@ -350,3 +411,14 @@ def test_add_prompts_gives_a_first_turn_list_its_later_turns_and_appends_new_con
     more.write_text(json.dumps({"turns": ["w7 w8", "w17"]}))
     assert "1 conversations' later turns left out" in run(more, "--add-prompts")
     assert str(i) not in am.AnswerStore.read_prompts(ans)["later_turns"]
+    # the old list's short last shard is answered again when the list grows, and its later turns with it (they
+    # were built on the answers removed)
+    (tmp_path / "a.jsonl").write_text(json.dumps({"turns": ["w18", "w19"]}))
+    run(tmp_path / "a.jsonl", "--add-prompts")                 # 5 prompts: shard 2 holds one, with a later turn
+    d2 = ans / LATER / "shard-00002-turn-2"
+    assert am.AnswerStore.read_manifest(d2)["prompts"] == 1
+    (tmp_path / "b.jsonl").write_text(json.dumps({"turns": ["w20", "w21"]}))
+    assert "shard 2 was the old list's short last shard" in run(tmp_path / "b.jsonl", "--add-prompts")
+    m2 = am.AnswerStore.read_manifest(d2)
+    assert m2["prompts"] == 2
+    assert m2["built_on"] == [am.AnswerStore.read_manifest(ans)["shards"]["00002"]["sha256"]]
