@@ -856,13 +856,12 @@ def graphs_numbers(pdir):
 
 
 def scale_numbers(pdir):
-    text = ""
     try:
         with open(os.path.join(pdir, "scale", "scale.md")) as f:
-            text = f.read()
-    except OSError:
-        return []
-    return text.splitlines()[2:]
+            return f.read().splitlines()[2:]
+    except OSError:   # a run cut short: the stages it finished (progress.json)
+        r = _load(os.path.join(pdir, "scale", "progress.json"))
+        return [f"stopped early; finished: {x['stage']} at {x['at_s']} s" for x in (r or {}).get("stages", [])]
 
 
 def head_numbers(pdir):

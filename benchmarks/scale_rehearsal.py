@@ -177,9 +177,10 @@ def random_prompts(vocab, n, length, seed):
     return [torch.randint(0, vocab, (1, length), generator=g) for _ in range(n)]
 
 
-def run_methods(model, head, prompts, new_tokens, graphs, batch, thresholds):
+def run_methods(model, head, prompts, new_tokens, graphs, batch, thresholds, progress=None):
     """{method: {batch: row}}: tokens/s, cycles, tau, the greedy ids; batch 1 over ``prompts`` one by one, then
-    one batched call over ``batch`` prompts (0: none)."""
+    one batched call over ``batch`` prompts (0: none).  ``progress(name, rows)`` hears of each method when it is
+    done (its rows hold the warm-up's seconds too: capture, and transformers' compile for hf-static)."""
     import torch
 
     import heterospec
@@ -203,7 +204,10 @@ def run_methods(model, head, prompts, new_tokens, graphs, batch, thresholds):
         try:
             warm = prompts[0].to(dev)
             kw = {"cache_len": warm.shape[1] + new_tokens} if is_hf else {}
+            t = time.perf_counter()
             eng.generate(warm, max_new_tokens=new_tokens, eos_token_id=[], **kw)   # warm-up (and capture)
+            heterospec.measure.synchronize(dev)
+            warm_s = time.perf_counter() - t
             ids, toks, secs, cycles, committed, idle, graph = [], 0, 0.0, 0, 0, 0.0, 0.0
             for p in prompts:
                 p = p.to(dev)
@@ -221,9 +225,11 @@ def run_methods(model, head, prompts, new_tokens, graphs, batch, thresholds):
             rows[1] = {"tokens_per_s": toks / secs, "seconds": secs, "tokens": toks, "cycles": cycles,
                        "tau": committed / cycles if cycles else None,
                        "cycle_ms": 1e3 * secs / cycles if cycles else None,
-                       "idle_ms_per_cycle": 1e3 * idle / cycles if cycles else None, "ids": ids}
+                       "idle_ms_per_cycle": 1e3 * idle / cycles if cycles else None, "warmup_s": warm_s,
+                       "ids": ids}
             if batch:
                 many = [prompts[i % len(prompts)][0] for i in range(batch)]
+                t = time.perf_counter()
                 if is_hf:
                     S = max(x.shape[0] for x in many)
                     ids_b = torch.stack([torch.nn.functional.pad(x, (S - x.shape[0], 0)) for x in many]).to(dev)
@@ -232,6 +238,7 @@ def run_methods(model, head, prompts, new_tokens, graphs, batch, thresholds):
                     eng.generate(ids_b, max_new_tokens=new_tokens, eos_token_id=[], attention_mask=mask,
                                  cache_len=S + new_tokens)
                     heterospec.measure.synchronize(dev)
+                    warm_b = time.perf_counter() - t
                     t = time.perf_counter()
                     new, st = eng.generate(ids_b, max_new_tokens=new_tokens, eos_token_id=[], attention_mask=mask)
                     heterospec.measure.synchronize(dev)
@@ -240,17 +247,20 @@ def run_methods(model, head, prompts, new_tokens, graphs, batch, thresholds):
                     many = [x.to(dev) for x in many]
                     eng.generate(many, max_new_tokens=new_tokens, eos_token_id=[])
                     heterospec.measure.synchronize(dev)
+                    warm_b = time.perf_counter() - t
                     t = time.perf_counter()
                     seqs, st = eng.generate(many, max_new_tokens=new_tokens, eos_token_id=[])
                     heterospec.measure.synchronize(dev)
                     secs_b = time.perf_counter() - t - getattr(st, "capture_s", 0.0)
                     got = [s[x.shape[0]:].tolist() for s, x in zip(seqs, many)]
                 rows[batch] = {"tokens_per_s": sum(len(x) for x in got) / secs_b, "seconds": secs_b,
-                               "tokens": sum(len(x) for x in got), "ids": got}
+                               "tokens": sum(len(x) for x in got), "warmup_s": warm_b, "ids": got}
         finally:
             if not is_hf:
                 eng.close()
         out[name] = rows
+        if progress is not None:
+            progress(name, {B: {k: v for k, v in r.items() if k != "ids"} for B, r in rows.items()})
     return out
 
 
@@ -284,24 +294,45 @@ def main(argv=None):
     dev = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     cuda = dev.type == "cuda"
+    started = time.perf_counter()
+    done = []
+
+    def stage(name, **info):
+        """One line per finished stage on stderr, and ``--out``/progress.json rewritten: what a run that is
+        killed (a window's phase limit) leaves behind."""
+        done.append({"stage": name, "at_s": round(time.perf_counter() - started, 1), **info})
+        print(f"[scale] {done[-1]['at_s']:7.1f} s  {name}: " + json.dumps(info, default=str), file=sys.stderr,
+              flush=True)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "progress.json"), "w") as f:
+                json.dump({"shape": args.shape, "device": str(dev), "dtype": args.dtype, "stages": done}, f,
+                          indent=1, default=str)
+
     t0 = time.perf_counter()
     model = build_target(args.shape, dev, dtype, args.seed, args.layers)
     build_s = time.perf_counter() - t0
+    stage("build", seconds=round(build_s, 1), layers=model.config.num_hidden_layers,
+          weight_bytes=weight_bytes(model))
     with tempfile.TemporaryDirectory() as tmp:
         head, loaders = build_head(model, args.shape, tmp, args.seed)
+    stage("head", loaders=loaders)
     thresholds = heterospec.default_policy("cuda").thresholds or (1.0, 2.0, 3.0)
     wbytes = weight_bytes(model)
     bandwidth = copy_bandwidth(dev, min(1 << 30, max(1 << 24, wbytes // 4)))
     prompts = random_prompts(model.config.vocab_size, args.prompts, args.prompt_len, args.seed + 1)
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
-    runs = run_methods(model, head, prompts, args.new_tokens, cuda, args.batch, thresholds)
+    stage("bandwidth", copy_bandwidth_Bps=bandwidth)
+    runs = run_methods(model, head, prompts, args.new_tokens, cuda, args.batch, thresholds,
+                       progress=lambda name, rows: stage(name, rows=rows))
     peak = torch.cuda.max_memory_allocated(dev) if cuda else None
     # the cost model the calibration fits, here: verify over n tree tokens, the draft's levels
     ctx = args.prompt_len + args.new_tokens // 2
     cost = profile_costs(model, head, tree_tokens=(1, 8, 16, 32, 60), contexts=(ctx,), beams=(1, 10),
                          levels=(1, 7), reps=3, graphs=cuda, overhead_tokens=0)
     a, b, c, d = cost.verify
+    stage("cost model", verify=cost.verify)
 
     def verify_s(nodes):
         return a + b * nodes + c * ctx + d * nodes * ctx
@@ -396,13 +427,13 @@ def markdown(r):
              "Head loaders: " + "; ".join(f"{k} {'equal' if v['equal'] else 'DIFFERENT'} ({v['load_s']} s)"
                                           for k, v in r["loaders"].items()), "",
              "## Measured", "", "| method | batch | tokens/s | x hf-static | cycle ms | tau (random weights) | "
-             "= ar |", "|---|---:|---:|---:|---:|---:|---|"]
+             "= ar | warm-up s (capture, compile) |", "|---|---:|---:|---:|---:|---:|---|---:|"]
     base = r["methods"]["hf-static"]["1"]["tokens_per_s"]
     for m, rows in r["methods"].items():
         for B, x in rows.items():
             cyc = "-" if x.get("cycle_ms") is None else f"{x['cycle_ms']:.2f}"
             lines.append(f"| {m} | {B} | {x['tokens_per_s']:.1f} | {x['tokens_per_s'] / base:.2f}x | {cyc} | {'-' if x.get('tau') is None else round(x['tau'], 2)} | "
-                         f"{'yes' if r['same_as_ar'][m][B] else 'no'} |")
+                         f"{'yes' if r['same_as_ar'][m][B] else 'no'} | {x['warmup_s']:.1f} |")
     lines += ["", f"`ar` step {r['ar_step_ms']:.2f} ms against the memory floor {r['memory_floor_ms']:.2f} ms "
                   f"({_size(r['weight_bytes'])} of weights at {r['copy_bandwidth_Bps'] / 1e9:.0f} GB/s copy "
                   f"bandwidth): {r['ar_over_floor']:.2f}x the floor; `ar` {r['ar_over_hf_static']:.2f}x hf-static.",

@@ -388,6 +388,17 @@ def test_kernel_numbers_read_the_cycle_and_verify_sample(tmp_path):
     assert "| verify_sample in a graph | 31.5 µs | ≤ 20 µs | NO |" in text
 
 
+def test_scale_numbers_fall_back_to_the_stages_a_killed_run_finished(tmp_path):
+    (tmp_path / "scale").mkdir()
+    assert phases.scale_numbers(str(tmp_path)) == []
+    (tmp_path / "scale" / "progress.json").write_text(json.dumps(
+        {"stages": [{"stage": "build", "at_s": 9.5}, {"stage": "hf", "at_s": 40.0, "rows": {}}]}))
+    assert phases.scale_numbers(str(tmp_path)) == ["stopped early; finished: build at 9.5 s",
+                                                   "stopped early; finished: hf at 40.0 s"]
+    (tmp_path / "scale" / "scale.md").write_text("# Scale rehearsal\n\nline one\nline two")
+    assert phases.scale_numbers(str(tmp_path)) == ["line one", "line two"]
+
+
 def test_a_summary_survives_unreadable_numbers(tmp_path):
     (tmp_path / "status.json").write_text(json.dumps({"phase": "bench", "state": "pass", "steps": []}))
     (tmp_path / "bench").mkdir()

@@ -30,6 +30,8 @@ def run(tmp_path_factory):
         r = json.load(f)
     with open(out / "scale.md") as f:
         md = f.read()
+    with open(out / "progress.json") as f:
+        r["_progress"] = json.load(f)
     return rc, r, md
 
 
@@ -43,6 +45,21 @@ def test_the_tiny_rehearsal_runs_every_method_and_is_lossless(run):
     assert r["enforced"] and all(all(v.values()) for v in r["same_as_ar"].values())
     # random weights accept no draft token: the prefill's token, then one per cycle
     assert r["methods"]["eagle3"]["1"]["cycles"] == 11 and r["methods"]["eagle3"]["1"]["tau"] == 1.0
+
+
+def test_every_stage_is_reported_as_it_finishes(run):
+    """A window's phase limit can kill the run: progress.json holds every stage it finished, each method with
+    its warm-up (capture, compile) seconds, and the phase's numbers fall back to it."""
+    _, r, md = run
+    p = r["_progress"]
+    stages = [x["stage"] for x in p["stages"]]
+    assert stages == ["build", "head", "bandwidth", "hf", "hf-static", "ar", "eagle3", "heterospec", "cost model"]
+    assert all(x["at_s"] >= 0 for x in p["stages"])
+    at = [x["at_s"] for x in p["stages"]]
+    assert at == sorted(at)
+    for x in p["stages"][3:8]:
+        assert set(x["rows"]) == {"1", "2"} and all(row["warmup_s"] > 0 for row in x["rows"].values())
+    assert "warm-up s" in md
 
 
 def test_the_head_is_saved_in_both_layouts_and_loaded_back_equal(run):
