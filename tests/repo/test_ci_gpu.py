@@ -78,7 +78,7 @@ def test_the_engine_tests_are_split_so_each_phase_fits_a_call():
         ks[name] = re.search(r"-k '([^']*)'", step.cmd).group(1)
     names = ["test_sampling_matches_the_target_distribution[oracle-setting0-rows50]",
              "test_sampling_matches_the_target_distribution[noisy-setting2-rows50]",
-             "test_greedy_output_equals_target_generate[qwen3-eagle3-head]", "test_no_host_transfer_in_the_cycle",
+             "test_greedy_output_equals_target_generate[qwen3-eagle3-head-batched]", "test_no_host_transfer_in_the_cycle",
              "test_each_row_equals_its_prompt_alone[heterospec-qwen2]"]
 
     def selects(expr, test):   # pytest's -k: each word is a substring match; and / or / not as in Python
