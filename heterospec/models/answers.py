@@ -235,19 +235,70 @@ class AnswerStore:
             inner = None if progress is None else (lambda i, n, k=k: progress(k, i, n))
             ans = answer(target, [prompt_ids[i] for i in which], max_new_tokens=gen["max_new_tokens"],
                          eos_token_id=gen["eos_token_id"], batch_size=batch_size, progress=inner)
-            seqs = [np.concatenate([np.asarray(prompt_ids[i]).reshape(-1), a]) for i, a in zip(which, ans)]
-            starts = [int(np.asarray(prompt_ids[i]).size) for i in which]
-            self._save(k, which, seqs, starts)
             seconds = last = time.perf_counter() - t0
-            ntok = int(sum(a.size for a in ans))
-            m["shards"][f"{k:05d}"] = {"sha256": file_sha256(self.shard_path(k)), "sequences": len(which),
-                                       "answer_tokens": ntok, "seconds": round(seconds, 1),
-                                       "device": next(target.parameters()).device.type}
-            self._write_manifest()
+            ntok = self._record(k, which, prompt_ids, ans, seconds, next(target.parameters()).device.type)
             written.append(k)
             if log is not None:
                 log(k, seconds, ntok)
         return written
+
+    def _record(self, k, which, prompt_ids, answers, seconds, device):
+        """Shard ``k`` written with ``answers`` to prompts ``which`` of ``prompt_ids``, and entered in the
+        manifest; returns its answer tokens."""
+        seqs = [np.concatenate([np.asarray(prompt_ids[i]).reshape(-1), a]) for i, a in zip(which, answers)]
+        starts = [int(np.asarray(prompt_ids[i]).size) for i in which]
+        self._save(k, which, seqs, starts)
+        ntok = int(sum(a.size for a in answers))
+        self.manifest["shards"][f"{k:05d}"] = {"sha256": file_sha256(self.shard_path(k)), "sequences": len(which),
+                                               "answer_tokens": ntok, "seconds": round(seconds, 1), "device": device}
+        self._write_manifest()
+        return ntok
+
+    @staticmethod
+    def collect_together(target, jobs, *, batch_size=64, group=None, deadline=None, log=None):
+        """Answer the one-shard stores of ``jobs`` ([(store, prompt_ids, keep)], ``keep(i)`` as in ``collect``)
+        together: a group of stores holding about ``group`` prompts (default 4 x ``batch_size``) goes to the
+        target as one list, sorted by length and batched, so stores of a few prompts each (a conversation's late
+        turns) share batches instead of each running at a batch of one or two.  Each store's shard is saved as
+        its group ends; a group's seconds are shared among its stores by answer tokens.  ``deadline``: no group
+        is started that the last one's time says would end past it.  ``log(stores, seconds, answer_tokens)``
+        hears of each group.  Returns the stores answered."""
+        group = group or 4 * batch_size
+        done, last, i = [], 0.0, 0
+        while i < len(jobs):
+            if deadline is not None and time.monotonic() + last > deadline:
+                break
+            part, n = [], 0
+            while i < len(jobs) and (not part or n < group):
+                store, ids, keep = jobs[i]
+                m = store.manifest
+                if m["shard_size"] < m["prompts"]:
+                    raise ValueError(f"AnswerStore.collect_together: argument 'jobs' expected stores of one shard, "
+                                     f"got {store.directory} with {m['prompts']} prompts in shards of {m['shard_size']}")
+                which = [j for j in range(len(ids)) if keep is None or keep(j)]
+                part.append((store, ids, which))
+                n += len(which)
+                i += 1
+            gen = part[0][0].manifest["generation"]
+            if any(s.manifest["generation"] != gen for s, _, _ in part):
+                raise ValueError("AnswerStore.collect_together: argument 'jobs' expected stores with the same "
+                                 "generation settings, got several")
+            t0 = time.perf_counter()
+            ans = answer(target, [ids[j] for _, ids, which in part for j in which],
+                         max_new_tokens=gen["max_new_tokens"], eos_token_id=gen["eos_token_id"],
+                         batch_size=batch_size)
+            last = time.perf_counter() - t0
+            total = max(1, sum(a.size for a in ans))
+            device = next(target.parameters()).device.type
+            at = 0
+            for store, ids, which in part:
+                mine = ans[at: at + len(which)]
+                at += len(which)
+                store._record(0, which, ids, mine, last * sum(a.size for a in mine) / total, device)
+                done.append(store)
+            if log is not None:
+                log(part, last, int(sum(a.size for a in ans)))
+        return done
 
     def _save(self, k, which, seqs, starts):
         dt = _token_dtype(self.manifest.get("vocab_size") or 2**31)

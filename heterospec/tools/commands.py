@@ -385,9 +385,14 @@ def later_turn_stores(args, answerer, tokenizer, store, texts, later, adtype, co
     it: for every answered shard of ``store`` and turn t = 2, 3, ..., a store of its own (``--answers``/
     later-turns/shard-NNNNN-turn-T, one shard) whose prompts are the conversations of that shard with a t-th turn,
     rendered with the chat template as [turn 1, answer 1, ..., turn t]; answered when ``collect``.  Returns the
-    stores there (answered or not).
+    stores there (answered or not), by shard and turn.
 
-    An answered turn store records the sha256 of the answer shards its prompts were built from (``built_on``:
+    Turn by turn: every shard's turn-t store is made before any turn t+1, and the stores still to answer at a
+    turn are answered together (``AnswerStore.collect_together``): a shard's late turns hold a few conversations
+    each, which alone would run at a batch of one or two (1,744 stores for the committed list's 109 shards, 944
+    of them under 8 prompts).
+
+    An answered turn store records the sha256s of the answer shards its prompts were built from (``built_on``:
     the first turns' shard, then each earlier turn's); while they are unchanged it is opened as it is, so a run
     over answered shards decodes and renders nothing.  Otherwise (a store being answered, or one written
     before the record) its prompts are rendered again from the answers and checked against its manifest."""
@@ -398,44 +403,57 @@ def later_turn_stores(args, answerer, tokenizer, store, texts, later, adtype, co
     base = os.path.join(args.answers, LATER)
     common = dict(target=store.manifest["target"], dtype=store.manifest["dtype"], max_new_tokens=args.max_new_tokens,
                   eos_token_id=tokenizer.eos_token_id, vocab_size=store.manifest["vocab_size"])
-    stores = []
-    for k in [k for k in store.present() if k < store.n_shards(args.max_prompts)]:
-        chain = [store.manifest["shards"][f"{k:05d}"]["sha256"]]
-        mine, answers, turn = [], None, 2      # answers: {conversation: its answer texts}, decoded when needed
-        while True:
+    # per shard still going: the sha256s its next turn is built on, its turn stores, its answers (decoded when needed)
+    going = {k: {"chain": [store.manifest["shards"][f"{k:05d}"]["sha256"]], "mine": [], "answers": None}
+             for k in store.present() if k < store.n_shards(args.max_prompts)}
+    made = {k: [] for k in going}   # every shard's turn stores, answered or not
+    turn = 2
+    while going:
+        now, jobs = {}, []
+        for k, g in going.items():
             d = os.path.join(base, f"shard-{k:05d}-turn-{turn}")
-            s = _answered_turn(d, chain, common)
+            s = _answered_turn(d, g["chain"], common)
             if s is None:
                 if not os.path.exists(os.path.join(d, "manifest.json")) and not collect:
-                    break
-                if answers is None:
-                    answers = _turn_answers(tokenizer, store, k, mine)
-                convs = sorted(i for i, a in answers.items() if len(later.get(str(i), ())) >= turn - 1)
+                    continue
+                if g["answers"] is None:
+                    g["answers"] = _turn_answers(tokenizer, store, k, g["mine"])
+                convs = sorted(i for i in g["answers"] if len(later.get(str(i), ())) >= turn - 1)
                 if not convs:
-                    break
-                prompt_ids = [encode_turn(tokenizer, [texts[i]] + later[str(i)][:turn - 1], answers[i],
+                    continue
+                prompt_ids = [encode_turn(tokenizer, [texts[i]] + later[str(i)][:turn - 1], g["answers"][i],
                                           not args.no_chat_template).view(-1).numpy() for i in convs]
                 s = AnswerStore.open(d, prompt_ids=prompt_ids, shard_size=max(1, len(convs)),
                                      texts={"shard": k, "turn": turn, "conversations": convs,
                                             "prompts": [later[str(i)][turn - 2] for i in convs]}, **common)
                 if collect and not s.present():
-                    s.collect(answerer, prompt_ids, batch_size=args.gen_batch_size,
-                              keep=lambda j: prompt_ids[j].size <= args.max_prompt_tokens, deadline=args.deadline,
-                              log=lambda _, seconds, ntok, d=d: log(os.path.relpath(d, args.answers), seconds, ntok))
-                if s.present():
-                    s.manifest["built_on"] = chain
-                    s._write_manifest()
-            stores.append(s)
-            mine.append(s)
+                    jobs.append((s, prompt_ids, lambda j, p=prompt_ids: p[j].size <= args.max_prompt_tokens))
+            now[k] = s
+        if jobs:
+            AnswerStore.collect_together(
+                answerer, jobs, batch_size=args.gen_batch_size, deadline=args.deadline,
+                log=lambda part, seconds, ntok, t=turn: log(f"{LATER} turn {t} ({len(part)} stores, "
+                                                          f"{sum(x[0].manifest['prompts'] for x in part)} prompts)",
+                                                          seconds, ntok))
+        going = {k: going[k] for k in now}
+        for k, s in now.items():
+            g = going[k]
+            g["mine"].append(s)
+            made[k].append(s)
             if not s.present():
-                break
-            if answers is not None:   # the conversations answered at this turn go on, with that answer
-                convs = AnswerStore.read_prompts(d)["conversations"]
+                del going[k]
+                continue
+            if s.manifest.get("built_on") != g["chain"]:
+                s.manifest["built_on"] = g["chain"]
+                s._write_manifest()
+            if g["answers"] is not None:   # the conversations answered at this turn go on, with that answer
+                convs = AnswerStore.read_prompts(s.directory)["conversations"]
                 got = {convs[j]: tokenizer.decode(seq[start:], skip_special_tokens=True)
                        for j, seq, start in s.load_shard(0)}
-                answers = {i: answers[i] + [got[i]] for i in convs if i in got}
-            chain = chain + [s.manifest["shards"]["00000"]["sha256"]]
-            turn += 1
+                g["answers"] = {i: g["answers"][i] + [got[i]] for i in convs if i in got}
+            g["chain"] = g["chain"] + [s.manifest["shards"]["00000"]["sha256"]]
+        turn += 1
+    stores = [s for k in sorted(made) for s in made[k]]
     if stores:
         n = sum(s.manifest["prompts"] for s in stores)
         print(f"{args.answers}: {n} later turns of multi-turn prompts in {len(stores)} stores under {LATER}/ "

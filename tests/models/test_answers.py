@@ -259,9 +259,51 @@ def test_later_turns_are_answered_after_the_targets_own_earlier_answers(tmp_path
     assert meta["sequences"] == 3 + 3                            # three first turns, three later ones
 
 
+def test_stores_answered_together_hold_what_each_would_alone(tmp_path, monkeypatch):
+    """collect_together: one-shard stores share the target's batches (a group of about `group` prompts goes as
+    one sorted list); each store's shard holds exactly the answers it would get alone, its kept prompts only, and
+    its manifest entry; a past deadline starts nothing; a store of several shards is refused."""
+    model = tiny_target("llama")
+    ps = prompts(9)
+    sizes = [1, 3, 2, 1, 2]                                       # five stores, 9 prompts
+    jobs, at = [], 0
+    for n, size in enumerate(sizes):
+        mine = ps[at: at + size]
+        at += size
+        store = _open(tmp_path / f"s{n}", mine, shard_size=size)
+        keep = (lambda j: j != 1) if n == 1 else None                # the second store leaves its prompt 1 out
+        jobs.append((store, _ids(mine), keep))
+    with pytest.raises(ValueError, match="one shard"):
+        am.AnswerStore.collect_together(model, [(_open(tmp_path / "x", ps[:3]), _ids(ps[:3]), None)])
+    assert am.AnswerStore.collect_together(model, jobs, deadline=0.0) == []     # monotonic() is past 0
+    assert all(s.present() == [] for s, _, _ in jobs)
+    calls, logged = [], []
+    real = am.answer
+    monkeypatch.setattr(am, "answer", lambda m, p, **k: calls.append(len(p)) or real(m, p, **k))
+    done = am.AnswerStore.collect_together(model, jobs, batch_size=2, group=4,
+                                           log=lambda part, sec, ntok: logged.append((len(part), ntok)))
+    assert done == [s for s, _, _ in jobs]
+    # a group takes stores until it holds at least 4 kept prompts: stores 0-2 (1 + 2 + 2), then 3-4 (1 + 2)
+    assert calls == [5, 3] and [n for n, _ in logged] == [3, 2]
+    at = 0
+    for n, (store, ids, keep) in enumerate(jobs):
+        mine = ps[at: at + sizes[n]]
+        at += sizes[n]
+        rows = store.load_shard(0)
+        assert [i for i, _, _ in rows] == [j for j in range(sizes[n]) if keep is None or keep(j)]
+        for i, seq, start in rows:
+            assert start == mine[i].shape[1]
+            assert torch.equal(seq, reference_greedy(model, mine[i], new=6)[0])
+        entry = am.AnswerStore.read_manifest(store.directory)["shards"]["00000"]
+        assert entry["sequences"] == len(rows) and entry["answer_tokens"] == sum(x.numel() - st for _, x, st in rows)
+        assert entry["sha256"] == am.file_sha256(store.shard_path(0))
+    assert sum(ntok for _, ntok in logged) == sum(s.answer_tokens() for s in done)
+
+
 def test_answered_later_turns_are_reopened_without_rendering_unless_their_answers_changed(tmp_path, monkeypatch):
-    """A run over answered later turns (training's, or a window's second pass) opens each turn store by the
-    sha256s of the answers its prompts were built on: nothing decoded or rendered.  A store without that record
+    """Later turns are answered turn by turn, every shard's turn t together.  A run over answered later turns
+    (training's, or a window's second pass) opens each turn store by the sha256s of the answers its prompts were
+    built on: nothing decoded or rendered.  A store without that record
     (written before it) is rendered and checked once, then recorded; a changed first-turn answer makes its turn
     stores fail the check, as before."""
     import io
@@ -273,7 +315,7 @@ def test_answered_later_turns_are_reopened_without_rendering_unless_their_answer
 
     _, tok = save_tiny_pair(tmp_path)
     data = tmp_path / "conv.jsonl"
-    convs = [["w1 w2 w3", "w4 w5", "w6"], ["w7 w8"], ["w9 w10 w11", "w12 w13"]]
+    convs = [["w1 w2", "w3", "w4"], ["w5 w6", "w7"], ["w8 w9", "w10", "w11"], ["w12 w13", "w14"]]
     data.write_text("\n".join(json.dumps({"turns": c}) for c in convs))
     ans = tmp_path / "answers"
     res = subprocess.run([sys.executable, "-m", "heterospec", "train-draft", "--target", str(tmp_path / "target"),
@@ -281,7 +323,8 @@ def test_answered_later_turns_are_reopened_without_rendering_unless_their_answer
                           str(ans), "--shard-size", "2", "--device", "cpu", "--collect-only"],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
-    assert "later-turns/shard-" in res.stdout                      # each turn store's own line in the log
+    # both shards' second turns in one group of the target's batches, then the third turns
+    assert "later-turns turn 2 (2 stores, 4 prompts)" in res.stdout and "later-turns turn 3 (" in res.stdout
     saved = am.AnswerStore.read_prompts(ans)
     args = types.SimpleNamespace(answers=str(ans), max_new_tokens=6, max_prompts=None, no_chat_template=False,
                                  gen_batch_size=4, max_prompt_tokens=1024, deadline=None)
@@ -302,7 +345,7 @@ def test_answered_later_turns_are_reopened_without_rendering_unless_their_answer
     assert len(m["built_on"]) == 2                                 # the first turns' shard, then turn 2's
     del m["built_on"]                                              # a store written before the record
     (ans / commands.LATER / turn3 / "manifest.json").write_text(json.dumps(m))
-    assert stores() == names and len(rendered) == 1                # its one prompt rendered and checked
+    assert stores() == names and len(rendered) == m["prompts"]     # its prompts rendered and checked
     assert "built_on" in am.AnswerStore.read_manifest(ans / commands.LATER / turn3)
     rendered.clear()
     assert stores() == names and rendered == []
