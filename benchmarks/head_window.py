@@ -36,6 +36,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import sys
 import tarfile
 import time
@@ -277,6 +278,13 @@ def merge_answers(members, store):
         if short in mine.get("shards", {}):   # the window's shard of that index, if any, comes in below
             del mine["shards"][short]
             os.remove(os.path.join(store, f"shard-{short}.npz"))
+        if short is not None:   # its later turns were built on the answers removed; the window's come in below
+            from heterospec.tools.commands import LATER
+
+            later = os.path.join(store, LATER)
+            for d in sorted(os.listdir(later)) if os.path.isdir(later) else []:
+                if d.startswith(f"shard-{short}-turn-"):
+                    shutil.rmtree(os.path.join(later, d))
         for key in ("prompts", "prompts_sha256", "extended"):
             mine[key] = theirs[key]
     new = tokens = 0
@@ -342,7 +350,9 @@ def run(a):
             started["source"] = f"{a.state} ({len(parts)} parts, step {started['step']})"
     print(f"head_window: continuing from {started['source'] or a.init_head}", flush=True)
     before = answer_files(store)
-    manifests = {k: _file_sha(os.path.join(store, k)) for k in before if k.endswith(".json")}
+    # whole files (later-turn stores' manifests and prompt lists) by their bytes: a store rebuilt under the same
+    # name (the short shard's, when the list grows) or given its built_on record changes them
+    whole = {k: _file_sha(os.path.join(store, k)) for k, sha in before.items() if sha is None}
     common = ["--target", a.target, "--device", a.device, "--answers", store, "--answer-dtype", a.answer_dtype,
               "--max-new-tokens", str(a.max_new_tokens), "--shard-size", str(a.shard_size), "--out", head]
     common += ["--no-chat-template"] if a.no_chat_template else []
@@ -368,8 +378,8 @@ def run(a):
     after = answer_files(store)
     # new files, and a shard answered again (the old list's short last shard, when the list grew)
     fresh = sorted(k for k, sha in after.items() if k not in before or (sha is not None and before[k] != sha))
-    # a later-turn store's manifest changed when its shard came now (opened in an earlier window, answered now)
-    fresh += sorted(k for k in manifests if k in after and _file_sha(os.path.join(store, k)) != manifests[k])
+    # a later-turn store's manifest or prompt list changed (answered now, recorded, or rebuilt)
+    fresh += sorted(k for k in whole if k in after and _file_sha(os.path.join(store, k)) != whole[k])
     train_s = end - a.reserve - time.monotonic()
     if train_s > 0:
         _cli(["train-draft"] + common + ["--dtype", a.dtype, "--on-the-fly", "--init-head", a.init_head, "--resume",

@@ -304,10 +304,17 @@ def main(argv=None):
         print(f"[scale] {done[-1]['at_s']:7.1f} s  {name}: " + json.dumps(info, default=str), file=sys.stderr,
               flush=True)
         if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "progress.json"), "w") as f:
+            tmp = os.path.join(args.out, "progress.json.tmp")
+            with open(tmp, "w") as f:
                 json.dump({"shape": args.shape, "device": str(dev), "dtype": args.dtype, "stages": done}, f,
                           indent=1, default=str)
+            os.replace(tmp, os.path.join(args.out, "progress.json"))
+
+    if args.out:   # an earlier run's report must not pass for this one's if this one is cut short
+        os.makedirs(args.out, exist_ok=True)
+        for name in ("progress.json", "scale.json", "scale.md"):
+            if os.path.exists(os.path.join(args.out, name)):
+                os.remove(os.path.join(args.out, name))
 
     t0 = time.perf_counter()
     model = build_target(args.shape, dev, dtype, args.seed, args.layers)

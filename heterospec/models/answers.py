@@ -24,6 +24,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import time
 
 import numpy as np
@@ -32,6 +33,7 @@ import torch
 FORMAT = 1
 MANIFEST = "manifest.json"
 PROMPTS = "prompts.json.gz"
+_SHARD = re.compile(r"shard-\d{5}\.npz")
 
 
 def prompts_sha256(prompt_ids):
@@ -208,8 +210,22 @@ class AnswerStore:
         return -(-n // self.manifest["shard_size"])
 
     def present(self):
-        """Indices of the shards on disk."""
-        return sorted(int(f[6:11]) for f in os.listdir(self.directory) if f.startswith("shard-") and f.endswith(".npz"))
+        """Indices of the shards on disk (``shard-NNNNN.npz``; not a ``.tmp.npz`` a stopped save left)."""
+        return sorted(int(f[6:11]) for f in os.listdir(self.directory) if _SHARD.fullmatch(f))
+
+    def shard_sha256(self, k):
+        """The sha256 of shard ``k`` as the manifest records it.  A shard on disk with no entry (a run stopped
+        between the shard's rename and the manifest's write: the file is whole) is entered now."""
+        entry = self.manifest.setdefault("shards", {}).get(f"{k:05d}")
+        if entry is None:
+            with np.load(self.shard_path(k)) as z:
+                starts, offsets = z["starts"], z["offsets"]
+            entry = {"sha256": file_sha256(self.shard_path(k)), "sequences": int(starts.size),
+                     "answer_tokens": int(sum(offsets[j + 1] - offsets[j] - starts[j] for j in range(starts.size))),
+                     "seconds": None, "recovered": True}
+            self.manifest["shards"][f"{k:05d}"] = entry
+            self._write_manifest()
+        return entry["sha256"]
 
     def collect(self, target, prompt_ids, *, batch_size=64, limit=None, keep=None, progress=None, log=None,
                 deadline=None):
@@ -255,26 +271,32 @@ class AnswerStore:
         return ntok
 
     @staticmethod
-    def collect_together(target, jobs, *, batch_size=64, group=None, deadline=None, log=None):
+    def collect_together(target, jobs, *, batch_size=64, group=None, deadline=None, last=0.0, log=None):
         """Answer the one-shard stores of ``jobs`` ([(store, prompt_ids, keep)], ``keep(i)`` as in ``collect``)
         together: a group of stores holding about ``group`` prompts (default 4 x ``batch_size``) goes to the
         target as one list, sorted by length and batched, so stores of a few prompts each (a conversation's late
         turns) share batches instead of each running at a batch of one or two.  Each store's shard is saved as
-        its group ends; a group's seconds are shared among its stores by answer tokens.  ``deadline``: no group
-        is started that the last one's time says would end past it.  ``log(stores, seconds, answer_tokens)``
-        hears of each group.  Returns the stores answered."""
+        its group ends; a group's seconds are shared among its stores by answer tokens; a store answered already
+        is left as it is.  ``deadline``: no group is started that the last one's time (``last``: that of an
+        earlier call, to begin with) says would end past it.  ``log(stores, seconds, answer_tokens)`` hears of
+        each group.  Returns (the stores answered, the last group's seconds)."""
         group = group or 4 * batch_size
-        done, last, i = [], 0.0, 0
+        for store, ids, _ in jobs:
+            m = store.manifest
+            if m["shard_size"] < m["prompts"]:
+                raise ValueError(f"AnswerStore.collect_together: argument 'jobs' expected stores of one shard, "
+                                 f"got {store.directory} with {m['prompts']} prompts in shards of {m['shard_size']}")
+            if len(ids) != m["prompts"]:
+                raise ValueError(f"AnswerStore.collect_together: argument 'jobs' expected the {m['prompts']} prompts "
+                                 f"of {store.directory}, got {len(ids)}")
+        jobs = [j for j in jobs if not os.path.exists(j[0].shard_path(0))]
+        done, i = [], 0
         while i < len(jobs):
             if deadline is not None and time.monotonic() + last > deadline:
                 break
             part, n = [], 0
             while i < len(jobs) and (not part or n < group):
                 store, ids, keep = jobs[i]
-                m = store.manifest
-                if m["shard_size"] < m["prompts"]:
-                    raise ValueError(f"AnswerStore.collect_together: argument 'jobs' expected stores of one shard, "
-                                     f"got {store.directory} with {m['prompts']} prompts in shards of {m['shard_size']}")
                 which = [j for j in range(len(ids)) if keep is None or keep(j)]
                 part.append((store, ids, which))
                 n += len(which)
@@ -297,8 +319,8 @@ class AnswerStore:
                 store._record(0, which, ids, mine, last * sum(a.size for a in mine) / total, device)
                 done.append(store)
             if log is not None:
-                log(part, last, int(sum(a.size for a in ans)))
-        return done
+                log([store for store, _, _ in part], last, int(sum(a.size for a in ans)))
+        return done, last
 
     def _save(self, k, which, seqs, starts):
         dt = _token_dtype(self.manifest.get("vocab_size") or 2**31)

@@ -296,7 +296,8 @@ def collect_answers(args, target, tokenizer, progress, out, collect=True):
         for k in store.extend(ids, grown):
             print(f"{args.answers}: shard {k} was the old list's short last shard; it is answered again with the "
                   f"prompts now in its range", file=out, flush=True)
-            for d in glob.glob(os.path.join(args.answers, LATER, f"shard-{k:05d}-turn-*")):
+            later_dir = glob.escape(os.path.join(args.answers, LATER))
+            for d in glob.glob(os.path.join(later_dir, f"shard-{k:05d}-turn-*")):
                 shutil.rmtree(d)   # its later turns were built on the answers just removed
     limit = args.max_prompts
     todo = [k for k in range(store.n_shards(limit)) if not os.path.exists(store.shard_path(k))] if collect else []
@@ -404,37 +405,38 @@ def later_turn_stores(args, answerer, tokenizer, store, texts, later, adtype, co
     common = dict(target=store.manifest["target"], dtype=store.manifest["dtype"], max_new_tokens=args.max_new_tokens,
                   eos_token_id=tokenizer.eos_token_id, vocab_size=store.manifest["vocab_size"])
     # per shard still going: the sha256s its next turn is built on, its turn stores, its answers (decoded when needed)
-    going = {k: {"chain": [store.manifest["shards"][f"{k:05d}"]["sha256"]], "mine": [], "answers": None}
+    going = {k: {"chain": [store.shard_sha256(k)], "mine": [], "answers": None}
              for k in store.present() if k < store.n_shards(args.max_prompts)}
     made = {k: [] for k in going}   # every shard's turn stores, answered or not
-    turn = 2
+    answering, last, turn = collect, 0.0, 2
     while going:
         now, jobs = {}, []
         for k, g in going.items():
             d = os.path.join(base, f"shard-{k:05d}-turn-{turn}")
             s = _answered_turn(d, g["chain"], common)
             if s is None:
-                if not os.path.exists(os.path.join(d, "manifest.json")) and not collect:
+                if not os.path.exists(os.path.join(d, "manifest.json")) and not answering:
+                    continue
+                if not _turn_goes_on(store, k, g["mine"], later, turn):   # nothing to decode for
                     continue
                 if g["answers"] is None:
                     g["answers"] = _turn_answers(tokenizer, store, k, g["mine"])
                 convs = sorted(i for i in g["answers"] if len(later.get(str(i), ())) >= turn - 1)
-                if not convs:
-                    continue
                 prompt_ids = [encode_turn(tokenizer, [texts[i]] + later[str(i)][:turn - 1], g["answers"][i],
                                           not args.no_chat_template).view(-1).numpy() for i in convs]
                 s = AnswerStore.open(d, prompt_ids=prompt_ids, shard_size=max(1, len(convs)),
                                      texts={"shard": k, "turn": turn, "conversations": convs,
                                             "prompts": [later[str(i)][turn - 2] for i in convs]}, **common)
-                if collect and not s.present():
+                if answering and not s.present():
                     jobs.append((s, prompt_ids, lambda j, p=prompt_ids: p[j].size <= args.max_prompt_tokens))
             now[k] = s
         if jobs:
-            AnswerStore.collect_together(
-                answerer, jobs, batch_size=args.gen_batch_size, deadline=args.deadline,
+            answered, last = AnswerStore.collect_together(
+                answerer, jobs, batch_size=args.gen_batch_size, deadline=args.deadline, last=last,
                 log=lambda part, seconds, ntok, t=turn: log(f"{LATER} turn {t} ({len(part)} stores, "
-                                                          f"{sum(x[0].manifest['prompts'] for x in part)} prompts)",
+                                                          f"{sum(x.manifest['prompts'] for x in part)} prompts)",
                                                           seconds, ntok))
+            answering = len(answered) == len(jobs)   # cut by the deadline: no later turn starts either
         going = {k: going[k] for k in now}
         for k, s in now.items():
             g = going[k]
@@ -451,7 +453,7 @@ def later_turn_stores(args, answerer, tokenizer, store, texts, later, adtype, co
                 got = {convs[j]: tokenizer.decode(seq[start:], skip_special_tokens=True)
                        for j, seq, start in s.load_shard(0)}
                 g["answers"] = {i: g["answers"][i] + [got[i]] for i in convs if i in got}
-            g["chain"] = g["chain"] + [s.manifest["shards"]["00000"]["sha256"]]
+            g["chain"] = g["chain"] + [s.shard_sha256(0)]
         turn += 1
     stores = [s for k in sorted(made) for s in made[k]]
     if stores:
@@ -477,6 +479,19 @@ def _answered_turn(directory, built_on, common):
         return None
     s = AnswerStore(directory, m)
     return s if s.present() == [0] else None
+
+
+def _turn_goes_on(store, k, earlier, later, turn):
+    """Whether a conversation of ``store``'s shard ``k`` has a turn ``turn`` to ask after the answered turn
+    stores ``earlier``: read from the shards' prompt indices, nothing decoded."""
+    from ..models.answers import AnswerStore
+
+    if earlier:
+        convs = AnswerStore.read_prompts(earlier[-1].directory)["conversations"]
+        going = [convs[j] for j, _, _ in earlier[-1].load_shard(0)]
+    else:
+        going = [i for i, _, _ in store.load_shard(k)]
+    return any(len(later.get(str(i), ())) >= turn - 1 for i in going)
 
 
 def _turn_answers(tokenizer, store, k, earlier):

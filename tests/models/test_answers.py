@@ -3,8 +3,10 @@ by one teacher-forced forward (heterospec.models.train.teacher_forced / store_fe
 the CLI's --answers."""
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -275,14 +277,20 @@ def test_stores_answered_together_hold_what_each_would_alone(tmp_path, monkeypat
         jobs.append((store, _ids(mine), keep))
     with pytest.raises(ValueError, match="one shard"):
         am.AnswerStore.collect_together(model, [(_open(tmp_path / "x", ps[:3]), _ids(ps[:3]), None)])
-    assert am.AnswerStore.collect_together(model, jobs, deadline=0.0) == []     # monotonic() is past 0
+    with pytest.raises(ValueError, match="expected the 3 prompts"):
+        am.AnswerStore.collect_together(model, [(jobs[1][0], _ids(ps[:2]), None)])
+    assert am.AnswerStore.collect_together(model, jobs, deadline=0.0) == ([], 0.0)   # monotonic() is past 0
+    # an earlier call's last group took 1,000 s: none fits a deadline 100 s away
+    assert am.AnswerStore.collect_together(model, jobs, deadline=time.monotonic() + 100, last=1000.0)[0] == []
     assert all(s.present() == [] for s, _, _ in jobs)
     calls, logged = [], []
     real = am.answer
     monkeypatch.setattr(am, "answer", lambda m, p, **k: calls.append(len(p)) or real(m, p, **k))
-    done = am.AnswerStore.collect_together(model, jobs, batch_size=2, group=4,
-                                           log=lambda part, sec, ntok: logged.append((len(part), ntok)))
-    assert done == [s for s, _, _ in jobs]
+    done, last = am.AnswerStore.collect_together(model, jobs, batch_size=2, group=4,
+                                                 log=lambda part, sec, ntok: logged.append((part, ntok)))
+    assert done == [s for s, _, _ in jobs] and last > 0
+    assert [p for p, _ in logged] == [done[:3], done[3:]]
+    logged = [(len(p), n) for p, n in logged]
     # a group takes stores until it holds at least 4 kept prompts: stores 0-2 (1 + 2 + 2), then 3-4 (1 + 2)
     assert calls == [5, 3] and [n for n, _ in logged] == [3, 2]
     at = 0
@@ -298,6 +306,28 @@ def test_stores_answered_together_hold_what_each_would_alone(tmp_path, monkeypat
         assert entry["sequences"] == len(rows) and entry["answer_tokens"] == sum(x.numel() - st for _, x, st in rows)
         assert entry["sha256"] == am.file_sha256(store.shard_path(0))
     assert sum(ntok for _, ntok in logged) == sum(s.answer_tokens() for s in done)
+    # answered stores are left as they are
+    calls.clear()
+    assert am.AnswerStore.collect_together(model, jobs)[0] == [] and calls == []
+
+
+def test_a_stopped_save_leaves_no_shard_and_an_unrecorded_whole_shard_is_entered(tmp_path):
+    """present() counts shard-NNNNN.npz only (not the .tmp.npz a stopped save leaves); a shard renamed into
+    place whose manifest entry was never written (a stop between the two) gets its entry from the file."""
+    model = tiny_target("llama")
+    ps = prompts(4)
+    store = _open(tmp_path / "a", ps)
+    store.collect(model, _ids(ps), limit=2)
+    (tmp_path / "a" / "shard-00001.tmp.npz").write_bytes(b"half")
+    assert store.present() == [0]
+    entry = dict(store.manifest["shards"]["00000"])
+    del store.manifest["shards"]["00000"]
+    store._write_manifest()
+    again = am.AnswerStore(store.directory, am.AnswerStore.read_manifest(store.directory))
+    assert again.shard_sha256(0) == entry["sha256"]
+    got = am.AnswerStore.read_manifest(store.directory)["shards"]["00000"]
+    assert {k: got[k] for k in ("sha256", "sequences", "answer_tokens")} == \
+        {k: entry[k] for k in ("sha256", "sequences", "answer_tokens")} and got["recovered"]
 
 
 def test_answered_later_turns_are_reopened_without_rendering_unless_their_answers_changed(tmp_path, monkeypatch):
@@ -332,14 +362,21 @@ def test_answered_later_turns_are_reopened_without_rendering_unless_their_answer
     real = commands.encode_turn
     monkeypatch.setattr(commands, "encode_turn", lambda *a, **k: rendered.append(1) or real(*a, **k))
 
-    def stores():
+    decoded = []
+    real_decode = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda *a, **k: decoded.append(1) or real_decode(*a, **k))
+
+    def stores(collect=False):
         store = am.AnswerStore(str(ans), am.AnswerStore.read_manifest(ans))
         got = commands.later_turn_stores(args, None, tok, store, saved["prompts"], saved["later_turns"], None,
-                                         False, io.StringIO(), None)
+                                         collect, io.StringIO(), None)
         return sorted(os.path.basename(s.directory) for s in got)
 
     names = sorted(p.name for p in (ans / commands.LATER).iterdir())
-    assert any(n.endswith("turn-3") for n in names) and stores() == names and rendered == []
+    assert any(n.endswith("turn-3") for n in names) and stores() == names and rendered == [] and decoded == []
+    # collecting over shards whose conversations are all answered: nothing to decode, render or answer (the
+    # answerer is None: any answering would fail)
+    assert stores(collect=True) == names and rendered == [] and decoded == []
     turn3 = next(n for n in names if n.endswith("turn-3"))
     m = am.AnswerStore.read_manifest(ans / commands.LATER / turn3)
     assert len(m["built_on"]) == 2                                 # the first turns' shard, then turn 2's
@@ -360,6 +397,47 @@ def test_answered_later_turns_are_reopened_without_rendering_unless_their_answer
     store._write_manifest()
     with pytest.raises(ValueError, match="holds answers for other prompts"):
         stores()
+
+
+def test_a_turn_cut_by_the_deadline_starts_no_later_turn(tmp_path, monkeypatch):
+    """When the deadline stops a turn's answering partway, no later turn is started in that call (the turn
+    stores answered go on in the next run), and the stores made but not answered are returned unanswered."""
+    import io
+    import types
+
+    from _pairs import save_tiny_pair
+
+    from heterospec.tools import commands
+
+    model, tok = save_tiny_pair(tmp_path)
+    data = tmp_path / "conv.jsonl"
+    data.write_text("\n".join(json.dumps({"turns": c}) for c in
+                              [["w1 w2", "w3", "w4"], ["w5 w6", "w7", "w8"], ["w9 w10", "w11", "w12"],
+                               ["w13 w14", "w15", "w16"]]))
+    ans = tmp_path / "answers"
+    res = subprocess.run([sys.executable, "-m", "heterospec", "train-draft", "--target", str(tmp_path / "target"),
+                          "--data", str(data), "--out", str(tmp_path / "o"), "--max-new-tokens", "4", "--answers",
+                          str(ans), "--shard-size", "2", "--device", "cpu", "--collect-only"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    shutil.rmtree(ans / commands.LATER)                         # the first turns answered, no later turn yet
+    store = am.AnswerStore(str(ans), am.AnswerStore.read_manifest(ans))
+    assert store.present() == [0, 1]
+    saved = am.AnswerStore.read_prompts(ans)
+    real = am.AnswerStore.collect_together
+
+    def first_only(target, jobs, **kw):   # the deadline came after the first group (one store)
+        done, last = real(target, jobs[:1], **kw)
+        return done, last
+
+    monkeypatch.setattr(am.AnswerStore, "collect_together", staticmethod(first_only))
+    args = types.SimpleNamespace(answers=str(ans), max_new_tokens=4, max_prompts=None, no_chat_template=False,
+                                 gen_batch_size=4, max_prompt_tokens=1024, deadline=None)
+    got = commands.later_turn_stores(args, model, tok, store, saved["prompts"], saved["later_turns"], None, True,
+                                     io.StringIO(), lambda *a: None)
+    assert [(os.path.basename(s.directory), s.present()) for s in got] == \
+        [("shard-00000-turn-2", [0]), ("shard-00001-turn-2", [])]
+    assert sorted(p.name for p in (ans / commands.LATER).iterdir()) == ["shard-00000-turn-2", "shard-00001-turn-2"]
 
 
 def test_a_store_grows_its_prompt_list_and_keeps_its_answered_shards(tmp_path):

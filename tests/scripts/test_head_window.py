@@ -228,7 +228,16 @@ def test_merge_of_a_grown_list_replaces_the_old_short_last_shard(tmp_path):
     without = {k: v for k, v in members.items() if not k.endswith(PROMPTS)}
     with pytest.raises(ValueError, match="lacks prompts.json.gz"):
         hw.merge_answers(without, str(mine))
+    # the removed short shard's later turns were built on its old answers: they go, the window's rebuilt ones
+    # come in under the same name; another shard's stay
+    for name, data in (("shard-00002-turn-2", b"old"), ("shard-00001-turn-2", b"kept")):
+        (mine / "later-turns" / name).mkdir(parents=True)
+        (mine / "later-turns" / name / PROMPTS).write_bytes(data)
+    members["answers/later-turns/shard-00002-turn-2/" + PROMPTS] = b"rebuilt"
     assert hw.merge_answers(members, str(mine)) == (2, 4 * (2 + 1))
+    assert (mine / "later-turns" / "shard-00002-turn-2" / PROMPTS).read_bytes() == b"rebuilt"
+    assert (mine / "later-turns" / "shard-00001-turn-2" / PROMPTS).read_bytes() == b"kept"
+    del members["answers/later-turns/shard-00002-turn-2/" + PROMPTS]
     got, want = AnswerStore.read_manifest(mine), AnswerStore.read_manifest(theirs)
     assert got == want
     assert open(mine / "shard-00002.npz", "rb").read() == open(theirs / "shard-00002.npz", "rb").read()

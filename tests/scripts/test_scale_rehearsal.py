@@ -130,3 +130,18 @@ def test_too_few_layers_is_refused_in_one_line(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--layers" in err and "at least 7" in err and "got 3" in err
+
+
+def test_a_run_cut_short_leaves_no_earlier_report_behind(tmp_path, monkeypatch):
+    out = tmp_path / "scale"
+    out.mkdir()
+    for name in ("scale.md", "scale.json", "progress.json"):
+        (out / name).write_text("an earlier run's")
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt   # the window's phase limit, while the 8B weights are made
+
+    monkeypatch.setattr(scale_rehearsal, "build_target", killed)
+    with pytest.raises(KeyboardInterrupt):
+        scale_rehearsal.main(["--shape", "tiny", "--device", "cpu", "--out", str(out)])
+    assert sorted(p.name for p in out.iterdir()) == []
