@@ -261,6 +261,20 @@ def test_later_turns_are_answered_after_the_targets_own_earlier_answers(tmp_path
     assert meta["sequences"] == 3 + 3                            # three first turns, three later ones
 
 
+def _collect_conversations(tmp_path, convs, new):
+    """train-draft --collect-only over ``convs`` (lists of user turns) into tmp_path/answers, with the tiny pair
+    saved in tmp_path/target: (the answers' directory, the finished process)."""
+    data = tmp_path / "conv.jsonl"
+    data.write_text("\n".join(json.dumps({"turns": c}) for c in convs))
+    ans = tmp_path / "answers"
+    res = subprocess.run([sys.executable, "-m", "heterospec", "train-draft", "--target", str(tmp_path / "target"),
+                          "--data", str(data), "--out", str(tmp_path / "o"), "--max-new-tokens", str(new),
+                          "--answers", str(ans), "--shard-size", "2", "--device", "cpu", "--collect-only"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    return ans, res
+
+
 def test_stores_answered_together_hold_what_each_would_alone(tmp_path, monkeypatch):
     """collect_together: one-shard stores share the target's batches (a group of about `group` prompts goes as
     one sorted list); each store's shard holds exactly the answers it would get alone, its kept prompts only, and
@@ -344,15 +358,8 @@ def test_answered_later_turns_are_reopened_without_rendering_unless_their_answer
     from heterospec.tools import commands
 
     _, tok = save_tiny_pair(tmp_path)
-    data = tmp_path / "conv.jsonl"
-    convs = [["w1 w2", "w3", "w4"], ["w5 w6", "w7"], ["w8 w9", "w10", "w11"], ["w12 w13", "w14"]]
-    data.write_text("\n".join(json.dumps({"turns": c}) for c in convs))
-    ans = tmp_path / "answers"
-    res = subprocess.run([sys.executable, "-m", "heterospec", "train-draft", "--target", str(tmp_path / "target"),
-                          "--data", str(data), "--out", str(tmp_path / "o"), "--max-new-tokens", "6", "--answers",
-                          str(ans), "--shard-size", "2", "--device", "cpu", "--collect-only"],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
+    ans, res = _collect_conversations(tmp_path, [["w1 w2", "w3", "w4"], ["w5 w6", "w7"], ["w8 w9", "w10", "w11"],
+                                                 ["w12 w13", "w14"]], new=6)
     # both shards' second turns in one group of the target's batches, then the third turns
     assert "later-turns turn 2 (2 stores, 4 prompts)" in res.stdout and "later-turns turn 3 (" in res.stdout
     saved = am.AnswerStore.read_prompts(ans)
@@ -410,16 +417,8 @@ def test_a_turn_cut_by_the_deadline_starts_no_later_turn(tmp_path, monkeypatch):
     from heterospec.tools import commands
 
     model, tok = save_tiny_pair(tmp_path)
-    data = tmp_path / "conv.jsonl"
-    data.write_text("\n".join(json.dumps({"turns": c}) for c in
-                              [["w1 w2", "w3", "w4"], ["w5 w6", "w7", "w8"], ["w9 w10", "w11", "w12"],
-                               ["w13 w14", "w15", "w16"]]))
-    ans = tmp_path / "answers"
-    res = subprocess.run([sys.executable, "-m", "heterospec", "train-draft", "--target", str(tmp_path / "target"),
-                          "--data", str(data), "--out", str(tmp_path / "o"), "--max-new-tokens", "4", "--answers",
-                          str(ans), "--shard-size", "2", "--device", "cpu", "--collect-only"],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
+    ans, _ = _collect_conversations(tmp_path, [["w1 w2", "w3", "w4"], ["w5 w6", "w7", "w8"],
+                                               ["w9 w10", "w11", "w12"], ["w13 w14", "w15", "w16"]], new=4)
     shutil.rmtree(ans / commands.LATER)                         # the first turns answered, no later turn yet
     store = am.AnswerStore(str(ans), am.AnswerStore.read_manifest(ans))
     assert store.present() == [0, 1]
