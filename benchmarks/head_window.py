@@ -36,7 +36,6 @@ import hashlib
 import io
 import json
 import os
-import shutil
 import sys
 import tarfile
 import time
@@ -278,13 +277,10 @@ def merge_answers(members, store):
         if short in mine.get("shards", {}):   # the window's shard of that index, if any, comes in below
             del mine["shards"][short]
             os.remove(os.path.join(store, f"shard-{short}.npz"))
-        if short is not None:   # its later turns were built on the answers removed; the window's come in below
-            from heterospec.tools.commands import LATER
+        if k is not None:   # its later turns were built on the answers removed; the window's come in below
+            from heterospec.tools.commands import drop_later_turns
 
-            later = os.path.join(store, LATER)
-            for d in sorted(os.listdir(later)) if os.path.isdir(later) else []:
-                if d.startswith(f"shard-{short}-turn-"):
-                    shutil.rmtree(os.path.join(later, d))
+            drop_later_turns(store, k)
         for key in ("prompts", "prompts_sha256", "extended"):
             mine[key] = theirs[key]
     new = tokens = 0

@@ -276,8 +276,8 @@ def main(argv=None):
     ap.add_argument("--cache-check", type=int, default=4096, help="positions of the batch-8 cache allocated (0: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=None,
-                    help="decoder layers instead of the shape's, at least 7 (full width: the code path on a smaller machine; "
-                         "the timings are then not the shape's)")
+                    help="decoder layers instead of the shape's, at least 7 (full width: the code path on a "
+                         "smaller machine; the timings are then not the shape's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.layers is not None and args.layers < 7:
@@ -400,9 +400,9 @@ def main(argv=None):
         "peak_memory_bytes": peak, "caches": caches, "per_cycle": per_cycle,
         "projection": projection, "projection_note": "PROJECTED, not measured: tau / the measured cycle time, "
                                                      "random weights (tau ~ 1 measured)"
-                                                     + ("" if model.config.num_hidden_layers == SHAPES[args.shape]["config"]["num_hidden_layers"]
-                                                        else f"; {model.config.num_hidden_layers} decoder layers, not "
-                                                             f"the shape's: not a projection for the shape"),
+                                                     + ("" if args.layers is None else
+                                                        f"; {args.layers} decoder layers, not the shape's: not a "
+                                                        f"projection for the shape"),
         "paper_tau": PAPER_TAU,
     }
     text = markdown(result)

@@ -296,9 +296,7 @@ def collect_answers(args, target, tokenizer, progress, out, collect=True):
         for k in store.extend(ids, grown):
             print(f"{args.answers}: shard {k} was the old list's short last shard; it is answered again with the "
                   f"prompts now in its range", file=out, flush=True)
-            later_dir = glob.escape(os.path.join(args.answers, LATER))
-            for d in glob.glob(os.path.join(later_dir, f"shard-{k:05d}-turn-*")):
-                shutil.rmtree(d)   # its later turns were built on the answers just removed
+            drop_later_turns(args.answers, k)   # they were built on the answers just removed
     limit = args.max_prompts
     todo = [k for k in range(store.n_shards(limit)) if not os.path.exists(store.shard_path(k))] if collect else []
     print(f"{args.answers}: {len(store.present())} of {store.n_shards()} shards answered "
@@ -449,10 +447,7 @@ def later_turn_stores(args, answerer, tokenizer, store, texts, later, adtype, co
                 s.manifest["built_on"] = g["chain"]
                 s._write_manifest()
             if g["answers"] is not None:   # the conversations answered at this turn go on, with that answer
-                convs = AnswerStore.read_prompts(s.directory)["conversations"]
-                got = {convs[j]: tokenizer.decode(seq[start:], skip_special_tokens=True)
-                       for j, seq, start in s.load_shard(0)}
-                g["answers"] = {i: g["answers"][i] + [got[i]] for i in convs if i in got}
+                g["answers"] = _with_turn(tokenizer, g["answers"], s)
             g["chain"] = g["chain"] + [s.shard_sha256(0)]
         turn += 1
     stores = [s for k in sorted(made) for s in made[k]]
@@ -481,29 +476,41 @@ def _answered_turn(directory, built_on, common):
     return s if s.present() == [0] else None
 
 
+def drop_later_turns(answers, k):
+    """Remove the later-turn stores of shard ``k`` of the answer store in ``answers`` (built on its answers,
+    which are being replaced)."""
+    for d in glob.glob(os.path.join(glob.escape(os.path.join(answers, LATER)), f"shard-{k:05d}-turn-*")):
+        shutil.rmtree(d)
+
+
+def _turn_rows(s):
+    """[(conversation, ids, answer start)] of the answered turn store ``s``."""
+    from ..models.answers import AnswerStore
+
+    convs = AnswerStore.read_prompts(s.directory)["conversations"]
+    return [(convs[j], seq, start) for j, seq, start in s.load_shard(0)]
+
+
 def _turn_goes_on(store, k, earlier, later, turn):
     """Whether a conversation of ``store``'s shard ``k`` has a turn ``turn`` to ask after the answered turn
     stores ``earlier``: read from the shards' prompt indices, nothing decoded."""
-    from ..models.answers import AnswerStore
-
-    if earlier:
-        convs = AnswerStore.read_prompts(earlier[-1].directory)["conversations"]
-        going = [convs[j] for j, _, _ in earlier[-1].load_shard(0)]
-    else:
-        going = [i for i, _, _ in store.load_shard(k)]
+    going = [i for i, _, _ in (_turn_rows(earlier[-1]) if earlier else store.load_shard(k))]
     return any(len(later.get(str(i), ())) >= turn - 1 for i in going)
+
+
+def _with_turn(tokenizer, answers, s):
+    """``answers`` ({conversation: answer texts}) of the conversations answered in turn store ``s``, each with
+    that answer added."""
+    got = {i: tokenizer.decode(seq[start:], skip_special_tokens=True) for i, seq, start in _turn_rows(s)}
+    return {i: answers[i] + [got[i]] for i in answers if i in got}
 
 
 def _turn_answers(tokenizer, store, k, earlier):
     """{conversation: [answer text of turn 1, 2, ...]} for the conversations of ``store``'s shard ``k`` still
     going after the turn stores ``earlier`` (turns 2, 3, ... of that shard, answered)."""
-    from ..models.answers import AnswerStore
-
     answers = {i: [tokenizer.decode(seq[start:], skip_special_tokens=True)] for i, seq, start in store.load_shard(k)}
     for s in earlier:
-        convs = AnswerStore.read_prompts(s.directory)["conversations"]
-        got = {convs[j]: tokenizer.decode(seq[start:], skip_special_tokens=True) for j, seq, start in s.load_shard(0)}
-        answers = {i: answers[i] + [got[i]] for i in convs if i in got}
+        answers = _with_turn(tokenizer, answers, s)
     return answers
 
 
