@@ -130,19 +130,22 @@ __device__ __forceinline__ void hs_merge_max(const hs_part *P, int64_t C, long l
 
 /* A merge's view of its row's candidates: every chunk's count, and the keys and ids of its sorted lists (K slots
  * a chunk).  hs_merge_stage copies the counts into shared memory, and the keys and ids too when there are at
- * most `limit` slots; the binary searches of hs_merge_rank (C - 1 of them per candidate, each a chain of
- * dependent loads) then read shared memory instead of global memory.  `at`: 16-byte aligned shared memory of
- * hs_merge_stage_smem(C, K, limit) bytes. */
+ * most `limit` slots, else the keys alone when there are at most `key_limit` (the ids, read only where two keys
+ * are equal, stay in global memory); the binary searches of hs_merge_rank (C - 1 of them per candidate, each a
+ * chain of dependent loads) then read shared memory instead of global memory.  `at`: 16-byte aligned shared
+ * memory of hs_merge_stage_smem(C, K, limit, key_limit) bytes. */
 struct hs_cands {
     const uint32_t *key;
     const int64_t *id;
     const int *count;
 };
-__host__ __device__ static inline size_t hs_merge_stage_smem(int64_t C, int64_t K, int64_t limit) {
-    return hs_al16((size_t)C * sizeof(int)) + (C * K <= limit ? hs_al16((size_t)(C * K) * 4) + (size_t)(C * K) * 8 : 0);
+__host__ __device__ static inline size_t hs_merge_stage_smem(int64_t C, int64_t K, int64_t limit, int64_t key_limit = 0) {
+    return hs_al16((size_t)C * sizeof(int)) + (C * K <= limit       ? hs_al16((size_t)(C * K) * 4) + (size_t)(C * K) * 8
+                                               : C * K <= key_limit ? hs_al16((size_t)(C * K) * 4)
+                                                                    : 0);
 }
 __device__ __forceinline__ hs_cands hs_merge_stage(const uint32_t *CK, const int64_t *CI, const hs_part *P, int64_t C,
-                                                   int64_t K, int64_t limit, char *at) {
+                                                   int64_t K, int64_t limit, char *at, int64_t key_limit = 0) {
     int *cnt = (int *)at;
     for (int64_t c = threadIdx.x; c < C; c += blockDim.x) cnt[c] = P[c].count;
     hs_cands v = {CK, CI, cnt};
@@ -156,6 +159,11 @@ __device__ __forceinline__ hs_cands hs_merge_stage(const uint32_t *CK, const int
             }
         v.key = key;
         v.id = id;
+    } else if (C * K <= key_limit) {
+        uint32_t *key = (uint32_t *)(at + hs_al16((size_t)C * sizeof(int)));
+        for (int64_t e = threadIdx.x; e < C * K; e += blockDim.x)
+            if (e % K < P[e / K].count) key[e] = CK[e];
+        v.key = key;
     }
     __syncthreads();
     return v;
@@ -185,6 +193,69 @@ __device__ __forceinline__ int64_t hs_merge_rank(const hs_cands &v, int64_t C, i
         r += lo;
     }
     return r;
+}
+
+/* A row's candidates sorted best first (key desc, id asc) in shared memory, for the entropy and expand merges when
+ * C * K <= HS_MERGE_STAGE_MAX: chunk c's list goes to slots [c*K, c*K + count), the other slots of the next power
+ * of two n2 >= C * K get key 0 (below every logit's key: -inf's is 0x007fffff) and the largest id, and a bitonic
+ * sort over the block orders them.  Sorted position r is then the candidate's rank in the row.  It replaces
+ * hs_merge_rank there, whose C - 1 binary searches per candidate made a merge quadratic in the chunks: the fifth
+ * GPU window timed hs_k_expand_merge for 10 rows at 11.2 us with 1 chunk a row, 18.1 with 16 and 39.0 with 32
+ * (C * k * (C - 1) searches: 2,400 and 9,920).  The sort is log2(n2) * (log2(n2) + 1) / 2 barrier-separated
+ * passes (45 for C * K = 320), each thread comparing n2 / 2 / blockDim pairs a pass.  `at`: 16-byte aligned
+ * shared memory of hs_merge_sort_smem(C, K) bytes.  Every thread calls it; the result is visible to all. */
+__host__ __device__ static inline int64_t hs_pow2_at_least(int64_t n) {
+    int64_t p = 1;
+    while (p < n) p <<= 1;
+    return p;
+}
+__host__ __device__ static inline size_t hs_merge_sort_smem(int64_t C, int64_t K) {
+    const int64_t n2 = hs_pow2_at_least(C * K);
+    return hs_al16((size_t)n2 * 4) + (size_t)n2 * 8;
+}
+struct hs_sorted {
+    const uint32_t *key;
+    const int64_t *id;
+    int64_t n; /* real candidates: the sum of the chunks' counts */
+};
+__device__ __forceinline__ int hs_cand_before(uint32_t ka, int64_t ia, uint32_t kb, int64_t ib) {
+    return ka > kb || (ka == kb && ia < ib);
+}
+__device__ __forceinline__ hs_sorted hs_merge_sort(const uint32_t *CK, const int64_t *CI, const hs_part *P, int64_t C,
+                                                   int64_t K, char *at, long long *red) {
+    const int64_t n2 = hs_pow2_at_least(C * K);
+    uint32_t *key = (uint32_t *)at;
+    int64_t *id = (int64_t *)(at + hs_al16((size_t)n2 * 4));
+    long long n = 0;
+    for (int64_t e = threadIdx.x; e < n2; e += blockDim.x) {
+        const int real = e < C * K && e % K < P[e / K].count;
+        key[e] = real ? CK[e] : 0u;
+        id[e] = real ? CI[e] : (int64_t)0x7fffffffffffffffll;
+        n += real;
+    }
+    n = hs_block_reduce(n, red, hs_op_sum()); /* ends with a barrier: the slots are written */
+    const int half = (int)(n2 / 2); /* n2 <= 2 * HS_MERGE_STAGE_MAX: ints, and masks instead of divisions */
+    for (int size = 2; size <= (int)n2; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int i = (int)threadIdx.x; i < half; i += (int)blockDim.x) {
+                const int lo = ((i & ~(stride - 1)) << 1) | (i & (stride - 1)), hi = lo + stride;
+                const uint32_t kl = key[lo], kh = key[hi];
+                const int64_t il = id[lo], ih = id[hi];
+                /* ascending in "before" order where bit `size` of lo is clear, descending where it is set; the
+                 * last pass (size == n2) is all ascending: best first */
+                const int up = (lo & size) == 0;
+                if (up ? hs_cand_before(kh, ih, kl, il) : hs_cand_before(kl, il, kh, ih)) {
+                    key[lo] = kh;
+                    key[hi] = kl;
+                    id[lo] = ih;
+                    id[hi] = il;
+                }
+            }
+            __syncthreads();
+        }
+    }
+    hs_sorted s = {key, id, n};
+    return s;
 }
 
 /* ---- launching the chunk kernel (rows.cu) ------------------------------------------------------------------ */

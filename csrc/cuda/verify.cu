@@ -515,7 +515,7 @@ __global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_sample_merge(int64_t T, int64_t V
                                                             int64_t C, int K, const hs_part *parts, const uint32_t *ckey,
                                                             const int64_t *cidx, hs_warp_stats *stats, hs_wide *wide,
                                                             unsigned long long *hcnt, double *hmass, unsigned *ctr,
-                                                            size_t stage_off) {
+                                                            size_t stage_off, int64_t key_limit) {
     char *sm = hs_smem();
     long long *red = (long long *)sm;
     double *sw = (double *)(sm + hs_al16(blockDim.x * sizeof(long long) + HS_RADIX_SMEM + 260 * sizeof(double)));
@@ -540,7 +540,9 @@ __global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_sample_merge(int64_t T, int64_t V
     }
     const uint32_t *CK = ckey + row * C * K;
     const int64_t *CI = cidx + row * C * K;
-    const hs_cands v = hs_merge_stage(CK, CI, P, C, K, 0, sm + stage_off);   /* the counts */
+    /* the counts, and the keys where they fit the 48 KB a launch gets without opting in: the fifth window timed
+     * this merge at 33 us for 60 rows of 128,256 in 9 chunks, its ranks' binary searches all in global memory */
+    const hs_cands v = hs_merge_stage(CK, CI, P, C, K, 0, sm + stage_off, key_limit);
     long long nc = 0, theta = -1;
     for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
         const int64_t nch = V - c * len < len ? V - c * len : len;
@@ -961,7 +963,10 @@ extern "C" hs_status hs_cuda_verify_sample(const void *tree_tokens, hs_dtype tok
     const unsigned th = HS_ROW_THREADS, tc = HS_CHUNK_THREADS;
     const size_t stage_off = hs_al16(hs_al16(th * sizeof(long long) + HS_RADIX_SMEM + 260 * sizeof(double)) +
                                      (size_t)HS_SORT_MAX * (8 + 8 + 4) + 16);
-    const size_t sm_merge = stage_off + hs_merge_stage_smem(w.C, K, 0);
+    /* the candidates' keys staged for the ranks when they fit under 48 KB with the rest */
+    const size_t base_merge = stage_off + hs_merge_stage_smem(w.C, K, 0);
+    const int64_t key_limit = base_merge + 16 < 48 * 1024 ? (int64_t)((48 * 1024 - base_merge - 16) / 4) : 0;
+    const size_t sm_merge = stage_off + hs_merge_stage_smem(w.C, K, 0, key_limit);
     const size_t sm_walk = HS_TREE_THREADS * sizeof(long long) + 8 * 8 + (size_t)T * 16 + (size_t)(T + 1) * sizeof(int);
     const size_t sm_resid = tc * sizeof(long long) + (size_t)T * 8 + 16;
     { /* the chunks of every node row (rows.cu); hs_k_sample_merge decides each row from them */
@@ -978,7 +983,7 @@ extern "C" hs_status hs_cuda_verify_sample(const void *tree_tokens, hs_dtype tok
 #define HS_SAMPLE_LAUNCH(DT)                                                                                          \
     rc = HS_LAUNCH(hs_k_sample_merge, rows, th, sm_merge, stream, T, V, n_dev, sp.temperature, sp.top_k,              \
                    sp.top_p, w.len, w.C, K, (const hs_part *)w.parts, (const uint32_t *)w.ckey,                       \
-                   (const int64_t *)w.cidx, w.stats, w.wide, w.hcnt, w.hmass, w.ctr, stage_off);                      \
+                   (const int64_t *)w.cidx, w.stats, w.wide, w.hcnt, w.hmass, w.ctr, stage_off, key_limit);           \
     for (int ph = 0; ph < 2 && !rc; ph++)                                                                             \
         for (int lv = 0; lv < 4 && !rc && phases[ph]; lv++)                                                           \
             rc = HS_LAUNCH(hs_k_wide_level<DT>, rows * w.C, tc, sm_wide, stream, logits, T, V, n_dev, sp.temperature, \

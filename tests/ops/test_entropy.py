@@ -293,7 +293,9 @@ def test_bucketize_parity(N, T):
 
 @on_device
 @pytest.mark.parametrize("dtype", LOGIT_DTYPES)
-@pytest.mark.parametrize("V,k", [(111, 10), (3001, 64), (3001, 300)])   # split rows, and k above the split path's
+# split rows (merged by the shared-memory sort; 8192 x 64: its largest in the emulation, 32 chunks; 40000 x 100: past
+# it, the binary-search ranks), and k above the split path's
+@pytest.mark.parametrize("V,k", [(111, 10), (3001, 64), (8192, 64), (40000, 100), (3001, 300)])
 def test_batched_topk_entropy_on_the_device_equals_the_cpu_batch(dtype, V, k):
     rng = np.random.default_rng(V + k)
     B, N = 3, 2

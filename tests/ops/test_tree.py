@@ -541,7 +541,10 @@ def test_message_says_expected_and_given(impl):
 
 @on_device
 @pytest.mark.parametrize("dtype", LOGIT_DTYPES)
-@pytest.mark.parametrize("B,V,k", [(1, 5, 5), (3, 111, 4), (4, 2000, 10), (2, 300, 33)])
+@pytest.mark.parametrize("B,V,k", [(1, 5, 5), (3, 111, 4), (4, 2000, 10), (2, 300, 33),
+                                   # the merge's shared-memory sort at its largest (32 chunks x 64 in the emulation),
+                                   # and past it the binary-search ranks (32 x 100 candidates, emulation and GPU)
+                                   (1, 8192, 64), (2, 40000, 100)])
 @pytest.mark.parametrize("ties", [False, True])
 def test_expand_parity(dtype, B, V, k, ties):
     rng = np.random.default_rng(B * 1000 + V + k)
