@@ -14,9 +14,10 @@ and the digest of the code it depended on then:
 plan expected.  A phase is *done* when its entry passed on the digest the current code gives it; the plan
 takes the phases that are not done, correctness first (in PRIORITY order), then speed, and keeps what fits:
 
-* the correctness phases that need no carried files run side by side on the one GPU (each pytest spread over
-  the machine's cores with pytest-xdist), so together they cost about the longest of them, plus CONTENTION of
-  the rest; those that need the default pair (its wheels come in the later bundles) run after them, one by one;
+* the correctness phases run side by side on the one GPU (each pytest spread over the machine's cores with
+  pytest-xdist), so together they cost about the longest of them, plus CONTENTION of the rest; those that need
+  the default pair (its wheels come in the later bundles) start in the group once the bundles are in
+  (PAIR_WAIT_S at most; the fifth window carried its four in 20 s, while `build` ran);
 * the speed phases run alone, one after another, each only if it still fits what is left of the window.
 
 A phase's expected minutes are its last measured minutes in the ledger when it ran to an end, else the
@@ -59,6 +60,9 @@ START_MINUTES = 2.0      # machine start, the first call's transfer, the bundle 
 # were measured side by side, so they hold the contention already: in the fourth window (H100) six phases ran
 # together and the group ended with its longest (engine, 8.9 min); the other five's 19.3 minutes added nothing.
 CONTENTION = 0.1
+# how long a correctness phase of the side-by-side group that needs the default pair waits for its bundles (they
+# come in the calls after the first; the fifth window's four took 20 s) before it is skipped
+PAIR_WAIT_S = 240
 SETUP_PHASES = ("build",)  # run first whenever a CUDA phase runs (a fresh machine has no build)
 
 COMMON_DEPS = ("setup.py", "pyproject.toml", "csrc/", "heterospec/")
@@ -255,7 +259,7 @@ def plan(table, ledger, window_minutes, digests):
         if n in setup:
             continue
         p = table[n]
-        if p.kind == "correctness" and "pair" not in p.needs and "questions" not in p.needs:
+        if p.kind == "correctness" and "questions" not in p.needs:
             cost = group_wall(group + [n]) - group_wall(group)
             target = group
         else:
@@ -279,7 +283,8 @@ def plan_text(table, p, ledger_path=LEDGER):
     for how, names in (("first", p["setup"]), ("side by side", p["group"]), ("alone", p["serial"])):
         for n in names:
             i += 1
-            lines.append(f"| {i} | {n} | {table[n].kind} | {how} | {p['expected'][n]:g} | {p['why'].get(n, '')} |")
+            h = how + (", once the pair's bundles are in" if how == "side by side" and "pair" in table[n].needs else "")
+            lines.append(f"| {i} | {n} | {table[n].kind} | {h} | {p['expected'][n]:g} | {p['why'].get(n, '')} |")
     lines += ["", f"Expected: about {p['minutes']:g} of {p['window']:g} minutes."]
     if p["left"]:
         lines += ["", "Left for a later window (not done on this code, does not fit):"]
