@@ -213,7 +213,7 @@ def check_demo(args):
 # calibrate's options that only heterospec's own engine reads, and their defaults (the parser's, from here;
 # --engine vllm refuses any other value)
 TREE_ONLY = {"gguf_file": None, "depth": 7, "total_tokens": 60, "fit_target": "rank", "search_base_tree": False,
-             "dtype": "float32", "cuda_graphs": "off"}
+             "dtype": "float32", "cuda_graphs": "auto"}
 
 
 def check_calibrate(args):

@@ -50,6 +50,9 @@ def build_parser():
     d.add_argument("--num-prompts", type=int, default=3, help="how many of the built-in prompts (up to 6)")
     d.add_argument("--prompt", default=None, help="one prompt of your own instead of the built-in ones")
     d.add_argument("--no-stream", action="store_true")
+    d.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+                   help="our engines' steps recorded once per tree shape and replayed as CUDA graphs (auto: on with "
+                        "a CUDA --device)")
     d.add_argument("--synthetic", action="store_true",
                    help="only walk one cycle of the C core on synthetic logits (no models needed)")
     d.add_argument("--vocab", type=int, default=49152, help="--synthetic: vocabulary size")
@@ -82,9 +85,9 @@ def build_parser():
                    help="--method heterospec's policy: a profile JSON (heterospec calibrate --out), or 'paper' for "
                         "the paper's rule on --thresholds (or on the shipped bins with the shipped head); default: "
                         "the shipped calibrated profile with the shipped head")
-    g.add_argument("--cuda-graphs", default="off", choices=["auto", "on", "off"],
+    g.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
                    help="record the decoding cycle's steps once per tree shape and replay them as CUDA graphs "
-                        "(auto: on with a CUDA --device)")
+                        "(auto: on with a CUDA --device, falling back to the eager engine if recording fails)")
     c = sub.add_parser("calibrate", help="fit entropy bins and per-bin tree shapes for a model pair on this machine "
                                          "(or, with --engine vllm, per-bin chain lengths from vLLM's own run)")
     c.add_argument("--engine", default="heterospec", choices=["heterospec", "vllm"],

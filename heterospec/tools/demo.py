@@ -81,7 +81,7 @@ def heterospec_policy(choice, default_profile=None, default_what=None):
 
 
 def compare(target, draft, input_ids_list, methods, *, max_new_tokens=128, eos_token_id=None, streamer=None,
-            stream_method=None, warmup_tokens=8, progress=None):
+            stream_method=None, warmup_tokens=8, progress=None, cuda_graphs=False):
     """Run every method on every prompt (one loop, same settings): a :class:`Comparison`, {name: MethodResult}.
     ``methods``: [(name, Policy or HFMethod)]; an HFMethod runs the target's own ``generate`` (no verification
     calls, so no tau), with the same EOS (None: the model's) and budget.
@@ -90,7 +90,8 @@ def compare(target, draft, input_ids_list, methods, *, max_new_tokens=128, eos_t
     from one prompt to the next), so a slow spell of the machine (a background job) is shared among them
     instead of landing on one.  ``streamer`` (e.g. transformers' TextStreamer) streams the first prompt's
     answer of ``stream_method`` (default: the last method).  ``progress(name, i, n, streaming)`` is called
-    before each prompt of each method."""
+    before each prompt of each method.  ``cuda_graphs``: passed to our engines (:class:`HeteroSpec`); the
+    untimed warm-up records their steps."""
     from contextlib import ExitStack
 
     from ..engine.loop import HeteroSpec, eos_ids
@@ -108,7 +109,7 @@ def compare(target, draft, input_ids_list, methods, *, max_new_tokens=128, eos_t
     def engine(policy):
         if isinstance(policy, HFMethod):
             return HFGenerate(target, policy, pad_token_id=pad)
-        return HeteroSpec(target, draft if policy.drafts else None, policy)
+        return HeteroSpec(target, draft if policy.drafts else None, policy, cuda_graphs=cuda_graphs)
 
     with ExitStack() as stack:
         engines = {}
@@ -211,6 +212,11 @@ def run(args, out=None):
           f"{len(texts)} prompts x {args.max_new_tokens} new tokens, greedy (loaded in {load_s:.1f} s)", file=out)
     th = f"; entropy bins {', '.join(f'{t:.3g}' for t in hs_policy.thresholds)}" if hs_policy is not None else ""
     print(f"  eagle3: static tree depth 7, top_k 10, 60 nodes; heterospec: {hs_what}{th}", file=out)
+    # --cuda-graphs as generate takes it: 'auto' stays 'auto' (on with a CUDA device, eager if recording fails)
+    graphs = {"on": True, "off": False, "auto": "auto"}[getattr(args, "cuda_graphs", "off")]
+    if str(device).startswith("cuda"):
+        print(f"  our engines: {'CUDA graphs (recorded in the warm-up)' if graphs else 'the eager engine'} "
+              f"(--cuda-graphs {getattr(args, 'cuda_graphs', 'off')})", file=out)
     streamer = None if args.no_stream else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
     bar, names, done = ProgressBar(), [n for n, _ in methods], [0]
@@ -224,7 +230,7 @@ def run(args, out=None):
         done[0] += 1
 
     results = compare(target, draft, ids, methods, max_new_tokens=args.max_new_tokens,
-                      eos_token_id=tokenizer.eos_token_id, streamer=streamer, progress=progress)
+                      eos_token_id=tokenizer.eos_token_id, streamer=streamer, progress=progress, cuda_graphs=graphs)
     bar(len(names) * len(ids), len(names) * len(ids), desc="done")
     if args.no_stream:
         first = results[methods[-1][0]].sequences[0]

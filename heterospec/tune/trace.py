@@ -195,7 +195,7 @@ def record(target, draft, prompts, *, max_new_tokens, top_k=10, levels=11, progr
     largest extension any replayed policy may use), grown by the engine's drafter."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 2:
         raise ValueError(f"record: argument 'max_new_tokens' expected an int >= 2, got {max_new_tokens!r}")
-    ar = HeteroSpec(target)
+    ar = HeteroSpec(target, cuda_graphs=False)   # the eager engine, as calibration has always decoded
     taps_layers = draft.config.tap_layers(len(_decoder_layers(target))) if hasattr(draft, "config") else None
     adapter = TargetAdapter(target, tap_layers=taps_layers, capture_taps=True)
     dev = next(target.parameters()).device

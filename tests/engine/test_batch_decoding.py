@@ -42,7 +42,7 @@ def test_each_row_equals_its_prompt_alone(arch, method):
     model = tiny_target(arch)
     ps = prompts(5)
     draft, refs = scripted(model, ps)
-    hs = HeteroSpec(model, draft if POLICIES[method] else None, POLICIES[method])
+    hs = HeteroSpec(model, draft if POLICIES[method] else None, POLICIES[method], cuda_graphs=False)
     outs, stats = hs.generate([p[0] for p in ps], max_new_tokens=NEW)
     for b, (o, p, r) in enumerate(zip(outs, ps, refs)):
         assert o.tolist() == r[0, :p.shape[1] + NEW].tolist(), f"{method} row {b}: differs from HF's greedy"
@@ -62,7 +62,7 @@ def test_left_padded_tensor_input_and_the_padded_output():
     ps = prompts(3)
     ids, mask = left_padded(ps)
     draft, refs = scripted(model, ps)
-    hs = HeteroSpec(model, draft, POLICIES["heterospec"])
+    hs = HeteroSpec(model, draft, POLICIES["heterospec"], cuda_graphs=False)
     out, _ = hs.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=None, pad_token_id=5)
     S = ids.shape[1]
     assert out.shape == (3, S + NEW)
@@ -77,7 +77,7 @@ def test_a_real_eagle3_head_in_a_batch(tmp_path):
     draft = eagle3_head(model, tmp_path)
     ps = prompts(4)
     for policy in (Policy.static(5, 3, 16), Policy.paper(6, 4, 24, THRESHOLDS)):
-        hs = HeteroSpec(model, draft, policy)
+        hs = HeteroSpec(model, draft, policy, cuda_graphs=False)
         outs, _ = hs.generate([p[0] for p in ps], max_new_tokens=NEW)
         for o, p in zip(outs, ps):
             assert o.tolist() == reference_greedy(model, p, NEW)[0].tolist()
@@ -90,7 +90,7 @@ def test_rows_that_finish_stop_and_the_others_go_on(finished):
     draft, refs = scripted(model, ps, new=40)
     # an EOS id that row 1's continuation reaches early and the others do not reach before 40 tokens
     first = refs[1][0, ps[1].shape[1] + 2].item()
-    hs = HeteroSpec(model, draft, POLICIES["eagle3"])
+    hs = HeteroSpec(model, draft, POLICIES["eagle3"], cuda_graphs=False)
     outs, stats = hs.generate([p[0] for p in ps], max_new_tokens=40, eos_token_id=first, finished_rows=finished)
     for b, (o, p) in enumerate(zip(outs, ps)):
         alone, _ = hs.generate(p, max_new_tokens=40, eos_token_id=first)
@@ -132,7 +132,7 @@ def test_sampled_rows_draw_as_their_prompt_alone():
     model = tiny_target("qwen2")
     ps = prompts(3)
     draft, _ = scripted(model, ps)
-    hs = HeteroSpec(model, draft, POLICIES["heterospec"])
+    hs = HeteroSpec(model, draft, POLICIES["heterospec"], cuda_graphs=False)
     kw = dict(max_new_tokens=16, temperature=0.9, top_k=20, top_p=0.95)
     outs, _ = hs.generate([p[0] for p in ps], seed=11, **kw)
     for b, p in enumerate(ps):
@@ -152,7 +152,7 @@ def test_sampling_per_row_matches_the_target_distribution(setting):
     ps = [torch.tensor([[3, 7, 1, 4]], device=DEVICE), torch.tensor([[5, 2, 9, 9, 0, 8]], device=DEVICE)]
     draft = BatchScriptDraft(vocab, miss_every=2, boost=2.0).to(DEVICE).load(
         [torch.cat([p[0], torch.arange(8, device=DEVICE) % vocab]) for p in ps])
-    hs = HeteroSpec(model, draft, Policy.static(3, 3, 8))
+    hs = HeteroSpec(model, draft, Policy.static(3, 3, 8), cuda_graphs=False)
     n = 1500
     counts = [np.zeros(vocab * vocab) for _ in ps]
     for s in range(n):
@@ -218,7 +218,7 @@ def test_sampling_per_row_matches_the_target_distribution(setting):
 def test_bad_batches_get_one_line_errors(call, match):
     model = tiny_target("llama")
     ids, mask = left_padded(prompts(3))
-    hs = HeteroSpec(model)
+    hs = HeteroSpec(model, cuda_graphs=False)
     with pytest.raises(ValueError, match=match) as e:
         call(hs, ids, mask)
     assert "\n" not in str(e.value)
@@ -249,7 +249,7 @@ def test_custom_generate_with_a_batch_returns_what_hf_returns(do_sample):
     if not do_sample:
         hf = model.generate(ids, **kw)
         assert out.tolist() == hf.tolist()
-    hs = HeteroSpec(model, draft, Policy.paper(4, 3, 12, THRESHOLDS))
+    hs = HeteroSpec(model, draft, Policy.paper(4, 3, 12, THRESHOLDS), cuda_graphs=False)
     for b, p in enumerate(ps):
         alone, _ = hs.generate(p, max_new_tokens=20, eos_token_id=eos, seed=5 + b,
                                temperature=0.8 if do_sample else 0.0, top_k=10 if do_sample else 0)
@@ -270,7 +270,7 @@ def test_a_batch_reads_the_host_twice_per_cycle_at_most(name, tmp_path):
     draft = eagle3_head(model, tmp_path)
     ps = prompts(4)
     record = []
-    hs = HeteroSpec(model, draft if POLICIES[name] else None, POLICIES[name])
+    hs = HeteroSpec(model, draft if POLICIES[name] else None, POLICIES[name], cuda_graphs=False)
     with sync.forbid_host_transfers(record):
         outs, stats = hs.generate([p[0] for p in ps], max_new_tokens=12)
         _, sstats = hs.generate([p[0] for p in ps], max_new_tokens=12, temperature=1.0, seed=3)
@@ -286,7 +286,7 @@ def test_a_batch_too_large_for_memory_is_refused_before_decoding(monkeypatch):
 
     model = tiny_target("llama")
     ids, mask = left_padded(prompts(3))
-    hs = HeteroSpec(model)
+    hs = HeteroSpec(model, cuda_graphs=False)
     monkeypatch.setattr(requests_mod, "available_bytes", lambda device: 1000)
     where = re.escape(str(ids.device))            # a tensor's device has its index: cuda:0
     with pytest.raises(ValueError, match=r"^generate: argument 'input_ids' expected a batch whose static caches fit "
@@ -305,7 +305,7 @@ def test_ragged_trees_padded_to_gpu_buckets_stay_lossless():
     model = tiny_target("qwen2")
     ps = prompts(5)
     draft, refs = scripted(model, ps)
-    hs = HeteroSpec(model, draft, Policy.paper(4, 3, 12, THRESHOLDS), buckets=(1, 2, 4, 8, 16, 32))
+    hs = HeteroSpec(model, draft, Policy.paper(4, 3, 12, THRESHOLDS), buckets=(1, 2, 4, 8, 16, 32), cuda_graphs=False)
     outs, stats = hs.generate([p[0] for p in ps], max_new_tokens=NEW)
     for o, p, r in zip(outs, ps, refs):
         assert o.tolist() == r[0, :p.shape[1] + NEW].tolist()
@@ -323,7 +323,7 @@ def test_masked_rows_that_finish_on_the_budget_stay_inside_the_cache():
     junk = torch.cat([ps[1][0].cpu(), torch.randint(0, model.config.vocab_size, (37,), generator=g)])
     draft = BatchScriptDraft(model.config.vocab_size, miss_every=10**9).to(DEVICE).load([ref0[0], junk])
     for mode in ("drop", "mask"):
-        hs = HeteroSpec(model, draft, Policy.static(5, 3, 16))
+        hs = HeteroSpec(model, draft, Policy.static(5, 3, 16), cuda_graphs=False)
         outs, stats = hs.generate([p[0] for p in ps], max_new_tokens=17, finished_rows=mode)
         for o, p in zip(outs, ps):
             assert o.tolist() == reference_greedy(model, p, 17)[0].tolist(), mode
@@ -342,7 +342,7 @@ def test_stopping_criteria_are_asked_per_row():
         def __call__(self, ids, scores):
             return torch.tensor([ids[0, -1].item() == stop_tok])
 
-    hs = HeteroSpec(model, draft, POLICIES["heterospec"])
+    hs = HeteroSpec(model, draft, POLICIES["heterospec"], cuda_graphs=False)
     outs, stats = hs.generate([p[0] for p in ps], max_new_tokens=30, stopping_criteria=[StopAt()])
     for b, (o, p) in enumerate(zip(outs, ps)):
         alone, _ = hs.generate(p, max_new_tokens=30, stopping_criteria=[StopAt()])

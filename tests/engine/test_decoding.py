@@ -61,7 +61,7 @@ def test_greedy_output_equals_target_generate(target_and_refs, method, form, tmp
         draft, policy = eagle3_head(model, tmp_path), Policy.paper(6, 4, 24, THRESHOLDS)
     else:
         draft, policy = METHODS[method](model)
-    hs = HeteroSpec(model, draft, policy)
+    hs = HeteroSpec(model, draft, policy, cuda_graphs=False)
     if form == "single":
         runs = [(ref, *hs.generate(p, max_new_tokens=NEW)) for p, ref in zip(ps, refs)]
     else:
@@ -83,7 +83,7 @@ def test_greedy_output_equals_target_generate(target_and_refs, method, form, tmp
 def test_oracle_run_statistics():
     """The test-double run the closing note reports: τ, calls and tree tokens at depth 7, top-k 10."""
     model = tiny_target("llama")
-    hs = HeteroSpec(model, OracleDraft(model), Policy.static(7, 10, 60))
+    hs = HeteroSpec(model, OracleDraft(model), Policy.static(7, 10, 60), cuda_graphs=False)
     stats = GenerationStats()
     for p in prompts(5):
         _, s = hs.generate(p, max_new_tokens=NEW)
@@ -98,7 +98,7 @@ def test_heterospec_policy_bins_and_shapes():
     model = tiny_target("llama")
     pol = Policy.paper(7, 10, 60, THRESHOLDS)
     assert pol.extra == (4, 3, 2) and pol.keep == (22, 39, 62)  # paper §4.3 with N = 60, α = 4
-    hs = HeteroSpec(model, OracleDraft(model), pol)
+    hs = HeteroSpec(model, OracleDraft(model), pol, cuda_graphs=False)
     _, stats = hs.generate(prompts(1)[0], max_new_tokens=32)
     assert sum(stats.bins.values()) == stats.cycles
     # every binned cycle's wall time is charged to its bin, and the cycles fit inside the call (issue 19.4)
@@ -130,7 +130,7 @@ def test_sampling_matches_the_target_distribution(setting, rows, draft_kind):
     model = tiny_target("llama", vocab=vocab, layers=4, seed=5)
     prompt = torch.tensor([[3, 7, 1]], device=DEVICE)
     draft = OracleDraft(model) if draft_kind == "oracle" else NoisyDraft(32, vocab).to(DEVICE)
-    hs = HeteroSpec(model, draft, Policy.static(3, 3, 8))
+    hs = HeteroSpec(model, draft, Policy.static(3, 3, 8), cuda_graphs=False)
     with torch.no_grad():
         p1 = _warp(model(prompt).logits[0, -1], temperature, top_k, top_p)
         joint = torch.stack([
@@ -170,7 +170,7 @@ def test_sampling_matches_the_target_distribution(setting, rows, draft_kind):
 
 def test_sampling_is_reproducible_with_a_seed():
     model = tiny_target("llama")
-    hs = HeteroSpec(model, OracleDraft(model), Policy.static(4, 3, 10))
+    hs = HeteroSpec(model, OracleDraft(model), Policy.static(4, 3, 10), cuda_graphs=False)
     p = prompts(1)[0]
     a, _ = hs.generate(p, max_new_tokens=20, temperature=0.9, seed=7)
     b, _ = hs.generate(p, max_new_tokens=20, temperature=0.9, seed=7)
@@ -199,7 +199,7 @@ def test_eos_inside_an_accepted_path_truncates_there():
     eos = ref[13]  # the oracle accepts ~8 tokens a cycle, so this lands inside an accepted path
     first = ref.index(eos)
     rec = Recorder()
-    seq, stats = HeteroSpec(model, OracleDraft(model), Policy.static(7, 3, 20)).generate(
+    seq, stats = HeteroSpec(model, OracleDraft(model), Policy.static(7, 3, 20), cuda_graphs=False).generate(
         p, max_new_tokens=40, eos_token_id=eos, streamer=rec)
     assert seq[0, p.shape[1]:].tolist() == ref[: first + 1]
     assert rec.chunks[0] == p[0].tolist() and sum(rec.chunks[1:], []) == ref[: first + 1] and rec.ended
@@ -209,7 +209,8 @@ def test_eos_inside_an_accepted_path_truncates_there():
 def test_max_new_tokens_is_never_overshot(budget):
     model = tiny_target("llama")
     p = prompts(1)[0]
-    seq, stats = HeteroSpec(model, OracleDraft(model), Policy.static(7, 3, 20)).generate(p, max_new_tokens=budget)
+    seq, stats = HeteroSpec(model, OracleDraft(model), Policy.static(7, 3, 20), cuda_graphs=False).generate(
+        p, max_new_tokens=budget)
     assert seq.shape[1] - p.shape[1] == budget == stats.new_tokens
     assert seq.tolist() == reference_greedy(model, p, budget).tolist()
 
@@ -223,7 +224,7 @@ def test_stopping_criteria_inside_a_path():
     def crit(ids, scores):
         return torch.tensor([ids.shape[1] >= stop_len])
 
-    seq, _ = HeteroSpec(model, OracleDraft(model), Policy.static(7, 3, 20)).generate(
+    seq, _ = HeteroSpec(model, OracleDraft(model), Policy.static(7, 3, 20), cuda_graphs=False).generate(
         p, max_new_tokens=30, stopping_criteria=[crit])
     assert seq[0].tolist() == ref[:stop_len]
 
@@ -243,14 +244,14 @@ def test_stopping_criteria_inside_a_path():
 def test_bad_generate_arguments(kwargs, match):
     model = tiny_target("llama")
     with pytest.raises(ValueError, match=match):
-        HeteroSpec(model).generate(prompts(1)[0], **kwargs)
+        HeteroSpec(model, cuda_graphs=False).generate(prompts(1)[0], **kwargs)
 
 
 def test_attention_implementation_without_tree_masks_is_refused():
     model = tiny_target("llama")
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="sdpa"):
-        HeteroSpec(model)
+        HeteroSpec(model, cuda_graphs=False)
 
 
 def test_bad_policies():
@@ -276,7 +277,7 @@ def test_generate_stops_at_the_models_eos_by_default_as_hf_generate_does():
     assert hf.shape[1] - p.shape[1] == stop         # HF stops at the model's EOS
     for policy, draft in ((heterospec.Policy.static(4, 3, 10), OracleDraft(model)),
                           (heterospec.Policy.autoregressive(), None)):
-        with heterospec.HeteroSpec(model, draft, policy) as hs:
+        with heterospec.HeteroSpec(model, draft, policy, cuda_graphs=False) as hs:
             seq, _ = hs.generate(p, max_new_tokens=24)
             assert seq.tolist() == hf.cpu().tolist()
             assert hs.generate(p, max_new_tokens=24, eos_token_id=[])[0].shape[1] == p.shape[1] + 24

@@ -49,10 +49,10 @@ def test_engine_under_meta_default_device(pair, name, draft_kind):
     want = [reference_greedy(model, p, NEW)[0].tolist() for p in ps]
     torch.set_default_device("meta")
     try:
-        with HeteroSpec(model, draft, _policies()[name]) as hs:
+        with HeteroSpec(model, draft, _policies()[name], cuda_graphs=False) as hs:
             got = [hs.generate(p, max_new_tokens=NEW)[0][0].tolist() for p in ps]
         # sampling too: its first token and the per-cycle draws take other paths
-        with HeteroSpec(model, draft, _policies()[name]) as hs:
+        with HeteroSpec(model, draft, _policies()[name], cuda_graphs=False) as hs:
             seq, _ = hs.generate(ps[0], max_new_tokens=8, temperature=0.8, top_k=20, seed=3)
     finally:
         torch.set_default_device(None)
@@ -77,7 +77,7 @@ def test_no_host_transfer_inside_the_cycle(pair, name):
     p = prompts(2)[1]
     want = reference_greedy(model, p, NEW)[0].tolist()
     record = []
-    with HeteroSpec(model, head, _policies()[name]) as hs, sync.forbid_host_transfers(record):
+    with HeteroSpec(model, head, _policies()[name], cuda_graphs=False) as hs, sync.forbid_host_transfers(record):
         seq, stats = hs.generate(p, max_new_tokens=NEW)
         sseq, sstats = hs.generate(p, max_new_tokens=NEW, temperature=1.0, seed=5)
     assert seq[0].tolist() == want
@@ -103,7 +103,7 @@ def test_the_host_transfer_guard_fires(pair, monkeypatch):
 
     monkeypatch.setattr(tree.ops, "select", leaky_select)
     p = prompts(1)[0]
-    with HeteroSpec(model, head, _policies()["eagle3"]) as hs, sync.forbid_host_transfers():
+    with HeteroSpec(model, head, _policies()["eagle3"], cuda_graphs=False) as hs, sync.forbid_host_transfers():
         with pytest.raises(AssertionError, match=r"host transfer Tensor.item\(\) inside the decoding cycle"):
             hs.generate(p, max_new_tokens=8)
 
@@ -124,7 +124,7 @@ def test_commit_gets_the_path_and_prefix_on_the_caches_device(pair, monkeypatch)
         return real(tensors, prefix_len, slots, **kw)
 
     monkeypatch.setattr(target_mod.ops, "kv_compact", spy)
-    with HeteroSpec(model, head, _policies()["eagle3"]) as hs:
+    with HeteroSpec(model, head, _policies()["eagle3"], cuda_graphs=False) as hs:
         hs.generate(prompts(1)[0], max_new_tokens=NEW)
     assert seen
     for slots_t, slots_dev, prefix_t, prefix_dev, kv_dev in seen:
@@ -139,7 +139,8 @@ def test_padded_buckets_decode_exactly_as_unpadded_trees(pair, name):
     model, head = pair
     pol = _policies()[name]
     for p in prompts(3, seed=7):
-        with HeteroSpec(model, head, pol, buckets=None) as a, HeteroSpec(model, head, pol, buckets=(2, 7, 16, 64)) as b:
+        with HeteroSpec(model, head, pol, buckets=None, cuda_graphs=False) as a, \
+                HeteroSpec(model, head, pol, buckets=(2, 7, 16, 64), cuda_graphs=False) as b:
             for kw in ({}, {"temperature": 1.0, "top_p": 0.9, "seed": 11}):
                 sa, ta = a.generate(p, max_new_tokens=NEW, **kw)
                 sb, tb = b.generate(p, max_new_tokens=NEW, **kw)
@@ -154,7 +155,7 @@ def test_a_tree_padded_past_a_real_match_is_still_exact(pair):
     model, _ = pair
     p = prompts(1, seed=9)[0]
     want = reference_greedy(model, p, NEW)[0].tolist()
-    with HeteroSpec(model, OracleDraft(model), Policy.static(3, 3, 8), buckets=(64,)) as hs:
+    with HeteroSpec(model, OracleDraft(model), Policy.static(3, 3, 8), buckets=(64,), cuda_graphs=False) as hs:
         seq, stats = hs.generate(p, max_new_tokens=NEW)
     assert seq[0].tolist() == want
     assert stats.tau > 1.5
@@ -162,7 +163,7 @@ def test_a_tree_padded_past_a_real_match_is_still_exact(pair):
 
 def test_static_cache_too_small_is_a_clear_error_before_decoding(pair):
     model, head = pair
-    with HeteroSpec(model, head, _policies()["eagle3"], max_length=20) as hs:
+    with HeteroSpec(model, head, _policies()["eagle3"], max_length=20, cuda_graphs=False) as hs:
         with pytest.raises(ValueError, match=r"generate: prompt \(15\) \+ max_new_tokens \(10\) = 25 exceed the "
                                              r"static caches' max_length \(20\)"):
             hs.generate(torch.zeros((1, 15), dtype=torch.long), max_new_tokens=10)
@@ -174,13 +175,13 @@ def test_draft_on_another_dtype_or_device_is_refused(pair):
     model, head = pair
     with pytest.raises(ValueError, match=r"HeteroSpec: argument 'draft' expected the target's dtype torch.float32, "
                                          r"got torch.float64"):
-        HeteroSpec(model, head.to(torch.float64))
+        HeteroSpec(model, head.to(torch.float64), cuda_graphs=False)
     head.to(torch.float32)
     meta_head = types.SimpleNamespace(parameters=lambda: iter([torch.zeros(1, device="meta")]), dtype=torch.float32)
     device = next(model.parameters()).device      # cpu here, cuda:0 in .ci/gpu's engine phase
     with pytest.raises(ValueError, match=rf"HeteroSpec: argument 'draft' expected the target's device {device}, "
                                          r"got meta"):
-        HeteroSpec(model, meta_head)
+        HeteroSpec(model, meta_head, cuda_graphs=False)
 
 
 def test_cuda_target_with_a_cpu_only_core_is_refused(monkeypatch):
@@ -189,14 +190,14 @@ def test_cuda_target_with_a_cpu_only_core_is_refused(monkeypatch):
     monkeypatch.setattr(heterospec, "build_info", lambda: {"cuda": False})
     with pytest.raises(ValueError, match=r"HeteroSpec: argument 'target' is on cuda:0, but heterospec's C core was "
                                          r"built without CUDA"):
-        HeteroSpec(target)
+        HeteroSpec(target, cuda_graphs=False)
 
 
 @pytest.mark.parametrize("bad", ["big", (4, 2), (0, 8), 3])
 def test_bad_buckets(pair, bad):
     model, head = pair
     with pytest.raises(ValueError, match="HeteroSpec: argument 'buckets' expected"):
-        HeteroSpec(model, head, buckets=bad)
+        HeteroSpec(model, head, buckets=bad, cuda_graphs=False)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -207,5 +208,5 @@ def test_eager_attention_target(arch, tmp_path):
     head = eagle3_head(model, tmp_path)
     for p in prompts(2, seed=4):
         want = reference_greedy(model, p, NEW)[0].tolist()
-        with HeteroSpec(model, head, _policies()["heterospec"]) as hs:
+        with HeteroSpec(model, head, _policies()["heterospec"], cuda_graphs=False) as hs:
             assert hs.generate(p, max_new_tokens=NEW)[0][0].tolist() == want

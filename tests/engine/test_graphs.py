@@ -178,6 +178,20 @@ def test_bad_cuda_graphs_switch(setup):
     assert HeteroSpec(model, cuda_graphs="auto").cuda_graphs is False     # no graphs on the CPU
 
 
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="CPU argument checks")
+def test_cuda_graphs_default_is_auto_and_on_for_a_cuda_model(setup):
+    """Issue 40.8: HeteroSpec records CUDA graphs by default where it can (a CUDA model, RoPE without host
+    reads), and stays the eager engine on the CPU."""
+    import inspect
+
+    from heterospec.engine.loop import _check_graphs
+
+    model, *_ = setup
+    assert inspect.signature(HeteroSpec).parameters["cuda_graphs"].default == "auto"
+    assert _check_graphs("auto", torch.device("cuda"), None) is True
+    assert HeteroSpec(model).cuda_graphs is False
+
+
 def test_compiled_target_forward_decodes_as_the_plain_one(setup):
     """``compile=``: the target's forward through torch.compile (here the 'eager' backend: dynamo's tracing of
     our cache, mask and tap hooks without code generation, so the CPU test stays quick; .ci/gpu runs inductor

@@ -116,7 +116,7 @@ def test_target_nan_or_inf_is_a_clear_error_naming_the_target_and_the_cycle(pair
 
 def test_nan_in_the_prompts_forward_is_named_as_such(pair):
     model, head = pair
-    with HeteroSpec(model, head, POLICIES["eagle3"]()) as hs:
+    with HeteroSpec(model, head, POLICIES["eagle3"](), cuda_graphs=False) as hs:
         poison = Poison(model.lm_head, at=1)
         try:
             with pytest.raises(NonFiniteLogitsError, match="target model .* in the prefill, at position"):
@@ -139,7 +139,7 @@ def test_the_flags_alone_stop_the_cycle_when_the_ops_do_not_raise(pair, monkeypa
 
     monkeypatch.setattr(cycle_mod.ops, "verify_greedy", lambda t, pa, lg, **kw: real_greedy(t, pa, clean(lg), **kw))
     monkeypatch.setattr(cycle_mod.ops, "verify_sample", lambda t, pa, lg, **kw: real_sample(t, pa, clean(lg), **kw))
-    with HeteroSpec(model, head, POLICIES["eagle3"]()) as hs:
+    with HeteroSpec(model, head, POLICIES["eagle3"](), cuda_graphs=False) as hs:
         # a first call to learn how many tokens come before cycle 3's
         seen = Streamed()
         kw = dict(temperature=1.0, seed=3) if sample else {}
@@ -179,7 +179,7 @@ def test_draft_nan_is_a_clear_error_naming_the_draft(pair, name, value):
     p = prompts(2)[0]
     want = reference_greedy(model, p, NEW)[0, p.shape[1]:].tolist()
     draft = NaNDraft(model, at=6, value=value)
-    with HeteroSpec(model, draft, POLICIES[name]()) as hs:
+    with HeteroSpec(model, draft, POLICIES[name](), cuda_graphs=False) as hs:
         with pytest.raises(NonFiniteLogitsError) as e:
             hs.generate(p, max_new_tokens=NEW)
         assert "draft model NaNDraft" in str(e.value) and "cycle" in str(e.value)
@@ -193,7 +193,7 @@ def test_float16_overflow_says_so(pair):
     model = tiny_target("llama").half().to(DEVICE)
     with torch.no_grad():
         model.lm_head.weight.mul_(1e4)   # the largest logit about 1.5e5: inf in float16
-    with HeteroSpec(model, None, Policy.autoregressive()) as hs:
+    with HeteroSpec(model, None, Policy.autoregressive(), cuda_graphs=False) as hs:
         with pytest.raises(NonFiniteLogitsError, match=r"LlamaForCausalLM \(float16\).*float16 overflows at 65504"):
             hs.generate(prompts(1)[0], max_new_tokens=8)
 
@@ -223,7 +223,7 @@ def test_batch_flags_alone_stop_the_cycle(pair, monkeypatch):
     monkeypatch.setattr(cycle_mod.ops, "verify_greedy",
                         lambda t, pa, lg, **kw: real(t, pa, torch.nan_to_num(lg, nan=0.0, posinf=0.0), **kw))
     ps = [q[0] for q in prompts(3)]
-    with HeteroSpec(model, head, POLICIES["eagle3"]()) as hs:
+    with HeteroSpec(model, head, POLICIES["eagle3"](), cuda_graphs=False) as hs:
         poison = Poison(model.lm_head, at=3, row=2)
         try:
             with pytest.raises(NonFiniteLogitsError, match="in cycle 2 for request 2"):

@@ -271,6 +271,7 @@ def test_device_reaches_load_pair(cmd, monkeypatch, tmp_path):
 # ---- --cuda-graphs (issue 16) ----------------------------------------------------------------------------------
 
 GRAPH_COMMANDS = {
+    "demo": ["demo"],
     "generate": COMMANDS["generate"],
     "calibrate": COMMANDS["calibrate"],
     "bench": ["bench", "--questions", "q.jsonl"],
@@ -291,10 +292,20 @@ def test_cuda_graphs_on_without_a_gpu_is_a_one_line_usage_error(cmd, capsys, mon
     assert "expected off or auto with --device cpu" in err and err.rstrip().endswith("got on")
 
 
-@pytest.mark.parametrize("given, want", [("auto", "auto"), ("off", False)])
+@pytest.mark.parametrize("cmd", list(GRAPH_COMMANDS))
+def test_cuda_graphs_default_is_auto(cmd):
+    """Issue 40.8: on a GPU the recorded engine is the default (the eager engine is host-bound there), so every
+    command that runs our engine takes --cuda-graphs auto unless told otherwise."""
+    from heterospec.tools import cli
+
+    args = cli.build_parser().parse_args(GRAPH_COMMANDS[cmd])
+    assert args.cuda_graphs == "auto"
+
+
+@pytest.mark.parametrize("given, want", [("auto", "auto"), ("off", False), (None, "auto")])
 def test_cuda_graphs_reaches_the_engine(tmp_path, monkeypatch, given, want):
-    """generate hands the switch to HeteroSpec ('auto' as such: the engine resolves it, off on the CPU, and
-    falls back to eager decoding if recording fails)."""
+    """generate hands the switch to HeteroSpec ('auto' as such, also when not given: the engine resolves it, off
+    on the CPU, and falls back to eager decoding if recording fails)."""
     from heterospec.tools import cli
 
     import heterospec
@@ -312,7 +323,7 @@ def test_cuda_graphs_reaches_the_engine(tmp_path, monkeypatch, given, want):
     monkeypatch.setattr(heterospec, "HeteroSpec", spy)
     cli.main(["generate", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--prompt",
               "w5 w17", "--method", "eagle3", "--max-new-tokens", "4", "--depth", "2", "--top-k-tree", "2",
-              "--total-tokens", "4", "--cuda-graphs", given])
+              "--total-tokens", "4"] + ([] if given is None else ["--cuda-graphs", given]))
     assert seen["cuda_graphs"] == want and seen["resolved"] is False
 
 
