@@ -293,9 +293,7 @@ def test_bucketize_parity(N, T):
 
 @on_device
 @pytest.mark.parametrize("dtype", LOGIT_DTYPES)
-# split rows (merged by the shared-memory sort; 8192 x 64: its largest in the emulation, 32 chunks; 40000 x 100: past
-# it, the binary-search ranks), and k above the split path's
-@pytest.mark.parametrize("V,k", [(111, 10), (3001, 64), (8192, 64), (40000, 100), (3001, 300)])
+@pytest.mark.parametrize("V,k", [(111, 10), (3001, 64), (3001, 300)])   # split rows, and k above the split path's
 def test_batched_topk_entropy_on_the_device_equals_the_cpu_batch(dtype, V, k):
     rng = np.random.default_rng(V + k)
     B, N = 3, 2
@@ -306,6 +304,19 @@ def test_batched_topk_entropy_on_the_device_equals_the_cpu_batch(dtype, V, k):
     dev = D.get(ops.topk_entropy(dx, k, 0.8))
     assert dev.shape == (B, N)
     close(dev, D.get(ops.topk_entropy(cpu_x.reshape(B, N, V), k, 0.8)))
+
+
+@on_device
+@pytest.mark.parametrize("V,k", [(8192, 64), (8192, 100)] + ([(40000, 100)] if REAL else []))
+@pytest.mark.parametrize("ties", [False, True])
+def test_topk_entropy_merge_at_and_past_its_shared_memory_sort(V, k, ties):
+    """The split topk_entropy's merge takes the k best of the row's C * k candidates from a shared-memory sort up to
+    2,048 (8192 x 64 in the emulation: 32 chunks, the sort at its largest) and by binary-search ranks past it
+    (8192 x 100 in the emulation, 40000 x 100 on a GPU).  One row, one dtype: the rest is the batched test's."""
+    rng = np.random.default_rng(V * 3 + k + ties)
+    x = logits(rng, 1, V, ties)
+    dev, cpu = D.put_logits(x, "float32")
+    close(D.get(ops.topk_entropy(dev, k, 0.8)), ops.topk_entropy(cpu, k, 0.8))
 
 
 @on_device

@@ -541,10 +541,7 @@ def test_message_says_expected_and_given(impl):
 
 @on_device
 @pytest.mark.parametrize("dtype", LOGIT_DTYPES)
-@pytest.mark.parametrize("B,V,k", [(1, 5, 5), (3, 111, 4), (4, 2000, 10), (2, 300, 33),
-                                   # the merge's shared-memory sort at its largest (32 chunks x 64 in the emulation),
-                                   # and past it the binary-search ranks (32 x 100 candidates, emulation and GPU)
-                                   (1, 8192, 64), (2, 40000, 100)])
+@pytest.mark.parametrize("B,V,k", [(1, 5, 5), (3, 111, 4), (4, 2000, 10), (2, 300, 33)])
 @pytest.mark.parametrize("ties", [False, True])
 def test_expand_parity(dtype, B, V, k, ties):
     rng = np.random.default_rng(B * 1000 + V + k)
@@ -555,6 +552,21 @@ def test_expand_parity(dtype, B, V, k, ties):
     d2t = rng.integers(0, 40, V).astype(np.int64)
     for d in (None, d2t):
         _expand_matches_cpu(dev, cpu, scores, nodes, k, d)
+
+
+@on_device
+@pytest.mark.parametrize("V,k", [(8192, 64), (8192, 100)] + ([(40000, 100)] if REAL else []))
+@pytest.mark.parametrize("ties", [False, True])
+def test_expand_merge_at_and_past_its_shared_memory_sort(V, k, ties):
+    """The split expand's merge sorts the row's C * k candidates in shared memory up to 2,048 (8192 x 64: 32 chunks of
+    64 in the emulation, the sort at its largest) and ranks them by binary searches past it (8192 x 100 in the
+    emulation; 40000 x 100 on a GPU, 32 chunks there too).  One dtype: the dtypes' loads are test_expand_parity's."""
+    rng = np.random.default_rng(V + k + ties)
+    x = logits(rng, 1, V, ties)
+    dev, cpu = D.put_logits(x, "float32")
+    scores = (-rng.random(1) * 3).astype(np.float64)
+    nodes = rng.integers(-1, 50, 1).astype(np.int64)
+    _expand_matches_cpu(dev, cpu, scores, nodes, k)
 
 
 @on_device
