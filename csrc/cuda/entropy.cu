@@ -59,26 +59,21 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_entropy_merge(int64_t C, int64_
     }
     const double zmax = (double)m / temperature;
     double Z = 0.0, S = 0.0;
-    if (C * k <= HS_MERGE_STAGE_MAX) { /* the candidates sorted in shared memory: the first k are the row's k best */
+    /* one of the row's k best candidates (key) into the entropy's sums */
+    auto add = [&](uint32_t key) {
+        const float x = hs_unkey32(key);
+        if (x == -HS_INF) return;
+        double d = (double)x / temperature - zmax, ex = exp(d);
+        Z += ex;
+        S += ex * d;
+    };
+    if (hs_merge_sorts(C, k)) { /* the candidates sorted in shared memory: the first k are the row's k best */
         const hs_sorted srt = hs_merge_sort(ckey + r * C * k, cidx + r * C * k, P, C, k, stage, red);
-        for (int64_t q = threadIdx.x; q < k && q < srt.n; q += blockDim.x) {
-            const float x = hs_unkey32(srt.key[q]);
-            if (x == -HS_INF) continue;
-            double d = (double)x / temperature - zmax, ex = exp(d);
-            Z += ex;
-            S += ex * d;
-        }
+        for (int64_t q = threadIdx.x; q < k && q < srt.n; q += blockDim.x) add(srt.key[q]);
     } else { /* each candidate's rank by binary searches in the other chunks' lists (global memory) */
         const hs_cands v = hs_merge_stage(ckey + r * C * k, cidx + r * C * k, P, C, k, 0, stage);
-        for (int64_t e = threadIdx.x; e < C * k; e += blockDim.x) {
-            const int64_t c = e / k, j = e % k;
-            if (j >= v.count[c] || hs_merge_rank(v, C, (int)k, c, j) >= k) continue;
-            const float x = hs_unkey32(v.key[e]);
-            if (x == -HS_INF) continue;
-            double d = (double)x / temperature - zmax, ex = exp(d);
-            Z += ex;
-            S += ex * d;
-        }
+        for (int64_t e = threadIdx.x; e < C * k; e += blockDim.x)
+            if (e % k < v.count[e / k] && hs_merge_rank(v, C, (int)k, e / k, e % k) < k) add(v.key[e]);
     }
     hs_block_entropy(Z, S, red, out + r);
 }
@@ -106,8 +101,8 @@ extern "C" hs_status hs_cuda_topk_entropy(const void *logits, hs_dtype dtype, in
         hs_chunk_out o;
         hs_status st = hs_launch_chunks(op, logits, dtype, rows, V, k, 0, ws, &o, stream, herr);
         if (st != HS_OK) return st;
-        const size_t merge_smem = o.C * k <= HS_MERGE_STAGE_MAX ? hs_merge_sort_smem(o.C, k) : hs_merge_stage_smem(o.C, k, 0);
-        rc = HS_LAUNCH(hs_k_entropy_merge, rows, HS_CHUNK_THREADS, HS_CHUNK_THREADS * sizeof(long long) + merge_smem, stream, o.C, k,
+        rc = HS_LAUNCH(hs_k_entropy_merge, rows, HS_CHUNK_THREADS, HS_CHUNK_THREADS * sizeof(long long) + hs_merge_smem(o.C, k),
+                       stream, o.C, k,
                        temperature, (const hs_part *)o.parts, (const uint32_t *)o.ck, (const int64_t *)o.ci, out, err);
         return hs_launched(rc, op, herr);
     }

@@ -213,6 +213,12 @@ __host__ __device__ static inline size_t hs_merge_sort_smem(int64_t C, int64_t K
     const int64_t n2 = hs_pow2_at_least(C * K);
     return hs_al16((size_t)n2 * 4) + (size_t)n2 * 8;
 }
+/* Whether the entropy and expand merges sort a row's C * K candidates (else they rank them), and their shared
+ * memory for it: one rule for the kernels and their launchers. */
+__host__ __device__ static inline int hs_merge_sorts(int64_t C, int64_t K) { return C * K <= HS_MERGE_STAGE_MAX; }
+__host__ __device__ static inline size_t hs_merge_smem(int64_t C, int64_t K) {
+    return hs_merge_sorts(C, K) ? hs_merge_sort_smem(C, K) : hs_merge_stage_smem(C, K, 0);
+}
 struct hs_sorted {
     const uint32_t *key;
     const int64_t *id;

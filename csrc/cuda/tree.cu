@@ -182,8 +182,7 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_expand_merge(int64_t B, int64_t
     float m;
     long long bad;
     hs_merge_max(P, C, w.red, &m, &bad);
-    /* past the expand kernels' own shared memory (hs_expand_smem, 16-byte aligned); block-uniform */
-    const int sorted = C * k <= HS_MERGE_STAGE_MAX;
+    /* the merge works past the expand kernels' own shared memory (hs_expand_smem, 16-byte aligned) */
     if (hs_row_ok(bad, m, r, err) && w.ok) {
         double s = 0.0;
         for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
@@ -191,7 +190,7 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_expand_merge(int64_t B, int64_t
         s = hs_block_reduce(s, (double *)w.red, hs_op_sum());
         const double lse = log(s);
         double Z = 0.0, S = 0.0;
-        if (sorted) { /* the candidates sorted in shared memory: position q is the q-th best of the row */
+        if (hs_merge_sorts(C, k)) { /* the candidates sorted in shared memory: position q is the q-th best of the row */
             const hs_sorted srt = hs_merge_sort(ckey + r * C * k, cidx + r * C * k, P, C, k, hs_smem() + stage_off, w.red);
             for (int64_t q = threadIdx.x; q < k && q < srt.n; q += blockDim.x)
                 hs_expand_out(srt.id[q], hs_unkey32(srt.key[q]), (w.bi * B + w.b) * k + q, m, lse, w.base, w.node, d2t,
@@ -257,8 +256,7 @@ extern "C" hs_status hs_cuda_expand(const void *logits, hs_dtype logit_dtype, in
         if (st != HS_OK) return st;
         const unsigned tc = HS_CHUNK_THREADS;
         const size_t stage_off = hs_al16(hs_expand_smem(tc, k));
-        const size_t merge_smem = o.C * k <= HS_MERGE_STAGE_MAX ? hs_merge_sort_smem(o.C, k) : hs_merge_stage_smem(o.C, k, 0);
-        rc = HS_LAUNCH(hs_k_expand_merge, rows, tc, stage_off + merge_smem, stream,
+        rc = HS_LAUNCH(hs_k_expand_merge, rows, tc, stage_off + hs_merge_smem(o.C, k), stream,
                        B, o.C, (const hs_part *)o.parts, (const uint32_t *)o.ck, (const int64_t *)o.ci, beam_scores,
                        (int)score_dtype, beam_nodes, (int)node_dtype, k, d2t, (int)d2t_dtype, node_offset, out_tokens,
                        out_scores, out_parents, out_entropy, out_next_beams, ctr, err, stage_off);
