@@ -10,7 +10,7 @@ Environment switches:
   HETEROSPEC_CUDA=auto    (default) build the CUDA path when nvcc is found, skip it otherwise
   HETEROSPEC_CUDA=1       require it (fail without nvcc)
   HETEROSPEC_CUDA=0       never build it
-  HETEROSPEC_CUDA=emu     compile the kernels as host C++ (one std::thread per CUDA thread) and treat
+  HETEROSPEC_CUDA=emu     compile the kernels as host C++ (each CUDA thread a fiber) and treat
                           DLPack "CUDA" tensors as host memory: for testing the kernels' logic on machines
                           without a GPU (the device tests of tests/ops); never for real use
   HETEROSPEC_EMU_BLOCKS=gpu with HETEROSPEC_CUDA=emu: emulate the GPU's block sizes (1024/256 threads)

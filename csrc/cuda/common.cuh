@@ -3,8 +3,8 @@
  * reductions and scans over shared memory, the device error record, and a block-wide radix select.
  *
  * The same source also compiles as plain C++20 with HS_CUDA_EMU defined: then a "kernel launch" runs
- * every block in turn on the host, each CUDA thread a std::thread, __syncthreads a std::barrier and the
- * dynamic shared memory one buffer per block.  That build (HETEROSPEC_CUDA=emu) lets the CPU-only CI
+ * every block in turn on the host, each CUDA thread a fiber (ucontext) on the calling thread, __syncthreads a
+ * switch to the next fiber, and the dynamic shared memory one buffer per block.  That build (HETEROSPEC_CUDA=emu) lets the CPU-only CI
  * run the kernels' logic through the real binding against the CPU core; it says nothing about speed and
  * cannot see GPU-only faults (memory model subtleties, launch limits), which the GPU parity run covers.
  * Because of it the kernels use only block-level shared-memory cooperation (no warp shuffles, no CUB)
@@ -29,9 +29,6 @@
 #ifdef HS_CUDA_EMU
 /* ---- host emulation of the CUDA execution model ------------------------------------------------------ */
 #include <atomic>
-#include <barrier>
-#include <thread>
-#include <vector>
 
 struct dim3 {
     unsigned x, y, z;
@@ -41,8 +38,12 @@ namespace hs_emu {
 extern thread_local dim3 thread_idx, block_idx;
 extern thread_local dim3 block_dim, grid_dim;
 extern thread_local char *smem;
-extern thread_local std::barrier<> *bar;
 extern std::atomic<long long> blocks_run; /* blocks every launch ran so far (hs_cuda_emu_blocks; for tests) */
+/* Run call(arg) -- one block's kernel body -- for every block of `grid` in turn, each of block.x CUDA threads a
+ * fiber (runtime.cu); sync() is __syncthreads: the calling fiber yields, and resumes once every fiber of its block
+ * has reached its next sync() or returned. */
+void run_blocks(dim3 grid, dim3 block, size_t smem, void (*call)(void *), void *arg);
+void sync();
 }
 #define threadIdx (hs_emu::thread_idx)
 #define blockIdx (hs_emu::block_idx)
@@ -53,7 +54,7 @@ extern std::atomic<long long> blocks_run; /* blocks every launch ran so far (hs_
 #define __host__
 #define __forceinline__ inline
 #define __restrict__
-inline void __syncthreads() { hs_emu::bar->arrive_and_wait(); }
+inline void __syncthreads() { hs_emu::sync(); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 template <class T> inline T atomicAdd(T *p, T v) {
     T old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
@@ -92,40 +93,19 @@ inline unsigned long long __double_as_longlong(double d) { unsigned long long u;
 inline double __longlong_as_double(unsigned long long u) { double d; memcpy(&d, &u, 8); return d; }
 typedef void *hs_stream_t;
 
-/* Run kernel(args...) on grid x block threads; blocks in order, threads of a block concurrently. */
+/* Run kernel(args...) on grid x block threads: blocks in order, the threads of a block as fibers taking turns at
+ * every __syncthreads (runtime.cu, hs_emu::run_blocks). */
 /* Launch limits a real GPU enforces, so the emulation refuses what sm_80 would: at most 1024 threads per
  * block and 163 KB of dynamic shared memory (sm_90 allows 227 KB). */
 #define HS_EMU_SMEM_LIMIT (163 * 1024)
+template <class F> inline void hs_emu_call(void *f) { (*(F *)f)(); }
 template <class... P, class... A>
 inline int hs_emu_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
     if (block.x > 1024 || smem > HS_EMU_SMEM_LIMIT) return 1;
-    std::vector<char> buf(smem + 16);
     hs_emu::blocks_run += grid.x;
     if (grid.x == 0) return 0;
-    /* one thread per CUDA thread for the whole launch, running the blocks in turn (starting 64-1024 threads per
-     * block made launches of many small blocks cost milliseconds each); a barrier between blocks, and the shared
-     * memory garbage again before each, as on a GPU.  A kernel's threads return block-uniformly or without a
-     * later __syncthreads (one that did not would have hung the emulation before as it would misbehave now) */
-    std::barrier<> barrier((std::ptrdiff_t)block.x);
-    memset(buf.data(), 0xA5, buf.size());
-    std::vector<std::thread> threads;
-    for (unsigned t = 0; t < block.x; t++) {
-        threads.emplace_back([&, t]() {
-            hs_emu::thread_idx = dim3(t);
-            hs_emu::block_dim = block;
-            hs_emu::grid_dim = grid;
-            hs_emu::smem = buf.data();
-            hs_emu::bar = &barrier;
-            for (unsigned b = 0; b < grid.x; b++) {
-                hs_emu::block_idx = dim3(b);
-                kernel(args...);
-                barrier.arrive_and_wait(); /* every thread of block b is done */
-                if (t == 0) memset(buf.data(), 0xA5, buf.size());
-                barrier.arrive_and_wait();
-            }
-        });
-    }
-    for (auto &th : threads) th.join();
+    auto call = [&]() { kernel(args...); };
+    hs_emu::run_blocks(grid, block, smem, hs_emu_call<decltype(call)>, &call);
     return 0;
 }
 #define HS_LAUNCH(kernel, grid, block, smem, stream, ...) ((void)(stream), hs_emu_launch(kernel, dim3(grid), dim3(block), smem, __VA_ARGS__))
@@ -195,7 +175,7 @@ __host__ __device__ static inline size_t hs_al16(size_t n) { return (n + 15) & ~
 /* Threads per block for vocabulary-wide row kernels and for small per-tree kernels. */
 #ifdef HS_CUDA_EMU
 /* 64 threads per block by default: every code path, fast enough for CI; HETEROSPEC_EMU_BLOCKS=gpu builds the
- * emulation with the GPU's block sizes (1024/256) to exercise their paths too (slow: a std::thread each). */
+ * emulation with the GPU's block sizes (1024/256) to exercise their paths too (slower: a fiber each). */
 #ifndef HS_EMU_ROW_THREADS
 #define HS_EMU_ROW_THREADS 64
 #endif

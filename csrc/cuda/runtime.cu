@@ -316,11 +316,157 @@ extern "C" void hs_cuda_error_message(const hs_cuda_error *e, const char *op, ch
 }
 
 #ifdef HS_CUDA_EMU
+/* ---- the emulation's launches: a block's CUDA threads as fibers ---------------------------------------------
+ * One launch runs on the thread that makes it: block.x fibers (ucontext, each on a stack of its own) take turns,
+ * each running until its next __syncthreads or until it has run every block's kernel body; a round robin over
+ * the fibers is then exactly a barrier.  Before, every CUDA thread was a std::thread and __syncthreads a
+ * std::barrier: each barrier woke 64-1024 OS threads on CI's 2 cores, and the sanitized op tests spent most of
+ * their time in the kernel's futexes (CI stage 2: 36 minutes, two thirds of them system time).  Fibers run the
+ * threads of a block in a fixed order between barriers, so the emulation no longer interleaves them at random;
+ * a data race inside a block is compute-sanitizer's racecheck to find on a GPU (.ci/gpu's sanitizer phase). */
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <vector>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define HS_EMU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define HS_EMU_ASAN 1
+#endif
+#endif
+#ifdef HS_EMU_ASAN
+#include <sanitizer/common_interface_defs.h>
+#endif
+
 namespace hs_emu {
 thread_local dim3 thread_idx, block_idx;
 thread_local dim3 block_dim, grid_dim;
 thread_local char *smem;
-thread_local std::barrier<> *bar;
 std::atomic<long long> blocks_run{0};
+
+/* 128 KB a fiber (the kernels keep small locals, and AddressSanitizer's redzones fit), above a guard page */
+static const size_t FIBER_STACK = 128 * 1024, GUARD = 4096;
+
+struct fiber {
+    ucontext_t ctx;
+    char *stack;
+    unsigned block; /* the block it runs */
+    int done;
+};
+struct launch {
+    ucontext_t host; /* the launching thread's context, resumed between fibers */
+    std::vector<fiber> f;
+    unsigned cur, nblocks;
+    size_t smem_bytes;
+    void (*call)(void *);
+    void *arg;
+    const void *host_bottom; /* the launching thread's stack, for AddressSanitizer's fiber switches */
+    size_t host_size;
+};
+static thread_local launch *now;
+/* each launching thread keeps its fibers' stacks (mapped on first use, never unmapped: a few MB of address space
+ * for 64 threads, 256 MB for the GPU's 1,024 of HETEROSPEC_EMU_BLOCKS=gpu, touched only as deep as used) */
+static thread_local std::vector<char *> stacks;
+
+__attribute__((noinline)) static void to_host(launch *L, int dying) {
+#ifdef HS_EMU_ASAN
+    void *fake = nullptr;
+    __sanitizer_start_switch_fiber(dying ? nullptr : &fake, L->host_bottom, L->host_size);
+#else
+    (void)dying;
+#endif
+    swapcontext(&L->f[L->cur].ctx, &L->host);
+#ifdef HS_EMU_ASAN
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+}
+
+/* Resume fiber t until its next sync() or its end (a function of its own: swapcontext returns twice, and the
+ * scheduler's loop variables must not live in its frame) */
+__attribute__((noinline)) static void to_fiber(launch *L, unsigned t) {
+    L->cur = t;
+    thread_idx = dim3(t);
+    block_idx = dim3(L->f[t].block);
+#ifdef HS_EMU_ASAN
+    void *fake = nullptr;
+    __sanitizer_start_switch_fiber(&fake, L->f[t].stack, FIBER_STACK);
+#endif
+    swapcontext(&L->host, &L->f[t].ctx);
+#ifdef HS_EMU_ASAN
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+}
+
+static void fiber_main() {
+    launch *L = now;
+#ifdef HS_EMU_ASAN
+    __sanitizer_finish_switch_fiber(nullptr, &L->host_bottom, &L->host_size);
+#endif
+    const unsigned t = L->cur;
+    for (unsigned b = 0; b < L->nblocks; b++) {
+        L->f[t].block = b;
+        block_idx = dim3(b);
+        L->call(L->arg);
+        sync(); /* every thread of block b is done */
+        if (t == 0) memset(smem, 0xA5, L->smem_bytes + 16);
+        sync(); /* the next block's shared memory is garbage again, as on a GPU */
+    }
+    L->f[t].done = 1;
+    to_host(L, 1); /* never resumed */
+    abort();
+}
+
+void sync() { to_host(now, 0); }
+
+/* A fiber that starts in fiber_main on `stack` (getcontext returns twice: kept out of the caller's frame) */
+__attribute__((noinline)) static void make_fiber(fiber *f, char *stack) {
+    f->stack = stack;
+    f->block = 0;
+    f->done = 0;
+    getcontext(&f->ctx);
+    f->ctx.uc_stack.ss_sp = stack;
+    f->ctx.uc_stack.ss_size = FIBER_STACK;
+    f->ctx.uc_link = nullptr;
+    makecontext(&f->ctx, fiber_main, 0);
+}
+
+void run_blocks(dim3 grid, dim3 block, size_t smem_bytes, void (*call)(void *), void *arg) {
+    std::vector<char> buf(smem_bytes + 16);
+    launch L;
+    memset(&L.host, 0, sizeof L.host); /* no stack of its own for AddressSanitizer's swapcontext to clear */
+    L.f.resize(block.x);
+    L.cur = 0;
+    L.nblocks = grid.x;
+    L.smem_bytes = smem_bytes;
+    L.call = call;
+    L.arg = arg;
+    L.host_bottom = nullptr;
+    L.host_size = 0;
+    while (stacks.size() < block.x) {
+        void *p = mmap(nullptr, GUARD + FIBER_STACK, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                       -1, 0);
+        if (p == MAP_FAILED || mprotect(p, GUARD, PROT_NONE) != 0) {
+            fprintf(stderr, "heterospec: the CUDA emulation could not map a fiber stack\n");
+            abort();
+        }
+        stacks.push_back((char *)p + GUARD);
+    }
+    launch *outer = now;
+    now = &L;
+    block_dim = block;
+    grid_dim = grid;
+    smem = buf.data();
+    memset(buf.data(), 0xA5, buf.size());
+    for (unsigned t = 0; t < block.x; t++) make_fiber(&L.f[t], stacks[t]);
+    for (unsigned live = block.x; live > 0;) {
+        for (unsigned t = 0; t < block.x; t++) {
+            if (L.f[t].done) continue;
+            to_fiber(&L, t);
+            live -= L.f[t].done;
+        }
+    }
+    now = outer;
+}
 }
 #endif

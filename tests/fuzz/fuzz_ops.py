@@ -63,7 +63,7 @@ _ONLY = [d for d in os.environ.get("HETEROSPEC_FUZZ_DEVICES", "").split(",") if 
 assert set(_ONLY) <= set(DEVICES), f"HETEROSPEC_FUZZ_DEVICES: expected names from {sorted(set(DEVICES))}, got {_ONLY}"
 MAX_ELEMENTS = 1 << 14
 EMU_MAX_KV_BLOCKS = 32   # an emulated kv_compact of more leading rows (with bytes) runs on NumPy arrays instead: at
-                         # 128 std::threads a block, hundreds of blocks take seconds, and -timeout would call it a hang
+                         # 128 fibers a block, hundreds of blocks take seconds, and -timeout would call it a hang
 BIG = [2**31 - 1, 2**31, 2**32, 2**32 + 1, 2**53 + 1, 2**62, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -1, -2**31,
        -2**63, -2**63 - 1, 10**30]
 
@@ -481,7 +481,7 @@ def host_array(args, kwargs):
 
 def emu_kv_blocks(tensors):
     """The blocks of an emulated kv_compact launch: one per leading row of each tensor that holds bytes
-    (csrc/cuda/kv.cu), each 128 std::threads on the host."""
+    (csrc/cuda/kv.cu), each 128 fibers on the host."""
     return sum(int(np.prod(t.values.shape[:-2])) for t in tensors
                if isinstance(t, A) and t.values.ndim >= 2 and t.values.shape[-2] and t.values.shape[-1])
 

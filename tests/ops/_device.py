@@ -4,7 +4,7 @@ device-side checks, device outputs, streams and graph capture.
 Every parity test runs the same random inputs (odd sizes, ties, every logits dtype) through the C core on
 the CPU and through the kernels, and asserts integers equal and floats to 1e-5 relative.  They run on a real
 GPU (torch CUDA tensors) when there is one, and otherwise on the emulated build (HETEROSPEC_CUDA=emu, CI
-stage 2: the same kernel source compiled as host C++, one thread per CUDA thread, DLPack "CUDA" tensors in
+stage 2: the same kernel source compiled as host C++, each CUDA thread a fiber, DLPack "CUDA" tensors in
 host memory) -- which checks the kernels' logic but neither their speed nor GPU-only behaviour.  Every device
 test carries :func:`on_device`; tests that need a real GPU (graph capture, streams, two devices, the statistical
 test on the GPU path) also carry ``need_gpu`` and skip with the reason where there is none."""

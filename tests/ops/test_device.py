@@ -23,8 +23,7 @@ def test_build_info_says_cuda():
 def test_largest_trees_parity():
     """Trees at the CUDA path's limit (4096 nodes): their walk kernels need more than 48 KB of shared memory
     on a GPU, which a launch gets only after opting in (cudaFuncSetAttribute); without it they would fail.
-    The emulated build runs 512 nodes (a std::thread per CUDA thread makes 4096 take minutes; 4096 passed
-    there once, by hand)."""
+    The emulated build runs 512 nodes (4096 nodes take minutes there; they passed once, by hand)."""
     rng = np.random.default_rng(4096)
     T, V = (4096 if REAL else 512), 16
     parents = np.array([-1] + [(i - 1) // 8 for i in range(1, T)], np.int64)  # 8-ary: shallow, so quick
