@@ -321,7 +321,7 @@ extern "C" void hs_cuda_error_message(const hs_cuda_error *e, const char *op, ch
  * each running until its next __syncthreads or until it has run every block's kernel body; a round robin over
  * the fibers is then exactly a barrier.  Before, every CUDA thread was a std::thread and __syncthreads a
  * std::barrier: each barrier woke 64-1024 OS threads on CI's 2 cores, and the sanitized op tests spent most of
- * their time in the kernel's futexes (CI stage 2: 36 minutes, two thirds of them system time).  Fibers run the
+ * their time in the kernel's futexes (benchmarks/RESULTS.md has the numbers).  Fibers run the
  * threads of a block in a fixed order between barriers, so the emulation no longer interleaves them at random;
  * a data race inside a block is compute-sanitizer's racecheck to find on a GPU (.ci/gpu's sanitizer phase). */
 #include <sys/mman.h>
