@@ -7,9 +7,25 @@ instead of being skipped silently.  Select one implementation with ``-k ref`` or
 (``-k c`` is a substring match and selects nearly everything).  No test name may contain "ref".
 """
 import importlib
+import os
+import sys
 
 import numpy as np
 import pytest
+
+# pytest-xdist workers share the machine's cores: each worker's torch (and the CLI subprocesses it starts) gets
+# its share of them instead of one intra-op thread per core each, which oversubscribes the cores and slows every
+# worker down. Set before any test imports torch; an OMP_NUM_THREADS given by the caller wins.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+
+# the repository's root, where benchmarks/ sits beside tests/ (a checkout, not CI's copies of tests/ beside an
+# installed wheel): the tests of the benchmark scripts import them as `benchmarks.*`, whichever xdist worker runs
+# them and whatever ran before
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isdir(os.path.join(ROOT, "benchmarks")) and ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
 IMPLS = {"c": "heterospec.ops", "ref": "heterospec.reference"}
 

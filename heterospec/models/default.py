@@ -19,6 +19,7 @@ import collections
 import importlib.util
 import json
 import os
+import shutil
 
 from .. import measure
 
@@ -174,14 +175,22 @@ def _save_plain(model, tok, cache, meta=None):
     plain.load_state_dict(model.state_dict())
     if getattr(model, "generation_config", None) is not None:
         plain.generation_config = model.generation_config
-    tmp = cache + ".tmp"
-    os.makedirs(tmp, exist_ok=True)
+    # a folder of this process's own, renamed into place whole: processes converting at once (notebooks, a test
+    # run spread over cores) never write into one folder, and the first rename wins
+    tmp = f"{cache}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
     plain.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     if meta is not None:
         with open(os.path.join(tmp, CACHE_METADATA), "w") as f:
             json.dump(meta, f, indent=1)
-    os.replace(tmp, cache) if not os.path.exists(cache) else None
+    try:
+        os.rename(tmp, cache)
+    except OSError:   # another process's conversion got there first (a folder cannot replace a non-empty one)
+        if not os.path.exists(os.path.join(cache, "config.json")):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def default_target(device="cpu", dtype=None, attn_implementation="sdpa"):

@@ -13,6 +13,8 @@ from .prompts import SELF
 def check_device(text):
     """``--device`` -> the canonical torch device string (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...).  Raises
     ValueError with a one-line reason when torch cannot parse it or this machine does not have it."""
+    if text == "cpu":   # the default: no torch import (3 s) before the other arguments are checked
+        return text
     import torch
 
     try:

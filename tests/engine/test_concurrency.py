@@ -95,32 +95,41 @@ def test_the_gil_is_released_during_a_core_call_and_held_when_asked():
     """Another Python thread counts while one core call runs: it counts all along when the GIL is released, and
     only around the core call (a small fraction) when it is held."""
     logits = np.random.default_rng(0).normal(size=(256, 200000)).astype(np.float32)
-    progress = {}
-    for mode in ("released", "held"):
-        before = _C._set_release_gil(mode == "released")
-        try:
-            count, stop = [0], threading.Event()
 
-            def spin():
-                while not stop.is_set():
-                    count[0] += 1
+    def measure():
+        progress = {}
+        for mode in ("released", "held"):
+            before = _C._set_release_gil(mode == "released")
+            try:
+                count, stop = [0], threading.Event()
 
-            t = threading.Thread(target=spin)
-            t.start()
-            time.sleep(0.05)
-            c0 = count[0]
-            t0 = time.perf_counter()
-            ops.topk_entropy(logits, 64)
-            elapsed = time.perf_counter() - t0
-            progress[mode] = (count[0] - c0, elapsed)
-            stop.set()
-            t.join()
-        finally:
-            _C._set_release_gil(before)
-    steps, elapsed = progress["released"]
-    assert elapsed > 0.02 and steps > 1000, progress
-    # held: the spinner runs only in the Python around the core call (the interpreter's switch interval)
-    assert progress["held"][0] * 4 < steps, progress
+                def spin():
+                    while not stop.is_set():
+                        count[0] += 1
+
+                t = threading.Thread(target=spin)
+                t.start()
+                time.sleep(0.05)
+                c0 = count[0]
+                t0 = time.perf_counter()
+                ops.topk_entropy(logits, 64)
+                elapsed = time.perf_counter() - t0
+                progress[mode] = (count[0] - c0, elapsed)
+                stop.set()
+                t.join()
+            finally:
+                _C._set_release_gil(before)
+        steps, elapsed = progress["released"]
+        # held: the spinner runs only in the Python around the core call (the interpreter's switch interval)
+        return elapsed > 0.02 and steps > 1000 and progress["held"][0] * 4 < steps, progress
+
+    # up to three tries: where other processes share the cores (pytest-xdist's workers), the OS may leave the
+    # spinner off a core for a whole call; a held GIL fails all three, as it stops the spinner every time
+    for _ in range(3):
+        ok, progress = measure()
+        if ok:
+            break
+    assert ok, progress
 
 
 # ---- the engine ----------------------------------------------------------------------------------------------

@@ -342,12 +342,9 @@ def test_captured_costs_need_a_gpu(setup):
 def test_the_graphs_benchmark_runs_its_forward_part(setup):
     """benchmarks/bench_graphs.py's forward table on the tiny target (eager only on a CPU; all three columns
     on a GPU), so the script .ci/gpu runs cannot rot."""
-    import sys as _sys
-
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if not os.path.exists(os.path.join(root, "benchmarks", "bench_graphs.py")):
         pytest.skip("benchmarks/ is not next to tests/")
-    _sys.path.insert(0, root)
     from benchmarks import bench_graphs
 
     model, *_ = setup

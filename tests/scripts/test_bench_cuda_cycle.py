@@ -4,7 +4,6 @@ accepts the same length as heterospec.ops.  These tests run that cross-check on 
 and show it fires when the two disagree, so the GPU run cannot time a baseline that computes something
 else."""
 import os
-import sys
 
 import pytest
 
@@ -13,7 +12,6 @@ torch = pytest.importorskip("torch")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if not os.path.exists(os.path.join(ROOT, "benchmarks", "bench_cuda_cycle.py")):
     pytest.skip("benchmarks/ is not next to tests/ (installed-package run)", allow_module_level=True)
-sys.path.insert(0, ROOT)
 from benchmarks import bench_cuda_cycle as bench  # noqa: E402
 
 from heterospec import ops  # noqa: E402

@@ -18,7 +18,6 @@ pytest.importorskip("safetensors")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if not os.path.isdir(os.path.join(ROOT, "benchmarks")):
     pytest.skip("benchmarks/ is not next to tests/ here", allow_module_level=True)
-sys.path.insert(0, ROOT)
 
 from benchmarks import head_window as hw  # noqa: E402
 from _pairs import WORDS, save_tiny_pair  # noqa: E402

@@ -4,7 +4,6 @@ and vLLM's layouts and loaded back, every method timed, the cost model fitted, t
 checked against ar's, and a projection that says it is one."""
 import json
 import os
-import sys
 
 import pytest
 
@@ -15,7 +14,6 @@ pytest.importorskip("safetensors")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if not os.path.isdir(os.path.join(ROOT, "benchmarks")):
     pytest.skip("benchmarks/ is not next to tests/ here", allow_module_level=True)
-sys.path.insert(0, ROOT)
 
 from benchmarks import scale_rehearsal  # noqa: E402
 

@@ -3,14 +3,12 @@ on, with a log-linear fit.  The fit is checked on points built from a known law,
 import json
 import math
 import os
-import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if not os.path.exists(os.path.join(ROOT, "benchmarks", "scaling_curve.py")):
     pytest.skip("benchmarks/ is not next to tests/ (installed-package run)", allow_module_level=True)
-sys.path.insert(0, ROOT)
 from benchmarks import scaling_curve as sc  # noqa: E402
 
 

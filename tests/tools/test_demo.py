@@ -8,7 +8,7 @@ import sys
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 from _models import THRESHOLDS, eagle3_head, prompts, reference_greedy, tiny_target  # noqa: E402
 from _pairs import need_default_target  # noqa: E402
@@ -268,3 +268,27 @@ def test_a_busy_machine_is_named_in_one_line():
     assert measure.load_warning(load=1.5, cores=2) is None
     w = measure.load_warning(load=3.2, cores=2)
     assert w.startswith("warning: the machine's load (3.2) exceeded its 2 cores") and "\n" not in w
+
+
+def test_two_conversions_into_one_cache_leave_one_whole_cache(tmp_path):
+    """Processes converting the default target at once (two notebooks, a test run spread over cores) each write
+    a folder of their own and rename it into place: the first wins, the second leaves the cache as it is and
+    removes its own folder (they once shared one `.tmp` folder, each writing into the other's files)."""
+    from _pairs import save_tiny_pair
+
+    from heterospec.models import default as models
+
+    model, tok = save_tiny_pair(tmp_path)
+    cache = str(tmp_path / "cache")
+    models._save_plain(model, tok, cache, {"who": "first"})
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)     # the second conversion's weights differ: it must not land
+    models._save_plain(model, tok, cache, {"who": "second"})
+    assert sorted(os.listdir(tmp_path)) == ["cache", "draft", "target"]      # no folder left behind
+    with open(os.path.join(cache, models.CACHE_METADATA)) as f:
+        assert json.load(f) == {"who": "first"}
+    kept = transformers.AutoModelForCausalLM.from_pretrained(cache)
+    assert not torch.equal(kept.lm_head.weight, model.lm_head.weight)
+    (tmp_path / "cache" / "config.json").unlink()                           # a cache that is not whole
+    with pytest.raises(OSError):
+        models._save_plain(model, tok, cache, None)
