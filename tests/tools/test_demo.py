@@ -292,3 +292,31 @@ def test_two_conversions_into_one_cache_leave_one_whole_cache(tmp_path):
     (tmp_path / "cache" / "config.json").unlink()                           # a cache that is not whole
     with pytest.raises(OSError):
         models._save_plain(model, tok, cache, None)
+
+
+def test_conversions_take_turns_under_the_cache_lock(tmp_path):
+    """A second process finding no cache waits for the first one's conversion (then loads its cache) instead
+    of converting at the same time: flock locks are per open file, so two threads show it in one process."""
+    import threading
+    import time
+
+    from heterospec.models import default as models
+
+    cache, order = str(tmp_path / "home" / "cache"), []
+    first_in = threading.Event()
+
+    def convert(name, hold):
+        with models._one_conversion_at_a_time(cache):
+            order.append(f"{name} in")
+            first_in.set()
+            time.sleep(hold)
+            order.append(f"{name} out")
+
+    a = threading.Thread(target=convert, args=("a", 0.5))
+    a.start()
+    assert first_in.wait(10)
+    b = threading.Thread(target=convert, args=("b", 0.0))
+    b.start()
+    a.join(), b.join()
+    assert order == ["a in", "a out", "b in", "b out"]
+    assert os.path.exists(cache + ".lock") and not os.path.exists(cache)   # the lock makes its folder, not the cache
