@@ -189,9 +189,14 @@ def _save_plain(model, tok, cache, meta=None):
     try:
         os.rename(tmp, cache)
     except OSError:   # another process's conversion got there first (a folder cannot replace a non-empty one)
-        if not os.path.exists(os.path.join(cache, "config.json")):
+        if not _converted(cache):
             raise
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _converted(cache):
+    """Whether ``cache`` holds a saved conversion (it is renamed into place whole, config included)."""
+    return os.path.exists(os.path.join(cache, "config.json"))
 
 
 @contextlib.contextmanager
@@ -228,9 +233,9 @@ def default_target(device="cpu", dtype=None, attn_implementation="sdpa"):
     d = gguf_path()
     gguf_file = os.path.join(d, GGUF_FILE) if d is not None else None
     with contextlib.ExitStack() as turns:
-        if not os.path.exists(os.path.join(cache, "config.json")):
+        if not _converted(cache):
             turns.enter_context(_one_conversion_at_a_time(cache))   # then look again: another may have made it
-        if os.path.exists(os.path.join(cache, "config.json")):
+        if _converted(cache):
             tok = AutoTokenizer.from_pretrained(cache)
             model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype, attn_implementation=attn_implementation)
             meta = _cache_metadata(cache, gguf_file)
