@@ -248,6 +248,20 @@ def main(argv=None):
     except UsageError as e:
         parser.exit(2, f"heterospec {args.cmd}: error: {e}\n")
     args.argv = list(sys.argv[1:] if argv is None else argv)[1:]
+    try:
+        return _run(args)
+    except UsageError as e:      # found once the command has read its files: the same one line and status
+        parser.exit(2, f"heterospec {args.cmd}: error: {e}\n")
+    except SystemExit as e:
+        # a command's own refusal, ``raise SystemExit("heterospec bench: --x expected ..., got ...")``: bad input,
+        # so argparse's status 2 (the interpreter would exit 1 with it), the one line unchanged
+        if isinstance(e.code, str):
+            parser.exit(2, e.code.rstrip("\n") + "\n")
+        raise
+
+
+def _run(args):
+    """The command ``args.cmd``, its arguments checked -> the exit status."""
     if args.cmd == "demo":
         if args.synthetic:
             from .demo import synthetic_cycle

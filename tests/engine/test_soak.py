@@ -15,7 +15,7 @@ from heterospec import HeteroSpec, Policy  # noqa: E402
 from heterospec.engine.cycle import MAX_GRAPH_SETS  # noqa: E402
 
 LONG = 1024
-CALLS = 200
+CALLS = 100
 
 
 def rss_mb():

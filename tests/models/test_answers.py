@@ -4,8 +4,6 @@ the CLI's --answers."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -133,52 +131,51 @@ def test_features_are_cached_per_shard_and_recomputed_for_other_settings(tmp_pat
     assert calls == [2, 2, 2, 2, 1] and len(recs3) == 5      # shard 0 was overwritten with top-k 3; shard 2 is new
 
 
-def test_train_draft_on_answers_command(tmp_path):
+def test_train_draft_on_answers_command(tmp_path, capsys):
     """The CLI: --answers DIR --collect-only answers the shuffled list (kept in DIR/prompts.json.gz); a later run
     trains on the first --max-prompts from them, the features cached in --features; bad combinations exit 2."""
+    from _cli import run_cli
     from _pairs import save_tiny_pair
 
     save_tiny_pair(tmp_path)
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(json.dumps({"question": f"w{i} w{i + 3} w{i + 7}"}) for i in range(7)))
     ans = tmp_path / "answers"
-    base = [sys.executable, "-m", "heterospec", "train-draft", "--target", str(tmp_path / "target"), "--data",
+    base = ["train-draft", "--target", str(tmp_path / "target"), "--data",
             str(data), "--out", str(tmp_path / "trained"), "--max-new-tokens", "8", "--answers", str(ans),
             "--shard-size", "3", "--device", "cpu", "--features", str(tmp_path / "feat")]
-    res = subprocess.run(base + ["--collect-only", "--max-prompts", "5"], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    assert "0 of 3 shards answered" in res.stdout and not (tmp_path / "trained").exists()
+    rc, out, err = run_cli(base + ["--collect-only", "--max-prompts", "5"], capsys)
+    assert rc == 0, err
+    assert "0 of 3 shards answered" in out and not (tmp_path / "trained").exists()
     listed = am.AnswerStore.read_prompts(ans)["prompts"]
     assert sorted(listed) == sorted(f"w{i} w{i + 3} w{i + 7}" for i in range(7))
     assert am.AnswerStore(ans, am.AnswerStore.read_manifest(ans)).present() == [0, 1]
     data.write_text("")                                   # a rerun reads the saved list, not --data
-    res = subprocess.run(base + ["--max-prompts", "6", "--steps", "3", "--val-fraction", "0.2",
-                                 "--draft-vocab-size", "40"], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    assert "features of shard 1" in res.stdout and "100.00 %" in res.stdout
+    rc, out, err = run_cli(base + ["--max-prompts", "6", "--steps", "3", "--val-fraction", "0.2",
+                                 "--draft-vocab-size", "40"], capsys)
+    assert rc == 0, err
+    assert "features of shard 1" in out and "100.00 %" in out
     assert sorted(p.name for p in (tmp_path / "feat").glob("*.pt")) == ["features-00000.pt", "features-00001.pt"]
     meta = json.loads((tmp_path / "trained" / "training_log.json").read_text())
     assert meta["sequences"] + meta["validation_sequences"] == 6
     # without --max-prompts a training run answers nothing new: it trains on the answered shards, --epochs
     # passes over them (6 sequences, batches of 4: 2 epochs = 3 steps)
-    res = subprocess.run(base + ["--epochs", "2", "--batch-size", "4", "--val-fraction", "0", "--draft-vocab-size",
-                                 "40", "--out", str(tmp_path / "epochs")], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    assert "2 of 3 shards answered" in res.stdout and "0 to answer now" in res.stdout
+    rc, out, err = run_cli(base + ["--epochs", "2", "--batch-size", "4", "--val-fraction", "0", "--draft-vocab-size",
+                                 "40", "--out", str(tmp_path / "epochs")], capsys)
+    assert rc == 0, err
+    assert "2 of 3 shards answered" in out and "0 to answer now" in out
     assert am.AnswerStore(ans, am.AnswerStore.read_manifest(ans)).present() == [0, 1]
     meta = json.loads((tmp_path / "epochs" / "training_log.json").read_text())
     assert meta["sequences"] == 6 and meta["steps"] == 3
-    res = subprocess.run(base + ["--epochs", "0"], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 2 and "--epochs: expected a number > 0, got 0" in res.stderr
-    res = subprocess.run(base + ["--records", str(tmp_path / "rec")], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 2 and "--answers" in res.stderr and "Traceback" not in res.stderr
-    res = subprocess.run(base + ["--max-new-tokens", "9", "--collect-only"], capture_output=True, text=True,
-                         timeout=120)
-    assert res.returncode == 2 and "--max-new-tokens: expected 8 (the answers in" in res.stderr
-    assert "got 9" in res.stderr and "Traceback" not in res.stderr
-    res = subprocess.run(base + ["--answer-dtype", "bfloat16", "--collect-only"], capture_output=True, text=True,
-                         timeout=120)
-    assert res.returncode == 2 and "--answer-dtype: expected float32" in res.stderr
+    rc, out, err = run_cli(base + ["--epochs", "0"], capsys)
+    assert rc == 2 and "--epochs: expected a number > 0, got 0" in err
+    rc, out, err = run_cli(base + ["--records", str(tmp_path / "rec")], capsys)
+    assert rc == 2 and "--answers" in err and "Traceback" not in err
+    rc, out, err = run_cli(base + ["--max-new-tokens", "9", "--collect-only"], capsys)
+    assert rc == 2 and "--max-new-tokens: expected 8 (the answers in" in err
+    assert "got 9" in err and "Traceback" not in err
+    rc, out, err = run_cli(base + ["--answer-dtype", "bfloat16", "--collect-only"], capsys)
+    assert rc == 2 and "--answer-dtype: expected float32" in err
 
 
 def test_training_under_bf16_autocast_lowers_the_loss(tmp_path, monkeypatch):
@@ -204,10 +201,11 @@ def test_training_under_bf16_autocast_lowers_the_loss(tmp_path, monkeypatch):
         tr.train_draft(model, None, tmp_path / "x", records=records, steps=1, autocast="int8")
 
 
-def test_later_turns_are_answered_after_the_targets_own_earlier_answers(tmp_path):
+def test_later_turns_are_answered_after_the_targets_own_earlier_answers(tmp_path, capsys):
     """Issue 43.1, multi-turn: a conversation's turn t is asked after turns 1..t-1 and the target's own answers to
     them (the chat rendering of encode_turn), in a store of its own per answered shard and turn; training reads
     them all."""
+    from _cli import run_cli
     from _pairs import save_tiny_pair
 
     from heterospec.tools.commands import LATER
@@ -218,11 +216,11 @@ def test_later_turns_are_answered_after_the_targets_own_earlier_answers(tmp_path
     convs = [["w1 w2 w3", "w4 w5", "w6"], ["w7 w8"], ["w9 w10 w11", "w12 w13"]]
     data.write_text("\n".join(json.dumps({"turns": c}) for c in convs))
     ans = tmp_path / "answers"
-    base = [sys.executable, "-m", "heterospec", "train-draft", "--target", str(tmp_path / "target"), "--data",
+    base = ["train-draft", "--target", str(tmp_path / "target"), "--data",
             str(data), "--out", str(tmp_path / "trained"), "--max-new-tokens", "6", "--answers", str(ans),
             "--shard-size", "2", "--device", "cpu", "--features", str(tmp_path / "feat")]
-    res = subprocess.run(base + ["--collect-only"], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
+    rc, _, err = run_cli(base + ["--collect-only"], capsys)
+    assert rc == 0, err
     saved = am.AnswerStore.read_prompts(ans)
     order = saved["prompts"]                                    # the first turns, shuffled
     assert sorted(order) == sorted(c[0] for c in convs)
@@ -254,25 +252,25 @@ def test_later_turns_are_answered_after_the_targets_own_earlier_answers(tmp_path
             assert np.array_equal(seq[start:], want)
             checked += 1
     assert checked == 3                                          # turn 2 of two conversations, turn 3 of one
-    res = subprocess.run(base + ["--steps", "2", "--val-fraction", "0", "--draft-vocab-size", "40"],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
+    rc, _, err = run_cli(base + ["--steps", "2", "--val-fraction", "0", "--draft-vocab-size", "40"], capsys)
+    assert rc == 0, err
     meta = json.loads((tmp_path / "trained" / "training_log.json").read_text())
     assert meta["sequences"] == 3 + 3                            # three first turns, three later ones
 
 
-def _collect_conversations(tmp_path, convs, new):
+def _collect_conversations(tmp_path, convs, new, capsys):
     """train-draft --collect-only over ``convs`` (lists of user turns) into tmp_path/answers, with the tiny pair
-    saved in tmp_path/target: (the answers' directory, the finished process)."""
+    saved in tmp_path/target: (the answers' directory, what the command printed)."""
+    from _cli import run_cli
+
     data = tmp_path / "conv.jsonl"
     data.write_text("\n".join(json.dumps({"turns": c}) for c in convs))
     ans = tmp_path / "answers"
-    res = subprocess.run([sys.executable, "-m", "heterospec", "train-draft", "--target", str(tmp_path / "target"),
-                          "--data", str(data), "--out", str(tmp_path / "o"), "--max-new-tokens", str(new),
-                          "--answers", str(ans), "--shard-size", "2", "--device", "cpu", "--collect-only"],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    return ans, res
+    rc, out, err = run_cli(["train-draft", "--target", tmp_path / "target", "--data", data, "--out", tmp_path / "o",
+                            "--max-new-tokens", new, "--answers", ans, "--shard-size", "2", "--device", "cpu",
+                            "--collect-only"], capsys)
+    assert rc == 0, err
+    return ans, out
 
 
 def test_stores_answered_together_hold_what_each_would_alone(tmp_path, monkeypatch):
@@ -344,7 +342,8 @@ def test_a_stopped_save_leaves_no_shard_and_an_unrecorded_whole_shard_is_entered
         {k: entry[k] for k in ("sha256", "sequences", "answer_tokens")} and got["recovered"]
 
 
-def test_answered_later_turns_are_reopened_without_rendering_unless_their_answers_changed(tmp_path, monkeypatch):
+def test_answered_later_turns_are_reopened_without_rendering_unless_their_answers_changed(tmp_path, monkeypatch,
+                                                                                          capsys):
     """Later turns are answered turn by turn, every shard's turn t together.  A run over answered later turns
     (training's, or a window's second pass) opens each turn store by the sha256s of the answers its prompts were
     built on: nothing decoded or rendered.  A store without that record
@@ -358,10 +357,10 @@ def test_answered_later_turns_are_reopened_without_rendering_unless_their_answer
     from heterospec.tools import commands
 
     _, tok = save_tiny_pair(tmp_path)
-    ans, res = _collect_conversations(tmp_path, [["w1 w2", "w3", "w4"], ["w5 w6", "w7"], ["w8 w9", "w10", "w11"],
-                                                 ["w12 w13", "w14"]], new=6)
+    ans, out = _collect_conversations(tmp_path, [["w1 w2", "w3", "w4"], ["w5 w6", "w7"], ["w8 w9", "w10", "w11"],
+                                                 ["w12 w13", "w14"]], new=6, capsys=capsys)
     # both shards' second turns in one group of the target's batches, then the third turns
-    assert "later-turns turn 2 (2 stores, 4 prompts)" in res.stdout and "later-turns turn 3 (" in res.stdout
+    assert "later-turns turn 2 (2 stores, 4 prompts)" in out and "later-turns turn 3 (" in out
     saved = am.AnswerStore.read_prompts(ans)
     args = types.SimpleNamespace(answers=str(ans), max_new_tokens=6, max_prompts=None, no_chat_template=False,
                                  gen_batch_size=4, max_prompt_tokens=1024, deadline=None)
@@ -406,7 +405,7 @@ def test_answered_later_turns_are_reopened_without_rendering_unless_their_answer
         stores()
 
 
-def test_a_turn_cut_by_the_deadline_starts_no_later_turn(tmp_path, monkeypatch):
+def test_a_turn_cut_by_the_deadline_starts_no_later_turn(tmp_path, monkeypatch, capsys):
     """When the deadline stops a turn's answering partway, no later turn is started in that call (the turn
     stores answered go on in the next run), and the stores made but not answered are returned unanswered."""
     import io
@@ -418,7 +417,8 @@ def test_a_turn_cut_by_the_deadline_starts_no_later_turn(tmp_path, monkeypatch):
 
     model, tok = save_tiny_pair(tmp_path)
     ans, _ = _collect_conversations(tmp_path, [["w1 w2", "w3", "w4"], ["w5 w6", "w7", "w8"],
-                                               ["w9 w10", "w11", "w12"], ["w13 w14", "w15", "w16"]], new=4)
+                                               ["w9 w10", "w11", "w12"], ["w13 w14", "w15", "w16"]], new=4,
+                                     capsys=capsys)
     shutil.rmtree(ans / commands.LATER)                         # the first turns answered, no later turn yet
     store = am.AnswerStore(str(ans), am.AnswerStore.read_manifest(ans))
     assert store.present() == [0, 1]
@@ -476,10 +476,11 @@ def test_a_store_grows_its_prompt_list_and_keeps_its_answered_shards(tmp_path):
     assert (d / am.PROMPTS).read_bytes() == before
 
 
-def test_add_prompts_gives_a_first_turn_list_its_later_turns_and_appends_new_conversations(tmp_path):
+def test_add_prompts_gives_a_first_turn_list_its_later_turns_and_appends_new_conversations(tmp_path, capsys):
     """train-draft --add-prompts (issue 43.1): a store made from first turns alone gains its conversations'
     later turns, new conversations are appended to the list, the answered shards stay; the later turns of
     answered shards are answered before new shards; the same --data again adds nothing."""
+    from _cli import run_cli
     from _pairs import save_tiny_pair
 
     from heterospec.tools.commands import LATER
@@ -493,12 +494,12 @@ def test_add_prompts_gives_a_first_turn_list_its_later_turns_and_appends_new_con
     ans = tmp_path / "answers"
 
     def run(data, *extra):
-        cmd = [sys.executable, "-m", "heterospec", "train-draft", "--target", str(tmp_path / "target"), "--data",
+        cmd = ["train-draft", "--target", str(tmp_path / "target"), "--data",
                str(data), "--out", str(tmp_path / "trained"), "--max-new-tokens", "5", "--answers", str(ans),
                "--shard-size", "2", "--device", "cpu", "--collect-only", *extra]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        assert res.returncode == 0, res.stderr
-        return res.stdout
+        rc, out, err = run_cli(cmd, capsys)
+        assert rc == 0, err
+        return out
 
     run(firsts, "--max-prompts", "2")                          # shard 0 answered, shard 1 (one prompt) not
     before = am.AnswerStore.read_prompts(ans)

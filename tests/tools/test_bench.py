@@ -445,7 +445,9 @@ def test_bench_reports_a_mismatch_when_a_method_is_broken(tmp_path, monkeypatch,
     assert not (out / "speedup.png").exists()
 
 
-def test_bench_command_refuses_bad_arguments(tmp_path):
+def test_bench_command_refuses_bad_arguments(tmp_path, capsys):
+    from _cli import run_cli
+
     pair = _pair(tmp_path)
     qfiles = [str(p) for p in _questions(tmp_path)]
     base = [sys.executable, "-m", "heterospec", "bench", *pair, "--out", str(tmp_path / "o")]
@@ -461,13 +463,12 @@ def test_bench_command_refuses_bad_arguments(tmp_path):
         (["--questions", *qfiles, "--temperature", "-1"], "--temperature expected values 0 (greedy) or >= 1e-30"),
         (["--questions", *qfiles, "--temperature", "1e-40"], "--temperature expected values 0 (greedy) or >= 1e-30"),
         (["--questions", *qfiles, "--methods", "ar,eagle3-tuned", "--tuned-tree", "x"], "'--tuned-tree' expected"),
-    ):
-        res = subprocess.run(base + extra, capture_output=True, text=True, timeout=300)
-        assert res.returncode != 0 and needle in res.stderr, (extra, res.stderr)
+    ):   # the same checks in this process (the subprocess above shows the process's own status and line)
+        rc, _, err = run_cli(base[3:] + extra, capsys)
+        assert rc == 2 and needle in err, (extra, err)
     # heterospec without a profile for a head of one's own: refused before the models load
-    res = subprocess.run(base[:4] + pair[:4] + ["--questions", *qfiles, "--methods", "ar,heterospec"],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode != 0 and "need a calibrated profile (--profile" in res.stderr, res.stderr
+    rc, _, err = run_cli(base[3:4] + pair[:4] + ["--questions", *qfiles, "--methods", "ar,heterospec"], capsys)
+    assert rc == 2 and "need a calibrated profile (--profile" in err, err
 
 
 def _tune_prompts(root):
