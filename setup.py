@@ -23,6 +23,7 @@ Environment switches:
                           Debian's clang-14) and runs with LD_PRELOAD=<atheris.path()>/asan_with_fuzzer.so
   HETEROSPEC_WERROR=1     turn compiler warnings into errors
 """
+import concurrent.futures
 import glob
 import os
 import shutil
@@ -107,7 +108,7 @@ class BuildExt(build_ext):
 
     def build_extension(self, ext):
         if nvcc or cuda_mode == "emu":
-            objects = []
+            objects, commands = [], []
             tmp = os.path.join(self.build_temp, "cuda")
             os.makedirs(tmp, exist_ok=True)
             for src in cuda_sources:
@@ -129,9 +130,12 @@ class BuildExt(build_ext):
                     if os.environ.get("HETEROSPEC_WERROR") == "1":
                         cmd.append("-Werror")
                 cmd += ["-c", os.path.join(HERE, src), "-o", obj]
-                print(" ".join(cmd))
-                subprocess.check_call(cmd)
+                commands.append(cmd)
                 objects.append(obj)
+            # one compiler per core: nvcc's two architectures per file made this the build's slowest part
+            with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
+                for _ in pool.map(lambda c: print(" ".join(c), flush=True) or subprocess.check_call(c), commands):
+                    pass
             ext.extra_objects = list(ext.extra_objects or []) + objects
             if nvcc:
                 _, libdir = cuda_home(nvcc)

