@@ -65,10 +65,10 @@ def calibrate_cmd(args, out=None):
 
     if not args.draft:
         raise SystemExit("heterospec calibrate: --draft PATH is required")
-    tokenizer, target, draft = load_pair(args, args.device)
-    texts = read_prompts(args.prompts, args.max_prompts)
+    texts = read_prompts(args.prompts, args.max_prompts)     # before the models load: an empty file says so at once
     if not texts:
         raise SystemExit("heterospec calibrate: no prompts found in " + ", ".join(args.prompts))
+    tokenizer, target, draft = load_pair(args, args.device)
     ids = [encode(tokenizer, t, not args.no_chat_template).to(args.device) for t in texts]
     levels = args.depth + math.ceil(args.depth / 2)
     search = getattr(args, "search_base_tree", False)

@@ -354,3 +354,26 @@ def test_bad_input_to_other_commands_is_one_line_before_loading(tmp_path, argv, 
     (tmp_path / "q.jsonl").write_text('{"turns": ["w1"]}\n')
     res = _run(*[str(tmp_path / "q.jsonl") if a == "Q" else str(tmp_path / "a") if a == "A" else a for a in argv])
     _one_line_usage_error(res, arg)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["bench", "--target", "T", "--draft", "D", "--max-new-tokens", "0"], "--max-new-tokens expected an int >= 1"),
+    (["bench", "--target", "T", "--draft", "D", "--temperature", "-1"], "--temperature expected values 0"),
+    (["bench", "--report", "E"], "--report expected a results.json"),
+    (["calibrate", "--target", "T", "--draft", "D", "--prompts", "E", "--out", "p.json"], "no prompts found in"),
+    (["train-draft", "--target", "T", "--data", "E", "--out", "o"], "no prompts found in"),
+])
+def test_bad_input_found_by_the_command_itself_exits_2_with_one_line(tmp_path, capsys, argv, needle):
+    """What a command refuses once it runs (an empty prompts file is seen only when read): argparse's status 2
+    and one line, as for the checks made before loading; these exited 1 before."""
+    from _cli import run_cli
+
+    save_tiny_pair(tmp_path)
+    (tmp_path / "empty.txt").write_text("")
+    names = {"T": tmp_path / "target", "D": tmp_path / "draft", "E": tmp_path / "empty.txt"}
+    device = [] if "--report" in argv else ["--device", "cpu"]
+    rc, out, err = run_cli([names.get(a, a) for a in argv] + device, capsys)
+    # one line of ours, the last (train-draft reads --data after loading the target, whose progress bar comes first:
+    # --data self:N needs it)
+    assert rc == 2 and needle in err.strip().splitlines()[-1] and "Traceback" not in err, (rc, err)
+    assert sum("heterospec" in line for line in err.splitlines()) == 1 and out == "", (err, out)
