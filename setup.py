@@ -103,6 +103,11 @@ archs = [a.strip() for a in os.environ.get("HETEROSPEC_CUDA_ARCHS", "80,90").spl
 arch_names = [f"sm_{a}" for a in archs] + [f"compute_{archs[-1]}"]
 
 
+def _compile(cmd):
+    print(" ".join(cmd), flush=True)
+    subprocess.check_call(cmd)
+
+
 class BuildExt(build_ext):
     """Compiles csrc/cuda/*.cu first (nvcc, or g++ for the emulation) and links the objects in."""
 
@@ -133,9 +138,8 @@ class BuildExt(build_ext):
                 commands.append(cmd)
                 objects.append(obj)
             # one compiler per core: nvcc's two architectures per file made this the build's slowest part
-            with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
-                for _ in pool.map(lambda c: print(" ".join(c), flush=True) or subprocess.check_call(c), commands):
-                    pass
+            with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+                list(pool.map(_compile, commands))   # list(): a failed compile raises here
             ext.extra_objects = list(ext.extra_objects or []) + objects
             if nvcc:
                 _, libdir = cuda_home(nvcc)

@@ -1,6 +1,7 @@
 """The command line run in the test's own process: ``heterospec ARGS`` without the 8 s of importing torch and
 transformers that a ``python -m heterospec`` subprocess spends (the subprocess form stays where the process
 itself is under test: exit status, no traceback, the console script)."""
+import sys
 
 
 def run_cli(argv, capsys):
@@ -10,8 +11,6 @@ def run_cli(argv, capsys):
     from heterospec.tools import cli
 
     capsys.readouterr()
-    import sys
-
     try:
         rc = cli.main([str(a) for a in argv]) or 0
     except SystemExit as e:

@@ -240,17 +240,16 @@ def main(argv=None):
             parser.exit(2, f"heterospec {args.cmd}: error: argument --cuda-graphs: expected off or auto with --device "
                            f"{args.device} (CUDA graphs need a CUDA device), got on\n")
         args.graphs = graphs == "on" or (graphs == "auto" and on_cuda)
-    try:  # the checks that need no model: one line, argparse's status 2, before anything loads
+    args.argv = list(sys.argv[1:] if argv is None else argv)[1:]
+    try:
+        # the checks that need no model first, before anything loads; a UsageError from either (the command's
+        # own, once it has read its files) is one line and argparse's status 2
         check = {"generate": resolve_generate, "demo": check_demo, "calibrate": check_calibrate,
                  "train-draft": check_train_draft}.get(args.cmd)
         if check is not None:
             check(args)
-    except UsageError as e:
-        parser.exit(2, f"heterospec {args.cmd}: error: {e}\n")
-    args.argv = list(sys.argv[1:] if argv is None else argv)[1:]
-    try:
         return _run(args)
-    except UsageError as e:      # found once the command has read its files: the same one line and status
+    except UsageError as e:
         parser.exit(2, f"heterospec {args.cmd}: error: {e}\n")
     except SystemExit as e:
         # a command's own refusal, ``raise SystemExit("heterospec bench: --x expected ..., got ...")``: bad input,
