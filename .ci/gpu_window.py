@@ -47,6 +47,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 LEDGER = os.path.join(REPO, "benchmarks", "results", "gpu-ledger.json")
+WINDOW_FILE = "WINDOW.json"     # in a window's raw folder: its date, device, commit and start
 WINDOWS_DIR = "gpu-windows"   # beside the ledger: the small raw files of each window, one folder a window
 
 KINDS = ("correctness", "speed")
@@ -321,6 +322,28 @@ def _git(*args):
     return r.stdout.strip() if r.returncode == 0 else None
 
 
+def _raw_folder(root, base, window):
+    """The folder for one window's raw files: BASE (date-device), or BASE-2, BASE-3... when an earlier window of
+    the same day and device holds it.  A folder is this window's when its WINDOW.json names the same start;
+    one without WINDOW.json (kept before it was written) is another window's."""
+    for k in range(1, 100):
+        dest = os.path.join(root, base if k == 1 else f"{base}-{k}")
+        mark = os.path.join(dest, WINDOW_FILE)
+        if not os.path.exists(dest):
+            break
+        if os.path.isfile(mark):
+            with open(mark) as f:
+                if json.load(f).get("started") == window["started"]:
+                    break
+    else:
+        raise LedgerError(f"RESULTS: 99 windows of {base} already kept under {root}")
+    os.makedirs(dest, exist_ok=True)
+    with open(os.path.join(dest, WINDOW_FILE), "w") as f:
+        json.dump({k: window[k] for k in ("date", "device", "commit", "started")}, f, indent=1)
+        f.write("\n")
+    return dest
+
+
 def record(results, table, ledger_path=LEDGER, keep_raw=True, out=sys.stdout):
     """Turn a window's returned results into ledger entries (and keep the small raw files under
     benchmarks/results/gpu-windows/).  Returns the names recorded."""
@@ -371,18 +394,22 @@ def record(results, table, ledger_path=LEDGER, keep_raw=True, out=sys.stdout):
                   f"{entry['minutes']} min) on {entry['device']}, commit {commit or 'unknown (digest differs)'}",
                   file=out)
         if recorded:
-            window = {"date": date, "device": device, "commit": head, "phases": recorded}
+            # the run's start (its first phase's) tells two windows of one day and device apart
+            started = min((st.get("started") for n, st in found if n in recorded and st.get("started")), default=None)
+            window = {"date": date, "device": device, "commit": head, "started": started, "phases": recorded}
             last = led["windows"][-1] if led["windows"] else None
             # the same window recorded again (its later calls return every phase so far) replaces its entry
             if last and {k: last.get(k) for k in ("date", "device", "commit")} == \
-                    {k: window[k] for k in ("date", "device", "commit")} and set(last["phases"]) <= set(recorded):
+                    {k: window[k] for k in ("date", "device", "commit")} and set(last["phases"]) <= set(recorded) \
+                    and last.get("started", started) == started:
                 led["windows"][-1] = window
             else:
                 led["windows"].append(window)
             save_ledger(led, ledger_path)
             if keep_raw:
-                dest = os.path.join(os.path.dirname(os.path.abspath(ledger_path)), WINDOWS_DIR, f"{date}-{re.sub(r'[^A-Za-z0-9]+', '-', device or 'gpu').strip('-')}"
-                                    .lower())
+                dest = _raw_folder(os.path.join(os.path.dirname(os.path.abspath(ledger_path)), WINDOWS_DIR),
+                                   f"{date}-{re.sub(r'[^A-Za-z0-9]+', '-', device or 'gpu').strip('-')}".lower(),
+                                   window)
                 for name in recorded:
                     shutil.copytree(os.path.join(src, name), os.path.join(dest, name), dirs_exist_ok=True,
                                     ignore=lambda d, names: [n for n in names if os.path.isfile(os.path.join(d, n))

@@ -601,10 +601,10 @@ def test_the_committed_ledger_names_real_phases_and_is_well_formed():
         assert name in phases.BY_NAME, name
         assert e["kind"] == phases.BY_NAME[name].kind and e["state"] in ("pass", "fail", "timeout", "skip")
         assert re.fullmatch(r"[0-9a-f]{16}", e["digest"]) and e["device"].startswith("NVIDIA")
-    # a recorded window's numbers are its raw results': the fifth window's bf16 bench (H200), read from the committed
+    # a recorded window's numbers are its raw results': the sixth window's bf16 bench (H200), read from the committed
     # results.json it brought back, not from the ledger
     e = led["phases"]["bench-bf16"]
-    with open(os.path.join(REPO, "benchmarks/results/gpu-windows/2026-11-28-nvidia-h200/bench-bf16/bench/results.json")) as f:
+    with open(os.path.join(REPO, "benchmarks/results/gpu-windows/2026-11-28-nvidia-h200-2/bench-bf16/bench/results.json")) as f:
         raw = json.load(f)
     t0 = next(run for run in raw["runs"] if run["temperature"] == 0.0)
     assert e["date"].startswith("2026-11-28") and e["device"] == "NVIDIA H200"
@@ -803,6 +803,41 @@ def test_a_window_runs_correctness_side_by_side_then_speed_alone_and_records_int
     r = _gpu(["--phases-file", f, "--window", "3", "--dry-run", "--ledger", str(ledger)], tmp_path)
     planned = re.findall(r"^\| \d+ \| (\S+) \|", r.stdout, flags=re.M)
     assert planned == ["build", "c3"], r.stdout
+
+
+def test_two_windows_of_one_day_and_device_keep_their_raw_files_apart(tmp_path):
+    """The sixth window (H200, 2026-11-28 19:21) first copied its raw files over the fifth's (the same day and
+    GPU, 04:35): the folder was named by date and device alone.  A second window of a day gets a folder of its
+    own; the same window recorded again reuses its folder."""
+    ledger = tmp_path / "results" / "ledger.json"
+
+    def results(name, started, text):
+        d = tmp_path / name / "build"
+        d.mkdir(parents=True)
+        (d / "status.json").write_text(json.dumps({"state": "pass", "passed": 5, "failed": 0, "seconds": 20,
+                                                   "device": "NVIDIA H200", "started": started,
+                                                   "ended": started, "digest": "0" * 16}))
+        (d / "build.log").write_text(text)
+        return str(tmp_path / name)
+
+    morning = results("morning", "2026-11-28 04:35:00 UTC", "the fifth window's log")
+    evening = results("evening", "2026-11-28 19:21:33 UTC", "the sixth window's log")
+    for r in (morning, evening, evening):
+        assert window.record(r, phases.BY_NAME, str(ledger), out=open(os.devnull, "w")) == ["build"]
+    kept = ledger.parent / "gpu-windows"
+    assert sorted(p.name for p in kept.iterdir()) == ["2026-11-28-nvidia-h200", "2026-11-28-nvidia-h200-2"]
+    assert (kept / "2026-11-28-nvidia-h200" / "build" / "build.log").read_text() == "the fifth window's log"
+    assert (kept / "2026-11-28-nvidia-h200-2" / "build" / "build.log").read_text() == "the sixth window's log"
+    mark = json.loads((kept / "2026-11-28-nvidia-h200-2" / window.WINDOW_FILE).read_text())
+    assert mark["started"] == "2026-11-28 19:21:33 UTC" and mark["device"] == "NVIDIA H200"
+    led = json.loads(ledger.read_text())                   # two windows in the ledger: the evening's twice is one
+    assert [w["started"] for w in led["windows"]] == ["2026-11-28 04:35:00 UTC", "2026-11-28 19:21:33 UTC"]
+    # a folder kept before WINDOW.json existed is another window's, never overwritten
+    (kept / "2026-11-28-nvidia-h200" / window.WINDOW_FILE).unlink()
+    later = results("later", "2026-11-28 23:00:00 UTC", "a third window's log")
+    window.record(later, phases.BY_NAME, str(ledger), out=open(os.devnull, "w"))
+    assert (kept / "2026-11-28-nvidia-h200" / "build" / "build.log").read_text() == "the fifth window's log"
+    assert (kept / "2026-11-28-nvidia-h200-3" / "build" / "build.log").read_text() == "a third window's log"
 
 
 def test_a_group_phase_that_needs_the_pair_waits_for_its_bundles_then_runs(monkeypatch):
