@@ -35,7 +35,7 @@ import torch
 
 from .. import ops
 from . import health, requests, sync
-from .graphs import WORKSPACE_BYTES, StepGraphs, warm_up
+from .graphs import WORKSPACE_BYTES, StepGraphs, no_collection_while_recording, warm_up
 from .tree import NoDraft, bucket_for, tree_size, verification_tree
 
 # recorded step sets kept at once, one per sampling setting (each holds its own graph memory pool): the least
@@ -242,7 +242,7 @@ class Cycle:
             self._recorded.popitem(last=False)
         steps = StepGraphs(emulate=self.emulate)
         t0 = time.perf_counter()
-        with sync.outside_cycle():
+        with sync.outside_cycle(), no_collection_while_recording():
             if dev.type == "cuda":
                 ops.cuda_reserve(dev, WORKSPACE_BYTES)
             self.dummy_state()

@@ -399,3 +399,58 @@ def test_auto_falls_back_to_eager_when_recording_fails(setup, monkeypatch):
     assert seq.tolist() == refs[0].tolist() and st.graphs == "off" and hs.cuda_graphs is False
     with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
         HeteroSpec(model, head, policy, cuda_graphs=MODE).generate(ps[0], max_new_tokens=4)
+
+
+def test_no_garbage_is_collected_while_steps_are_recorded(setup, monkeypatch):
+    """A dead engine held only by a reference cycle (an exception's traceback holds the frames that hold it) is
+    collected before a recording, never in the middle of a capture: torch's capture no longer collects on entry,
+    and destroying recorded graphs while another capture runs makes CUDA calls the capture forbids (the sixth
+    GPU window: test_nonfinite's [True-inf-heterospec] failed to record after earlier tests had raised from
+    recorded engines).  Here Python's collector is made to run at almost every allocation; garbage made during
+    a capture must wait until the recording ends, and on a GPU the dead engines' graphs must not break it."""
+    import gc
+    import weakref
+
+    from heterospec.engine import graphs
+
+    model, ps, refs, head = setup
+    policy = Policy.paper(4, 3, 16, THRESHOLDS)
+    capturing, freed_during, made = [False], [], []
+    real_capture = graphs.StepGraphs.capture
+
+    class Cyclic:
+        def __init__(self):
+            self.me = self                  # only the cyclic collector frees it
+
+    def capture(self, key, fn):
+        c = Cyclic()
+        weakref.finalize(c, lambda: freed_during.append(capturing[0]))
+        made.append(key)
+        del c                               # garbage from here on
+        capturing[0] = True
+        try:
+            return real_capture(self, key, fn)
+        finally:
+            capturing[0] = False
+
+    def dead_engine():
+        hs = HeteroSpec(model, head, policy, cuda_graphs=MODE)
+        hs.generate(ps[1], max_new_tokens=4)
+        hs.self_ref = hs                   # kept only by this cycle once the function returns
+        assert len(hs.cycle._recorded) == 1
+
+    threshold = gc.get_threshold()
+    gc.collect()
+    for _ in range(2):
+        dead_engine()                       # recorded graphs (real ones on a GPU), now garbage
+    monkeypatch.setattr(graphs.StepGraphs, "capture", capture)
+    try:
+        with HeteroSpec(model, head, policy, cuda_graphs=MODE) as hs:
+            gc.set_threshold(1, 1, 1)
+            seq, st = hs.generate(ps[0], max_new_tokens=12)
+    finally:
+        gc.set_threshold(*threshold)
+    gc.collect()
+    assert seq.tolist() == refs[0][:, :ps[0].shape[1] + 12].tolist() and st.graphs != "off"
+    assert len(made) >= 2 and len(freed_during) == len(made)     # every capture's garbage was freed ...
+    assert not any(freed_during), freed_during                   # ... after its capture, not during it
