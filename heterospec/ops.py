@@ -126,6 +126,15 @@ def cuda_reserve(device, nbytes):
     return _C.cuda_reserve(0 if index is None else int(index), int(nbytes))
 
 
+def cuda_new_stream(device):
+    """A new non-blocking CUDA stream on ``device`` (its ``cudaStream_t`` as an int, for
+    ``torch.cuda.ExternalStream``).  heterospec never destroys it: the engine gives each live set of recorded
+    graphs a stream of its own and hands a stream on only once the set that used it is gone
+    (:func:`heterospec.engine.graphs.capture_stream`)."""
+    index = getattr(device, "index", device)
+    return _C.cuda_new_stream(0 if index is None else int(index))
+
+
 _arr = sequence_as_array
 
 

@@ -114,6 +114,22 @@ extern "C" int hs_cuda_stream_capturing(void *stream, hs_error *herr) {
 #endif
 }
 
+extern "C" void *hs_cuda_stream_new(hs_error *herr) {
+#ifdef HS_CUDA_EMU
+    (void)herr;
+    static uintptr_t made = 0; /* distinct, never dereferenced: the emulation runs every launch in order */
+    return (void *)(uintptr_t)(0x1000 + 0x10 * ++made);
+#else
+    cudaStream_t s = NULL;
+    cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    if (e != cudaSuccess) {
+        hs_cuda_fail(herr, "cudaStreamCreateWithFlags", e);
+        return NULL;
+    }
+    return (void *)s;
+#endif
+}
+
 extern "C" hs_cuda_error *hs_cuda_error_record(int dev, hs_cuda_error **host_view, hs_error *herr) {
     if (dev < 0 || dev >= HS_MAX_DEVICES) {
         hs_fail(herr, HS_ERR_VALUE, "cuda", "device", "expected a device index < %d, got %d", HS_MAX_DEVICES, dev);

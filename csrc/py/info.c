@@ -112,6 +112,31 @@ PyObject *py_cuda_reserve(PyObject *self, PyObject *args) {
 #endif
 }
 
+/* cuda_new_stream(device): a new non-blocking CUDA stream (cudaStream_t as an int) that heterospec owns and
+ * never destroys. */
+PyObject *py_cuda_new_stream(PyObject *self, PyObject *args) {
+    (void)self;
+    int dev;
+    if (!PyArg_ParseTuple(args, "i", &dev)) return NULL;
+#ifdef HS_WITH_CUDA
+    hs_error err;
+    void *s = NULL;
+    int prev = hs_cuda_set_device(dev, &err);
+    if (prev >= 0) {
+        s = hs_cuda_stream_new(&err);
+        if (prev != dev) hs_cuda_set_device(prev, &err);
+    }
+    if (s == NULL) {
+        hs_raise(HS_ERR_CUDA, &err);
+        return NULL;
+    }
+    return PyLong_FromVoidPtr(s);
+#else
+    (void)dev;
+    return hs_no_cuda("cuda_new_stream");
+#endif
+}
+
 /* cuda_chunks(rows, V): the chunks the split-row kernels cut each row into (tests: the emulation splits too). */
 PyObject *py_cuda_chunks(PyObject *self, PyObject *args) {
     (void)self;

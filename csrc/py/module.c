@@ -29,6 +29,8 @@ static PyMethodDef hs_methods[] = {
     {"build_info", py_build_info, METH_NOARGS, "what this extension was compiled with"},
     {"cuda_check", py_cuda_check, METH_VARARGS, "cuda_check(device, stream): sync and raise recorded device errors"},
     {"cuda_reserve", py_cuda_reserve, METH_VARARGS, "cuda_reserve(device, bytes): grow the CUDA workspace now"},
+    {"cuda_new_stream", py_cuda_new_stream, METH_VARARGS,
+     "cuda_new_stream(device) -> a new non-blocking cudaStream_t (int) that heterospec never destroys"},
     {"cuda_chunks", py_cuda_chunks, METH_VARARGS, "cuda_chunks(rows, V): chunks per row of the split-row kernels"},
     {"_emu_blocks", py_emu_blocks, METH_NOARGS,
      "_emu_blocks() -> kernel blocks the emulated CUDA build has run since it loaded; None in other builds (for tests)"},

@@ -240,7 +240,7 @@ class Cycle:
             return steps, False
         while len(self._recorded) >= MAX_GRAPH_SETS:     # drop the least recently used set and its memory pool
             self._recorded.popitem(last=False)
-        steps = StepGraphs(emulate=self.emulate)
+        steps = StepGraphs(emulate=self.emulate, device=dev)
         t0 = time.perf_counter()
         with sync.outside_cycle(), no_collection_while_recording():
             if dev.type == "cuda":
@@ -254,7 +254,7 @@ class Cycle:
                     base = self.base() if self.binned else None
                     self.finish(base[0] if base else None, a, b, settings)
 
-            warm_up(dev, [run_all, run_all])
+            warm_up(dev, [run_all, run_all], steps.stream)
             self.reset()
             base = steps.capture(("base",), self.base) if self.binned else None
             for a, b in shapes:

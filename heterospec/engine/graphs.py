@@ -25,8 +25,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import weakref
 
 import torch
+
+from .. import ops
 
 # bytes of heterospec's module workspace reserved before any capture: a graph records the workspace's
 # address, so it must never be regrown while graphs that use it exist
@@ -81,13 +84,52 @@ def _reads(fn):
     return out, external
 
 
+# device index -> [[cudaStream_t, weak reference to the owner using it], ...]: capture_stream's streams
+_STREAMS = {}
+
+
+def stream_for(index, owner):
+    """A stream of heterospec's own on device ``index`` (its cudaStream_t) for ``owner``'s captures, used by no
+    other live owner: the first whose last owner is gone, else a new one (:func:`heterospec.ops.cuda_new_stream`;
+    never destroyed, so a stream handle is never reused by CUDA for another stream while torch still keys
+    state by it).
+
+    Why not torch's capture stream: torch keeps one cuBLAS workspace per (handle, stream), first allocated
+    inside whichever graph's memory pool was being captured, and every later capture on that stream records
+    the same address; destroying *any* graph captured on a stream drops that stream's workspace and releases
+    the graph's pool.  With every recorded set on torch's one capture stream, dropping one set (the least
+    recently used, another engine closing, a calibration's timing graph) could free the workspace that the
+    live sets' replays still write to.  One stream per live owner keeps each workspace with the graphs that
+    use it, and they die together."""
+    slots = _STREAMS.setdefault(index, [])
+    for slot in slots:
+        if slot[1]() is None:
+            slot[1] = weakref.ref(owner)
+            return slot[0]
+    ptr = ops.cuda_new_stream(index)
+    slots.append([ptr, weakref.ref(owner)])
+    return ptr
+
+
+def capture_stream(device, owner):
+    """:func:`stream_for` as a ``torch.cuda.ExternalStream`` of ``device``; None for a device other than CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.ExternalStream(stream_for(index, owner), device=torch.device("cuda", index))
+
+
 class StepGraphs:
     """Recorded steps by key.  ``capture(key, fn)`` records ``fn`` (a step that reads and writes only static
     tensors and the outputs of earlier captured steps) and returns its outputs; ``replay(key)`` runs the
-    recording and returns the same output objects, now holding this run's values."""
+    recording and returns the same output objects, now holding this run's values.  On a CUDA ``device`` the
+    steps are captured (and should be warmed up) on :attr:`stream`, a stream of this set's own
+    (:func:`stream_for`)."""
 
-    def __init__(self, emulate=False):
+    def __init__(self, emulate=False, device=None):
         self.emulate = emulate
+        self.stream = capture_stream(device, self) if not emulate and device is not None else None
         self._steps = {}
         self._reads = {}         # emulation: the outside memory each step read when it was captured
         self.captured = []       # keys in capture order
@@ -106,7 +148,7 @@ class StepGraphs:
             self._reads[key] = reads
         else:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
+            with torch.cuda.graph(g, stream=self.stream):
                 out = fn()
             self._steps[key] = (g, out)
         self.captured.append(key)
@@ -160,12 +202,12 @@ def no_collection_while_recording():
             gc.enable()
 
 
-def warm_up(device, fns):
+def warm_up(device, fns, stream=None):
     """Run each function once eagerly before capture (cuBLAS handles, lazy buffers, our workspace), on a side
-    stream as torch's capture rules ask.  Returns their outputs."""
+    stream as torch's capture rules ask (``stream``: the one the capture will use).  Returns their outputs."""
     if torch.device(device).type != "cuda":
         return [fn() for fn in fns]
-    side = torch.cuda.Stream(device)
+    side = stream if stream is not None else torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         outs = [fn() for fn in fns]

@@ -39,19 +39,26 @@ def _device(module):
     return tensors[0].device if tensors else torch.device("cpu")
 
 
+class _Recording:
+    """Owns one timing graph (and so, while it lives, its capture stream)."""
+
+
 def _recorded(fn, device):
     """``fn`` recorded in a CUDA graph after an eager warm-up; returns the replay (what the recorded engine
     pays for the same work)."""
     import torch
 
-    from ..engine.graphs import warm_up
+    from ..engine.graphs import capture_stream, no_collection_while_recording, warm_up
 
-    warm_up(device, [fn, fn])
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    rec = _Recording()
+    rec.graph = g = torch.cuda.CUDAGraph()
+    stream = capture_stream(device, rec)   # a stream of this graph's own while rec lives (graphs.stream_for)
+    with no_collection_while_recording():
+        warm_up(device, [fn, fn], stream)
+        with torch.cuda.graph(g, stream=stream):
+            fn()
 
-    def replay(g=g, fn=fn):
+    def replay(g=g, fn=fn, rec=rec):
         # The graph reads fn's tensors (its default arguments, its closure) at the addresses they had when it
         # was recorded: holding fn here keeps them, so the caching allocator cannot hand that memory to a later
         # tensor.  Returning g.replay alone let calibrate's draft steps read another tensor's value as their

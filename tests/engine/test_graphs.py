@@ -454,3 +454,30 @@ def test_no_garbage_is_collected_while_steps_are_recorded(setup, monkeypatch):
     assert seq.tolist() == refs[0][:, :ps[0].shape[1] + 12].tolist() and st.graphs != "off"
     assert len(made) >= 2 and len(freed_during) == len(made)     # every capture's garbage was freed ...
     assert not any(freed_during), freed_during                   # ... after its capture, not during it
+
+
+def test_each_live_recorded_set_gets_a_capture_stream_of_its_own(monkeypatch):
+    """torch keeps a cuBLAS workspace per (handle, stream) and destroying any graph captured on a stream drops
+    it: a set of graphs must not share its capture stream with another live set (engine/graphs.stream_for).  A
+    stream goes to a new owner only once its last owner is gone, and streams are never destroyed."""
+    import gc
+
+    from heterospec.engine import graphs
+
+    made = []
+    monkeypatch.setattr(graphs.ops, "cuda_new_stream", lambda index: made.append(index) or 0x100 * len(made))
+    monkeypatch.setattr(graphs, "_STREAMS", {})
+
+    class Owner:
+        pass
+
+    a, b = Owner(), Owner()
+    sa, sb = graphs.stream_for(0, a), graphs.stream_for(0, b)
+    assert sa != sb and made == [0, 0]
+    assert graphs.stream_for(1, Owner()) not in (sa, sb) and made == [0, 0, 1]   # per device
+    del a
+    gc.collect()
+    c = Owner()
+    assert graphs.stream_for(0, c) == sa and len(made) == 3     # a's stream, now free, is handed on
+    assert graphs.stream_for(0, Owner()) not in (sa, sb)         # b and c still hold theirs
+    assert len(made) == 4 and b is not None and c is not None

@@ -173,6 +173,18 @@ def test_rows_are_split_into_chunks_as_on_a_gpu():
 
 
 @on_device
+def test_new_streams_are_distinct_and_usable():
+    """cuda_new_stream gives a new stream each call (the engine's recorded sets each capture on one of their
+    own, engine/graphs.stream_for); an op runs on it."""
+    a, b = ops.cuda_new_stream(0), ops.cuda_new_stream(0)
+    assert isinstance(a, int) and a != 0 and b != 0 and a != b
+    x = np.array([[0.5, 3.0, -1.0]], np.float32)
+    dev, _ = D.put_logits(x, "float32")
+    path, nxt = ops.verify_greedy(D.put(np.array([0], np.int64)), D.put(np.array([-1], np.int64)), dev, stream=a)
+    assert nxt == 1 and list(D.get(path)) == [0]
+
+
+@on_device
 def test_a_grown_workspace_keeps_the_old_one_for_recorded_graphs():
     """A CUDA graph keeps the address of the workspace it was recorded with: growing must not free it.  Each
     growth at least doubles (so the kept ones together are smaller than the current one)."""

@@ -124,6 +124,9 @@ int hs_cuda_device_count(char *why, size_t n);
 int hs_cuda_set_device(int dev, hs_error *herr);
 /* Is `stream` capturing a graph now? (1/0, -1 on error) */
 int hs_cuda_stream_capturing(void *stream, hs_error *herr);
+/* A new non-blocking stream on the current device, never destroyed by the module (the engine hands it from one
+ * recorded set of graphs to the next); NULL with *herr set on failure.  The emulation gives distinct tokens. */
+void *hs_cuda_stream_new(hs_error *herr);
 /* Error record of device `dev` in device memory, created on first use; *host_view is its pinned host
  * mirror, valid after hs_cuda_error_fetch. */
 hs_cuda_error *hs_cuda_error_record(int dev, hs_cuda_error **host_view, hs_error *herr);
