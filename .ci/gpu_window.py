@@ -242,6 +242,11 @@ def plan(table, ledger, window_minutes, digests):
         why[name] = ("never run on a GPU" if not e else
                      f"code changed since it {when}" if e.get("digest") != digests[name] else f"it {when} on this code")
         pending.append(name)
+    # correctness first; then the speed phases that have never passed on a GPU (no numbers at all yet) before
+    # those that passed on older code (numbers to refresh): the sixth window re-ran bench-bf16 while profile-gpu,
+    # graphs-bench, bench-batch, bench-tuned and scale had never run.  PRIORITY order within each.
+    pending.sort(key=lambda n: (table[n].kind != "correctness",
+                                table[n].kind == "speed" and (entries.get(n) or {}).get("state") == "pass"))
     exp = {n: expected_minutes(table[n], entries.get(n)) for n in table}
     cuda = any("cuda" in table[n].needs for n in pending)
     setup = [n for n in SETUP_PHASES if n in table and (n in pending or cuda)]

@@ -627,6 +627,12 @@ def test_plan_takes_what_has_not_passed_on_this_code_correctness_first_side_by_s
     p = window.plan(t, led, 20, digests)
     assert "e" not in p["run"] and "k" in p["group"] and "s1" in p["serial"]
     assert "code changed" in p["why"]["k"] and "failed" in p["why"]["s1"] and p["why"]["s2"] == "never run on a GPU"
+    # a speed phase with no passing result yet goes before one that passed on older code (numbers to refresh),
+    # whatever their priority; correctness still first
+    led = {"phases": {"k": _entry("old"), "s1": _entry("old")}, "windows": []}
+    p = window.plan(t, led, 20, digests)
+    assert p["group"] == ["k", "e", "c"] and p["serial"] == ["s2", "s1"]
+    assert window.plan(t, led, 14.5, digests)["serial"] == ["s2"]     # s2 fits, s1 no longer does
     # what does not fit is left, named with its minutes; nothing planned goes over the window
     p = window.plan(t, none, 9, digests)
     assert p["run"] == ["build", "k", "e", "c"] and [n for n, _ in p["left"]] == ["s1", "s2"]
