@@ -156,12 +156,20 @@ PHASES = (
                           "--error-exitcode 99 --print-limit 20 " + PYTEST % "racecheck" +
                           " -m 'device and not statistical' -k 'not graph_capture and not float16' tests/ops"),
     ), needs=("cuda",), workers=4),
-    Phase("kernels-bench", 2, "the cycle and per-op kernel times against the memory floor (V = 49,152 and "
-                              "128,256; greedy and sampled), and the kernel probe", (
+    Phase("kernels-bench", 1.5, "the cycle and per-op kernel times against the memory floor (V = 49,152 and "
+                                "128,256; greedy and sampled), the kernel probe, and Nsight Compute's counters for "
+                                "each kernel of the cycle (ncu.csv)", (
         Step("cuda-cycle", "{py} -m benchmarks.bench_cuda_cycle --per-op --iters 200 --out {dir}/cuda-cycle.json"),
         Step("cuda-cycle-49k", "{py} -m benchmarks.bench_cuda_cycle --per-op --iters 200 --vocab 49152 "
                                "--out {dir}/cuda-cycle-49152.json"),
         Step("probe", "{py} -m benchmarks.probe_cuda_kernels --out {dir}/probe.json"),
+        # hardware counters of each of the cycle's kernels (Nsight Compute; on the Firecracker machines ncu reads
+        # them, on gVisor it cannot: the step's result is reported, never the phase's).  The sixth window's wide
+        # launches took 40-110 us whatever their work; this says why (occupancy, stall reasons, throughput).
+        Step("ncu", "ncu --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy "
+                    "--section LaunchStats --section WarpStateStats --section SchedulerStats "
+                    "--section MemoryWorkloadAnalysis -k regex:hs_k_ --csv --page details "
+                    "{py} -m benchmarks.probe_cuda_kernels --ncu-target > {dir}/ncu.csv", ok="True"),
     ), needs=("cuda",), kind="speed"),
     # test_decoding's greedy identity tests send their 20 prompts as one batch on a GPU (and the first two alone),
     # instead of 20 single calls: an estimate until a window runs it.

@@ -27,7 +27,15 @@ The fourth window (H100, RESULTS.md) left two questions, answered by three more 
    work, but fall into 2 or 1 bins: if level 0's launch slows as the bins narrow while levels 1-3 do not, the time is those atomics'
    contention.
 
+The sixth window (H200) left the wide launches at 94-110 us each whatever their work: level 2 of the flat rows,
+where almost no entry passes the prefix test, took 43 us, and the "+1000" rows, where every entry passes every
+level, about 100.  Neither float64 arithmetic (about 10 us of it for 7.7M entries) nor contention explains that;
+hardware counters will.  `--ncu-target` runs each op of the cycle once, eagerly, after one warm-up call each, so
+that Nsight Compute can profile exactly those launches (.ci/gpu's `kernels-bench` phase runs it under `ncu` with
+`-k regex:hs_k_`: occupancy, warp stall reasons, memory throughput per kernel):
+
     python -m benchmarks.probe_cuda_kernels [--iters 100] [--out probe.json]
+    ncu --clock-control none --profile-from-start off ... python -m benchmarks.probe_cuda_kernels --ncu-target
 """
 import argparse
 import collections
@@ -164,6 +172,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--out", default="probe-cuda-kernels.json")
+    ap.add_argument("--ncu-target", action="store_true",
+                    help="run each op of the cycle once to warm up, then once between cudaProfilerStart and Stop, and exit")
     args = ap.parse_args(argv)
     import torch
 
@@ -172,6 +182,18 @@ def main(argv=None):
     x = make_inputs(torch, dev)
     state = make_state(torch, dev)
     calls = per_op_calls(ops, torch, x, state, torch.stack(x["kv"]))
+    if args.ncu_target:
+        for fn in calls.values():
+            fn()                                  # warm-up: the workspace, lazy state
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()               # ncu --profile-from-start off: only what follows
+        for op, fn in calls.items():
+            fn()
+            torch.cuda.synchronize()
+            print(f"ncu-target: {op}", flush=True)
+        torch.cuda.profiler.stop()
+        ops.cuda_check(dev)
+        return None
     out = dict(device=torch.cuda.get_device_name(dev), torch=torch.__version__, kernels={}, verify_sample=[])
     for op, fn in calls.items():
         out["kernels"][op] = tab = kernel_table(torch, fn)
