@@ -100,6 +100,9 @@ class Phase:
     kind: str = "correctness"  # or "speed": the window plan runs correctness first, side by side; speed alone
     window: bool = True       # a candidate of the window plan (`--window`)
     workers: int = 1          # pytest-xdist workers for the phase's pytest steps ({xdist})
+    # in every window's plan (whatever the ledger says: its work continues from the carried state), side by side
+    # with the correctness group: the head recipe (issue 43), which never fitted after the group alone
+    beside: bool = False
 
 
 # faulthandler: a stuck test (a GPU hang) has its traceback dumped in the log DUMP_BEFORE_KILL_S before the phase
@@ -276,7 +279,7 @@ PHASES = (
         Step("window", "{py} -m benchmarks.head_window run --device cuda --work {state}/head --report {dir} "
                        "--state {carried}/head --bench-dir {questions} --out {state}/" + HEAD_PARTS
                        + " --seconds ${{HEAD_SECONDS:-500}}"),
-    ), needs=("cuda", "pair", "questions"), default=False, window=False),
+    ), needs=("cuda", "pair", "questions"), default=False, kind="speed", beside=True),
 )
 BY_NAME = {p.name: p for p in PHASES}
 
@@ -1148,13 +1151,15 @@ def listing(phases):
 
 
 def load_phases_file(path):
-    """Phases from a JSON list [{name, minutes, what, steps: [[name, cmd] or [name, cmd, ok]], needs, default}]
+    """Phases from a JSON list [{name, minutes, what, steps: [[name, cmd] or [name, cmd, ok]], needs, default, kind,
+    window, workers, beside}]
     (for trying the plumbing, and for one-off phases); they replace the built-in table."""
     with open(path) as f:
         data = json.load(f)
     return {d["name"]: Phase(d["name"], float(d.get("minutes", 1)), d.get("what", ""),
                              tuple(Step(*s) for s in d["steps"]), tuple(d.get("needs", ())), d.get("default", True),
-                             d.get("kind", "correctness"), d.get("window", True), int(d.get("workers", 1)))
+                             d.get("kind", "correctness"), d.get("window", True), int(d.get("workers", 1)),
+                             bool(d.get("beside", False)))
             for d in data}
 
 

@@ -53,7 +53,7 @@ WINDOWS_DIR = "gpu-windows"   # beside the ledger: the small raw files of each w
 KINDS = ("correctness", "speed")
 # most important first, within each kind
 PRIORITY = ("build", "kernels", "engine", "engine-chi2-oracle", "engine-chi2-noisy", "graphs", "sanitizer",
-            "calibrate", "smoke",
+            "calibrate", "smoke", "head",
             "kernels-bench", "bench-bf16", "bench", "profile-gpu", "bench-batch", "bench-eager", "graphs-bench",
             "bench-tuned", "scale")
 START_MINUTES = 2.0      # machine start, the first call's transfer, the bundle calls: off the top of a window
@@ -236,17 +236,26 @@ def plan(table, ledger, window_minutes, digests):
     pending, why = [], {}
     for name in sorted((n for n, p in table.items() if p.window), key=_order):
         e = entries.get(name)
-        if is_done(e, digests[name]):
+        if is_done(e, digests[name]) and not table[name].beside:
             continue
         when = f"{_PAST.get(e.get('state'), e.get('state'))} on {(e.get('date') or '?')[:10]}" if e else ""
         why[name] = ("never run on a GPU" if not e else
                      f"code changed since it {when}" if e.get("digest") != digests[name] else f"it {when} on this code")
+        if table[name].beside:
+            why[name] = f"every window, beside the correctness group ({why[name]})"
         pending.append(name)
     # correctness first; then the speed phases that have never passed on a GPU (no numbers at all yet) before
     # those that passed on older code (numbers to refresh): the sixth window re-ran bench-bf16 while profile-gpu,
     # graphs-bench, bench-batch, bench-tuned and scale had never run.  PRIORITY order within each.
-    pending.sort(key=lambda n: (table[n].kind != "correctness",
-                                table[n].kind == "speed" and (entries.get(n) or {}).get("state") == "pass"))
+    # A phase run beside the correctness group (the head recipe) comes right after it.
+    def rank(n):
+        if table[n].kind == "correctness":
+            return 0
+        if table[n].beside:
+            return 1
+        return 3 if (entries.get(n) or {}).get("state") == "pass" else 2
+
+    pending.sort(key=rank)
     exp = {n: expected_minutes(table[n], entries.get(n)) for n in table}
     cuda = any("cuda" in table[n].needs for n in pending)
     setup = [n for n in SETUP_PHASES if n in table and (n in pending or cuda)]
@@ -265,7 +274,7 @@ def plan(table, ledger, window_minutes, digests):
         if n in setup:
             continue
         p = table[n]
-        if p.kind == "correctness" and "questions" not in p.needs:
+        if (p.kind == "correctness" and "questions" not in p.needs) or p.beside:
             cost = group_wall(group + [n]) - group_wall(group)
             target = group
         else:

@@ -642,6 +642,26 @@ def test_plan_takes_what_has_not_passed_on_this_code_correctness_first_side_by_s
     assert window.plan(t, done, 20, digests)["run"] == []
 
 
+def test_the_head_recipe_runs_beside_the_correctness_group_in_every_window():
+    """The head recipe (issue 43) continues from its carried state, so it is planned in every window it fits
+    (even after passing on this code), side by side with the correctness group and before any speed phase; the
+    group's minutes are then its own (the longest) plus a share of the others."""
+    import dataclasses
+
+    t = _table([("build", "correctness", 0.5, ["cuda"]), ("k", "correctness", 4, ["cuda"]),
+                ("s1", "speed", 3, ["cuda"])])
+    t["head"] = dataclasses.replace(phases.BY_NAME["head"], minutes=8)
+    digests = {n: f"d-{n}" for n in t}
+    done = {"phases": {n: _entry(f"d-{n}") for n in t}, "windows": []}
+    p = window.plan(t, done, 14, digests)
+    assert p["group"] == ["head"] and "every window" in p["why"]["head"]    # passed on this code: runs again
+    p = window.plan(t, {"phases": {}, "windows": []}, 13, digests)
+    assert p["group"] == ["k", "head"] and p["serial"] == []                # before s1, which no longer fits
+    assert p["minutes"] == pytest.approx(window.START_MINUTES + 0.5 + 8 + window.CONTENTION * 4)
+    assert window.plan(t, {"phases": {}, "windows": []}, 17, digests)["serial"] == ["s1"]
+    assert phases.BY_NAME["head"].window and not phases.BY_NAME["vllm"].window
+
+
 def test_expected_minutes_come_from_the_last_run_of_the_same_definition():
     (ph,) = _table([("e", "correctness", 3, ["cuda"])]).values()
     same = window.phase_definition(ph)
@@ -898,7 +918,7 @@ def test_the_window_phases_cover_the_issues_correctness_list_and_use_xdist(tmp_p
     assert "tests/engine/test_nonfinite.py" in by["engine"].steps[0].cmd
     for n in ("kernels-bench", "bench", "bench-bf16", "bench-batch", "profile-gpu", "graphs-bench"):
         assert by[n].kind == "speed", n
-    assert not by["head"].window and not by["vllm"].window
+    assert by["head"].window and by["head"].beside and not by["vllm"].window   # the head: beside the group
     san = " ".join(s.cmd for s in by["sanitizer"].steps)
     assert "--tool memcheck" in san and "--tool racecheck" in san and "kns=hs_k" in san
     kb = " ".join(s.cmd for s in by["kernels-bench"].steps)
