@@ -187,8 +187,9 @@ class StepGraphs:
 def no_collection_while_recording():
     """Collect Python's garbage now, then keep the cyclic collector off while the steps are warmed up and
     captured.  torch's ``torch.cuda.graph`` no longer collects on entry (only under
-    ``torch.compiler.config.force_cudagraph_gc``), so a dead engine held only by a reference cycle (an exception's traceback holds its frames, and they hold the engine) can be collected in the middle of
-    a capture: destroying its graphs releases their memory pools and cuBLAS workspaces, CUDA calls a capture
+    ``torch.compiler.config.force_cudagraph_gc``), so a dead engine held only by a reference cycle (an
+    exception's traceback holds its frames, and they hold the engine) can be collected in the middle of a
+    capture: destroying its graphs releases their memory pools and cuBLAS workspaces, CUDA calls a capture
     forbids, and the capture fails ("operation failed due to a previous error during capture", or
     CUBLAS_STATUS_EXECUTION_FAILED).  The sixth GPU window saw it in test_nonfinite after earlier tests had
     raised from a recorded engine."""
