@@ -69,11 +69,10 @@ def test_cpu_gemm_argument_errors():
 def test_greedy_decoding_with_packed_gemm_equals_the_targets_generate(arch, tmp_path):
     model = tiny_target(arch)
     draft = eagle3_head(model, tmp_path / "draft")
-    for p in prompts(6):
-        ref = reference_greedy(model, p)
-        for pol, d in ((Policy.autoregressive(), None), (Policy.static(3, 3, 10), draft),
-                       (Policy.static(2, 1, 4), draft)):
-            with HeteroSpec(model, d, pol, cpu_gemm=True) as hs:
+    refs = [(p, reference_greedy(model, p)) for p in prompts(6)]
+    for pol, d in ((Policy.autoregressive(), None), (Policy.static(3, 3, 10), draft), (Policy.static(2, 1, 4), draft)):
+        with HeteroSpec(model, d, pol, cpu_gemm=True) as hs:      # one engine (one packing) for every prompt
+            for p, ref in refs:
                 out, _ = hs.generate(p, max_new_tokens=ref.shape[1] - p.shape[1])
                 assert out.tolist() == ref.tolist()
                 # between calls the model is plain torch again (HF's generate in the same process is untouched)
