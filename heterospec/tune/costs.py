@@ -39,31 +39,30 @@ def _device(module):
     return tensors[0].device if tensors else torch.device("cpu")
 
 
-class _Recordings:
-    """Holds a fit's capture stream while any of its timing graphs lives (each replay keeps it): the fit's
-    graphs share one stream and die together, as a recorded set of the engine does (graphs.stream_for)."""
+def _recordings(device):
+    """A fit's set of timing graphs: one :class:`~heterospec.engine.graphs.StepGraphs`, so they share its
+    capture stream and die together, as a recorded set of the engine does."""
+    from ..engine.graphs import StepGraphs
+
+    return StepGraphs(device=device)
 
 
-def _recorded(fn, device, owner):
-    """``fn`` recorded in a CUDA graph after an eager warm-up, on ``owner``'s capture stream; returns the replay
-    (what the recorded engine pays for the same work)."""
-    import torch
+def _recorded(fn, device, steps):
+    """``fn`` recorded into ``steps`` (:func:`_recordings`) after an eager warm-up on its stream; returns the
+    replay (what the recorded engine pays for the same work)."""
+    from ..engine.graphs import no_collection_while_recording, warm_up
 
-    from ..engine.graphs import capture_stream, no_collection_while_recording, warm_up
-
-    g = torch.cuda.CUDAGraph()
-    stream = capture_stream(device, owner)
+    key = len(steps)
     with no_collection_while_recording():
-        warm_up(device, [fn, fn], stream)
-        with torch.cuda.graph(g, stream=stream):
-            fn()
+        warm_up(device, [fn, fn], steps.stream)
+        steps.capture(key, fn)
 
-    def replay(g=g, fn=fn, owner=owner):
+    def replay(fn=fn, steps=steps, key=key):
         # The graph reads fn's tensors (its default arguments, its closure) at the addresses they had when it
         # was recorded: holding fn here keeps them, so the caching allocator cannot hand that memory to a later
-        # tensor.  Returning g.replay alone let calibrate's draft steps read another tensor's value as their
-        # accepted length (a device-side assert, then SIGSEGV, on the second GPU run).
-        g.replay()
+        # tensor.  Returning the graph's replay alone let calibrate's draft steps read another tensor's value as
+        # their accepted length (a device-side assert, then SIGSEGV, on the second GPU run).
+        steps.replay(key)
 
     return replay
 
@@ -138,8 +137,8 @@ def _fit_verify(target, draft, tree_tokens, contexts, reps, graphs, cpu_gemm, de
                 # as in decoding: the prefix at ctx committed positions (a prefill's content, never read back)
                 calls.append((n, ctx, lambda c=ctx: tgt.prefix.fill_(c), forward))
         if graphs:
-            owner = _Recordings()
-            calls = [(n, ctx, setup, (setup(), _recorded(fn, device, owner))[1]) for n, ctx, setup, fn in calls]
+            steps = _recordings(device)
+            calls = [(n, ctx, setup, (setup(), _recorded(fn, device, steps))[1]) for n, ctx, setup, fn in calls]
         times = _interleaved(timer, [(setup, call) for *_, setup, call in calls], reps)
         rows = [(n, ctx, t) for (n, ctx, *_), t in zip(calls, times)]
     finally:
@@ -184,7 +183,8 @@ def _fit_levels(target, draft, beams, levels, ctx, reps, graphs, cpu_gemm, devic
 
     timer = DeviceTimer(device)
     deepest = max(levels)
-    engines, points, owner = [], [], _Recordings()
+    engines, points = [], []
+    steps = _recordings(device) if graphs else None
     try:
         for K in beams:
             policy = Policy.static(deepest, K, min(60, candidate_count(K, deepest) + 1))
@@ -215,7 +215,7 @@ def _fit_levels(target, draft, beams, levels, ctx, reps, graphs, cpu_gemm, devic
                     verification_tree(g, n, m, cyc.state.root, T, device.type != "cuda")
                     dr.follow(vtaps, kept, path_tokens, length, nxt, tgt.prefix)
 
-                points.append((L, K, _recorded(side, device, owner) if graphs else side))
+                points.append((L, K, _recorded(side, device, steps) if graphs else side))
         times = _interleaved(timer, [(_nothing, call) for *_, call in points], reps)
     finally:
         for hs in engines:
