@@ -32,13 +32,12 @@ __global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_topk_entropy(const void *logits, 
     hs_block_radix_select(key, V, k, scratch, red, &sel);
     const double zmax = (double)m / temperature;
     double Z = 0.0, S = 0.0;
-    for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
-        float x = hs_ld<DT>(logits, base + i);
-        if (x == -HS_INF || !sel.taken(hs_key32(x), i)) continue;
+    hs_strided(0, V, [&](int64_t i) { return hs_ld<DT>(logits, base + i); }, [&](int64_t i, float x) {
+        if (x == -HS_INF || !sel.taken(hs_key32(x), i)) return;
         double d = (double)x / temperature - zmax, e = exp(d);
         Z += e;
         S += e * d;
-    }
+    });
     hs_block_entropy(Z, S, red, out + r);
 }
 

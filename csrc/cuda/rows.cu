@@ -30,8 +30,7 @@ __device__ int hs_chunk_topk(const KeyFn &key, int64_t n, int K, uint32_t tmax, 
     }
     if (threadIdx.x == 0) ints[0] = 0;
     __syncthreads();
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-        uint32_t kk = key(i);
+    hs_strided(0, n, key, [&](int64_t i, uint32_t kk) {
         if (kk >= thr) {
             int p = atomicAdd(&ints[0], 1);
             if (p < HS_FILTER_CAP) {
@@ -39,7 +38,7 @@ __device__ int hs_chunk_topk(const KeyFn &key, int64_t n, int K, uint32_t tmax, 
                 fi[p] = (int)i;
             }
         }
-    }
+    });
     __syncthreads();
     const int nf = ints[0];
     __syncthreads();
@@ -93,8 +92,8 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_chunks(const void *logits, int6
     float m = -HS_INF;
     long long bad = 0x7fffffffffffffffll;
     uint32_t tmax = 0;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-        float x = hs_ld<DT>(logits, base + i);
+    const auto ld = [&](int64_t i) { return hs_ld<DT>(logits, base + i); };
+    hs_strided(0, n, ld, [&](int64_t i, float x) {
         if (x != x || x == HS_INF) {
             long long code = (long long)(c0 + i) * 2 + (x == HS_INF);
             bad = code < bad ? code : bad;
@@ -103,7 +102,7 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_chunks(const void *logits, int6
             uint32_t kk = hs_key32(x);
             tmax = kk > tmax ? kk : tmax;
         }
-    }
+    });
     bad = hs_block_reduce(bad, red, hs_op_min());
     m = hs_block_reduce(m, (float *)red, hs_op_max());
     double s = 0.0;
@@ -111,10 +110,9 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_chunks(const void *logits, int6
     if (bad == 0x7fffffffffffffffll) {
         if (m != -HS_INF && sum) {
             const double zm = (double)m / temperature;
-            for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-                float x = hs_ld<DT>(logits, base + i);
+            hs_strided(0, n, ld, [&](int64_t, float x) {
                 s += MODE == 0 ? (double)expf(x - m) : hs_exp_nonpos_f64((double)x / temperature - zm);
-            }
+            });
             s = hs_block_reduce(s, (double *)red, hs_op_sum());
         }
         hs_logit_key<DT> key{logits, base};

@@ -71,15 +71,14 @@ __device__ void hs_row_max_check(const void *p, int64_t base, int64_t V, long lo
                                  long long *bad_out) {
     float m = -HS_INF;
     long long bad = 0x7fffffffffffffffll;
-    for (int64_t i = threadIdx.x; i < V; i += blockDim.x) {
-        float x = hs_ld<DT>(p, base + i);
+    hs_strided(0, V, [&](int64_t i) { return hs_ld<DT>(p, base + i); }, [&](int64_t i, float x) {
         if (x != x || x == HS_INF) {
             long long c = (long long)i * 2 + (x == HS_INF);
             bad = c < bad ? c : bad;
         } else if (x > m) {
             m = x;
         }
-    }
+    });
     bad = hs_block_reduce(bad, red, hs_op_min());
     *m_out = hs_block_reduce(m, (float *)red, hs_op_max());
     *bad_out = bad == 0x7fffffffffffffffll ? -1 : bad;

@@ -319,10 +319,10 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_wide_level(const void *logits, 
     double *mine_m = bmass + (threadIdx.x % HS_WIDE_COPIES) * HS_WIDE_STRIDE;
     unsigned *mine_c = bcnt + (threadIdx.x % HS_WIDE_COPIES) * HS_WIDE_STRIDE;
     const int64_t c0 = c * len, c1 = V - c0 < len ? V : c0 + len;
-    for (int64_t v = c0 + threadIdx.x; v < c1; v += blockDim.x) {
-        const float x = hs_ld<DT>(logits, row * V + v);
+    const int64_t rb = row * V;
+    hs_strided(c0, c1, [&](int64_t v) { return hs_ld<DT>(logits, rb + v); }, [&](int64_t v, float x) {
         const uint32_t key = hs_key32(x);
-        if (level > 0 && (key >> (shift + 8)) != w0.pfx) continue;
+        if (level > 0 && (key >> (shift + 8)) != w0.pfx) return;
         const unsigned bin = (key >> shift) & 255u;
         if (phase == 1) { /* every key counts toward the k-th largest; the mass is the uncut weight */
             atomicAdd(&mine_c[bin], 1u);
@@ -335,7 +335,7 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_wide_level(const void *logits, 
                 atomicAdd(&mine_m[bin], e);
             }
         }
-    }
+    });
     __syncthreads();
     /* the copies folded (in copy order), the block's histogram added into the row's */
     for (int j = threadIdx.x; j < HS_WIDE_BINS; j += blockDim.x) {
@@ -476,18 +476,18 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_wide_level(const void *logits, 
              * a bf16 row of 128,256 has ties at almost every key, and the old walk took 500 block scans. */
             const int64_t seg = (V + blockDim.x - 1) / blockDim.x;
             const int64_t lo = (int64_t)threadIdx.x * seg, hi = lo + seg < V ? lo + seg : V;
+            const int64_t rb = row * V;
+            const auto key = [&](int64_t v) { return hs_key32(hs_ld<DT>(logits, rb + v)); };
             long long cnt = 0;
-            for (int64_t v = lo; v < hi; v++) cnt += hs_key32(hs_ld<DT>(logits, row * V + v)) == s.pkey;
+            hs_batched(lo, hi, 1, key, [&](int64_t, uint32_t k) { cnt += k == s.pkey; });
             if (threadIdx.x == 0) *flag = -1;
             long long total;
             const long long ex = hs_block_exscan(cnt, red, &total);
             if (ex < tie_q && ex + cnt >= tie_q) {
                 long long need = tie_q - ex;
-                for (int64_t v = lo; v < hi; v++)
-                    if (hs_key32(hs_ld<DT>(logits, row * V + v)) == s.pkey && --need == 0) {
-                        *flag = (int)v;
-                        break;
-                    }
+                hs_batched(lo, hi, 1, key, [&](int64_t v, uint32_t k) {
+                    if (k == s.pkey && need > 0 && --need == 0) *flag = (int)v;
+                });
             }
             __syncthreads();
             s.ptie = *flag;
@@ -686,12 +686,13 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_resid_chunks(const void *logits
     const double zmax = (double)s.m / temperature;
     double local = 0.0;
     long long last = -1;
-    for (int64_t v = c0 + threadIdx.x; v < c1; v += blockDim.x) {
-        double w = hs_warp_w(s, hs_ld<DT>(logits, row * V + v), v, temperature, zmax);
+    const int64_t rb = row * V;
+    hs_strided(c0, c1, [&](int64_t v) { return hs_ld<DT>(logits, rb + v); }, [&](int64_t v, float x) {
+        double w = hs_warp_w(s, x, v, temperature, zmax);
         for (int64_t q = 0; q < r.nrej && w > 0.0; q++) w = rej[q] == v ? 0.0 : w;
         if (w > 0.0) last = v;
         local += w;
-    }
+    });
     local = hs_block_reduce(local, (double *)red, hs_op_sum());
     last = hs_block_reduce(last, red, hs_op_max());
     if (threadIdx.x == 0) {
