@@ -293,6 +293,20 @@ __device__ __forceinline__ void hs_wide_done(int64_t row, hs_warp_stats s, doubl
     wide[row].phase = 0;
 }
 
+/* The low key bits every value of a logits dtype has in common, given its sign: a bfloat16 widened to float32 has
+ * 16 zero mantissa bits, a float16 13 (its subnormals too, once normalised), so a descent that has fixed the bits
+ * above them has fixed the key: a bfloat16 row is decided at level 1, a float16 one at level 2, and the levels
+ * left return at once.  hs_key_fill gives the whole key from such a prefix (hs_key32: a positive value's low bits
+ * stay 0, a negative value's are inverted to 1). */
+template <int DT> __device__ __forceinline__ int hs_key_const_bits() {
+    return DT == HS_BFLOAT16 ? 16 : DT == HS_FLOAT16 ? 13 : 0;
+}
+__device__ __forceinline__ uint32_t hs_key_fill(uint32_t pfx, int shift) {
+    if (shift == 0) return pfx;
+    const uint32_t hi = pfx << shift;
+    return (hi & 0x80000000u) ? hi : hi | ((1u << shift) - 1u);
+}
+
 template <int DT>
 __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_wide_level(const void *logits, int64_t T, int64_t V, const int64_t *n_dev,
                                                             double temperature, double top_p, int64_t len,
@@ -388,7 +402,8 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_wide_level(const void *logits, 
             w.need -= a;
             w.above += am;
             w.pfx = (w.pfx << 8) | (uint32_t)pick;
-            if (bcnt[pick] == (unsigned)w.need || shift == 0) { /* the bin is taken whole: the cut is found */
+            /* the bin taken whole, or one key (ties at the k-th value are kept): the cut is found */
+            if (bcnt[pick] == (unsigned)w.need || shift <= hs_key_const_bits<DT>()) {
                 s.kshift = shift;
                 s.kpfx = w.pfx;
                 stats[row] = s;
@@ -434,9 +449,10 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_wide_level(const void *logits, 
             } else {
                 w.above = a;
                 w.pfx = (w.pfx << 8) | (uint32_t)pick;
-                if (shift == 0) {
+                if (shift <= hs_key_const_bits<DT>()) {
                     /* pfx is one key: its tokens have equal weight; keep them in id order while the cumulative
                      * probability before each is < top_p, as the CPU adds w / W token by token */
+                    w.pfx = hs_key_fill(w.pfx, shift);
                     const double wv = hs_warp_w(s, hs_unkey32(w.pfx), -1, temperature, zmax);
                     const long long cnt = (long long)bcnt[pick];
                     long long q = 0;

@@ -931,6 +931,27 @@ def test_wide_rows_top_p_crossing_inside_a_long_run_of_equal_logits(dtype, count
 
 
 @on_device
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("shift", [0.0, -20.0])
+@pytest.mark.parametrize("warp", [dict(top_p=0.9), dict(top_k=1000, top_p=0.7), dict(top_k=2000)])
+def test_wide_rows_finish_where_the_dtype_has_no_more_key_bits(dtype, shift, warp):
+    """A float16 value widened to float32 fixes its key after 19 bits and a bfloat16 one after 16, so the wide
+    descent stops at level 2 or 1 and fills in the key's low bits: zeros for a positive value, ones for a negative
+    one (shift -20: the same softmax over negative logits, the crossing key negative).  The rows are flat (the
+    candidates cannot decide them) and on a grid of 1/256, so tokens share keys in every dtype while a float16
+    key still uses all its bits; each draw equals the CPU's."""
+    rng = np.random.default_rng(zlib.crc32(f"{dtype} {shift} {warp}".encode()))
+    n, V = 4, 3001
+    parents = np.array([-1, 0, 0, 1], np.int64)
+    tokens = rng.integers(0, V, n).astype(np.int64)
+    x = (np.round(rng.normal(0, 1.0, (n, V)) * 256) / 256 + shift).astype(np.float32)   # every float16 bit used
+    for trial in range(3):
+        got, want = _sample_both(tokens, parents, x, dtype, temperature=1.0, seed=11 + trial, offset=trial, **warp)
+        np.testing.assert_array_equal(got[0], want[0], err_msg=f"trial {trial}")
+        assert got[1:] == want[1:], f"trial {trial}"
+
+
+@on_device
 def test_wide_rows_leave_no_state_for_the_next_call():
     """The wide rows' counters and histograms sit in the module workspace that every op shares: a call with
     wide rows, an expand and a select in between (which write that workspace), then the same call again give
