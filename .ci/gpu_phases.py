@@ -626,7 +626,6 @@ def run_window(ctx, plan):
     """Run a window's plan: the setup phases, the correctness group side by side (one thread each, every
     pytest spread over the cores by xdist), then the rest alone, each only while it still fits the window."""
     t_end = time.monotonic() + (plan["window"] - gpu_window.START_MINUTES) * 60
-    exp = plan["expected"]
     results = []
     builder = Builder(ctx, results)
     with Monitor(ctx):

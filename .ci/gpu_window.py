@@ -33,7 +33,6 @@ device tool's copy of the working tree (no ``.git`` needed) and at a commit (``g
 """
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import os
