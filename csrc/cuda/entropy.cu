@@ -32,7 +32,7 @@ __global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_topk_entropy(const void *logits, 
     hs_block_radix_select(key, V, k, scratch, red, &sel);
     const double zmax = (double)m / temperature;
     double Z = 0.0, S = 0.0;
-    hs_strided(0, V, [&](int64_t i) { return hs_ld<DT>(logits, base + i); }, [&](int64_t i, float x) {
+    hs_strided(0, V, hs_logit_val<DT>{logits, base}, [&](int64_t i, float x) {
         if (x == -HS_INF || !sel.taken(hs_key32(x), i)) return;
         double d = (double)x / temperature - zmax, e = exp(d);
         Z += e;

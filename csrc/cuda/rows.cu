@@ -92,7 +92,7 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_chunks(const void *logits, int6
     float m = -HS_INF;
     long long bad = 0x7fffffffffffffffll;
     uint32_t tmax = 0;
-    const auto ld = [&](int64_t i) { return hs_ld<DT>(logits, base + i); };
+    const hs_logit_val<DT> ld{logits, base};
     hs_strided(0, n, ld, [&](int64_t i, float x) {
         if (x != x || x == HS_INF) {
             long long code = (long long)(c0 + i) * 2 + (x == HS_INF);

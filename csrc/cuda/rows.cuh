@@ -63,6 +63,18 @@ struct hs_part {
     long long bad; /* the chunk's lowest NaN/+inf entry of the row as col*2 + is_inf, or -1 */
 };
 
+/* A logits row's entries from `base` on, as float32 values or as keys: the loads of hs_strided / hs_batched. */
+template <int DT> struct hs_logit_val {
+    const void *p;
+    int64_t base;
+    __device__ __forceinline__ float operator()(int64_t i) const { return hs_ld<DT>(p, base + i); }
+};
+template <int DT> struct hs_logit_key {
+    const void *p;
+    int64_t base;
+    __device__ __forceinline__ uint32_t operator()(int64_t i) const { return hs_key32(hs_ld<DT>(p, base + i)); }
+};
+
 /* ---- row scan: max and the first bad entry ------------------------------------------------------------ */
 
 /* Block-wide max of a logits row and the lowest column holding NaN/+Inf (as col*2 + is_inf, or -1). */
@@ -71,7 +83,7 @@ __device__ void hs_row_max_check(const void *p, int64_t base, int64_t V, long lo
                                  long long *bad_out) {
     float m = -HS_INF;
     long long bad = 0x7fffffffffffffffll;
-    hs_strided(0, V, [&](int64_t i) { return hs_ld<DT>(p, base + i); }, [&](int64_t i, float x) {
+    hs_strided(0, V, hs_logit_val<DT>{p, base}, [&](int64_t i, float x) {
         if (x != x || x == HS_INF) {
             long long c = (long long)i * 2 + (x == HS_INF);
             bad = c < bad ? c : bad;
@@ -94,12 +106,6 @@ __device__ __forceinline__ void hs_block_entropy(double Z, double S, long long *
         *out = (float)(h > 0.0 ? h : 0.0);
     }
 }
-
-template <int DT> struct hs_logit_key {
-    const void *p;
-    int64_t base;
-    __device__ __forceinline__ uint32_t operator()(int64_t i) const { return hs_key32(hs_ld<DT>(p, base + i)); }
-};
 
 /* A row's failure as the CPU reports it (thread 0): a NaN/+inf entry, else all -inf; returns 1 if the row is
  * fine.  Block-uniform. */

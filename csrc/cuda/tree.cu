@@ -148,8 +148,7 @@ __global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_expand(const void *logits, int64_
     hs_row_max_check<DT>(logits, r * Vd, Vd, w.red, &m, &bad);
     if (hs_row_ok(bad, m, r, err) && w.ok) {
         double s = 0.0;
-        hs_strided(0, Vd, [&](int64_t i) { return hs_ld<DT>(logits, r * Vd + i); },
-                   [&](int64_t, float x) { s += (double)expf(x - m); });
+        hs_strided(0, Vd, hs_logit_val<DT>{logits, r * Vd}, [&](int64_t, float x) { s += (double)expf(x - m); });
         s = hs_block_reduce(s, (double *)w.red, hs_op_sum());
         const double lse = log(s);
         hs_logit_key<DT> key{logits, r * Vd};

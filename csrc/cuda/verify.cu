@@ -302,7 +302,6 @@ template <int DT> __device__ __forceinline__ int hs_key_const_bits() {
     return DT == HS_BFLOAT16 ? 16 : DT == HS_FLOAT16 ? 13 : 0;
 }
 __device__ __forceinline__ uint32_t hs_key_fill(uint32_t pfx, int shift) {
-    if (shift == 0) return pfx;
     const uint32_t hi = pfx << shift;
     return (hi & 0x80000000u) ? hi : hi | ((1u << shift) - 1u);
 }
@@ -333,8 +332,7 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_wide_level(const void *logits, 
     double *mine_m = bmass + (threadIdx.x % HS_WIDE_COPIES) * HS_WIDE_STRIDE;
     unsigned *mine_c = bcnt + (threadIdx.x % HS_WIDE_COPIES) * HS_WIDE_STRIDE;
     const int64_t c0 = c * len, c1 = V - c0 < len ? V : c0 + len;
-    const int64_t rb = row * V;
-    hs_strided(c0, c1, [&](int64_t v) { return hs_ld<DT>(logits, rb + v); }, [&](int64_t v, float x) {
+    hs_strided(c0, c1, hs_logit_val<DT>{logits, row * V}, [&](int64_t v, float x) {
         const uint32_t key = hs_key32(x);
         if (level > 0 && (key >> (shift + 8)) != w0.pfx) return;
         const unsigned bin = (key >> shift) & 255u;
@@ -492,8 +490,7 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_wide_level(const void *logits, 
              * a bf16 row of 128,256 has ties at almost every key, and the old walk took 500 block scans. */
             const int64_t seg = (V + blockDim.x - 1) / blockDim.x;
             const int64_t lo = (int64_t)threadIdx.x * seg, hi = lo + seg < V ? lo + seg : V;
-            const int64_t rb = row * V;
-            const auto key = [&](int64_t v) { return hs_key32(hs_ld<DT>(logits, rb + v)); };
+            const hs_logit_key<DT> key{logits, row * V};
             long long cnt = 0;
             hs_batched(lo, hi, 1, key, [&](int64_t, uint32_t k) { cnt += k == s.pkey; });
             if (threadIdx.x == 0) *flag = -1;
@@ -702,8 +699,7 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_resid_chunks(const void *logits
     const double zmax = (double)s.m / temperature;
     double local = 0.0;
     long long last = -1;
-    const int64_t rb = row * V;
-    hs_strided(c0, c1, [&](int64_t v) { return hs_ld<DT>(logits, rb + v); }, [&](int64_t v, float x) {
+    hs_strided(c0, c1, hs_logit_val<DT>{logits, row * V}, [&](int64_t v, float x) {
         double w = hs_warp_w(s, x, v, temperature, zmax);
         for (int64_t q = 0; q < r.nrej && w > 0.0; q++) w = rej[q] == v ? 0.0 : w;
         if (w > 0.0) last = v;
@@ -786,7 +782,7 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_resid_pick(const void *logits, 
             const int64_t seg = (c1 - c0 + blockDim.x - 1) / blockDim.x;
             const int64_t lo = c0 + (int64_t)threadIdx.x * seg, hi = lo + seg < c1 ? lo + seg : c1;
             const int64_t rb = row * V;
-            const auto wt = [&](int64_t v) {
+            const auto wt = [&](int64_t v) {  /* the residual weight of id v */
                 double w = hs_warp_w(s, hs_ld<DT>(logits, rb + v), v, temperature, zmax);
                 for (int64_t q = 0; q < r.nrej && w > 0.0; q++) w = rej[q] == v ? 0.0 : w;
                 return w;
