@@ -55,22 +55,21 @@ def cache_kwarg(model):
     return "cache" if "cache" in params else "past_key_values"
 
 
-@torch.compiler.disable
-def _write_layer_eagerly(k, v, slots, key_states, value_states):
+def _write_layer(k, v, slots, key_states, value_states):
     """One layer's new keys and values into the cache at ``slots`` ([n]: the same columns in every row; [B, n]:
-    each row its own), run eagerly under ``torch.compile`` (a graph break): the compiled regions only read the
-    cache.  Every layer's cache is a view of one storage (``StaticKV.update``), and a compiled write into a view
-    of a graph input makes inductor write the whole input back: every layer's keys and values copied at every
-    layer's call (the default pair on a 2-core CPU: 3.5 tokens/s compiled against 9 eager).  An operator
-    declaring its writes (``torch.library.custom_op``) lost the view's offset under inductor (wrong tokens), and
-    an ``index_put_`` on the storage itself was copied whole too; the eager write is what stays in place."""
+    each row its own)."""
     write_at(k, slots, key_states)
     write_at(v, slots, value_states)
 
 
-def _compiling():
-    is_compiling = getattr(torch.compiler, "is_compiling", None)
-    return bool(is_compiling is not None and is_compiling())
+# Under ``torch.compile`` the write runs eagerly (a graph break), so the compiled regions only read the cache.
+# Every layer's cache is a view of one storage (``StaticKV.update``), and a compiled write into a view of a graph
+# input makes inductor write the whole input back: every layer's keys and values copied at every layer's call (the
+# default pair on a 2-core CPU: 3.5 tokens/s compiled against 9 eager).  An operator declaring its writes
+# (``torch.library.custom_op``) lost the view's offset under inductor (wrong tokens), and an ``index_put_`` on the
+# storage itself was copied whole too; the eager write is what stays in place.
+_write_layer_eagerly = torch.compiler.disable(_write_layer)
+_is_compiling = getattr(torch.compiler, "is_compiling", None)   # torch >= 2.3; before it, the write is traced
 
 
 def _cache_base():
@@ -101,11 +100,9 @@ class StaticKV(_cache_base()):
             raise ValueError(f"target cache: layer {layer_idx} produced keys {tuple(key_states.shape)}, the cache "
                              f"holds [{k.shape[0]}, {k.shape[1]}, S, {k.shape[3]}] (num_key_value_heads / head_dim "
                              f"of the config)")
-        if _compiling():
-            _write_layer_eagerly(k, v, self.slots, key_states, value_states)
-        else:                                          # eager: no call through dynamo's wrapper
-            write_at(k, self.slots, key_states)        # [n]: the same columns in every row; [B, n]: per row
-            write_at(v, self.slots, value_states)
+        # eager calls skip dynamo's wrapper
+        write = _write_layer_eagerly if _is_compiling is not None and _is_compiling() else _write_layer
+        write(k, v, self.slots, key_states, value_states)
         if self.window is not None:
             return k[:, :, :self.window], v[:, :, :self.window]
         return k, v
