@@ -219,7 +219,8 @@ def build_parser():
     from . import bench
 
     b = sub.add_parser("bench", help="the paper's evaluation: ar, eagle3, eagle3-tuned, heterospec-paper, "
-                                     "heterospec, heterospec-tuned and the HF baselines (hf, hf-static, hf-lookup) "
+                                     "heterospec, heterospec-tuned and the HF baselines (hf, hf-static, hf-compiled, "
+                                     "hf-lookup) "
                                      "side by side over question files; JSON, markdown and plots")
     bench.add_arguments(b)
     return parser

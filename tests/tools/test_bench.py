@@ -93,10 +93,16 @@ def test_build_methods_and_their_errors():
     assert m["heterospec-paper"] == Policy.paper(7, 10, 60, THRESHOLDS)  # the paper's rule on the profile's bins
     assert m["hf"] == bench.HFMethod("hf") and m["hf-static"].cache_implementation == "static"
     assert m["hf-lookup"].prompt_lookup_num_tokens == 10 and not m["hf-lookup"].drafts
+    assert not m["hf-static"].compile_all_devices and m["hf-static"].as_dict()["compile"] == "transformers' criterion"
+    assert m["hf-compiled"].cache_implementation == "static" and m["hf-compiled"].compile_all_devices
+    assert m["hf-compiled"].as_dict()["compile"] == "on every device"
+    # bench's default: every method but hf-compiled (minutes of compilation on a CPU)
+    assert bench.DEFAULT_METHODS == tuple(n for n in bench.METHODS if n != "hf-compiled")
     # the HuggingFace baselines need no draft
-    assert [n for n, _ in bench.build_methods(["ar", "hf", "hf-static", "hf-lookup"])] == ["ar", *bench.HF_METHODS]
-    with pytest.raises(ValueError, match="argument 'methods' expected distinct names from .*hf-lookup.*got hf, hf-compiled"):
-        bench.build_methods(["hf", "hf-compiled"])
+    assert [n for n, _ in bench.build_methods(["ar", "hf", "hf-static", "hf-compiled", "hf-lookup"])] == \
+        ["ar", *bench.HF_METHODS]
+    with pytest.raises(ValueError, match="argument 'methods' expected distinct names from .*hf-lookup.*got hf, hf-fast"):
+        bench.build_methods(["hf", "hf-fast"])
     with pytest.raises(ValueError, match="argument 'methods' expected distinct names from .*got ar, medusa"):
         bench.build_methods(["ar", "medusa"])
     with pytest.raises(ValueError, match="argument 'methods'"):
@@ -163,7 +169,7 @@ def test_bench_command_writes_json_tables_plots_and_answers(tmp_path):
     assert ht["thresholds"] == r["tuning"]["heterospec_tuned"]["thresholds"] and len(ht["extra"]) == len(ht["thresholds"]) + 1
     assert all(0 <= e <= 3 for e in ht["extra"])
     assert [run["temperature"] for run in r["runs"]] == [0.0, 1.0]
-    names = list(bench.METHODS)
+    names = list(bench.DEFAULT_METHODS)   # no --methods: all but hf-compiled
     for run in r["runs"]:
         assert list(run["files"]) == ["chat", "code"] and list(run["mean"]) == names
         for b, by_m in run["files"].items():
@@ -193,7 +199,9 @@ def test_bench_command_writes_json_tables_plots_and_answers(tmp_path):
             assert by_m["eagle3"]["verified_tokens"] > by_m["eagle3"]["verification_calls"]  # trees of many nodes
             assert by_m[run["strongest_hf"]]["speedup_over_hf"] == 1.0
         # the strongest HF baseline: the best mean tokens/s of the three; hf-static warmed up, not compiled on a CPU
-        assert run["strongest_hf"] == max(bench.HF_METHODS, key=lambda n: run["mean"][n]["tokens_per_s"])
+        assert run["strongest_hf"] == max((n for n in bench.HF_METHODS if n in names),
+                                          key=lambda n: run["mean"][n]["tokens_per_s"])
+        assert "hf_compiled" not in run
         assert set(run["warmup_s"]) == set(names) and all(v > 0 for v in run["warmup_s"].values())
         # 42.1: the CPU matrix path our engines measured and chose, per method (HF's baselines run torch's own)
         assert set(run["cpu_gemm"]) == {n for n in names if n not in bench.HF_METHODS}
@@ -269,6 +277,10 @@ def test_bench_outputs_equal_the_targets_greedy_answers_turn_by_turn(tmp_path):
 # ---- the HuggingFace baselines --------------------------------------------------------------------------------
 
 HF_ALL = ["ar", *bench.HF_METHODS]
+# the baselines transformers does not compile on a CPU: the calls of the tests below that vary max_new_tokens
+# (each static-cache length a compilation of hf-compiled's); hf-compiled makes the same call with one more
+# argument, and its tokens are checked in the run of every baseline
+HF_EAGER = [n for n in bench.HF_METHODS if not bench.HF_BASELINES[n].compile_all_devices]
 
 
 def _tiny(tmp_path):
@@ -277,9 +289,10 @@ def _tiny(tmp_path):
 
 
 def test_hf_baselines_run_and_their_greedy_tokens_equal_ars(tmp_path):
-    """hf, hf-static and hf-lookup through model.generate: the same tokens as ar at T=0 in fp32 (both turns,
-    the second after each method's own first answer), the table's fields where they apply and None where
-    they do not, warm-up times apart, and hf-static uncompiled on the CPU as transformers leaves it."""
+    """hf, hf-static, hf-compiled and hf-lookup through model.generate: the same tokens as ar at T=0 in fp32
+    (both turns, the second after each method's own first answer), the table's fields where they apply and
+    None where they do not, warm-up times apart, hf-static uncompiled on the CPU as transformers leaves it and
+    hf-compiled compiled there."""
     model, tok, qs = _tiny(tmp_path)
     r = bench.run_bench(model, tok, None, bench.build_methods(HF_ALL), qs, max_new_tokens=12, warmup_tokens=3,
                         eos_token_id=tok.eos_token_id)
@@ -301,6 +314,11 @@ def test_hf_baselines_run_and_their_greedy_tokens_equal_ars(tmp_path):
     assert r["mean"]["ar"]["tau"] == 1.0 and r["mean"]["ar"]["verification_calls"] > 0
     assert set(r["warmup_s"]) == set(HF_ALL)
     assert r["hf_static"]["compiled"] is False and r["hf_static"]["device"] == "cpu"
+    assert r["hf_compiled"]["compiled"] is True and r["hf_compiled"]["device"] == "cpu"
+    assert r["hf_compiled"]["static_cache_len"] == r["hf_static"]["static_cache_len"]
+    md = bench.markdown({"models": {"target": "tiny", "draft": None}, "runs": [r], "machine": {"summary": "here"},
+                         "settings": {"device": "cpu", "dtype": "float32", "max_new_tokens": 12, "limit": 2, "seed": 0}})
+    assert "hf-compiled on cpu: static cache of" in md and "(asked to compile on every device)" in md
     # the static cache holds the longest conversation: longest prompt + two answers of 12 (+ margin)
     assert r["hf_static"]["static_cache_len"] >= max(bench.encode_turn(tok, q["turns"], [""] * (len(q["turns"]) - 1)).shape[1]
                                                      for b in qs for q in qs[b]) + 2 * 12
@@ -321,7 +339,7 @@ def test_hf_baselines_stop_at_the_same_eos_and_budget_as_the_engine(tmp_path):
         for e in (eos, [96, eos]):
             seq, st = hs.generate(ids, max_new_tokens=16, eos_token_id=e)
             assert st.new_tokens == stop and seq[0, ids.shape[1]:].tolist() == new[:stop]
-    for n in bench.HF_METHODS:
+    for n in HF_EAGER:
         g = bench.HFGenerate(model, bench.HF_BASELINES[n], pad_token_id=0)
         seq, st = g.generate(ids, max_new_tokens=16)
         assert st.new_tokens == 16 and seq[0, ids.shape[1]:].tolist() == new, n
@@ -347,7 +365,7 @@ def test_hf_baselines_ignore_the_checkpoints_generation_config(tmp_path):
     calls = []
     handle = model.model.layers[1].register_forward_pre_hook(lambda m, a: calls.append(1))
     try:
-        for n in bench.HF_METHODS:
+        for n in HF_EAGER:
             g = bench.HFGenerate(model, bench.HF_BASELINES[n], pad_token_id=0)
             assert g.generate(ids, max_new_tokens=10)[0][0].tolist() == ref, n
             a, sa = g.generate(ids, max_new_tokens=10, temperature=1.5, seed=7)
@@ -452,11 +470,11 @@ def test_bench_command_refuses_bad_arguments(tmp_path, capsys):
     qfiles = [str(p) for p in _questions(tmp_path)]
     base = [sys.executable, "-m", "heterospec", "bench", *pair, "--out", str(tmp_path / "o")]
     # an unknown method: one line, exit status 2 (a usage error)
-    res = subprocess.run(base + ["--questions", *qfiles, "--methods", "ar,hf-compiled"], capture_output=True, text=True,
+    res = subprocess.run(base + ["--questions", *qfiles, "--methods", "ar,hf-fast"], capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [
         "heterospec bench: argument 'methods' expected distinct names from " + ", ".join(bench.METHODS)
-        + ", got ar, hf-compiled"], res.stderr
+        + ", got ar, hf-fast"], res.stderr
     for extra, needle in (
         (["--questions", *qfiles, "--methods", "ar,beam"], "argument 'methods' expected distinct names"),
         (["--questions", str(tmp_path / "none.jsonl")], "cannot read question file"),

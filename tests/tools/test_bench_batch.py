@@ -90,7 +90,7 @@ def test_the_command_writes_json_table_and_plot(tmp_path):
         (["--batch-size", "0,4"], "heterospec bench: argument '--batch-size' expected distinct ints >= 1 separated "
                                   "by commas, got '0,4'"),
         (["--batch-size", "2", "--methods", "ar,hf-lookup"],
-         "heterospec bench: argument '--batch-size' expected methods from ar, hf, hf-static, eagle3, "
+         "heterospec bench: argument '--batch-size' expected methods from ar, hf, hf-static, hf-compiled, eagle3, "
          "heterospec-paper, heterospec, got hf-lookup"),
     ):
         res = subprocess.run(base + extra, capture_output=True, text=True, timeout=300)

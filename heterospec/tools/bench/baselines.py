@@ -4,9 +4,9 @@
 They are timed with the same timer on the same prompts and budget as our methods (docs/design.md, "Measuring"), with the
 same EOS ids, ``max_new_tokens`` and temperature semantics (top-k and top-p off, nothing else from the
 model's generation config).  ``hf-static``: transformers compiles the forward (CUDA graphs) where its own
-criterion says so (on CUDA, not on the CPU), and whether it did is recorded (:class:`BaselineStats`); the
-run's warm-up sizes the static cache for the longest conversation, so the timed calls reuse one compiled
-shape.  They have no verification calls, tau or time split."""
+criterion says so (on CUDA, not on the CPU); ``hf-compiled``: on every device.  Whether it did is recorded
+(:class:`BaselineStats`); the run's warm-up sizes the static cache for the longest conversation, so the timed
+calls reuse one compiled shape.  They have no verification calls, tau or time split."""
 from __future__ import annotations
 
 import collections
@@ -16,8 +16,8 @@ import dataclasses
 
 @dataclasses.dataclass
 class BaselineStats:
-    """What a ``model.generate`` call tells us: the new tokens (up to and including EOS) and, for
-    ``hf-static``'s warm-up, whether transformers compiled the forward (None: not known)."""
+    """What a ``model.generate`` call tells us: the new tokens (up to and including EOS) and, with a static
+    cache, whether transformers compiled the forward (None: not known)."""
 
     new_tokens: int = 0
     compiled: bool | None = None
@@ -84,6 +84,20 @@ def _compile_spy(model, seen):
         del model._valid_auto_compile_criteria
 
 
+def compile_everywhere():
+    """transformers' ``CompileConfig`` (its defaults, as ``generate`` uses on CUDA) with the flag that lifts its
+    device criterion: the static cache's forward compiled on a CPU too."""
+    import transformers
+
+    cc = getattr(transformers, "CompileConfig", None)
+    if cc is None or not hasattr(cc, "_compile_all_devices"):
+        raise RuntimeError(f"bench: method 'hf-compiled' expected a transformers whose CompileConfig has "
+                           f"_compile_all_devices, got transformers {transformers.__version__}")
+    cfg = cc()
+    cfg._compile_all_devices = True
+    return cfg
+
+
 class HFGenerate:
     """A :class:`HFMethod` with the call shape of ``HeteroSpec.generate``: ``generate(input_ids,
     max_new_tokens=, temperature=, seed=, eos_token_id=) -> (sequences [1, S + new], BaselineStats)``.
@@ -114,6 +128,8 @@ class HFGenerate:
             kw["cache_implementation"] = self.method.cache_implementation
         if self.method.prompt_lookup_num_tokens:
             kw["prompt_lookup_num_tokens"] = self.method.prompt_lookup_num_tokens
+        if self.method.compile_all_devices:
+            kw["compile_config"] = compile_everywhere()
         if cache_len is not None:
             kw["max_new_tokens"] = max(max_new_tokens, cache_len - n_prompt)
         if stop_after is not None:

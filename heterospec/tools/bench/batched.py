@@ -57,11 +57,11 @@ def run_batch_bench(target, tokenizer, draft, methods, prompts, batch_sizes, *, 
     eos = eos_list(eos_token_id)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     engines = {}
+    longest = max(p.shape[1] for p in prompts)
     for name, pol in methods:
         engines[name] = (HFGenerate(target, pol, pad_token_id=pad) if isinstance(pol, HFMethod) else
                          HeteroSpec(target, draft if pol.drafts else None, pol, cuda_graphs=cuda_graphs,
-                                    max_length=(max(p.shape[1] for p in prompts) + max_new_tokens
-                                                if cuda_graphs else None)))
+                                    max_length=longest + max_new_tokens if cuda_graphs else None))
     results, tokens = {}, {}
     steps = sum(-(-len(prompts) // B) for B in batch_sizes) * len(methods)
     step = 0
@@ -71,9 +71,12 @@ def run_batch_bench(target, tokenizer, draft, methods, prompts, batch_sizes, *, 
             acc = {n: {"new": 0, "s": 0.0, "lat": [], "tau": [], "verified": 0, "calls": 0, "rows": []}
                    for n, _ in methods}
             warm = [groups[0]] + ([groups[-1]] if len(groups[-1]) != len(groups[0]) else [])
-            for name, _ in methods:                           # warm-up (and recording), untimed
+            for name, pol in methods:                         # warm-up (and recording, compiling), untimed
+                # a static cache sized for the timed calls, so that none of them compiles again
+                kw = ({"cache_len": longest + max_new_tokens, "stop_after": warmup_tokens}
+                      if isinstance(pol, HFMethod) and pol.static_cache else {})
                 for group in warm:
-                    _decode(engines[name], group, warmup_tokens, eos_token_id, pad, device, left_pad, torch)
+                    _decode(engines[name], group, warmup_tokens, eos_token_id, pad, device, left_pad, torch, **kw)
             for gi, group in enumerate(groups):
                 for name, _ in methods:
                     if progress is not None:
@@ -117,14 +120,17 @@ def run_batch_bench(target, tokenizer, draft, methods, prompts, batch_sizes, *, 
             "results": results, "mismatches": mism, "stops_beating_ar": stops, "cuda_graphs": cuda_graphs}
 
 
-def _decode(engine, group, max_new_tokens, eos_token_id, pad, device, left_pad, torch):
-    """One group through one method -> (each row's new tokens, our GenerationStats or None for a baseline)."""
+def _decode(engine, group, max_new_tokens, eos_token_id, pad, device, left_pad, torch, **hf_kw):
+    """One group through one method -> (each row's new tokens, our GenerationStats or None for a baseline).
+    ``hf_kw``: an HF baseline's warm-up arguments (``cache_len``, ``stop_after``)."""
     if isinstance(engine, HFGenerate):
         if len(group) == 1:
-            seq, _ = engine.generate(group[0].to(device), max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+            seq, _ = engine.generate(group[0].to(device), max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                                     **hf_kw)
             return [seq[0, group[0].shape[1]:].tolist()], None
         ids, mask = left_pad([g[0] for g in group], pad, device)
-        rows, _ = engine.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+        rows, _ = engine.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                                  **hf_kw)
         return rows, None
     outs, st = engine.generate([g[0].to(device) for g in group], max_new_tokens=max_new_tokens,
                                eos_token_id=eos_token_id)

@@ -11,7 +11,7 @@ import time
 from ...measure import DeviceTimer, load_warning, machine_info
 from .. import ProgressBar
 from ..prompts import encode_turn, read_prompts
-from .methods import HF_METHODS, METHODS, build_methods, check_method_names, method_dict, parse_tree
+from .methods import DEFAULT_METHODS, HF_METHODS, METHODS, build_methods, check_method_names, method_dict, parse_tree
 from .questions import REPO, default_question_files, load_questions, question_paths
 from .report import SCHEMA, markdown, report, write_outputs
 from .batched import batch_markdown, batch_plot, batch_prompts, parse_batch_sizes, run_batch_bench
@@ -100,7 +100,7 @@ def main(args, out=None):
             raise SystemExit(2) from None
         tuned_names = {"eagle3-tuned", "heterospec-tuned", "hf-lookup"} & set(names)
         if tuned_names:
-            print(f"heterospec bench: argument '--batch-size' expected methods from ar, hf, hf-static, eagle3, "
+            print(f"heterospec bench: argument '--batch-size' expected methods from ar, hf, hf-static, hf-compiled, eagle3, "
                   f"heterospec-paper, heterospec, got {', '.join(sorted(tuned_names))}", file=sys.stderr)
             raise SystemExit(2)
     torch.manual_seed(args.seed)
@@ -248,7 +248,9 @@ def add_arguments(p):
     p.add_argument("--draft", default=None, help="EAGLE-3 head directory (default with --target default: the shipped head)")
     p.add_argument("--profile", default=None, help="calibrated profile for heterospec / heterospec-paper "
                                                    "(default: the shipped head's)")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                   help=f"comma-separated, from {', '.join(METHODS)} (default: all but hf-compiled, whose "
+                        f"compilation takes minutes on a CPU and which is hf-static on CUDA)")
     p.add_argument("--questions", nargs="+", default=None,
                    help="EAGLE question.jsonl files, or a directory of the five benchmark files (default: "
                         "the checkout's benchmarks/data/questions, else ../shared/data/benchmarks)")

@@ -21,7 +21,13 @@ and the strongest baselines a HuggingFace user already has, no draft (:data:`HF_
 :class:`HFMethod` each, run by :mod:`.baselines`):
 
 - ``hf``: greedy (sampling at T > 0) with the default dynamic cache;
-- ``hf-static``: ``cache_implementation="static"``;
+- ``hf-static``: ``cache_implementation="static"`` (transformers compiles its forward where its own criterion
+  says so: on CUDA, not on a CPU);
+- ``hf-compiled``: the same static cache, compiled on every device (transformers' ``CompileConfig`` with its
+  ``_compile_all_devices`` flag, which transformers keeps for compiling on a CPU).  On CUDA it is ``hf-static``
+  under another name; on a CPU it is the fastest ``generate`` a HuggingFace user can get, and its compilation
+  takes minutes (211 s for the default pair on a 2-core CPU), so it is not among the defaults
+  (:data:`DEFAULT_METHODS`): ask for it with ``--methods``;
 - ``hf-lookup``: prompt-lookup decoding (``prompt_lookup_num_tokens=10``).
 """
 from __future__ import annotations
@@ -30,8 +36,10 @@ import dataclasses
 
 from ...policy import Policy
 
-HF_METHODS = ("hf", "hf-static", "hf-lookup")
+HF_METHODS = ("hf", "hf-static", "hf-compiled", "hf-lookup")
 METHODS = ("ar", *HF_METHODS, "eagle3", "eagle3-tuned", "heterospec-paper", "heterospec", "heterospec-tuned")
+# bench's default --methods: every method but hf-compiled (minutes of compilation; the same as hf-static on CUDA)
+DEFAULT_METHODS = tuple(n for n in METHODS if n != "hf-compiled")
 
 
 def check_method_names(names):
@@ -48,14 +56,22 @@ class HFMethod:
     name: str
     cache_implementation: str | None = None  # None: transformers' default dynamic cache
     prompt_lookup_num_tokens: int | None = None
+    compile_all_devices: bool = False  # compile the static cache's forward on a CPU too (transformers' CompileConfig)
     drafts = False
+
+    @property
+    def static_cache(self):
+        """Whether ``generate`` runs on a static cache (hf-static, hf-compiled): sized by a warm-up, compiled."""
+        return self.cache_implementation == "static"
 
     def as_dict(self):
         return {"baseline": "transformers model.generate", "cache_implementation": self.cache_implementation or "dynamic",
-                "prompt_lookup_num_tokens": self.prompt_lookup_num_tokens}
+                "prompt_lookup_num_tokens": self.prompt_lookup_num_tokens,
+                "compile": "on every device" if self.compile_all_devices else "transformers' criterion"}
 
 
 HF_BASELINES = {"hf": HFMethod("hf"), "hf-static": HFMethod("hf-static", cache_implementation="static"),
+                "hf-compiled": HFMethod("hf-compiled", cache_implementation="static", compile_all_devices=True),
                 "hf-lookup": HFMethod("hf-lookup", prompt_lookup_num_tokens=10)}
 
 

@@ -3,8 +3,8 @@
 tokens/s = new tokens (up to and including EOS) / decoding wall time (prefill included, after a warm-up
 whose time is reported apart; CUDA events on a GPU); speedup = the mean over questions of (the method's
 tokens/s / ar's), a question's tokens/s pooling its turns as EAGLE's ``speed.py`` does; speedup over HF = the
-same ratio against the strongest HuggingFace baseline of the run (of ``hf``, ``hf-static``, ``hf-lookup``,
-the one with the best mean tokens/s); tau = committed tokens / verification calls (the bonus token counts);
+same ratio against the strongest HuggingFace baseline of the run (of ``hf``, ``hf-static``, ``hf-compiled``,
+``hf-lookup``, the one with the best mean tokens/s); tau = committed tokens / verification calls (the bonus token counts);
 verification calls and verified tokens; per entropy bin the share of cycles and the mean accepted length;
 the time split into prefill / drafting / verifying / ops / the rest of the loop.  The engine's stats of a
 method's turns are pooled with :meth:`heterospec.GenerationStats.pooled` and binned with its

@@ -108,19 +108,22 @@ def markdown(result):
             lines.append("Warm-up before the timed run (untimed in the tables): " + ", ".join(
                 f"{n} {v:.2f} s" for n, v in run["warmup_s"].items()) + ".")
             lines.append("")
-        st = run.get("hf_static")
-        if st:
-            how = {True: "compiled by transformers (its auto-compile criterion held)",
+        for n in ("hf-static", "hf-compiled"):
+            st = run.get(n.replace("-", "_"))
+            if not st:
+                continue
+            how = {True: "compiled by transformers" + (" (its auto-compile criterion held)" if n == "hf-static" else
+                                                       " (asked to compile on every device)"),
                    False: "not compiled (transformers' auto-compile criterion did not hold: it compiles on CUDA, "
                           "XPU or TPU, not on a CPU; run uncompiled, as a user gets it)",
                    None: "compilation not known (this transformers has no auto-compile criterion to ask)"}[st["compiled"]]
-            lines.append(f"hf-static on {st['device']}: static cache of {st['static_cache_len']} positions, {how}"
+            lines.append(f"{n} on {st['device']}: static cache of {st['static_cache_len']} positions, {how}"
                          + (f"; its warm-up (compiling, where it compiles) took {st['warmup_s']:.2f} s." if
                             st.get("warmup_s") is not None else "; no warm-up (compiling, where it compiles, is timed)."))
             lines.append("")
         if any(n in HF_METHODS for n in names):
-            lines.append("HuggingFace baselines (hf, hf-static, hf-lookup) draft nothing: tau, verification calls and the "
-                         "time split do not apply (–).")
+            lines.append(f"HuggingFace baselines ({', '.join(n for n in HF_METHODS if n in names)}) draft nothing: "
+                         "tau, verification calls and the time split do not apply (–).")
             lines.append("")
         if run["temperature"] == 0:
             if run["mismatches"]:

@@ -20,7 +20,7 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
     """Answer every question with every method (questions outer, methods inner).  Returns
     {"temperature", "files": {bench: {method: metrics}}, "mean": {method: metrics}, "mismatches": [...],
     "warmup_s": {method: seconds}, "cpu_gemm": {our method: its CPU matrix path (HeteroSpec.cpu_gemm)},
-    "strongest_hf": name or None, "hf_static": {...} (with hf-static),
+    "strongest_hf": name or None, "hf_static": {...} (with hf-static), "hf_compiled": {...} (with hf-compiled),
     "answers": [records]}.  ``methods``: [(name, Policy or HFMethod)] (:func:`.methods.build_methods`).
     ``cuda_graphs``: passed to our engines (sized once for the longest conversation, so each tree shape is
     recorded once, in the warm-up); capture time is kept out of the timings and reported as "capture_s"."""
@@ -31,7 +31,7 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
     step = 0
     engines = {}
     warmup_s = {}
-    compiled = []
+    compiled = {}   # static-cache HF method -> [whether transformers compiled its forward, per call]
     eos = eos_list(eos_token_id)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     cache_len = None
@@ -40,7 +40,7 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
         engine_len = static_cache_len(tokenizer, questions, max_new_tokens, chat,
                                       getattr(target.config, "max_position_embeddings", None))
     capture_s = {}
-    if any(getattr(m, "cache_implementation", None) == "static" for _, m in methods):
+    if any(_static_hf(m) for _, m in methods):
         cache_len = static_cache_len(tokenizer, questions, max_new_tokens, chat,
                                      getattr(target.config, "max_position_embeddings", None))
     try:
@@ -55,18 +55,18 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
             ids = encode_turn(tokenizer, first["turns"], [], chat).to(device)
             for name, pol in methods:
                 kw = {}
-                if isinstance(pol, HFMethod) and pol.cache_implementation == "static":
+                if _static_hf(pol):
                     kw = {"cache_len": cache_len, "stop_after": warmup_tokens}  # compiles (where it does)
                 (_, st), warmup_s[name] = timer(lambda: engines[name].generate(
                     ids, max_new_tokens=warmup_tokens, temperature=temperature, seed=seed, eos_token_id=[], **kw))
                 capture_s[name] = capture_s.get(name, 0.0) + getattr(st, "capture_s", 0.0)
                 if kw and st.compiled is not None:
-                    compiled.append(st.compiled)
+                    compiled.setdefault(name, []).append(st.compiled)
         per_q = {b: {n: [] for n, _ in methods} for b in questions}  # one record per question
         answers = []
         for b, qs in questions.items():
             for qi, q in enumerate(qs):
-                for name, _ in methods:
+                for name, pol in methods:
                     rec = {"question_id": q["question_id"], "turns": [], "ids": [], "new_tokens": [],
                            "wall_time": [], "stats": []}
                     texts = []
@@ -87,8 +87,8 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
                         rec["new_tokens"].append(st.new_tokens)
                         rec["wall_time"].append(dt)
                         rec["stats"].append(st)
-                        if name == "hf-static" and getattr(st, "compiled", None) is not None:
-                            compiled.append(st.compiled)
+                        if getattr(st, "compiled", None) is not None and _static_hf(pol):
+                            compiled.setdefault(name, []).append(st.compiled)
                         step += 1
                     rec["turns"] = texts
                     per_q[b][name].append(rec)
@@ -108,12 +108,18 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
     gemm = {n: e.cpu_gemm for n, e in engines.items() if isinstance(e, HeteroSpec)}
     out = {"temperature": temperature, "files": files, "mean": mean, "mismatches": mism, "warmup_s": warmup_s,
            "strongest_hf": strongest, "cuda_graphs": cuda_graphs, "capture_s": capture_s, "cpu_gemm": gemm}
-    if "hf-static" in names:
-        out["hf_static"] = {"compiled": any(compiled) if compiled else None, "static_cache_len": cache_len,
-                            "warmup_s": warmup_s.get("hf-static"), "device": str(device)}
+    for n, pol in methods:
+        if _static_hf(pol):
+            seen = compiled.get(n)
+            out[n.replace("-", "_")] = {"compiled": any(seen) if seen else None, "static_cache_len": cache_len,
+                                        "warmup_s": warmup_s.get(n), "device": str(device)}
     out["answers"] = answers
     return out
 
+
+
+def _static_hf(method):
+    return isinstance(method, HFMethod) and method.static_cache
 
 
 def static_cache_len(tokenizer, questions, max_new_tokens, chat=True, max_positions=None):
