@@ -225,7 +225,7 @@ PHASES = (
                       "--methods ar,hf,hf-static,eagle3,heterospec --out {dir}/bench"),
     ), needs=("cuda", "pair", "questions"), kind="speed"),
     # the GPU profile (issue 40.4): calibrate's base-tree search and bins with this GPU's own cost model, written
-    # where `python3 .ci/gpu_window.py record` finds it; it ships as heterospec/data/<head>/profile-cuda.json
+    # where `bash .ci/gpu --record` finds it; it ships as heterospec/data/<head>/profile-cuda.json
     Phase("profile-gpu", 6, "the default pair's HeteroSpec profile calibrated on this GPU (calibrate --device cuda "
                             "--cuda-graphs on --search-base-tree, 32 prompts x 128 tokens)", (
         Step("calibrate", "{py} -m heterospec calibrate --target default --draft default --device cuda --cuda-graphs on "

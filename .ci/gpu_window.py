@@ -28,8 +28,10 @@ The digest of a phase covers the code every phase depends on (``setup.py``, ``py
 tests' helpers, benchmark modules, data files): the same bytes give the same digest in a checkout, in the
 device tool's copy of the working tree (no ``.git`` needed) and at a commit (``git show``).
 
-    python3 .ci/gpu_window.py record RESULTS [--ledger FILE]   # a window's results into the ledger
-    bash .ci/gpu --window MINUTES [--dry-run]                   # the plan (and its run)
+A library of ``.ci/gpu_phases.py`` (which holds the phases), with no command of its own:
+
+    bash .ci/gpu --record RESULTS                # a window's results into the ledger
+    bash .ci/gpu --window MINUTES [--dry-run]    # the plan (and its run)
 """
 from __future__ import annotations
 
@@ -432,36 +434,3 @@ def record(results, table, ledger_path=LEDGER, keep_raw=True, out=sys.stdout):
                         shutil.copyfile(os.path.join(src, fn), os.path.join(dest, fn))
                 print(f"record: raw results (files up to 1 MiB) in {dest}", file=out)
     return recorded
-
-
-def main(argv=None):
-    import argparse
-
-    sys.path.insert(0, HERE)
-    import gpu_phases
-
-    ap = argparse.ArgumentParser(prog="python3 .ci/gpu_window.py", description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("record", help="a window's returned results (folder or gpu-results.tar.gz) into the ledger")
-    r.add_argument("results")
-    r.add_argument("--ledger", default=LEDGER)
-    r.add_argument("--no-raw", action="store_true", help="do not copy the raw results under benchmarks/results")
-    pl = sub.add_parser("plan", help="print the plan for a window of MINUTES (runs nothing)")
-    pl.add_argument("minutes", type=float)
-    pl.add_argument("--ledger", default=LEDGER)
-    a = ap.parse_args(argv)
-    try:
-        if a.cmd == "record":
-            return 0 if record(a.results, gpu_phases.BY_NAME, a.ledger, keep_raw=not a.no_raw) else 1
-        led = load_ledger(a.ledger)
-        tree = Tree(REPO)
-        digests = {n: phase_digest(p, tree) for n, p in gpu_phases.BY_NAME.items()}
-        print(plan_text(gpu_phases.BY_NAME, plan(gpu_phases.BY_NAME, led, a.minutes, digests), a.ledger))
-        return 0
-    except (LedgerError, OSError, subprocess.CalledProcessError) as e:
-        print(f"gpu_window: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
