@@ -62,6 +62,35 @@ def test_every_row_of_every_batch_equals_ar_and_the_prompt_alone(tmp_path, graph
     assert "Greedy outputs differing from ar's: 0" in md
 
 
+def test_a_static_cache_baseline_is_warmed_up_for_the_timed_calls(tmp_path, monkeypatch):
+    """hf-static's (and hf-compiled's) warm-up sizes transformers' static cache for the longest prompt and the
+    whole budget, and stops after the warm-up tokens: no timed call makes a new cache (on CUDA a new compilation,
+    on a CPU with hf-compiled minutes of it).  The other baselines warm up plainly."""
+    model, tok, qs = _tiny(tmp_path)
+    prompts = batch_prompts(tok, qs, True, 3)
+    calls = []
+    real = bench.HFGenerate.generate
+
+    def spy(self, input_ids, **kw):
+        calls.append((self.method.name, input_ids.shape[0], kw.get("max_new_tokens"), kw.get("cache_len"),
+                      kw.get("stop_after")))
+        return real(self, input_ids, **kw)
+
+    monkeypatch.setattr(bench.HFGenerate, "generate", spy)
+    r = run_batch_bench(model, tok, None, bench.build_methods(["ar", "hf", "hf-static"]), prompts, [1, 3],
+                        max_new_tokens=9, eos_token_id=tok.eos_token_id, warmup_tokens=2)
+    assert r["mismatches"] == []
+    longest = max(p.shape[1] for p in prompts)
+    static = [c for c in calls if c[0] == "hf-static"]
+    warm = [c for c in static if c[3] is not None]
+    # batch 1: one warm-up group; batch 3: the full group and the last, smaller one
+    assert [(b, n, cl, st) for _, b, n, cl, st in warm] == [(1, 2, longest + 9, 2), (3, 2, longest + 9, 2),
+                                                           (1, 2, longest + 9, 2)]
+    assert all(c[2] == 9 and c[4] is None for c in static if c[3] is None)     # the timed calls: the budget
+    assert len(static) == len(warm) + 4 + 2                                     # 4 groups of 1, then 3 + 1
+    assert all(c[3] is None for c in calls if c[0] == "hf")
+
+
 def test_stops_beating_ar_is_the_first_batch_size_below_ar():
     res = {B: {"ar": {"tokens_per_s": 10.0 * B}, "eagle3": {"tokens_per_s": t}} for B, t in ((1, 15.0), (4, 30.0))}
     r = {"batch_sizes": [1, 4], "results": res, "mismatches": [], "stops_beating_ar": {"eagle3": 4}}
