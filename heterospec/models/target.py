@@ -55,23 +55,6 @@ def cache_kwarg(model):
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _write_layer(k, v, slots, key_states, value_states):
-    """One layer's new keys and values into the cache at ``slots`` ([n]: the same columns in every row; [B, n]:
-    each row its own)."""
-    write_at(k, slots, key_states)
-    write_at(v, slots, value_states)
-
-
-# Under ``torch.compile`` the write runs eagerly (a graph break), so the compiled regions only read the cache.
-# Every layer's cache is a view of one storage (``StaticKV.update``), and a compiled write into a view of a graph
-# input makes inductor write the whole input back: every layer's keys and values copied at every layer's call (the
-# default pair on a 2-core CPU: 3.5 tokens/s compiled against 9 eager).  An operator declaring its writes
-# (``torch.library.custom_op``) lost the view's offset under inductor (wrong tokens), and an ``index_put_`` on the
-# storage itself was copied whole too; the eager write is what stays in place.
-_write_layer_eagerly = torch.compiler.disable(_write_layer)
-_is_compiling = getattr(torch.compiler, "is_compiling", None)   # torch >= 2.3; before it, the write is traced
-
-
 def _cache_base():
     from transformers import Cache
 
@@ -90,19 +73,34 @@ class StaticKV(_cache_base()):
         self.kv = kv
         self.slots = None
         self.layers = []
+        self.layer = None    # a compiled layer's own (keys, values) views, set outside its region (_Regional)
+        self._views = None
 
     window = None   # columns attended to (None: all); set per forward, see TargetAdapter.verify
 
+    def views(self):
+        """Each layer's (keys, values): views of the one storage, made once, outside any compiled region."""
+        if self._views is None:
+            self._views = [(self.kv[:, 0, i], self.kv[:, 1, i]) for i in range(self.kv.shape[2])]
+        return self._views
+
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        kv = self.kv.narrow(2, layer_idx, 1)      # a slice, not an int index: a compiled layer serves every layer
-        k, v = kv[:, 0, 0], kv[:, 1, 0]
+        # A compiled layer gets its own views as inputs (``self.layer``), so inductor writes the new slots in
+        # place.  Made inside the region from the whole storage (a narrow at the layer index), the write was a
+        # mutation of a view of a graph input, and inductor wrote the whole input back: every layer's keys and
+        # values copied at every layer's call (the default pair on a 2-core CPU: 3.5 tokens/s compiled against
+        # 9 eager).
+        if self.layer is not None:
+            k, v = self.layer
+        else:
+            kv = self.kv.narrow(2, layer_idx, 1)
+            k, v = kv[:, 0, 0], kv[:, 1, 0]
         if key_states.shape[1] != k.shape[1] or key_states.shape[3] != k.shape[3]:
             raise ValueError(f"target cache: layer {layer_idx} produced keys {tuple(key_states.shape)}, the cache "
                              f"holds [{k.shape[0]}, {k.shape[1]}, S, {k.shape[3]}] (num_key_value_heads / head_dim "
                              f"of the config)")
-        # eager calls skip dynamo's wrapper
-        write = _write_layer_eagerly if _is_compiling is not None and _is_compiling() else _write_layer
-        write(k, v, self.slots, key_states, value_states)
+        write_at(k, self.slots, key_states)
+        write_at(v, self.slots, value_states)
         if self.window is not None:
             return k[:, :, :self.window], v[:, :, :self.window]
         return k, v
@@ -246,12 +244,14 @@ class _Regional:
     """``compile``: the target's decoder layers compiled one region at a time (``torch.compile`` of each layer's
     ``_call_impl``), switched on for our own verify forwards only, so the user's model is as it was between
     calls.  The layers share one code object, so dynamo compiles a layer once and reuses it for every other
-    (the layer index becomes a symbolic int: ``allow_unspec_int_on_nn_module``; ``StaticKV.update`` slices with
-    it), with shapes left to dynamo (static first, dynamic after a change): a few compilations in all, instead
-    of one whole-model compilation per tree shape.  On the 2-core AMD EPYC the default pair's first call took
-    20.5 s this way against 115 s for the whole model (and 5.5 s eager)."""
+    (the layer index becomes a symbolic int: ``allow_unspec_int_on_nn_module``), with shapes left to dynamo
+    (static first, dynamic after a change): a few compilations in all, instead of one whole-model compilation
+    per tree shape.  Each layer's call is bound, outside its region, to that layer's own cache views
+    (``StaticKV.layer``), which the region takes as inputs and writes in place: one region per layer, no graph
+    break.  On the 2-core AMD EPYC the default pair's first call took 20.5 s this way against 115 s for the
+    whole model (and 5.5 s eager)."""
 
-    def __init__(self, model, backend):
+    def __init__(self, model, backend, cache_kw):
         import torch._dynamo
 
         cfg = torch._dynamo.config
@@ -260,15 +260,26 @@ class _Regional:
                 setattr(cfg, name, max(getattr(cfg, name), 256))
         if hasattr(cfg, "allow_unspec_int_on_nn_module"):
             cfg.allow_unspec_int_on_nn_module = True
-        self.model = model
+        self.model, self.cache_kw = model, cache_kw
         self.layers = list(_decoder_layers(model))
         backend = "inductor" if backend is True else backend
         self.fns = [torch.compile(layer._call_impl, dynamic=None, backend=backend) for layer in self.layers]
 
+    @staticmethod
+    def _bound(fn, cache, views):
+        def call(*args, **kwargs):
+            cache.layer = views
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                cache.layer = None
+        return call
+
     def __call__(self, **kwargs):
+        cache = kwargs[self.cache_kw]
         before = [layer._compiled_call_impl for layer in self.layers]
-        for layer, fn in zip(self.layers, self.fns):
-            layer._compiled_call_impl = fn
+        for layer, fn, views in zip(self.layers, self.fns, cache.views()):
+            layer._compiled_call_impl = self._bound(fn, cache, views)
         try:
             return self.model(**kwargs)
         finally:
@@ -344,9 +355,9 @@ class TargetAdapter:
         self.kv = None
         self.cache = None
         self.prefix = torch.zeros(batch, dtype=torch.long, device=self.device)
-        self._call = model if not compile else _Regional(model, compile)
-        self.compiled = bool(compile)   # a compiled verify forward: the whole cache attended, so no new widths
         self._cache_kw = cache_kwarg(model)
+        self._call = model if not compile else _Regional(model, compile, self._cache_kw)
+        self.compiled = bool(compile)   # a compiled verify forward: the whole cache attended, so no new widths
 
     def _make_hook(self, i):
         def hook(module, args, kwargs):
