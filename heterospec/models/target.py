@@ -263,12 +263,14 @@ class _Regional:
         self.model, self.cache_kw = model, cache_kw
         self.layers = list(_decoder_layers(model))
         backend = "inductor" if backend is True else backend
-        self.fns = [torch.compile(layer._call_impl, dynamic=None, backend=backend) for layer in self.layers]
+        fns = [torch.compile(layer._call_impl, dynamic=None, backend=backend) for layer in self.layers]
+        self.cache = None   # the StaticKV of the forward running now (set by __call__)
+        self.calls = [self._bound(fn, i) for i, fn in enumerate(fns)]   # made once, not per forward
 
-    @staticmethod
-    def _bound(fn, cache, views):
+    def _bound(self, fn, i):
         def call(*args, **kwargs):
-            cache.layer = views
+            cache = self.cache
+            cache.layer = cache.views()[i]
             try:
                 return fn(*args, **kwargs)
             finally:
@@ -276,13 +278,14 @@ class _Regional:
         return call
 
     def __call__(self, **kwargs):
-        cache = kwargs[self.cache_kw]
+        self.cache = kwargs[self.cache_kw]
         before = [layer._compiled_call_impl for layer in self.layers]
-        for layer, fn, views in zip(self.layers, self.fns, cache.views()):
-            layer._compiled_call_impl = self._bound(fn, cache, views)
+        for layer, call in zip(self.layers, self.calls):
+            layer._compiled_call_impl = call
         try:
             return self.model(**kwargs)
         finally:
+            self.cache = None
             for layer, fn in zip(self.layers, before):
                 layer._compiled_call_impl = fn
 

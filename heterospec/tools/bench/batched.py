@@ -18,7 +18,7 @@ import statistics
 from ...measure import DeviceTimer
 from ..prompts import encode_turn
 from .baselines import HFGenerate, eos_list
-from .methods import HFMethod
+from .methods import HFMethod, static_hf
 from .metrics import first_diff
 
 
@@ -74,7 +74,7 @@ def run_batch_bench(target, tokenizer, draft, methods, prompts, batch_sizes, *, 
             for name, pol in methods:                         # warm-up (and recording, compiling), untimed
                 # a static cache sized for the timed calls, so that none of them compiles again
                 kw = ({"cache_len": longest + max_new_tokens, "stop_after": warmup_tokens}
-                      if isinstance(pol, HFMethod) and pol.static_cache else {})
+                      if static_hf(pol) else {})
                 for group in warm:
                     _decode(engines[name], group, warmup_tokens, eos_token_id, pad, device, left_pad, torch, **kw)
             for gi, group in enumerate(groups):

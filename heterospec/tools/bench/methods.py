@@ -59,15 +59,16 @@ class HFMethod:
     compile_all_devices: bool = False  # compile the static cache's forward on a CPU too (transformers' CompileConfig)
     drafts = False
 
-    @property
-    def static_cache(self):
-        """Whether ``generate`` runs on a static cache (hf-static, hf-compiled): sized by a warm-up, compiled."""
-        return self.cache_implementation == "static"
-
     def as_dict(self):
         return {"baseline": "transformers model.generate", "cache_implementation": self.cache_implementation or "dynamic",
                 "prompt_lookup_num_tokens": self.prompt_lookup_num_tokens,
                 "compile": "on every device" if self.compile_all_devices else "transformers' criterion"}
+
+
+def static_hf(method):
+    """Whether ``method`` (a Policy or an HFMethod) is an HF baseline on a static cache (hf-static, hf-compiled):
+    its warm-up sizes the cache for the timed calls, and transformers may compile it."""
+    return isinstance(method, HFMethod) and method.cache_implementation == "static"
 
 
 HF_BASELINES = {"hf": HFMethod("hf"), "hf-static": HFMethod("hf-static", cache_implementation="static"),

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ...measure import DeviceTimer
 from ..prompts import encode_turn
 from .baselines import HFGenerate, eos_list
-from .methods import HFMethod
+from .methods import HFMethod, static_hf
 from .metrics import add_speedup_over_hf, file_row, mean_row, mismatch_report
 
 
@@ -40,7 +40,7 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
         engine_len = static_cache_len(tokenizer, questions, max_new_tokens, chat,
                                       getattr(target.config, "max_position_embeddings", None))
     capture_s = {}
-    if any(_static_hf(m) for _, m in methods):
+    if any(static_hf(m) for _, m in methods):
         cache_len = static_cache_len(tokenizer, questions, max_new_tokens, chat,
                                      getattr(target.config, "max_position_embeddings", None))
     try:
@@ -55,7 +55,7 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
             ids = encode_turn(tokenizer, first["turns"], [], chat).to(device)
             for name, pol in methods:
                 kw = {}
-                if _static_hf(pol):
+                if static_hf(pol):
                     kw = {"cache_len": cache_len, "stop_after": warmup_tokens}  # compiles (where it does)
                 (_, st), warmup_s[name] = timer(lambda: engines[name].generate(
                     ids, max_new_tokens=warmup_tokens, temperature=temperature, seed=seed, eos_token_id=[], **kw))
@@ -87,7 +87,7 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
                         rec["new_tokens"].append(st.new_tokens)
                         rec["wall_time"].append(dt)
                         rec["stats"].append(st)
-                        if getattr(st, "compiled", None) is not None and _static_hf(pol):
+                        if getattr(st, "compiled", None) is not None and static_hf(pol):
                             compiled.setdefault(name, []).append(st.compiled)
                         step += 1
                     rec["turns"] = texts
@@ -109,17 +109,13 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
     out = {"temperature": temperature, "files": files, "mean": mean, "mismatches": mism, "warmup_s": warmup_s,
            "strongest_hf": strongest, "cuda_graphs": cuda_graphs, "capture_s": capture_s, "cpu_gemm": gemm}
     for n, pol in methods:
-        if _static_hf(pol):
+        if static_hf(pol):
             seen = compiled.get(n)
             out[n.replace("-", "_")] = {"compiled": any(seen) if seen else None, "static_cache_len": cache_len,
                                         "warmup_s": warmup_s.get(n), "device": str(device)}
     out["answers"] = answers
     return out
 
-
-
-def _static_hf(method):
-    return isinstance(method, HFMethod) and method.static_cache
 
 
 def static_cache_len(tokenizer, questions, max_new_tokens, chat=True, max_positions=None):
