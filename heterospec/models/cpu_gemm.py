@@ -85,44 +85,73 @@ def _packed(lin, rows):
     return hit[1]
 
 
-def _routed_forward(lin, packed, use, pad_one=False):
+def _routed_forward(lin, packed, use, pad_one=False, block=None):
     """``lin``'s forward with the packed weight for the row classes ``use`` marks, torch's default otherwise;
-    ``pad_one``: a one-row call runs as two rows (the row-invariant route, :func:`_invariant_forward`)."""
+    ``pad_one``: a one-row call runs as two rows; ``block``: every call runs over exactly ``block`` rows (the
+    rows in blocks, the last padded with zero rows) -- the two row-invariant routes, :func:`_invariant_forward`."""
     bias = None if lin.bias is None else lin.bias.detach()
     weight = lin.weight.detach()   # shares the storage: a weight written in place is seen (inference only)
     linear = torch.nn.functional.linear
     pointwise = torch.ops.mkldnn._linear_pointwise
 
+    def run(x2):
+        if use[row_class(x2.shape[0])]:
+            return pointwise(x2, packed, bias, "none", [], "")
+        return linear(x2, weight, bias)
+
     def forward(x):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        one = pad_one and x2.shape[0] == 1
-        if one:
-            x2 = x2.expand(2, -1)
-        if use[row_class(x2.shape[0])]:
-            y = pointwise(x2, packed, bias, "none", [], "")
+        n = x2.shape[0]
+        if block is not None:
+            if n % block:
+                x2 = torch.cat([x2, x2.new_zeros(block - n % block, x2.shape[1])])
+            y = run(x2) if x2.shape[0] == block else torch.cat([run(c) for c in x2.split(block)])
+            y = y[:n] if y.shape[0] != n else y
+        elif pad_one and n == 1:
+            y = run(x2.expand(2, -1))[:1]
         else:
-            y = linear(x2, weight, bias)
-        y = y[:1] if one else y
+            y = run(x2)
         return y.view(*shape[:-1], y.shape[-1])
     return forward
 
 
-def _invariant_forward(lin, packed):
+INVARIANT_BLOCK = 8   # rows per call of the fixed-size route (a tree of up to 8 nodes in one call; below)
+INVARIANT_ROUTES = ("pad", "block")
+
+
+def _invariant_forward(lin, packed, route="pad"):
     """``lin``'s forward on one path for every row count (the packed weight, or torch's default where ``packed``
-    is None), a one-row call padded to two rows: on the CPUs measured, a row's result does not depend on the
-    number of rows from two on, while one row takes another kernel (a matrix-vector product)."""
-    return _routed_forward(lin, packed, (packed is not None,) * len(ROW_CLASSES), pad_one=True)
+    is None), by one of two routes (:class:`PackedLinears` takes the first that :func:`check_invariant` finds
+    row-invariant on this machine for every layer shape of the target):
+
+    - ``"pad"``: a one-row call padded to two rows.  On the CPUs without matrix units measured (AMD EPYC,
+      AVX-512 BF16), a row's result does not depend on the number of rows from two on, while one row takes
+      another kernel (a matrix-vector product);
+    - ``"block"``: every call over exactly :data:`INVARIANT_BLOCK` rows.  On an Intel Xeon with AMX, oneDNN's
+      bfloat16 kernels block a call by its row count, and a row's result changes with it from 2 rows on (the
+      576x1536 layers) or only past 11, 17 or 20 (others); in calls of one fixed size a row's result depends
+      on neither its position nor the other rows.  A one-row step then costs an 8-row forward (34.3 against
+      30.7 ms for the default target there, packed; benchmarks/RESULTS.md)."""
+    if route not in INVARIANT_ROUTES:
+        raise ValueError(f"cpu_gemm: argument 'route' expected one of {INVARIANT_ROUTES}, got {route!r}")
+    return _routed_forward(lin, packed, (packed is not None,) * len(ROW_CLASSES), pad_one=route == "pad",
+                           block=INVARIANT_BLOCK if route == "block" else None)
+
+
+INVARIANT_CHECK_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 18, 21, 33, 36, 40, 59)   # call sizes tried
 
 
 def check_invariant(forward, lin):
     """Whether ``forward`` (a routed linear) gives each row what it gives that row in any other number of rows:
-    random rows through 1, 2, 3, 7, 17 and 40 rows at a time, compared bit for bit."""
+    64 random rows in one call, then calls of each of :data:`INVARIANT_CHECK_ROWS` rows from rows 0 and 5,
+    compared bit for bit.  The sizes include those where an Intel Xeon's AMX kernels were seen to change a row's
+    result (2, 12, 18, 21, 33 to 36 rows against a 40-row call; benchmarks/results/cpu-amx/)."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(40, lin.in_features, generator=gen, device="cpu").to(lin.weight.dtype)   # (never the default device)
+    x = torch.randn(64, lin.in_features, generator=gen, device="cpu").to(lin.weight.dtype)   # (never the default device)
     with torch.no_grad():
         whole = forward(x)
-        return all(torch.equal(forward(x[i:i + m]), whole[i:i + m]) for m in (1, 2, 3, 7, 17) for i in (0, 5))
+        return all(torch.equal(forward(x[i:i + m]), whole[i:i + m]) for m in INVARIANT_CHECK_ROWS for i in (0, 5))
 
 
 def _linears(modules):
@@ -141,7 +170,7 @@ def shape_key(lin):
 
 
 ALL_PACKED = (True,) * len(ROW_CLASSES)
-_INVARIANT = {}   # (shape_key, packed) -> whether that path is row-invariant on this machine (check_invariant)
+_INVARIANT = {}   # (shape_key, packed) -> the INVARIANT_ROUTES that check_invariant found row-invariant here
 
 
 class PackedLinears:
@@ -156,8 +185,9 @@ class PackedLinears:
 
     ``invariant``: modules (the target, for bfloat16 verification that equals its one-row steps bit for bit) whose
     layers run on one path for every row count -- packed where ``choice`` packs the shape for 2-16 rows (``pack``
-    False: never) -- with a one-row call padded to two rows (:func:`_invariant_forward`); ValueError where that
-    path is not row-invariant on this machine (:func:`check_invariant`, once per shape and path)."""
+    False: never) -- by the first route of :func:`_invariant_forward` (a one-row call padded to two rows, else
+    every call in blocks of :data:`INVARIANT_BLOCK` rows) that is row-invariant on this machine
+    (:func:`check_invariant`, once per shape and path); ValueError where neither is."""
 
     def __init__(self, modules, rows=4, choice=None, invariant=(), pack=True):
         self._modules = [m for m in modules if m is not None]
@@ -172,15 +202,32 @@ class PackedLinears:
         """The packed weight an invariant layer runs on, or None for torch's default."""
         return _packed(lin, self._rows) if self._pack and self._use(shape_key(lin))[1] else None
 
+    def _invariant_key(self, lin):
+        return shape_key(lin), self._pack and self._use(shape_key(lin))[1]
+
     def _check_invariant(self):
+        """Choose the invariant layers' route (``self.route``): the first of :data:`INVARIANT_ROUTES` that is
+        row-invariant on this machine for every one of their shapes.  One route for all of them: a bfloat16 row
+        differs between kernels only where a sum rounds differently, so a check over random rows can miss a
+        shape's difference (on the AMX machine the 576x576 layers passed with one model's weights and failed
+        with another's); a machine where any shape needs the blocks gets them everywhere."""
+        self.route = None
+        if not self._invariant:
+            return
         for lin in self._invariant:
-            key = (shape_key(lin), self._pack and self._use(shape_key(lin))[1])
+            key = self._invariant_key(lin)
             if key not in _INVARIANT:   # once per shape and path in a process
-                _INVARIANT[key] = check_invariant(_invariant_forward(lin, self._invariant_path(lin)), lin)
-            if not _INVARIANT[key]:
-                raise ValueError(f"HeteroSpec: row-invariant verification: the {'packed' if key[1] else 'default'} "
-                                 f"matrix path of the {key[0]} layers gives a row another result in a call over "
-                                 f"more rows on this machine; use float32 or batch_invariant=False")
+                path = self._invariant_path(lin)
+                _INVARIANT[key] = tuple(r for r in INVARIANT_ROUTES
+                                        if check_invariant(_invariant_forward(lin, path, r), lin))
+        keys = {self._invariant_key(lin) for lin in self._invariant}
+        self.route = next((r for r in INVARIANT_ROUTES if all(r in _INVARIANT[k] for k in keys)), None)
+        if self.route is None:
+            bad = sorted({k for k in keys if "block" not in _INVARIANT[k]})
+            raise ValueError(f"HeteroSpec: row-invariant verification: the {'packed' if bad[0][1] else 'default'} "
+                             f"matrix path of the {bad[0][0]} layers gives a row another result in a call over "
+                             f"more rows on this machine, even when every call has {INVARIANT_BLOCK} rows; use "
+                             f"float32 or batch_invariant=False")
 
     def _use(self, key):
         """The row classes a layer of shape ``key`` runs packed in."""
@@ -200,7 +247,8 @@ class PackedLinears:
     def __enter__(self):
         for lin in [*self._layers(), *self._invariant]:
             if "forward" not in vars(lin):
-                lin.forward = _invariant_forward(lin, self._invariant_path(lin)) if lin in self._invariant else \
+                lin.forward = _invariant_forward(lin, self._invariant_path(lin), self.route) \
+                    if lin in self._invariant else \
                     _routed_forward(lin, _packed(lin, self._rows), self._use(shape_key(lin)))
                 self._patched.append(lin)
         return self
@@ -228,8 +276,8 @@ class PackedLinears:
             return line
         inv = sorted({shape_key(lin) for lin in self._invariant})
         packed = sum(1 for k in inv if self._pack and self._use(k)[1])
-        head = (f"target row-invariant: one path for every row count (one row padded to two), packed for "
-                f"{packed}/{len(inv)} shapes")
+        how = "one row padded to two" if self.route == "pad" else f"every call in blocks of {INVARIANT_BLOCK} rows"
+        head = f"target row-invariant: one path for every row count ({how}), packed for {packed}/{len(inv)} shapes"
         return head if not shapes else f"{head}; draft: {line}"
 
 

@@ -208,4 +208,46 @@ def test_check_invariant_catches_a_path_that_depends_on_the_row_count():
     shifted = lambda x: fair(x) + x.reshape(-1, x.shape[-1]).shape[0] * 1e-2   # noqa: E731
     assert not gemm.check_invariant(shifted, lin)
     wide = torch.nn.Linear(1536, 576).to(torch.bfloat16)
-    assert gemm.check_invariant(gemm._invariant_forward(wide, None), wide)
+    # calls of one fixed size: invariant on every machine measured (with AMX, a one-row call padded to two is not)
+    assert gemm.check_invariant(gemm._invariant_forward(wide, None, "block"), wide)
+    with pytest.raises(ValueError, match=r"argument 'route' expected one of \('pad', 'block'\), got 'rows'"):
+        gemm._invariant_forward(wide, None, "rows")
+
+
+_LINEAR = torch.nn.functional.linear
+
+
+def _kernel_by_rows(monkeypatch, offset):
+    """torch's linear replaced by one whose rows get ``offset(rows of the call, row index)`` added: a matrix
+    kernel whose result depends on the call's shape, as oneDNN's bfloat16 kernels on an AMX machine do."""
+    def linear(x, w, b=None):
+        y = _LINEAR(x, w, b)
+        n = x.shape[0]
+        return y + torch.tensor([offset(n, i) for i in range(n)], dtype=y.dtype).view(n, 1)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", linear)
+    monkeypatch.setattr(gemm, "_INVARIANT", {})
+
+
+def test_a_machine_whose_kernels_change_from_two_rows_on_gets_calls_of_one_size(monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4)).to(torch.bfloat16)
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    exact = torch.nn.functional.linear(x, model[0].weight, model[0].bias)
+    # 0.5 added to every row of a call over more than two rows: padding one row to two does not hide it
+    _kernel_by_rows(monkeypatch, lambda n, i: 0.5 if n > 2 else 0.0)
+    with gemm.PackedLinears([model], invariant=[model], pack=False) as p:
+        assert p.route == "block"
+        assert "every call in blocks of 8 rows" in p.describe()
+        one, three = model[0](x[:1]), model[0](x)
+    # each call ran as 8 rows, so each row got the 8-row kernel's result (the exact product + 0.5), alone or not
+    assert torch.equal(one[0], three[0]) and torch.equal(three, exact + 0.5)
+    # on a machine where two rows and up agree, the cheaper route stays
+    _kernel_by_rows(monkeypatch, lambda n, i: 0.5 if n > 1 else 0.0)
+    with gemm.PackedLinears([model], invariant=[model], pack=False) as p:
+        assert p.route == "pad" and "one row padded to two" in p.describe()
+        assert torch.equal(model[0](x[:1]), exact[:1] + 0.5)   # one row padded to two: the two-row result
+    # a row's result that depends on its place in the call: no route is invariant, and the error says so
+    _kernel_by_rows(monkeypatch, lambda n, i: 0.25 * i)
+    with pytest.raises(ValueError, match=r"the default matrix path of the bfloat16 (16x8|8x4) bias layers gives a row "
+                                         r"another result .* even when every call has 8 rows"):
+        gemm.PackedLinears([model], invariant=[model], pack=False)
