@@ -124,8 +124,22 @@ def cache_path(*parts):
     return os.path.join(root, *parts)
 
 
+# /proc/cpuinfo flags -> the word for the widest matrix or vector unit among them, widest first: what decides
+# which CPU matrix path wins (cpu_gemm) and how bfloat16 rounds (an AMX Xeon and an AVX-512 one share a model name)
+CPU_ISA = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512"), ("avx2", "AVX2"),
+           ("sve", "SVE"), ("asimd", "NEON"))
+
+
+def cpu_isa(flags):
+    """The :data:`CPU_ISA` word for a CPU's flags (the words of /proc/cpuinfo's ``flags`` or ``Features``
+    line), or ``""`` when none is among them."""
+    have = set(flags)
+    return next((word for flag, word in CPU_ISA if flag in have), "")
+
+
 def machine_info(device="cpu"):
-    """The machine and software a measurement was taken with: platform, processor and CPU model, cores,
+    """The machine and software a measurement was taken with: platform, processor, CPU model and its widest unit
+    (:func:`cpu_isa`), cores,
     torch threads, the versions of Python, NumPy, torch, transformers and heterospec (with what its C core
     was compiled with), the GPU on a CUDA ``device``; ``summary`` is the one line to print next to a number."""
     import numpy
@@ -142,7 +156,10 @@ def machine_info(device="cpu"):
         pass
     try:
         with open("/proc/cpuinfo") as f:
-            info["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+            lines = f.read().splitlines()
+        info["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
+        info["cpu_isa"] = cpu_isa(next((ln.split(":", 1)[1].split() for ln in lines
+                                        if ln.startswith(("flags", "Features"))), []))
     except OSError:
         pass
     from . import __version__, build_info
@@ -152,7 +169,9 @@ def machine_info(device="cpu"):
     if str(device).startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
         info["cuda"] = torch.version.cuda
-    info["summary"] = (f"{info.get('gpu') or info.get('cpu_model') or info['processor']}, {info['cpus']} cores, "
+    cpu = info.get("cpu_model") or info["processor"]
+    cpu = f"{cpu} ({info['cpu_isa']})" if info.get("cpu_isa") else cpu
+    info["summary"] = (f"{info.get('gpu') or cpu}, {info['cpus']} cores, "
                        f"Python {info['python']}, torch {info['torch']}, transformers {info.get('transformers', '?')}")
     return info
 

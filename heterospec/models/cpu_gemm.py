@@ -10,7 +10,7 @@ reordered once into its blocked layout (what ``torch.compile``'s CPU freezing do
 Which path is faster depends on the machine (on one Intel Xeon the packed path was slower for one row, on an AMD
 EPYC faster), so ``cpu_gemm='auto'`` measures it (:func:`choose`): per layer shape and row class (one row; 2-16;
 more), torch's default against the packed path, each layer group timed as the forward streams it; the packed
-path only where it is faster.  The choice is kept per machine (CPU model, cores, torch and its threads) for the
+path only where it is faster.  The choice is kept per machine (CPU model and its widest unit, cores, torch and its threads) for the
 process and on disk (``$HETEROSPEC_CACHE``, default ``~/.cache/heterospec``).
 
 :class:`PackedLinears` gives every ``nn.Linear`` of the modules it is given (float32 or bfloat16 weights on the
@@ -85,10 +85,10 @@ def _packed(lin, rows):
     return hit[1]
 
 
-def _routed_forward(lin, packed, use, pad_one=False, block=None):
+def _routed_forward(lin, packed, use, block=None):
     """``lin``'s forward with the packed weight for the row classes ``use`` marks, torch's default otherwise;
-    ``pad_one``: a one-row call runs as two rows; ``block``: every call runs over exactly ``block`` rows (the
-    rows in blocks, the last padded with zero rows) -- the two row-invariant routes, :func:`_invariant_forward`."""
+    ``block``: every call runs over exactly ``block`` rows (the rows in blocks, the last padded with zero rows:
+    the row-invariant route, :func:`_invariant_forward`)."""
     bias = None if lin.bias is None else lin.bias.detach()
     weight = lin.weight.detach()   # shares the storage: a weight written in place is seen (inference only)
     linear = torch.nn.functional.linear
@@ -103,40 +103,31 @@ def _routed_forward(lin, packed, use, pad_one=False, block=None):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         n = x2.shape[0]
-        if block is not None:
+        if block is None:
+            y = run(x2)
+        else:
             if n % block:
                 x2 = torch.cat([x2, x2.new_zeros(block - n % block, x2.shape[1])])
             y = run(x2) if x2.shape[0] == block else torch.cat([run(c) for c in x2.split(block)])
             y = y[:n] if y.shape[0] != n else y
-        elif pad_one and n == 1:
-            y = run(x2.expand(2, -1))[:1]
-        else:
-            y = run(x2)
         return y.view(*shape[:-1], y.shape[-1])
     return forward
 
 
-INVARIANT_BLOCK = 8   # rows per call of the fixed-size route (a tree of up to 8 nodes in one call; below)
-INVARIANT_ROUTES = ("pad", "block")
+INVARIANT_BLOCK = 8   # rows per call of the row-invariant route (a tree of up to 8 nodes in one call; below)
 
 
-def _invariant_forward(lin, packed, route="pad"):
+def _invariant_forward(lin, packed):
     """``lin``'s forward on one path for every row count (the packed weight, or torch's default where ``packed``
-    is None), by one of two routes (:class:`PackedLinears` takes the first that :func:`check_invariant` finds
-    row-invariant on this machine for every layer shape of the target):
-
-    - ``"pad"``: a one-row call padded to two rows.  On the CPUs without matrix units measured (AMD EPYC,
-      AVX-512 BF16), a row's result does not depend on the number of rows from two on, while one row takes
-      another kernel (a matrix-vector product);
-    - ``"block"``: every call over exactly :data:`INVARIANT_BLOCK` rows.  On an Intel Xeon with AMX, oneDNN's
-      bfloat16 kernels block a call by its row count, and a row's result changes with it from 2 rows on (the
-      576x1536 layers) or only past 11, 17 or 20 (others); in calls of one fixed size a row's result depends
-      on neither its position nor the other rows.  A one-row step then costs an 8-row forward (34.3 against
-      30.7 ms for the default target there, packed; benchmarks/RESULTS.md)."""
-    if route not in INVARIANT_ROUTES:
-        raise ValueError(f"cpu_gemm: argument 'route' expected one of {INVARIANT_ROUTES}, got {route!r}")
-    return _routed_forward(lin, packed, (packed is not None,) * len(ROW_CLASSES), pad_one=route == "pad",
-                           block=INVARIANT_BLOCK if route == "block" else None)
+    is None), every call over exactly :data:`INVARIANT_BLOCK` rows.  Matrix kernels choose their blocking, and
+    with it the order of a row's sums, by the call's row count: on the AMD EPYC (AVX-512 BF16) a one-row call
+    takes another kernel than two rows or more, and on an Intel Xeon with AMX oneDNN's bfloat16 kernels change a
+    row's bits from 2 rows on (the 576x1536 layers), past 11 (576x576) or at every count (the output layer).
+    In calls of one fixed size a row's bits depend on neither its position nor the other rows.  A one-row step
+    then costs an 8-row forward (34.3 against 30.7 ms for the default target on the AMX machine, packed), and a
+    tree of more than 8 nodes several calls a layer (benchmarks/RESULTS.md).  (Until 2026-11-29 a one-row call
+    was padded to two, and every larger call ran as is: row-invariant on the AMD EPYC, not on the AMX machine.)"""
+    return _routed_forward(lin, packed, (packed is not None,) * len(ROW_CLASSES), block=INVARIANT_BLOCK)
 
 
 INVARIANT_CHECK_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 18, 21, 33, 36, 40, 59)   # call sizes tried
@@ -170,7 +161,8 @@ def shape_key(lin):
 
 
 ALL_PACKED = (True,) * len(ROW_CLASSES)
-_INVARIANT = {}   # (shape_key, packed) -> the INVARIANT_ROUTES that check_invariant found row-invariant here
+_INVARIANT = {}   # (shape_key, packed) -> whether every layer of that shape checked on that path was row-invariant
+_CHECKED = weakref.WeakKeyDictionary()   # nn.Linear -> the (shape_key, packed) it was checked for
 
 
 class PackedLinears:
@@ -185,9 +177,8 @@ class PackedLinears:
 
     ``invariant``: modules (the target, for bfloat16 verification that equals its one-row steps bit for bit) whose
     layers run on one path for every row count -- packed where ``choice`` packs the shape for 2-16 rows (``pack``
-    False: never) -- by the first route of :func:`_invariant_forward` (a one-row call padded to two rows, else
-    every call in blocks of :data:`INVARIANT_BLOCK` rows) that is row-invariant on this machine
-    (:func:`check_invariant`, once per shape and path); ValueError where neither is."""
+    False: never) -- every call in blocks of :data:`INVARIANT_BLOCK` rows (:func:`_invariant_forward`);
+    ValueError where that is not row-invariant on this machine (:func:`check_invariant`, each layer once)."""
 
     def __init__(self, modules, rows=4, choice=None, invariant=(), pack=True):
         self._modules = [m for m in modules if m is not None]
@@ -206,28 +197,23 @@ class PackedLinears:
         return shape_key(lin), self._pack and self._use(shape_key(lin))[1]
 
     def _check_invariant(self):
-        """Choose the invariant layers' route (``self.route``): the first of :data:`INVARIANT_ROUTES` that is
-        row-invariant on this machine for every one of their shapes.  One route for all of them: a bfloat16 row
-        differs between kernels only where a sum rounds differently, so a check over random rows can miss a
-        shape's difference (on the AMX machine the 576x576 layers passed with one model's weights and failed
-        with another's); a machine where any shape needs the blocks gets them everywhere."""
-        self.route = None
-        if not self._invariant:
-            return
+        """ValueError unless :func:`_invariant_forward` is row-invariant on this machine for every one of the
+        invariant layers (each layer once per path in a process; a shape stays invariant while all of its layers
+        checked are).  A bfloat16 row differs between kernels only where a sum rounds differently, so a check over
+        random rows can pass by luck: on the AMX machine the padded-to-two route of before passed it for the test
+        suite's random weights in some processes and not in others, and the output then differed.  The fixed
+        size is what makes the route invariant; the check is the safety net."""
         for lin in self._invariant:
             key = self._invariant_key(lin)
-            if key not in _INVARIANT:   # once per shape and path in a process
-                path = self._invariant_path(lin)
-                _INVARIANT[key] = tuple(r for r in INVARIANT_ROUTES
-                                        if check_invariant(_invariant_forward(lin, path, r), lin))
-        keys = {self._invariant_key(lin) for lin in self._invariant}
-        self.route = next((r for r in INVARIANT_ROUTES if all(r in _INVARIANT[k] for k in keys)), None)
-        if self.route is None:
-            bad = sorted({k for k in keys if "block" not in _INVARIANT[k]})
-            raise ValueError(f"HeteroSpec: row-invariant verification: the {'packed' if bad[0][1] else 'default'} "
-                             f"matrix path of the {bad[0][0]} layers gives a row another result in a call over "
-                             f"more rows on this machine, even when every call has {INVARIANT_BLOCK} rows; use "
-                             f"float32 or batch_invariant=False")
+            if _CHECKED.get(lin) != key:
+                ok = check_invariant(_invariant_forward(lin, self._invariant_path(lin)), lin)
+                _INVARIANT[key] = _INVARIANT.get(key, True) and ok
+                _CHECKED[lin] = key
+            if not _INVARIANT[key]:
+                raise ValueError(f"HeteroSpec: row-invariant verification: the {'packed' if key[1] else 'default'} "
+                                 f"matrix path of the {key[0]} layers gives a row another result in a call over "
+                                 f"more rows on this machine, even when every call has {INVARIANT_BLOCK} rows; use "
+                                 f"float32 or batch_invariant=False")
 
     def _use(self, key):
         """The row classes a layer of shape ``key`` runs packed in."""
@@ -247,8 +233,7 @@ class PackedLinears:
     def __enter__(self):
         for lin in [*self._layers(), *self._invariant]:
             if "forward" not in vars(lin):
-                lin.forward = _invariant_forward(lin, self._invariant_path(lin), self.route) \
-                    if lin in self._invariant else \
+                lin.forward = _invariant_forward(lin, self._invariant_path(lin)) if lin in self._invariant else \
                     _routed_forward(lin, _packed(lin, self._rows), self._use(shape_key(lin)))
                 self._patched.append(lin)
         return self
@@ -276,15 +261,17 @@ class PackedLinears:
             return line
         inv = sorted({shape_key(lin) for lin in self._invariant})
         packed = sum(1 for k in inv if self._pack and self._use(k)[1])
-        how = "one row padded to two" if self.route == "pad" else f"every call in blocks of {INVARIANT_BLOCK} rows"
-        head = f"target row-invariant: one path for every row count ({how}), packed for {packed}/{len(inv)} shapes"
+        head = (f"target row-invariant: one path for every row count (every call in blocks of {INVARIANT_BLOCK} rows), "
+                f"packed for {packed}/{len(inv)} shapes")
         return head if not shapes else f"{head}; draft: {line}"
 
 
 def machine_key():
-    """What a path choice holds for: the CPU model, its cores, torch's version and intra-op threads."""
+    """What a path choice holds for: the CPU model and its widest unit (an AMX Xeon and an AVX-512 one can share a
+    model name, and their fastest paths differ), its cores, torch's version and intra-op threads."""
     info = measure.machine_info("cpu")
-    return f"{info.get('cpu_model') or info['processor']} | {info['cpus']} cores | torch {info['torch']} | " \
+    isa = f" ({info['cpu_isa']})" if info.get("cpu_isa") else ""
+    return f"{info.get('cpu_model') or info['processor']}{isa} | {info['cpus']} cores | torch {info['torch']} | " \
            f"{info['torch_threads']} threads"
 
 

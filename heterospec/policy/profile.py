@@ -125,7 +125,7 @@ def _machine():
     from ..measure import machine_info
 
     info = machine_info()
-    return {k: info[k] for k in ("platform", "processor", "cpu_model", "cpus", "torch", "summary") if k in info}
+    return {k: info[k] for k in ("platform", "processor", "cpu_model", "cpu_isa", "cpus", "torch", "summary") if k in info}
 
 
 def _same_model(stored, given):

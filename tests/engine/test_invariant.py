@@ -9,6 +9,7 @@ really differ; every comparison is exact (``torch.equal``), never a tolerance.""
 import copy
 import os
 import warnings
+import weakref
 
 import pytest
 
@@ -208,10 +209,8 @@ def test_check_invariant_catches_a_path_that_depends_on_the_row_count():
     shifted = lambda x: fair(x) + x.reshape(-1, x.shape[-1]).shape[0] * 1e-2   # noqa: E731
     assert not gemm.check_invariant(shifted, lin)
     wide = torch.nn.Linear(1536, 576).to(torch.bfloat16)
-    # calls of one fixed size: invariant on every machine measured (with AMX, a one-row call padded to two is not)
-    assert gemm.check_invariant(gemm._invariant_forward(wide, None, "block"), wide)
-    with pytest.raises(ValueError, match=r"argument 'route' expected one of \('pad', 'block'\), got 'rows'"):
-        gemm._invariant_forward(wide, None, "rows")
+    # calls of one fixed size: invariant on every machine measured (with AMX, a one-row call padded to two was not)
+    assert gemm.check_invariant(gemm._invariant_forward(wide, None), wide)
 
 
 _LINEAR = torch.nn.functional.linear
@@ -227,27 +226,25 @@ def _kernel_by_rows(monkeypatch, offset):
 
     monkeypatch.setattr(torch.nn.functional, "linear", linear)
     monkeypatch.setattr(gemm, "_INVARIANT", {})
+    monkeypatch.setattr(gemm, "_CHECKED", weakref.WeakKeyDictionary())
 
 
 def test_a_machine_whose_kernels_change_from_two_rows_on_gets_calls_of_one_size(monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4)).to(torch.bfloat16)
-    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    x = torch.randn(11, 16, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     exact = torch.nn.functional.linear(x, model[0].weight, model[0].bias)
-    # 0.5 added to every row of a call over more than two rows: padding one row to two does not hide it
-    _kernel_by_rows(monkeypatch, lambda n, i: 0.5 if n > 2 else 0.0)
+    # 0.5 added to every row of a call over more than two rows (padding one row to two would not hide it),
+    # 0.25 more past 9 rows
+    _kernel_by_rows(monkeypatch, lambda n, i: 0.5 * (n > 2) + 0.25 * (n > 9))
     with gemm.PackedLinears([model], invariant=[model], pack=False) as p:
-        assert p.route == "block"
         assert "every call in blocks of 8 rows" in p.describe()
-        one, three = model[0](x[:1]), model[0](x)
-    # each call ran as 8 rows, so each row got the 8-row kernel's result (the exact product + 0.5), alone or not
-    assert torch.equal(one[0], three[0]) and torch.equal(three, exact + 0.5)
-    # on a machine where two rows and up agree, the cheaper route stays
-    _kernel_by_rows(monkeypatch, lambda n, i: 0.5 if n > 1 else 0.0)
-    with gemm.PackedLinears([model], invariant=[model], pack=False) as p:
-        assert p.route == "pad" and "one row padded to two" in p.describe()
-        assert torch.equal(model[0](x[:1]), exact[:1] + 0.5)   # one row padded to two: the two-row result
-    # a row's result that depends on its place in the call: no route is invariant, and the error says so
+        one, some, eleven = model[0](x[:1]), model[0](x[:3]), model[0](x)
+    # each call ran as blocks of 8 rows, so each row got the 8-row kernel's result (the exact product + 0.5),
+    # alone, among 3 or among 11 (a block of 8 and a padded block of 3)
+    assert torch.equal(one[0], eleven[0]) and torch.equal(some, eleven[:3])
+    assert torch.equal(eleven, exact + 0.5)
+    # a row's result that depends on its place in the call: no fixed size helps, and the error says so
     _kernel_by_rows(monkeypatch, lambda n, i: 0.25 * i)
-    with pytest.raises(ValueError, match=r"the default matrix path of the bfloat16 (16x8|8x4) bias layers gives a row "
-                                         r"another result .* even when every call has 8 rows"):
+    with pytest.raises(ValueError, match=r"the default matrix path of the bfloat16 (16x8|8x4) bias layers gives a "
+                                         r"row another result .* even when every call has 8 rows"):
         gemm.PackedLinears([model], invariant=[model], pack=False)

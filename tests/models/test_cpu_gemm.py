@@ -160,6 +160,30 @@ def test_the_choice_is_kept_for_the_process_and_on_disk(fresh_choices):
     assert set(stored) == {"float32 64x96 bias", "float32 96x64", "float32 64x128 bias"}
 
 
+def test_a_choice_is_kept_apart_for_cpus_of_one_model_name_with_other_units(fresh_choices, monkeypatch):
+    import json
+
+    from heterospec import measure
+
+    # cloud VMs of different generations report the same model name; their fastest matrix paths differ
+    assert measure.cpu_isa("fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile".split()) == "AMX"
+    assert measure.cpu_isa("fpu avx2 avx512f avx512_bf16".split()) == "AVX-512 BF16"
+    assert measure.cpu_isa("fpu sse4_2 avx2 fma".split()) == "AVX2"
+    assert measure.cpu_isa("fp asimd sve".split()) == "SVE" and measure.cpu_isa(["fpu"]) == ""
+    base = {"cpu_model": "Intel(R) Xeon(R) Processor", "processor": "x86_64", "cpus": 2, "torch": "2.13.0",
+            "torch_threads": 2}
+    keys = []
+    for isa in ("AMX", "AVX-512"):
+        monkeypatch.setattr(measure, "machine_info", lambda device="cpu", isa=isa: {**base, "cpu_isa": isa})
+        keys.append(cpu_gemm.machine_key())
+        cpu_gemm.choose([_two_shapes()], timer=FakeTimer(packed_slow_at=(1,) if isa == "AMX" else ()))
+    assert keys == ["Intel(R) Xeon(R) Processor (AMX) | 2 cores | torch 2.13.0 | 2 threads",
+                    "Intel(R) Xeon(R) Processor (AVX-512) | 2 cores | torch 2.13.0 | 2 threads"]
+    stored = json.loads((fresh_choices / cpu_gemm.CHOICES_FILE).read_text())
+    assert {k: v["float32 96x64"] for k, v in stored.items()} == {keys[0]: [False, True, True],
+                                                                  keys[1]: [True, True, True]}
+
+
 def test_a_broken_choices_file_is_measured_again(fresh_choices):
     (fresh_choices / cpu_gemm.CHOICES_FILE).write_text("{not json")
     t = FakeTimer()
