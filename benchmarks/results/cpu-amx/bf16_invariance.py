@@ -1,6 +1,6 @@
 """Which bfloat16 matrix paths are row-invariant on this machine (a row's result the same in a call over 1, 2, 3,
 7, 17 or 40 rows, a one-row call padded to two; cpu_gemm.check_invariant), per layer shape of the default pair:
-torch's default linear and oneDNN's packed weight.  Ran at 350945d, where _invariant_forward padded a one-row call
+torch's default linear and oneDNN's packed weight.  Ran before 637fbf2, when _invariant_forward padded a one-row call
 to two and ran larger calls as they were; since 637fbf2 it runs every call in blocks of 8 rows.
 python benchmarks/results/cpu-amx/bf16_invariance.py"""
 import torch
