@@ -203,8 +203,9 @@ class HeteroSpec:
 
     ``batch_invariant``: verify so that every tree node's logits are bit for bit what a one-row step of the same
     engine gives (each row attends to exactly its keys; each linear layer of the target on one path for every
-    row count, one row padded to two), so that speculative output equals this engine's autoregressive output
-    in bfloat16 too, where the sums of a forward over many rows otherwise round differently from one row's.
+    row count, every call in blocks of 8 rows), so that speculative output equals this engine's autoregressive
+    output in bfloat16 too, where the sums of a forward over many rows otherwise round differently from one
+    row's.
     'auto' (default): on for a bfloat16 target on the CPU when both properties hold on this machine (checked
     when the engine is made; off with a warning where they do not); True insists (ValueError where it cannot);
     False: off.  In float32 it is never needed for the greedy output to match (and is not offered)."""

@@ -10,8 +10,8 @@ reordered once into its blocked layout (what ``torch.compile``'s CPU freezing do
 Which path is faster depends on the machine (on one Intel Xeon the packed path was slower for one row, on an AMD
 EPYC faster), so ``cpu_gemm='auto'`` measures it (:func:`choose`): per layer shape and row class (one row; 2-16;
 more), torch's default against the packed path, each layer group timed as the forward streams it; the packed
-path only where it is faster.  The choice is kept per machine (CPU model and its widest unit, cores, torch and its threads) for the
-process and on disk (``$HETEROSPEC_CACHE``, default ``~/.cache/heterospec``).
+path only where it is faster.  The choice is kept per machine (CPU model and its widest unit, cores, torch and
+its threads) for the process and on disk (``$HETEROSPEC_CACHE``, default ``~/.cache/heterospec``).
 
 :class:`PackedLinears` gives every ``nn.Linear`` of the modules it is given (float32 or bfloat16 weights on the
 CPU) a packed copy and, inside its ``with`` block only, routes the layer's ``forward`` to it.  The packed copies
@@ -139,7 +139,8 @@ def check_invariant(forward, lin):
     compared bit for bit.  The sizes include those where an Intel Xeon's AMX kernels were seen to change a row's
     result (2, 12, 18, 21, 33 to 36 rows against a 40-row call; benchmarks/results/cpu-amx/)."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(64, lin.in_features, generator=gen, device="cpu").to(lin.weight.dtype)   # (never the default device)
+    x = torch.randn(64, lin.in_features, generator=gen, device="cpu")   # (never the default device)
+    x = x.to(lin.weight.dtype)
     with torch.no_grad():
         whole = forward(x)
         return all(torch.equal(forward(x[i:i + m]), whole[i:i + m]) for m in INVARIANT_CHECK_ROWS for i in (0, 5))

@@ -2,7 +2,7 @@
 differently from a one-row step's, so a verified tree node could get other logits than the autoregressive step
 over the same tokens, and speculative output would drift from the model's own.  With ``batch_invariant`` every
 row attends to exactly its keys (``exact_keys_attention``) and every linear layer of the target runs one path
-for every row count (one row padded to two): a node's logits are then bit for bit the one-row step's.
+for every row count (every call in blocks of 8 rows): a node's logits are then bit for bit the one-row step's.
 
 The models here are random, in bfloat16, with the default target's layer shapes, so that the matrix kernels' row-count paths
 really differ; every comparison is exact (``torch.equal``), never a tolerance."""
