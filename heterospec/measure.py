@@ -170,8 +170,8 @@ def machine_info(device="cpu"):
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
         info["cuda"] = torch.version.cuda
     cpu = info.get("cpu_model") or info["processor"]
-    cpu = f"{cpu} ({info['cpu_isa']})" if info.get("cpu_isa") else cpu
-    info["summary"] = (f"{info.get('gpu') or cpu}, {info['cpus']} cores, "
+    info["cpu"] = f"{cpu} ({info['cpu_isa']})" if info.get("cpu_isa") else cpu   # the CPU as every line names it
+    info["summary"] = (f"{info.get('gpu') or info['cpu']}, {info['cpus']} cores, "
                        f"Python {info['python']}, torch {info['torch']}, transformers {info.get('transformers', '?')}")
     return info
 

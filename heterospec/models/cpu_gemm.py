@@ -109,7 +109,7 @@ def _routed_forward(lin, packed, use, block=None):
             if n % block:
                 x2 = torch.cat([x2, x2.new_zeros(block - n % block, x2.shape[1])])
             y = run(x2) if x2.shape[0] == block else torch.cat([run(c) for c in x2.split(block)])
-            y = y[:n] if y.shape[0] != n else y
+            y = y[:n]
         return y.view(*shape[:-1], y.shape[-1])
     return forward
 
@@ -192,9 +192,10 @@ class PackedLinears:
 
     def _invariant_path(self, lin):
         """The packed weight an invariant layer runs on, or None for torch's default."""
-        return _packed(lin, self._rows) if self._pack and self._use(shape_key(lin))[1] else None
+        return _packed(lin, self._rows) if self._invariant_key(lin)[1] else None
 
     def _invariant_key(self, lin):
+        """(shape_key, whether the layer's one path is the packed one)."""
         return shape_key(lin), self._pack and self._use(shape_key(lin))[1]
 
     def _check_invariant(self):
@@ -271,8 +272,7 @@ def machine_key():
     """What a path choice holds for: the CPU model and its widest unit (an AMX Xeon and an AVX-512 one can share a
     model name, and their fastest paths differ), its cores, torch's version and intra-op threads."""
     info = measure.machine_info("cpu")
-    isa = f" ({info['cpu_isa']})" if info.get("cpu_isa") else ""
-    return f"{info.get('cpu_model') or info['processor']}{isa} | {info['cpus']} cores | torch {info['torch']} | " \
+    return f"{info['cpu']} | {info['cpus']} cores | torch {info['torch']} | " \
            f"{info['torch_threads']} threads"
 
 

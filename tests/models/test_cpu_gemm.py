@@ -170,15 +170,17 @@ def test_a_choice_is_kept_apart_for_cpus_of_one_model_name_with_other_units(fres
     assert measure.cpu_isa("fpu avx2 avx512f avx512_bf16".split()) == "AVX-512 BF16"
     assert measure.cpu_isa("fpu sse4_2 avx2 fma".split()) == "AVX2"
     assert measure.cpu_isa("fp asimd sve".split()) == "SVE" and measure.cpu_isa(["fpu"]) == ""
-    base = {"cpu_model": "Intel(R) Xeon(R) Processor", "processor": "x86_64", "cpus": 2, "torch": "2.13.0",
-            "torch_threads": 2}
+    real = measure.cpu_isa
     keys = []
-    for isa in ("AMX", "AVX-512"):
-        monkeypatch.setattr(measure, "machine_info", lambda device="cpu", isa=isa: {**base, "cpu_isa": isa})
+    for isa in ("AMX", "AVX-512"):   # this CPU as if its flags named each unit
+        monkeypatch.setattr(measure, "cpu_isa", lambda flags, isa=isa: isa)
         keys.append(cpu_gemm.machine_key())
         cpu_gemm.choose([_two_shapes()], timer=FakeTimer(packed_slow_at=(1,) if isa == "AMX" else ()))
-    assert keys == ["Intel(R) Xeon(R) Processor (AMX) | 2 cores | torch 2.13.0 | 2 threads",
-                    "Intel(R) Xeon(R) Processor (AVX-512) | 2 cores | torch 2.13.0 | 2 threads"]
+    monkeypatch.setattr(measure, "cpu_isa", real)
+    info = measure.machine_info()
+    name = info.get("cpu_model") or info["processor"]
+    rest = f"| {info['cpus']} cores | torch {info['torch']} | {info['torch_threads']} threads"
+    assert keys == [f"{name} (AMX) {rest}", f"{name} (AVX-512) {rest}"]
     stored = json.loads((fresh_choices / cpu_gemm.CHOICES_FILE).read_text())
     assert {k: v["float32 96x64"] for k, v in stored.items()} == {keys[0]: [False, True, True],
                                                                   keys[1]: [True, True, True]}
