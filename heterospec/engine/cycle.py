@@ -100,10 +100,12 @@ class Cycle:
         self.target.allocate(need)
         self.drafter.allocate(need, self.device)
 
-    def keep_rows(self, idx):
-        """Keep the requests ``idx`` ([b'] int64, ascending): the eager engine's dropped finished rows (a
-        recorded step keeps its batch)."""
-        self.target.keep_rows(idx)
+    def keep_rows(self, order, used=None):
+        """Keep the requests ``order`` (a host list, row ``order[i]`` becoming row i, in
+        :func:`.requests.gap_filled`'s order): the eager engine's dropped finished rows (a recorded step keeps its
+        batch); ``used``: the target cache's columns the kept rows have committed (a host int, None: all)."""
+        idx = requests.to_device(order, self.device)
+        self.target.keep_rows(order, idx, used)
         self.drafter.keep_rows(idx)
         self.state = self.state.keep(idx)
 

@@ -569,7 +569,8 @@ class HeteroSpec:
                 if not keep:
                     break
                 if finished == "drop" and len(keep) < len(alive):   # finished rows stop costing work
-                    cyc.keep_rows(requests.to_device(keep, dev))
+                    keep = requests.gap_filled(keep, len(alive))
+                    cyc.keep_rows(keep, max(prefix_host[alive[i]] for i in keep))
                     st = cyc.state
                     alive = [alive[i] for i in keep]
                 t_cycle = time.perf_counter()   # the cycle's wall time, host and device, ends at the accepted sync

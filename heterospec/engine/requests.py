@@ -75,3 +75,20 @@ def to_device(values, device, dtype=torch.long):
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, device="cpu", pin_memory=True).to(device, non_blocking=True)
+
+
+def gap_filled(keep, batch):
+    """The order in which a batch of ``batch`` rows keeps the rows ``keep`` (ascending) when the others finish:
+    each kept row below ``len(keep)`` stays where it is, and the kept rows past it fill the finished rows' places
+    below it, in order.  The fewest rows move (one per finished row below the new size, none when the last rows
+    finish), and each comes from past the new size, so a cache can move them in place
+    (:meth:`~heterospec.models.target.TargetAdapter.keep_rows`)."""
+    n = len(keep)
+    if any(not 0 <= r < batch for r in keep) or sorted(set(keep)) != list(keep):
+        raise ValueError(f"gap_filled: argument 'keep' expected ascending distinct rows of [0, {batch}), got {keep}")
+    order = list(range(n))
+    holes = [i for i in range(n) if i not in set(keep)]
+    for h, r in zip(holes, [r for r in keep if r >= n]):
+        order[h] = r
+    return order
+

@@ -65,8 +65,8 @@ class DraftState:
         return getattr(self.draft, "dtype", torch.float32)
 
     def keep_rows(self, idx):
-        """Keep the requests ``idx`` (a [b'] int64 tensor of row numbers, ascending) and drop the others: the
-        finished requests of a batch stop costing work."""
+        """Keep the requests ``idx`` (a [b'] int64 tensor of row numbers; row ``idx[i]`` becomes row i) and drop
+        the others: the finished requests of a batch stop costing work."""
         self.batch = int(idx.shape[0])
         self.cache = self.cache.index_select(1, idx)
         for name in ("anc", "h_rows", "row_of", "zero_score", "no_parent", "root_logits", "root_h", "bad"):

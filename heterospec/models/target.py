@@ -399,13 +399,28 @@ class TargetAdapter:
         self.capacity = capacity
         self._neg = torch.finfo(self.dtype).min
 
-    def keep_rows(self, idx):
-        """Keep the requests ``idx`` (a [b'] int64 tensor of row numbers, ascending) and drop the others' cache
-        rows: the finished requests of a batch stop costing work.  The adapter stays in the batched form (trees
-        ``[b', n]``) even when one row is left."""
-        self.kv = self.kv.index_select(0, idx)
+    def keep_rows(self, order, idx, used=None):
+        """Keep the requests ``order`` (a host list of row numbers: row ``order[i]`` becomes row i; ``idx``: the
+        same as an int64 tensor on the model's device) and drop the others' cache rows: the finished requests of a batch stop costing work.  The adapter stays in the batched
+        form (trees ``[b', n]``) even when one row is left.  A row that moves must come from past the new batch
+        (:func:`~heterospec.engine.requests.gap_filled` orders them so): the rows move in place, each in one copy,
+        and the cache becomes the storage's first b' rows.  ``used`` (a host int; default: the whole cache): the
+        columns any kept row has committed, the only ones moved.  A drop used to copy every kept row's whole
+        cache into a new one: 0.74 s for 63 of 64 bf16 rows of 1,288 columns on a 2-core Xeon.  A moved row's
+        columns from ``used`` on then hold the finished row's keys and values, finite as everything the target
+        writes (non-finite logits stop the engine); the row's mask hides them until its own tree overwrites them,
+        as it hid the zeros before."""
+        n = len(order)
+        moves = [(i, r) for i, r in enumerate(order) if r != i]
+        if len(set(order)) != n or any(not n <= r < self.batch for _, r in moves):
+            raise ValueError(f"target: keep_rows expected distinct rows of [0, {self.batch}), each moved one from "
+                             f"past the {n} kept, got {order}")
+        cols = self.capacity if used is None else max(1, min(int(used), self.capacity))
+        for i, r in moves:
+            self.kv[i, :, :, :, :cols].copy_(self.kv[r, :, :, :, :cols])
+        self.kv = self.kv[:n]
         self.cache = StaticKV(self.kv)
-        self.batch = int(idx.shape[0])
+        self.batch = n
         self.batched = True
         self._kv_rows = ops.KVTensors([self.kv.view(self.batch, -1, self.capacity, self.kv.shape[-1])])
         self.prefix = self.prefix.index_select(0, idx)

@@ -9,6 +9,7 @@ pytest.importorskip("transformers")
 from _models import DEVICE, prompts, reference_greedy, tiny_target  # noqa: E402
 
 from heterospec import ops  # noqa: E402
+from heterospec.engine.requests import gap_filled  # noqa: E402
 from heterospec.models.target import TargetAdapter  # noqa: E402
 
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -109,6 +110,62 @@ def test_batched_tree_verify_and_commit_equal_each_request_alone(arch):
         P = int(s.prefix)
         torch.testing.assert_close(tgt.kv[b, :, :, :, :P], s.kv[0, :, :, :, :P], atol=ATOL, rtol=0)
         s.close()
+    tgt.close()
+
+
+def test_dropped_rows_leave_the_kept_rows_as_they_were():
+    """keep_rows moves the kept rows in place, their committed columns only (``used``): afterwards each kept
+    row's cache, verify logits and commits equal its request alone, over two more cycles."""
+    model = tiny_target("llama")
+    ps = prompts(4, seed=9)
+    ids, mask = left_padded(ps)
+    B, n, V = len(ps), 5, model.config.vocab_size
+    tgt = TargetAdapter(model, capture_taps=True, batch=B)
+    tgt.allocate(64)
+    tgt.prefill(ids, attention_mask=mask)
+    singles = [alone(model, p, 64)[0] for p in ps]
+    g = torch.Generator().manual_seed(1)
+    rows = list(range(B))
+    for cycle in range(3):
+        if cycle == 1:
+            rows = gap_filled([1, 3], B)                 # rows 0 and 2 finished: 3 fills row 0's place, 1 stays
+            assert rows == [3, 1]
+            tgt.keep_rows(rows, torch.tensor(rows, device=DEVICE), max(int(singles[b].prefix) for b in rows))
+            assert tuple(tgt.kv.shape[:1]) == (2,) and tgt.prefix.tolist() == [int(singles[b].prefix) for b in rows]
+        trees = [random_tree(n, g) for _ in rows]
+        tokens = torch.randint(0, V, (len(rows), n), generator=g).to(DEVICE)
+        logits, _ = tgt.verify(tokens, torch.stack([t[1] for t in trees]), torch.stack([t[2] for t in trees]),
+                               int(tgt.prefix.max()) + n)
+        paths, lengths = [], []
+        for j, b in enumerate(rows):
+            l1, _ = singles[b].verify(tokens[j], trees[j][1], trees[j][2], int(singles[b].prefix) + n)
+            torch.testing.assert_close(logits[j], l1, atol=ATOL, rtol=0)
+            path = list(range(int(torch.randint(1, n + 1, (1,), generator=g))))   # a chain: valid in any tree
+            path = [k for k in path if k == 0 or int(trees[j][0][k]) in path]
+            paths.append(path + [-1] * (n - len(path)))
+            lengths.append(len(path))
+            singles[b].commit(torch.tensor(paths[-1], device=DEVICE), torch.tensor([len(path)], device=DEVICE))
+        tgt.commit(torch.tensor(paths, device=DEVICE), torch.tensor(lengths, device=DEVICE))
+    for j, b in enumerate(rows):
+        P = int(singles[b].prefix)
+        torch.testing.assert_close(tgt.kv[j, :, :, :, :P], singles[b].kv[0, :, :, :, :P], atol=ATOL, rtol=0)
+    for s in singles:
+        s.close()
+    tgt.close()
+
+
+def test_the_kept_rows_fill_the_finished_rows_places():
+    assert gap_filled([0, 1, 2], 4) == [0, 1, 2]             # the last row finished: nothing moves
+    assert gap_filled([1, 2, 3], 4) == [3, 1, 2]             # the first: the last row takes its place
+    assert gap_filled([0, 3, 5, 6], 7) == [0, 5, 6, 3]       # rows 1 and 2 finished: 5 and 6 fill them, 3 stays
+    assert gap_filled([2], 3) == [2]
+    with pytest.raises(ValueError, match=r"gap_filled: argument 'keep' expected ascending distinct rows"):
+        gap_filled([2, 1], 3)
+    model = tiny_target("llama")
+    tgt = TargetAdapter(model, capture_taps=False, batch=3)
+    tgt.allocate(8)
+    with pytest.raises(ValueError, match=r"target: keep_rows expected distinct rows of \[0, 3\), each moved one"):
+        tgt.keep_rows([1, 0], torch.tensor([1, 0], device=DEVICE))    # a swap would overwrite a row before it moves
     tgt.close()
 
 
