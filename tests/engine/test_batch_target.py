@@ -34,6 +34,15 @@ def alone(model, prompt, capacity):
     return tgt, logits, taps
 
 
+def prefilled_with_singles(model, ps, capacity):
+    """The batched adapter over the prompts ``ps``, prefilled left-padded, and each prompt's batch-1 adapter."""
+    ids, mask = left_padded(ps)
+    tgt = TargetAdapter(model, capture_taps=True, batch=len(ps))
+    tgt.allocate(capacity)
+    tgt.prefill(ids, attention_mask=mask)
+    return tgt, [alone(model, p, capacity)[0] for p in ps]
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_batched_prefill_equals_each_prompt_alone(arch):
     model = tiny_target(arch)
@@ -73,13 +82,8 @@ def test_batched_tree_verify_and_commit_equal_each_request_alone(arch):
     """Three cycles of random trees per row (the same node count, different shapes and accepted paths):
     logits equal the batch-1 adapter's for that row, and per-row commits keep the rows apart."""
     model = tiny_target(arch)
-    ps = prompts(3, seed=5)
-    ids, mask = left_padded(ps)
-    B, n, V = len(ps), 6, model.config.vocab_size
-    tgt = TargetAdapter(model, capture_taps=True, batch=B)
-    tgt.allocate(96)
-    tgt.prefill(ids, attention_mask=mask)
-    singles = [alone(model, p, 96)[0] for p in ps]
+    tgt, singles = prefilled_with_singles(model, prompts(3, seed=5), 96)
+    B, n, V = len(singles), 6, model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     for cycle in range(3):
         trees = [random_tree(n, g) for _ in range(B)]
@@ -117,13 +121,8 @@ def test_dropped_rows_leave_the_kept_rows_as_they_were():
     """keep_rows moves the kept rows in place, their committed columns only (``used``): afterwards each kept
     row's cache, verify logits and commits equal its request alone, over two more cycles."""
     model = tiny_target("llama")
-    ps = prompts(4, seed=9)
-    ids, mask = left_padded(ps)
-    B, n, V = len(ps), 5, model.config.vocab_size
-    tgt = TargetAdapter(model, capture_taps=True, batch=B)
-    tgt.allocate(64)
-    tgt.prefill(ids, attention_mask=mask)
-    singles = [alone(model, p, 64)[0] for p in ps]
+    tgt, singles = prefilled_with_singles(model, prompts(4, seed=9), 64)
+    B, n, V = len(singles), 5, model.config.vocab_size
     g = torch.Generator().manual_seed(1)
     rows = list(range(B))
     for cycle in range(3):
