@@ -439,8 +439,8 @@ class HeteroSpec:
         else:
             cyc = self._new_cycle(B)
         dev = self.device
-        # the target's cache twice: dropping finished rows copies the kept rows before the old cache is freed (the
-        # draft's cache, far smaller, fits in that bound too)
+        # the target's cache twice, as before its finished rows moved in place (TargetAdapter.keep_rows): room for
+        # the draft's cache and its copies at a drop, and for the forwards' activations beside the caches
         nbytes = cyc.target.cache_bytes(need) * 2
         free = requests.available_bytes(dev)
         error = None
