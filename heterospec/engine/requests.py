@@ -86,9 +86,9 @@ def gap_filled(keep, batch):
     n = len(keep)
     if any(not 0 <= r < batch for r in keep) or sorted(set(keep)) != list(keep):
         raise ValueError(f"gap_filled: argument 'keep' expected ascending distinct rows of [0, {batch}), got {keep}")
+    kept = set(keep)
     order = list(range(n))
-    holes = [i for i in range(n) if i not in set(keep)]
+    holes = [i for i in range(n) if i not in kept]
     for h, r in zip(holes, [r for r in keep if r >= n]):
         order[h] = r
     return order
-
