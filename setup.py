@@ -112,7 +112,7 @@ class BuildExt(build_ext):
     """Compiles csrc/cuda/*.cu first (nvcc, or g++ for the emulation) and links the objects in."""
 
     def build_extension(self, ext):
-        if nvcc or cuda_mode == "emu":
+        if ext.name == "heterospec._C" and (nvcc or cuda_mode == "emu"):
             objects, commands = [], []
             tmp = os.path.join(self.build_temp, "cuda")
             os.makedirs(tmp, exist_ok=True)
@@ -162,4 +162,15 @@ ext = Extension(
     + sources("csrc/py/*.h") + sources("csrc/include/hs/*.h"),
 )
 
-setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})
+# The few-rows float32 matrix kernel of heterospec.models.cpu_gemm, with OpenMP (csrc/gemm/module.c says why it is
+# a module of its own).  Optional: where it does not build (a compiler without OpenMP), cpu_gemm goes without it.
+gemm_ext = Extension(
+    "heterospec._gemm",
+    sources=sources("csrc/gemm/*.c"),
+    extra_compile_args=compile_args + ["-fopenmp"],
+    extra_link_args=link_args + ["-fopenmp"],
+    depends=sources("csrc/gemm/*.h"),
+    optional=True,
+)
+
+setup(ext_modules=[ext, gemm_ext], cmdclass={"build_ext": BuildExt})

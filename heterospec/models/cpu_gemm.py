@@ -1,22 +1,31 @@
-"""Pre-packed oneDNN weights for the linear layers of a model on the CPU (``cpu_gemm``).
+"""The CPU matrix path of a model's linear layers (``cpu_gemm``): torch's default, oneDNN with weights packed
+once, or heterospec's own few-rows kernel (``rows``), chosen per layer shape and rows per call.
 
 Why: PyTorch's CPU ``linear`` goes to MKL, which takes a matrix-vector path for one row and a general matrix
 product for two or more, repacking the weight on every call.  A speculative cycle verifies a few rows at once,
 so on a 2-core CPU one SmolLM2-135M forward over 2-12 rows cost 84-97 ms against 57 ms for one row, while
-the weights streamed from memory are the same (benchmarks/RESULTS.md, issue 28).  oneDNN with the weight
-reordered once into its blocked layout (what ``torch.compile``'s CPU freezing does) runs the same forward in
-40-50 ms for 1-12 rows.  The results are the same products summed in another order: logits agree to ~1e-4.
+the weights streamed from memory are the same (benchmarks/RESULTS.md, issue 28).  Two packed paths avoid that:
 
-Which path is faster depends on the machine (on one Intel Xeon the packed path was slower for one row, on an AMD
-EPYC faster), so ``cpu_gemm='auto'`` measures it (:func:`choose`): per layer shape and row class (one row; 2-16;
-more), torch's default against the packed path, each layer group timed as the forward streams it; the packed
-path only where it is faster.  The choice is kept per machine (CPU model and its widest unit, cores, torch and
-its threads) for the process and on disk (``$HETEROSPEC_CACHE``, default ``~/.cache/heterospec``).
+- ``onednn``: oneDNN with the weight reordered once into its blocked layout (what ``torch.compile``'s CPU
+  freezing does), float32 or bfloat16; 40-50 ms for 1-12 rows on the AMD EPYC, but 1.5x a one-row step for 6
+  rows on an Intel Xeon with AMX.
+- ``rows`` (float32, x86 or any CPU through its portable loop; the extension ``heterospec._gemm``,
+  csrc/gemm/rows.h): the weight in panels of 16 columns, every call streaming it once with up to 12 rows' sums
+  in registers, on torch's own OpenMP threads.  Each output is the same chain of fused multiply-adds over k in
+  order whatever the call's row count, the row's place in it, the thread count or the instruction set: a row's
+  bits never depend on the other rows (row-invariant by construction).
+
+The paths' results are the same products summed in other orders: logits agree to ~1e-4.  Which is fastest
+depends on the machine, so ``cpu_gemm='auto'`` measures it (:func:`choose`): per layer shape and row class
+(one row; 2-16; more), every path that runs the layer, each layer group timed as the forward streams it; the
+fastest wins (ties keep the earlier of :data:`PATHS`).  The choice is kept per machine (CPU model and its widest
+unit, cores, torch and its threads) for the process and on disk (``$HETEROSPEC_CACHE``, default
+``~/.cache/heterospec``).
 
 :class:`PackedLinears` gives every ``nn.Linear`` of the modules it is given (float32 or bfloat16 weights on the
-CPU) a packed copy and, inside its ``with`` block only, routes the layer's ``forward`` to it.  The packed copies
-cost as much memory as the weights they mirror (one copy per layer, shared by every engine on the model); a
-weight written since it was packed is packed again at the next entry.
+CPU) a packed copy per path it runs on and, inside its ``with`` block only, routes the layer's ``forward`` to
+them.  The packed copies cost as much memory as the weights they mirror (one copy per layer and path, shared by
+every engine on the model); a weight written since it was packed is packed again at the next entry.
 """
 from __future__ import annotations
 
@@ -31,7 +40,9 @@ from .. import measure
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 ROW_CLASSES = ("1", "2-16", "17+")   # rows per call: one (a decode step), a few (a tree, draft beams), many
 PROBE_ROWS = (1, 8, 48)             # the rows each class is timed at
-CHOICES_FILE = "cpu_gemm_choices.json"
+PATHS = ("default", "onednn", "rows")   # torch's linear; oneDNN packed; the few-rows kernel (float32 only)
+SETTINGS = ("auto", True, False, "onednn", "rows")
+CHOICES_FILE = "cpu_gemm_paths.json"
 
 
 def row_class(rows):
@@ -49,55 +60,128 @@ def available():
         return False
 
 
-def wanted(setting, module):
-    """``cpu_gemm`` setting ('auto', True or False) -> whether to pack ``module``: 'auto' packs a CPU module with
-    float32 or bfloat16 weights when :func:`available`; True insists (ValueError where it cannot)."""
-    if setting not in ("auto", True, False):
-        raise ValueError(f"HeteroSpec: argument 'cpu_gemm' expected 'auto', True or False, got {setting!r}")
-    if setting is False:
-        return False
-    p = next(module.parameters(), None)
-    fits = p is not None and p.device.type == "cpu" and p.dtype in PACKED_DTYPES
-    if fits and p.dtype == torch.bfloat16:   # oneDNN refuses bfloat16 on CPUs without AVX-512 (or ARM's bf16)
+def _rows_module():
+    """heterospec._gemm, or None where it was not built (setup.py builds it where the compiler has OpenMP)."""
+    try:
+        from .. import _gemm
+    except ImportError:
+        return None
+    return _gemm
+
+
+def rows_available():
+    """Whether the few-rows kernel (``rows``) is built into this install."""
+    return _rows_module() is not None
+
+
+def _onednn_runs(dtype):
+    if dtype == torch.float32:
+        return available()
+    if dtype == torch.bfloat16:   # oneDNN refuses bfloat16 on CPUs without AVX-512 (or ARM's bf16)
         check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-        fits = bool(check()) if check is not None else False
-    if setting is True and not (fits and available()):
-        why = ("this torch build has no oneDNN packed linear" if not available() else
-               f"it needs a CPU model in float32, or in bfloat16 on a CPU that oneDNN runs bfloat16 on, got "
-               f"{getattr(p, 'device', None)} {getattr(p, 'dtype', None)}")
-        raise ValueError(f"HeteroSpec: argument 'cpu_gemm' expected 'auto' or False here ({why}), got True")
-    return fits and available()
+        return available() and (bool(check()) if check is not None else False)
+    return False
 
 
-# nn.Linear -> ((weight data_ptr, weight version), packed weight): one packed copy per layer, however many engines
-# route through it; repacked when the weight was written since
-_CACHE = weakref.WeakKeyDictionary()
+def paths_for(dtype):
+    """The packed paths that run layers of ``dtype`` on this machine and build (:data:`PATHS` order)."""
+    return tuple(p for p, ok in (("onednn", _onednn_runs(dtype)),
+                                 ("rows", dtype == torch.float32 and rows_available())) if ok)
 
 
-def _packed(lin, rows):
+def wanted(setting, module):
+    """``cpu_gemm`` setting -> the packed paths ``module``'s layers may take (empty: torch's default only):
+    'auto' every path that runs a CPU module's dtype here (:func:`paths_for`), for :func:`choose` to measure;
+    True the fastest expected without measuring (``rows`` for float32 where built, else ``onednn``); 'onednn' or
+    'rows' that path.  True, 'onednn' and 'rows' insist (ValueError where it cannot run)."""
+    if not any(setting is v if isinstance(v, bool) else setting == v for v in SETTINGS):
+        raise ValueError(f"HeteroSpec: argument 'cpu_gemm' expected 'auto', True, False, 'onednn' or 'rows', "
+                         f"got {setting!r}")
+    if setting is False:
+        return ()
+    p = next(module.parameters(), None)
+    dtype = getattr(p, "dtype", None)
+    runs = paths_for(dtype) if p is not None and p.device.type == "cpu" and dtype in PACKED_DTYPES else ()
+    if setting == "auto":
+        return runs
+    want = ("rows" if "rows" in runs else "onednn") if setting is True else setting
+    if want not in runs:
+        what = {"rows": "a CPU model in float32 and heterospec's few-rows kernel built (heterospec._gemm"
+                        + ("" if rows_available() else ", absent from this install") + ")",
+                "onednn": "this torch build's oneDNN packed linear" if not available() else
+                          "a CPU model in float32, or in bfloat16 on a CPU that oneDNN runs bfloat16 on"}[want]
+        raise ValueError(f"HeteroSpec: argument 'cpu_gemm' expected 'auto' or False here ({setting!r} needs {what}; "
+                         f"the model is {getattr(p, 'device', None)} {dtype}), got {setting!r}")
+    return (want,)
+
+
+# nn.Linear -> ((weight data_ptr, weight version), packed weight): one packed copy per layer and path, however
+# many engines route through it; repacked when the weight was written since
+_CACHE = {"onednn": weakref.WeakKeyDictionary(), "rows": weakref.WeakKeyDictionary()}
+
+
+def _pack_rows(w):
+    g = _rows_module()
+    w = w.detach().contiguous()
+    n, k = w.shape
+    wp = torch.empty(g.packed_floats(n, k), dtype=torch.float32)
+    g.pack(w.data_ptr(), k, wp.data_ptr(), n, k)
+    return wp
+
+
+def _packed(lin, rows, path="onednn"):
     w = lin.weight
     key = (w.data_ptr(), w._version)
-    hit = _CACHE.get(lin)
+    cache = _CACHE[path]
+    hit = cache.get(lin)
     if hit is None or hit[0] != key:
         with torch.no_grad():
-            hit = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows))
-        _CACHE[lin] = hit
+            hit = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows) if path == "onednn"
+                   else _pack_rows(w))
+        cache[lin] = hit
     return hit[1]
 
 
-def _routed_forward(lin, packed, use, block=None):
-    """``lin``'s forward with the packed weight for the row classes ``use`` marks, torch's default otherwise;
+def _rows_linear(n_out, packed, bias):
+    """x2 [m, k] float32 -> x2 W^T (+ bias) through the few-rows kernel, on torch's threads."""
+    g = _rows_module()
+    linear, isa = g.linear, g.isa_best()
+    if bias is not None:
+        bias = bias.contiguous()
+    bias_ptr = 0 if bias is None else bias.data_ptr()
+    wp_ptr = packed.data_ptr()
+    empty = torch.empty
+
+    def run(x2):
+        x2 = x2.contiguous()
+        m, k = x2.shape
+        y = empty(m, n_out, dtype=torch.float32)
+        linear(x2.data_ptr(), k, wp_ptr, bias_ptr, y.data_ptr(), n_out, m, n_out, k, isa, 0)
+        return y
+    run.keep = (packed, bias)   # the buffers the addresses point into live as long as the route
+    return run
+
+
+def _routed_forward(lin, weights, use, block=None):
+    """``lin``'s forward on the path ``use`` names for each row class (``weights``: {path: its packed weight});
     ``block``: every call runs over exactly ``block`` rows (the rows in blocks, the last padded with zero rows:
-    the row-invariant route, :func:`_invariant_forward`)."""
+    the row-invariant route, :func:`_invariant_forward`).  A call whose input is not float32 where the path is
+    ``rows`` (an autocast region) takes torch's default."""
     bias = None if lin.bias is None else lin.bias.detach()
     weight = lin.weight.detach()   # shares the storage: a weight written in place is seen (inference only)
     linear = torch.nn.functional.linear
     pointwise = torch.ops.mkldnn._linear_pointwise
+    runners = {"default": lambda x2: linear(x2, weight, bias)}
+    if "onednn" in weights:
+        packed = weights["onednn"]
+        runners["onednn"] = lambda x2: pointwise(x2, packed, bias, "none", [], "")
+    if "rows" in weights:
+        rows_run = _rows_linear(lin.out_features, weights["rows"], bias)
+        runners["rows"] = lambda x2: rows_run(x2) if x2.dtype == torch.float32 else linear(x2, weight, bias)
+    by_class = [runners[p] for p in use]
 
     def run(x2):
-        if use[row_class(x2.shape[0])]:
-            return pointwise(x2, packed, bias, "none", [], "")
-        return linear(x2, weight, bias)
+        return by_class[row_class(x2.shape[0])](x2)
 
     def forward(x):
         shape = x.shape
@@ -117,9 +201,10 @@ def _routed_forward(lin, packed, use, block=None):
 INVARIANT_BLOCK = 8   # rows per call of the row-invariant route (a tree of up to 8 nodes in one call; below)
 
 
-def _invariant_forward(lin, packed):
-    """``lin``'s forward on one path for every row count (the packed weight, or torch's default where ``packed``
-    is None), every call over exactly :data:`INVARIANT_BLOCK` rows.  Matrix kernels choose their blocking, and
+def _invariant_forward(lin, path, weight):
+    """``lin``'s forward on one path for every row count (``weight``: that path's packed weight, None for
+    torch's default).  ``rows`` is row-invariant by construction and runs every call as it comes; the other
+    paths run every call over exactly :data:`INVARIANT_BLOCK` rows.  Their kernels choose their blocking, and
     with it the order of a row's sums, by the call's row count: on the AMD EPYC (AVX-512 BF16) a one-row call
     takes another kernel than two rows or more, and on an Intel Xeon with AMX oneDNN's bfloat16 kernels change a
     row's bits from 2 rows on (the 576x1536 layers), past 11 (576x576) or at every count (the output layer).
@@ -127,7 +212,9 @@ def _invariant_forward(lin, packed):
     then costs an 8-row forward (34.3 against 30.7 ms for the default target on the AMX machine, packed), and a
     tree of more than 8 nodes several calls a layer (benchmarks/RESULTS.md).  (Until 2026-11-29 a one-row call
     was padded to two, and every larger call ran as is: row-invariant on the AMD EPYC, not on the AMX machine.)"""
-    return _routed_forward(lin, packed, (packed is not None,) * len(ROW_CLASSES), block=INVARIANT_BLOCK)
+    weights = {} if weight is None else {path: weight}
+    return _routed_forward(lin, weights, (path,) * len(ROW_CLASSES),
+                           block=None if path == "rows" else INVARIANT_BLOCK)
 
 
 INVARIANT_CHECK_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 18, 21, 33, 36, 40, 59)   # call sizes tried
@@ -161,42 +248,55 @@ def shape_key(lin):
             f"{' bias' if lin.bias is not None else ''}")
 
 
-ALL_PACKED = (True,) * len(ROW_CLASSES)
-_INVARIANT = {}   # (shape_key, packed) -> whether every layer of that shape checked on that path was row-invariant
-_CHECKED = weakref.WeakKeyDictionary()   # nn.Linear -> the (shape_key, packed) it was checked for
+DEFAULT_USE = ("default",) * len(ROW_CLASSES)
+_INVARIANT = {}   # (shape_key, path) -> whether every layer of that shape checked on that path was row-invariant
+_CHECKED = weakref.WeakKeyDictionary()   # nn.Linear -> the (shape_key, path) it was checked for
 
 
 class PackedLinears:
     """A context manager: inside it, every ``nn.Linear`` of ``modules`` with a float32 / bfloat16 CPU weight runs
-    through its oneDNN-packed copy for the row classes its shape's entry of ``choice`` marks ({shape_key: one
-    bool per :data:`ROW_CLASSES`}; None: every class) and through torch's default ``linear`` for the others
-    (inference only: no gradient flows through it); on exit the layers are ``nn.Linear`` again, so other code
-    that shares the model (HuggingFace's ``generate`` in the same process) never sees the packed path.  The
-    packed copies are made once per layer (:meth:`prepare`, or the first entry) and kept while the layer lives;
-    a layer packed for no row class is neither packed nor routed.  ``rows``: the typical rows per call (a
-    layout hint; any count works).  Re-entrant: a layer already routed is left to the outer context.
+    on the path its shape's entry of ``choice`` names per row class ({shape_key: one of :data:`PATHS` per
+    :data:`ROW_CLASSES`}; a shape without an entry: torch's default), or, with no ``choice``, on ``path`` for
+    every row count where that path runs the layer's dtype (None: torch's default everywhere).  Inference only:
+    no gradient flows through it.  On exit the layers are ``nn.Linear`` again, so other code that shares the
+    model (HuggingFace's ``generate`` in the same process) never sees the packed paths.  The packed copies are
+    made once per layer and path (:meth:`prepare`, or the first entry) and kept while the layer lives; a layer
+    on torch's default for every row class is neither packed nor routed.  ``rows``: the typical rows per call
+    (oneDNN's layout hint; any count works).  Re-entrant: a layer already routed is left to the outer context.
 
     ``invariant``: modules (the target, for bfloat16 verification that equals its one-row steps bit for bit) whose
-    layers run on one path for every row count -- packed where ``choice`` packs the shape for 2-16 rows (``pack``
-    False: never) -- every call in blocks of :data:`INVARIANT_BLOCK` rows (:func:`_invariant_forward`);
+    layers run on one path for every row count -- the path chosen for 2-16 rows -- :func:`_invariant_forward`;
     ValueError where that is not row-invariant on this machine (:func:`check_invariant`, each layer once)."""
 
-    def __init__(self, modules, rows=4, choice=None, invariant=(), pack=True):
+    def __init__(self, modules, rows=4, choice=None, invariant=(), path="onednn"):
+        if path is not None and path not in PATHS:
+            raise ValueError(f"HeteroSpec: argument 'path' expected one of {PATHS} or None, got {path!r}")
         self._modules = [m for m in modules if m is not None]
         self._rows = rows
         self.choice = choice
-        self._pack = pack
+        self._path = path
         self._invariant = set(_linears([m for m in invariant if m is not None]))
         self._patched = []
         self._check_invariant()
 
-    def _invariant_path(self, lin):
-        """The packed weight an invariant layer runs on, or None for torch's default."""
-        return _packed(lin, self._rows) if self._invariant_key(lin)[1] else None
+    def _use(self, lin):
+        """The path of each row class for ``lin``."""
+        if self.choice is not None:
+            return tuple(self.choice.get(shape_key(lin), DEFAULT_USE))
+        if self._path in (None, "default") or self._path not in paths_for(lin.weight.dtype):
+            return DEFAULT_USE
+        return (self._path,) * len(ROW_CLASSES)
+
+    def _weight(self, lin, path):
+        return None if path == "default" else _packed(lin, self._rows, path)
 
     def _invariant_key(self, lin):
-        """(shape_key, whether the layer's one path is the packed one)."""
-        return shape_key(lin), self._pack and self._use(shape_key(lin))[1]
+        """(shape_key, the layer's one path)."""
+        return shape_key(lin), self._use(lin)[1]
+
+    def _invariant_route(self, lin):
+        path = self._invariant_key(lin)[1]
+        return _invariant_forward(lin, path, self._weight(lin, path))
 
     def _check_invariant(self):
         """ValueError unless :func:`_invariant_forward` is row-invariant on this machine for every one of the
@@ -208,35 +308,35 @@ class PackedLinears:
         for lin in self._invariant:
             key = self._invariant_key(lin)
             if _CHECKED.get(lin) != key:
-                ok = check_invariant(_invariant_forward(lin, self._invariant_path(lin)), lin)
+                ok = check_invariant(self._invariant_route(lin), lin)
                 _INVARIANT[key] = _INVARIANT.get(key, True) and ok
                 _CHECKED[lin] = key
             if not _INVARIANT[key]:
-                raise ValueError(f"HeteroSpec: row-invariant verification: the {'packed' if key[1] else 'default'} "
-                                 f"matrix path of the {key[0]} layers gives a row another result in a call over "
-                                 f"more rows on this machine, even when every call has {INVARIANT_BLOCK} rows; use "
-                                 f"float32 or batch_invariant=False")
-
-    def _use(self, key):
-        """The row classes a layer of shape ``key`` runs packed in."""
-        if not self._pack:
-            return (False,) * len(ROW_CLASSES)
-        return ALL_PACKED if self.choice is None else tuple(self.choice.get(key, (False,) * len(ROW_CLASSES)))
+                raise ValueError(f"HeteroSpec: row-invariant verification: the {key[1]} matrix path of the "
+                                 f"{key[0]} layers gives a row another result in a call over more rows on this "
+                                 f"machine, even when every call has {INVARIANT_BLOCK} rows; use float32 or "
+                                 f"batch_invariant=False")
 
     def _layers(self):
-        return [lin for lin in _linears(self._modules) if any(self._use(shape_key(lin)))
+        return [lin for lin in _linears(self._modules) if self._use(lin) != DEFAULT_USE
                 and lin not in self._invariant]
 
     def prepare(self):
-        """Pack every routed layer now (outside any timed region); returns the number of layers."""
-        return sum(1 for lin in self._layers() if _packed(lin, self._rows) is not None) + \
-            sum(1 for lin in self._invariant if self._invariant_path(lin) is not None)
+        """Pack every routed layer now (outside any timed region); returns the number of layers packed."""
+        n = 0
+        for lin in self._layers():
+            n += sum(1 for p in set(self._use(lin)) if self._weight(lin, p) is not None) > 0
+        return n + sum(1 for lin in self._invariant if self._weight(lin, self._invariant_key(lin)[1]) is not None)
 
     def __enter__(self):
         for lin in [*self._layers(), *self._invariant]:
             if "forward" not in vars(lin):
-                lin.forward = _invariant_forward(lin, self._invariant_path(lin)) if lin in self._invariant else \
-                    _routed_forward(lin, _packed(lin, self._rows), self._use(shape_key(lin)))
+                if lin in self._invariant:
+                    lin.forward = self._invariant_route(lin)
+                else:
+                    use = self._use(lin)
+                    weights = {p: self._weight(lin, p) for p in set(use) if p != "default"}
+                    lin.forward = _routed_forward(lin, weights, use)
                 self._patched.append(lin)
         return self
 
@@ -247,25 +347,33 @@ class PackedLinears:
         self._patched = []
 
     def describe(self):
-        """One line: the packed path's share of the layer shapes per row class, e.g. ``"packed for 1 row: 0/8
-        shapes, 2-16: 8/8, 17+: 8/8 (measured)"``; ``"off"`` when no layer is routed; with ``invariant``
-        layers, their one path first (``"target row-invariant: one path for every row count, packed for 4/5
-        shapes; draft: ..."``)."""
-        shapes = sorted({shape_key(lin) for lin in _linears(self._modules) if lin not in self._invariant})
+        """One line: each row class's paths and their share of the layer shapes, e.g. ``"matrix paths: 1 row
+        rows 8/8 shapes; 2-16 rows 8/8; 17+ default 3/8, onednn 5/8 (measured)"``; ``"off"`` when no layer is
+        routed; with ``invariant`` layers, their one path first (``"target row-invariant: one path for every row
+        count, onednn for 4/5 shapes; draft: ..."``)."""
+        lins = {shape_key(lin): lin for lin in _linears(self._modules) if lin not in self._invariant}
         line = "off"
-        if shapes and self._layers():
-            counts = [sum(1 for k in shapes if self._use(k)[c]) for c in range(len(ROW_CLASSES))]
-            how = "measured" if self.choice is not None else "forced"
-            parts = [f"{ROW_CLASSES[0]} row: {counts[0]}/{len(shapes)} shapes"] + \
-                    [f"{name}: {n}/{len(shapes)}" for name, n in zip(ROW_CLASSES[1:], counts[1:])]
-            line = f"packed for {', '.join(parts)} ({how})"
+        if lins and self._layers():
+            parts = []
+            for c, name in enumerate(ROW_CLASSES):
+                counts = {}
+                for lin in lins.values():
+                    p = self._use(lin)[c]
+                    counts[p] = counts.get(p, 0) + 1
+                share = ", ".join(f"{p} {counts[p]}/{len(lins)}" for p in PATHS if p in counts)
+                parts.append(f"{name} {'row ' if c == 0 else ''}{share}{' shapes' if c == 0 else ''}")
+            line = f"matrix paths: {'; '.join(parts)} ({'measured' if self.choice is not None else 'forced'})"
         if not self._invariant:
             return line
-        inv = sorted({shape_key(lin) for lin in self._invariant})
-        packed = sum(1 for k in inv if self._pack and self._use(k)[1])
-        head = (f"target row-invariant: one path for every row count (every call in blocks of {INVARIANT_BLOCK} rows), "
-                f"packed for {packed}/{len(inv)} shapes")
-        return head if not shapes else f"{head}; draft: {line}"
+        inv = {shape_key(lin): lin for lin in self._invariant}
+        counts = {}
+        for lin in inv.values():
+            p = self._invariant_key(lin)[1]
+            counts[p] = counts.get(p, 0) + 1
+        share = ", ".join(f"{p} for {counts[p]}/{len(inv)} shapes" for p in PATHS if p in counts)
+        head = (f"target row-invariant: one path for every row count (every call in blocks of {INVARIANT_BLOCK} "
+                f"rows but on rows), {share}")
+        return head if not lins else f"{head}; draft: {line}"
 
 
 def machine_key():
@@ -303,60 +411,66 @@ def _save_choices(path, machine, new):
         pass
 
 
-def _time_group(layers, rows, reps):
-    """(torch's default, packed) seconds of one pass over ``layers`` (one shape, in model order, so that the
-    weights stream from memory as in a forward) at ``rows`` rows: the fastest of ``reps`` passes each, the two
-    paths taking turns so that a busy spell of the machine falls on both."""
+def _time_group(layers, rows, reps, paths):
+    """{path: seconds} of one pass over ``layers`` (one shape, in model order, so that the weights stream from
+    memory as in a forward) at ``rows`` rows, for torch's default and each of ``paths``: the fastest of ``reps``
+    passes each, the paths taking turns so that a busy spell of the machine falls on all of them."""
     lin0 = layers[0]
     x = torch.randn(rows, lin0.in_features, dtype=lin0.weight.dtype, device=lin0.weight.device)
-    bias = [None if lin.bias is None else lin.bias.detach() for lin in layers]
-    default = [(lin.weight.detach(), b) for lin, b in zip(layers, bias)]
-    packed = [(_packed(lin, rows), b) for lin, b in zip(layers, bias)]
-    linear, pointwise = torch.nn.functional.linear, torch.ops.mkldnn._linear_pointwise
+    runs = {}
+    for path in ("default", *paths):
+        fwd = [_routed_forward(lin, {} if path == "default" else {path: _packed(lin, rows, path)},
+                               (path,) * len(ROW_CLASSES)) for lin in layers]
 
-    def run_default():
-        for w, b in default:
-            linear(x, w, b)
-
-    def run_packed():
-        for w, b in packed:
-            pointwise(x, w, b, "none", [], "")
-
+        def run(fwd=fwd):
+            for f in fwd:
+                f(x)
+        runs[path] = run
     timer = measure.device_timer("cpu")
-    run_default(), run_packed()   # untimed: first touches of the packed copies' pages
-    best = [float("inf"), float("inf")]
+    for run in runs.values():   # untimed: first touches of the packed copies' pages
+        run()
+    best = dict.fromkeys(runs, float("inf"))
     for _ in range(reps):
-        for i, fn in enumerate((run_default, run_packed)):
-            best[i] = min(best[i], timer(fn)[1])
-    return tuple(best)
+        for path, run in runs.items():
+            best[path] = min(best[path], timer(run)[1])
+    return best
+
+
+def _valid_use(v, allowed):
+    return isinstance(v, list) and len(v) == len(ROW_CLASSES) and all(p in allowed for p in v)
 
 
 def choose(modules, *, reps=5, cache=True, timer=None):
-    """{shape_key: one bool per :data:`ROW_CLASSES`}: whether the packed path is faster than torch's default for
-    that shape at that row class on this machine (ties keep the default), for every packable layer of
-    ``modules``.  Measured once per machine and shape (:func:`machine_key`), kept for the process and, with
-    ``cache``, in ``$HETEROSPEC_CACHE/cpu_gemm_choices.json``.  ``timer(layers, rows, reps)`` -> (default,
-    packed) seconds replaces the measurement (tests)."""
+    """{shape_key: one of :data:`PATHS` per :data:`ROW_CLASSES`}: the fastest path for that shape at that row
+    class on this machine among torch's default and every packed path that runs the shape's dtype here
+    (:func:`paths_for`; ties keep the earlier of :data:`PATHS`), for every packable layer of ``modules``.
+    Measured once per machine and shape (:func:`machine_key`), kept for the process and, with ``cache``, in
+    ``$HETEROSPEC_CACHE/cpu_gemm_paths.json`` (an entry naming a path this install lacks is measured again).
+    ``timer(layers, rows, reps, paths)`` -> {path: seconds} replaces the measurement (tests)."""
     timer = timer or _time_group
     machine = machine_key()
     path = measure.cache_path(CHOICES_FILE)
     groups = {}
     for lin in _linears([m for m in modules if m is not None]):
         groups.setdefault(shape_key(lin), []).append(lin)
+    runs = {k: paths_for(g[0].weight.dtype) for k, g in groups.items()}
     missing = [k for k in groups if (machine, k) not in _CHOICES]
     if missing and cache:
         stored = _load_choices(path).get(machine) or {}
         for k in missing:
             v = stored.get(k)
-            if isinstance(v, list) and len(v) == len(ROW_CLASSES) and all(isinstance(b, bool) for b in v):
+            if _valid_use(v, ("default", *runs[k])):
                 _CHOICES[(machine, k)] = tuple(v)
     measured = {}
     with torch.no_grad():
         for k in groups:
             if (machine, k) in _CHOICES:
                 continue
-            use = tuple(packed < default for default, packed in (timer(groups[k], r, reps) for r in PROBE_ROWS))
-            _CHOICES[(machine, k)] = measured[k] = use
+            use = []
+            for r in PROBE_ROWS:
+                t = timer(groups[k], r, reps, runs[k])
+                use.append(min(("default", *runs[k]), key=lambda p: (t[p], PATHS.index(p))))
+            _CHOICES[(machine, k)] = measured[k] = tuple(use)
     if measured and cache:
         _save_choices(path, machine, measured)
     return {k: _CHOICES[(machine, k)] for k in groups}
@@ -364,14 +478,17 @@ def choose(modules, *, reps=5, cache=True, timer=None):
 
 def for_models(setting, target, *others, invariant=False):
     """The routed layers of ``target`` and ``others`` (None skipped) for a ``cpu_gemm`` setting (:func:`wanted`
-    decides from the target; 'auto' routes what :func:`choose` measured faster, True every layer and row
-    class), packed now: the one way the engine and the cost profile set it up.  ``invariant``: the target's
-    layers on one row-invariant path each (:class:`PackedLinears`), whatever the setting."""
+    decides from the target; 'auto' routes what :func:`choose` measured fastest, True, 'onednn' and 'rows' every
+    layer and row class on one path), packed now: the one way the engine and the cost profile set it up.
+    ``invariant``: the target's layers on one row-invariant path each (:class:`PackedLinears`), whatever the
+    setting."""
     modules = [target, *others]
-    pack = wanted(setting, target)
-    if not pack and not invariant:
+    paths = wanted(setting, target)
+    if not paths and not invariant:
         return PackedLinears([])
-    choice = choose(modules) if pack and setting == "auto" else None
-    packed = PackedLinears(modules, choice=choice, invariant=[target] if invariant else (), pack=pack)
+    if paths and setting == "auto":
+        packed = PackedLinears(modules, choice=choose(modules), invariant=[target] if invariant else ())
+    else:
+        packed = PackedLinears(modules, path=paths[0] if paths else None, invariant=[target] if invariant else ())
     packed.prepare()
     return packed

@@ -11,6 +11,8 @@ It is laid out per op family, like the C core's files (csrc/core/):
 * ``verify.py``: verify_greedy and verify_sample, and the Philox4x32-10 generator they draw from, philox4x32
   and philox_uniform (verify.c);
 * ``kv.py``: kv_compact and KVTensors (kv.c);
+* ``gemm.py``: rows_linear, the few-rows float32 matrix product of ``cpu_gemm='rows'`` (csrc/gemm/rows.c), bit
+  for bit (a kernel of heterospec._gemm, not of heterospec.ops);
 * ``_common.py``: the argument checks and helpers the families share (common.c).
 
 Every public name is re-exported here: use ``heterospec.reference.<op>``, not the family modules.
@@ -32,8 +34,9 @@ from __future__ import annotations
 # sequence_as_array stay importable as they were from the single-file module this package replaced
 from .._types import MIN_TEMPERATURE, OP_NAMES, VerifyTree, sequence_as_array  # noqa: F401
 from .entropy import bucketize, topk_entropy  # noqa: F401
+from .gemm import rows_linear  # noqa: F401
 from .kv import KVTensors, kv_compact  # noqa: F401
 from .tree import build_tree, expand, select  # noqa: F401
 from .verify import philox4x32, philox_uniform, verify_greedy, verify_sample  # noqa: F401
 
-__all__ = [*OP_NAMES, "VerifyTree", "KVTensors"]
+__all__ = [*OP_NAMES, "VerifyTree", "KVTensors", "rows_linear"]

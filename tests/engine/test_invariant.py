@@ -204,13 +204,16 @@ def test_auto_turns_off_with_a_warning_where_the_kernel_is_not_invariant(monkeyp
 
 def test_check_invariant_catches_a_path_that_depends_on_the_row_count():
     lin = torch.nn.Linear(64, 32).to(torch.bfloat16)
-    fair = gemm._invariant_forward(lin, None)
+    fair = gemm._invariant_forward(lin, "default", None)
     assert gemm.check_invariant(fair, lin)
     shifted = lambda x: fair(x) + x.reshape(-1, x.shape[-1]).shape[0] * 1e-2   # noqa: E731
     assert not gemm.check_invariant(shifted, lin)
     wide = torch.nn.Linear(1536, 576).to(torch.bfloat16)
     # calls of one fixed size: invariant on every machine measured (with AMX, a one-row call padded to two was not)
-    assert gemm.check_invariant(gemm._invariant_forward(wide, None), wide)
+    assert gemm.check_invariant(gemm._invariant_forward(wide, "default", None), wide)
+    if gemm.rows_available():   # the few-rows kernel: invariant by construction, every call as it comes
+        lin32 = torch.nn.Linear(1536, 576)
+        assert gemm.check_invariant(gemm._invariant_forward(lin32, "rows", gemm._packed(lin32, 4, "rows")), lin32)
 
 
 _LINEAR = torch.nn.functional.linear
@@ -236,7 +239,7 @@ def test_a_machine_whose_kernels_change_from_two_rows_on_gets_calls_of_one_size(
     # 0.5 added to every row of a call over more than two rows (padding one row to two would not hide it),
     # 0.25 more past 9 rows
     _kernel_by_rows(monkeypatch, lambda n, i: 0.5 * (n > 2) + 0.25 * (n > 9))
-    with gemm.PackedLinears([model], invariant=[model], pack=False) as p:
+    with gemm.PackedLinears([model], invariant=[model], path=None) as p:
         assert "every call in blocks of 8 rows" in p.describe()
         one, some, eleven = model[0](x[:1]), model[0](x[:3]), model[0](x)
     # each call ran as blocks of 8 rows, so each row got the 8-row kernel's result (the exact product + 0.5),
@@ -247,4 +250,4 @@ def test_a_machine_whose_kernels_change_from_two_rows_on_gets_calls_of_one_size(
     _kernel_by_rows(monkeypatch, lambda n, i: 0.25 * i)
     with pytest.raises(ValueError, match=r"the default matrix path of the bfloat16 (16x8|8x4) bias layers gives a "
                                          r"row another result .* even when every call has 8 rows"):
-        gemm.PackedLinears([model], invariant=[model], pack=False)
+        gemm.PackedLinears([model], invariant=[model], path=None)

@@ -205,7 +205,7 @@ def test_bench_command_writes_json_tables_plots_and_answers(tmp_path):
         assert set(run["warmup_s"]) == set(names) and all(v > 0 for v in run["warmup_s"].values())
         # 42.1: the CPU matrix path our engines measured and chose, per method (HF's baselines run torch's own)
         assert set(run["cpu_gemm"]) == {n for n in names if n not in bench.HF_METHODS}
-        assert all(v == "off" or v.startswith("packed for 1 row: ") for v in run["cpu_gemm"].values()) and run["hf_static"]["static_cache_len"] > 10
+        assert all(v == "off" or v.startswith("matrix paths: 1 row ") for v in run["cpu_gemm"].values()) and run["hf_static"]["static_cache_len"] > 10
         assert r["methods"]["hf-static"]["cache_implementation"] == "static"
     assert r["runs"][0]["mismatches"] == [] and r["runs"][1]["mismatches"] == []  # only checked at T=0
     # the markdown: Table-1 layout (with the speedup over the strongest HF baseline), one row per method, and

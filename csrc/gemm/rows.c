@@ -1,0 +1,241 @@
+/*
+ * rows.c -- the CPU matrix kernel for a few rows (rows.h says why and what it computes).
+ *
+ * Work split: the output columns' panels are cut into one contiguous range per thread; each thread walks its
+ * range in groups of 8 panels (the widest tile), and within a group runs every chunk of rows (12 with AVX-512,
+ * 6 with AVX2) as tiles of NB panels x MB rows whose sums stay in registers for the whole of K.  The group's
+ * weights (8 x K x 64 bytes) are read from memory once and from the cache for the later chunks.
+ *
+ * Every variant computes each output as the same chain of fused multiply-adds over k in order, so the bits are
+ * those of the portable loop (the tests hold them to it).  -std=c11 keeps the compiler from contracting or
+ * reordering anything else.
+ */
+#include "rows.h"
+
+#include <math.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define HSG_GROUP 8 /* panels per group: a multiple of every tile's width */
+
+int64_t hsg_packed_floats(int64_t n, int64_t k) { return (n + HSG_PANEL - 1) / HSG_PANEL * HSG_PANEL * k; }
+
+void hsg_pack(const float *w, int64_t ldw, float *wp, int64_t n, int64_t k) {
+    int64_t panels = (n + HSG_PANEL - 1) / HSG_PANEL;
+    for (int64_t p = 0; p < panels; p++) {
+        float *dst = wp + p * HSG_PANEL * k;
+        for (int64_t j = 0; j < HSG_PANEL; j++) {
+            int64_t col = p * HSG_PANEL + j;
+            for (int64_t kk = 0; kk < k; kk++) dst[kk * HSG_PANEL + j] = col < n ? w[col * ldw + kk] : 0.0f;
+        }
+    }
+}
+
+int hsg_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+/* One tile: rows x[0..mb) against panels wp[0..nb), writing `cols` valid columns (<= nb*16) of y. */
+typedef void (*hsg_tile)(const float *x, int64_t ldx, const float *wp, int64_t k, const float *bias, float *y,
+                         int64_t ldy, int64_t cols);
+
+/* ---- portable ------------------------------------------------------------------------------------------- */
+
+static void tile_portable(const float *x, int64_t ldx, const float *wp, int64_t k, const float *bias, float *y,
+                          int64_t ldy, int64_t cols, int nb, int mb) {
+    for (int a = 0; a < nb; a++) {
+        const float *w = wp + (int64_t)a * HSG_PANEL * k;
+        for (int b = 0; b < mb; b++) {
+            float acc[HSG_PANEL] = {0};
+            const float *xr = x + b * ldx;
+            for (int64_t kk = 0; kk < k; kk++)
+                for (int j = 0; j < HSG_PANEL; j++) acc[j] = fmaf(w[kk * HSG_PANEL + j], xr[kk], acc[j]);
+            for (int j = 0; j < HSG_PANEL; j++) {
+                int64_t c = (int64_t)a * HSG_PANEL + j;
+                if (c < cols) y[b * ldy + c] = bias ? acc[j] + bias[c] : acc[j];
+            }
+        }
+    }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HSG_X86 1
+
+/* ---- AVX-512: a panel is one register; NB x MB <= 24 accumulators ------------------------------------------ */
+
+#define T512 __attribute__((target("avx512f")))
+
+static inline __attribute__((always_inline)) T512 void tile512(const float *x, int64_t ldx, const float *wp,
+                                                               int64_t k, const float *bias, float *y, int64_t ldy,
+                                                               int64_t cols, int nb, int mb) {
+    __m512 acc[8][12];
+    for (int a = 0; a < nb; a++)
+        for (int b = 0; b < mb; b++) acc[a][b] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < k; kk++) {
+        __m512 wv[8];
+        for (int a = 0; a < nb; a++) wv[a] = _mm512_loadu_ps(wp + (int64_t)a * HSG_PANEL * k + kk * HSG_PANEL);
+        for (int b = 0; b < mb; b++) {
+            __m512 xb = _mm512_set1_ps(x[b * ldx + kk]);
+            for (int a = 0; a < nb; a++) acc[a][b] = _mm512_fmadd_ps(wv[a], xb, acc[a][b]);
+        }
+    }
+    for (int a = 0; a < nb; a++) {
+        int64_t rem = cols - (int64_t)a * HSG_PANEL;
+        if (rem <= 0) break;
+        __mmask16 mask = rem >= HSG_PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << rem) - 1u);
+        __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + a * HSG_PANEL) : _mm512_setzero_ps();
+        for (int b = 0; b < mb; b++) {
+            __m512 v = bias ? _mm512_add_ps(acc[a][b], bv) : acc[a][b];
+            _mm512_mask_storeu_ps(y + b * ldy + a * HSG_PANEL, mask, v);
+        }
+    }
+}
+
+#define TILE512(NB, MB)                                                                                           \
+    static T512 void t512_##NB##_##MB(const float *x, int64_t ldx, const float *wp, int64_t k, const float *bias, \
+                                      float *y, int64_t ldy, int64_t cols) {                                    \
+        tile512(x, ldx, wp, k, bias, y, ldy, cols, NB, MB);                                                       \
+    }
+TILE512(8, 1) TILE512(8, 2) TILE512(4, 3) TILE512(4, 4) TILE512(4, 5) TILE512(4, 6)
+TILE512(2, 7) TILE512(2, 8) TILE512(2, 9) TILE512(2, 10) TILE512(2, 11) TILE512(2, 12)
+TILE512(1, 1) TILE512(1, 2) TILE512(1, 3) TILE512(1, 4) TILE512(1, 5) TILE512(1, 6)
+TILE512(1, 7) TILE512(1, 8) TILE512(1, 9) TILE512(1, 10) TILE512(1, 11) TILE512(1, 12)
+static const hsg_tile WIDE512[13] = {0, t512_8_1, t512_8_2, t512_4_3, t512_4_4, t512_4_5, t512_4_6,
+                                     t512_2_7, t512_2_8, t512_2_9, t512_2_10, t512_2_11, t512_2_12};
+static const hsg_tile ONE512[13] = {0, t512_1_1, t512_1_2, t512_1_3, t512_1_4, t512_1_5, t512_1_6,
+                                    t512_1_7, t512_1_8, t512_1_9, t512_1_10, t512_1_11, t512_1_12};
+static const int NB512[13] = {0, 8, 8, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2};
+
+/* ---- AVX2: a panel is two registers; 2 x NB x MB <= 12 accumulators ----------------------------------------- */
+
+#define T256 __attribute__((target("avx2,fma")))
+
+static inline __attribute__((always_inline)) T256 __m256i mask256(int64_t rem) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(rem < 8 ? rem : 8)), lanes);
+}
+
+static inline __attribute__((always_inline)) T256 void tile256(const float *x, int64_t ldx, const float *wp,
+                                                               int64_t k, const float *bias, float *y, int64_t ldy,
+                                                               int64_t cols, int nb, int mb) {
+    __m256 acc[4][6][2];
+    for (int a = 0; a < nb; a++)
+        for (int b = 0; b < mb; b++) acc[a][b][0] = acc[a][b][1] = _mm256_setzero_ps();
+    for (int64_t kk = 0; kk < k; kk++) {
+        __m256 wv[4][2];
+        for (int a = 0; a < nb; a++) {
+            const float *w = wp + (int64_t)a * HSG_PANEL * k + kk * HSG_PANEL;
+            wv[a][0] = _mm256_loadu_ps(w);
+            wv[a][1] = _mm256_loadu_ps(w + 8);
+        }
+        for (int b = 0; b < mb; b++) {
+            __m256 xb = _mm256_broadcast_ss(x + b * ldx + kk);
+            for (int a = 0; a < nb; a++) {
+                acc[a][b][0] = _mm256_fmadd_ps(wv[a][0], xb, acc[a][b][0]);
+                acc[a][b][1] = _mm256_fmadd_ps(wv[a][1], xb, acc[a][b][1]);
+            }
+        }
+    }
+    for (int a = 0; a < nb; a++)
+        for (int h = 0; h < 2; h++) {
+            int64_t rem = cols - (int64_t)a * HSG_PANEL - 8 * h;
+            if (rem <= 0) break;
+            __m256i mask = mask256(rem);
+            const float *bp = bias ? bias + a * HSG_PANEL + 8 * h : NULL;
+            __m256 bv = bp ? _mm256_maskload_ps(bp, mask) : _mm256_setzero_ps();
+            for (int b = 0; b < mb; b++) {
+                __m256 v = bp ? _mm256_add_ps(acc[a][b][h], bv) : acc[a][b][h];
+                _mm256_maskstore_ps(y + b * ldy + a * HSG_PANEL + 8 * h, mask, v);
+            }
+        }
+}
+
+#define TILE256(NB, MB)                                                                                           \
+    static T256 void t256_##NB##_##MB(const float *x, int64_t ldx, const float *wp, int64_t k, const float *bias, \
+                                      float *y, int64_t ldy, int64_t cols) {                                    \
+        tile256(x, ldx, wp, k, bias, y, ldy, cols, NB, MB);                                                       \
+    }
+TILE256(4, 1) TILE256(2, 2) TILE256(2, 3) TILE256(1, 1) TILE256(1, 2) TILE256(1, 3) TILE256(1, 4) TILE256(1, 5)
+TILE256(1, 6)
+static const hsg_tile WIDE256[7] = {0, t256_4_1, t256_2_2, t256_2_3, t256_1_4, t256_1_5, t256_1_6};
+static const hsg_tile ONE256[7] = {0, t256_1_1, t256_1_2, t256_1_3, t256_1_4, t256_1_5, t256_1_6};
+static const int NB256[7] = {0, 4, 2, 2, 1, 1, 1};
+#endif
+
+int hsg_isa_best(void) {
+#ifdef HSG_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return HSG_ISA_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return HSG_ISA_AVX2;
+#endif
+    return HSG_ISA_PORTABLE;
+}
+
+/* Panels [p0, p1) of every row: see the file's comment. */
+static void run_range(const float *x, int64_t ldx, const float *wp, const float *bias, float *y, int64_t ldy,
+                      int64_t m, int64_t n, int64_t k, int isa, int64_t p0, int64_t p1) {
+    int chunk = isa == HSG_ISA_AVX512 ? 12 : isa == HSG_ISA_AVX2 ? 6 : 4;
+    for (int64_t g = p0; g < p1; g += HSG_GROUP) {
+        int64_t g1 = g + HSG_GROUP < p1 ? g + HSG_GROUP : p1;
+        for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+            int r = (int)(m - m0 < chunk ? m - m0 : chunk);
+            const float *xr = x + m0 * ldx;
+            float *yr = y + m0 * ldy;
+            int64_t p = g;
+            while (p < g1) {
+                int nb = 1;
+                hsg_tile fn = NULL;
+#ifdef HSG_X86
+                if (isa == HSG_ISA_AVX512) {
+                    nb = p + NB512[r] <= g1 ? NB512[r] : 1;
+                    fn = nb > 1 ? WIDE512[r] : ONE512[r];
+                } else if (isa == HSG_ISA_AVX2) {
+                    nb = p + NB256[r] <= g1 ? NB256[r] : 1;
+                    fn = nb > 1 ? WIDE256[r] : ONE256[r];
+                }
+#endif
+                int64_t col = p * HSG_PANEL;
+                int64_t cols = n - col < (int64_t)nb * HSG_PANEL ? n - col : (int64_t)nb * HSG_PANEL;
+                const float *w = wp + p * HSG_PANEL * k;
+                const float *bp = bias ? bias + col : NULL;
+                if (fn)
+                    fn(xr, ldx, w, k, bp, yr + col, ldy, cols);
+                else
+                    tile_portable(xr, ldx, w, k, bp, yr + col, ldy, cols, nb, r);
+                p += nb;
+            }
+        }
+    }
+}
+
+void hsg_linear(const float *x, int64_t ldx, const float *wp, const float *bias, float *y, int64_t ldy, int64_t m,
+                int64_t n, int64_t k, int isa, int threads) {
+    int64_t panels = (n + HSG_PANEL - 1) / HSG_PANEL;
+    if (m <= 0 || n <= 0) return;
+    if (k <= 0) { /* an empty sum: the bias alone */
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t j = 0; j < n; j++) y[i * ldy + j] = bias ? 0.0f + bias[j] : 0.0f;
+        return;
+    }
+    int t = threads > 0 ? threads : hsg_threads();
+    if (t > panels) t = (int)panels;
+#ifdef _OPENMP
+    if (t > 1) {
+#pragma omp parallel num_threads(t)
+        {
+            int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
+            run_range(x, ldx, wp, bias, y, ldy, m, n, k, isa, panels * id / nt, panels * (id + 1) / nt);
+        }
+        return;
+    }
+#endif
+    run_range(x, ldx, wp, bias, y, ldy, m, n, k, isa, 0, panels);
+}

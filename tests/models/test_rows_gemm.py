@@ -1,0 +1,123 @@
+"""The few-rows float32 matrix kernel (heterospec._gemm, ``cpu_gemm='rows'``) against its NumPy reference
+(heterospec.reference.rows_linear), bit for bit: on every instruction set this CPU has (and the portable loop),
+one thread and two, any row count, odd shapes, a bias, strided rows; and the reference's exact rounding
+itself against fractions."""
+import os
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from heterospec.models import cpu_gemm  # noqa: E402
+from heterospec.reference import rows_linear  # noqa: E402
+from heterospec.reference.gemm import _fma32  # noqa: E402
+
+G = cpu_gemm._rows_module()
+needs = pytest.mark.skipif(G is None, reason="heterospec._gemm was not built here")
+ISAS = range(G.isa_best() + 1) if G is not None else ()
+
+
+def kernel(x, w, bias=None, isa=None, threads=0, ldx=None):
+    """y = x w^T (+ bias) through heterospec._gemm directly; ``ldx``: x's rows taken from a wider array."""
+    m, k = x.shape
+    n = w.shape[0]
+    wt = torch.from_numpy(np.ascontiguousarray(w))
+    wp = torch.empty(G.packed_floats(n, k))
+    G.pack(wt.data_ptr(), k, wp.data_ptr(), n, k)
+    wide = np.zeros((m, ldx or k), np.float32) + np.float32(7.0)   # the gap past k: never read
+    wide[:, :k] = x
+    xt = torch.from_numpy(wide)
+    y = torch.full((m, n + 3), -1.0)                                  # 3 columns past n: never written
+    bt = None if bias is None else torch.from_numpy(bias)
+    G.linear(xt.data_ptr(), ldx or k, wp.data_ptr(), 0 if bt is None else bt.data_ptr(), y.data_ptr(), n + 3, m, n,
+             k, G.isa_best() if isa is None else isa, threads)
+    assert (y[:, n:] == -1.0).all()
+    return y[:, :n].numpy()
+
+
+def test_the_kernel_is_built_where_the_sanitized_run_expects_it():
+    """CI's sanitized stage builds heterospec._gemm with ASan and runs this file: a missing build skips nothing."""
+    if os.environ.get("HETEROSPEC_EXPECT_SANITIZERS") == "1":
+        assert G is not None
+
+
+def exact_fma32(a, b, c):
+    """fma(a, b, c) rounded once to float32, with fractions (ties to even)."""
+    exact = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    r = np.float32(float(exact))            # within one float32 step of the answer
+    cands = sorted({r, np.nextafter(r, np.float32(-np.inf)), np.nextafter(r, np.float32(np.inf))}, key=float)
+    best = min(cands, key=lambda v: (abs(Fraction(float(v)) - exact), int(np.float32(v).view(np.uint32)) % 2))
+    return np.float32(best)
+
+
+def test_the_references_fma_rounds_once():
+    one_ulp12 = np.float32(1 + 2 ** -12)   # (1 + 2^-12)^2 = 1 + 2^-11 + 2^-24: halfway between two float32s
+    assert _fma32(one_ulp12, one_ulp12, np.float32(0)) == np.float32(1 + 2 ** -11)              # tie: even
+    # + 2^-60: just above halfway, where a float64 sum (then float32) would round twice and go down
+    assert _fma32(one_ulp12, one_ulp12, np.float32(2 ** -60)) == np.float32(1 + 2 ** -11 + 2 ** -23)
+    assert _fma32(one_ulp12, one_ulp12, np.float32(-(2 ** -60))) == np.float32(1 + 2 ** -11)
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(3000).astype(np.float32)
+    b = rng.standard_normal(3000).astype(np.float32)
+    c = np.concatenate([rng.standard_normal(1000), -(a[1000:2000].astype(np.float64) * b[1000:2000]),
+                        rng.standard_normal(1000) * 1e-6]).astype(np.float32)
+    got = _fma32(a, b, c)
+    assert [float(v) for v in got] == [float(exact_fma32(*t)) for t in zip(a, b, c)]
+
+
+@needs
+def test_the_kernel_rounds_the_crafted_case_once():
+    """acc = 2^-60 after k = 0, then fma((1 + 2^-12), (1 + 2^-12), acc): one rounding goes up."""
+    x = np.array([[2 ** -30, 1 + 2 ** -12]], np.float32)
+    w = np.array([[2 ** -30, 1 + 2 ** -12]], np.float32)
+    for isa in ISAS:
+        assert kernel(x, w, isa=isa)[0, 0] == np.float32(1 + 2 ** -11 + 2 ** -23) == rows_linear(x, w)[0, 0]
+
+
+@needs
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (3, 17, 3), (13, 100, 37), (7, 40, 576), (2, 33, 1536),
+                                   (25, 48, 20), (12, 130, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_kernel_equals_rows_linear_bit_for_bit(m, n, k, bias):
+    rng = np.random.default_rng(m * 1000 + n + k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32) if bias else None
+    ref = rows_linear(x, w, b)
+    for isa in ISAS:
+        for threads in (1, 2, 3):
+            np.testing.assert_array_equal(kernel(x, w, b, isa, threads), ref, err_msg=f"isa {isa}, {threads} threads")
+    np.testing.assert_array_equal(kernel(x, w, b, ldx=k + 5), ref)
+    # and a row's bits never depend on the other rows of the call
+    for i in range(m):
+        np.testing.assert_array_equal(kernel(x[i:i + 1], w, b), ref[i:i + 1])
+
+
+@needs
+def test_the_kernel_keeps_non_finite_values_in_their_rows_and_columns():
+    x = np.ones((3, 8), np.float32)
+    w = np.ones((20, 8), np.float32)
+    x[1, 2] = np.nan
+    w[17, 0] = np.inf
+    for isa in ISAS:
+        y = kernel(x, w, isa=isa)
+        np.testing.assert_array_equal(y, rows_linear(x, w))
+        assert np.isnan(y[1]).all() and np.isinf(y[[0, 2], 17]).all()
+        assert (y[[0, 2]][:, [c for c in range(20) if c != 17]] == 8.0).all()
+
+
+@needs
+def test_an_empty_sum_is_the_bias():
+    b = np.arange(5, dtype=np.float32)
+    np.testing.assert_array_equal(kernel(np.zeros((2, 0), np.float32), np.zeros((5, 0), np.float32), b),
+                                  np.stack([b, b]))
+
+
+@needs
+def test_the_kernel_refuses_an_instruction_set_this_cpu_lacks():
+    with pytest.raises(ValueError, match=r"linear: argument 'isa' expected 0 to \d on this CPU, got 7"):
+        G.linear(0, 1, 0, 0, 0, 1, 1, 1, 1, 7, 1)
+    with pytest.raises(TypeError, match="linear: expected 11 integer arguments, got 2"):
+        G.linear(1, 2)
