@@ -191,15 +191,17 @@ class HeteroSpec:
     once.  ``compile``: the target's forward
     through ``torch.compile`` (True = inductor, or a backend name), one specialisation per shape; with
     ``cuda_graphs`` the compiled forward is what gets captured (fewer kernels per forward).  ``cpu_gemm``: on the
-    CPU, run the target's and the draft's linear layers through oneDNN with weights packed once
+    CPU, run the target's and the draft's linear layers with weights packed once -- through oneDNN, or through
+    heterospec's own few-rows float32 kernel ('rows', row-invariant by construction) --
     (:mod:`heterospec.models.cpu_gemm`), only inside ``generate``: between calls the model is as it was.  'auto'
-    (for a CPU model in float32 or bfloat16 where torch has it) measures, per layer shape and rows per call (1;
-    2-16; more), whether the packed path beats torch's default on this machine and routes only there (measured
-    once per machine, a few seconds for a 135M model, then cached on disk); True packs every layer for every
-    row count, False = torch's default ``linear`` (and what ``compile=True`` uses: inductor lowers the linear layers
-    itself).  ``self.cpu_gemm`` and every call's stats say which.  On the
-    2-core AMD EPYC a forward over the few rows of a tree then costs about what one row does (MKL's default
-    path costs 1.5-1.7x one row for 2 rows or more); the logits agree with the default path to ~1e-4.
+    (for a CPU model in float32 or bfloat16) measures, per layer shape and rows per call (1; 2-16; more), which
+    of torch's default and the packed paths is fastest on this machine and routes there (measured once per
+    machine, a few seconds for a 135M model, then cached on disk); 'onednn' or 'rows' forces that path for every
+    layer and row count, True the 'rows' kernel where it runs (oneDNN otherwise), False = torch's default
+    ``linear`` (and what ``compile=True`` uses: inductor lowers the linear layers itself).  ``self.cpu_gemm``
+    and every call's stats say which.  A forward over the few rows of a tree then costs little more than one
+    row does (MKL's default path costs 1.5-1.9x one row for 4 rows or more); the logits agree with the default
+    path to ~1e-4.
 
     ``batch_invariant``: verify so that every tree node's logits are bit for bit what a one-row step of the same
     engine gives (each row attends to exactly its keys; each linear layer of the target on one path for every
@@ -256,9 +258,9 @@ class HeteroSpec:
         if compile is True or compile == "inductor":
             # inductor lowers the linear layers itself and cannot lower oneDNN's packed ones (an InductorError at
             # the first verify forward on the CPU): the packed path stays off under it
-            if cpu_gemm is True:
-                raise ValueError("HeteroSpec: argument 'cpu_gemm' expected False or 'auto' with compile=True "
-                                 "(inductor compiles the linear layers itself), got True")
+            if cpu_gemm is True or (isinstance(cpu_gemm, str) and cpu_gemm in ("onednn", "rows")):
+                raise ValueError(f"HeteroSpec: argument 'cpu_gemm' expected False or 'auto' with compile=True "
+                                 f"(inductor compiles the linear layers itself), got {cpu_gemm!r}")
             cpu_gemm = False
         self.batch_invariant = _check_invariant(batch_invariant, p)
         try:

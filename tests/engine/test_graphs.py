@@ -268,6 +268,9 @@ def test_inductor_keeps_the_packed_cpu_linears_off(setup):
     with pytest.raises(ValueError, match=r"^HeteroSpec: argument 'cpu_gemm' expected False or 'auto' with "
                                          r"compile=True .*, got True$"):
         HeteroSpec(model, compile=True, cpu_gemm=True)
+    with pytest.raises(ValueError, match=r"^HeteroSpec: argument 'cpu_gemm' expected False or 'auto' with "
+                                         r"compile=True .*, got 'rows'$"):
+        HeteroSpec(model, compile=True, cpu_gemm="rows")
 
 
 def test_the_guard_sees_host_reads_inside_torch():

@@ -100,7 +100,8 @@ def markdown(result):
         for n, v in (run.get("cpu_gemm") or {}).items():
             paths.setdefault(v, []).append(n)
         if set(paths) - {"off"}:
-            lines.append("Our engines' CPU matrix path (torch's default or oneDNN with packed weights, measured on "
+            lines.append("Our engines' CPU matrix paths (torch's default, oneDNN with packed weights or our few-rows "
+                         "kernel `rows`, measured on "
                          "this machine per layer shape and rows per call; the target's layers, and the draft's "
                          "with a draft): " + "; ".join(f"{', '.join(ns)}: {v}" for v, ns in paths.items()) + ".")
             lines.append("")
