@@ -26,11 +26,24 @@ static int ints(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const 
     return 0;
 }
 
+/* A null address (a tensor with no storage, e.g. on the meta device) is refused, never read: -1 with ValueError
+ * naming the first such argument of `names` (one per integer argument, NULL for those that are no address). */
+static int addresses(const long long *a, const char *const *names, Py_ssize_t n, const char *fn) {
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (names[i] && a[i] == 0) {
+            PyErr_Format(PyExc_ValueError, "%s: argument '%s' expected the address of CPU memory, got 0", fn, names[i]);
+            return -1;
+        }
+    return 0;
+}
+
 /* pack(w, ldw, wp, n, k): the packed copy of an n x k float32 weight at address w into wp. */
 static PyObject *py_pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     long long a[5];
     if (ints(args, nargs, 5, "pack", a) < 0) return NULL;
+    static const char *const names[5] = {"w", NULL, "wp", NULL, NULL};
+    if (a[3] > 0 && a[4] > 0 && addresses(a, names, 5, "pack") < 0) return NULL;   /* (an empty weight reads none) */
     Py_BEGIN_ALLOW_THREADS hsg_pack((const float *)(uintptr_t)a[0], a[1], (float *)(uintptr_t)a[2], a[3], a[4]);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
@@ -40,6 +53,9 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
     (void)self;
     long long a[11];
     if (ints(args, nargs, 11, "linear", a) < 0) return NULL;
+    /* what a call reads: y for any output; x and wp only with a sum to take */
+    static const char *const all[11] = {"x", NULL, "wp", NULL, "y"}, *const out_only[11] = {NULL, NULL, NULL, NULL, "y"};
+    if (a[6] > 0 && a[7] > 0 && addresses(a, a[8] > 0 ? all : out_only, 11, "linear") < 0) return NULL;
     if (a[9] < HSG_ISA_PORTABLE || a[9] > hsg_isa_best()) {
         PyErr_Format(PyExc_ValueError, "linear: argument 'isa' expected 0 to %d on this CPU, got %lld", hsg_isa_best(),
                      a[9]);

@@ -267,7 +267,8 @@ class HeteroSpec:
             self.target = TargetAdapter(target, tap_layers=taps, capture_taps=draft is not None, compile=compile,
                                         invariant=self.batch_invariant, batched=True)
             # packed once here (outside any timed call), routed only inside generate
-            self._gemm = gemm.for_models(cpu_gemm, target, draft, invariant=self.batch_invariant)
+            self._gemm = gemm.for_models(cpu_gemm, target, draft, invariant=self.batch_invariant,
+                                         traced=bool(compile))
         except ValueError as e:
             if batch_invariant is True or "row-invariant" not in str(e):
                 raise
@@ -277,7 +278,7 @@ class HeteroSpec:
             self.batch_invariant = False
             self.target = TargetAdapter(target, tap_layers=taps, capture_taps=draft is not None, compile=compile,
                                         batched=True)
-            self._gemm = gemm.for_models(cpu_gemm, target, draft)
+            self._gemm = gemm.for_models(cpu_gemm, target, draft, traced=bool(compile))
         self.cpu_gemm = self._gemm.describe()   # which row classes run packed: in every call's stats
         self._drafting = draft is not None and self.policy.drafts
         pol = self.policy

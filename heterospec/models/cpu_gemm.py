@@ -89,11 +89,13 @@ def paths_for(dtype):
                                  ("rows", dtype == torch.float32 and rows_available())) if ok)
 
 
-def wanted(setting, module):
+def wanted(setting, module, traced=False):
     """``cpu_gemm`` setting -> the packed paths ``module``'s layers may take (empty: torch's default only):
     'auto' every path that runs a CPU module's dtype here (:func:`paths_for`), for :func:`choose` to measure;
     True the fastest expected without measuring (``rows`` for float32 where built, else ``onednn``); 'onednn' or
-    'rows' that path.  True, 'onednn' and 'rows' insist (ValueError where it cannot run)."""
+    'rows' that path.  True, 'onednn' and 'rows' insist (ValueError where it cannot run).  ``traced``: the
+    forward runs under ``torch.compile`` (a backend other than inductor, which takes the default path), whose
+    tracer cannot see into heterospec._gemm: ``rows`` is left out there."""
     if not any(setting is v if isinstance(v, bool) else setting == v for v in SETTINGS):
         raise ValueError(f"HeteroSpec: argument 'cpu_gemm' expected 'auto', True, False, 'onednn' or 'rows', "
                          f"got {setting!r}")
@@ -102,12 +104,15 @@ def wanted(setting, module):
     p = next(module.parameters(), None)
     dtype = getattr(p, "dtype", None)
     runs = paths_for(dtype) if p is not None and p.device.type == "cpu" and dtype in PACKED_DTYPES else ()
+    if traced:
+        runs = tuple(r for r in runs if r != "rows")
     if setting == "auto":
         return runs
     want = ("rows" if "rows" in runs else "onednn") if setting is True else setting
     if want not in runs:
         what = {"rows": "a CPU model in float32 and heterospec's few-rows kernel built (heterospec._gemm"
-                        + ("" if rows_available() else ", absent from this install") + ")",
+                        + ("" if rows_available() else ", absent from this install") + ")"
+                        + (", and no torch.compile (its tracer cannot call the kernel)" if traced else ""),
                 "onednn": "this torch build's oneDNN packed linear" if not available() else
                           "a CPU model in float32, or in bfloat16 on a CPU that oneDNN runs bfloat16 on"}[want]
         raise ValueError(f"HeteroSpec: argument 'cpu_gemm' expected 'auto' or False here ({setting!r} needs {what}; "
@@ -124,7 +129,7 @@ def _pack_rows(w):
     g = _rows_module()
     w = w.detach().contiguous()
     n, k = w.shape
-    wp = torch.empty(g.packed_floats(n, k), dtype=torch.float32)
+    wp = torch.empty(g.packed_floats(n, k), dtype=torch.float32, device="cpu")   # (never the default device)
     g.pack(w.data_ptr(), k, wp.data_ptr(), n, k)
     return wp
 
@@ -155,7 +160,7 @@ def _rows_linear(n_out, packed, bias):
     def run(x2):
         x2 = x2.contiguous()
         m, k = x2.shape
-        y = empty(m, n_out, dtype=torch.float32)
+        y = empty(m, n_out, dtype=torch.float32, device="cpu")
         linear(x2.data_ptr(), k, wp_ptr, bias_ptr, y.data_ptr(), n_out, m, n_out, k, isa, 0)
         return y
     run.keep = (packed, bias)   # the buffers the addresses point into live as long as the route
@@ -440,54 +445,60 @@ def _valid_use(v, allowed):
     return isinstance(v, list) and len(v) == len(ROW_CLASSES) and all(p in allowed for p in v)
 
 
-def choose(modules, *, reps=5, cache=True, timer=None):
+def choose(modules, *, reps=5, cache=True, timer=None, exclude=()):
     """{shape_key: one of :data:`PATHS` per :data:`ROW_CLASSES`}: the fastest path for that shape at that row
     class on this machine among torch's default and every packed path that runs the shape's dtype here
     (:func:`paths_for`; ties keep the earlier of :data:`PATHS`), for every packable layer of ``modules``.
     Measured once per machine and shape (:func:`machine_key`), kept for the process and, with ``cache``, in
     ``$HETEROSPEC_CACHE/cpu_gemm_paths.json`` (an entry naming a path this install lacks is measured again).
-    ``timer(layers, rows, reps, paths)`` -> {path: seconds} replaces the measurement (tests)."""
+    ``timer(layers, rows, reps, paths)`` -> {path: seconds} replaces the measurement (tests).  ``exclude``: paths
+    not to consider (kept apart: a choice without them is stored under ``"<shape_key> without <path>"``)."""
     timer = timer or _time_group
     machine = machine_key()
     path = measure.cache_path(CHOICES_FILE)
     groups = {}
     for lin in _linears([m for m in modules if m is not None]):
         groups.setdefault(shape_key(lin), []).append(lin)
-    runs = {k: paths_for(g[0].weight.dtype) for k, g in groups.items()}
-    missing = [k for k in groups if (machine, k) not in _CHOICES]
+    runs, store = {}, {}   # shape_key -> the paths timed; -> the key its choice is kept under
+    for k, g in groups.items():
+        every = paths_for(g[0].weight.dtype)
+        runs[k] = tuple(p for p in every if p not in exclude)
+        store[k] = k + "".join(f" without {p}" for p in every if p in exclude)
+    missing = [k for k in groups if (machine, store[k]) not in _CHOICES]
     if missing and cache:
         stored = _load_choices(path).get(machine) or {}
         for k in missing:
-            v = stored.get(k)
+            v = stored.get(store[k])
             if _valid_use(v, ("default", *runs[k])):
-                _CHOICES[(machine, k)] = tuple(v)
+                _CHOICES[(machine, store[k])] = tuple(v)
     measured = {}
     with torch.no_grad():
         for k in groups:
-            if (machine, k) in _CHOICES:
+            if (machine, store[k]) in _CHOICES:
                 continue
             use = []
             for r in PROBE_ROWS:
                 t = timer(groups[k], r, reps, runs[k])
                 use.append(min(("default", *runs[k]), key=lambda p: (t[p], PATHS.index(p))))
-            _CHOICES[(machine, k)] = measured[k] = tuple(use)
+            _CHOICES[(machine, store[k])] = measured[store[k]] = tuple(use)
     if measured and cache:
         _save_choices(path, machine, measured)
-    return {k: _CHOICES[(machine, k)] for k in groups}
+    return {k: _CHOICES[(machine, store[k])] for k in groups}
 
 
-def for_models(setting, target, *others, invariant=False):
+def for_models(setting, target, *others, invariant=False, traced=False):
     """The routed layers of ``target`` and ``others`` (None skipped) for a ``cpu_gemm`` setting (:func:`wanted`
     decides from the target; 'auto' routes what :func:`choose` measured fastest, True, 'onednn' and 'rows' every
     layer and row class on one path), packed now: the one way the engine and the cost profile set it up.
     ``invariant``: the target's layers on one row-invariant path each (:class:`PackedLinears`), whatever the
-    setting."""
+    setting; ``traced``: under ``torch.compile`` (:func:`wanted`)."""
     modules = [target, *others]
-    paths = wanted(setting, target)
+    paths = wanted(setting, target, traced)
     if not paths and not invariant:
         return PackedLinears([])
     if paths and setting == "auto":
-        packed = PackedLinears(modules, choice=choose(modules), invariant=[target] if invariant else ())
+        packed = PackedLinears(modules, choice=choose(modules, exclude=("rows",) if traced else ()),
+                               invariant=[target] if invariant else ())
     else:
         packed = PackedLinears(modules, path=paths[0] if paths else None, invariant=[target] if invariant else ())
     packed.prepare()

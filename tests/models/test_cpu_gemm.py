@@ -148,7 +148,7 @@ class FakeTimer:
 
     def __call__(self, layers, rows, reps, paths):
         self.calls.append((cpu_gemm.shape_key(layers[0]), rows))
-        assert paths == cpu_gemm.paths_for(layers[0].weight.dtype)
+        assert set(paths) <= set(cpu_gemm.paths_for(layers[0].weight.dtype))
         return {p: 0.5 if self.fastest.get(rows) == p else 1.0 for p in ("default", *paths)}
 
 
@@ -215,6 +215,27 @@ def test_the_choice_is_kept_for_the_process_and_on_disk(fresh_choices):
         mp.setattr(cpu_gemm, "_rows_module", lambda: None)
         assert set(cpu_gemm.choose([model], timer=gone).values()) == {("default",) * 3}
     assert len(gone.calls) == 2 * len(cpu_gemm.PROBE_ROWS)
+
+
+@needs
+@needs_rows
+def test_under_torch_compile_rows_is_never_chosen_and_that_choice_is_kept_apart(fresh_choices):
+    """dynamo cannot trace a call into heterospec._gemm (a graph break per layer): a compiled forward's choice
+    leaves ``rows`` out, and is stored beside the full choice, not over it."""
+    import json
+
+    model = _two_shapes()
+    full = cpu_gemm.choose([model], timer=FakeTimer(EACH_CLASS))
+    timer = FakeTimer(EACH_CLASS)
+    traced = cpu_gemm.choose([model], timer=timer, exclude=("rows",))
+    assert traced == {k: ("default", "onednn", "default") for k in full} and full != traced
+    assert len(timer.calls) == 2 * len(cpu_gemm.PROBE_ROWS)
+    stored = json.loads((fresh_choices / cpu_gemm.CHOICES_FILE).read_text())[cpu_gemm.machine_key()]
+    assert stored["float32 96x64 without rows"] == ["default", "onednn", "default"]
+    assert stored["float32 96x64"] == ["rows", "onednn", "default"]
+    with pytest.raises(ValueError, match=r"'rows' needs .*and no torch.compile"):
+        cpu_gemm.wanted("rows", model, traced=True)
+    assert cpu_gemm.wanted(True, model, traced=True) == ("onednn",)
 
 
 @needs

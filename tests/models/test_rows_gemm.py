@@ -118,6 +118,12 @@ def test_an_empty_sum_is_the_bias():
 @needs
 def test_the_kernel_refuses_an_instruction_set_this_cpu_lacks():
     with pytest.raises(ValueError, match=r"linear: argument 'isa' expected 0 to \d on this CPU, got 7"):
-        G.linear(0, 1, 0, 0, 0, 1, 1, 1, 1, 7, 1)
+        G.linear(8, 1, 8, 0, 8, 1, 1, 1, 1, 7, 1)
     with pytest.raises(TypeError, match="linear: expected 11 integer arguments, got 2"):
         G.linear(1, 2)
+    with pytest.raises(ValueError, match="linear: argument 'x' expected the address of CPU memory, got 0"):
+        G.linear(0, 1, 8, 0, 8, 1, 1, 1, 1, 0, 1)
+    with pytest.raises(ValueError, match="linear: argument 'y' expected the address of CPU memory, got 0"):
+        G.linear(8, 1, 8, 0, 0, 1, 1, 1, 1, 0, 1)
+    with pytest.raises(ValueError, match="pack: argument 'wp' expected the address of CPU memory, got 0"):
+        G.pack(8, 1, 0, 1, 1)
