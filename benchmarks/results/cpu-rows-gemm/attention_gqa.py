@@ -1,10 +1,10 @@
 """One target forward (TargetAdapter.verify, float32, cpu_gemm 'rows') over n rows after a prompt of P tokens, with
 transformers' sdpa (key/value heads repeated per layer) against gqa_sdpa_attention (read in place), the two taking
-turns; median ms of 15.  python benchmarks/results/cpu-rows-gemm/attention_gqa.py"""
-import time
+turns; median ms of 15.  PYTHONPATH=. python benchmarks/results/cpu-rows-gemm/attention_gqa.py (from the repository root)"""
 
 import torch
 
+from benchmarks.profile_cycle import median_ms
 from heterospec.models import cpu_gemm
 from heterospec.models.default import default_target
 from heterospec.models.target import TargetAdapter, attention_window
@@ -13,17 +13,6 @@ torch.manual_seed(0)
 model, tok = default_target(dtype=torch.float32)
 rows = cpu_gemm.PackedLinears([model], path="rows")
 rows.prepare()
-
-
-def median_ms(fn, reps=15):
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return 1e3 * sorted(ts)[reps // 2]
 
 
 print("prompt  rows  window  repeated  in-place")
@@ -39,5 +28,5 @@ with torch.no_grad(), rows:
             res = []
             for gqa in (False, True):
                 tgt._gqa = gqa
-                res.append(median_ms(lambda: tgt.verify(toks, depths, mask, W)))
+                res.append(median_ms(lambda: tgt.verify(toks, depths, mask, W), reps=15))
             print(f"{P:6d}  {n:4d}  {W:6d}  {res[0]:8.2f}  {res[1]:8.2f}", flush=True)

@@ -1,11 +1,11 @@
 """One target forward (TargetAdapter.verify on the static cache after a 64-token prompt, window 192) over n rows,
 median ms of 15, on each CPU matrix path forced (torch's default, oneDNN packed, the few-rows kernel 'rows') and
 the measured choice (cpu_gemm 'auto'), the default target in float32; the paths take turns row count by row count.
-python benchmarks/results/cpu-rows-gemm/forward_rows.py"""
-import time
+PYTHONPATH=. python benchmarks/results/cpu-rows-gemm/forward_rows.py (from the repository root)"""
 
 import torch
 
+from benchmarks.profile_cycle import median_ms
 from heterospec.models import cpu_gemm
 from heterospec.models.default import default_target
 from heterospec.models.target import TargetAdapter
@@ -23,17 +23,6 @@ for p in paths.values():
 print("auto:", paths["auto"].describe())
 
 
-def median_ms(fn, reps=15):
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return 1e3 * sorted(ts)[reps // 2]
-
-
 print("rows  " + "  ".join(f"{k:>8}" for k in paths))
 with torch.no_grad():
     for n in (1, 2, 4, 6, 8, 12, 16, 24, 48):
@@ -42,5 +31,5 @@ with torch.no_grad():
         row = []
         for name, p in paths.items():
             with p:
-                row.append(median_ms(lambda: tgt.verify(toks, depths, mask, 192)))
+                row.append(median_ms(lambda: tgt.verify(toks, depths, mask, 192), reps=15))
         print(f"{n:4d}  " + "  ".join(f"{v:8.2f}" for v in row), flush=True)
