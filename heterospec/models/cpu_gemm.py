@@ -92,7 +92,8 @@ def paths_for(dtype):
 def wanted(setting, module, traced=False):
     """``cpu_gemm`` setting -> the packed paths ``module``'s layers may take (empty: torch's default only):
     'auto' every path that runs a CPU module's dtype here (:func:`paths_for`), for :func:`choose` to measure;
-    True the fastest expected without measuring (``rows`` for float32 where built, else ``onednn``); 'onednn' or
+    True the fastest expected without measuring (``rows`` for float32 where built with AVX2 or AVX-512, else
+    ``onednn``); 'onednn' or
     'rows' that path.  True, 'onednn' and 'rows' insist (ValueError where it cannot run).  ``traced``: the
     forward runs under ``torch.compile`` (a backend other than inductor, which takes the default path), whose
     tracer cannot see into heterospec._gemm: ``rows`` is left out there."""
@@ -108,7 +109,8 @@ def wanted(setting, module, traced=False):
         runs = tuple(r for r in runs if r != "rows")
     if setting == "auto":
         return runs
-    want = ("rows" if "rows" in runs else "onednn") if setting is True else setting
+    vector = "rows" in runs and _rows_module().isa_best() > 0   # the portable loop is ~8x slower than AVX2
+    want = ("rows" if vector or "onednn" not in runs and "rows" in runs else "onednn") if setting is True else setting
     if want not in runs:
         what = {"rows": "a CPU model in float32 and heterospec's few-rows kernel built (heterospec._gemm"
                         + ("" if rows_available() else ", absent from this install") + ")"

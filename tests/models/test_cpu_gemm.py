@@ -97,6 +97,17 @@ def test_cpu_gemm_argument_errors():
         assert cpu_gemm.wanted(True, model) == ("rows",) and cpu_gemm.wanted("rows", model) == ("rows",)
 
 
+@needs
+@needs_rows
+def test_true_takes_onednn_where_the_kernel_has_only_its_portable_loop(monkeypatch):
+    """A CPU without AVX2 (ARM) runs `rows` in its portable loop, ~8x slower than AVX2: True then means oneDNN;
+    'auto' still times `rows` there (and keeps it only where it wins), 'rows' still forces it."""
+    model = torch.nn.Linear(4, 4)
+    monkeypatch.setattr(cpu_gemm._rows_module(), "isa_best", lambda: 0)
+    assert cpu_gemm.wanted(True, model) == ("onednn",)
+    assert "rows" in cpu_gemm.wanted("auto", model) and cpu_gemm.wanted("rows", model) == ("rows",)
+
+
 def test_without_the_kernel_rows_is_refused_and_never_measured(monkeypatch):
     monkeypatch.setattr(cpu_gemm, "_rows_module", lambda: None)
     model = torch.nn.Linear(4, 4)
