@@ -109,8 +109,10 @@ def wanted(setting, module, traced=False):
         runs = tuple(r for r in runs if r != "rows")
     if setting == "auto":
         return runs
-    vector = "rows" in runs and _rows_module().isa_best() > 0   # the portable loop is ~8x slower than AVX2
-    want = ("rows" if vector or "onednn" not in runs and "rows" in runs else "onednn") if setting is True else setting
+    want = setting
+    if setting is True:   # rows, unless only its portable loop runs here (~8x slower than AVX2) and oneDNN does
+        portable = "rows" in runs and _rows_module().isa_best() == 0
+        want = "rows" if "rows" in runs and not (portable and "onednn" in runs) else "onednn"
     if want not in runs:
         what = {"rows": "a CPU model in float32 and heterospec's few-rows kernel built (heterospec._gemm"
                         + ("" if rows_available() else ", absent from this install") + ")"
@@ -332,7 +334,8 @@ class PackedLinears:
         """Pack every routed layer now (outside any timed region); returns the number of layers packed."""
         n = 0
         for lin in self._layers():
-            n += sum(1 for p in set(self._use(lin)) if self._weight(lin, p) is not None) > 0
+            weights = [self._weight(lin, p) for p in set(self._use(lin))]   # every path's copy made now
+            n += any(w is not None for w in weights)
         return n + sum(1 for lin in self._invariant if self._weight(lin, self._invariant_key(lin)[1]) is not None)
 
     def __enter__(self):

@@ -190,7 +190,7 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     CPU (verify, prefill): with a 4D mask and several query rows, transformers repeats every layer's keys and
     values to the query heads (``repeat_kv``, a copy of the attended cache per layer) before torch's attention;
     here torch reads the key/value heads in place (``enable_gqa``).  The output is the same, bit for bit
-    (tests/models/test_target.py holds it to transformers' own function); on a 2-core Xeon a layer's attention
+    (tests/models/test_target_attention.py holds it to transformers' own function); on a 2-core Xeon a layer's attention
     over 6 rows and 192 keys took 51 against 105 µs, over 12 rows and 448 keys 126 against 278.  Anything else
     (one query row, no mask, no key/value groups, a position bias, a paged cache) is transformers' function."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -364,14 +364,14 @@ class TargetAdapter:
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.invariant = bool(invariant)
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        _, kv_heads, head_dim = _kv_shape(model.config)
         if self.invariant:
             if self.device.type != "cpu" or self.dtype not in INVARIANT_DTYPES:
                 raise ValueError(f"target: row-invariant verification expected a CPU model in one of "
                                  f"{[str(d).replace('torch.', '') for d in INVARIANT_DTYPES]}, got {self.device} "
                                  f"{str(self.dtype).replace('torch.', '')}")
-            c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-            _, kv_heads, head_dim = _kv_shape(model.config)
-            if not check_invariant_attention(self.dtype, c.num_attention_heads, kv_heads, head_dim):
+            if not check_invariant_attention(self.dtype, text.num_attention_heads, kv_heads, head_dim):
                 raise ValueError("target: row-invariant verification: this machine's attention kernel gives a "
                                  "row of a batched call another result than the row alone; use float32 or "
                                  "batch_invariant=False")
@@ -389,9 +389,8 @@ class TargetAdapter:
         self._call = model if not compile else _Regional(model, compile, self._cache_kw)
         # our eager CPU forwards attend through gqa_sdpa_attention where the model runs transformers' sdpa with
         # key/value groups (a compiled forward keeps what it was traced with; a GPU keeps its recorded kernels)
-        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self._gqa = (self.device.type == "cpu" and getattr(model.config, "_attn_implementation", None) == "sdpa"
-                     and _kv_shape(model.config)[1] < text.num_attention_heads)
+                     and kv_heads < text.num_attention_heads)
         if self.invariant or self._gqa:
             _register_attention()
         self.compiled = bool(compile)   # a compiled verify forward: the whole cache attended, so no new widths
