@@ -7,11 +7,13 @@
  * a second pool competing for the same cores.
  *
  * Private: the functions take addresses as integers, for the ~200 calls of one forward; the checks of shape,
- * dtype, contiguity and device are the Python wrapper's (heterospec.models.cpu_gemm.RowsWeight).
+ * dtype, contiguity and device are the Python wrappers' (heterospec.models.cpu_gemm, .cpu_decoder).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdlib.h>
 
+#include "decoder.h"
 #include "rows.h"
 
 static int ints(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *fn, long long *out) {
@@ -37,6 +39,15 @@ static int addresses(const long long *a, const char *const *names, Py_ssize_t n,
     return 0;
 }
 
+static int isa_ok(long long isa, const char *fn) {
+    if (isa < HSG_ISA_PORTABLE || isa > hsg_isa_best()) {
+        PyErr_Format(PyExc_ValueError, "%s: argument 'isa' expected 0 to %d on this CPU, got %lld", fn, hsg_isa_best(),
+                     isa);
+        return -1;
+    }
+    return 0;
+}
+
 /* pack(w, ldw, wp, n, k): the packed copy of an n x k float32 weight at address w into wp. */
 static PyObject *py_pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -56,15 +67,129 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
     /* what a call reads: y for any output; x and wp only with a sum to take */
     static const char *const all[11] = {"x", NULL, "wp", NULL, "y"}, *const out_only[11] = {NULL, NULL, NULL, NULL, "y"};
     if (a[6] > 0 && a[7] > 0 && addresses(a, a[8] > 0 ? all : out_only, 11, "linear") < 0) return NULL;
-    if (a[9] < HSG_ISA_PORTABLE || a[9] > hsg_isa_best()) {
-        PyErr_Format(PyExc_ValueError, "linear: argument 'isa' expected 0 to %d on this CPU, got %lld", hsg_isa_best(),
-                     a[9]);
-        return NULL;
-    }
+    if (isa_ok(a[9], "linear") < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS hsg_linear((const float *)(uintptr_t)a[0], a[1], (const float *)(uintptr_t)a[2],
                                       (const float *)(uintptr_t)a[3], (float *)(uintptr_t)a[4], a[5], a[6], a[7],
                                       a[8], (int)a[9], (int)a[10]);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
+/* decoder_forward(model, eps, scale, cache, h, n, cos, sin, req, slot, allowed, W, tap_layers, taps, out_rows,
+ * keep, logits, isa, threads): decoder.h's hsd_forward.  model: (layers, hidden, heads, kv_heads, head_dim,
+ * inter, vocab, table, final_norm, head, head_b); cache: (kv, batch, capacity, s_batch, s_kv, s_layer, s_head);
+ * tap_layers, taps: 3 each (a tap address 0: not captured); out_rows 0: the last keep rows. */
+static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
+    (void)self;
+    long long md[11], cc[7], h, n, cs, sn, req, slot, allowed, W, tl[3], tp[3], out_rows, keep, logits;
+    float eps, scale;
+    int isa, threads;
+    if (!PyArg_ParseTuple(args, "(LLLLLLLLLLL)ff(LLLLLLL)LLLLLLLL(LLL)(LLL)LLLii", &md[0], &md[1], &md[2], &md[3],
+                          &md[4], &md[5], &md[6], &md[7], &md[8], &md[9], &md[10], &eps, &scale, &cc[0], &cc[1], &cc[2],
+                          &cc[3], &cc[4], &cc[5], &cc[6], &h, &n, &cs, &sn, &req, &slot, &allowed, &W, &tl[0], &tl[1],
+                          &tl[2], &tp[0], &tp[1], &tp[2], &out_rows, &keep, &logits, &isa, &threads))
+        return NULL;
+    if (isa_ok(isa, "decoder_forward") < 0) return NULL;
+    if (md[0] < 0 || md[1] <= 0 || md[2] <= 0 || md[3] <= 0 || md[2] % md[3] || md[4] <= 0 || md[4] % 2 || md[5] <= 0
+        || md[6] <= 0) {
+        PyErr_SetString(PyExc_ValueError, "decoder_forward: argument 'model' expected positive sizes (heads a multiple "
+                                          "of kv_heads, an even head_dim)");
+        return NULL;
+    }
+    if (n <= 0) Py_RETURN_NONE;
+    const long long ptrs[] = {md[7], md[8], md[9], cc[0], h, cs, sn, req, slot, allowed, keep > 0 ? logits : 1};
+    static const char *const names[] = {"table", "final_norm", "head", "kv", "h", "cos", "sin", "req", "slot",
+                                        "allowed", "logits"};
+    if (addresses(ptrs, names, 11, "decoder_forward") < 0) return NULL;
+    const int64_t *table = (const int64_t *)(uintptr_t)md[7];
+    static const int need[] = {HSD_LN1, HSD_LN2, HSD_QKV, HSD_O, HSD_GU, HSD_DOWN};
+    for (long long L = 0; L < md[0]; L++)
+        for (size_t i = 0; i < sizeof need / sizeof *need; i++)
+            if (table[L * HSD_FIELDS + need[i]] == 0) {
+                PyErr_Format(PyExc_ValueError, "decoder_forward: argument 'model' expected the address of every "
+                             "layer's weights, got 0 for layer %lld field %d", L, need[i]);
+                return NULL;
+            }
+    hsd_model m = {md[0], md[1], md[2], md[3], md[4], md[5], md[6], eps, scale, table,
+                   (const float *)(uintptr_t)md[8], (const float *)(uintptr_t)md[9], (const float *)(uintptr_t)md[10]};
+    hsd_cache c = {(float *)(uintptr_t)cc[0], cc[1], cc[2], cc[3], cc[4], cc[5], cc[6]};
+    int64_t taps_at[3] = {tl[0], tl[1], tl[2]};
+    float *taps[3] = {(float *)(uintptr_t)tp[0], (float *)(uintptr_t)tp[1], (float *)(uintptr_t)tp[2]};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = hsd_forward(&m, &c, (float *)(uintptr_t)h, n, (const float *)(uintptr_t)cs,
+                                            (const float *)(uintptr_t)sn, (const int64_t *)(uintptr_t)req,
+                                            (const int64_t *)(uintptr_t)slot, (const uint8_t *)(uintptr_t)allowed, W,
+                                            taps_at, taps, (const int64_t *)(uintptr_t)out_rows, keep,
+                                            (float *)(uintptr_t)logits, isa, threads);
+    Py_END_ALLOW_THREADS if (rc == -1) {
+        PyErr_Format(PyExc_ValueError, "decoder_forward: arguments 'req', 'slot', 'out_rows', 'W' and 'keep' expected "
+                     "cache rows in [0, %lld), columns in [0, %lld), rows in [0, %lld), W <= %lld and keep <= %lld; "
+                     "got one out of range", cc[1], cc[2], n, cc[2], n);
+        return NULL;
+    }
+    if (rc == -2) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* dot(a, b, d, isa) -> float; exp(x, n, isa) in place; rmsnorm(x, w, y, d, eps, isa); attend(q, k, v, stride,
+ * allowed, W, scale, out, d, isa): decoder.h's pieces, for the tests. */
+static PyObject *py_dot(PyObject *self, PyObject *args) {
+    (void)self;
+    long long a, b, d;
+    int isa;
+    if (!PyArg_ParseTuple(args, "LLLi", &a, &b, &d, &isa) || isa_ok(isa, "dot") < 0) return NULL;
+    const long long p[] = {a, b};
+    static const char *const names[] = {"a", "b"};
+    if (d > 0 && addresses(p, names, 2, "dot") < 0) return NULL;
+    return PyFloat_FromDouble(hsd_dot((const float *)(uintptr_t)a, (const float *)(uintptr_t)b, d, isa));
+}
+
+static PyObject *py_exp(PyObject *self, PyObject *args) {
+    (void)self;
+    long long x, n;
+    int isa;
+    if (!PyArg_ParseTuple(args, "LLi", &x, &n, &isa) || isa_ok(isa, "exp") < 0) return NULL;
+    static const char *const names[] = {"x"};
+    if (n > 0 && addresses(&x, names, 1, "exp") < 0) return NULL;
+    hsd_exp((float *)(uintptr_t)x, n, isa);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
+    (void)self;
+    long long x, w, y, d;
+    float eps;
+    int isa;
+    if (!PyArg_ParseTuple(args, "LLLLfi", &x, &w, &y, &d, &eps, &isa) || isa_ok(isa, "rmsnorm") < 0) return NULL;
+    const long long p[] = {x, w, y};
+    static const char *const names[] = {"x", "w", "y"};
+    if (d > 0 && addresses(p, names, 3, "rmsnorm") < 0) return NULL;
+    hsd_rmsnorm((const float *)(uintptr_t)x, (const float *)(uintptr_t)w, (float *)(uintptr_t)y, d, eps, isa);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_attend(PyObject *self, PyObject *args) {
+    (void)self;
+    long long q, k, v, stride, allowed, W, out, d;
+    float scale;
+    int isa;
+    if (!PyArg_ParseTuple(args, "LLLLLLfLLi", &q, &k, &v, &stride, &allowed, &W, &scale, &out, &d, &isa)
+        || isa_ok(isa, "attend") < 0)
+        return NULL;
+    const long long p[] = {q, k, v, allowed, out};
+    static const char *const names[] = {"q", "k", "v", "allowed", "out"};
+    if (W > 0 && d > 0 && addresses(p, names, 5, "attend") < 0) return NULL;
+    float *scores = malloc((size_t)(W > 0 ? W : 1) * sizeof(float));
+    int64_t *cols = malloc((size_t)(W > 0 ? W : 1) * sizeof(int64_t));
+    if (!scores || !cols) {
+        free(scores);
+        free(cols);
+        return PyErr_NoMemory();
+    }
+    hsd_attend((const float *)(uintptr_t)q, (const float *)(uintptr_t)k, (const float *)(uintptr_t)v, stride,
+               (const uint8_t *)(uintptr_t)allowed, W, scale, (float *)(uintptr_t)out, d, scores, cols, isa);
+    free(scores);
+    free(cols);
+    Py_RETURN_NONE;
 }
 
 static PyObject *py_packed_floats(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -101,6 +226,12 @@ static PyObject *py_openmp(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"pack", FAST(py_pack), "pack(w, ldw, wp, n, k)"},
     {"linear", FAST(py_linear), "linear(x, ldx, wp, bias, y, ldy, m, n, k, isa, threads)"},
+    {"decoder_forward", py_decoder_forward, METH_VARARGS, "decoder_forward(model, eps, scale, cache, h, n, cos, sin, "
+     "req, slot, allowed, W, tap_layers, taps, out_rows, keep, logits, isa, threads)"},
+    {"dot", py_dot, METH_VARARGS, "dot(a, b, d, isa) -> the 16-lane dot product of decoder.h"},
+    {"exp", py_exp, METH_VARARGS, "exp(x, n, isa): decoder.h's exp, in place"},
+    {"rmsnorm", py_rmsnorm, METH_VARARGS, "rmsnorm(x, w, y, d, eps, isa)"},
+    {"attend", py_attend, METH_VARARGS, "attend(q, k, v, stride, allowed, W, scale, out, d, isa)"},
     {"packed_floats", FAST(py_packed_floats), "packed_floats(n, k) -> floats of the packed copy"},
     {"isa_best", py_isa_best, METH_NOARGS, "isa_best() -> 0 portable, 1 AVX2, 2 AVX-512"},
     {"threads", py_threads, METH_NOARGS, "threads() -> the OpenMP threads a call uses by default"},

@@ -29,6 +29,7 @@ import torch
 from .. import ops
 from ..growth import candidate_count
 from ..measure import PhaseClock
+from ..models import cpu_decoder as decoder_mod
 from ..models import cpu_gemm as gemm
 from ..models.target import TargetAdapter, _decoder_layers, attention_window
 from ..policy import Policy
@@ -210,10 +211,20 @@ class HeteroSpec:
     row's.
     'auto' (default): on for a bfloat16 target on the CPU when both properties hold on this machine (checked
     when the engine is made; off with a warning where they do not); True insists (ValueError where it cannot);
-    False: off.  In float32 it is never needed for the greedy output to match (and is not offered)."""
+    False: off.  In float32 it is never needed for the greedy output to match (and is not offered).
+
+    ``cpu_decoder``: run the target's forwards (prefill and verify) through heterospec's own float32 decoder on
+    the CPU (:mod:`heterospec.models.cpu_decoder`: every layer in one call of C, the linear layers on the few-rows
+    kernel, on this engine's cache) instead of transformers' modules, whose ~1,400 small operations per forward
+    cost the default pair about as much as its matrix products.  'auto' (default): on for a float32 CPU target of
+    the Llama, Mistral, Qwen2 or Qwen3 family, not compiled, where the kernel has AVX2 or AVX-512 tiles; True
+    insists (ValueError naming why not); False: transformers' forward.  The logits agree with transformers' to
+    ~1e-5; every tree node's logits are bit for bit a one-row step's of the same engine, so speculative output
+    equals this engine's autoregressive output by construction.  ``self.cpu_decoder`` and every call's stats say
+    which; ``cpu_gemm`` then routes the draft's layers only."""
 
     def __init__(self, target, draft=None, policy=None, *, max_length=None, buckets="auto", cuda_graphs="auto",
-                 compile=False, cpu_gemm="auto", batch_invariant="auto"):
+                 compile=False, cpu_gemm="auto", batch_invariant="auto", cpu_decoder="auto"):
         self.draft = draft
         self.policy = policy if policy is not None else (Policy.static() if draft is not None else
                                                          Policy.autoregressive())
@@ -263,12 +274,15 @@ class HeteroSpec:
                                  f"(inductor compiles the linear layers itself), got {cpu_gemm!r}")
             cpu_gemm = False
         self.batch_invariant = _check_invariant(batch_invariant, p)
+        self._decoder = decoder_mod.for_target(cpu_decoder, target, compile=bool(compile))
+        self.cpu_decoder = "off" if self._decoder is None else self._decoder.describe()
+        dec = self._decoder
         try:
             self.target = TargetAdapter(target, tap_layers=taps, capture_taps=draft is not None, compile=compile,
-                                        invariant=self.batch_invariant, batched=True)
+                                        invariant=self.batch_invariant, batched=True, decoder=dec)
             # packed once here (outside any timed call), routed only inside generate
             self._gemm = gemm.for_models(cpu_gemm, target, draft, invariant=self.batch_invariant,
-                                         traced=bool(compile))
+                                         traced=bool(compile), route_target=dec is None)
         except ValueError as e:
             if batch_invariant is True or "row-invariant" not in str(e):
                 raise
@@ -277,8 +291,8 @@ class HeteroSpec:
             warnings.warn(f"HeteroSpec: batch_invariant='auto' is off here: {e}", stacklevel=2)
             self.batch_invariant = False
             self.target = TargetAdapter(target, tap_layers=taps, capture_taps=draft is not None, compile=compile,
-                                        batched=True)
-            self._gemm = gemm.for_models(cpu_gemm, target, draft, traced=bool(compile))
+                                        batched=True, decoder=dec)
+            self._gemm = gemm.for_models(cpu_gemm, target, draft, traced=bool(compile), route_target=dec is None)
         self.cpu_gemm = self._gemm.describe()   # which row classes run packed: in every call's stats
         self._drafting = draft is not None and self.policy.drafts
         pol = self.policy
@@ -301,7 +315,7 @@ class HeteroSpec:
         its own (its own static caches, closed with the cycle)."""
         tgt = self.target if batch == 1 else TargetAdapter(
             self.target.model, tap_layers=self.target.tap_layers, capture_taps=self._drafting, batch=batch,
-            invariant=self.target.invariant)
+            invariant=self.target.invariant, decoder=self._decoder)
         dr = (DraftState(self.draft, self.policy.top_k, self._levels, self._d2t, batch) if self._drafting
               else NoDraft(self.device, batch))
         return Cycle(tgt, dr, self.policy, self.buckets, self.device, emulate=self.cuda_graphs == "emulate",
@@ -342,7 +356,7 @@ class HeteroSpec:
     def _new_stats(self, graphs):
         """A call's GenerationStats, saying how it runs: recorded steps or not, the CPU matrix path."""
         return GenerationStats(graphs=self.cuda_graphs if isinstance(self.cuda_graphs, str) else
-                               ("cuda" if graphs else "off"), cpu_gemm=self.cpu_gemm)
+                               ("cuda" if graphs else "off"), cpu_gemm=self.cpu_gemm, cpu_decoder=self.cpu_decoder)
 
     @_exclusive
     @torch.no_grad()

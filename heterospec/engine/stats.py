@@ -28,6 +28,7 @@ class GenerationStats:
     total_s: float = 0.0
     graphs: str = "off"        # "off" (eager engine), "cuda" (CUDA graphs) or "emulate"
     cpu_gemm: str = "off"      # the CPU matrix path of the linear layers (HeteroSpec.cpu_gemm: measured per machine)
+    cpu_decoder: str = "off"   # the target's forward through heterospec's CPU decoder (HeteroSpec.cpu_decoder)
     capture_s: float = 0.0     # warm-up and capture of the recorded steps in this call (not in total_s)
     captured_steps: int = 0    # recorded steps available (one per step key)
     predicted: bool = False    # the times are a cost model's prediction (a trace's replay), not measured

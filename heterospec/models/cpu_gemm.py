@@ -129,7 +129,8 @@ def wanted(setting, module, traced=False):
 _CACHE = {"onednn": weakref.WeakKeyDictionary(), "rows": weakref.WeakKeyDictionary()}
 
 
-def _pack_rows(w):
+def pack_rows(w):
+    """The few-rows kernel's packed copy of a float32 weight [N, K] (rows.h's panels), a new CPU tensor."""
     g = _rows_module()
     w = w.detach().contiguous()
     n, k = w.shape
@@ -146,7 +147,7 @@ def _packed(lin, rows, path="onednn"):
     if hit is None or hit[0] != key:
         with torch.no_grad():
             hit = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows) if path == "onednn"
-                   else _pack_rows(w))
+                   else pack_rows(w))
         cache[lin] = hit
     return hit[1]
 
@@ -491,13 +492,16 @@ def choose(modules, *, reps=5, cache=True, timer=None, exclude=()):
     return {k: _CHOICES[(machine, store[k])] for k in groups}
 
 
-def for_models(setting, target, *others, invariant=False, traced=False):
+def for_models(setting, target, *others, invariant=False, traced=False, route_target=True):
     """The routed layers of ``target`` and ``others`` (None skipped) for a ``cpu_gemm`` setting (:func:`wanted`
     decides from the target; 'auto' routes what :func:`choose` measured fastest, True, 'onednn' and 'rows' every
     layer and row class on one path), packed now: the one way the engine and the cost profile set it up.
     ``invariant``: the target's layers on one row-invariant path each (:class:`PackedLinears`), whatever the
-    setting; ``traced``: under ``torch.compile`` (:func:`wanted`)."""
-    modules = [target, *others]
+    setting; ``traced``: under ``torch.compile`` (:func:`wanted`); ``route_target``: False where the target's
+    forward is not transformers' (``cpu_decoder``), which leaves its layers alone: only ``others`` are routed."""
+    modules = [target, *others] if route_target else [m for m in others if m is not None]
+    if not modules:
+        return PackedLinears([])
     paths = wanted(setting, target, traced)
     if not paths and not invariant:
         return PackedLinears([])

@@ -318,6 +318,14 @@ class _Regional:
                 layer._compiled_call_impl = fn
 
 
+class _Logits:
+    """What a forward of :class:`~heterospec.models.cpu_decoder.CpuDecoder` returns in place of transformers'
+    output: the logits."""
+
+    def __init__(self, logits):
+        self.logits = logits
+
+
 class TargetAdapter:
     """Drives a HuggingFace causal LM as the speculative-decoding target on a static cache of ``batch`` rows.
 
@@ -335,10 +343,14 @@ class TargetAdapter:
     runs :func:`exact_keys_attention` (each row its exact keys, no mask), a batch's prompts are prefilled one
     by one, and the linear layers must be row-invariant too (the engine routes them so:
     :mod:`heterospec.models.cpu_gemm`).  Checked on this machine when the adapter is made (ValueError where
-    the attention kernel is not)."""
+    the attention kernel is not).
+
+    ``decoder``: a :class:`~heterospec.models.cpu_decoder.CpuDecoder` of ``model`` that runs every forward of the
+    adapter (prefill and verify) in place of transformers' modules, on the same cache (the engine's
+    ``cpu_decoder``)."""
 
     def __init__(self, model, tap_layers=None, capture_taps=True, compile=None, batch=1, invariant=False,
-                 batched=False):
+                 batched=False, decoder=None):
         impl = getattr(model.config, "_attn_implementation", None)
         if impl not in TREE_MASK_ATTN:
             raise ValueError(
@@ -394,6 +406,10 @@ class TargetAdapter:
         if self.invariant or self._gqa:
             _register_attention()
         self.compiled = bool(compile)   # a compiled verify forward: the whole cache attended, so no new widths
+        if decoder is not None and (compile or self.invariant or decoder.model is not model):
+            raise ValueError("target: argument 'decoder' expected the model's own CpuDecoder, without compile or "
+                             "row-invariant verification")
+        self.decoder = decoder
 
     def _make_hook(self, i):
         def hook(module, args, kwargs):
@@ -465,6 +481,13 @@ class TargetAdapter:
         compiled forward (default: the model); ``cache``: the StaticKV written (default: the whole cache);
         ``exact``: attend with :func:`exact_keys_attention` (row-invariant verification)."""
         cache = self.cache if cache is None else cache
+        if self.decoder is not None and call in (None, self.model) and cache is self.cache and not exact \
+                and set(kw) <= {"logits_to_keep"}:
+            logits, taps = self.decoder.forward(ids, positions, slots, allowed, self.kv, keep=kw.get("logits_to_keep"),
+                                                taps=self.tap_layers if self._hooks else None)
+            for i, t in zip(self.tap_layers, taps or ()):
+                self._captured[i] = t
+            return _Logits(logits)
         cache.slots = slots
         W = allowed.shape[-1]
         cache.window = W if W < self.capacity else None

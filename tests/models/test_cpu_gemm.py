@@ -123,7 +123,8 @@ def test_greedy_decoding_with_packed_gemm_equals_the_targets_generate(arch, path
     draft = eagle3_head(model, tmp_path / "draft")
     refs = [(p, reference_greedy(model, p)) for p in prompts(6)]
     for pol, d in ((Policy.autoregressive(), None), (Policy.static(3, 3, 10), draft), (Policy.static(2, 1, 4), draft)):
-        with HeteroSpec(model, d, pol, cpu_gemm=path) as hs:      # one engine (one packing) for every prompt
+        # one engine (one packing) for every prompt; transformers' forward, whose layers cpu_gemm routes
+        with HeteroSpec(model, d, pol, cpu_gemm=path, cpu_decoder=False) as hs:
             for p, ref in refs:
                 out, _ = hs.generate(p, max_new_tokens=ref.shape[1] - p.shape[1])
                 assert out.tolist() == ref.tolist()
@@ -134,7 +135,7 @@ def test_greedy_decoding_with_packed_gemm_equals_the_targets_generate(arch, path
 def test_heterospec_refuses_cpu_gemm_true_where_it_cannot_run():
     model = tiny_target("llama").to(torch.float16)
     with pytest.raises(ValueError, match="argument 'cpu_gemm'"):
-        HeteroSpec(model, cpu_gemm=True)
+        HeteroSpec(model, cpu_gemm=True, cpu_decoder=False)
 
 
 def test_auto_packs_bfloat16_only_where_onednn_runs_it(monkeypatch):
@@ -312,12 +313,12 @@ def test_the_engine_reports_its_matrix_path(fresh_choices, monkeypatch):
     model = tiny_target("llama")
     p = prompts(1)[0]
     monkeypatch.setattr(cpu_gemm, "_time_group", FakeTimer({8: "onednn", 48: "onednn"}))
-    with HeteroSpec(model, cpu_gemm="auto") as hs:
+    with HeteroSpec(model, cpu_gemm="auto", cpu_decoder=False) as hs:
         _, st = hs.generate(p, max_new_tokens=4)
     shapes = len({cpu_gemm.shape_key(m) for m in model.modules() if isinstance(m, torch.nn.Linear)})
     assert st.cpu_gemm == hs.cpu_gemm == (f"matrix paths: 1 row default {shapes}/{shapes} shapes; 2-16 onednn "
                                           f"{shapes}/{shapes}; 17+ onednn {shapes}/{shapes} (measured)")
-    with HeteroSpec(model, cpu_gemm="onednn") as hs:
+    with HeteroSpec(model, cpu_gemm="onednn", cpu_decoder=False) as hs:
         assert hs.generate(p, max_new_tokens=2)[1].cpu_gemm.endswith("(forced)")
-    with HeteroSpec(model, cpu_gemm=False) as hs:
+    with HeteroSpec(model, cpu_gemm=False, cpu_decoder=False) as hs:
         assert hs.generate(p, max_new_tokens=2)[1].cpu_gemm == "off"

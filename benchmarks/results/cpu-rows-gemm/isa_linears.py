@@ -8,7 +8,7 @@ G=cpu_gemm._rows_module()
 torch.manual_seed(0)
 shapes=[(576,576),(192,576),(192,576),(576,576),(1536,576),(1536,576),(576,1536)]
 Ws=[[torch.randn(n,k) for n,k in shapes] for _ in range(30)]+[[torch.randn(49152,576)]]
-P=[[cpu_gemm._pack_rows(W) for W in L] for L in Ws]
+P=[[cpu_gemm.pack_rows(W) for W in L] for L in Ws]
 def step(M,isa):
     xs={576:torch.randn(M,576),1536:torch.randn(M,1536)}
     for L,PL in zip(Ws,P):

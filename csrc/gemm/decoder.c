@@ -1,0 +1,280 @@
+/*
+ * decoder.c -- the Llama-family decoder forward in float32 on the CPU (decoder.h says what and why).
+ *
+ * The matrix products are rows.h's kernel; the rest are short loops.  Only the dot product (a reduction) is
+ * written with intrinsics, so that its order is the one decoder.h fixes on every instruction set; every other
+ * loop is elementwise plain C, compiled once per instruction set (target attributes) and vectorised by the
+ * compiler, which cannot change an elementwise result (-std=c11: no contraction, no reassociation).
+ */
+#include "decoder.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "rows.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* ---- the dot product: 16 lanes of in-order fused multiply-adds, then a fixed tree --------------------------- */
+
+static float reduce16(const float *acc) {
+    float t[8];
+    for (int l = 0; l < 8; l++) t[l] = acc[l] + acc[l + 8];
+    for (int l = 0; l < 4; l++) t[l] = t[l] + t[l + 4];
+    for (int l = 0; l < 2; l++) t[l] = t[l] + t[l + 2];
+    return t[0] + t[1];
+}
+
+static float dot_portable(const float *a, const float *b, int64_t d) {
+    float acc[16] = {0};
+    int64_t c = 0;
+    for (; c + 16 <= d; c += 16)
+        for (int l = 0; l < 16; l++) acc[l] = fmaf(a[c + l], b[c + l], acc[l]);
+    for (int l = 0; c + l < d; l++) acc[l] = fmaf(a[c + l], b[c + l], acc[l]);
+    return reduce16(acc);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HSD_X86 1
+#define T512 __attribute__((target("avx512f")))
+#define T256 __attribute__((target("avx2,fma")))
+
+static T512 float dot512(const float *a, const float *b, int64_t d) {
+    __m512 acc = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 16 <= d; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + c), _mm512_loadu_ps(b + c), acc);
+    if (c < d) { /* the lanes past d keep their sums (mask3: c where the mask is off) */
+        __mmask16 m = (__mmask16)((1u << (d - c)) - 1u);
+        acc = _mm512_mask3_fmadd_ps(_mm512_maskz_loadu_ps(m, a + c), _mm512_maskz_loadu_ps(m, b + c), acc, m);
+    }
+    __m256 lo = _mm512_castps512_ps256(acc), hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));
+    __m256 t8 = _mm256_add_ps(lo, hi);                                              /* l + (l+8) */
+    __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1)); /* + (l+4) */
+    __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));                               /* + (l+2) */
+    return _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1)));                 /* + (l+1) */
+}
+
+static T256 __m256 lanes_below(int64_t rem) {
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(rem < 8 ? (rem < 0 ? 0 : rem) : 8)), idx));
+}
+
+static T256 float dot256(const float *a, const float *b, int64_t d) {
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();   /* lanes 0-7 and 8-15 */
+    int64_t c = 0;
+    for (; c + 16 <= d; c += 16) {
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), lo);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + c + 8), _mm256_loadu_ps(b + c + 8), hi);
+    }
+    if (c < d) {
+        int64_t rem = d - c;
+        __m256 m0 = lanes_below(rem), m1 = lanes_below(rem - 8);
+        __m256i i0 = _mm256_castps_si256(m0), i1 = _mm256_castps_si256(m1);
+        __m256 f0 = _mm256_fmadd_ps(_mm256_maskload_ps(a + c, i0), _mm256_maskload_ps(b + c, i0), lo);
+        lo = _mm256_blendv_ps(lo, f0, m0);
+        if (rem > 8) {
+            __m256 f1 = _mm256_fmadd_ps(_mm256_maskload_ps(a + c + 8, i1), _mm256_maskload_ps(b + c + 8, i1), hi);
+            hi = _mm256_blendv_ps(hi, f1, m1);
+        }
+    }
+    __m256 t8 = _mm256_add_ps(lo, hi);
+    __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+    __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+    return _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1)));
+}
+#endif
+
+float hsd_dot(const float *a, const float *b, int64_t d, int isa) {
+#ifdef HSD_X86
+    if (isa == HSG_ISA_AVX512) return dot512(a, b, d);
+    if (isa == HSG_ISA_AVX2) return dot256(a, b, d);
+#endif
+    (void)isa;
+    return dot_portable(a, b, d);
+}
+
+/* ---- elementwise loops, one copy per instruction set ------------------------------------------------------ */
+
+/* exp(x) for float32: x clamped to [-87, 88] (below -87: 0; NaN stays NaN), k = round(x / ln 2), r = x - k ln 2
+ * in two steps, Cephes' degree-6 polynomial, times 2^k built in the exponent bits.  About 1 ulp from exp. */
+#define HSD_EXP_BODY(v, n)                                                                                        \
+    for (int64_t i = 0; i < (n); i++) {                                                                          \
+        float x = (v)[i];                                                                                        \
+        float xc = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;                                                 \
+        xc = xc == xc ? xc : 0.0f;                                                                               \
+        float t = xc * 1.44269504088896341f;                                                                     \
+        float k = (t + 12582912.0f) - 12582912.0f; /* round to nearest, |t| < 2^22 */                           \
+        float r = fmaf(k, -0.693359375f, xc);                                                                    \
+        r = fmaf(k, 2.12194440e-4f, r);                                                                          \
+        float p = 1.9875691500e-4f;                                                                              \
+        p = fmaf(p, r, 1.3981999507e-3f);                                                                        \
+        p = fmaf(p, r, 8.3334519073e-3f);                                                                        \
+        p = fmaf(p, r, 4.1665795894e-2f);                                                                        \
+        p = fmaf(p, r, 1.6666665459e-1f);                                                                        \
+        p = fmaf(p, r, 5.0000001201e-1f);                                                                        \
+        float y = fmaf(p, r * r, r) + 1.0f;                                                                      \
+        int32_t e = ((int32_t)k + 127) * 8388608; /* << 23 */                                                    \
+        float s;                                                                                                 \
+        memcpy(&s, &e, sizeof s);                                                                                \
+        y = y * s;                                                                                               \
+        (v)[i] = x < -87.0f ? 0.0f : x == x ? y : x;                                                            \
+    }
+
+#define HSD_ELEMENTWISE(ATTR, SFX)                                                                                \
+    ATTR static void exp_##SFX(float *v, int64_t n) { HSD_EXP_BODY(v, n) }                                      \
+    ATTR static void axpy_##SFX(float *o, float p, const float *v, int64_t d) {                                  \
+        for (int64_t e = 0; e < d; e++) o[e] = fmaf(p, v[e], o[e]);                                              \
+    }                                                                                                            \
+    /* act = silu(g) * u = g / (1 + exp(-g)) * u */                                                              \
+    ATTR static void silu_mul_##SFX(const float *g, const float *u, float *act, int64_t n) {                     \
+        for (int64_t i = 0; i < n; i++) act[i] = -g[i];                                                          \
+        HSD_EXP_BODY(act, n)                                                                                     \
+        for (int64_t i = 0; i < n; i++) act[i] = g[i] / (1.0f + act[i]) * u[i];                                  \
+    }                                                                                                            \
+    ATTR static void scale_rows_##SFX(const float *x, const float *w, float r, float *y, int64_t d) {           \
+        for (int64_t i = 0; i < d; i++) y[i] = w[i] * (x[i] * r);                                                \
+    }
+
+HSD_ELEMENTWISE(, portable)
+#ifdef HSD_X86
+HSD_ELEMENTWISE(T256, avx2)
+HSD_ELEMENTWISE(T512, avx512)
+#define DISPATCH(name, isa, ...)                                                                                 \
+    ((isa) == HSG_ISA_AVX512 ? name##_avx512(__VA_ARGS__)                                                        \
+                             : (isa) == HSG_ISA_AVX2 ? name##_avx2(__VA_ARGS__) : name##_portable(__VA_ARGS__))
+#else
+#define DISPATCH(name, isa, ...) ((void)(isa), name##_portable(__VA_ARGS__))
+#endif
+
+void hsd_exp(float *x, int64_t n, int isa) { DISPATCH(exp, isa, x, n); }
+
+void hsd_rmsnorm(const float *x, const float *w, float *y, int64_t d, float eps, int isa) {
+    float var = hsd_dot(x, x, d, isa) / (float)d;
+    float r = 1.0f / sqrtf(var + eps);
+    DISPATCH(scale_rows, isa, x, w, r, y, d);
+}
+
+void hsd_attend(const float *q, const float *k, const float *v, int64_t stride, const uint8_t *allowed, int64_t W,
+                float scale, float *out, int64_t d, float *scores, int64_t *cols, int isa) {
+    int64_t cnt = 0;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < W; j++)
+        if (allowed[j]) {
+            float s = hsd_dot(q, k + j * stride, d, isa) * scale;
+            scores[cnt] = s;
+            cols[cnt++] = j;
+            mx = s > mx ? s : mx;
+        }
+    for (int64_t e = 0; e < d; e++) out[e] = 0.0f;
+    if (cnt == 0) return;
+    for (int64_t c = 0; c < cnt; c++) scores[c] = scores[c] - mx;
+    hsd_exp(scores, cnt, isa);
+    float l = 0.0f;
+    for (int64_t c = 0; c < cnt; c++) l += scores[c];
+    for (int64_t c = 0; c < cnt; c++) DISPATCH(axpy, isa, out, scores[c], v + cols[c] * stride, d);
+    for (int64_t e = 0; e < d; e++) out[e] = out[e] / l;
+}
+
+/* ---- the forward -------------------------------------------------------------------------------------------- */
+
+/* x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[d/2:], x[:d/2]): each product rounded, then the sum (as
+ * transformers' apply_rotary_pos_emb computes it). */
+static void rotate(float *x, const float *cos, const float *sin, int64_t d, float *tmp) {
+    int64_t h = d / 2;
+    for (int64_t i = 0; i < d; i++) {
+        float rh = i < h ? -x[i + h] : x[i - h];
+        float a = x[i] * cos[i], b = rh * sin[i];
+        tmp[i] = a + b;
+    }
+    memcpy(x, tmp, (size_t)d * sizeof *x);
+}
+
+#define W_(layer, f) ((const float *)(uintptr_t)m->table[(layer) * HSD_FIELDS + (f)])
+
+static int nthreads(int threads) {
+#ifdef _OPENMP
+    return threads > 0 ? threads : omp_get_max_threads();
+#else
+    (void)threads;
+    return 1;
+#endif
+}
+
+int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, int64_t n, const float *cos, const float *sin,
+                const int64_t *req, const int64_t *slot, const uint8_t *allowed, int64_t W,
+                const int64_t *tap_layers, float *const *taps, const int64_t *out_rows, int64_t keep, float *logits,
+                int isa, int threads) {
+    const int64_t H = m->hidden, D = m->head_dim, NQ = m->heads * D, NK = m->kv_heads * D, I = m->inter;
+    const int64_t QKV = NQ + 2 * NK, group = m->heads / m->kv_heads;
+    if (W < 0 || W > c->capacity || keep < 0 || keep > n) return -1;
+    for (int64_t r = 0; r < n; r++)
+        if (req[r] < 0 || req[r] >= c->batch || slot[r] < 0 || slot[r] >= c->capacity) return -1;
+    for (int64_t i = 0; out_rows && i < keep; i++)
+        if (out_rows[i] < 0 || out_rows[i] >= n) return -1;
+    int T = nthreads(threads);
+    size_t floats = (size_t)(n * H * 2 + n * QKV + n * NQ + n * 2 * I + n * I + D + (int64_t)T * W);
+    float *buf = malloc(floats * sizeof(float));
+    int64_t *cols = malloc((size_t)(T * (W > 0 ? W : 1)) * sizeof(int64_t));
+    if (!buf || !cols) {
+        free(buf);
+        free(cols);
+        return -2;
+    }
+    float *x = buf, *tmp = x + n * H, *qkv = tmp + n * H, *att = qkv + n * QKV, *gu = att + n * NQ,
+          *act = gu + n * 2 * I, *rot = act + n * I, *scores = rot + D;
+    for (int64_t L = 0; L < m->layers; L++) {
+        for (int t = 0; t < 3; t++)
+            if (taps && taps[t] && tap_layers[t] == L) memcpy(taps[t], h, (size_t)(n * H) * sizeof *h);
+        for (int64_t r = 0; r < n; r++) hsd_rmsnorm(h + r * H, W_(L, HSD_LN1), x + r * H, H, m->eps, isa);
+        hsg_linear(x, H, W_(L, HSD_QKV), W_(L, HSD_QKV_B), qkv, QKV, n, QKV, H, isa, threads);
+        const float *qn = W_(L, HSD_Q_NORM), *kn = W_(L, HSD_K_NORM);
+        for (int64_t r = 0; r < n; r++) {
+            float *row = qkv + r * QKV;
+            for (int64_t a = 0; a < m->heads + m->kv_heads; a++) {
+                float *v = row + a * D;
+                const float *nw = a < m->heads ? qn : kn;
+                if (nw) hsd_rmsnorm(v, nw, v, D, m->eps, isa);
+                rotate(v, cos + r * D, sin + r * D, D, rot);
+            }
+            float *base = c->kv + req[r] * c->s_batch + L * c->s_layer + slot[r] * D;
+            for (int64_t a = 0; a < m->kv_heads; a++) {
+                memcpy(base + a * c->s_head, row + NQ + a * D, (size_t)D * sizeof(float));
+                memcpy(base + c->s_kv + a * c->s_head, row + NQ + NK + a * D, (size_t)D * sizeof(float));
+            }
+        }
+        int64_t pairs = n * m->heads;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(T) schedule(static) if (T > 1 && pairs > 1)
+#endif
+        for (int64_t p = 0; p < pairs; p++) {
+            int64_t r = p / m->heads, a = p % m->heads;
+#ifdef _OPENMP
+            int id = omp_get_thread_num();
+#else
+            int id = 0;
+#endif
+            const float *kb = c->kv + req[r] * c->s_batch + L * c->s_layer + (a / group) * c->s_head;
+            hsd_attend(qkv + r * QKV + a * D, kb, kb + c->s_kv, D, allowed + r * W, W, m->scale, att + r * NQ + a * D,
+                       D, scores + (int64_t)id * W, cols + (int64_t)id * W, isa);
+        }
+        hsg_linear(att, NQ, W_(L, HSD_O), W_(L, HSD_O_B), tmp, H, n, H, NQ, isa, threads);
+        for (int64_t i = 0; i < n * H; i++) h[i] = h[i] + tmp[i];
+        for (int64_t r = 0; r < n; r++) hsd_rmsnorm(h + r * H, W_(L, HSD_LN2), x + r * H, H, m->eps, isa);
+        hsg_linear(x, H, W_(L, HSD_GU), W_(L, HSD_GU_B), gu, 2 * I, n, 2 * I, H, isa, threads);
+        for (int64_t r = 0; r < n; r++) DISPATCH(silu_mul, isa, gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, I);
+        hsg_linear(act, I, W_(L, HSD_DOWN), W_(L, HSD_DOWN_B), tmp, H, n, H, I, isa, threads);
+        for (int64_t i = 0; i < n * H; i++) h[i] = h[i] + tmp[i];
+    }
+    if (keep > 0) {
+        for (int64_t i = 0; i < keep; i++)   /* (x holds n rows; keep <= n) */
+            hsd_rmsnorm(h + (out_rows ? out_rows[i] : n - keep + i) * H, m->final_norm, x + i * H, H, m->eps, isa);
+        hsg_linear(x, H, m->head, m->head_b, logits, m->vocab, keep, m->vocab, H, isa, threads);
+    }
+    free(buf);
+    free(cols);
+    return 0;
+}

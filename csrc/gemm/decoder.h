@@ -1,0 +1,67 @@
+/*
+ * decoder.h -- a Llama-family decoder forward on the CPU in float32 (heterospec._gemm; cpu_decoder in
+ * heterospec/models/cpu_decoder.py): every layer of the target in one call, over the rows of a verification
+ * tree, a one-token step or a prompt, reading and writing the engine's own key/value cache.
+ *
+ * Why: on a 2-core Xeon a one-token forward of SmolLM2-135M through transformers took 52 ms, of which the linear
+ * layers (the few-rows kernel, rows.h) were 24.5 ms; the rest was some 1,400 small torch operations and their
+ * Python calls.  Here a layer is a handful of loops between the matrix products.
+ *
+ * What a layer computes, row by row (r: a row of the call; the model's own weights and epsilon):
+ *   x = rmsnorm(h, ln1);  qkv = x [Wq; Wk; Wv]^T (+ bias);  q, k per head: rmsnorm(., q_norm / k_norm) where the
+ *   model has them (Qwen3), then rotated (q * cos + rotate_half(q) * sin, the cos/sin rows given);  k and v
+ *   written to the cache at (request req[r], column slot[r]);  then per head: softmax(q . k_j * scale) over the
+ *   columns j that allowed[r] marks, in column order, times v_j;  h += o (+ bias);  x = rmsnorm(h, ln2);
+ *   h += down(silu(gate(x)) * up(x)).  At the end the last `keep` rows: rmsnorm(h, final) then the output layer.
+ *
+ * Every reduction has one fixed order, the same on AVX-512, AVX2 and the portable loop, and no row's result
+ * depends on another row: a dot product of length d is 16 lanes (lane l sums elements l, l+16, ... by fused
+ * multiply-adds in order) added as a fixed tree (l + l+8, then + l+4, + l+2, + l+1); exp is one polynomial
+ * (hsd_exp); the softmax's sum and each output element are chains over the allowed columns in order.  So a
+ * tree node's logits are bit for bit what a one-row step over the same keys gives (the cache holds the same
+ * keys in the same order once the node's ancestors are committed), on every instruction set and thread count.
+ */
+#ifndef HS_GEMM_DECODER_H
+#define HS_GEMM_DECODER_H
+
+#include <stdint.h>
+
+/* One layer's weights: packed (rows.h) [q; k; v], o, [gate; up], down, with their biases or NULL; the norms. */
+enum {
+    HSD_LN1, HSD_LN2, HSD_QKV, HSD_QKV_B, HSD_Q_NORM, HSD_K_NORM, HSD_O, HSD_O_B, HSD_GU, HSD_GU_B, HSD_DOWN,
+    HSD_DOWN_B, HSD_FIELDS
+};
+
+typedef struct {
+    int64_t layers, hidden, heads, kv_heads, head_dim, inter, vocab;
+    float eps, scale;
+    const int64_t *table;       /* [layers][HSD_FIELDS] addresses (0: absent) */
+    const float *final_norm;    /* [hidden] */
+    const float *head, *head_b; /* packed output layer [vocab x hidden], its bias or NULL */
+} hsd_model;
+
+typedef struct {
+    float *kv;                       /* the cache: [B][2][layers][kv_heads][capacity][head_dim] */
+    int64_t batch, capacity;         /* its rows and columns */
+    int64_t s_batch, s_kv, s_layer, s_head; /* strides in floats (a column is head_dim floats) */
+} hsd_cache;
+
+/* One forward over n rows.  h: [n][hidden], the embeddings in, the residual stream out; cos/sin: [n][head_dim];
+ * req, slot: [n] (the cache row and column each row's keys and values go to); allowed: [n][W] (1: row r attends
+ * to column j of its request's cache; W <= capacity); taps: three [n][hidden] buffers or NULLs, filled with h
+ * entering layers tap_layers[0..2]; logits: [keep][vocab] for rows out_rows[0..keep) (NULL: the last keep rows;
+ * keep <= n; 0: none).  Returns 0, or -1 for a req, slot, out_rows entry or W out of range (nothing written then), -2
+ * for an allocation failure (nothing written either). */
+int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, int64_t n, const float *cos, const float *sin,
+                const int64_t *req, const int64_t *slot, const uint8_t *allowed, int64_t W,
+                const int64_t *tap_layers, float *const *taps, const int64_t *out_rows, int64_t keep, float *logits,
+                int isa, int threads);
+
+/* The pieces, exposed for the tests (heterospec.reference.decoder holds each to a NumPy twin). */
+float hsd_dot(const float *a, const float *b, int64_t d, int isa);
+void hsd_exp(float *x, int64_t n, int isa);
+void hsd_rmsnorm(const float *x, const float *w, float *y, int64_t d, float eps, int isa);
+void hsd_attend(const float *q, const float *k, const float *v, int64_t stride, const uint8_t *allowed, int64_t W,
+                float scale, float *out, int64_t d, float *scores, int64_t *cols, int isa);
+
+#endif

@@ -1,0 +1,248 @@
+"""cpu_decoder: heterospec's own float32 decoder forward (csrc/gemm/decoder.c, heterospec.models.cpu_decoder).
+
+Its pieces against their NumPy twins (heterospec.reference.decoder) bit for bit on every instruction set this CPU
+has, and the twins against float64 math; the whole forward against the twin's forward bit for bit and against
+transformers' own forward to float32 rounding; a tree row against a one-row step bit for bit; batches; errors;
+and the engine that runs on it against transformers' generate."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from heterospec import HeteroSpec, Policy  # noqa: E402
+from heterospec.models import cpu_decoder, cpu_gemm  # noqa: E402
+from heterospec.reference import decoder as ref  # noqa: E402
+from tests._models import eagle3_head, prompts, reference_greedy, tiny_target  # noqa: E402
+
+G = cpu_gemm._rows_module()
+pytestmark = pytest.mark.skipif(G is None, reason="heterospec._gemm was not built here")
+ISAS = range(G.isa_best() + 1) if G is not None else ()
+ARCHS = ["llama", "qwen2", "qwen3"]   # qwen2: q/k/v biases; qwen3: q/k norms, head_dim 16 (the others 8)
+
+
+def t(a):
+    return torch.from_numpy(np.ascontiguousarray(a, np.float32))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("d", [1, 7, 8, 16, 17, 64, 100])
+def test_dot_is_its_twins_bit_for_bit(isa, d):
+    g = np.random.default_rng(d)
+    for scale in (1.0, 1e-3, 1e4):
+        a, b = t(g.standard_normal(d) * scale), t(g.standard_normal(d))
+        got = np.float32(G.dot(a.data_ptr(), b.data_ptr(), d, isa))
+        assert got.tobytes() == ref.dot16(a.numpy(), b.numpy()).tobytes()
+        assert got == pytest.approx(float(np.dot(a.numpy().astype(np.float64), b.numpy())), rel=1e-5, abs=1e-5 * scale)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_exp_is_its_twins_bit_for_bit_and_within_2_ulp(isa):
+    x = np.concatenate([np.linspace(-100, 100, 20011), [0.0, -0.0, -87.0, 88.0, np.inf, -np.inf, np.nan, 1e-30]])
+    x = t(x)
+    y = x.clone()
+    G.exp(y.data_ptr(), y.numel(), isa)
+    twin = ref.exp(x.numpy())
+    assert y.numpy().tobytes() == twin.tobytes()
+    ok = (x > -87) & (x < 88)
+    exact = np.exp(x.numpy()[ok.numpy()].astype(np.float64)).astype(np.float32)
+    ulps = np.abs(twin[ok.numpy()].view(np.int32).astype(np.int64) - exact.view(np.int32).astype(np.int64))
+    assert ulps.max() <= 2
+    assert twin[x.numpy() < -87].tolist() == [0.0] * int((x < -87).sum()) and np.isnan(twin[-2])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_rmsnorm_and_attention_are_their_twins_bit_for_bit(isa):
+    g = np.random.default_rng(0)
+    for d in (8, 16, 24, 64):
+        x, w = t(g.standard_normal(d) * 3), t(g.standard_normal(d))
+        y = torch.empty(d)
+        G.rmsnorm(x.data_ptr(), w.data_ptr(), y.data_ptr(), d, 1e-6, isa)
+        assert y.numpy().tobytes() == ref.rmsnorm(x.numpy(), w.numpy(), 1e-6).tobytes()
+        x64 = x.numpy().astype(np.float64)
+        assert np.allclose(y.numpy(), w.numpy() * x64 / np.sqrt((x64 ** 2).mean() + 1e-6), rtol=1e-5, atol=1e-6)
+        W = 37
+        q, k, v = t(g.standard_normal(d)), t(g.standard_normal((W, d))), t(g.standard_normal((W, d)))
+        allowed = torch.from_numpy(g.random(W) < 0.6)
+        allowed[3] = True
+        out = torch.empty(d)
+        G.attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), d, allowed.data_ptr(), W, d ** -0.5, out.data_ptr(), d, isa)
+        twin = ref.attend(q.numpy(), k.numpy(), v.numpy(), allowed.numpy(), d ** -0.5)
+        assert out.numpy().tobytes() == twin.tobytes()
+        # against softmax in float64 over the allowed keys only
+        s = (k.numpy().astype(np.float64) @ q.numpy()) * d ** -0.5
+        s[~allowed.numpy()] = -np.inf
+        p = np.exp(s - s.max())
+        assert np.allclose(twin, (p / p.sum()) @ v.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def cpu_model(arch, layers=3, seed=0):
+    return tiny_target(arch, layers=layers, seed=seed).cpu()
+
+
+def new_cache(model, batch=1, capacity=64):
+    c = model.config
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return torch.zeros(batch, 2, c.num_hidden_layers, c.num_key_value_heads, capacity, hd)
+
+
+def causal(n, W):
+    cols = torch.arange(W)
+    return cols.view(1, -1) <= torch.arange(n).view(-1, 1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_forward_is_its_twins_and_transformers_to_rounding(arch):
+    model = cpu_model(arch)
+    dec = cpu_decoder.CpuDecoder(model)
+    n = 9
+    ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(n).view(1, n)
+    kv = new_cache(model)
+    logits, taps = dec.forward(ids, pos, torch.arange(n), causal(n, 16), kv, taps=[0, 1, 2])
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+    assert torch.allclose(logits[0], out.logits[0], rtol=1e-4, atol=1e-4 * out.logits.abs().max().item())
+    assert torch.equal(logits[0].argmax(-1), out.logits[0].argmax(-1))
+    for i in range(3):   # the input of layer i is transformers' hidden_states[i]
+        assert torch.allclose(taps[i][0], out.hidden_states[i][0], rtol=1e-5, atol=1e-5)
+    # the NumPy twin of the whole forward, from the same weights: the same bits
+    base = model.model
+    layers = []
+    for layer in base.layers:
+        a, m = layer.self_attn, layer.mlp
+        L = {"ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight}
+        for name, lin in (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("o", a.o_proj), ("gate", m.gate_proj),
+                          ("up", m.up_proj), ("down", m.down_proj)):
+            L[name] = lin.weight
+            if lin.bias is not None:
+                L[name + "_b"] = lin.bias
+        for name in ("q_norm", "k_norm"):
+            if getattr(a, name, None) is not None:
+                L[name] = getattr(a, name).weight
+        layers.append({k: v.detach().numpy() for k, v in L.items()})
+    with torch.no_grad():
+        cos, sin = base.rotary_emb(torch.zeros(1, n, 1), pos)
+    hd = kv.shape[-1]
+    cache = np.zeros((len(layers), 2, model.config.num_key_value_heads, 16, hd), np.float32)
+    embedded = base.embed_tokens.weight[ids[0]].detach().numpy()
+    twin = ref.decoder_layers(layers, base.norm.weight.detach().numpy(), (model.lm_head.weight.detach().numpy(), None),
+                              dec.eps, dec.scale, dec.heads, dec.kv_heads, embedded, cos[0].numpy(), sin[0].numpy(),
+                              cache, list(range(n)), causal(n, 16).numpy())
+    assert logits[0].numpy().tobytes() == twin.tobytes()
+    assert np.array_equal(kv[0, :, :, :, :16].permute(1, 0, 2, 3, 4).numpy(), cache)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_tree_row_is_a_one_row_step_bit_for_bit_on_every_isa(arch):
+    """A tree node's logits (other rows beside it, its ancestors at other columns) equal a one-row step's over the
+    same keys once the ancestors are committed: the row-invariance decoder.h promises; and every instruction
+    set gives the same bits."""
+    model = cpu_model(arch)
+    dec = cpu_decoder.CpuDecoder(model)
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(2)
+    S = 11
+    prompt = torch.randint(0, V, (1, S), generator=g)
+    tok = torch.randint(0, V, (1, 4), generator=g)   # a tree: root r (column S), children a (S+1), b (S+2),
+    results = []                                     # a's child c (S+3)
+    for isa in ISAS:
+        dec.isa = isa
+        kv = new_cache(model)
+        dec.forward(prompt, torch.arange(S).view(1, S), torch.arange(S), causal(S, S), kv)
+        allowed = torch.zeros(4, S + 4, dtype=torch.bool)
+        allowed[:, :S + 1] = True
+        allowed[1, S + 1] = allowed[2, S + 2] = allowed[3, S + 1] = allowed[3, S + 3] = True
+        tree, _ = dec.forward(tok, torch.tensor([[S, S + 1, S + 1, S + 2]]), torch.arange(S, S + 4), allowed,
+                              kv.clone())
+        # the path r, a, c one row at a time, each at the next column
+        steps = []
+        one = kv.clone()
+        for j, (node, col) in enumerate(((0, S), (1, S + 1), (3, S + 2))):
+            lg, _ = dec.forward(tok[:, node:node + 1], torch.tensor([[S + j]]), torch.tensor([col]),
+                                torch.arange(col + 1).view(1, -1) <= col, one)
+            steps.append(lg[0, 0])
+        for node, step in zip((0, 1, 3), steps):
+            assert torch.equal(tree[0, node], step)
+        results.append(tree)
+    dec.isa = G.isa_best()
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
+def test_a_batch_row_is_its_request_alone_and_prefill_keeps_the_last_rows():
+    model = cpu_model("qwen3")
+    dec = cpu_decoder.CpuDecoder(model)
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, V, (2, 5), generator=g)
+    kv = new_cache(model, batch=2)
+    logits, taps = dec.forward(ids, torch.arange(5).expand(2, 5), torch.arange(5), causal(5, 8), kv, keep=1, taps=[1])
+    assert logits.shape == (2, 1, V) and taps[0].shape == (2, 5, model.config.hidden_size)
+    for b in range(2):
+        alone = new_cache(model)
+        lb, tb = dec.forward(ids[b:b + 1], torch.arange(5).view(1, 5), torch.arange(5), causal(5, 8), alone, taps=[1])
+        assert torch.equal(logits[b, 0], lb[0, -1]) and torch.equal(taps[0][b], tb[0][0])
+        assert torch.equal(kv[b:b + 1], alone)
+
+
+def test_a_weight_written_in_place_is_packed_again():
+    model = cpu_model("llama")
+    dec = cpu_decoder.CpuDecoder(model)
+    ids = torch.tensor([[1, 2, 3]])
+    before, _ = dec.forward(ids, torch.arange(3).view(1, 3), torch.arange(3), causal(3, 3), new_cache(model))
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(3.0)
+        want = model(ids).logits
+    after, _ = dec.forward(ids, torch.arange(3).view(1, 3), torch.arange(3), causal(3, 3), new_cache(model))
+    assert not torch.equal(before, after)
+    assert torch.allclose(after, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_bad_input_gets_a_clear_error():
+    model = cpu_model("llama")
+    dec = cpu_decoder.CpuDecoder(model)
+    ids = torch.tensor([[1, 2]])
+    with pytest.raises(ValueError, match="argument 'kv' expected a float32 cache"):
+        dec.forward(ids, torch.arange(2).view(1, 2), torch.arange(2), causal(2, 4), torch.zeros(1, 2, 3, 4))
+    kv = new_cache(model, capacity=4)
+    with pytest.raises(ValueError, match="decoder_forward: arguments 'req', 'slot'.*out of range"):
+        dec.forward(ids, torch.arange(2).view(1, 2), torch.tensor([3, 4]), causal(2, 4), kv)
+    assert not kv.any()   # nothing written
+    with pytest.raises(ValueError, match="argument 'isa' expected 0 to"):
+        G.dot(ids.data_ptr(), ids.data_ptr(), 1, 7)
+    with pytest.raises(ValueError, match="argument 'cpu_decoder' expected 'auto', True or False, got 'yes'"):
+        HeteroSpec(model, cpu_decoder="yes")
+    half = cpu_model("llama").to(torch.bfloat16)
+    with pytest.raises(ValueError, match="argument 'cpu_decoder' expected False or 'auto' here .* bfloat16"):
+        HeteroSpec(half, cpu_decoder=True)
+    with pytest.raises(ValueError, match="argument 'cpu_decoder' .* compiled"):
+        HeteroSpec(model, cpu_decoder=True, compile="eager")
+    assert cpu_decoder.unsupported(half) is not None and cpu_decoder.unsupported(model) is None
+
+
+def test_auto_is_on_for_a_supported_float32_model_and_off_otherwise():
+    model = cpu_model("llama")
+    with HeteroSpec(model) as hs:
+        assert hs.cpu_decoder.startswith("on (") and hs.target.decoder is not None
+        assert hs.generate(prompts(1)[0].cpu(), max_new_tokens=2)[1].cpu_decoder == hs.cpu_decoder
+    with HeteroSpec(model, cpu_decoder=False) as hs:
+        assert hs.cpu_decoder == "off" and hs.target.decoder is None
+    with HeteroSpec(cpu_model("llama").to(torch.bfloat16)) as hs:
+        assert hs.cpu_decoder == "off"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_decoding_on_the_decoder_equals_transformers_generate(arch, tmp_path):
+    """The engine's every forward on the decoder (prefill, one-row steps, trees; a batch): the tokens of
+    transformers' own greedy generate."""
+    model = tiny_target(arch).cpu()
+    draft = eagle3_head(model, tmp_path / "draft")
+    ps = [p.cpu() for p in prompts(4)]
+    refs = [reference_greedy(model, p) for p in ps]
+    for pol, d in ((Policy.autoregressive(), None), (Policy.static(3, 3, 10), draft)):
+        with HeteroSpec(model, d, pol, cpu_decoder=True) as hs:
+            for p, want in zip(ps, refs):
+                out, _ = hs.generate(p, max_new_tokens=want.shape[1] - p.shape[1])
+                assert out.tolist() == want.tolist()
+            outs, _ = hs.generate([p[0] for p in ps], max_new_tokens=refs[0].shape[1] - ps[0].shape[1])
+            for p, want, got in zip(ps, refs, outs):
+                assert got[:want.shape[1]].tolist() == want[0].tolist()
