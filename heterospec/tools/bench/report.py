@@ -99,11 +99,20 @@ def markdown(result):
         paths = {}
         for n, v in (run.get("cpu_gemm") or {}).items():
             paths.setdefault(v, []).append(n)
+        decoders = {}
+        for n, v in (run.get("cpu_decoder") or {}).items():
+            decoders.setdefault(v, []).append(n)
+        if set(decoders) - {"off"}:
+            lines.append("The target's forward in our engines (`cpu_decoder`: heterospec's float32 decoder on the "
+                         "CPU, or transformers' modules where off): "
+                         + "; ".join(f"{', '.join(ns)}: {v}" for v, ns in decoders.items()) + ".")
+            lines.append("")
         if set(paths) - {"off"}:
             lines.append("Our engines' CPU matrix paths (torch's default, oneDNN with packed weights or our few-rows "
                          "kernel `rows`, measured on "
-                         "this machine per layer shape and rows per call; the target's layers, and the draft's "
-                         "with a draft): " + "; ".join(f"{', '.join(ns)}: {v}" for v, ns in paths.items()) + ".")
+                         "this machine per layer shape and rows per call; the draft's layers, and the target's "
+                         "where it runs on transformers' modules): "
+                         + "; ".join(f"{', '.join(ns)}: {v}" for v, ns in paths.items()) + ".")
             lines.append("")
         if run.get("warmup_s"):
             lines.append("Warm-up before the timed run (untimed in the tables): " + ", ".join(

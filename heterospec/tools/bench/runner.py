@@ -20,6 +20,7 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
     """Answer every question with every method (questions outer, methods inner).  Returns
     {"temperature", "files": {bench: {method: metrics}}, "mean": {method: metrics}, "mismatches": [...],
     "warmup_s": {method: seconds}, "cpu_gemm": {our method: its CPU matrix path (HeteroSpec.cpu_gemm)},
+    "cpu_decoder": {our method: whether the target ran on heterospec's CPU decoder (HeteroSpec.cpu_decoder)},
     "strongest_hf": name or None, "hf_static": {...} (with hf-static), "hf_compiled": {...} (with hf-compiled),
     "answers": [records]}.  ``methods``: [(name, Policy or HFMethod)] (:func:`.methods.build_methods`).
     ``cuda_graphs``: passed to our engines (sized once for the longest conversation, so each tree shape is
@@ -106,8 +107,10 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
     strongest = add_speedup_over_hf(files, mean)
     mism = mismatch_report(per_q, names) if temperature == 0 else []
     gemm = {n: e.cpu_gemm for n, e in engines.items() if isinstance(e, HeteroSpec)}
+    decoder = {n: e.cpu_decoder for n, e in engines.items() if isinstance(e, HeteroSpec)}
     out = {"temperature": temperature, "files": files, "mean": mean, "mismatches": mism, "warmup_s": warmup_s,
-           "strongest_hf": strongest, "cuda_graphs": cuda_graphs, "capture_s": capture_s, "cpu_gemm": gemm}
+           "strongest_hf": strongest, "cuda_graphs": cuda_graphs, "capture_s": capture_s, "cpu_gemm": gemm,
+           "cpu_decoder": decoder}
     for n, pol in methods:
         if static_hf(pol):
             seen = compiled.get(n)
