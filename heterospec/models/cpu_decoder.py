@@ -167,8 +167,12 @@ class CpuDecoder:
         request b in its row b), each row attending to the columns ``allowed`` [n, W] / [B, n, W] marks.
         ``keep``: logits for every row (None) or for each request's last ``keep`` rows; ``taps``: the layers whose
         input to return.  Returns (logits [B, rows kept, V] float32, [the taps' inputs [B, n, H]] or None)."""
-        if self._state() != self._versions:
-            self._pack()   # a weight written since (in place, or replaced)
+        if self._state() != self._versions:   # a weight written since (in place, or replaced)
+            why = unsupported(self.model)
+            if why is not None:
+                raise ValueError(f"cpu_decoder: the model changed since the engine was made and is now {why}; make a "
+                                 f"new HeteroSpec for it")
+            self._pack()
         B, n = ids.shape
         rows = B * n
         H = self.hidden

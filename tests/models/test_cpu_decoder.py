@@ -195,6 +195,9 @@ def test_a_weight_written_in_place_is_packed_again():
     after, _ = dec.forward(ids, torch.arange(3).view(1, 3), torch.arange(3), causal(3, 3), new_cache(model))
     assert not torch.equal(before, after)
     assert torch.allclose(after, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    model.to(torch.bfloat16)   # a model converted under the decoder is refused, never read as float32
+    with pytest.raises(ValueError, match="cpu_decoder: the model changed .* bfloat16"):
+        dec.forward(ids, torch.arange(3).view(1, 3), torch.arange(3), causal(3, 3), new_cache(model))
 
 
 def test_bad_input_gets_a_clear_error():
