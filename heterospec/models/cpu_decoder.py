@@ -15,7 +15,8 @@ step of the same engine over the same keys.
 
 Supported: ``llama``, ``mistral`` (without a sliding window), ``qwen2`` and ``qwen3`` (q/k norms) models on the
 CPU in float32 with SiLU MLPs and RMSNorm, any bias layout, any head grouping; :func:`unsupported` says why not
-otherwise.
+otherwise.  A model with forward hooks of the user's on any of its modules runs transformers' forward while they
+are set (the hooks then run, as they would in the user's own calls).
 """
 from __future__ import annotations
 
@@ -113,8 +114,22 @@ class CpuDecoder:
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
         self._params = list(model.parameters())
+        self._modules = list(model.modules())
         self._versions = None
         self._pack()
+
+    def hooked(self):
+        """Whether forward hooks other than the engine's own taps are set on the model (or globally): the user's
+        hooks run only on transformers' forward, so the adapter takes that forward while there are any."""
+        from torch.nn.modules import module as tm
+
+        if tm._global_forward_hooks or tm._global_forward_pre_hooks:
+            return True
+        for m in self._modules:
+            for hooks in (m._forward_hooks, m._forward_pre_hooks):
+                if hooks and not all(getattr(h, "heterospec_tap", False) for h in hooks.values()):
+                    return True
+        return False
 
     def _state(self):
         return [(p.data_ptr(), p._version) for p in self._params]
@@ -150,7 +165,7 @@ class CpuDecoder:
             rows.append([addr(layer.input_layernorm.weight), addr(layer.post_attention_layernorm.weight), qkv, qkv_b,
                          addr(None if qn is None else qn.weight), addr(None if kn is None else kn.weight), o, o_b, gu,
                          gu_b, down, down_b])
-        self._table = torch.tensor(rows, dtype=torch.int64)
+        self._table = torch.tensor(rows, dtype=torch.int64, device="cpu")
         head, head_b = fused([self.model.lm_head])
         self._desc = (len(self.layers), self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter, self.vocab,
                       self._table.data_ptr(), addr(self.model.model.norm.weight), head, head_b)
@@ -187,7 +202,8 @@ class CpuDecoder:
                              f"head dimensions (partial rotary is not supported)")
         cos = cos.expand(B, n, -1).contiguous()
         sin = sin.expand(B, n, -1).contiguous()
-        req = torch.arange(B).repeat_interleave(n) if B > 1 else torch.zeros(n, dtype=torch.long)
+        req = torch.arange(B, device="cpu").repeat_interleave(n) if B > 1 else torch.zeros(n, dtype=torch.long,
+                                                                                           device="cpu")
         slot = slots.expand(B, n).reshape(-1).contiguous()
         W = allowed.shape[-1]
         allowed = allowed.expand(B, n, W).reshape(rows, W).contiguous()
@@ -195,10 +211,11 @@ class CpuDecoder:
             out_rows, k = None, rows
         else:
             k = min(int(keep), n)
-            out_rows = (torch.arange(B).view(B, 1) * n + torch.arange(n - k, n).view(1, k)).reshape(-1)
+            out_rows = (torch.arange(B, device="cpu").view(B, 1) * n
+                        + torch.arange(n - k, n, device="cpu").view(1, k)).reshape(-1)
             k = B * k
-        logits = torch.empty(k, self.vocab)
-        bufs = [torch.empty(rows, H) for _ in taps] if taps else []
+        logits = torch.empty(k, self.vocab, device="cpu")   # (never the default device)
+        bufs = [torch.empty(rows, H, device="cpu") for _ in taps] if taps else []
         tap_at = list(taps or []) + [-1] * (3 - len(bufs))
         addrs = [b.data_ptr() for b in bufs] + [0] * (3 - len(bufs))
         s = kv.stride()
@@ -210,17 +227,26 @@ class CpuDecoder:
         return logits.view(B, -1, self.vocab), ([b.view(B, n, H) for b in bufs] if taps else None)
 
 
+def why_off(setting, model, *, compile=False):
+    """Why a ``cpu_decoder`` setting leaves ``model`` on transformers' forward (a phrase; 'off' for False), or None
+    when the decoder runs it (:func:`for_target`'s rule, without packing anything)."""
+    if not any(setting is v if isinstance(v, bool) else setting == v for v in SETTINGS):
+        raise ValueError(f"HeteroSpec: argument 'cpu_decoder' expected 'auto', True or False, got {setting!r}")
+    if setting is False:
+        return "off"
+    why = "a compiled target (compile=...)" if compile else unsupported(model)
+    if why is None and setting == "auto" and cpu_gemm._rows_module().isa_best() == 0:
+        why = "only the kernel's portable loop on this CPU"
+    return why
+
+
 def for_target(setting, model, *, compile=False):
     """The decoder a ``cpu_decoder`` setting gives ``model`` (None: transformers' forward).  'auto': on where the
     model is supported (:func:`unsupported`), not compiled, and the kernel has AVX2 or AVX-512 tiles here (its
     portable loop is ~8x slower than AVX2); True insists (ValueError naming why not); False: off."""
-    if not any(setting is v if isinstance(v, bool) else setting == v for v in SETTINGS):
-        raise ValueError(f"HeteroSpec: argument 'cpu_decoder' expected 'auto', True or False, got {setting!r}")
+    why = why_off(setting, model, compile=compile)
     if setting is False:
         return None
-    why = "a compiled target (compile=...)" if compile else unsupported(model)
-    if why is None and setting == "auto" and cpu_gemm._rows_module().isa_best() == 0:
-        why = "only the kernel's portable loop on this CPU"
     if why is not None:
         if setting is True:
             raise ValueError(f"HeteroSpec: argument 'cpu_decoder' expected False or 'auto' here (True needs a "

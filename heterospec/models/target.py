@@ -415,6 +415,7 @@ class TargetAdapter:
         def hook(module, args, kwargs):
             self._captured[i] = args[0] if args else kwargs["hidden_states"]
 
+        hook.heterospec_tap = True   # ours (CpuDecoder.hooked: a user's hook sends forwards to transformers')
         return hook
 
     def close(self):
@@ -482,7 +483,7 @@ class TargetAdapter:
         ``exact``: attend with :func:`exact_keys_attention` (row-invariant verification)."""
         cache = self.cache if cache is None else cache
         if self.decoder is not None and call in (None, self.model) and cache is self.cache and not exact \
-                and set(kw) <= {"logits_to_keep"}:
+                and set(kw) <= {"logits_to_keep"} and not self.decoder.hooked():
             logits, taps = self.decoder.forward(ids, positions, slots, allowed, self.kv, keep=kw.get("logits_to_keep"),
                                                 taps=self.tap_layers if self._hooks else None)
             for i, t in zip(self.tap_layers, taps or ()):

@@ -79,13 +79,17 @@ def profile_costs(target, draft=None, *, tree_tokens=(1, 2, 4, 8, 16, 32, 64, 12
     the overhead (0: leave it 0)."""
     import torch
 
+    from ..models import cpu_decoder
     from ..models import cpu_gemm as gemm
 
     device = _device(target)
     if graphs and device.type != "cuda":
         raise ValueError(f"profile_costs: argument 'graphs' expected False for a model on {device} (CUDA graphs "
                          f"need a CUDA device), got True")
-    with gemm.for_models(cpu_gemm, target, draft), torch.no_grad():
+    # packed once for every engine below, as each of them routes (the target's layers only where it runs on
+    # transformers' forward: the engines' default cpu_decoder)
+    on_decoder = cpu_decoder.why_off("auto", target) is None
+    with gemm.for_models(cpu_gemm, target, draft, route_target=not on_decoder), torch.no_grad():
         verify = _fit_verify(target, draft, tree_tokens, contexts, reps, graphs, cpu_gemm, device)
         level = _fit_levels(target, draft, beams, levels, contexts[0], reps, graphs, cpu_gemm, device) \
             if draft is not None else (0.0, 0.0, 0.0, 0.0)

@@ -249,3 +249,20 @@ def test_greedy_decoding_on_the_decoder_equals_transformers_generate(arch, tmp_p
             outs, _ = hs.generate([p[0] for p in ps], max_new_tokens=refs[0].shape[1] - ps[0].shape[1])
             for p, want, got in zip(ps, refs, outs):
                 assert got[:want.shape[1]].tolist() == want[0].tolist()
+
+
+def test_a_users_forward_hook_sends_the_forwards_to_transformers_and_runs():
+    model = cpu_model("llama", layers=8)
+    p = prompts(1)[0].cpu()
+    calls = []
+    with HeteroSpec(model) as hs:
+        assert hs.target.decoder is not None and not hs.target.decoder.hooked()   # the engine's own taps: ours
+        plain, _ = hs.generate(p, max_new_tokens=3)
+        handle = model.lm_head.register_forward_hook(lambda m, a, out: calls.append(out.shape))
+        try:
+            assert hs.target.decoder.hooked()
+            hooked, _ = hs.generate(p, max_new_tokens=3)
+        finally:
+            handle.remove()
+        assert calls and hooked.tolist() == plain.tolist()   # the hook ran on every forward; the same tokens
+        assert not hs.target.decoder.hooked()
