@@ -276,13 +276,12 @@ class HeteroSpec:
         self.batch_invariant = _check_invariant(batch_invariant, p)
         self._decoder = decoder_mod.for_target(cpu_decoder, target, compile=bool(compile))
         self.cpu_decoder = "off" if self._decoder is None else self._decoder.describe()
-        dec = self._decoder
         try:
             self.target = TargetAdapter(target, tap_layers=taps, capture_taps=draft is not None, compile=compile,
-                                        invariant=self.batch_invariant, batched=True, decoder=dec)
+                                        invariant=self.batch_invariant, batched=True, decoder=self._decoder)
             # packed once here (outside any timed call), routed only inside generate
             self._gemm = gemm.for_models(cpu_gemm, target, draft, invariant=self.batch_invariant,
-                                         traced=bool(compile), route_target=dec is None)
+                                         traced=bool(compile), route_target=self._decoder is None)
         except ValueError as e:
             if batch_invariant is True or "row-invariant" not in str(e):
                 raise
@@ -291,8 +290,9 @@ class HeteroSpec:
             warnings.warn(f"HeteroSpec: batch_invariant='auto' is off here: {e}", stacklevel=2)
             self.batch_invariant = False
             self.target = TargetAdapter(target, tap_layers=taps, capture_taps=draft is not None, compile=compile,
-                                        batched=True, decoder=dec)
-            self._gemm = gemm.for_models(cpu_gemm, target, draft, traced=bool(compile), route_target=dec is None)
+                                        batched=True, decoder=self._decoder)
+            self._gemm = gemm.for_models(cpu_gemm, target, draft, traced=bool(compile),
+                                         route_target=self._decoder is None)
         self.cpu_gemm = self._gemm.describe()   # which row classes run packed: in every call's stats
         self._drafting = draft is not None and self.policy.drafts
         pol = self.policy

@@ -20,6 +20,8 @@ are set (the hooks then run, as they would in the user's own calls).
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from . import cpu_gemm
@@ -90,13 +92,14 @@ def unsupported(model):
 
 class CpuDecoder:
     """The decoder of one float32 CPU model: its weights packed once (repacked when a weight was written since),
-    and :meth:`forward` over any rows of the engine's cache.  Make it with :func:`for_target`."""
+    and :meth:`forward` over any rows of the engine's cache.  Get it with :func:`for_target` (one per model,
+    shared by every engine on it).  It holds the model weakly: the model's lifetime stays the user's."""
 
     def __init__(self, model):
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"HeteroSpec: argument 'cpu_decoder' expected a supported float32 CPU model, got {why}")
-        self.model = model
+        self._model = weakref.ref(model)
         self._g = cpu_gemm._rows_module()
         self.isa = self._g.isa_best()
         cfg = _text(model)
@@ -114,7 +117,7 @@ class CpuDecoder:
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
         self._params = list(model.parameters())
-        self._modules = list(model.modules())
+        self._children = list(model.modules())[1:]   # (the model itself only through the weak reference)
         self._versions = None
         self._pack()
 
@@ -125,11 +128,16 @@ class CpuDecoder:
 
         if tm._global_forward_hooks or tm._global_forward_pre_hooks:
             return True
-        for m in self._modules:
+        for m in (self.model, *self._children):
             for hooks in (m._forward_hooks, m._forward_pre_hooks):
                 if hooks and not all(getattr(h, "heterospec_tap", False) for h in hooks.values()):
                     return True
         return False
+
+    @property
+    def model(self):
+        """The model (None once the user dropped it)."""
+        return self._model()
 
     def _state(self):
         return [(p.data_ptr(), p._version) for p in self._params]
@@ -202,8 +210,7 @@ class CpuDecoder:
                              f"head dimensions (partial rotary is not supported)")
         cos = cos.expand(B, n, -1).contiguous()
         sin = sin.expand(B, n, -1).contiguous()
-        req = torch.arange(B, device="cpu").repeat_interleave(n) if B > 1 else torch.zeros(n, dtype=torch.long,
-                                                                                           device="cpu")
+        req = torch.arange(B, device="cpu").repeat_interleave(n)
         slot = slots.expand(B, n).reshape(-1).contiguous()
         W = allowed.shape[-1]
         allowed = allowed.expand(B, n, W).reshape(rows, W).contiguous()
@@ -230,7 +237,7 @@ class CpuDecoder:
 def why_off(setting, model, *, compile=False):
     """Why a ``cpu_decoder`` setting leaves ``model`` on transformers' forward (a phrase; 'off' for False), or None
     when the decoder runs it (:func:`for_target`'s rule, without packing anything)."""
-    if not any(setting is v if isinstance(v, bool) else setting == v for v in SETTINGS):
+    if not cpu_gemm.one_of(setting, SETTINGS):
         raise ValueError(f"HeteroSpec: argument 'cpu_decoder' expected 'auto', True or False, got {setting!r}")
     if setting is False:
         return "off"
@@ -238,6 +245,9 @@ def why_off(setting, model, *, compile=False):
     if why is None and setting == "auto" and cpu_gemm._rows_module().isa_best() == 0:
         why = "only the kernel's portable loop on this CPU"
     return why
+
+
+_SHARED = weakref.WeakKeyDictionary()   # model -> its CpuDecoder: one packed copy however many engines use it
 
 
 def for_target(setting, model, *, compile=False):
@@ -252,4 +262,7 @@ def for_target(setting, model, *, compile=False):
             raise ValueError(f"HeteroSpec: argument 'cpu_decoder' expected False or 'auto' here (True needs a "
                              f"supported float32 CPU model, no compile, and heterospec._gemm), got True for {why}")
         return None
-    return CpuDecoder(model)
+    dec = _SHARED.get(model)
+    if dec is None:
+        dec = _SHARED[model] = CpuDecoder(model)
+    return dec

@@ -89,6 +89,11 @@ def paths_for(dtype):
                                  ("rows", dtype == torch.float32 and rows_available())) if ok)
 
 
+def one_of(setting, choices):
+    """Whether ``setting`` is one of ``choices``, a bool only as itself (1 is not True, 0 not False)."""
+    return any(setting is v if isinstance(v, bool) else setting == v for v in choices)
+
+
 def wanted(setting, module, traced=False):
     """``cpu_gemm`` setting -> the packed paths ``module``'s layers may take (empty: torch's default only):
     'auto' every path that runs a CPU module's dtype here (:func:`paths_for`), for :func:`choose` to measure;
@@ -97,7 +102,7 @@ def wanted(setting, module, traced=False):
     'rows' that path.  True, 'onednn' and 'rows' insist (ValueError where it cannot run).  ``traced``: the
     forward runs under ``torch.compile`` (a backend other than inductor, which takes the default path), whose
     tracer cannot see into heterospec._gemm: ``rows`` is left out there."""
-    if not any(setting is v if isinstance(v, bool) else setting == v for v in SETTINGS):
+    if not one_of(setting, SETTINGS):
         raise ValueError(f"HeteroSpec: argument 'cpu_gemm' expected 'auto', True, False, 'onednn' or 'rows', "
                          f"got {setting!r}")
     if setting is False:

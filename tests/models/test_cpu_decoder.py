@@ -227,6 +227,8 @@ def test_auto_is_on_for_a_supported_float32_model_and_off_otherwise():
     with HeteroSpec(model) as hs:
         assert hs.cpu_decoder.startswith("on (") and hs.target.decoder is not None
         assert hs.generate(prompts(1)[0].cpu(), max_new_tokens=2)[1].cpu_decoder == hs.cpu_decoder
+    with HeteroSpec(model) as a, HeteroSpec(model, cpu_decoder=True) as b:   # one packed copy per model
+        assert a.target.decoder is b.target.decoder
     with HeteroSpec(model, cpu_decoder=False) as hs:
         assert hs.cpu_decoder == "off" and hs.target.decoder is None
     with HeteroSpec(cpu_model("llama").to(torch.bfloat16)) as hs:
@@ -266,3 +268,17 @@ def test_a_users_forward_hook_sends_the_forwards_to_transformers_and_runs():
             handle.remove()
         assert calls and hooked.tolist() == plain.tolist()   # the hook ran on every forward; the same tokens
         assert not hs.target.decoder.hooked()
+
+
+def test_the_shared_decoder_does_not_keep_the_model_alive():
+    import gc
+    import weakref
+
+    model = cpu_model("llama")
+    with HeteroSpec(model) as hs:
+        dec = hs.target.decoder
+    del hs
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None and dec.model is None
