@@ -204,19 +204,21 @@ static int nthreads(int threads) {
 #endif
 }
 
-int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, int64_t n, const float *cos, const float *sin,
-                const int64_t *req, const int64_t *slot, const uint8_t *allowed, int64_t W,
+int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *emb, int64_t n, const float *cos,
+                const float *sin, const int64_t *req, const int64_t *slot, const uint8_t *allowed, int64_t W,
                 const int64_t *tap_layers, float *const *taps, const int64_t *out_rows, int64_t keep, float *logits,
-                int isa, int threads) {
+                float *hout, int isa, int threads) {
     const int64_t H = m->hidden, D = m->head_dim, NQ = m->heads * D, NK = m->kv_heads * D, I = m->inter;
     const int64_t QKV = NQ + 2 * NK, group = m->heads / m->kv_heads;
+    const int64_t XW = m->hidden_norm ? 2 * H : H; /* the attention input's width */
     if (W < 0 || W > c->capacity || keep < 0 || keep > n) return -1;
+    if (m->hidden_norm && (!emb || m->layers != 1)) return -1;
     for (int64_t r = 0; r < n; r++)
         if (req[r] < 0 || req[r] >= c->batch || slot[r] < 0 || slot[r] >= c->capacity) return -1;
     for (int64_t i = 0; out_rows && i < keep; i++)
         if (out_rows[i] < 0 || out_rows[i] >= n) return -1;
     int T = nthreads(threads);
-    size_t floats = (size_t)(n * H * 2 + n * QKV + n * NQ + n * 2 * I + n * I + D + (int64_t)T * W);
+    size_t floats = (size_t)(n * XW + n * H + n * QKV + n * NQ + n * 2 * I + n * I + D + (int64_t)T * W);
     float *buf = malloc(floats * sizeof(float));
     int64_t *cols = malloc((size_t)(T * (W > 0 ? W : 1)) * sizeof(int64_t));
     if (!buf || !cols) {
@@ -224,13 +226,21 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, int64_t n, con
         free(cols);
         return -2;
     }
-    float *x = buf, *tmp = x + n * H, *qkv = tmp + n * H, *att = qkv + n * QKV, *gu = att + n * NQ,
+    float *x = buf, *tmp = x + n * XW, *qkv = tmp + n * H, *att = qkv + n * QKV, *gu = att + n * NQ,
           *act = gu + n * 2 * I, *rot = act + n * I, *scores = rot + D;
     for (int64_t L = 0; L < m->layers; L++) {
         for (int t = 0; t < 3; t++)
             if (taps && taps[t] && tap_layers[t] == L) memcpy(taps[t], h, (size_t)(n * H) * sizeof *h);
-        for (int64_t r = 0; r < n; r++) hsd_rmsnorm(h + r * H, W_(L, HSD_LN1), x + r * H, H, m->eps, isa);
-        hsg_linear(x, H, W_(L, HSD_QKV), W_(L, HSD_QKV_B), qkv, QKV, n, QKV, H, isa, threads);
+        for (int64_t r = 0; r < n; r++) {
+            if (!m->hidden_norm) {
+                hsd_rmsnorm(h + r * H, W_(L, HSD_LN1), x + r * XW, H, m->eps, isa);
+                continue;
+            }
+            hsd_rmsnorm(emb + r * H, W_(L, HSD_LN1), x + r * XW, H, m->eps, isa);
+            hsd_rmsnorm(h + r * H, m->hidden_norm, x + r * XW + H, H, m->eps, isa);
+            if (m->flags & HSD_RESIDUAL_NORMED) memcpy(h + r * H, x + r * XW + H, (size_t)H * sizeof *h);
+        }
+        hsg_linear(x, XW, W_(L, HSD_QKV), W_(L, HSD_QKV_B), qkv, QKV, n, QKV, XW, isa, threads);
         const float *qn = W_(L, HSD_Q_NORM), *kn = W_(L, HSD_K_NORM);
         for (int64_t r = 0; r < n; r++) {
             float *row = qkv + r * QKV;
@@ -270,8 +280,12 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, int64_t n, con
         for (int64_t i = 0; i < n * H; i++) h[i] = h[i] + tmp[i];
     }
     if (keep > 0) {
-        for (int64_t i = 0; i < keep; i++)   /* (x holds n rows; keep <= n) */
-            hsd_rmsnorm(h + (out_rows ? out_rows[i] : n - keep + i) * H, m->final_norm, x + i * H, H, m->eps, isa);
+        for (int64_t i = 0; i < keep; i++) { /* (x holds n rows; keep <= n) */
+            const float *row = h + (out_rows ? out_rows[i] : n - keep + i) * H;
+            hsd_rmsnorm(row, m->final_norm, x + i * H, H, m->eps, isa);
+            if (hout) memcpy(hout + i * H, m->flags & HSD_OUT_NORMED ? x + i * H : row, (size_t)H * sizeof *h);
+            if (m->flags & HSD_HEAD_RAW) memcpy(x + i * H, row, (size_t)H * sizeof *h);
+        }
         hsg_linear(x, H, m->head, m->head_b, logits, m->vocab, keep, m->vocab, H, isa, threads);
     }
     free(buf);

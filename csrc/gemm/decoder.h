@@ -32,12 +32,21 @@ enum {
     HSD_DOWN_B, HSD_FIELDS
 };
 
+/* The EAGLE-3 draft's layout (hsd_model.hidden_norm set): its one layer's attention input is 2*hidden wide,
+ * [rmsnorm(e, ln1); rmsnorm(h, hidden_norm)] (e: the tokens' embeddings, h: the fed-in states), and its residual
+ * stream starts at h, or at rmsnorm(h, hidden_norm) with HSD_RESIDUAL_NORMED.  The output layer reads the final
+ * norm's rows, or the raw rows with HSD_HEAD_RAW; the state returned per kept row (hout) is the raw row, or the
+ * final norm's with HSD_OUT_NORMED. */
+enum { HSD_RESIDUAL_NORMED = 1, HSD_HEAD_RAW = 2, HSD_OUT_NORMED = 4 };
+
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter, vocab;
     float eps, scale;
     const int64_t *table;       /* [layers][HSD_FIELDS] addresses (0: absent) */
     const float *final_norm;    /* [hidden] */
     const float *head, *head_b; /* packed output layer [vocab x hidden], its bias or NULL */
+    const float *hidden_norm;   /* NULL: a decoder; else the EAGLE-3 draft's layout (one layer; q/k/v 2*hidden in) */
+    int flags;                  /* HSD_RESIDUAL_NORMED | HSD_HEAD_RAW | HSD_OUT_NORMED (0 for a decoder) */
 } hsd_model;
 
 typedef struct {
@@ -46,16 +55,18 @@ typedef struct {
     int64_t s_batch, s_kv, s_layer, s_head; /* strides in floats (a column is head_dim floats) */
 } hsd_cache;
 
-/* One forward over n rows.  h: [n][hidden], the embeddings in, the residual stream out; cos/sin: [n][head_dim];
+/* One forward over n rows.  h: [n][hidden], the embeddings in (the draft: the fed-in states; emb its tokens'
+ * embeddings [n][hidden], else NULL), the residual stream out; cos/sin: [n][head_dim];
  * req, slot: [n] (the cache row and column each row's keys and values go to); allowed: [n][W] (1: row r attends
  * to column j of its request's cache; W <= capacity); taps: three [n][hidden] buffers or NULLs, filled with h
  * entering layers tap_layers[0..2]; logits: [keep][vocab] for rows out_rows[0..keep) (NULL: the last keep rows;
- * keep <= n; 0: none).  Returns 0, or -1 for a req, slot, out_rows entry or W out of range (nothing written then), -2
- * for an allocation failure (nothing written either). */
-int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, int64_t n, const float *cos, const float *sin,
-                const int64_t *req, const int64_t *slot, const uint8_t *allowed, int64_t W,
+ * keep <= n; 0: none), and hout: [keep][hidden] those rows' states (see HSD_OUT_NORMED) or NULL.  Returns 0, or
+ * -1 for a req, slot, out_rows entry or W out of range, or the draft's layout without emb or with layers != 1
+ * (nothing written then), -2 for an allocation failure (nothing written either). */
+int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *emb, int64_t n, const float *cos,
+                const float *sin, const int64_t *req, const int64_t *slot, const uint8_t *allowed, int64_t W,
                 const int64_t *tap_layers, float *const *taps, const int64_t *out_rows, int64_t keep, float *logits,
-                int isa, int threads);
+                float *hout, int isa, int threads);
 
 /* The pieces, exposed for the tests (heterospec.reference.decoder holds each to a NumPy twin). */
 float hsd_dot(const float *a, const float *b, int64_t d, int isa);

@@ -74,25 +74,32 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
-/* decoder_forward(model, eps, scale, cache, h, n, cos, sin, req, slot, allowed, W, tap_layers, taps, out_rows,
- * keep, logits, isa, threads): decoder.h's hsd_forward.  model: (layers, hidden, heads, kv_heads, head_dim,
- * inter, vocab, table, final_norm, head, head_b); cache: (kv, batch, capacity, s_batch, s_kv, s_layer, s_head);
- * tap_layers, taps: 3 each (a tap address 0: not captured); out_rows 0: the last keep rows. */
+/* decoder_forward(model, eps, scale, cache, h, emb, n, cos, sin, req, slot, allowed, W, tap_layers, taps, out_rows,
+ * keep, logits, hout, isa, threads): decoder.h's hsd_forward.  model: (layers, hidden, heads, kv_heads, head_dim,
+ * inter, vocab, table, final_norm, head, head_b, hidden_norm, flags); cache: (kv, batch, capacity, s_batch, s_kv,
+ * s_layer, s_head); tap_layers, taps: 3 each (a tap address 0: not captured); out_rows 0: the last keep rows;
+ * emb, hidden_norm, hout 0: absent. */
 static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
     (void)self;
-    long long md[11], cc[7], h, n, cs, sn, req, slot, allowed, W, tl[3], tp[3], out_rows, keep, logits;
+    long long md[12], cc[7], h, emb, n, cs, sn, req, slot, allowed, W, tl[3], tp[3], out_rows, keep, logits, hout;
     float eps, scale;
-    int isa, threads;
-    if (!PyArg_ParseTuple(args, "(LLLLLLLLLLL)ff(LLLLLLL)LLLLLLLL(LLL)(LLL)LLLii", &md[0], &md[1], &md[2], &md[3],
-                          &md[4], &md[5], &md[6], &md[7], &md[8], &md[9], &md[10], &eps, &scale, &cc[0], &cc[1], &cc[2],
-                          &cc[3], &cc[4], &cc[5], &cc[6], &h, &n, &cs, &sn, &req, &slot, &allowed, &W, &tl[0], &tl[1],
-                          &tl[2], &tp[0], &tp[1], &tp[2], &out_rows, &keep, &logits, &isa, &threads))
+    int flags, isa, threads;
+    if (!PyArg_ParseTuple(args, "(LLLLLLLLLLLLi)ff(LLLLLLL)LLLLLLLLL(LLL)(LLL)LLLLii", &md[0], &md[1], &md[2], &md[3],
+                          &md[4], &md[5], &md[6], &md[7], &md[8], &md[9], &md[10], &md[11], &flags, &eps, &scale,
+                          &cc[0], &cc[1], &cc[2], &cc[3], &cc[4], &cc[5], &cc[6], &h, &emb, &n, &cs, &sn, &req, &slot,
+                          &allowed, &W, &tl[0], &tl[1], &tl[2], &tp[0], &tp[1], &tp[2], &out_rows, &keep, &logits,
+                          &hout, &isa, &threads))
         return NULL;
     if (isa_ok(isa, "decoder_forward") < 0) return NULL;
     if (md[0] < 0 || md[1] <= 0 || md[2] <= 0 || md[3] <= 0 || md[2] % md[3] || md[4] <= 0 || md[4] % 2 || md[5] <= 0
-        || md[6] <= 0) {
+        || md[6] <= 0 || (flags & ~(HSD_RESIDUAL_NORMED | HSD_HEAD_RAW | HSD_OUT_NORMED))) {
         PyErr_SetString(PyExc_ValueError, "decoder_forward: argument 'model' expected positive sizes (heads a multiple "
-                                          "of kv_heads, an even head_dim)");
+                                          "of kv_heads, an even head_dim) and known flags");
+        return NULL;
+    }
+    if (md[11] && (md[0] != 1 || !emb)) {
+        PyErr_SetString(PyExc_ValueError, "decoder_forward: argument 'model' with a hidden_norm (the EAGLE-3 draft's "
+                                          "layout) expected one layer and the tokens' embeddings (emb)");
         return NULL;
     }
     if (n <= 0) Py_RETURN_NONE;
@@ -110,16 +117,18 @@ static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
                 return NULL;
             }
     hsd_model m = {md[0], md[1], md[2], md[3], md[4], md[5], md[6], eps, scale, table,
-                   (const float *)(uintptr_t)md[8], (const float *)(uintptr_t)md[9], (const float *)(uintptr_t)md[10]};
+                   (const float *)(uintptr_t)md[8], (const float *)(uintptr_t)md[9], (const float *)(uintptr_t)md[10],
+                   (const float *)(uintptr_t)md[11], flags};
     hsd_cache c = {(float *)(uintptr_t)cc[0], cc[1], cc[2], cc[3], cc[4], cc[5], cc[6]};
     int64_t taps_at[3] = {tl[0], tl[1], tl[2]};
     float *taps[3] = {(float *)(uintptr_t)tp[0], (float *)(uintptr_t)tp[1], (float *)(uintptr_t)tp[2]};
     int rc;
-    Py_BEGIN_ALLOW_THREADS rc = hsd_forward(&m, &c, (float *)(uintptr_t)h, n, (const float *)(uintptr_t)cs,
-                                            (const float *)(uintptr_t)sn, (const int64_t *)(uintptr_t)req,
-                                            (const int64_t *)(uintptr_t)slot, (const uint8_t *)(uintptr_t)allowed, W,
-                                            taps_at, taps, (const int64_t *)(uintptr_t)out_rows, keep,
-                                            (float *)(uintptr_t)logits, isa, threads);
+    Py_BEGIN_ALLOW_THREADS rc = hsd_forward(&m, &c, (float *)(uintptr_t)h, (const float *)(uintptr_t)emb, n,
+                                            (const float *)(uintptr_t)cs, (const float *)(uintptr_t)sn,
+                                            (const int64_t *)(uintptr_t)req, (const int64_t *)(uintptr_t)slot,
+                                            (const uint8_t *)(uintptr_t)allowed, W, taps_at, taps,
+                                            (const int64_t *)(uintptr_t)out_rows, keep, (float *)(uintptr_t)logits,
+                                            (float *)(uintptr_t)hout, isa, threads);
     Py_END_ALLOW_THREADS if (rc == -1) {
         PyErr_Format(PyExc_ValueError, "decoder_forward: arguments 'req', 'slot', 'out_rows', 'W' and 'keep' expected "
                      "cache rows in [0, %lld), columns in [0, %lld), rows in [0, %lld), W <= %lld and keep <= %lld; "

@@ -220,8 +220,13 @@ class HeteroSpec:
     the Llama, Mistral, Qwen2 or Qwen3 family, not compiled, where the kernel has AVX2 or AVX-512 tiles; True
     insists (ValueError naming why not); False: transformers' forward.  The logits agree with transformers' to
     ~1e-5; every tree node's logits are bit for bit a one-row step's of the same engine, so speculative output
-    equals this engine's autoregressive output by construction.  ``self.cpu_decoder`` and every call's stats say
-    which; ``cpu_gemm`` then routes the draft's layers only."""
+    equals this engine's autoregressive output by construction.  The same setting runs an EAGLE-3 draft's step and
+    head (its one layer, 2H wide, and its output layer) in one call of the same code where the draft is
+    heterospec's float32 ``Eagle3Draft`` on the CPU (True insists on the target's decoder only; any other draft
+    keeps its own step); the draft's output is not the lossless part, so its ~1e-6 differences to the torch
+    modules only move which tokens are proposed.  ``self.cpu_decoder`` and every call's stats say which ran
+    ("target and draft (AVX-512)", ...); ``cpu_gemm`` then routes what is left on torch's layers (the draft's
+    ``fc``, or all of it)."""
 
     def __init__(self, target, draft=None, policy=None, *, max_length=None, buckets="auto", cuda_graphs="auto",
                  compile=False, cpu_gemm="auto", batch_invariant="auto", cpu_decoder="auto"):
@@ -275,12 +280,14 @@ class HeteroSpec:
             cpu_gemm = False
         self.batch_invariant = _check_invariant(batch_invariant, p)
         self._decoder = decoder_mod.for_target(cpu_decoder, target, compile=bool(compile))
-        self.cpu_decoder = "off" if self._decoder is None else self._decoder.describe()
+        self._fast_draft = decoder_mod.for_draft(cpu_decoder, draft)
+        self.cpu_decoder = decoder_mod.describe(self._decoder, self._fast_draft)
+        routed = decoder_mod.gemm_modules(draft, self._fast_draft)
         try:
             self.target = TargetAdapter(target, tap_layers=taps, capture_taps=draft is not None, compile=compile,
                                         invariant=self.batch_invariant, batched=True, decoder=self._decoder)
             # packed once here (outside any timed call), routed only inside generate
-            self._gemm = gemm.for_models(cpu_gemm, target, draft, invariant=self.batch_invariant,
+            self._gemm = gemm.for_models(cpu_gemm, target, routed, invariant=self.batch_invariant,
                                          traced=bool(compile), route_target=self._decoder is None)
         except ValueError as e:
             if batch_invariant is True or "row-invariant" not in str(e):
@@ -291,7 +298,7 @@ class HeteroSpec:
             self.batch_invariant = False
             self.target = TargetAdapter(target, tap_layers=taps, capture_taps=draft is not None, compile=compile,
                                         batched=True, decoder=self._decoder)
-            self._gemm = gemm.for_models(cpu_gemm, target, draft, traced=bool(compile),
+            self._gemm = gemm.for_models(cpu_gemm, target, routed, traced=bool(compile),
                                          route_target=self._decoder is None)
         self.cpu_gemm = self._gemm.describe()   # which row classes run packed: in every call's stats
         self._drafting = draft is not None and self.policy.drafts
@@ -316,7 +323,8 @@ class HeteroSpec:
         tgt = self.target if batch == 1 else TargetAdapter(
             self.target.model, tap_layers=self.target.tap_layers, capture_taps=self._drafting, batch=batch,
             invariant=self.target.invariant, decoder=self._decoder)
-        dr = (DraftState(self.draft, self.policy.top_k, self._levels, self._d2t, batch) if self._drafting
+        dr = (DraftState(self.draft, self.policy.top_k, self._levels, self._d2t, batch, fast=self._fast_draft)
+              if self._drafting
               else NoDraft(self.device, batch))
         return Cycle(tgt, dr, self.policy, self.buckets, self.device, emulate=self.cuda_graphs == "emulate",
                      owns_target=batch > 1)

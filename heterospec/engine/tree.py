@@ -34,8 +34,9 @@ class DraftState:
     a cycle's tree are the same columns in every row, so growth writes them with one write; the catch-up
     writes each row at its own prefix.  Row b computes what a batch of one computes for request b alone."""
 
-    def __init__(self, draft, top_k, max_levels, d2t, batch=1):
+    def __init__(self, draft, top_k, max_levels, d2t, batch=1, fast=None):
         self.draft, self.K, self.d2t = draft, top_k, d2t
+        self.fast = fast          # the draft's step and head in one call of C (cpu_decoder.CpuDraft), or None
         self.max_levels = max_levels
         self.batch = batch
         self.base = 0
@@ -82,10 +83,19 @@ class DraftState:
         rows = prefix.view(B, 1) + self.cols[:R]                       # [B, R]: each request's own columns
         allowed = self.cols.view(1, 1, -1) <= rows.view(B, R, 1)          # causal over the committed part
         allowed[:, :, self.base:] = False
-        h2 = d.step(d.fuse(taps), ids, rows, self.cache, rows, allowed)
-        sel = h2.gather(1, last.view(B, 1, 1).expand(B, 1, h2.shape[-1]))
-        logits, h = d.head(sel)
+        logits, h = self._step_head(d.fuse(taps), ids, rows, rows, allowed, last)
         return self._store_root(logits, h)
+
+    def _step_head(self, hidden, ids, pos, slots, allowed, last=None):
+        """One draft step on the cache, then the head over its rows (or each request's row ``last`` [B]):
+        (logits [B, rows, Vd], the states to feed back [B, rows, H]) -- in one call where ``fast`` runs it (not
+        while a user's forward hook is set on the draft: its modules run then, and the hook with them)."""
+        if self.fast is not None and not self.fast.hooked():
+            return self.fast.step_head(hidden, ids, pos, self.cache, slots, allowed, last)
+        h2 = self.draft.step(hidden, ids, pos, self.cache, slots, allowed)
+        if last is not None:
+            h2 = h2.gather(1, last.view(-1, 1, 1).expand(-1, 1, h2.shape[-1]))
+        return self.draft.head(h2)
 
     def _store_root(self, logits, h):
         """Write the roots' draft logits and states into the static ``root_logits`` / ``root_h`` in place, so
@@ -133,7 +143,7 @@ class DraftState:
         records level by level."""
         if g is None:
             g = self.start()
-        d, B, K, check = self.draft, self.batch, self.K, prefix.device.type != "cuda"
+        B, K, check = self.batch, self.K, prefix.device.type != "cuda"
         H = self.h_rows.shape[-1]
         for _ in range(levels):
             level = g.level + 1
@@ -154,9 +164,8 @@ class DraftState:
             slots = self.base + r0 + self.cols[:K]
             ids = g.tokens[-1].gather(1, local)
             pos = (prefix + (level - 1)).view(B, 1).expand(B, K)
-            h2 = d.step(self.h_rows.gather(1, src.view(B, K, 1).expand(B, K, H)), ids, pos, self.cache, slots,
-                        allowed)
-            logits, h_out = d.head(h2)
+            logits, h_out = self._step_head(self.h_rows.gather(1, src.view(B, K, 1).expand(B, K, H)), ids, pos,
+                                            slots, allowed)
             self.h_rows[:, 1 + r0:1 + r0 + K] = h_out
             health.mark(self.bad, logits)
             g = g.extend(logits, self.d2t, check=check)

@@ -20,6 +20,7 @@ are set (the hooks then run, as they would in the user's own calls).
 """
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -29,6 +30,7 @@ from . import cpu_gemm
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 SETTINGS = ("auto", True, False)
 ISA_NAMES = ("portable", "AVX2", "AVX-512")
+HSD_RESIDUAL_NORMED, HSD_HEAD_RAW, HSD_OUT_NORMED = 1, 2, 4   # decoder.h's flags
 
 
 def _text(model):
@@ -90,40 +92,26 @@ def unsupported(model):
     return None
 
 
-class CpuDecoder:
-    """The decoder of one float32 CPU model: its weights packed once (repacked when a weight was written since),
-    and :meth:`forward` over any rows of the engine's cache.  Get it with :func:`for_target` (one per model,
-    shared by every engine on it).  It holds the model weakly: the model's lifetime stays the user's."""
+class _Packed:
+    """What the target's decoder and the draft's layer share: a module held weakly, its weights packed once into
+    the kernel's panels (repacked when a weight was written since), the user's-hooks rule and the one call of
+    decoder.h.  A subclass says what it packs (:meth:`_layer_rows`, :meth:`_head`) and why a module is not
+    supported (:meth:`_why`)."""
 
-    def __init__(self, model):
-        why = unsupported(model)
+    def __init__(self, module):
+        why = self._why(module)
         if why is not None:
             raise ValueError(f"HeteroSpec: argument 'cpu_decoder' expected a supported float32 CPU model, got {why}")
-        self._model = weakref.ref(model)
+        self._model = weakref.ref(module)
         self._g = cpu_gemm._rows_module()
         self.isa = self._g.isa_best()
-        cfg = _text(model)
-        base = model.model
-        self.layers = list(base.layers)
-        att0 = self.layers[0].self_attn
-        self.hidden = cfg.hidden_size
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
-        self.head_dim = att0.head_dim
-        self.inter = self.layers[0].mlp.gate_proj.out_features
-        self.vocab = model.lm_head.out_features
-        self.eps = float(self.layers[0].input_layernorm.variance_epsilon)
-        self.scale = float(att0.scaling)
-        self.embed = base.embed_tokens
-        self.rotary = base.rotary_emb
-        self._params = list(model.parameters())
-        self._children = list(model.modules())[1:]   # (the model itself only through the weak reference)
+        self._params = list(module.parameters())
+        self._children = list(module.modules())[1:]   # (the module itself only through the weak reference)
         self._versions = None
-        self._pack()
 
     def hooked(self):
-        """Whether forward hooks other than the engine's own taps are set on the model (or globally): the user's
-        hooks run only on transformers' forward, so the adapter takes that forward while there are any."""
+        """Whether forward hooks other than the engine's own taps are set on the module (or globally): the user's
+        hooks run only on torch's forward, so the caller takes that forward while there are any."""
         from torch.nn.modules import module as tm
 
         if tm._global_forward_hooks or tm._global_forward_pre_hooks:
@@ -136,7 +124,7 @@ class CpuDecoder:
 
     @property
     def model(self):
-        """The model (None once the user dropped it)."""
+        """The module (None once the user dropped it)."""
         return self._model()
 
     def _state(self):
@@ -163,25 +151,89 @@ class CpuDecoder:
             return addr(w), addr(b)
 
         rows = []
-        for layer in self.layers:
+        for layer, ln1, ln2 in self._layer_rows():
             a, m = layer.self_attn, layer.mlp
             qkv, qkv_b = fused([a.q_proj, a.k_proj, a.v_proj])
             o, o_b = fused([a.o_proj])
             gu, gu_b = fused([m.gate_proj, m.up_proj])
             down, down_b = fused([m.down_proj])
             qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-            rows.append([addr(layer.input_layernorm.weight), addr(layer.post_attention_layernorm.weight), qkv, qkv_b,
-                         addr(None if qn is None else qn.weight), addr(None if kn is None else kn.weight), o, o_b, gu,
-                         gu_b, down, down_b])
+            rows.append([addr(ln1.weight), addr(ln2.weight), qkv, qkv_b, addr(None if qn is None else qn.weight),
+                         addr(None if kn is None else kn.weight), o, o_b, gu, gu_b, down, down_b])
         self._table = torch.tensor(rows, dtype=torch.int64, device="cpu")
-        head, head_b = fused([self.model.lm_head])
-        self._desc = (len(self.layers), self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter, self.vocab,
-                      self._table.data_ptr(), addr(self.model.model.norm.weight), head, head_b)
+        final, head, hidden_norm, flags = self._head()
+        head, head_b = fused([head])
+        self._desc = (len(rows), self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter, self.vocab,
+                      self._table.data_ptr(), addr(final.weight), head, head_b,
+                      addr(None if hidden_norm is None else hidden_norm.weight), flags)
         self._keep = keep
         self._versions = self._state()
 
-    def describe(self):
-        return f"on ({ISA_NAMES[self.isa]})"
+    def _fresh(self):
+        """Repack when a weight was written since (in place, or replaced); a module now unsupported is an error."""
+        if self._state() != self._versions:
+            why = self._why(self.model)
+            if why is not None:
+                raise ValueError(f"cpu_decoder: the model changed since the engine was made and is now {why}; make a "
+                                 f"new HeteroSpec for it")
+            self._pack()
+
+    def _run(self, h, emb, cos, sin, B, n, slots, allowed, cache, out_rows, k, taps=None, hout=False):
+        """decoder.h's forward over B requests x n rows: ``h`` [B*n, H] in (the residual stream out), ``emb``
+        the draft's embeddings or None, ``cos``/``sin`` [B, n, d], ``slots`` [n] or [B, n], ``allowed`` [n, W] or
+        [B, n, W], ``cache``: (tensor, batch, capacity, strides of a request, of keys/values, of a layer, of a kv
+        head); logits for the rows ``out_rows`` (None: all), ``k`` of them.  Returns (logits [k, V], the taps'
+        inputs or None, the kept rows' states [k, H] or None)."""
+        rows, H = B * n, self.hidden
+        cos = cos.expand(B, n, -1).contiguous()
+        sin = sin.expand(B, n, -1).contiguous()
+        req = torch.arange(B, device="cpu").repeat_interleave(n)
+        slot = slots.expand(B, n).reshape(-1).contiguous()
+        W = allowed.shape[-1]
+        allowed = allowed.expand(B, n, W).reshape(rows, W).contiguous()
+        logits = torch.empty(k, self.vocab, device="cpu")   # (never the default device)
+        bufs = [torch.empty(rows, H, device="cpu") for _ in taps] if taps else []
+        tap_at = list(taps or []) + [-1] * (3 - len(bufs))
+        addrs = [b.data_ptr() for b in bufs] + [0] * (3 - len(bufs))
+        states = torch.empty(k, H, device="cpu") if hout else None
+        self._g.decoder_forward(self._desc, self.eps, self.scale, cache, h.data_ptr(),
+                                0 if emb is None else emb.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(),
+                                req.data_ptr(), slot.data_ptr(), allowed.data_ptr(), W, tuple(tap_at), tuple(addrs),
+                                0 if out_rows is None else out_rows.data_ptr(), k, logits.data_ptr(),
+                                0 if states is None else states.data_ptr(), self.isa, 0)
+        return logits, (bufs if taps else None), states
+
+
+class CpuDecoder(_Packed):
+    """The decoder of one float32 CPU model: its weights packed once (repacked when a weight was written since),
+    and :meth:`forward` over any rows of the engine's cache.  Get it with :func:`for_target` (one per model,
+    shared by every engine on it).  It holds the model weakly: the model's lifetime stays the user's."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        cfg = _text(model)
+        base = model.model
+        self.layers = list(base.layers)
+        att0 = self.layers[0].self_attn
+        self.hidden = cfg.hidden_size
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = att0.head_dim
+        self.inter = self.layers[0].mlp.gate_proj.out_features
+        self.vocab = model.lm_head.out_features
+        self.eps = float(self.layers[0].input_layernorm.variance_epsilon)
+        self.scale = float(att0.scaling)
+        self.embed = base.embed_tokens
+        self.rotary = base.rotary_emb
+        self._pack()
+
+    _why = staticmethod(unsupported)
+
+    def _layer_rows(self):
+        return [(layer, layer.input_layernorm, layer.post_attention_layernorm) for layer in self.layers]
+
+    def _head(self):
+        return self.model.model.norm, self.model.lm_head, None, 0
 
     @torch.no_grad()
     def forward(self, ids, positions, slots, allowed, kv, keep=None, taps=None):
@@ -190,14 +242,8 @@ class CpuDecoder:
         request b in its row b), each row attending to the columns ``allowed`` [n, W] / [B, n, W] marks.
         ``keep``: logits for every row (None) or for each request's last ``keep`` rows; ``taps``: the layers whose
         input to return.  Returns (logits [B, rows kept, V] float32, [the taps' inputs [B, n, H]] or None)."""
-        if self._state() != self._versions:   # a weight written since (in place, or replaced)
-            why = unsupported(self.model)
-            if why is not None:
-                raise ValueError(f"cpu_decoder: the model changed since the engine was made and is now {why}; make a "
-                                 f"new HeteroSpec for it")
-            self._pack()
+        self._fresh()
         B, n = ids.shape
-        rows = B * n
         H = self.hidden
         if kv.dim() != 6 or kv.dtype != torch.float32 or kv.stride(5) != 1 or kv.stride(4) != self.head_dim \
                 or B > kv.shape[0]:
@@ -208,46 +254,121 @@ class CpuDecoder:
         if cos.shape[-1] != self.head_dim:
             raise ValueError(f"cpu_decoder: the model's rotary tables cover {cos.shape[-1]} of {self.head_dim} "
                              f"head dimensions (partial rotary is not supported)")
-        cos = cos.expand(B, n, -1).contiguous()
-        sin = sin.expand(B, n, -1).contiguous()
-        req = torch.arange(B, device="cpu").repeat_interleave(n)
-        slot = slots.expand(B, n).reshape(-1).contiguous()
-        W = allowed.shape[-1]
-        allowed = allowed.expand(B, n, W).reshape(rows, W).contiguous()
         if keep is None:
-            out_rows, k = None, rows
+            out_rows, k = None, B * n
         else:
             k = min(int(keep), n)
             out_rows = (torch.arange(B, device="cpu").view(B, 1) * n
                         + torch.arange(n - k, n, device="cpu").view(1, k)).reshape(-1)
             k = B * k
-        logits = torch.empty(k, self.vocab, device="cpu")   # (never the default device)
-        bufs = [torch.empty(rows, H, device="cpu") for _ in taps] if taps else []
-        tap_at = list(taps or []) + [-1] * (3 - len(bufs))
-        addrs = [b.data_ptr() for b in bufs] + [0] * (3 - len(bufs))
         s = kv.stride()
-        self._g.decoder_forward(self._desc, self.eps, self.scale,
-                                (kv.data_ptr(), kv.shape[0], kv.shape[4], s[0], s[1], s[2], s[3]),
-                                h.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), req.data_ptr(), slot.data_ptr(),
-                                allowed.data_ptr(), W, tuple(tap_at), tuple(addrs),
-                                0 if out_rows is None else out_rows.data_ptr(), k, logits.data_ptr(), self.isa, 0)
+        logits, bufs, _ = self._run(h, None, cos, sin, B, n, slots, allowed,
+                                    (kv.data_ptr(), kv.shape[0], kv.shape[4], s[0], s[1], s[2], s[3]), out_rows, k,
+                                    taps=taps)
         return logits.view(B, -1, self.vocab), ([b.view(B, n, H) for b in bufs] if taps else None)
 
 
-def why_off(setting, model, *, compile=False):
-    """Why a ``cpu_decoder`` setting leaves ``model`` on transformers' forward (a phrase; 'off' for False), or None
-    when the decoder runs it (:func:`for_target`'s rule, without packing anything)."""
+def draft_unsupported(draft):
+    """Why the C layer cannot run ``draft``'s step and head (a short phrase), or None when it can."""
+    from .draft import Eagle3Draft
+
+    if not cpu_gemm.rows_available():
+        return "heterospec's kernel extension (heterospec._gemm) is not built in this install"
+    if not isinstance(draft, Eagle3Draft):
+        return f"a draft of type {type(draft).__name__} (the C layer runs heterospec's Eagle3Draft)"
+    if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in draft.parameters()):
+        return "a draft not in float32 on the CPU"
+    if type(draft).step is not Eagle3Draft.step or type(draft).head is not Eagle3Draft.head:
+        return "a draft whose step or head is its own"
+    return None
+
+
+class CpuDraft(_Packed):
+    """The EAGLE-3 draft's step and head on the CPU in one call of ours (decoder.h's draft layout): the layer
+    over the step's rows on the draft's own static cache, then the final norm and the output layer over the
+    rows wanted.  The fusion layer ``fc`` and the embedding stay torch's.  Get it with :func:`for_draft`."""
+
+    def __init__(self, draft):
+        super().__init__(draft)
+        c = draft.config
+        m = draft.midlayer
+        self.hidden, self.heads, self.kv_heads, self.head_dim = (c.hidden_size, c.num_attention_heads,
+                                                                 c.num_key_value_heads, c.head_dim)
+        self.inter = m.mlp.gate_proj.out_features
+        self.vocab = draft.lm_head.out_features
+        self.eps = float(c.rms_norm_eps)
+        self.scale = 1.0 / math.sqrt(c.head_dim)   # (scaled_dot_product_attention's default, as the module's)
+        self._pack()
+
+    _why = staticmethod(draft_unsupported)
+
+    def hooked(self):
+        """A user's forward hook on the draft, or its ``step`` or ``head`` replaced on the instance (a patch of
+        the user's, which must run): the drafter then calls the module's own."""
+        d = self.model
+        return "step" in vars(d) or "head" in vars(d) or super().hooked()
+
+    def _layer_rows(self):
+        m = self.model.midlayer
+        return [(m, m.input_layernorm, m.post_attention_layernorm)]
+
+    def _head(self):
+        d = self.model
+        c = d.config
+        flags = (HSD_RESIDUAL_NORMED if c.norm_before_residual else 0) | (0 if c.norm_output else HSD_HEAD_RAW) \
+            | (HSD_OUT_NORMED if c.norm_hidden_out else 0)
+        return d.norm, d.lm_head, d.midlayer.hidden_norm, flags
+
+    @torch.no_grad()
+    def step_head(self, hidden, input_ids, position_ids, cache, slots, attn_mask, last=None):
+        """``Eagle3Draft.step`` then ``Eagle3Draft.head`` over its rows (``last`` None) or over each request's row
+        ``last`` [B] -- the same arguments (``cache`` from ``new_cache``) -- in one call.  Returns (logits
+        [B, rows, Vd] float32, the states to feed back [B, rows, H])."""
+        self._fresh()
+        d = self.model
+        B, n, H = hidden.shape
+        if cache.dim() != 5 or cache.dtype != torch.float32 or not cache.is_contiguous() or cache.shape[1] < B:
+            raise ValueError(f"cpu_decoder: argument 'cache' expected the draft's float32 cache [2, >= {B}, kv_heads, "
+                             f"capacity, {self.head_dim}], got {tuple(cache.shape)} {cache.dtype}")
+        h = hidden.reshape(B * n, H).to(torch.float32, copy=True).contiguous()
+        emb = torch.nn.functional.embedding(input_ids.reshape(-1), d.embed_tokens.weight).contiguous()
+        cos, sin = d.rope_tables(position_ids.reshape(-1, n).expand(B, n), torch.device("cpu"), torch.float32)
+        if last is None:
+            out_rows, k = None, B * n
+        else:
+            out_rows = (torch.arange(B, device="cpu") * n + last.view(B)).contiguous()
+            k = B
+        s = cache.stride()
+        logits, _, states = self._run(h, emb, cos, sin, B, n, slots, attn_mask.view(torch.uint8),
+                                      (cache.data_ptr(), cache.shape[1], cache.shape[3], s[1], s[0], 0, s[2]),
+                                      out_rows, k, hout=True)
+        return logits.view(B, -1, self.vocab), states.view(B, -1, H)
+
+
+def why_off(setting, model, *, compile=False, draft=False):
+    """Why a ``cpu_decoder`` setting leaves ``model`` (``draft``: a draft) on torch's forward (a phrase; 'off' for
+    False), or None when ours runs it (:func:`for_target`'s and :func:`for_draft`'s rule, packing nothing)."""
     if not cpu_gemm.one_of(setting, SETTINGS):
         raise ValueError(f"HeteroSpec: argument 'cpu_decoder' expected 'auto', True or False, got {setting!r}")
     if setting is False:
         return "off"
-    why = "a compiled target (compile=...)" if compile else unsupported(model)
+    if draft:
+        why = draft_unsupported(model)
+    else:
+        why = "a compiled target (compile=...)" if compile else unsupported(model)
     if why is None and setting == "auto" and cpu_gemm._rows_module().isa_best() == 0:
         why = "only the kernel's portable loop on this CPU"
     return why
 
 
-_SHARED = weakref.WeakKeyDictionary()   # model -> its CpuDecoder: one packed copy however many engines use it
+_SHARED = weakref.WeakKeyDictionary()   # module -> its CpuDecoder / CpuDraft: one packed copy for every engine
+
+
+def _shared(module, kind):
+    got = _SHARED.get(module)
+    if got is None:
+        got = _SHARED[module] = kind(module)
+    return got
 
 
 def for_target(setting, model, *, compile=False):
@@ -262,7 +383,30 @@ def for_target(setting, model, *, compile=False):
             raise ValueError(f"HeteroSpec: argument 'cpu_decoder' expected False or 'auto' here (True needs a "
                              f"supported float32 CPU model, no compile, and heterospec._gemm), got True for {why}")
         return None
-    dec = _SHARED.get(model)
-    if dec is None:
-        dec = _SHARED[model] = CpuDecoder(model)
-    return dec
+    return _shared(model, CpuDecoder)
+
+
+def for_draft(setting, draft):
+    """The C layer a ``cpu_decoder`` setting gives ``draft`` (None: its torch modules): on for 'auto' and True
+    wherever :func:`draft_unsupported` allows and the kernel has AVX2 or AVX-512 tiles here (True insists on the
+    target's decoder only: a draft of another kind keeps its own step); one per draft, shared by every engine."""
+    if draft is None or why_off("auto" if setting is True else setting, draft, draft=True) is not None:
+        return None
+    return _shared(draft, CpuDraft)
+
+
+def gemm_modules(draft, fast):
+    """The draft modules whose linear layers stay torch's (``cpu_gemm`` routes them): the fusion layer ``fc``
+    alone where the C layer runs the rest (``fast``), else the whole draft (None without one)."""
+    if draft is None:
+        return None
+    return draft.fc if fast is not None else draft
+
+
+def describe(decoder, fast):
+    """What an engine's ``cpu_decoder`` says: 'off', or which forwards run ours and on which instruction set
+    ('target and draft (AVX-512)', 'target (AVX2)', 'draft (AVX-512)')."""
+    parts = [name for name, on in (("target", decoder), ("draft", fast)) if on is not None]
+    if not parts:
+        return "off"
+    return f"{' and '.join(parts)} ({ISA_NAMES[(decoder or fast).isa]})"

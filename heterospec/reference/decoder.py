@@ -89,6 +89,36 @@ def silu_mul(g, u):
     return ((g / (f32(1.0) + exp(-g)).astype(f32)).astype(f32) * np.asarray(u, f32)).astype(f32)
 
 
+def _layer(L, x, h, eps, scale, heads, kv_heads, cos, sin, cache, slots, allowed):
+    """One layer after its input norm: attention input ``x`` [n, X], residual stream ``h`` [n, H]; the keys and
+    values written into ``cache`` [2, kv_heads, W', d] at ``slots``.  Returns the new residual stream."""
+    n = x.shape[0]
+    d = cache.shape[-1]
+    group = heads // kv_heads
+
+    def lin(x, name):
+        return rows_linear(x, L[name], L.get(name + "_b"))
+
+    q = lin(x, "q").reshape(n, heads, d)
+    k = lin(x, "k").reshape(n, kv_heads, d)
+    v = lin(x, "v").reshape(n, kv_heads, d)
+    if L.get("q_norm") is not None:
+        q = rmsnorm(q, L["q_norm"], eps)
+    if L.get("k_norm") is not None:
+        k = rmsnorm(k, L["k_norm"], eps)
+    q = rotate(q, cos[:, None, :], sin[:, None, :])
+    k = rotate(k, cos[:, None, :], sin[:, None, :])
+    for r, s in enumerate(slots):
+        cache[0, :, s] = k[r]
+        cache[1, :, s] = v[r]
+    W = allowed.shape[1]
+    att = np.stack([np.concatenate([attend(q[r, a], cache[0, a // group, :W], cache[1, a // group, :W], allowed[r],
+                                           scale) for a in range(heads)]) for r in range(n)])
+    h = (h + lin(att, "o")).astype(f32)
+    x = rmsnorm(h, L["ln2"], eps)
+    return (h + lin(silu_mul(lin(x, "gate"), lin(x, "up")), "down")).astype(f32)
+
+
 def decoder_layers(layers, final_norm, head, eps, scale, heads, kv_heads, h, cos, sin, cache, slots, allowed):
     """The kernel's whole forward for the rows of one request, in NumPy (slow: for the tests' tiny models).
 
@@ -98,31 +128,22 @@ def decoder_layers(layers, final_norm, head, eps, scale, heads, kv_heads, h, cos
     request's keys and values, written in place at columns ``slots`` [n]; ``allowed`` [n, W] bool (W <= W').
     Returns logits [n, V] float32."""
     h = np.array(h, f32)
-    n, H = h.shape
-    d = cache.shape[-1]
-    group = heads // kv_heads
-
-    def lin(x, name, L):
-        return rows_linear(x, L[name], L.get(name + "_b"))
-
     for i, L in enumerate(layers):
-        x = rmsnorm(h, L["ln1"], eps)
-        q = lin(x, "q", L).reshape(n, heads, d)
-        k = lin(x, "k", L).reshape(n, kv_heads, d)
-        v = lin(x, "v", L).reshape(n, kv_heads, d)
-        if L.get("q_norm") is not None:
-            q = rmsnorm(q, L["q_norm"], eps)
-        if L.get("k_norm") is not None:
-            k = rmsnorm(k, L["k_norm"], eps)
-        q = rotate(q, cos[:, None, :], sin[:, None, :])
-        k = rotate(k, cos[:, None, :], sin[:, None, :])
-        for r, s in enumerate(slots):
-            cache[i, 0, :, s] = k[r]
-            cache[i, 1, :, s] = v[r]
-        W = allowed.shape[1]
-        att = np.stack([np.concatenate([attend(q[r, a], cache[i, 0, a // group, :W], cache[i, 1, a // group, :W],
-                                               allowed[r], scale) for a in range(heads)]) for r in range(n)])
-        h = (h + lin(att, "o", L)).astype(f32)
-        x = rmsnorm(h, L["ln2"], eps)
-        h = (h + lin(silu_mul(lin(x, "gate", L), lin(x, "up", L)), "down", L)).astype(f32)
+        h = _layer(L, rmsnorm(h, L["ln1"], eps), h, eps, scale, heads, kv_heads, cos, sin, cache[i], slots, allowed)
     return rows_linear(rmsnorm(h, final_norm, eps), head[0], head[1])
+
+
+def draft_layer(layer, hidden_norm, final_norm, head, eps, scale, heads, kv_heads, e, h, cos, sin, cache, slots,
+                allowed, *, residual_normed=False, head_normed=True, out_normed=False):
+    """The kernel's EAGLE-3 draft step and head (decoder.h's draft layout) for the rows of one request: the layer's
+    attention input is [rmsnorm(e, ln1), rmsnorm(h, hidden_norm)] (``e`` [n, H] the tokens' embeddings, ``h``
+    [n, H] the fed-in states), its residual stream starts at ``h`` (``residual_normed``: at its norm); ``cache``
+    [2, kv_heads, W', d]; the rest as :func:`decoder_layers`.  Returns (logits [n, V]: the head over the final
+    norm's rows, or over the raw rows without ``head_normed``; the states [n, H]: the raw rows, or the final
+    norm's with ``out_normed``)."""
+    h = np.array(h, f32)
+    hn = rmsnorm(h, hidden_norm, eps)
+    x = np.concatenate([rmsnorm(e, layer["ln1"], eps), hn], -1)
+    h2 = _layer(layer, x, hn if residual_normed else h, eps, scale, heads, kv_heads, cos, sin, cache, slots, allowed)
+    normed = rmsnorm(h2, final_norm, eps)
+    return rows_linear(normed if head_normed else h2, head[0], head[1]), (normed if out_normed else h2)

@@ -87,9 +87,10 @@ def profile_costs(target, draft=None, *, tree_tokens=(1, 2, 4, 8, 16, 32, 64, 12
         raise ValueError(f"profile_costs: argument 'graphs' expected False for a model on {device} (CUDA graphs "
                          f"need a CUDA device), got True")
     # packed once for every engine below, as each of them routes (the target's layers only where it runs on
-    # transformers' forward: the engines' default cpu_decoder)
+    # transformers' forward, the draft's where its own step runs: the engines' default cpu_decoder)
     on_decoder = cpu_decoder.why_off("auto", target) is None
-    with gemm.for_models(cpu_gemm, target, draft, route_target=not on_decoder), torch.no_grad():
+    routed = cpu_decoder.gemm_modules(draft, None if draft is None else cpu_decoder.for_draft("auto", draft))
+    with gemm.for_models(cpu_gemm, target, routed, route_target=not on_decoder), torch.no_grad():
         verify = _fit_verify(target, draft, tree_tokens, contexts, reps, graphs, cpu_gemm, device)
         level = _fit_levels(target, draft, beams, levels, contexts[0], reps, graphs, cpu_gemm, device) \
             if draft is not None else (0.0, 0.0, 0.0, 0.0)

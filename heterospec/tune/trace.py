@@ -24,6 +24,7 @@ import torch
 from .. import ops
 from ..engine import GenerationStats, HeteroSpec
 from ..engine.tree import DraftState
+from ..models import cpu_decoder
 from ..models.target import TargetAdapter, _decoder_layers
 
 TRACE_VERSION = 2
@@ -201,7 +202,8 @@ def record(target, draft, prompts, *, max_new_tokens, top_k=10, levels=11, progr
     dev = next(target.parameters()).device
     d2t = getattr(draft, "d2t", None)
     d2t = d2t.detach().to(dev, torch.long) if d2t is not None and bool(torch.any(d2t != 0)) else None
-    ds = DraftState(draft, top_k, levels, d2t)        # a batch of one
+    # a batch of one, its steps on the engines' own path (their default cpu_decoder)
+    ds = DraftState(draft, top_k, levels, d2t, fast=cpu_decoder.for_draft("auto", draft))
     out_prompts, outputs, trees = [], [], []
     try:
         for i, prompt in enumerate(prompts):

@@ -225,7 +225,7 @@ def test_bad_input_gets_a_clear_error():
 def test_auto_is_on_for_a_supported_float32_model_and_off_otherwise():
     model = cpu_model("llama")
     with HeteroSpec(model) as hs:
-        assert hs.cpu_decoder.startswith("on (") and hs.target.decoder is not None
+        assert hs.cpu_decoder.startswith("target (") and hs.target.decoder is not None
         assert hs.generate(prompts(1)[0].cpu(), max_new_tokens=2)[1].cpu_decoder == hs.cpu_decoder
     with HeteroSpec(model) as a, HeteroSpec(model, cpu_decoder=True) as b:   # one packed copy per model
         assert a.target.decoder is b.target.decoder
@@ -282,3 +282,140 @@ def test_the_shared_decoder_does_not_keep_the_model_alive():
     del model
     gc.collect()
     assert gone() is None and dec.model is None
+
+
+# ---- the EAGLE-3 draft's step and head (decoder.h's draft layout) -----------------------------------------------
+
+DRAFT_VARIANTS = [{}, {"qk_norm": True}, {"norm_before_residual": True}, {"norm_output": False},
+                  {"norm_hidden_out": True}]
+
+
+def random_draft(seed=0, **flags):
+    from heterospec.models.draft import Eagle3Config, Eagle3Draft
+
+    config = Eagle3Config(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                          vocab_size=90, draft_vocab_size=40, rms_norm_eps=1e-5, max_position_embeddings=512,
+                          rope_theta=10000.0, target_hidden_size=32, **flags)
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(config)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
+    return draft
+
+
+def draft_twin(draft, hidden, ids, pos, slots, allowed, cache):
+    """ref.draft_layer for one request from the module's own weights, on a copy of ``cache`` [2, kv, C, d]:
+    (logits, states, the cache written)."""
+    m, c = draft.midlayer, draft.config
+    a, mlp = m.self_attn, m.mlp
+    L = {"ln1": m.input_layernorm.weight, "ln2": m.post_attention_layernorm.weight, "q": a.q_proj.weight,
+         "k": a.k_proj.weight, "v": a.v_proj.weight, "o": a.o_proj.weight, "gate": mlp.gate_proj.weight,
+         "up": mlp.up_proj.weight, "down": mlp.down_proj.weight}
+    if a.q_norm is not None:
+        L.update(q_norm=a.q_norm.weight, k_norm=a.k_norm.weight)
+    L = {k: v.detach().numpy() for k, v in L.items()}
+    cos, sin = draft.rope_tables(pos.view(1, -1), torch.device("cpu"), torch.float32)
+    cache = np.array(cache, np.float32)
+    logits, states = ref.draft_layer(
+        L, m.hidden_norm.weight.detach().numpy(), draft.norm.weight.detach().numpy(),
+        (draft.lm_head.weight.detach().numpy(), None), c.rms_norm_eps, c.head_dim ** -0.5, c.num_attention_heads,
+        c.num_key_value_heads, draft.embed_tokens.weight[ids].detach().numpy(), hidden.numpy(), cos[0].numpy(),
+        sin[0].numpy(), cache, slots.tolist(), allowed.numpy(), residual_normed=c.norm_before_residual,
+        head_normed=c.norm_output, out_normed=c.norm_hidden_out)
+    return logits, states, cache
+
+
+@pytest.mark.parametrize("flags", DRAFT_VARIANTS, ids=lambda f: ",".join(f) or "standard")
+def test_the_draft_step_is_its_twins_and_the_modules_to_rounding(flags):
+    draft = random_draft(**flags)
+    fast = cpu_decoder.CpuDraft(draft)
+    g = torch.Generator().manual_seed(4)
+    n, C = 6, 16
+    hidden = torch.randn(1, n, 32, generator=g)
+    ids = torch.randint(0, 90, (1, n), generator=g)
+    pos = torch.arange(3, 3 + n).view(1, n)
+    slots = torch.arange(2, 2 + n)
+    allowed = torch.zeros(n, C, dtype=torch.bool)
+    allowed[:, :2] = True
+    allowed[:, 2:2 + n] = causal(n, n)
+    cache = draft.new_cache(C)
+    cache[:, :, :, :2] = torch.randn(2, 1, 2, 2, 8, generator=g)   # two committed columns before the rows
+    mine = cache.clone()
+    logits, states = fast.step_head(hidden, ids, pos, mine, slots, allowed)
+    with torch.no_grad():
+        want_logits, want_states = draft.head(draft.step(hidden, ids, pos, cache, slots, allowed))
+    scale = want_logits.abs().max().item()
+    assert torch.allclose(logits, want_logits, rtol=1e-4, atol=1e-5 * scale)
+    assert torch.allclose(states, want_states, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(mine, cache, rtol=1e-5, atol=1e-6)
+    before = draft.new_cache(C)
+    before[:, :, :, :2] = cache[:, :, :, :2]
+    twin_logits, twin_states, twin_cache = draft_twin(draft, hidden[0], ids[0], pos[0], slots, allowed,
+                                                      before[:, 0].numpy())
+    assert logits[0].numpy().tobytes() == twin_logits.tobytes()
+    assert states[0].numpy().tobytes() == twin_states.tobytes()
+    assert mine[:, 0].numpy().tobytes() == twin_cache.tobytes()
+
+
+def test_the_draft_step_keeps_each_requests_row_and_a_row_is_its_request_alone_on_every_isa():
+    draft = random_draft(seed=1)
+    fast = cpu_decoder.CpuDraft(draft)
+    g = torch.Generator().manual_seed(5)
+    B, n, C = 3, 4, 12
+    hidden = torch.randn(B, n, 32, generator=g)
+    ids = torch.randint(0, 90, (B, n), generator=g)
+    rows = torch.tensor([[0], [2], [5]]) + torch.arange(n)               # each request its own columns
+    allowed = torch.arange(C).view(1, 1, C) <= rows.view(B, n, 1)
+    last = torch.tensor([3, 0, 2])
+    results = []
+    for isa in ISAS:
+        fast.isa = isa
+        cache = draft.new_cache(C, B)
+        logits, states = fast.step_head(hidden, ids, rows, cache, rows, allowed, last)
+        assert logits.shape == (B, 1, 40) and states.shape == (B, 1, 32)
+        for b in range(B):
+            alone = draft.new_cache(C)
+            lb, sb = fast.step_head(hidden[b:b + 1], ids[b:b + 1], rows[b:b + 1], alone, rows[b:b + 1],
+                                    allowed[b:b + 1])
+            assert torch.equal(logits[b, 0], lb[0, last[b]]) and torch.equal(states[b, 0], sb[0, last[b]])
+            assert torch.equal(cache[:, b], alone[:, 0])
+        results.append((logits, states))
+    fast.isa = G.isa_best()
+    assert all(torch.equal(r[0], results[0][0]) and torch.equal(r[1], results[0][1]) for r in results)
+
+
+def test_the_draft_step_refuses_a_wrong_cache_and_is_off_for_other_drafts():
+    draft = random_draft()
+    fast = cpu_decoder.CpuDraft(draft)
+    x = torch.zeros(1, 2, 32)
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="argument 'cache' expected the draft's float32 cache"):
+        fast.step_head(x, ids, torch.arange(2).view(1, 2), torch.zeros(2, 1, 2, 8), torch.arange(2),
+                       causal(2, 8))
+    assert cpu_decoder.draft_unsupported(draft) is None
+    assert "bfloat16" not in str(cpu_decoder.draft_unsupported(random_draft().to(torch.bfloat16)))
+    assert cpu_decoder.draft_unsupported(random_draft().to(torch.bfloat16)) is not None
+    assert "a draft of type Linear" in cpu_decoder.draft_unsupported(torch.nn.Linear(2, 2))
+    assert cpu_decoder.for_draft(False, draft) is None and cpu_decoder.for_draft("auto", draft) is not None
+
+
+def test_the_engine_runs_its_draft_on_the_c_layer_and_a_users_hook_on_the_draft_runs(tmp_path):
+    model = tiny_target("llama").cpu()
+    draft = eagle3_head(model, tmp_path / "draft")
+    p = prompts(1)[0].cpu()
+    want = reference_greedy(model, p)
+    pol = Policy.static(3, 3, 10)
+    with HeteroSpec(model, draft, pol) as hs, HeteroSpec(model, draft, pol, cpu_decoder=False) as off:
+        assert hs.cpu_decoder.startswith("target and draft (") and hs.cycle.drafter.fast is not None
+        assert off.cpu_decoder == "off" and off.cycle.drafter.fast is None
+        out, st = hs.generate(p, max_new_tokens=want.shape[1] - p.shape[1])
+        assert out.tolist() == want.tolist() and st.cpu_decoder == hs.cpu_decoder
+        calls = []
+        handle = draft.lm_head.register_forward_hook(lambda m, a, o: calls.append(o.shape))
+        try:
+            assert hs.cycle.drafter.fast.hooked()
+            hooked, _ = hs.generate(p, max_new_tokens=want.shape[1] - p.shape[1])
+        finally:
+            handle.remove()
+        assert calls and hooked.tolist() == want.tolist()

@@ -320,15 +320,22 @@ class Eagle3Draft(nn.Module):
             q, k = att.q_norm(q), att.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
 
-        # dynamic RoPE depends on the largest position: a host read (only for rope_type "dynamic")
-        seq_len = int(position_ids.max()) + 1 if (c.rope_scaling or {}).get("rope_type") == "dynamic" else 0
-        inv = self._inv_freq(q.device, seq_len)
-        freqs = position_ids.to(q.device, torch.float32).unsqueeze(-1) * inv      # [B, S, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(q.dtype).unsqueeze(1), emb.sin().to(q.dtype).unsqueeze(1)
+        cos, sin = self.rope_tables(position_ids, q.device, q.dtype)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         return q, k, v, h, hn
+
+    def rope_tables(self, position_ids, device, dtype):
+        """RoPE's cos and sin [B, S, head_dim] in ``dtype`` at ``position_ids`` [B, S] (what queries and keys are
+        rotated with: ``x * cos + rotate_half(x) * sin``)."""
+        # dynamic RoPE depends on the largest position: a host read (only for rope_type "dynamic")
+        rs = self.config.rope_scaling or {}
+        seq_len = int(position_ids.max()) + 1 if rs.get("rope_type") == "dynamic" else 0
+        inv = self._inv_freq(device, seq_len)
+        freqs = position_ids.to(device, torch.float32).unsqueeze(-1) * inv      # [B, S, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def _attend(self, q, k, v, mask, h, hn):
         """Attention of q over all keys k / values v [B, nkv, P+S, hd] under ``mask``, then the MLP: the

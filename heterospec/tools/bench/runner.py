@@ -20,7 +20,7 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
     """Answer every question with every method (questions outer, methods inner).  Returns
     {"temperature", "files": {bench: {method: metrics}}, "mean": {method: metrics}, "mismatches": [...],
     "warmup_s": {method: seconds}, "cpu_gemm": {our method: its CPU matrix path (HeteroSpec.cpu_gemm)},
-    "cpu_decoder": {our method: whether the target ran on heterospec's CPU decoder (HeteroSpec.cpu_decoder)},
+    "cpu_decoder": {our method: which forwards ran on heterospec's CPU code (HeteroSpec.cpu_decoder)},
     "strongest_hf": name or None, "hf_static": {...} (with hf-static), "hf_compiled": {...} (with hf-compiled),
     "answers": [records]}.  ``methods``: [(name, Policy or HFMethod)] (:func:`.methods.build_methods`).
     ``cuda_graphs``: passed to our engines (sized once for the longest conversation, so each tree shape is
