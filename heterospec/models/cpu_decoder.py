@@ -17,6 +17,10 @@ Supported: ``llama``, ``mistral`` (without a sliding window), ``qwen2`` and ``qw
 CPU in float32 with SiLU MLPs and RMSNorm, any bias layout, any head grouping; :func:`unsupported` says why not
 otherwise.  A model with forward hooks of the user's on any of its modules runs transformers' forward while they
 are set (the hooks then run, as they would in the user's own calls).
+
+The EAGLE-3 draft's step and head run on the same C code (:class:`CpuDraft`, decoder.h's draft layout: its one
+layer with the 2H-wide attention input, on the draft's own cache, then the output layer over the rows wanted),
+where :func:`draft_unsupported` allows; the drafter takes it in ``DraftState._step_head``.
 """
 from __future__ import annotations
 
