@@ -6,6 +6,11 @@ import math
 import sys
 
 
+# the help of every command's --cpu-decoder (demo, generate, calibrate, bench)
+CPU_DECODER_HELP = ("our engines' forwards on heterospec's own float32 CPU code, the target's decoder and the EAGLE-3 "
+                    "draft's layer (auto: where supported; on: insist on the target's; off: torch's modules)")
+
+
 def _isatty(stream):
     try:
         return bool(stream.isatty())

@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 
+from . import CPU_DECODER_HELP
 from .checks import (TREE_ONLY, UsageError, check_calibrate, check_demo, check_device, check_train_draft,  # noqa: F401
                      pair_identity, resolve_generate)
 from .commands import MIN_BIN_CYCLES, calibrate_cmd, generate_cmd, thin_bins_warning, train_draft_cmd  # noqa: F401
@@ -53,6 +54,7 @@ def build_parser():
     d.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
                    help="our engines' steps recorded once per tree shape and replayed as CUDA graphs (auto: on with "
                         "a CUDA --device)")
+    d.add_argument("--cpu-decoder", default="auto", choices=["auto", "on", "off"], help=CPU_DECODER_HELP)
     d.add_argument("--synthetic", action="store_true",
                    help="only walk one cycle of the C core on synthetic logits (no models needed)")
     d.add_argument("--vocab", type=int, default=49152, help="--synthetic: vocabulary size")
@@ -88,6 +90,7 @@ def build_parser():
     g.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
                    help="record the decoding cycle's steps once per tree shape and replay them as CUDA graphs "
                         "(auto: on with a CUDA --device, falling back to the eager engine if recording fails)")
+    g.add_argument("--cpu-decoder", default="auto", choices=["auto", "on", "off"], help=CPU_DECODER_HELP)
     c = sub.add_parser("calibrate", help="fit entropy bins and per-bin tree shapes for a model pair on this machine "
                                          "(or, with --engine vllm, per-bin chain lengths from vLLM's own run)")
     c.add_argument("--engine", default="heterospec", choices=["heterospec", "vllm"],
@@ -132,6 +135,8 @@ def build_parser():
     c.add_argument("--cuda-graphs", default=TREE_ONLY["cuda_graphs"], choices=["auto", "on", "off"],
                    help="time verify forwards and draft levels as replayed CUDA graphs, as the engine with "
                         "--cuda-graphs runs them (auto: on with a CUDA --device)")
+    c.add_argument("--cpu-decoder", default="auto", choices=["auto", "on", "off"],
+                   help=CPU_DECODER_HELP + "; the profile is timed on the engine it gives")
     t = sub.add_parser("train-draft", help="train an EAGLE-3 head for a target on the target's own answers")
     t.add_argument("--target", required=True, help="HF model directory, or 'default' (SmolLM2-135M-Instruct)")
     t.add_argument("--gguf-file", default=None)
@@ -241,6 +246,13 @@ def main(argv=None):
             parser.exit(2, f"heterospec {args.cmd}: error: argument --cuda-graphs: expected off or auto with --device "
                            f"{args.device} (CUDA graphs need a CUDA device), got on\n")
         args.graphs = graphs == "on" or (graphs == "auto" and on_cuda)
+    decoder = getattr(args, "cpu_decoder", None)
+    if decoder is not None:
+        if decoder == "on" and (str(args.device) != "cpu" or getattr(args, "dtype", "float32") != "float32"):
+            parser.exit(2, f"heterospec {args.cmd}: error: argument --cpu-decoder: expected off or auto with --device "
+                           f"{args.device} --dtype {getattr(args, 'dtype', 'float32')} (the decoder runs float32 on "
+                           f"the CPU), got on\n")
+        args.decoder = {"auto": "auto", "on": True, "off": False}[decoder]
     args.argv = list(sys.argv[1:] if argv is None else argv)[1:]
     try:
         # the checks that need no model first, before anything loads; a UsageError from either (the command's
@@ -251,6 +263,12 @@ def main(argv=None):
             check(args)
         return _run(args)
     except UsageError as e:
+        parser.exit(2, f"heterospec {args.cmd}: error: {e}\n")
+    except ValueError as e:
+        # an engine argument the loaded model cannot take (--cpu-decoder on for a model the decoder does not
+        # cover): the engine's one-line message, argparse's status
+        if not str(e).startswith("HeteroSpec: argument 'cpu_decoder'"):
+            raise
         parser.exit(2, f"heterospec {args.cmd}: error: {e}\n")
     except SystemExit as e:
         # a command's own refusal, ``raise SystemExit("heterospec bench: --x expected ..., got ...")``: bad input,

@@ -36,7 +36,8 @@ def generate_cmd(args, out=None):
     eos = tokenizer.eos_token_id if args.eos else []          # [] : no EOS (None would be the model's)
     graphs = {"on": True, "off": False, "auto": "auto"}[getattr(args, "cuda_graphs", "off")]   # auto: falls back
     print(f"[{args.method}] {args.policy_what}", file=out)
-    with HeteroSpec(target, draft if policy.drafts else None, policy, cuda_graphs=graphs) as hs:
+    with HeteroSpec(target, draft if policy.drafts else None, policy, cuda_graphs=graphs,
+                    cpu_decoder=getattr(args, "decoder", "auto")) as hs:
         seq, stats = hs.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  top_k=args.top_k, top_p=args.top_p, eos_token_id=eos, streamer=streamer,
                                  seed=args.seed)
@@ -79,9 +80,9 @@ def calibrate_cmd(args, out=None):
 
     bar = ProgressBar("recording traces")
     trace = record(target, draft, ids, max_new_tokens=args.max_new_tokens, top_k=args.top_k_tree, levels=levels,
-                   progress=bar)
+                   progress=bar, cpu_decoder=getattr(args, "decoder", "auto"))
     bar.close()
-    cost = profile_costs(target, draft, reps=2, graphs=getattr(args, "graphs", False))
+    cost = profile_costs(target, draft, reps=2, graphs=getattr(args, "graphs", False), cpu_decoder=getattr(args, "decoder", "auto"))
     searched = None
     if search:
         # the static base tree that is fastest here, as bench's eagle3-tuned finds it: every (depth, nodes) of the
@@ -90,7 +91,8 @@ def calibrate_cmd(args, out=None):
         from .bench.tuning import tune_static_tree
 
         base, searched = tune_static_tree(target, draft, ids[: args.search_prompts], trace, cost_model=cost,
-                                          timer=DeviceTimer(args.device), cuda_graphs=getattr(args, "graphs", False))
+                                          timer=DeviceTimer(args.device), cuda_graphs=getattr(args, "graphs", False),
+                                          cpu_decoder=getattr(args, "decoder", "auto"))
         args.depth, args.total_tokens = base.depth, base.total_tokens
         print(f"base tree searched on this machine: depth {base.depth}, top_k {base.top_k}, {base.total_tokens} nodes "
               f"({len(searched['grid'])} trees replayed, {len(searched['measured'])} timed on "

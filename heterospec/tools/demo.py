@@ -81,7 +81,7 @@ def heterospec_policy(choice, default_profile=None, default_what=None):
 
 
 def compare(target, draft, input_ids_list, methods, *, max_new_tokens=128, eos_token_id=None, streamer=None,
-            stream_method=None, warmup_tokens=8, progress=None, cuda_graphs=False):
+            stream_method=None, warmup_tokens=8, progress=None, cuda_graphs=False, cpu_decoder="auto"):
     """Run every method on every prompt (one loop, same settings): a :class:`Comparison`, {name: MethodResult}.
     ``methods``: [(name, Policy or HFMethod)]; an HFMethod runs the target's own ``generate`` (no verification
     calls, so no tau), with the same EOS (None: the model's) and budget.
@@ -90,8 +90,8 @@ def compare(target, draft, input_ids_list, methods, *, max_new_tokens=128, eos_t
     from one prompt to the next), so a slow spell of the machine (a background job) is shared among them
     instead of landing on one.  ``streamer`` (e.g. transformers' TextStreamer) streams the first prompt's
     answer of ``stream_method`` (default: the last method).  ``progress(name, i, n, streaming)`` is called
-    before each prompt of each method.  ``cuda_graphs``: passed to our engines (:class:`HeteroSpec`); the
-    untimed warm-up records their steps."""
+    before each prompt of each method.  ``cuda_graphs``, ``cpu_decoder``: passed to our engines
+    (:class:`HeteroSpec`); the untimed warm-up records their steps."""
     from contextlib import ExitStack
 
     from ..engine.loop import HeteroSpec, eos_ids
@@ -109,7 +109,8 @@ def compare(target, draft, input_ids_list, methods, *, max_new_tokens=128, eos_t
     def engine(policy):
         if isinstance(policy, HFMethod):
             return HFGenerate(target, policy, pad_token_id=pad)
-        return HeteroSpec(target, draft if policy.drafts else None, policy, cuda_graphs=cuda_graphs)
+        return HeteroSpec(target, draft if policy.drafts else None, policy, cuda_graphs=cuda_graphs,
+                          cpu_decoder=cpu_decoder)
 
     with ExitStack() as stack:
         engines = {}
@@ -230,7 +231,8 @@ def run(args, out=None):
         done[0] += 1
 
     results = compare(target, draft, ids, methods, max_new_tokens=args.max_new_tokens,
-                      eos_token_id=tokenizer.eos_token_id, streamer=streamer, progress=progress, cuda_graphs=graphs)
+                      eos_token_id=tokenizer.eos_token_id, streamer=streamer, progress=progress, cuda_graphs=graphs,
+                      cpu_decoder=getattr(args, "decoder", "auto"))
     bar(len(names) * len(ids), len(names) * len(ids), desc="done")
     if args.no_stream:
         first = results[methods[-1][0]].sequences[0]

@@ -69,17 +69,17 @@ def _recorded(fn, device, steps):
 
 def profile_costs(target, draft=None, *, tree_tokens=(1, 2, 4, 8, 16, 32, 64, 128), contexts=(64, 160, 256),
                   beams=(1, 2, 4, 8, 10), levels=(1, 4, 8), reps=3, graphs=False, cpu_gemm="auto",
-                  overhead_tokens=32):
+                  overhead_tokens=32, cpu_decoder="auto"):
     """Measure this machine and fit a :class:`CostModel` (see the module docstring).  Every timed region is
     synchronised with the device at both ends (:class:`DeviceTimer`) and holds one engine step.
     ``tree_tokens`` x ``contexts``: the verify grid; ``beams`` x ``levels``: the draft grid (at the first
     context); ``graphs=True`` (a CUDA model): each step is timed as a replayed CUDA graph and the overhead
     from ``generate`` with ``cuda_graphs=True`` -- the costs of the recorded engine; ``cpu_gemm``: the engine's
     setting (:mod:`heterospec.models.cpu_gemm`); ``overhead_tokens``: new tokens per ``generate`` call timed for
-    the overhead (0: leave it 0)."""
+    the overhead (0: leave it 0); ``cpu_decoder``: the engine's setting (:mod:`heterospec.models.cpu_decoder`)."""
     import torch
 
-    from ..models import cpu_decoder
+    from ..models import cpu_decoder as decoder
     from ..models import cpu_gemm as gemm
 
     device = _device(target)
@@ -87,24 +87,26 @@ def profile_costs(target, draft=None, *, tree_tokens=(1, 2, 4, 8, 16, 32, 64, 12
         raise ValueError(f"profile_costs: argument 'graphs' expected False for a model on {device} (CUDA graphs "
                          f"need a CUDA device), got True")
     # packed once for every engine below, as each of them routes (the target's layers only where it runs on
-    # transformers' forward, the draft's where its own step runs: the engines' default cpu_decoder)
-    on_decoder = cpu_decoder.why_off("auto", target) is None
-    routed = cpu_decoder.gemm_modules(draft, None if draft is None else cpu_decoder.for_draft("auto", draft))
+    # transformers' forward, the draft's where its own step runs: the engines' cpu_decoder)
+    on_decoder = decoder.why_off(cpu_decoder, target, compile=False) is None
+    routed = decoder.gemm_modules(draft, decoder.for_draft(cpu_decoder, draft))
+    settings = (graphs, cpu_gemm, cpu_decoder)
     with gemm.for_models(cpu_gemm, target, routed, route_target=not on_decoder), torch.no_grad():
-        verify = _fit_verify(target, draft, tree_tokens, contexts, reps, graphs, cpu_gemm, device)
-        level = _fit_levels(target, draft, beams, levels, contexts[0], reps, graphs, cpu_gemm, device) \
+        verify = _fit_verify(target, draft, tree_tokens, contexts, reps, settings, device)
+        level = _fit_levels(target, draft, beams, levels, contexts[0], reps, settings, device) \
             if draft is not None else (0.0, 0.0, 0.0, 0.0)
     cost = CostModel(verify, level, 0.0)
     if overhead_tokens:
-        cost.overhead = _measure_overhead(target, draft, contexts[0], overhead_tokens, graphs, cpu_gemm,
-                                          device)
+        cost.overhead = _measure_overhead(target, draft, contexts[0], overhead_tokens, settings, device)
     return cost
 
 
-def _engine(target, draft, policy, graphs, cpu_gemm):
+def _engine(target, draft, policy, settings):
+    """An engine of the settings (graphs, cpu_gemm, cpu_decoder) being profiled."""
     from ..engine import HeteroSpec
 
-    return HeteroSpec(target, draft, policy, cuda_graphs=bool(graphs), cpu_gemm=cpu_gemm)
+    graphs, cpu_gemm, cpu_decoder = settings
+    return HeteroSpec(target, draft, policy, cuda_graphs=bool(graphs), cpu_gemm=cpu_gemm, cpu_decoder=cpu_decoder)
 
 
 def _prompt(target, length, device):
@@ -113,15 +115,16 @@ def _prompt(target, length, device):
     return torch.randint(0, target.config.vocab_size, (1, length), device=device)
 
 
-def _fit_verify(target, draft, tree_tokens, contexts, reps, graphs, cpu_gemm, device):
+def _fit_verify(target, draft, tree_tokens, contexts, reps, settings, device):
     """verify(n, ctx) from the engine's own verify step: (a, b, c, d)."""
+    graphs = settings[0]
     import torch
 
     from ..engine.tree import bucket_for
     from ..models.target import attention_window
     from ..policy import Policy
 
-    hs = _engine(target, draft, Policy.autoregressive(), graphs, cpu_gemm)
+    hs = _engine(target, draft, Policy.autoregressive(), settings)
     tgt = hs.cycle.target
     timer = DeviceTimer(device)
     calls = []
@@ -178,8 +181,9 @@ def _nothing():
     pass
 
 
-def _fit_levels(target, draft, beams, levels, ctx, reps, graphs, cpu_gemm, device):
+def _fit_levels(target, draft, beams, levels, ctx, reps, settings, device):
     """draft(L, K) from the draft's side of the engine's cycle (growth, verification tree, catch-up): (e, f, g, h)."""
+    graphs = settings[0]
     import torch
 
     from ..engine.tree import bucket_for, tree_size, verification_tree
@@ -193,7 +197,7 @@ def _fit_levels(target, draft, beams, levels, ctx, reps, graphs, cpu_gemm, devic
     try:
         for K in beams:
             policy = Policy.static(deepest, K, min(60, candidate_count(K, deepest) + 1))
-            hs = _engine(target, draft, policy, graphs, cpu_gemm)
+            hs = _engine(target, draft, policy, settings)
             engines.append(hs)
             cyc = hs.cycle
             tgt, dr = cyc.target, cyc.drafter
@@ -240,14 +244,14 @@ def overhead_per_cycle(stats):
     return max(0.0, (decode - stats.draft_s - stats.verify_s - stats.graph_s) / stats.cycles)
 
 
-def _measure_overhead(target, draft, ctx, tokens, graphs, cpu_gemm, device):
+def _measure_overhead(target, draft, ctx, tokens, settings, device):
     """overhead_per_cycle of a real ``generate`` (EAGLE-3's default static tree with a draft, else
     autoregressive), after a first call that warms up (and records the steps with ``graphs``)."""
     from ..policy import Policy
 
     policy = Policy.static() if draft is not None else Policy.autoregressive()
     prompt = _prompt(target, ctx, device)
-    with _engine(target, draft, policy, graphs, cpu_gemm) as hs:
+    with _engine(target, draft, policy, settings) as hs:
         hs.generate(prompt, max_new_tokens=min(tokens, 8), eos_token_id=[])   # timed to the budget, EOS or not
         _, stats = hs.generate(prompt, max_new_tokens=tokens, eos_token_id=[])
     return overhead_per_cycle(stats)

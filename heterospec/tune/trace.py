@@ -24,7 +24,7 @@ import torch
 from .. import ops
 from ..engine import GenerationStats, HeteroSpec
 from ..engine.tree import DraftState
-from ..models import cpu_decoder
+from ..models import cpu_decoder as decoder
 from ..models.target import TargetAdapter, _decoder_layers
 
 TRACE_VERSION = 2
@@ -190,20 +190,21 @@ def _accepted_length(tokens, parents, selected, continuation):
 
 
 @torch.no_grad()
-def record(target, draft, prompts, *, max_new_tokens, top_k=10, levels=11, progress=None):
+def record(target, draft, prompts, *, max_new_tokens, top_k=10, levels=11, progress=None, cpu_decoder="auto"):
     """Decode each prompt ([1, S] tensors) greedily and record, at every cycle position of the output,
     the maximal draft tree with ``levels`` levels after the root expansion (the base depth plus the
-    largest extension any replayed policy may use), grown by the engine's drafter."""
+    largest extension any replayed policy may use), grown by the engine's drafter (``cpu_decoder``: the engines'
+    setting, for the greedy decoding and the draft's steps)."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 2:
         raise ValueError(f"record: argument 'max_new_tokens' expected an int >= 2, got {max_new_tokens!r}")
-    ar = HeteroSpec(target, cuda_graphs=False)   # the eager engine, as calibration has always decoded
+    ar = HeteroSpec(target, cuda_graphs=False, cpu_decoder=cpu_decoder)   # the eager engine, as calibration decodes
     taps_layers = draft.config.tap_layers(len(_decoder_layers(target))) if hasattr(draft, "config") else None
     adapter = TargetAdapter(target, tap_layers=taps_layers, capture_taps=True)
     dev = next(target.parameters()).device
     d2t = getattr(draft, "d2t", None)
     d2t = d2t.detach().to(dev, torch.long) if d2t is not None and bool(torch.any(d2t != 0)) else None
-    # a batch of one, its steps on the engines' own path (their default cpu_decoder)
-    ds = DraftState(draft, top_k, levels, d2t, fast=cpu_decoder.for_draft("auto", draft))
+    # a batch of one, its steps on the engines' own path
+    ds = DraftState(draft, top_k, levels, d2t, fast=decoder.for_draft(cpu_decoder, draft))
     out_prompts, outputs, trees = [], [], []
     try:
         for i, prompt in enumerate(prompts):

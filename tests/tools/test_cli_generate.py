@@ -302,29 +302,73 @@ def test_cuda_graphs_default_is_auto(cmd):
     assert args.cuda_graphs == "auto"
 
 
-@pytest.mark.parametrize("given, want", [("auto", "auto"), ("off", False), (None, "auto")])
-def test_cuda_graphs_reaches_the_engine(tmp_path, monkeypatch, given, want):
-    """generate hands the switch to HeteroSpec ('auto' as such, also when not given: the engine resolves it, off
-    on the CPU, and falls back to eager decoding if recording fails)."""
+def _generate_spied(tmp_path, monkeypatch, setting, extra):
+    """``heterospec generate`` (eagle3, 4 tokens) on a tiny saved pair with ``extra`` flags, HeteroSpec spied on:
+    the engine setting ``setting`` as the command passed it and as the engine resolved it.  Returns (seen, argv)."""
     from heterospec.tools import cli
 
     import heterospec
 
-    save_tiny_pair(tmp_path)
     seen = {}
     real = heterospec.HeteroSpec
 
     def spy(*a, **k):
-        seen["cuda_graphs"] = k.get("cuda_graphs")
+        seen["given"] = k.get(setting)
         hs = real(*a, **k)
-        seen["resolved"] = hs.cuda_graphs
+        seen["resolved"] = getattr(hs, setting)
         return hs
 
     monkeypatch.setattr(heterospec, "HeteroSpec", spy)
-    cli.main(["generate", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--prompt",
-              "w5 w17", "--method", "eagle3", "--max-new-tokens", "4", "--depth", "2", "--top-k-tree", "2",
-              "--total-tokens", "4"] + ([] if given is None else ["--cuda-graphs", given]))
-    assert seen["cuda_graphs"] == want and seen["resolved"] is False
+    argv = ["generate", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--prompt",
+            "w5 w17", "--method", "eagle3", "--max-new-tokens", "4", "--depth", "2", "--top-k-tree", "2",
+            "--total-tokens", "4"]
+    cli.main(argv + extra)
+    return seen, argv
+
+
+@pytest.mark.parametrize("given, want", [("auto", "auto"), ("off", False), (None, "auto")])
+def test_cuda_graphs_reaches_the_engine(tmp_path, monkeypatch, given, want):
+    """generate hands the switch to HeteroSpec ('auto' as such, also when not given: the engine resolves it, off
+    on the CPU, and falls back to eager decoding if recording fails)."""
+    save_tiny_pair(tmp_path)
+    seen, _ = _generate_spied(tmp_path, monkeypatch, "cuda_graphs", [] if given is None else ["--cuda-graphs", given])
+    assert seen["given"] == want and seen["resolved"] is False
+
+
+# ---- --cpu-decoder --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cmd", list(GRAPH_COMMANDS))
+def test_cpu_decoder_on_off_the_cpu_or_float32_is_a_one_line_usage_error(cmd, capsys, monkeypatch):
+    from heterospec.tools import cli
+
+    monkeypatch.setattr("heterospec.tools.commands.load_pair", lambda *a, **k: pytest.fail("loaded models"))
+    monkeypatch.setattr("heterospec.models.default.load_pair", lambda *a, **k: pytest.fail("loaded models"))
+    assert cli.build_parser().parse_args(GRAPH_COMMANDS[cmd]).cpu_decoder == "auto"
+    with pytest.raises(SystemExit) as e:
+        cli.main(GRAPH_COMMANDS[cmd] + ["--dtype", "bfloat16", "--cpu-decoder", "on"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"heterospec {cmd}: error: argument --cpu-decoder: "), err
+    assert "expected off or auto with --device cpu --dtype bfloat16" in err and err.rstrip().endswith("got on")
+
+
+@pytest.mark.parametrize("given, want, says", [(None, "auto", "target and draft ("), ("on", True, "target and draft ("),
+                                               ("off", False, "off")])
+def test_cpu_decoder_reaches_the_engine(tmp_path, monkeypatch, capsys, given, want, says):
+    from heterospec.tools import cli
+
+    save_tiny_pair(tmp_path)
+    seen, argv = _generate_spied(tmp_path, monkeypatch, "cpu_decoder", [] if given is None else ["--cpu-decoder", given])
+    assert seen["given"] == want and seen["resolved"].startswith(says)
+    if given == "on":   # a model the decoder does not cover: the engine's reason, one line, status 2
+        monkeypatch.setattr("heterospec.models.cpu_decoder.unsupported", lambda m: "a model of a test")
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv + ["--cpu-decoder", "on"])
+        err = capsys.readouterr().err.split("\n")   # (transformers' loading bar comes first, on its own line)
+        assert e.value.code == 2 and err[-1] == "" and "Traceback" not in "\n".join(err), err
+        assert err[-2].startswith("heterospec generate: error: HeteroSpec: argument 'cpu_decoder'") \
+            and err[-2].endswith("a model of a test"), err
 
 
 @pytest.mark.parametrize("argv, arg", [

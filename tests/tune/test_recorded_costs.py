@@ -68,7 +68,8 @@ def fake_graphs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", new)
     monkeypatch.setattr(torch.cuda, "graph", capture)
     # the engine itself stays eager: only profile_costs' own recordings are under test
-    monkeypatch.setattr(costs, "_engine", lambda t, d, p, g, cg: HeteroSpec(t, d, p, cuda_graphs=False, cpu_gemm=cg))
+    monkeypatch.setattr(costs, "_engine", lambda t, d, p, settings: HeteroSpec(t, d, p, cuda_graphs=False,
+                                                                               cpu_gemm=settings[1]))
     return graphs
 
 
@@ -78,9 +79,9 @@ def test_recorded_costs_keep_what_their_graphs_read(pair, fake_graphs, part):
     cpu = torch.device("cpu")
     with torch.no_grad():
         if part == "verify":
-            costs._fit_verify(model, draft, (1, 4), (12, 20), 1, True, False, cpu)
+            costs._fit_verify(model, draft, (1, 4), (12, 20), 1, (True, False, "auto"), cpu)
         else:
-            costs._fit_levels(model, draft, (1, 2), (1, 2), 12, 1, True, False, cpu)
+            costs._fit_levels(model, draft, (1, 2), (1, 2), 12, 1, (True, False, "auto"), cpu)
     assert fake_graphs and all(g.stale for g in fake_graphs)            # every recording was replayed
     assert all(g.reads for g in fake_graphs)
     # before the fix: _recorded returned g.replay alone and dropped fn, whose default arguments (the tree

@@ -43,11 +43,12 @@ def batch_prompts(tokenizer, questions, chat, count):
 
 
 def run_batch_bench(target, tokenizer, draft, methods, prompts, batch_sizes, *, max_new_tokens, device="cpu",
-                    eos_token_id=None, warmup_tokens=16, progress=None, cuda_graphs=False):
+                    eos_token_id=None, warmup_tokens=16, progress=None, cuda_graphs=False, cpu_decoder="auto"):
     """{"batch_sizes", "results": {B: {method: row}}, "mismatches": [...], "stops_beating_ar": {method: B or
     None}, "cuda_graphs"}; a row: tokens_per_s, latency_mean_s, latency_p90_s, tau, verified_per_call,
     verified_per_token, new_tokens, seconds, groups.  ``cuda_graphs``: passed to our engines, sized once for
-    the longest prompt (each batch size is recorded in its untimed warm-up, the last, smaller group's too)."""
+    the longest prompt (each batch size is recorded in its untimed warm-up, the last, smaller group's too);
+    ``cpu_decoder``: our engines' setting."""
     import torch
 
     from ...engine.requests import left_pad
@@ -61,7 +62,8 @@ def run_batch_bench(target, tokenizer, draft, methods, prompts, batch_sizes, *, 
     for name, pol in methods:
         engines[name] = (HFGenerate(target, pol, pad_token_id=pad) if isinstance(pol, HFMethod) else
                          HeteroSpec(target, draft if pol.drafts else None, pol, cuda_graphs=cuda_graphs,
-                                    max_length=longest + max_new_tokens if cuda_graphs else None))
+                                    max_length=longest + max_new_tokens if cuda_graphs else None,
+                                    cpu_decoder=cpu_decoder))
     results, tokens = {}, {}
     steps = sum(-(-len(prompts) // B) for B in batch_sizes) * len(methods)
     step = 0

@@ -9,7 +9,7 @@ import sys
 import time
 
 from ...measure import DeviceTimer, load_warning, machine_info
-from .. import ProgressBar
+from .. import CPU_DECODER_HELP, ProgressBar
 from ..prompts import encode_turn, read_prompts
 from .methods import DEFAULT_METHODS, HF_METHODS, METHODS, build_methods, check_method_names, method_dict, parse_tree
 from .questions import REPO, default_question_files, load_questions, question_paths
@@ -125,7 +125,7 @@ def main(args, out=None):
         r = run_bench(target, tokenizer, draft, methods, questions, max_new_tokens=args.max_new_tokens,
                       temperature=temp, seed=args.seed, device=args.device, warmup_tokens=args.warmup_tokens,
                       chat=not args.no_chat_template, eos_token_id=tokenizer.eos_token_id,
-                      progress=_bar("bench", redraws=20), cuda_graphs=graphs)
+                      progress=_bar("bench", redraws=20), cuda_graphs=graphs, cpu_decoder=getattr(args, "decoder", "auto"))
         answers += [dict(a, temperature=temp) for a in r.pop("answers")]
         runs.append(r)
     policies = {n: method_dict(p) for n, p in methods}
@@ -135,6 +135,7 @@ def main(args, out=None):
         "settings": {"methods": names, "questions": {b: os.path.abspath(p) for b, p in zip(questions, paths)},
                      "limit": args.limit, "max_new_tokens": args.max_new_tokens, "temperatures": args.temperature,
                      "seed": args.seed, "device": args.device, "dtype": args.dtype, "cuda_graphs": graphs,
+                     "cpu_decoder": getattr(args, "cpu_decoder", "auto"),
                      "warmup_tokens": args.warmup_tokens, "chat_template": not args.no_chat_template,
                      "eos_token_id": tokenizer.eos_token_id},
         "models": {"target": "SmolLM2-135M-Instruct" if args.target == "default" else str(args.target),
@@ -175,7 +176,7 @@ def _batched(args, names, sizes, questions, tokenizer, target, draft, profile, p
     r = run_batch_bench(target, tokenizer, draft, methods, prompts, sizes, max_new_tokens=args.max_new_tokens,
                         device=args.device, eos_token_id=tokenizer.eos_token_id,
                         warmup_tokens=min(args.warmup_tokens, 16), progress=_bar("bench", redraws=20),
-                        cuda_graphs=getattr(args, "graphs", False))
+                        cuda_graphs=getattr(args, "graphs", False), cpu_decoder=getattr(args, "decoder", "auto"))
     r.update(command="heterospec bench " + " ".join(getattr(args, "argv", []) or []),
              machine=machine_info(args.device), dtype=args.dtype, methods={n: method_dict(p) for n, p in methods},
              profile=profile_path, profile_what=profile_what, seconds=time.perf_counter() - t_start)
@@ -223,12 +224,13 @@ def _tune(args, names, tokenizer, target, draft, timer):
     bar = _bar()
     deepest = given.depth if given else max(TUNE_DEPTHS)
     tr = record(target, draft, ids, max_new_tokens=args.tune_max_new_tokens, top_k=given.top_k if given else 10,
-                levels=deepest + math.ceil(deepest / 2) + 1, progress=lambda i, n: bar("tuning: trace", i, n))
+                levels=deepest + math.ceil(deepest / 2) + 1, progress=lambda i, n: bar("tuning: trace", i, n),
+                cpu_decoder=getattr(args, "decoder", "auto"))
     graphs = getattr(args, "graphs", False)
-    cost = profile_costs(target, draft, reps=2, graphs=graphs)   # what the engine that is timed pays
+    cost = profile_costs(target, draft, reps=2, graphs=graphs, cpu_decoder=getattr(args, "decoder", "auto"))   # what the timed engine pays
     if given is None:
         tuned, tuning = tune_static_tree(target, draft, ids, tr, cost_model=cost, timer=timer, progress=bar,
-                                         cuda_graphs=graphs)
+                                         cuda_graphs=graphs, cpu_decoder=getattr(args, "decoder", "auto"))
         tuning["how"] = (f"replayed {len(TUNE_DEPTHS) * len(TUNE_NODES)} static trees on a trace of {len(ids)} tuning "
                          f"prompts from {os.path.basename(tp)} with a cost model measured here"
                          f"{' on captured forwards' if graphs else ''}, then timed the best 3")
@@ -263,6 +265,7 @@ def add_arguments(p):
     p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
                    help="our engines' steps recorded once per tree shape and replayed as CUDA graphs "
                         "(auto: on with a CUDA --device)")
+    p.add_argument("--cpu-decoder", default="auto", choices=["auto", "on", "off"], help=CPU_DECODER_HELP)
     p.add_argument("--warmup-tokens", type=int, default=32, help="untimed tokens per method before the run")
     p.add_argument("--tune-prompts", default=None, help="prompts for eagle3-tuned and heterospec-tuned (never benchmark "
                                                         "questions; default: the calibration prompts in a checkout)")

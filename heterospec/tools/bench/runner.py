@@ -16,7 +16,8 @@ from .metrics import add_speedup_over_hf, file_row, mean_row, mismatch_report
 
 
 def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=512, temperature=0.0, seed=0,
-              device="cpu", warmup_tokens=32, chat=True, eos_token_id=None, progress=None, cuda_graphs=False):
+              device="cpu", warmup_tokens=32, chat=True, eos_token_id=None, progress=None, cuda_graphs=False,
+              cpu_decoder="auto"):
     """Answer every question with every method (questions outer, methods inner).  Returns
     {"temperature", "files": {bench: {method: metrics}}, "mean": {method: metrics}, "mismatches": [...],
     "warmup_s": {method: seconds}, "cpu_gemm": {our method: its CPU matrix path (HeteroSpec.cpu_gemm)},
@@ -24,7 +25,8 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
     "strongest_hf": name or None, "hf_static": {...} (with hf-static), "hf_compiled": {...} (with hf-compiled),
     "answers": [records]}.  ``methods``: [(name, Policy or HFMethod)] (:func:`.methods.build_methods`).
     ``cuda_graphs``: passed to our engines (sized once for the longest conversation, so each tree shape is
-    recorded once, in the warm-up); capture time is kept out of the timings and reported as "capture_s"."""
+    recorded once, in the warm-up); capture time is kept out of the timings and reported as "capture_s".
+    ``cpu_decoder``: our engines' setting (:class:`HeteroSpec`)."""
     from ...engine.loop import HeteroSpec
 
     timer = DeviceTimer(device)
@@ -50,7 +52,7 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
                 engines[name] = HFGenerate(target, pol, pad_token_id=pad)
             else:
                 engines[name] = HeteroSpec(target, draft if pol.drafts else None, pol, cuda_graphs=cuda_graphs,
-                                           max_length=engine_len)
+                                           max_length=engine_len, cpu_decoder=cpu_decoder)
         if warmup_tokens:
             first = next(iter(questions.values()))[0]
             ids = encode_turn(tokenizer, first["turns"], [], chat).to(device)

@@ -13,12 +13,13 @@ TUNE_NODES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 60)
 
 
 def tune_static_tree(target, draft, prompt_ids, tr, *, cost_model, depths=TUNE_DEPTHS, nodes=TUNE_NODES,
-                     measure=3, timer=None, progress=None, cuda_graphs=False):
+                     measure=3, timer=None, progress=None, cuda_graphs=False, cpu_decoder="auto"):
     """The fastest static tree on this machine for ``prompt_ids`` (tuning prompts), ``tr`` their recorded
     trace (:func:`heterospec.tune.record`, at least ``max(depths)`` levels): every (depth, nodes) of the
     grid is replayed with ``cost_model``; the ``measure`` best by predicted speed are then decoded for real
     (greedy, ``tr.max_new_tokens`` tokens) and the fastest measured one wins.  Returns (Policy, report).
-    ``progress(what, i, n)``: called after each timed tree."""
+    ``progress(what, i, n)``: called after each timed tree; ``cuda_graphs``, ``cpu_decoder``: the engines'
+    settings."""
     from ...engine.loop import HeteroSpec
 
     timer = timer or DeviceTimer("cpu")
@@ -37,7 +38,8 @@ def tune_static_tree(target, draft, prompt_ids, tr, *, cost_model, depths=TUNE_D
         pol = Policy.static(g["depth"], top_k, g["nodes"])
         new, secs = 0, 0.0
         longest = max(ids.shape[1] for ids in prompt_ids) + tr.max_new_tokens
-        with HeteroSpec(target, draft, pol, cuda_graphs=cuda_graphs, max_length=longest) as hs:
+        with HeteroSpec(target, draft, pol, cuda_graphs=cuda_graphs, max_length=longest,
+                        cpu_decoder=cpu_decoder) as hs:
             hs.generate(prompt_ids[0], max_new_tokens=8, eos_token_id=[])  # warm-up (and recording, with cuda_graphs)
             for ids in prompt_ids:
                 (_, st), dt = timer(lambda: hs.generate(ids, max_new_tokens=tr.max_new_tokens, eos_token_id=[]))
