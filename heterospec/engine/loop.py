@@ -226,10 +226,17 @@ class HeteroSpec:
     keeps its own step); the draft's output is not the lossless part, so its ~1e-6 differences to the torch
     modules only move which tokens are proposed.  ``self.cpu_decoder`` and every call's stats say which ran
     ("target and draft (AVX-512)", ...); ``cpu_gemm`` then routes what is left on torch's layers (the draft's
-    ``fc``, or all of it)."""
+    ``fc``, or all of it).
+
+    ``disable_by_batch_size``: a ``generate`` call of more requests than this decodes autoregressively (vLLM's
+    option of the same name): where a verify's rows cost compute, a batch's trees outweigh what they save (on a
+    2-core CPU the default pair's HeteroSpec fell behind autoregressive decoding from 4 requests on).  The output
+    is the same either way (speculation is lossless); the call's stats show τ 1.  None (default): every call
+    drafts."""
 
     def __init__(self, target, draft=None, policy=None, *, max_length=None, buckets="auto", cuda_graphs="auto",
-                 compile=False, cpu_gemm="auto", batch_invariant="auto", cpu_decoder="auto"):
+                 compile=False, cpu_gemm="auto", batch_invariant="auto", cpu_decoder="auto",
+                 disable_by_batch_size=None):
         self.draft = draft
         self.policy = policy if policy is not None else (Policy.static() if draft is not None else
                                                          Policy.autoregressive())
@@ -302,6 +309,12 @@ class HeteroSpec:
                                          route_target=self._decoder is None)
         self.cpu_gemm = self._gemm.describe()   # which row classes run packed: in every call's stats
         self._drafting = draft is not None and self.policy.drafts
+        if disable_by_batch_size is not None and (not isinstance(disable_by_batch_size, int)
+                                                  or isinstance(disable_by_batch_size, bool)
+                                                  or disable_by_batch_size < 1):
+            raise ValueError(f"HeteroSpec: argument 'disable_by_batch_size' expected None or an int >= 1, got "
+                             f"{disable_by_batch_size!r}")
+        self.disable_by_batch_size = disable_by_batch_size
         pol = self.policy
         self._levels = pol.levels
         most = max((pol.total_tokens, *pol.keep))
@@ -317,17 +330,22 @@ class HeteroSpec:
         self._cycle = self._new_cycle(1)      # batch 1: the engine's own adapter and caches, kept between calls
         self._cycles = OrderedDict()          # recorded engine: batch size > 1 -> its Cycle (own adapter, caches)
 
+    def _drafts(self, batch):
+        """Whether a call of ``batch`` requests drafts (``disable_by_batch_size``)."""
+        limit = self.disable_by_batch_size
+        return self._drafting and (limit is None or batch <= limit)
+
     def _new_cycle(self, batch):
         """A :class:`~.cycle.Cycle` of ``batch`` rows: batch 1 on the engine's adapter, a batch on an adapter of
-        its own (its own static caches, closed with the cycle)."""
+        its own (its own static caches, closed with the cycle); autoregressive where the batch does not draft."""
+        drafting = self._drafts(batch)
         tgt = self.target if batch == 1 else TargetAdapter(
-            self.target.model, tap_layers=self.target.tap_layers, capture_taps=self._drafting, batch=batch,
+            self.target.model, tap_layers=self.target.tap_layers, capture_taps=drafting, batch=batch,
             invariant=self.target.invariant, decoder=self._decoder)
         dr = (DraftState(self.draft, self.policy.top_k, self._levels, self._d2t, batch, fast=self._fast_draft)
-              if self._drafting
-              else NoDraft(self.device, batch))
-        return Cycle(tgt, dr, self.policy, self.buckets, self.device, emulate=self.cuda_graphs == "emulate",
-                     owns_target=batch > 1)
+              if drafting else NoDraft(self.device, batch))
+        return Cycle(tgt, dr, self.policy if drafting else Policy.autoregressive(), self.buckets, self.device,
+                     emulate=self.cuda_graphs == "emulate", owns_target=batch > 1)
 
     @property
     def cycle(self):
@@ -523,8 +541,8 @@ class HeteroSpec:
         a root-only tree whose commit is zeroed, so the shapes stay those of the whole batch -- what a recorded
         step of fixed batch needs: with recorded steps finished rows are always masked).  Stopping criteria are
         asked after every new token of a request, with its prompt and new tokens."""
-        dev, pol = self.device, self.policy
         B, S = input_ids.shape
+        dev, pol = self.device, (self.policy if self._drafts(B) else Policy.autoregressive())
         sample = temperature > 0
         settings = (True, float(temperature), int(top_k), float(top_p)) if sample else (False, 0.0, 0, 1.0)
         graphs = bool(self.cuda_graphs)
@@ -576,7 +594,7 @@ class HeteroSpec:
             for a in range(B):
                 if done[a]:
                     rows[a].total_s = time.perf_counter() - start
-            if self._drafting and not all(done):
+            if cyc.drafting and not all(done):
                 clock.start()
                 front = ids_dev.gather(1, (torch.tensor([S - n for n in lengths], device=dev).view(B, 1)
                                            + torch.arange(S, device=dev)).clamp(max=S - 1))

@@ -348,3 +348,26 @@ def test_stopping_criteria_are_asked_per_row():
         alone, _ = hs.generate(p, max_new_tokens=30, stopping_criteria=[StopAt()])
         assert o.tolist() == alone[0].tolist(), b
     assert outs[2][-1].item() == stop_tok and stats.per_row[2].new_tokens <= 6
+
+
+@pytest.mark.parametrize("graphs", [False, "emulate"])
+def test_a_batch_past_disable_by_batch_size_decodes_autoregressively_with_the_same_output(graphs, tmp_path):
+    """vLLM's option: calls of more requests than the limit draft nothing (τ 1, one node a row per forward); calls
+    within it draft as before; every row's output is its prompt's greedy continuation either way."""
+    model = tiny_target("llama")
+    ps = prompts(3)
+    refs = [reference_greedy(model, p, NEW) for p in ps]
+    draft = eagle3_head(model, tmp_path / "head")
+    hs = HeteroSpec(model, draft, POLICIES["heterospec"], cuda_graphs=graphs, disable_by_batch_size=2)
+    for n in (3, 2, 1):
+        outs, stats = hs.generate([p[0] for p in ps[:n]], max_new_tokens=NEW)
+        for o, p, r in zip(outs, ps, refs):
+            assert o.tolist() == r[0, :p.shape[1] + NEW].tolist()
+        if n > 2:
+            assert stats.tau == 1.0 and stats.verified_tokens == stats.cycles and not stats.bins
+        else:   # drafted: every cycle binned, trees of more than the root verified
+            assert sum(stats.bins.values()) == stats.cycles and stats.verified_tokens > stats.cycles
+    hs.close()
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="argument 'disable_by_batch_size' expected None or an int >= 1, got"):
+            HeteroSpec(model, draft, POLICIES["heterospec"], disable_by_batch_size=bad)
