@@ -14,7 +14,8 @@ _OWN_CRITERIA = {"MaxLengthCriteria", "EosTokenCriteria", "MaxTimeCriteria"}
 
 
 def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
-                    draft=None, policy=None, seed=None, streamer=None, cuda_graphs=False, **model_kwargs):
+                    draft=None, policy=None, seed=None, streamer=None, cuda_graphs=False, cpu_decoder="auto",
+                    disable_by_batch_size=None, **model_kwargs):
     """``model.generate(input_ids, custom_generate=heterospec.custom_generate, draft=..., policy=...)``.
 
     Needs a transformers release whose ``generate`` accepts a callable ``custom_generate`` (5.x; tested
@@ -28,7 +29,9 @@ def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=N
     takes batch 1.
     ``cuda_graphs`` as in :class:`HeteroSpec`, but False by default here where :class:`HeteroSpec` defaults to
     'auto': each call builds its engine, so it would record its graphs anew (0.4-1.6 s for the default pair on an
-    H200); for many calls keep one ``HeteroSpec`` instead (a batch runs the eager steps).  Returns the sequences."""
+    H200); for many calls keep one ``HeteroSpec`` instead (a batch runs the eager steps).  ``cpu_decoder`` and
+    ``disable_by_batch_size`` as in :class:`HeteroSpec` (the decoder's packed weights are made once per model and
+    kept for later calls).  Returns the sequences."""
     gc = generation_config
     extra = [type(p).__name__ for p in (logits_processor or []) if type(p).__name__ not in _WARPERS]
     if extra:
@@ -48,7 +51,8 @@ def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=N
     pad = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if eos else 0)
     if isinstance(pad, (list, tuple)) or (isinstance(pad, torch.Tensor) and pad.numel() != 1):
         pad = int(torch.as_tensor(pad).view(-1)[0])
-    with HeteroSpec(model, draft, policy, cuda_graphs=cuda_graphs) as hs:
+    with HeteroSpec(model, draft, policy, cuda_graphs=cuda_graphs, cpu_decoder=cpu_decoder,
+                    disable_by_batch_size=disable_by_batch_size) as hs:
         seq, _ = hs.generate(
             input_ids, attention_mask=mask, pad_token_id=int(pad), max_new_tokens=max_new,
             temperature=float(gc.temperature if gc.temperature is not None else 1.0) if sample else 0.0,

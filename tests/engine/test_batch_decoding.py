@@ -259,6 +259,27 @@ def test_custom_generate_with_a_batch_returns_what_hf_returns(do_sample):
     assert (out[2, S:] == 3).any()                        # the early row was padded
 
 
+def test_custom_generate_hands_the_engine_options_on(monkeypatch):
+    import heterospec
+    from heterospec.engine import hf_generate
+
+    model = tiny_target("llama")
+    ps = prompts(2)
+    ids, mask = left_padded(ps)
+    seen = {}
+    real = hf_generate.HeteroSpec
+
+    def spy(*a, **k):
+        seen.update(k)
+        return real(*a, **k)
+
+    monkeypatch.setattr(hf_generate, "HeteroSpec", spy)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                         custom_generate=heterospec.custom_generate, cpu_decoder=False, disable_by_batch_size=1)
+    assert seen["cpu_decoder"] is False and seen["disable_by_batch_size"] == 1
+    assert out.tolist() == model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False).tolist()
+
+
 @pytest.mark.parametrize("name", ["ar", "eagle3", "heterospec"])
 def test_a_batch_reads_the_host_twice_per_cycle_at_most(name, tmp_path):
     """The whole batched generate under the host-transfer guard: inside the cycles only the declared sync
