@@ -64,7 +64,21 @@ def build_info():
     info = dict(_C.build_info())
     info["package_version"] = __version__
     info["cuda_status"] = _cuda_status(info)
+    info["cpu_kernels"] = _cpu_kernels()
     return info
+
+
+def _cpu_kernels():
+    """One sentence on heterospec._gemm (the few-rows kernel of ``cpu_gemm='rows'`` and the float32 CPU forwards of
+    ``cpu_decoder``): built or not, the instruction set it runs here, its threads."""
+    try:
+        from . import _gemm
+    except ImportError:
+        return ("not built (setup.py builds heterospec._gemm where the C compiler has OpenMP): cpu_gemm has oneDNN and "
+                "torch's paths, cpu_decoder is off")
+    isa = ("the portable loop (no AVX2 here; cpu_decoder='auto' stays off)", "AVX2", "AVX-512")[_gemm.isa_best()]
+    threads = f"OpenMP, {_gemm.threads()} threads" if _gemm.openmp() else "no OpenMP (1 thread)"
+    return f"heterospec._gemm built: {isa}, {threads}"
 
 
 def _cuda_status(info):

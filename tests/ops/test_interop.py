@@ -19,6 +19,10 @@ def test_build_info():
     assert isinstance(info["cuda"], bool)
     assert info["version"] == heterospec.__version__
     assert info["cuda"] is False or info.get("cuda_archs")
+    import importlib.util
+
+    want = "heterospec._gemm built: " if importlib.util.find_spec("heterospec._gemm") else "not built"
+    assert info["cpu_kernels"].startswith(want), info["cpu_kernels"]
 
 
 def _tree_case(rng, V=50):
