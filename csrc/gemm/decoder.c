@@ -195,9 +195,9 @@ static void rotate(float *x, const float *cos, const float *sin, int64_t d, floa
 
 #define W_(layer, f) ((const float *)(uintptr_t)m->table[(layer) * HSD_FIELDS + (f)])
 
-static int nthreads(int threads) {
+static int nthreads(int threads) { /* the threads of a parallel region here (rows.h's count by default) */
 #ifdef _OPENMP
-    return threads > 0 ? threads : omp_get_max_threads();
+    return threads > 0 ? threads : hsg_threads();
 #else
     (void)threads;
     return 1;

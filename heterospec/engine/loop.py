@@ -542,7 +542,7 @@ class HeteroSpec:
         step of fixed batch needs: with recorded steps finished rows are always masked).  Stopping criteria are
         asked after every new token of a request, with its prompt and new tokens."""
         B, S = input_ids.shape
-        dev, pol = self.device, (self.policy if self._drafts(B) else Policy.autoregressive())
+        dev = self.device
         sample = temperature > 0
         settings = (True, float(temperature), int(top_k), float(top_p)) if sample else (False, 0.0, 0, 1.0)
         graphs = bool(self.cuda_graphs)
@@ -556,6 +556,7 @@ class HeteroSpec:
         with sync.outside_cycle():
             cyc = self._cycle_for(B, need, graphs)
         tgt, dr, st = cyc.target, cyc.drafter, cyc.state
+        pol = cyc.policy   # the engine's, or autoregressive past disable_by_batch_size (_new_cycle)
         steps = None
         try:
             with sync.outside_cycle():

@@ -88,7 +88,7 @@ def profile_costs(target, draft=None, *, tree_tokens=(1, 2, 4, 8, 16, 32, 64, 12
                          f"need a CUDA device), got True")
     # packed once for every engine below, as each of them routes (the target's layers only where it runs on
     # transformers' forward, the draft's where its own step runs: the engines' cpu_decoder)
-    on_decoder = decoder.why_off(cpu_decoder, target, compile=False) is None
+    on_decoder = decoder.for_target(cpu_decoder, target) is not None   # (shared with the engines: packed once)
     routed = decoder.gemm_modules(draft, decoder.for_draft(cpu_decoder, draft))
     settings = (graphs, cpu_gemm, cpu_decoder)
     with gemm.for_models(cpu_gemm, target, routed, route_target=not on_decoder), torch.no_grad():
