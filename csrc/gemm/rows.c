@@ -69,6 +69,16 @@ static void tile_portable(const float *x, int64_t ldx, const float *wp, int64_t 
 #include <immintrin.h>
 #define HSG_X86 1
 
+/* Each tile asks for the weights HSG_AHEAD steps of k ahead of the ones it multiplies (a panel's row of k is one
+ * 64-byte line), and near the end of its panels for the first rows of the next tile's.  On a 2-core Xeon VM
+ * (AVX-512) the hardware prefetch alone let the products of 4-12 rows add to the weights' stream instead of hiding
+ * under it: SmolLM2-135M's whole forward went from 26 / 36 / 44 ms to 22 / 28 / 32 ms for 1 / 7 / 12 rows
+ * (distances 16, 32 and 64 measured alike).  A prefetch never faults, so the ones past the last panel are
+ * harmless; none changes a result. */
+#ifndef HSG_AHEAD
+#define HSG_AHEAD 16
+#endif
+
 /* ---- AVX-512: a panel is one register; NB x MB <= 24 accumulators ------------------------------------------ */
 
 #define T512 __attribute__((target("avx512f")))
@@ -81,7 +91,12 @@ static inline __attribute__((always_inline)) T512 void tile512(const float *x, i
         for (int b = 0; b < mb; b++) acc[a][b] = _mm512_setzero_ps();
     for (int64_t kk = 0; kk < k; kk++) {
         __m512 wv[8];
-        for (int a = 0; a < nb; a++) wv[a] = _mm512_loadu_ps(wp + (int64_t)a * HSG_PANEL * k + kk * HSG_PANEL);
+        int64_t ahead = HSG_AHEAD * HSG_PANEL + (kk + HSG_AHEAD >= k ? (int64_t)(nb - 1) * HSG_PANEL * k : 0);
+        for (int a = 0; a < nb; a++) {
+            const float *w = wp + (int64_t)a * HSG_PANEL * k + kk * HSG_PANEL;
+            wv[a] = _mm512_loadu_ps(w);
+            _mm_prefetch((const char *)(w + ahead), _MM_HINT_T0);
+        }
         for (int b = 0; b < mb; b++) {
             __m512 xb = _mm512_set1_ps(x[b * ldx + kk]);
             for (int a = 0; a < nb; a++) acc[a][b] = _mm512_fmadd_ps(wv[a], xb, acc[a][b]);
@@ -131,10 +146,12 @@ static inline __attribute__((always_inline)) T256 void tile256(const float *x, i
         for (int b = 0; b < mb; b++) acc[a][b][0] = acc[a][b][1] = _mm256_setzero_ps();
     for (int64_t kk = 0; kk < k; kk++) {
         __m256 wv[4][2];
+        int64_t ahead = HSG_AHEAD * HSG_PANEL + (kk + HSG_AHEAD >= k ? (int64_t)(nb - 1) * HSG_PANEL * k : 0);
         for (int a = 0; a < nb; a++) {
             const float *w = wp + (int64_t)a * HSG_PANEL * k + kk * HSG_PANEL;
             wv[a][0] = _mm256_loadu_ps(w);
             wv[a][1] = _mm256_loadu_ps(w + 8);
+            _mm_prefetch((const char *)(w + ahead), _MM_HINT_T0);
         }
         for (int b = 0; b < mb; b++) {
             __m256 xb = _mm256_broadcast_ss(x + b * ldx + kk);
