@@ -217,6 +217,11 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
         if (req[r] < 0 || req[r] >= c->batch || slot[r] < 0 || slot[r] >= c->capacity) return -1;
     for (int64_t i = 0; out_rows && i < keep; i++)
         if (out_rows[i] < 0 || out_rows[i] >= n) return -1;
+    for (int64_t L = 0; L < m->layers; L++)
+        if (hsg_check(W_(L, HSD_QKV), QKV, XW) || hsg_check(W_(L, HSD_O), H, NQ) || hsg_check(W_(L, HSD_GU), 2 * I, H)
+            || hsg_check(W_(L, HSD_DOWN), H, I))
+            return -3;
+    if (keep > 0 && hsg_check(m->head, m->vocab, H)) return -3;
     int T = nthreads(threads);
     size_t floats = (size_t)(n * XW + n * H + n * QKV + n * NQ + n * 2 * I + n * I + D + (int64_t)T * W);
     float *buf = malloc(floats * sizeof(float));

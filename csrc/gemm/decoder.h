@@ -26,7 +26,7 @@
 
 #include <stdint.h>
 
-/* One layer's weights: packed (rows.h) [q; k; v], o, [gate; up], down, with their biases or NULL; the norms. */
+/* One layer's weights: packed (rows.h, any codec) [q; k; v], o, [gate; up], down, with their biases or NULL; the norms. */
 enum {
     HSD_LN1, HSD_LN2, HSD_QKV, HSD_QKV_B, HSD_Q_NORM, HSD_K_NORM, HSD_O, HSD_O_B, HSD_GU, HSD_GU_B, HSD_DOWN,
     HSD_DOWN_B, HSD_FIELDS
@@ -62,7 +62,8 @@ typedef struct {
  * entering layers tap_layers[0..2]; logits: [keep][vocab] for rows out_rows[0..keep) (NULL: the last keep rows;
  * keep <= n; 0: none), and hout: [keep][hidden] those rows' states (see HSD_OUT_NORMED) or NULL.  Returns 0, or
  * -1 for a req, slot, out_rows entry or W out of range, or the draft's layout without emb or with layers != 1
- * (nothing written then), -2 for an allocation failure (nothing written either). */
+ * (nothing written then), -2 for an allocation failure, -3 for a weight whose packed copy (rows.h) is not of its
+ * shape (nothing written either). */
 int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *emb, int64_t n, const float *cos,
                 const float *sin, const int64_t *req, const int64_t *slot, const uint8_t *allowed, int64_t W,
                 const int64_t *tap_layers, float *const *taps, const int64_t *out_rows, int64_t keep, float *logits,

@@ -59,6 +59,25 @@ static PyObject *py_pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
+/* pack_codes(codec, q, d, m or 0, wp, n, k): rows.h's hsg_pack_codes (int8 codes, float32 scales and offsets). */
+static PyObject *py_pack_codes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long a[7];
+    if (ints(args, nargs, 7, "pack_codes", a) < 0) return NULL;
+    static const char *const names[7] = {NULL, "q", "d", NULL, "wp", NULL, NULL};
+    if (addresses(a, names, 7, "pack_codes") < 0) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = hsg_pack_codes((int)a[0], (const int8_t *)(uintptr_t)a[1], (const float *)(uintptr_t)a[2],
+                                               (const float *)(uintptr_t)a[3], (void *)(uintptr_t)a[4], a[5], a[6]);
+    Py_END_ALLOW_THREADS if (rc) {
+        PyErr_Format(PyExc_ValueError, "pack_codes: arguments 'codec', 'q', 'd' and 'm' expected codec 1 (Q8) or 2 "
+                     "(Q4, with m, codes 0..15 and scales of at most 20 significant bits) and k a multiple of %d, "
+                     "got codec %lld, k %lld or codes out of range", HSG_BLOCK, a[0], a[6]);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 /* linear(x, ldx, wp, bias or 0, y, ldy, m, n, k, isa, threads) */
 static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -68,6 +87,11 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
     static const char *const all[11] = {"x", NULL, "wp", NULL, "y"}, *const out_only[11] = {NULL, NULL, NULL, NULL, "y"};
     if (a[6] > 0 && a[7] > 0 && addresses(a, a[8] > 0 ? all : out_only, 11, "linear") < 0) return NULL;
     if (isa_ok(a[9], "linear") < 0) return NULL;
+    if (a[6] > 0 && a[7] > 0 && a[8] > 0 && hsg_check((const void *)(uintptr_t)a[2], a[7], a[8])) {
+        PyErr_Format(PyExc_ValueError, "linear: argument 'wp' expected a packed copy of a %lld x %lld weight "
+                     "(heterospec._gemm.pack), got memory without one", a[7], a[8]);
+        return NULL;
+    }
     Py_BEGIN_ALLOW_THREADS hsg_linear((const float *)(uintptr_t)a[0], a[1], (const float *)(uintptr_t)a[2],
                                       (const float *)(uintptr_t)a[3], (float *)(uintptr_t)a[4], a[5], a[6], a[7],
                                       a[8], (int)a[9], (int)a[10]);
@@ -136,6 +160,11 @@ static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
         return NULL;
     }
     if (rc == -2) return PyErr_NoMemory();
+    if (rc == -3) {
+        PyErr_SetString(PyExc_ValueError, "decoder_forward: argument 'model' expected each weight's packed copy "
+                                          "(heterospec._gemm.pack) at its layer's shapes, got one that is not");
+        return NULL;
+    }
     Py_RETURN_NONE;
 }
 
@@ -208,6 +237,13 @@ static PyObject *py_packed_floats(PyObject *self, PyObject *const *args, Py_ssiz
     return PyLong_FromLongLong(hsg_packed_floats(a[0], a[1]));
 }
 
+static PyObject *py_packed_bytes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long a[3];
+    if (ints(args, nargs, 3, "packed_bytes", a) < 0) return NULL;
+    return PyLong_FromLongLong(hsg_packed_bytes((int)a[0], a[1], a[2]));
+}
+
 static PyObject *py_isa_best(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
@@ -242,6 +278,8 @@ static PyMethodDef methods[] = {
     {"rmsnorm", py_rmsnorm, METH_VARARGS, "rmsnorm(x, w, y, d, eps, isa)"},
     {"attend", py_attend, METH_VARARGS, "attend(q, k, v, stride, allowed, W, scale, out, d, isa)"},
     {"packed_floats", FAST(py_packed_floats), "packed_floats(n, k) -> floats of the packed copy"},
+    {"packed_bytes", FAST(py_packed_bytes), "packed_bytes(codec, n, k) -> bytes of the packed copy (-1: cannot)"},
+    {"pack_codes", FAST(py_pack_codes), "pack_codes(codec, q, d, m, wp, n, k): a coded weight's packed copy"},
     {"isa_best", py_isa_best, METH_NOARGS, "isa_best() -> 0 portable, 1 AVX2, 2 AVX-512"},
     {"threads", py_threads, METH_NOARGS, "threads() -> the OpenMP threads a call uses by default"},
     {"openmp", py_openmp, METH_NOARGS, "openmp() -> whether this build runs the kernel on OpenMP threads"},

@@ -21,9 +21,36 @@
 
 #define HSG_GROUP 8 /* panels per group: a multiple of every tile's width */
 
-int64_t hsg_packed_floats(int64_t n, int64_t k) { return (n + HSG_PANEL - 1) / HSG_PANEL * HSG_PANEL * k; }
+static int64_t block_bytes(int codec) { /* bytes of one panel's block of HSG_BLOCK k (0: no blocks) */
+    return codec == HSG_Q8 ? 64 + HSG_BLOCK * HSG_PANEL : codec == HSG_Q4 ? 128 + HSG_BLOCK * HSG_PANEL / 2 : 0;
+}
+
+static int64_t panel_bytes(int codec, int64_t k) {
+    return codec == HSG_F32 ? k * HSG_PANEL * 4 : k / HSG_BLOCK * block_bytes(codec);
+}
+
+int64_t hsg_packed_bytes(int codec, int64_t n, int64_t k) {
+    if (n < 0 || k < 0 || (codec != HSG_F32 && (block_bytes(codec) == 0 || k % HSG_BLOCK))) return -1;
+    return HSG_HEADER + (n + HSG_PANEL - 1) / HSG_PANEL * panel_bytes(codec, k);
+}
+
+int64_t hsg_packed_floats(int64_t n, int64_t k) { return hsg_packed_bytes(HSG_F32, n, k) / 4; }
+
+static void header(void *wp, int codec, int64_t n, int64_t k) {
+    hsg_header hd = {HSG_MAGIC, (uint32_t)codec, n, k};
+    memset(wp, 0, HSG_HEADER);
+    memcpy(wp, &hd, sizeof hd);
+}
+
+int hsg_check(const void *wp, int64_t n, int64_t k) {
+    hsg_header hd;
+    memcpy(&hd, wp, sizeof hd);
+    return hd.magic == HSG_MAGIC && hd.n == n && hd.k == k && hsg_packed_bytes((int)hd.codec, n, k) >= 0 ? 0 : -1;
+}
 
 void hsg_pack(const float *w, int64_t ldw, float *wp, int64_t n, int64_t k) {
+    header(wp, HSG_F32, n, k);
+    wp += HSG_HEADER / 4;
     int64_t panels = (n + HSG_PANEL - 1) / HSG_PANEL;
     for (int64_t p = 0; p < panels; p++) {
         float *dst = wp + p * HSG_PANEL * k;
@@ -34,6 +61,54 @@ void hsg_pack(const float *w, int64_t ldw, float *wp, int64_t n, int64_t k) {
     }
 }
 
+int hsg_pack_codes(int codec, const int8_t *q, const float *d, const float *m, void *wp, int64_t n, int64_t k) {
+    if ((codec != HSG_Q8 && codec != HSG_Q4) || hsg_packed_bytes(codec, n, k) < 0 || (codec == HSG_Q4 && !m)) return -1;
+    int64_t nb = k / HSG_BLOCK, bb = block_bytes(codec);
+    for (int64_t i = 0; i < n * k; i++)
+        if (codec == HSG_Q4 && (q[i] < 0 || q[i] > 15)) return -1;
+    for (int64_t i = 0; codec == HSG_Q4 && i < n * nb; i++) { /* d * q exact: at most 20 significant bits */
+        uint32_t bits;
+        memcpy(&bits, d + i, 4);
+        if (bits & 0xF) return -1;
+    }
+    header(wp, codec, n, k);
+    uint8_t *body = (uint8_t *)wp + HSG_HEADER;
+    int64_t panels = (n + HSG_PANEL - 1) / HSG_PANEL;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *blk = body + (p * nb + b) * bb;
+            float dm[2][HSG_PANEL];
+            memset(blk, 0, (size_t)bb);
+            for (int j = 0; j < HSG_PANEL; j++) {
+                int64_t col = p * HSG_PANEL + j;
+                dm[0][j] = col < n ? d[col * nb + b] : 0.0f;
+                dm[1][j] = col < n && m ? m[col * nb + b] : 0.0f;
+                for (int r = 0; r < HSG_BLOCK && col < n; r++) {
+                    int8_t c = q[col * k + b * HSG_BLOCK + r];
+                    if (codec == HSG_Q8)
+                        blk[64 + r * HSG_PANEL + j] = (uint8_t)c;
+                    else
+                        blk[128 + (r / 2) * HSG_PANEL + j] |= (uint8_t)(c << (4 * (r % 2)));
+                }
+            }
+            memcpy(blk, dm[0], sizeof dm[0]);
+            if (codec == HSG_Q4) memcpy(blk + 64, dm[1], sizeof dm[1]);
+        }
+    return 0;
+}
+
+/* The weight W[16p + j][kk] of a coded panel (`panel`: its first byte), decoded as rows.h says. */
+static inline float coded(const uint8_t *panel, int codec, int64_t kk, int j) {
+    const uint8_t *blk = panel + kk / HSG_BLOCK * block_bytes(codec);
+    int r = (int)(kk % HSG_BLOCK);
+    float d;
+    memcpy(&d, blk + 4 * j, 4);
+    if (codec == HSG_Q8) return (float)(int8_t)blk[64 + r * HSG_PANEL + j] * d;
+    float m;
+    memcpy(&m, blk + 64 + 4 * j, 4);
+    return fmaf((float)((blk[128 + (r / 2) * HSG_PANEL + j] >> (4 * (r % 2))) & 15), d, m);
+}
+
 int hsg_threads(void) {
 #ifdef _OPENMP
     return omp_get_max_threads();
@@ -42,21 +117,25 @@ int hsg_threads(void) {
 #endif
 }
 
-/* One tile: rows x[0..mb) against panels wp[0..nb), writing `cols` valid columns (<= nb*16) of y. */
-typedef void (*hsg_tile)(const float *x, int64_t ldx, const float *wp, int64_t k, const float *bias, float *y,
+/* One tile: rows x[0..mb) against panels wp[0..nb) (wp: the first panel's first byte), writing `cols` valid
+ * columns (<= nb*16) of y. */
+typedef void (*hsg_tile)(const float *x, int64_t ldx, const uint8_t *wp, int64_t k, const float *bias, float *y,
                          int64_t ldy, int64_t cols);
 
 /* ---- portable ------------------------------------------------------------------------------------------- */
 
-static void tile_portable(const float *x, int64_t ldx, const float *wp, int64_t k, const float *bias, float *y,
-                          int64_t ldy, int64_t cols, int nb, int mb) {
+static void tile_portable(const float *x, int64_t ldx, const uint8_t *wp, int64_t k, const float *bias, float *y,
+                          int64_t ldy, int64_t cols, int nb, int mb, int codec) {
     for (int a = 0; a < nb; a++) {
-        const float *w = wp + (int64_t)a * HSG_PANEL * k;
+        const uint8_t *panel = wp + (int64_t)a * panel_bytes(codec, k);
+        const float *w = (const float *)panel;
         for (int b = 0; b < mb; b++) {
             float acc[HSG_PANEL] = {0};
             const float *xr = x + b * ldx;
             for (int64_t kk = 0; kk < k; kk++)
-                for (int j = 0; j < HSG_PANEL; j++) acc[j] = fmaf(w[kk * HSG_PANEL + j], xr[kk], acc[j]);
+                for (int j = 0; j < HSG_PANEL; j++)
+                    acc[j] = fmaf(codec == HSG_F32 ? w[kk * HSG_PANEL + j] : coded(panel, codec, kk, j), xr[kk],
+                                  acc[j]);
             for (int j = 0; j < HSG_PANEL; j++) {
                 int64_t c = (int64_t)a * HSG_PANEL + j;
                 if (c < cols) y[b * ldy + c] = bias ? acc[j] + bias[c] : acc[j];
@@ -83,23 +162,72 @@ static void tile_portable(const float *x, int64_t ldx, const float *wp, int64_t 
 
 #define T512 __attribute__((target("avx512f")))
 
-static inline __attribute__((always_inline)) T512 void tile512(const float *x, int64_t ldx, const float *wp,
+/* Coded panels (HSG_Q8, HSG_Q4): each block of 32 k decodes every panel's weights once per k (or pair of k) into
+ * registers, then runs the same fused multiply-adds as HSG_F32 over the tile's rows. */
+static inline __attribute__((always_inline)) T512 void tile512(const float *x, int64_t ldx, const uint8_t *wp,
                                                                int64_t k, const float *bias, float *y, int64_t ldy,
-                                                               int64_t cols, int nb, int mb) {
+                                                               int64_t cols, int nb, int mb, int codec) {
     __m512 acc[8][12];
     for (int a = 0; a < nb; a++)
         for (int b = 0; b < mb; b++) acc[a][b] = _mm512_setzero_ps();
-    for (int64_t kk = 0; kk < k; kk++) {
-        __m512 wv[8];
-        int64_t ahead = HSG_AHEAD * HSG_PANEL + (kk + HSG_AHEAD >= k ? (int64_t)(nb - 1) * HSG_PANEL * k : 0);
-        for (int a = 0; a < nb; a++) {
-            const float *w = wp + (int64_t)a * HSG_PANEL * k + kk * HSG_PANEL;
-            wv[a] = _mm512_loadu_ps(w);
-            _mm_prefetch((const char *)(w + ahead), _MM_HINT_T0);
+    const int64_t ps = panel_bytes(codec, k);
+    if (codec == HSG_F32) {
+        const float *wf = (const float *)wp;
+        for (int64_t kk = 0; kk < k; kk++) {
+            __m512 wv[8];
+            int64_t ahead = HSG_AHEAD * HSG_PANEL + (kk + HSG_AHEAD >= k ? (int64_t)(nb - 1) * HSG_PANEL * k : 0);
+            for (int a = 0; a < nb; a++) {
+                const float *w = wf + (int64_t)a * HSG_PANEL * k + kk * HSG_PANEL;
+                wv[a] = _mm512_loadu_ps(w);
+                _mm_prefetch((const char *)(w + ahead), _MM_HINT_T0);
+            }
+            for (int b = 0; b < mb; b++) {
+                __m512 xb = _mm512_set1_ps(x[b * ldx + kk]);
+                for (int a = 0; a < nb; a++) acc[a][b] = _mm512_fmadd_ps(wv[a], xb, acc[a][b]);
+            }
         }
-        for (int b = 0; b < mb; b++) {
-            __m512 xb = _mm512_set1_ps(x[b * ldx + kk]);
-            for (int a = 0; a < nb; a++) acc[a][b] = _mm512_fmadd_ps(wv[a], xb, acc[a][b]);
+    } else {
+        const int64_t bb = block_bytes(codec), blocks = k / HSG_BLOCK;
+        const int lookahead = 2; /* blocks (2 x 384 or 576 bytes a panel) */
+        for (int64_t kb = 0; kb < blocks; kb++) {
+            const uint8_t *blk = wp + kb * bb;
+            int64_t ahead = lookahead * bb + (kb + lookahead >= blocks ? (int64_t)(nb - 1) * ps : 0);
+            for (int a = 0; a < nb; a++)
+                for (int64_t l = 0; l < bb; l += 64) _mm_prefetch((const char *)(blk + a * ps + ahead + l), _MM_HINT_T0);
+            const float *xk = x + kb * HSG_BLOCK;
+            if (codec == HSG_Q8) {
+                for (int r = 0; r < HSG_BLOCK; r++) {
+                    __m512 wv[8];
+                    for (int a = 0; a < nb; a++) {
+                        const uint8_t *pb = blk + a * ps;
+                        __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(pb + 64 + r * HSG_PANEL)));
+                        wv[a] = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_loadu_ps((const float *)pb));
+                    }
+                    for (int b = 0; b < mb; b++) {
+                        __m512 xb = _mm512_set1_ps(xk[b * ldx + r]);
+                        for (int a = 0; a < nb; a++) acc[a][b] = _mm512_fmadd_ps(wv[a], xb, acc[a][b]);
+                    }
+                }
+            } else {
+                const __m512i low = _mm512_set1_epi32(15);
+                for (int t = 0; t < HSG_BLOCK / 2; t++) {
+                    __m512 w0[8], w1[8];
+                    for (int a = 0; a < nb; a++) {
+                        const uint8_t *pb = blk + a * ps;
+                        __m512 d = _mm512_loadu_ps((const float *)pb), m = _mm512_loadu_ps((const float *)(pb + 64));
+                        __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(pb + 128 + t * HSG_PANEL)));
+                        w0[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, low)), d, m);
+                        w1[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)), d, m);
+                    }
+                    for (int b = 0; b < mb; b++) {
+                        __m512 x0 = _mm512_set1_ps(xk[b * ldx + 2 * t]), x1 = _mm512_set1_ps(xk[b * ldx + 2 * t + 1]);
+                        for (int a = 0; a < nb; a++) {
+                            acc[a][b] = _mm512_fmadd_ps(w0[a], x0, acc[a][b]);
+                            acc[a][b] = _mm512_fmadd_ps(w1[a], x1, acc[a][b]);
+                        }
+                    }
+                }
+            }
         }
     }
     for (int a = 0; a < nb; a++) {
@@ -114,19 +242,22 @@ static inline __attribute__((always_inline)) T512 void tile512(const float *x, i
     }
 }
 
-#define TILE512(NB, MB)                                                                                           \
-    static T512 void t512_##NB##_##MB(const float *x, int64_t ldx, const float *wp, int64_t k, const float *bias, \
-                                      float *y, int64_t ldy, int64_t cols) {                                    \
-        tile512(x, ldx, wp, k, bias, y, ldy, cols, NB, MB);                                                       \
+#define TILE512C(NB, MB, C, CODEC)                                                                                 \
+    static T512 void t512##C##_##NB##_##MB(const float *x, int64_t ldx, const uint8_t *wp, int64_t k,           \
+                                           const float *bias, float *y, int64_t ldy, int64_t cols) {            \
+        tile512(x, ldx, wp, k, bias, y, ldy, cols, NB, MB, CODEC);                                                \
     }
+#define TILE512(NB, MB) TILE512C(NB, MB, f, HSG_F32) TILE512C(NB, MB, q8, HSG_Q8) TILE512C(NB, MB, q4, HSG_Q4)
 TILE512(8, 1) TILE512(8, 2) TILE512(4, 3) TILE512(4, 4) TILE512(4, 5) TILE512(4, 6)
 TILE512(2, 7) TILE512(2, 8) TILE512(2, 9) TILE512(2, 10) TILE512(2, 11) TILE512(2, 12)
 TILE512(1, 1) TILE512(1, 2) TILE512(1, 3) TILE512(1, 4) TILE512(1, 5) TILE512(1, 6)
 TILE512(1, 7) TILE512(1, 8) TILE512(1, 9) TILE512(1, 10) TILE512(1, 11) TILE512(1, 12)
-static const hsg_tile WIDE512[13] = {0, t512_8_1, t512_8_2, t512_4_3, t512_4_4, t512_4_5, t512_4_6,
-                                     t512_2_7, t512_2_8, t512_2_9, t512_2_10, t512_2_11, t512_2_12};
-static const hsg_tile ONE512[13] = {0, t512_1_1, t512_1_2, t512_1_3, t512_1_4, t512_1_5, t512_1_6,
-                                    t512_1_7, t512_1_8, t512_1_9, t512_1_10, t512_1_11, t512_1_12};
+#define TABLES512(C)                                                                                               \
+    {0, t512##C##_8_1, t512##C##_8_2, t512##C##_4_3, t512##C##_4_4, t512##C##_4_5, t512##C##_4_6, t512##C##_2_7,  \
+     t512##C##_2_8, t512##C##_2_9, t512##C##_2_10, t512##C##_2_11, t512##C##_2_12},                               \
+    {0, t512##C##_1_1, t512##C##_1_2, t512##C##_1_3, t512##C##_1_4, t512##C##_1_5, t512##C##_1_6, t512##C##_1_7,  \
+     t512##C##_1_8, t512##C##_1_9, t512##C##_1_10, t512##C##_1_11, t512##C##_1_12}
+static const hsg_tile TILES512[3][2][13] = {{TABLES512(f)}, {TABLES512(q8)}, {TABLES512(q4)}}; /* [codec][wide?][mb] */
 static const int NB512[13] = {0, 8, 8, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2};
 
 /* ---- AVX2: a panel is two registers; 2 x NB x MB <= 12 accumulators ----------------------------------------- */
@@ -140,7 +271,7 @@ static inline __attribute__((always_inline)) T256 __m256i mask256(int64_t rem) {
 
 static inline __attribute__((always_inline)) T256 void tile256(const float *x, int64_t ldx, const float *wp,
                                                                int64_t k, const float *bias, float *y, int64_t ldy,
-                                                               int64_t cols, int nb, int mb) {
+                                                               int64_t cols, int nb, int mb) { /* HSG_F32 only */
     __m256 acc[4][6][2];
     for (int a = 0; a < nb; a++)
         for (int b = 0; b < mb; b++) acc[a][b][0] = acc[a][b][1] = _mm256_setzero_ps();
@@ -176,9 +307,9 @@ static inline __attribute__((always_inline)) T256 void tile256(const float *x, i
 }
 
 #define TILE256(NB, MB)                                                                                           \
-    static T256 void t256_##NB##_##MB(const float *x, int64_t ldx, const float *wp, int64_t k, const float *bias, \
-                                      float *y, int64_t ldy, int64_t cols) {                                    \
-        tile256(x, ldx, wp, k, bias, y, ldy, cols, NB, MB);                                                       \
+    static T256 void t256_##NB##_##MB(const float *x, int64_t ldx, const uint8_t *wp, int64_t k,                \
+                                      const float *bias, float *y, int64_t ldy, int64_t cols) {                 \
+        tile256(x, ldx, (const float *)wp, k, bias, y, ldy, cols, NB, MB);                                        \
     }
 TILE256(4, 1) TILE256(2, 2) TILE256(2, 3) TILE256(1, 1) TILE256(1, 2) TILE256(1, 3) TILE256(1, 4) TILE256(1, 5)
 TILE256(1, 6)
@@ -197,9 +328,10 @@ int hsg_isa_best(void) {
 }
 
 /* Panels [p0, p1) of every row: see the file's comment. */
-static void run_range(const float *x, int64_t ldx, const float *wp, const float *bias, float *y, int64_t ldy,
-                      int64_t m, int64_t n, int64_t k, int isa, int64_t p0, int64_t p1) {
+static void run_range(const float *x, int64_t ldx, const uint8_t *wp, int codec, const float *bias, float *y,
+                      int64_t ldy, int64_t m, int64_t n, int64_t k, int isa, int64_t p0, int64_t p1) {
     int chunk = isa == HSG_ISA_AVX512 ? 12 : isa == HSG_ISA_AVX2 ? 6 : 4;
+    const int64_t ps = panel_bytes(codec, k);
     for (int64_t g = p0; g < p1; g += HSG_GROUP) {
         int64_t g1 = g + HSG_GROUP < p1 ? g + HSG_GROUP : p1;
         for (int64_t m0 = 0; m0 < m; m0 += chunk) {
@@ -213,20 +345,20 @@ static void run_range(const float *x, int64_t ldx, const float *wp, const float 
 #ifdef HSG_X86
                 if (isa == HSG_ISA_AVX512) {
                     nb = p + NB512[r] <= g1 ? NB512[r] : 1;
-                    fn = nb > 1 ? WIDE512[r] : ONE512[r];
-                } else if (isa == HSG_ISA_AVX2) {
+                    fn = TILES512[codec][nb > 1 ? 0 : 1][r];
+                } else if (isa == HSG_ISA_AVX2 && codec == HSG_F32) {
                     nb = p + NB256[r] <= g1 ? NB256[r] : 1;
                     fn = nb > 1 ? WIDE256[r] : ONE256[r];
                 }
 #endif
                 int64_t col = p * HSG_PANEL;
                 int64_t cols = n - col < (int64_t)nb * HSG_PANEL ? n - col : (int64_t)nb * HSG_PANEL;
-                const float *w = wp + p * HSG_PANEL * k;
+                const uint8_t *w = wp + p * ps;
                 const float *bp = bias ? bias + col : NULL;
                 if (fn)
                     fn(xr, ldx, w, k, bp, yr + col, ldy, cols);
                 else
-                    tile_portable(xr, ldx, w, k, bp, yr + col, ldy, cols, nb, r);
+                    tile_portable(xr, ldx, w, k, bp, yr + col, ldy, cols, nb, r, codec);
                 p += nb;
             }
         }
@@ -242,6 +374,10 @@ void hsg_linear(const float *x, int64_t ldx, const float *wp, const float *bias,
             for (int64_t j = 0; j < n; j++) y[i * ldy + j] = bias ? 0.0f + bias[j] : 0.0f;
         return;
     }
+    hsg_header hd;
+    memcpy(&hd, wp, sizeof hd);
+    const int codec = (int)hd.codec;
+    const uint8_t *body = (const uint8_t *)wp + HSG_HEADER;
     int t = threads > 0 ? threads : hsg_threads();
     if (t > panels) t = (int)panels;
 #ifdef _OPENMP
@@ -249,10 +385,10 @@ void hsg_linear(const float *x, int64_t ldx, const float *wp, const float *bias,
 #pragma omp parallel num_threads(t)
         {
             int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
-            run_range(x, ldx, wp, bias, y, ldy, m, n, k, isa, panels * id / nt, panels * (id + 1) / nt);
+            run_range(x, ldx, body, codec, bias, y, ldy, m, n, k, isa, panels * id / nt, panels * (id + 1) / nt);
         }
         return;
     }
 #endif
-    run_range(x, ldx, wp, bias, y, ldy, m, n, k, isa, 0, panels);
+    run_range(x, ldx, body, codec, bias, y, ldy, m, n, k, isa, 0, panels);
 }

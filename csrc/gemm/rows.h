@@ -12,8 +12,17 @@
  * row count, nor its place in the call, nor the instruction set (AVX-512, AVX2 or the portable loop), nor the
  * thread count: the kernel is row-invariant by construction, on every x86 machine.
  *
- * Packed layout: panel p holds columns 16p..16p+15 as wp[p*16*K + k*16 + j] = W[16p+j][k]; the last panel is
- * padded with zeros (hsg_packed_floats gives the size).
+ * Packed layout: a 64-byte header (hsg_header: a magic, the codec, n and k), then panels of 16 output columns,
+ * the last padded with zeros (hsg_packed_bytes gives the size):
+ *   HSG_F32: panel p holds columns 16p..16p+15 as floats wp[p*16*K + k*16 + j] = W[16p+j][k].
+ *   HSG_Q8, HSG_Q4 (K a multiple of 32): a weight whose every block of 32 along k is, bit for bit, a float32
+ *   decoding of small integer codes: W[n][k] = q * d[n][k/32] (Q8, q an int8, one rounding) or
+ *   fmaf(q, d, m) = d * q + m (Q4, q in 0..15, d * q exact: d has at most 20 significant bits).  These are the
+ *   values transformers' GGUF loader makes from Q8_0 and Q4_1 tensors (a quantized checkpoint loaded in float32).
+ *   The kernel decodes each weight back to the same float32 before the same fused multiply-add, so the bits are
+ *   those of HSG_F32, from 1.125 (Q8) or 0.75 (Q4) bytes a weight instead of 4.  A panel is K/32 blocks: Q8
+ *   d[16] floats then int8 codes [32][16]; Q4 d[16], m[16] floats then bytes [16][16], byte [t][j] = q(2t, j) |
+ *   q(2t+1, j) << 4.
  */
 #ifndef HS_GEMM_ROWS_H
 #define HS_GEMM_ROWS_H
@@ -21,21 +30,41 @@
 #include <stdint.h>
 
 #define HSG_PANEL 16
+#define HSG_BLOCK 32   /* k per block of codes (HSG_Q8, HSG_Q4) */
+#define HSG_HEADER 64  /* bytes before the panels */
+#define HSG_MAGIC 0x50475348u
 
 enum { HSG_ISA_PORTABLE = 0, HSG_ISA_AVX2 = 1, HSG_ISA_AVX512 = 2 };
+enum { HSG_F32 = 0, HSG_Q8 = 1, HSG_Q4 = 2 };
 
-/* Floats of the packed copy of an N x K weight. */
+typedef struct {
+    uint32_t magic, codec;
+    int64_t n, k;
+} hsg_header;
+
+/* Bytes of the packed copy of an N x K weight in `codec` (a multiple of 64), or -1 for an unknown codec or a
+ * K the codec cannot take; hsg_packed_floats: the same for HSG_F32, in floats. */
+int64_t hsg_packed_bytes(int codec, int64_t n, int64_t k);
 int64_t hsg_packed_floats(int64_t n, int64_t k);
 
-/* Pack w (N x K, row stride ldw) into wp (hsg_packed_floats(N, K) floats). */
+/* Pack w (N x K, row stride ldw) into wp (hsg_packed_floats(N, K) floats), HSG_F32. */
 void hsg_pack(const float *w, int64_t ldw, float *wp, int64_t n, int64_t k);
+
+/* Pack the codes q (N x K int8; HSG_Q4: 0..15), scales d (N x K/32) and, for HSG_Q4, offsets m (N x K/32) into wp
+ * (hsg_packed_bytes(codec, N, K) bytes).  Returns 0, or -1 for a codec or K it cannot take or a Q4 code out of
+ * range (nothing meaningful written then). */
+int hsg_pack_codes(int codec, const int8_t *q, const float *d, const float *m, void *wp, int64_t n, int64_t k);
+
+/* 0 when wp holds a packed copy of an N x K weight (its header says so), else -1. */
+int hsg_check(const void *wp, int64_t n, int64_t k);
 
 /* The widest instruction set this CPU runs (HSG_ISA_*). */
 int hsg_isa_best(void);
 
-/* y[m][n] = sum_k x[m][k] * W[n][k] (+ bias[n]) for m < M, n < N; x: M x K (row stride ldx), y: M x N (row
- * stride ldy), bias: N floats or NULL.  isa: an HSG_ISA_* not above hsg_isa_best(); threads: OpenMP threads
- * (<= 0: the runtime's current setting). */
+/* y[m][n] = sum_k x[m][k] * W[n][k] (+ bias[n]) for m < M, n < N; wp: W's packed copy (hsg_check(wp, N, K) == 0:
+ * the callers check); x: M x K (row stride ldx), y: M x N (row stride ldy), bias: N floats or NULL.  isa: an
+ * HSG_ISA_* not above hsg_isa_best() (the codes' decoding has AVX-512 and portable loops: HSG_ISA_AVX2 takes the
+ * portable one for them); threads: OpenMP threads (<= 0: the runtime's current setting). */
 void hsg_linear(const float *x, int64_t ldx, const float *wp, const float *bias, float *y, int64_t ldy, int64_t m,
                 int64_t n, int64_t k, int isa, int threads);
 

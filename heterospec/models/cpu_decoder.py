@@ -138,6 +138,7 @@ class _Packed:
     def _pack(self):
         """The packed copies and the address table (decoder.h's fields per layer)."""
         keep = []   # every tensor an address in the table points into
+        codecs = {}   # packed copies per codec (rows.h: F32, or a GGUF checkpoint's Q8 / Q4 codes)
 
         def addr(t):
             if t is None:
@@ -148,6 +149,7 @@ class _Packed:
 
         def fused(lins):
             w = cpu_gemm.pack_rows(torch.cat([lin.weight.detach() for lin in lins]))
+            codecs[cpu_gemm.packed_codec(w)] = codecs.get(cpu_gemm.packed_codec(w), 0) + 1
             b = None
             if any(lin.bias is not None for lin in lins):
                 b = torch.cat([lin.bias.detach() if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
@@ -171,6 +173,7 @@ class _Packed:
                       self._table.data_ptr(), addr(final.weight), head, head_b,
                       addr(None if hidden_norm is None else hidden_norm.weight), flags)
         self._keep = keep
+        self.codecs = codecs
         self._versions = self._state()
 
     def _fresh(self):
@@ -408,9 +411,16 @@ def gemm_modules(draft, fast):
 
 
 def describe(decoder, fast):
-    """What an engine's ``cpu_decoder`` says: 'off', or which forwards run ours and on which instruction set
-    ('target and draft (AVX-512)', 'target (AVX2)', 'draft (AVX-512)')."""
+    """What an engine's ``cpu_decoder`` says: 'off', or which forwards run ours, on which instruction set and, where
+    some weights are read as block codes, how many of each ('target and draft (AVX-512)', 'target (AVX2)',
+    'target (AVX-512; weights as codes: Q4 210, Q8 1, F32 0)')."""
     parts = [name for name, on in (("target", decoder), ("draft", fast)) if on is not None]
     if not parts:
         return "off"
-    return f"{' and '.join(parts)} ({ISA_NAMES[(decoder or fast).isa]})"
+    codecs = {}
+    for d in (decoder, fast):
+        for c, k in (getattr(d, "codecs", None) or {}).items():
+            codecs[c] = codecs.get(c, 0) + k
+    coded = "" if set(codecs) <= {"F32"} else "; weights as codes: " + ", ".join(
+        f"{c} {codecs.get(c, 0)}" for c in ("Q4", "Q8", "F32"))
+    return f"{' and '.join(parts)} ({ISA_NAMES[(decoder or fast).isa]}{coded})"

@@ -134,14 +134,95 @@ def wanted(setting, module, traced=False):
 _CACHE = {"onednn": weakref.WeakKeyDictionary(), "rows": weakref.WeakKeyDictionary()}
 
 
-def pack_rows(w):
-    """The few-rows kernel's packed copy of a float32 weight [N, K] (rows.h's panels), a new CPU tensor."""
+CODECS = {1: "Q8", 2: "Q4"}   # rows.h's HSG_Q8, HSG_Q4 (0: float32 panels)
+BLOCK = 32                    # rows.h's HSG_BLOCK
+
+
+def _bits(t):
+    return t.view(torch.int32)
+
+
+def block_codes(w):
+    """Whether a float32 weight [N, K] is, bit for bit, the float32 decoding of block codes (rows.h): every block
+    of 32 along k equal to ``q * d`` (Q8: q an int8) or to ``d * q + m`` (Q4: q in 0..15, d a float16 value), as
+    transformers makes them from a GGUF checkpoint's Q8_0 and Q4_1 tensors.  Returns (codec, q [N, K] int8,
+    d [N, K/32], m [N, K/32] or None) with every weight reproduced exactly, or None.  Only a match of every bit
+    counts, so the kernel that decodes them computes what it computes from the floats."""
+    if w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % BLOCK or w.numel() == 0:
+        return None
+    n, k = w.shape
+    if n > 64:   # a first look at 64 rows decides cheaply whether (and which codes) to try on the whole weight
+        first = block_codes(w[:64])
+        return None if first is None else _codes(w, first[0])
+    return _codes(w, None)
+
+
+def _codes(w, codec):
+    """:func:`block_codes` trying ``codec`` only (None: Q4, then Q8)."""
+    n, k = w.shape
+    with torch.no_grad():
+        b = w.reshape(n, k // BLOCK, BLOCK)
+        bits = _bits(b)
+        lo, hi = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)
+        if not (torch.isfinite(lo).all() and torch.isfinite(hi).all()):
+            return None
+        # Q4: m is the block's least value (its code 0); d a float16 value near (max - min) / 15
+        if codec == 1:
+            return _q8(b, bits, n, k)
+        h = ((hi - lo) / 15).to(torch.float16)
+        best_q = best_d = None
+        ok_all = torch.zeros(lo.shape, dtype=torch.bool)
+        for step in (0, 1, -1):
+            hb = h.view(torch.int16) + step
+            cand = torch.where(hb >= 0, hb, torch.zeros_like(hb)).view(torch.float16).float()
+            if not torch.isfinite(cand).all():
+                continue
+            q = torch.where(cand > 0, torch.round((b - lo) / torch.where(cand > 0, cand, 1.0)), 0.0).clamp(0, 15)
+            q = q.to(torch.int8).float()   # (the codes as stored: never a -0)
+            ok = (_bits(cand * q + lo) == bits).all(-1, keepdim=True) & ~ok_all
+            best_q = torch.where(ok, q, best_q) if best_q is not None else torch.where(ok, q, 0.0)
+            best_d = torch.where(ok, cand, best_d) if best_d is not None else torch.where(ok, cand, 0.0)
+            ok_all |= ok
+        if ok_all.all():
+            return 2, best_q.to(torch.int8).reshape(n, k), best_d.reshape(n, -1).contiguous(), \
+                lo.reshape(n, -1).contiguous()
+        return _q8(b, bits, n, k) if codec is None else None
+
+
+def _q8(b, bits, n, k):
+    """Q8: d = max |w| / 127 (the largest code 127), every weight q * d."""
+    d = b.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, torch.round(b / torch.where(d > 0, d, 1.0)), 0.0).clamp(-128, 127)
+    q = q.to(torch.int8).float()   # (the codes as stored: a weight of -0 is no code's)
+    if (_bits(q * d) == bits).all():
+        return 1, q.to(torch.int8).reshape(n, k), d.reshape(n, -1).contiguous(), None
+    return None
+
+
+def pack_rows(w, coded=None):
+    """The few-rows kernel's packed copy of a float32 weight [N, K] (rows.h), a new CPU tensor: block codes where
+    the weight is exactly their decoding (:func:`block_codes`: a GGUF checkpoint's Q8_0 / Q4_1 tensors, 1.125 or
+    0.75 bytes a weight instead of 4, the same bits out) and the kernel decodes them with AVX-512 (``coded``
+    None), always (True) or never (False); else float32 panels."""
     g = _rows_module()
     w = w.detach().contiguous()
     n, k = w.shape
+    if coded is None:
+        coded = g.isa_best() == 2
+    found = block_codes(w) if coded else None
+    if found is not None:
+        codec, q, d, m = found
+        wp = torch.empty(g.packed_bytes(codec, n, k), dtype=torch.uint8, device="cpu")
+        g.pack_codes(codec, q.data_ptr(), d.data_ptr(), 0 if m is None else m.data_ptr(), wp.data_ptr(), n, k)
+        return wp
     wp = torch.empty(g.packed_floats(n, k), dtype=torch.float32, device="cpu")   # (never the default device)
     g.pack(w.data_ptr(), k, wp.data_ptr(), n, k)
     return wp
+
+
+def packed_codec(wp):
+    """The codec of a packed copy made by :func:`pack_rows`: "F32", "Q8" or "Q4"."""
+    return CODECS.get(int(wp.view(torch.uint8)[4:8].view(torch.int32)[0]), "F32")
 
 
 def _packed(lin, rows, path="onednn"):

@@ -4,6 +4,8 @@ Its pieces against their NumPy twins (heterospec.reference.decoder) bit for bit 
 has, and the twins against float64 math; the whole forward against the twin's forward bit for bit and against
 transformers' own forward to float32 rounding; a tree row against a one-row step bit for bit; batches; errors;
 and the engine that runs on it against transformers' generate."""
+import functools
+
 import numpy as np
 import pytest
 
@@ -12,6 +14,7 @@ torch = pytest.importorskip("torch")
 from heterospec import HeteroSpec, Policy  # noqa: E402
 from heterospec.models import cpu_decoder, cpu_gemm  # noqa: E402
 from heterospec.reference import decoder as ref  # noqa: E402
+from tests._gguf import quantize_like_gguf  # noqa: E402
 from tests._models import eagle3_head, prompts, reference_greedy, tiny_target  # noqa: E402
 
 G = cpu_gemm._rows_module()
@@ -106,6 +109,14 @@ def test_the_forward_is_its_twins_and_transformers_to_rounding(arch):
     for i in range(3):   # the input of layer i is transformers' hidden_states[i]
         assert torch.allclose(taps[i][0], out.hidden_states[i][0], rtol=1e-5, atol=1e-5)
     # the NumPy twin of the whole forward, from the same weights: the same bits
+    twin, cache = twin_forward(model, dec, ids, pos, n)
+    assert logits[0].numpy().tobytes() == twin.tobytes()
+    assert np.array_equal(kv[0, :, :, :, :16].permute(1, 0, 2, 3, 4).numpy(), cache)
+
+
+def twin_forward(model, dec, ids, pos, n):
+    """heterospec.reference.decoder's forward of ``ids`` [1, n] from position 0 over a fresh 16-column cache:
+    (logits [n, V], the cache [layers, 2, kv_heads, 16, head_dim])."""
     base = model.model
     layers = []
     for layer in base.layers:
@@ -122,14 +133,35 @@ def test_the_forward_is_its_twins_and_transformers_to_rounding(arch):
         layers.append({k: v.detach().numpy() for k, v in L.items()})
     with torch.no_grad():
         cos, sin = base.rotary_emb(torch.zeros(1, n, 1), pos)
-    hd = kv.shape[-1]
+    hd = dec.head_dim
     cache = np.zeros((len(layers), 2, model.config.num_key_value_heads, 16, hd), np.float32)
     embedded = base.embed_tokens.weight[ids[0]].detach().numpy()
     twin = ref.decoder_layers(layers, base.norm.weight.detach().numpy(), (model.lm_head.weight.detach().numpy(), None),
                               dec.eps, dec.scale, dec.heads, dec.kv_heads, embedded, cos[0].numpy(), sin[0].numpy(),
                               cache, list(range(n)), causal(n, 16).numpy())
-    assert logits[0].numpy().tobytes() == twin.tobytes()
-    assert np.array_equal(kv[0, :, :, :, :16].permute(1, 0, 2, 3, 4).numpy(), cache)
+    return twin, cache
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_gguf_quantized_model_is_read_as_its_codes_with_the_same_bits(arch, monkeypatch):
+    """A model whose weights are a Q4_1 / Q8_0 checkpoint's decodings (as transformers loads a GGUF file): the
+    decoder reads its codes (rows.h) and its logits are still the twin's from the float weights, bit for bit, on
+    every instruction set."""
+    monkeypatch.setattr(cpu_gemm, "pack_rows", functools.partial(cpu_gemm.pack_rows, coded=True))
+    model = quantize_like_gguf(cpu_model(arch))
+    dec = cpu_decoder.CpuDecoder(model)
+    assert dec.codecs == {"Q4": 4 * 3, "Q8": 1}   # q/k/v, o, gate/up, down per layer; the output layer
+    n = 9
+    ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(n).view(1, n)
+    twin, cache = twin_forward(model, dec, ids, pos, n)
+    for isa in ISAS:
+        dec.isa = isa
+        kv = new_cache(model)
+        logits, _ = dec.forward(ids, pos, torch.arange(n), causal(n, 16), kv)
+        assert logits[0].numpy().tobytes() == twin.tobytes(), f"isa {isa}"
+        assert np.array_equal(kv[0, :, :, :, :16].permute(1, 0, 2, 3, 4).numpy(), cache)
+    assert "weights as codes: Q4 12, Q8 1, F32 0" in cpu_decoder.describe(dec, None)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -235,16 +267,20 @@ def test_auto_is_on_for_a_supported_float32_model_and_off_otherwise():
         assert hs.cpu_decoder == "off"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_decoding_on_the_decoder_equals_transformers_generate(arch, tmp_path):
+@pytest.mark.parametrize("arch,gguf", [(a, False) for a in ARCHS] + [("llama", True)])
+def test_greedy_decoding_on_the_decoder_equals_transformers_generate(arch, gguf, tmp_path, monkeypatch):
     """The engine's every forward on the decoder (prefill, one-row steps, trees; a batch): the tokens of
-    transformers' own greedy generate."""
+    transformers' own greedy generate; ``gguf``: on a model of a GGUF checkpoint's weights, read as their codes."""
     model = tiny_target(arch).cpu()
+    if gguf:
+        monkeypatch.setattr(cpu_gemm, "pack_rows", functools.partial(cpu_gemm.pack_rows, coded=True))
+        quantize_like_gguf(model)
     draft = eagle3_head(model, tmp_path / "draft")
     ps = [p.cpu() for p in prompts(4)]
     refs = [reference_greedy(model, p) for p in ps]
     for pol, d in ((Policy.autoregressive(), None), (Policy.static(3, 3, 10), draft)):
         with HeteroSpec(model, d, pol, cpu_decoder=True) as hs:
+            assert ("weights as codes: Q4" in hs.cpu_decoder) == gguf
             for p, want in zip(ps, refs):
                 out, _ = hs.generate(p, max_new_tokens=want.shape[1] - p.shape[1])
                 assert out.tolist() == want.tolist()

@@ -127,3 +127,97 @@ def test_the_kernel_refuses_an_instruction_set_this_cpu_lacks():
         G.linear(8, 1, 8, 0, 0, 1, 1, 1, 1, 0, 1)
     with pytest.raises(ValueError, match="pack: argument 'wp' expected the address of CPU memory, got 0"):
         G.pack(8, 1, 0, 1, 1)
+
+
+# ---- block codes (rows.h's HSG_Q8 / HSG_Q4): a GGUF checkpoint's weights, read as their codes ------------------
+
+from tests._gguf import q4_1, q8_0  # noqa: E402
+
+
+def coded_kernel(x, w, bias=None, isa=None, threads=0, codec=None):
+    """y = x w^T (+ bias) with w packed as block codes by cpu_gemm.pack_rows (asserting that it is)."""
+    m, k = x.shape
+    n = w.shape[0]
+    wp = cpu_gemm.pack_rows(torch.from_numpy(np.ascontiguousarray(w)), coded=True)
+    assert cpu_gemm.packed_codec(wp) == codec
+    assert wp.numel() == G.packed_bytes({"Q8": 1, "Q4": 2}[codec], n, k) < 4 * n * k
+    y = torch.full((m, n), -1.0)
+    bt = None if bias is None else torch.from_numpy(bias)
+    G.linear(torch.from_numpy(x).data_ptr(), k, wp.data_ptr(), 0 if bt is None else bt.data_ptr(), y.data_ptr(), n, m,
+             n, k, G.isa_best() if isa is None else isa, threads)
+    return y.numpy()
+
+
+@needs
+@pytest.mark.parametrize("codec,make", [("Q4", q4_1), ("Q8", q8_0)])
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (3, 40, 64), (7, 33, 576), (13, 130, 96), (25, 20, 32)])
+def test_coded_weights_give_the_bits_of_their_floats(codec, make, m, n, k):
+    rng = np.random.default_rng(m * 1000 + n + k)
+    w = make(rng.standard_normal((n, k)) * 0.05)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    found = cpu_gemm.block_codes(torch.from_numpy(w))
+    assert found is not None and cpu_gemm.CODECS[found[0]] == codec
+    # the codes decode to every weight exactly, by the format's own formula (NumPy here)
+    _, q, d, off = (v.numpy() if hasattr(v, "numpy") else v for v in found)
+    dd = np.repeat(d, 32, axis=1)
+    decoded = q * dd if off is None else q * dd + np.repeat(off, 32, axis=1)
+    assert decoded.astype(np.float32).tobytes() == w.tobytes()
+    ref = rows_linear(x, w, b)
+    for isa in ISAS:
+        for threads in (1, 2):
+            np.testing.assert_array_equal(coded_kernel(x, w, b, isa, threads, codec), ref,
+                                          err_msg=f"isa {isa}, {threads} threads")
+    for i in range(m):   # row-invariant, as the float panels
+        np.testing.assert_array_equal(coded_kernel(x[i:i + 1], w, b, codec=codec), ref[i:i + 1])
+
+
+@needs
+def test_the_real_gguf_quantizers_weights_are_read_as_their_codes():
+    quants = pytest.importorskip("gguf.quants")
+    from gguf import GGMLQuantizationType as T
+
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((48, 128)) * 0.02).astype(np.float32)
+    x = rng.standard_normal((5, 128)).astype(np.float32)
+    for kind, codec in ((T.Q4_1, "Q4"), (T.Q8_0, "Q8")):
+        deq = quants.dequantize(quants.quantize(w, kind), kind).astype(np.float32)
+        assert cpu_gemm.CODECS[cpu_gemm.block_codes(torch.from_numpy(deq))[0]] == codec
+        np.testing.assert_array_equal(coded_kernel(x, deq, codec=codec), rows_linear(x, deq))
+
+
+@needs
+def test_weights_that_are_not_exactly_codes_stay_floats():
+    rng = np.random.default_rng(3)
+    plain = rng.standard_normal((70, 64)).astype(np.float32)
+    nudged = q4_1(plain)
+    nudged[69, 5] = np.nextafter(nudged[69, 5], np.float32(1))   # one weight of the last row off by one ulp
+    nan = q8_0(plain)
+    nan[0, 0] = np.nan
+    negzero = q8_0(plain)
+    negzero[3, 7] = np.float32(-0.0)                                  # no code decodes to -0
+    odd_k = q4_1(rng.standard_normal((8, 64)))[:, :48]               # k not a multiple of 32
+    for w in (plain, nudged, nan, negzero, odd_k):
+        wt = torch.from_numpy(np.ascontiguousarray(w))
+        assert cpu_gemm.block_codes(wt) is None
+        assert cpu_gemm.packed_codec(cpu_gemm.pack_rows(wt, coded=True)) == "F32"
+    assert cpu_gemm.packed_codec(cpu_gemm.pack_rows(torch.from_numpy(q4_1(plain)), coded=False)) == "F32"
+
+
+@needs
+def test_the_kernel_refuses_a_packed_copy_of_another_shape_or_none():
+    wp = cpu_gemm.pack_rows(torch.ones(20, 8))
+    x, y = torch.ones(2, 8), torch.empty(2, 21)
+    with pytest.raises(ValueError, match=r"linear: argument 'wp' expected a packed copy of a 21 x 8 weight"):
+        G.linear(x.data_ptr(), 8, wp.data_ptr(), 0, y.data_ptr(), 21, 2, 21, 8, 0, 1)
+    junk = torch.zeros(1000)
+    with pytest.raises(ValueError, match=r"linear: argument 'wp' expected a packed copy of a 20 x 8 weight"):
+        G.linear(x.data_ptr(), 8, junk.data_ptr(), 0, y.data_ptr(), 21, 2, 20, 8, 0, 1)
+    q, d = torch.full((4, 32), 16, dtype=torch.int8), torch.ones(4, 1)
+    out = torch.empty(G.packed_bytes(2, 4, 32), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="pack_codes: arguments 'codec', 'q', 'd' and 'm' expected codec 1"):
+        G.pack_codes(2, q.data_ptr(), d.data_ptr(), d.data_ptr(), out.data_ptr(), 4, 32)   # a Q4 code of 16
+    with pytest.raises(ValueError, match="pack_codes: .* got codec 1, k 48"):
+        G.pack_codes(1, q.data_ptr(), d.data_ptr(), 0, out.data_ptr(), 4, 48)
+    assert G.packed_bytes(2, 4, 48) == -1 and G.packed_bytes(7, 4, 32) == -1
+    assert G.packed_bytes(2, 17, 64) == 64 + 2 * 2 * 384 and G.packed_bytes(1, 16, 32) == 64 + 576
