@@ -78,6 +78,24 @@ static PyObject *py_pack_codes(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_RETURN_NONE;
 }
 
+/* pack_half(codec, h, wp, n, k): rows.h's hsg_pack_half (float16 / bfloat16 patterns). */
+static PyObject *py_pack_half(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long a[5];
+    if (ints(args, nargs, 5, "pack_half", a) < 0) return NULL;
+    static const char *const names[5] = {NULL, "h", "wp", NULL, NULL};
+    if (addresses(a, names, 5, "pack_half") < 0) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = hsg_pack_half((int)a[0], (const uint16_t *)(uintptr_t)a[1], (void *)(uintptr_t)a[2],
+                                              a[3], a[4]);
+    Py_END_ALLOW_THREADS if (rc) {
+        PyErr_Format(PyExc_ValueError, "pack_half: arguments 'codec' and 'h' expected codec 3 (float16) or 4 "
+                     "(bfloat16) and finite values, got codec %lld or a value that is not finite", a[0]);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 /* linear(x, ldx, wp, bias or 0, y, ldy, m, n, k, isa, threads) */
 static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -280,6 +298,7 @@ static PyMethodDef methods[] = {
     {"packed_floats", FAST(py_packed_floats), "packed_floats(n, k) -> floats of the packed copy"},
     {"packed_bytes", FAST(py_packed_bytes), "packed_bytes(codec, n, k) -> bytes of the packed copy (-1: cannot)"},
     {"pack_codes", FAST(py_pack_codes), "pack_codes(codec, q, d, m, wp, n, k): a coded weight's packed copy"},
+    {"pack_half", FAST(py_pack_half), "pack_half(codec, h, wp, n, k): a float16 / bfloat16 weight's packed copy"},
     {"isa_best", py_isa_best, METH_NOARGS, "isa_best() -> 0 portable, 1 AVX2, 2 AVX-512"},
     {"threads", py_threads, METH_NOARGS, "threads() -> the OpenMP threads a call uses by default"},
     {"openmp", py_openmp, METH_NOARGS, "openmp() -> whether this build runs the kernel on OpenMP threads"},

@@ -25,12 +25,15 @@ static int64_t block_bytes(int codec) { /* bytes of one panel's block of HSG_BLO
     return codec == HSG_Q8 ? 64 + HSG_BLOCK * HSG_PANEL : codec == HSG_Q4 ? 128 + HSG_BLOCK * HSG_PANEL / 2 : 0;
 }
 
+static int half_codec(int codec) { return codec == HSG_F16 || codec == HSG_BF16; }
+
 static int64_t panel_bytes(int codec, int64_t k) {
-    return codec == HSG_F32 ? k * HSG_PANEL * 4 : k / HSG_BLOCK * block_bytes(codec);
+    return codec == HSG_F32 ? k * HSG_PANEL * 4 : half_codec(codec) ? k * HSG_PANEL * 2 : k / HSG_BLOCK * block_bytes(codec);
 }
 
 int64_t hsg_packed_bytes(int codec, int64_t n, int64_t k) {
-    if (n < 0 || k < 0 || (codec != HSG_F32 && (block_bytes(codec) == 0 || k % HSG_BLOCK))) return -1;
+    if (n < 0 || k < 0 || (codec != HSG_F32 && !half_codec(codec) && (block_bytes(codec) == 0 || k % HSG_BLOCK)))
+        return -1;
     return HSG_HEADER + (n + HSG_PANEL - 1) / HSG_PANEL * panel_bytes(codec, k);
 }
 
@@ -97,8 +100,43 @@ int hsg_pack_codes(int codec, const int8_t *q, const float *d, const float *m, v
     return 0;
 }
 
+static float half_float(uint16_t h, int codec) { /* a float16 / bfloat16 pattern's value, exactly */
+    uint32_t bits;
+    if (codec == HSG_BF16) {
+        bits = (uint32_t)h << 16;
+    } else {
+        uint32_t s = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023;
+        if (e == 0) return (s ? -1.0f : 1.0f) * ldexpf((float)m, -24); /* zero and subnormals */
+        bits = s | (e == 31 ? 0x7F800000u | m << 13 : (e + 112) << 23 | m << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+int hsg_pack_half(int codec, const uint16_t *h, void *wp, int64_t n, int64_t k) {
+    if (!half_codec(codec) || n < 0 || k < 0) return -1;
+    for (int64_t i = 0; i < n * k; i++)
+        if (!isfinite(half_float(h[i], codec))) return -1;
+    header(wp, codec, n, k);
+    uint16_t *body = (uint16_t *)((uint8_t *)wp + HSG_HEADER);
+    int64_t panels = (n + HSG_PANEL - 1) / HSG_PANEL;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int j = 0; j < HSG_PANEL; j++) {
+                int64_t col = p * HSG_PANEL + j;
+                body[(p * k + kk) * HSG_PANEL + j] = col < n ? h[col * k + kk] : 0;
+            }
+    return 0;
+}
+
 /* The weight W[16p + j][kk] of a coded panel (`panel`: its first byte), decoded as rows.h says. */
 static inline float coded(const uint8_t *panel, int codec, int64_t kk, int j) {
+    if (half_codec(codec)) {
+        uint16_t h;
+        memcpy(&h, panel + 2 * (kk * HSG_PANEL + j), 2);
+        return half_float(h, codec);
+    }
     const uint8_t *blk = panel + kk / HSG_BLOCK * block_bytes(codec);
     int r = (int)(kk % HSG_BLOCK);
     float d;
@@ -171,15 +209,21 @@ static inline __attribute__((always_inline)) T512 void tile512(const float *x, i
     for (int a = 0; a < nb; a++)
         for (int b = 0; b < mb; b++) acc[a][b] = _mm512_setzero_ps();
     const int64_t ps = panel_bytes(codec, k);
-    if (codec == HSG_F32) {
-        const float *wf = (const float *)wp;
+    if (codec == HSG_F32 || half_codec(codec)) {
+        const int es = codec == HSG_F32 ? 4 : 2; /* bytes a weight */
         for (int64_t kk = 0; kk < k; kk++) {
             __m512 wv[8];
-            int64_t ahead = HSG_AHEAD * HSG_PANEL + (kk + HSG_AHEAD >= k ? (int64_t)(nb - 1) * HSG_PANEL * k : 0);
+            int64_t ahead = (HSG_AHEAD * HSG_PANEL + (kk + HSG_AHEAD >= k ? (int64_t)(nb - 1) * HSG_PANEL * k : 0)) * es;
             for (int a = 0; a < nb; a++) {
-                const float *w = wf + (int64_t)a * HSG_PANEL * k + kk * HSG_PANEL;
-                wv[a] = _mm512_loadu_ps(w);
-                _mm_prefetch((const char *)(w + ahead), _MM_HINT_T0);
+                const uint8_t *w = wp + ((int64_t)a * HSG_PANEL * k + kk * HSG_PANEL) * es;
+                if (codec == HSG_F32)
+                    wv[a] = _mm512_loadu_ps((const float *)w);
+                else if (codec == HSG_F16)
+                    wv[a] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
+                else
+                    wv[a] = _mm512_castsi512_ps(
+                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)w)), 16));
+                if (codec == HSG_F32 || (kk & 1) == 0) _mm_prefetch((const char *)(w + ahead), _MM_HINT_T0);
             }
             for (int b = 0; b < mb; b++) {
                 __m512 xb = _mm512_set1_ps(x[b * ldx + kk]);
@@ -247,7 +291,9 @@ static inline __attribute__((always_inline)) T512 void tile512(const float *x, i
                                            const float *bias, float *y, int64_t ldy, int64_t cols) {            \
         tile512(x, ldx, wp, k, bias, y, ldy, cols, NB, MB, CODEC);                                                \
     }
-#define TILE512(NB, MB) TILE512C(NB, MB, f, HSG_F32) TILE512C(NB, MB, q8, HSG_Q8) TILE512C(NB, MB, q4, HSG_Q4)
+#define TILE512(NB, MB)                                                                                            \
+    TILE512C(NB, MB, f, HSG_F32) TILE512C(NB, MB, q8, HSG_Q8) TILE512C(NB, MB, q4, HSG_Q4)                         \
+    TILE512C(NB, MB, h, HSG_F16) TILE512C(NB, MB, bh, HSG_BF16)
 TILE512(8, 1) TILE512(8, 2) TILE512(4, 3) TILE512(4, 4) TILE512(4, 5) TILE512(4, 6)
 TILE512(2, 7) TILE512(2, 8) TILE512(2, 9) TILE512(2, 10) TILE512(2, 11) TILE512(2, 12)
 TILE512(1, 1) TILE512(1, 2) TILE512(1, 3) TILE512(1, 4) TILE512(1, 5) TILE512(1, 6)
@@ -257,7 +303,8 @@ TILE512(1, 7) TILE512(1, 8) TILE512(1, 9) TILE512(1, 10) TILE512(1, 11) TILE512(
      t512##C##_2_8, t512##C##_2_9, t512##C##_2_10, t512##C##_2_11, t512##C##_2_12},                               \
     {0, t512##C##_1_1, t512##C##_1_2, t512##C##_1_3, t512##C##_1_4, t512##C##_1_5, t512##C##_1_6, t512##C##_1_7,  \
      t512##C##_1_8, t512##C##_1_9, t512##C##_1_10, t512##C##_1_11, t512##C##_1_12}
-static const hsg_tile TILES512[3][2][13] = {{TABLES512(f)}, {TABLES512(q8)}, {TABLES512(q4)}}; /* [codec][wide?][mb] */
+static const hsg_tile TILES512[5][2][13] = {{TABLES512(f)}, {TABLES512(q8)}, {TABLES512(q4)}, {TABLES512(h)},
+                                            {TABLES512(bh)}}; /* [codec][wide?][mb] */
 static const int NB512[13] = {0, 8, 8, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2};
 
 /* ---- AVX2: a panel is two registers; 2 x NB x MB <= 12 accumulators ----------------------------------------- */

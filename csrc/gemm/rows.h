@@ -19,10 +19,12 @@
  *   decoding of small integer codes: W[n][k] = q * d[n][k/32] (Q8, q an int8, one rounding) or
  *   fmaf(q, d, m) = d * q + m (Q4, q in 0..15, d * q exact: d has at most 20 significant bits).  These are the
  *   values transformers' GGUF loader makes from Q8_0 and Q4_1 tensors (a quantized checkpoint loaded in float32).
+ *   HSG_F16, HSG_BF16: a weight whose every value is a float16 (bfloat16) value, as a float16 EAGLE-3 head or a
+ *   bfloat16 checkpoint loaded in float32 is: panel p holds uint16 wp[p*16*K + k*16 + j], the 16-bit pattern.
  *   The kernel decodes each weight back to the same float32 before the same fused multiply-add, so the bits are
- *   those of HSG_F32, from 1.125 (Q8) or 0.75 (Q4) bytes a weight instead of 4.  A panel is K/32 blocks: Q8
- *   d[16] floats then int8 codes [32][16]; Q4 d[16], m[16] floats then bytes [16][16], byte [t][j] = q(2t, j) |
- *   q(2t+1, j) << 4.
+ *   those of HSG_F32, from 0.75 (Q4), 1.125 (Q8) or 2 bytes a weight instead of 4.  A Q panel is K/32 blocks:
+ *   Q8 d[16] floats then int8 codes [32][16]; Q4 d[16], m[16] floats then bytes [16][16], byte [t][j] = q(2t, j)
+ *   | q(2t+1, j) << 4.
  */
 #ifndef HS_GEMM_ROWS_H
 #define HS_GEMM_ROWS_H
@@ -35,7 +37,7 @@
 #define HSG_MAGIC 0x50475348u
 
 enum { HSG_ISA_PORTABLE = 0, HSG_ISA_AVX2 = 1, HSG_ISA_AVX512 = 2 };
-enum { HSG_F32 = 0, HSG_Q8 = 1, HSG_Q4 = 2 };
+enum { HSG_F32 = 0, HSG_Q8 = 1, HSG_Q4 = 2, HSG_F16 = 3, HSG_BF16 = 4 };
 
 typedef struct {
     uint32_t magic, codec;
@@ -54,6 +56,10 @@ void hsg_pack(const float *w, int64_t ldw, float *wp, int64_t n, int64_t k);
  * (hsg_packed_bytes(codec, N, K) bytes).  Returns 0, or -1 for a codec or K it cannot take or a Q4 code out of
  * range (nothing meaningful written then). */
 int hsg_pack_codes(int codec, const int8_t *q, const float *d, const float *m, void *wp, int64_t n, int64_t k);
+
+/* Pack the 16-bit patterns h (N x K: float16 for HSG_F16, bfloat16 for HSG_BF16) into wp (hsg_packed_bytes(codec,
+ * N, K) bytes).  Returns 0, or -1 for another codec or a pattern that is not finite (nothing meaningful written). */
+int hsg_pack_half(int codec, const uint16_t *h, void *wp, int64_t n, int64_t k);
 
 /* 0 when wp holds a packed copy of an N x K weight (its header says so), else -1. */
 int hsg_check(const void *wp, int64_t n, int64_t k);

@@ -413,7 +413,7 @@ def gemm_modules(draft, fast):
 def describe(decoder, fast):
     """What an engine's ``cpu_decoder`` says: 'off', or which forwards run ours, on which instruction set and, where
     some weights are read as block codes, how many of each ('target and draft (AVX-512)', 'target (AVX2)',
-    'target (AVX-512; weights as codes: Q4 210, Q8 1, F32 0)')."""
+    'target and draft (AVX-512; weights as codes: Q4 120, Q8 1, F16 4)')."""
     parts = [name for name, on in (("target", decoder), ("draft", fast)) if on is not None]
     if not parts:
         return "off"
@@ -422,5 +422,5 @@ def describe(decoder, fast):
         for c, k in (getattr(d, "codecs", None) or {}).items():
             codecs[c] = codecs.get(c, 0) + k
     coded = "" if set(codecs) <= {"F32"} else "; weights as codes: " + ", ".join(
-        f"{c} {codecs.get(c, 0)}" for c in ("Q4", "Q8", "F32"))
+        f"{c} {codecs[c]}" for c in ("Q4", "Q8", "F16", "BF16", "F32") if c in codecs)
     return f"{' and '.join(parts)} ({ISA_NAMES[(decoder or fast).isa]}{coded})"

@@ -134,7 +134,7 @@ def wanted(setting, module, traced=False):
 _CACHE = {"onednn": weakref.WeakKeyDictionary(), "rows": weakref.WeakKeyDictionary()}
 
 
-CODECS = {1: "Q8", 2: "Q4"}   # rows.h's HSG_Q8, HSG_Q4 (0: float32 panels)
+CODECS = {1: "Q8", 2: "Q4", 3: "F16", 4: "BF16"}   # rows.h's HSG_Q8, HSG_Q4, HSG_F16, HSG_BF16 (0: float32)
 BLOCK = 32                    # rows.h's HSG_BLOCK
 
 
@@ -171,7 +171,7 @@ def _codes(w, codec):
             return _q8(b, bits, n, k)
         h = ((hi - lo) / 15).to(torch.float16)
         best_q = best_d = None
-        ok_all = torch.zeros(lo.shape, dtype=torch.bool)
+        ok_all = torch.zeros(lo.shape, dtype=torch.bool, device=w.device)   # (never the default device)
         for step in (0, 1, -1):
             hb = h.view(torch.int16) + step
             cand = torch.where(hb >= 0, hb, torch.zeros_like(hb)).view(torch.float16).float()
@@ -199,11 +199,24 @@ def _q8(b, bits, n, k):
     return None
 
 
+def half_codes(w):
+    """Whether every value of a float32 weight is a float16 (else a bfloat16) value, as a float16 EAGLE-3 head's or
+    a bfloat16 checkpoint's loaded in float32 are: (codec, the 16-bit patterns [N, K] int16), or None."""
+    if w.dtype != torch.float32 or not torch.isfinite(w).all():
+        return None
+    for codec, dtype in ((3, torch.float16), (4, torch.bfloat16)):
+        h = w.to(dtype)
+        if torch.equal(_bits(h.float()), _bits(w)):
+            return codec, h.view(torch.int16).contiguous()
+    return None
+
+
 def pack_rows(w, coded=None):
-    """The few-rows kernel's packed copy of a float32 weight [N, K] (rows.h), a new CPU tensor: block codes where
-    the weight is exactly their decoding (:func:`block_codes`: a GGUF checkpoint's Q8_0 / Q4_1 tensors, 1.125 or
-    0.75 bytes a weight instead of 4, the same bits out) and the kernel decodes them with AVX-512 (``coded``
-    None), always (True) or never (False); else float32 panels."""
+    """The few-rows kernel's packed copy of a float32 weight [N, K] (rows.h), a new CPU tensor: codes where the
+    weight is exactly their decoding and the kernel decodes them with AVX-512 (``coded`` None), always (True) or
+    never (False) -- block codes (:func:`block_codes`: a GGUF checkpoint's Q4_1 / Q8_0 tensors, 0.75 or 1.125
+    bytes a weight), else 16-bit values (:func:`half_codes`: 2 bytes); else float32 panels (4 bytes).  The kernel
+    computes the same bits from any of them."""
     g = _rows_module()
     w = w.detach().contiguous()
     n, k = w.shape
@@ -214,6 +227,12 @@ def pack_rows(w, coded=None):
         codec, q, d, m = found
         wp = torch.empty(g.packed_bytes(codec, n, k), dtype=torch.uint8, device="cpu")
         g.pack_codes(codec, q.data_ptr(), d.data_ptr(), 0 if m is None else m.data_ptr(), wp.data_ptr(), n, k)
+        return wp
+    half = half_codes(w) if coded else None
+    if half is not None:
+        codec, h = half
+        wp = torch.empty(g.packed_bytes(codec, n, k), dtype=torch.uint8, device="cpu")
+        g.pack_half(codec, h.data_ptr(), wp.data_ptr(), n, k)
         return wp
     wp = torch.empty(g.packed_floats(n, k), dtype=torch.float32, device="cpu")   # (never the default device)
     g.pack(w.data_ptr(), k, wp.data_ptr(), n, k)

@@ -161,7 +161,7 @@ def test_a_gguf_quantized_model_is_read_as_its_codes_with_the_same_bits(arch, mo
         logits, _ = dec.forward(ids, pos, torch.arange(n), causal(n, 16), kv)
         assert logits[0].numpy().tobytes() == twin.tobytes(), f"isa {isa}"
         assert np.array_equal(kv[0, :, :, :, :16].permute(1, 0, 2, 3, 4).numpy(), cache)
-    assert "weights as codes: Q4 12, Q8 1, F32 0" in cpu_decoder.describe(dec, None)
+    assert cpu_decoder.describe(dec, None).endswith("; weights as codes: Q4 12, Q8 1)")
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -221,3 +221,33 @@ def test_the_kernel_refuses_a_packed_copy_of_another_shape_or_none():
         G.pack_codes(1, q.data_ptr(), d.data_ptr(), 0, out.data_ptr(), 4, 48)
     assert G.packed_bytes(2, 4, 48) == -1 and G.packed_bytes(7, 4, 32) == -1
     assert G.packed_bytes(2, 17, 64) == 64 + 2 * 2 * 384 and G.packed_bytes(1, 16, 32) == 64 + 576
+
+
+@needs
+@pytest.mark.parametrize("codec,dtype", [("F16", torch.float16), ("BF16", torch.bfloat16)])
+@pytest.mark.parametrize("m,n,k", [(1, 16, 7), (5, 40, 64), (13, 33, 100)])
+def test_float16_and_bfloat16_valued_weights_give_the_bits_of_their_floats(codec, dtype, m, n, k):
+    """A float16 head or a bfloat16 checkpoint loaded in float32: 2 bytes a weight, the same bits; subnormals and
+    signed zeros included."""
+    rng = np.random.default_rng(m + n + k)
+    w = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32) * 0.05).to(dtype)
+    w.view(-1)[:4] = torch.tensor([0.0, -0.0, 2 ** -20, -(2 ** -24)], dtype=torch.float32).to(dtype)
+    if dtype == torch.bfloat16:
+        w.view(-1)[4] = 2 ** -40   # no float16 value: bfloat16's range (a bfloat16 weight may also be float16's)
+    w = w.float().numpy()
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    wp = cpu_gemm.pack_rows(torch.from_numpy(w), coded=True)
+    assert cpu_gemm.packed_codec(wp) == codec and wp.numel() == 64 + -(-n // 16) * 16 * k * 2
+    ref = rows_linear(x, w, b)
+    for isa in ISAS:
+        for threads in (1, 2):
+            y = torch.empty(m, n)
+            G.linear(torch.from_numpy(x).data_ptr(), k, wp.data_ptr(), torch.from_numpy(b).data_ptr(), y.data_ptr(), n,
+                     m, n, k, isa, threads)
+            np.testing.assert_array_equal(y.numpy(), ref, err_msg=f"isa {isa}, {threads} threads")
+    with pytest.raises(ValueError, match="pack_half: arguments 'codec' and 'h' expected codec 3 .* got codec 2"):
+        G.pack_half(2, wp.data_ptr(), wp.data_ptr(), 1, 1)
+    inf = torch.tensor([[float("inf")]], dtype=dtype).view(torch.int16)
+    with pytest.raises(ValueError, match="a value that is not finite"):
+        G.pack_half({"F16": 3, "BF16": 4}[codec], inf.data_ptr(), wp.data_ptr(), 1, 1)
