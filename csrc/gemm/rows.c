@@ -13,6 +13,7 @@
 #include "rows.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #ifdef _OPENMP
@@ -307,6 +308,56 @@ static const hsg_tile TILES512[5][2][13] = {{TABLES512(f)}, {TABLES512(q8)}, {TA
                                             {TABLES512(bh)}}; /* [codec][wide?][mb] */
 static const int NB512[13] = {0, 8, 8, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2};
 
+/* One coded panel decoded into float32 panel layout (out[kk * 16 + j]): what a call of many rows reads instead of
+ * decoding it again for every chunk of 12 rows. */
+static T512 void decode512(const uint8_t *panel, int codec, int64_t k, float *out) {
+    if (half_codec(codec)) {
+        for (int64_t kk = 0; kk < k; kk++) {
+            __m256i h = _mm256_loadu_si256((const __m256i *)(panel + 32 * kk));
+            __m512 v = codec == HSG_F16 ? _mm512_cvtph_ps(h)
+                                        : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            _mm512_storeu_ps(out + kk * HSG_PANEL, v);
+        }
+        return;
+    }
+    const int64_t bb = block_bytes(codec);
+    const __m512i low = _mm512_set1_epi32(15);
+    for (int64_t kb = 0; kb < k / HSG_BLOCK; kb++) {
+        const uint8_t *blk = panel + kb * bb;
+        float *o = out + kb * HSG_BLOCK * HSG_PANEL;
+        __m512 d = _mm512_loadu_ps((const float *)blk);
+        if (codec == HSG_Q8) {
+            for (int r = 0; r < HSG_BLOCK; r++) {
+                __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 64 + r * HSG_PANEL)));
+                _mm512_storeu_ps(o + r * HSG_PANEL, _mm512_mul_ps(_mm512_cvtepi32_ps(c), d));
+            }
+        } else {
+            __m512 m = _mm512_loadu_ps((const float *)(blk + 64));
+            for (int t = 0; t < HSG_BLOCK / 2; t++) {
+                __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 128 + t * HSG_PANEL)));
+                _mm512_storeu_ps(o + 2 * t * HSG_PANEL,
+                                 _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, low)), d, m));
+                _mm512_storeu_ps(o + (2 * t + 1) * HSG_PANEL,
+                                 _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)), d, m));
+            }
+        }
+    }
+}
+
+/* A thread's buffer of `floats` floats for decoded panels, kept for the thread's later calls (NULL: no memory). */
+static float *group_buffer(int64_t floats) {
+    static __thread float *buf;
+    static __thread int64_t cap;
+    if (floats > cap) {
+        float *b = realloc(buf, (size_t)floats * sizeof(float));
+        if (!b) return NULL;
+        buf = b;
+        cap = floats;
+    }
+    return buf;
+}
+
+
 /* ---- AVX2: a panel is two registers; 2 x NB x MB <= 12 accumulators ----------------------------------------- */
 
 #define T256 __attribute__((target("avx2,fma")))
@@ -379,8 +430,17 @@ static void run_range(const float *x, int64_t ldx, const uint8_t *wp, int codec,
                       int64_t ldy, int64_t m, int64_t n, int64_t k, int isa, int64_t p0, int64_t p1) {
     int chunk = isa == HSG_ISA_AVX512 ? 12 : isa == HSG_ISA_AVX2 ? 6 : 4;
     const int64_t ps = panel_bytes(codec, k);
+    /* codes and more rows than one chunk: each group's panels decoded once, then read as float32 by every chunk */
+    float *dec = NULL;
+#ifdef HSG_X86
+    if (isa == HSG_ISA_AVX512 && codec != HSG_F32 && m > chunk) dec = group_buffer(HSG_GROUP * HSG_PANEL * k);
+#endif
     for (int64_t g = p0; g < p1; g += HSG_GROUP) {
         int64_t g1 = g + HSG_GROUP < p1 ? g + HSG_GROUP : p1;
+#ifdef HSG_X86
+        for (int64_t p = g; dec && p < g1; p++) decode512(wp + p * ps, codec, k, dec + (p - g) * HSG_PANEL * k);
+#endif
+        const int cc = dec ? HSG_F32 : codec; /* the codec the tiles read */
         for (int64_t m0 = 0; m0 < m; m0 += chunk) {
             int r = (int)(m - m0 < chunk ? m - m0 : chunk);
             const float *xr = x + m0 * ldx;
@@ -392,20 +452,20 @@ static void run_range(const float *x, int64_t ldx, const uint8_t *wp, int codec,
 #ifdef HSG_X86
                 if (isa == HSG_ISA_AVX512) {
                     nb = p + NB512[r] <= g1 ? NB512[r] : 1;
-                    fn = TILES512[codec][nb > 1 ? 0 : 1][r];
-                } else if (isa == HSG_ISA_AVX2 && codec == HSG_F32) {
+                    fn = TILES512[cc][nb > 1 ? 0 : 1][r];
+                } else if (isa == HSG_ISA_AVX2 && cc == HSG_F32) {
                     nb = p + NB256[r] <= g1 ? NB256[r] : 1;
                     fn = nb > 1 ? WIDE256[r] : ONE256[r];
                 }
 #endif
                 int64_t col = p * HSG_PANEL;
                 int64_t cols = n - col < (int64_t)nb * HSG_PANEL ? n - col : (int64_t)nb * HSG_PANEL;
-                const uint8_t *w = wp + p * ps;
+                const uint8_t *w = dec ? (const uint8_t *)(dec + (p - g) * HSG_PANEL * k) : wp + p * ps;
                 const float *bp = bias ? bias + col : NULL;
                 if (fn)
                     fn(xr, ldx, w, k, bp, yr + col, ldy, cols);
                 else
-                    tile_portable(xr, ldx, w, k, bp, yr + col, ldy, cols, nb, r, codec);
+                    tile_portable(xr, ldx, w, k, bp, yr + col, ldy, cols, nb, r, cc);
                 p += nb;
             }
         }
