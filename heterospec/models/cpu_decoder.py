@@ -7,7 +7,8 @@ operations and their Python calls per forward.  The decoder runs the same arithm
 around the same few-rows kernel.
 
 What stays transformers': the weights (read in place, packed once into the kernel's panels: q, k and v as one
-matrix, gate and up as one), the token embedding and the rotary tables (the model's own ``rotary_emb``, so every
+matrix, gate and up as one; as their codes where they are exactly a GGUF checkpoint's Q4_1 / Q8_0 decodings or
+float16 / bfloat16 values, :func:`heterospec.models.cpu_gemm.pack_rows`, same bits), the token embedding and the rotary tables (the model's own ``rotary_emb``, so every
 RoPE variant it has is the one used).  What differs: the order of each sum.  The logits agree with transformers'
 forward to ~1e-5 (the tests hold them to it), as the packed matrix paths do; each row's result is computed the
 same way whatever the other rows are (decoder.h), so a tree node's logits equal, bit for bit, those of a one-row

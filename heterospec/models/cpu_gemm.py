@@ -13,7 +13,10 @@ the weights streamed from memory are the same (benchmarks/RESULTS.md, issue 28).
   csrc/gemm/rows.h): the weight in panels of 16 columns, every call streaming it once with up to 12 rows' sums
   in registers, on torch's own OpenMP threads.  Each output is the same chain of fused multiply-adds over k in
   order whatever the call's row count, the row's place in it, the thread count or the instruction set: a row's
-  bits never depend on the other rows (row-invariant by construction).
+  bits never depend on the other rows (row-invariant by construction).  On an AVX-512 CPU a weight that is
+  exactly the float32 decoding of codes is packed as the codes (:func:`pack_rows`: a GGUF checkpoint's Q4_1 /
+  Q8_0 blocks, or float16 / bfloat16 values) and decoded in registers to the same floats: the same bits from
+  a quarter to a half of the bytes.
 
 The paths' results are the same products summed in other orders: logits agree to ~1e-4.  Which is fastest
 depends on the machine, so ``cpu_gemm='auto'`` measures it (:func:`choose`): per layer shape and row class

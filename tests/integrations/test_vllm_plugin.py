@@ -26,14 +26,16 @@ PROFILE = os.path.join(HEAD, "profile.json")
 
 
 def test_a_profile_read_as_chain_lengths():
-    # the shipped profile (searched on the CPU, issue 42): depth 1; bins 0-1 draft 3 extra levels and keep 7 nodes,
-    # bins 2-4 none and keep 5, 4, 4 -> chains of 1 + 1 + 3 = 5 tokens in bins 0-1 (under keep - 1 = 6), then
-    # 1 + 1 = 2 (under 4 and 3)
+    # the shipped profile (searched on the CPU on the decoder with the GGUF codes): depth 1, no extra levels; bins
+    # 0-1 keep 3 nodes, bins 2-3 keep 2 -> chains of 1 + 1 = 2 tokens in bins 0-1 (under keep - 1 = 2), then 1
+    # (keep - 1)
     shipped = json.load(open(PROFILE))["policy"]
     pol = Policy(shipped["depth"], shipped["top_k"], shipped["total_tokens"], tuple(shipped["thresholds"]),
                  tuple(shipped["extra"]), tuple(shipped["keep"]))
-    assert (pol.depth, pol.keep, pol.extra) == (1, (7, 7, 5, 4, 4), (3, 3, 0, 0, 0))
-    assert pol.chain_lengths() == (5, 5, 2, 2, 2)
+    assert (pol.depth, pol.keep, pol.extra) == (1, (3, 3, 2, 2), (0, 0, 0, 0))
+    assert pol.chain_lengths() == (2, 2, 1, 1)
+    # the profile shipped before it (issue 42): bins 0-1 drafted 3 extra levels and kept 7 nodes -> 1 + 1 + 3 = 5
+    assert Policy(1, 10, 6, (1.0, 1.3, 4.0, 4.1), (3, 3, 0, 0, 0), (7, 7, 5, 4, 4)).chain_lengths() == (5, 5, 2, 2, 2)
     # the paper's rule (depth 4, N = 20): bins 0-2 draft 2, 1, 0 extra levels -> 1 + 4 + extra tokens, capped
     # by keep - 1 = round(0.3 * 20) + 2 - 1 = 7, 12, 19; the other 5 bins 1 + 4
     paper = Policy.paper(4, 8, 20, (1, 2, 3, 4, 5, 6, 7))
