@@ -117,6 +117,9 @@ def compare(target, draft, input_ids_list, methods, *, max_new_tokens=128, eos_t
         for name, policy in methods:
             e = engine(policy)
             engines[name] = stack.enter_context(e) if isinstance(e, HeteroSpec) else e
+        # what our engines' forwards ran on (the drafting one's, which names the draft too)
+        results.cpu_decoder = next((e.cpu_decoder for e in reversed(list(engines.values()))
+                                    if isinstance(e, HeteroSpec)), None)
         if warmup_tokens:
             for hs in engines.values():
                 hs.generate(input_ids_list[0], max_new_tokens=warmup_tokens, eos_token_id=eos_token_id)
@@ -145,7 +148,10 @@ def compare(target, draft, input_ids_list, methods, *, max_new_tokens=128, eos_t
 
 class Comparison(dict):
     """{method name: MethodResult}, in the order the methods were given (what :func:`compare` returns).  In
-    Jupyter it displays as :meth:`table`."""
+    Jupyter it displays as :meth:`table`.  ``cpu_decoder``: what our engines' forwards ran on (their
+    ``HeteroSpec.cpu_decoder``), or None without one of ours."""
+
+    cpu_decoder = None
 
     def mismatches(self):
         """[(method, prompt index, first differing position)] against the first method's outputs."""
@@ -245,6 +251,8 @@ def run(args, out=None):
             print(f"MISMATCH: {name} differs from ar on prompt {i} at new token {pos - ids[i].shape[1]}", file=out)
     else:
         print(f"identical greedy outputs across {', '.join(results)} on all {len(texts)} prompts", file=out)
+    if results.cpu_decoder not in (None, "off"):
+        print(f"our engines' forwards: cpu_decoder {results.cpu_decoder}", file=out)
     print(file=out)
     print(results.table(), file=out)
     print(f"\n(total {time.perf_counter() - t0:.0f} s; tokens/s = new tokens / decoding time, after a warm-up; "

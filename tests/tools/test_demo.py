@@ -109,6 +109,7 @@ def test_demo_command_on_a_tiny_pair(tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "identical greedy outputs across ar, hf, eagle3, heterospec" in res.stdout
+    assert "our engines' forwards: cpu_decoder target" in res.stdout   # a float32 Llama pair on the CPU: ours
     assert "[heterospec, streamed] >>> w5 w17 w3 w40 w22" in res.stdout
     rows = [line for line in res.stdout.splitlines() if line.startswith("| ")]
     assert [r.split("|")[1].strip() for r in rows[1:]] == ["ar", "hf", "eagle3", "heterospec"]
