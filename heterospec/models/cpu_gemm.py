@@ -139,6 +139,7 @@ _CACHE = {"onednn": weakref.WeakKeyDictionary(), "rows": weakref.WeakKeyDictiona
 
 CODECS = {1: "Q8", 2: "Q4", 3: "F16", 4: "BF16"}   # rows.h's HSG_Q8, HSG_Q4, HSG_F16, HSG_BF16 (0: float32)
 BLOCK = 32                    # rows.h's HSG_BLOCK
+CODE_ROWS = 4096              # rows per slice of block_codes' check
 
 
 def _bits(t):
@@ -154,10 +155,19 @@ def block_codes(w):
     if w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % BLOCK or w.numel() == 0:
         return None
     n, k = w.shape
-    if n > 64:   # a first look at 64 rows decides cheaply whether (and which codes) to try on the whole weight
-        first = block_codes(w[:64])
-        return None if first is None else _codes(w, first[0])
-    return _codes(w, None)
+    if n <= 64:
+        return _codes(w, None)
+    first = block_codes(w[:64])   # a first look at 64 rows decides cheaply whether (and which codes) to try
+    if first is None:
+        return None
+    parts = []
+    for r in range(0, n, CODE_ROWS):   # in slices of rows: the check's temporaries stay a few times a slice
+        got = _codes(w[r:r + CODE_ROWS], first[0])
+        if got is None:
+            return None
+        parts.append(got)
+    return first[0], torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts]), \
+        None if parts[0][3] is None else torch.cat([p[3] for p in parts])
 
 
 def _codes(w, codec):

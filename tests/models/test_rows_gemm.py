@@ -251,3 +251,14 @@ def test_float16_and_bfloat16_valued_weights_give_the_bits_of_their_floats(codec
     inf = torch.tensor([[float("inf")]], dtype=dtype).view(torch.int16)
     with pytest.raises(ValueError, match="a value that is not finite"):
         G.pack_half({"F16": 3, "BF16": 4}[codec], inf.data_ptr(), wp.data_ptr(), 1, 1)
+
+
+def test_the_check_in_slices_of_rows_is_the_check_at_once(monkeypatch):
+    rng = np.random.default_rng(9)
+    w = torch.from_numpy(q4_1(rng.standard_normal((200, 64))))
+    whole = cpu_gemm.block_codes(w)
+    monkeypatch.setattr(cpu_gemm, "CODE_ROWS", 48)
+    sliced = cpu_gemm.block_codes(w)
+    assert whole[0] == sliced[0] == 2 and all(torch.equal(a, b) for a, b in zip(whole[1:], sliced[1:]))
+    w[190, 3] = torch.nextafter(w[190, 3], torch.tensor(1.0))   # a weight of the last slice off by one ulp
+    assert cpu_gemm.block_codes(w) is None
