@@ -104,12 +104,14 @@ def calibrate_cmd(args, out=None):
     static = trace.replay(Policy.static(args.depth, args.top_k_tree, args.total_tokens), cost_model=cost)
     paper = trace.replay(Policy.paper(args.depth, args.top_k_tree, args.total_tokens, thresholds), cost_model=cost)
     calibrated = trace.replay(policy, cost_model=cost)
+    ar = trace.replay(Policy.autoregressive(), cost_model=cost)   # the same outputs without a draft
     t_id, d_id = pair_identity(args, target)
     save_profile(args.out, policy, cost, target=t_id, draft=d_id,
                  notes={"prompts": len(texts), "positions": int(len(x)), "fit_target": args.fit_target,
                         "predicted_tokens_per_s": {"static": static.tokens_per_s,
                                                    "paper": paper.tokens_per_s,
-                                                   "calibrated": calibrated.tokens_per_s},
+                                                   "calibrated": calibrated.tokens_per_s,
+                                                   "autoregressive": ar.tokens_per_s},
                         "target_name": target_name(args),   # what a person calls it, never a path
                         "per_bin": {str(b): {"cycles": v["cycles"], "mean_accepted": v["mean_accepted"],
                                              "mean_nodes": v["mean_nodes"], "predicted_tokens_per_s": v["tokens_per_s"]}
@@ -117,7 +119,8 @@ def calibrate_cmd(args, out=None):
                         **({"base_tree_search": searched} if searched is not None else {})})
     print(f"entropy thresholds: {', '.join(f'{t:.4g}' for t in thresholds)}", file=out)
     print(bin_table(calibrated, policy), file=out)
-    for label, r in (("static EAGLE-3", static), ("paper rule", paper), ("calibrated", calibrated)):
+    for label, r in (("static EAGLE-3", static), ("paper rule", paper), ("calibrated", calibrated),
+                     ("autoregressive", ar)):
         print(f"{label}: tau {r.tau:.2f}, calls {r.cycles}, verified tokens {r.verified_tokens}, "
               f"predicted {r.tokens_per_s:.1f} tok/s", file=out)
     png = str(args.out).rsplit(".", 1)[0] + ".png"
@@ -126,6 +129,11 @@ def calibrate_cmd(args, out=None):
     thin = thin_bins_warning(calibrated.per_bin(), len(texts))
     if thin:
         print(thin, file=sys.stderr)
+    if ar.tokens_per_s > calibrated.tokens_per_s:
+        print(f"heterospec calibrate: warning: autoregressive decoding is predicted faster on this machine "
+              f"({ar.tokens_per_s:.1f} against {calibrated.tokens_per_s:.1f} tokens/s for the calibrated trees, "
+              f"tau {calibrated.tau:.2f}): with this head, speculation does not pay here; decode with "
+              f"Policy.autoregressive() (heterospec generate --method ar), or bring a head accepted more often", file=sys.stderr)
     return policy
 
 

@@ -42,6 +42,11 @@ def test_calibrate_then_generate_with_the_profile(tmp_path):
     assert per_bin and sum(v["cycles"] for v in per_bin.values()) > 0
     assert all(v["predicted_tokens_per_s"] > 0 for v in per_bin.values())
     assert len(per_bin) <= len(policy.thresholds) + 1
+    # autoregressive decoding predicted beside the trees (tau 1: one token a call), and a warning where it wins
+    pred = raw["notes"]["predicted_tokens_per_s"]
+    assert "autoregressive: tau 1.00, calls " in res.stdout and pred["autoregressive"] > 0
+    warned = "autoregressive decoding is predicted faster on this machine" in res.stderr
+    assert warned == (pred["autoregressive"] > pred["calibrated"])
     png = tmp_path / "profile.png"
     assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
 
