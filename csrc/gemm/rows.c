@@ -201,6 +201,26 @@ static void tile_portable(const float *x, int64_t ldx, const uint8_t *wp, int64_
 
 #define T512 __attribute__((target("avx512f")))
 
+/* The decodings of rows.h, one register of 16 weights each: the one place for each formula (the tiles and
+ * decode512 read them). */
+static inline __attribute__((always_inline)) T512 __m512 half512(const uint8_t *w, int codec) { /* 16 x 16 bits */
+    __m256i h = _mm256_loadu_si256((const __m256i *)w);
+    return codec == HSG_F16 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __attribute__((always_inline)) T512 __m512 q8_512(const uint8_t *blk, int r) { /* row r of a block */
+    __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 64 + r * HSG_PANEL)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_loadu_ps((const float *)blk));
+}
+
+static inline __attribute__((always_inline)) T512 void q4_512(const uint8_t *blk, int t, __m512 *w0, __m512 *w1) {
+    /* rows 2t and 2t + 1 of a block */
+    const __m512 d = _mm512_loadu_ps((const float *)blk), m = _mm512_loadu_ps((const float *)(blk + 64));
+    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 128 + t * HSG_PANEL)));
+    *w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15))), d, m);
+    *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)), d, m);
+}
+
 /* Coded panels (HSG_Q8, HSG_Q4): each block of 32 k decodes every panel's weights once per k (or pair of k) into
  * registers, then runs the same fused multiply-adds as HSG_F32 over the tile's rows. */
 static inline __attribute__((always_inline)) T512 void tile512(const float *x, int64_t ldx, const uint8_t *wp,
@@ -217,13 +237,7 @@ static inline __attribute__((always_inline)) T512 void tile512(const float *x, i
             int64_t ahead = (HSG_AHEAD * HSG_PANEL + (kk + HSG_AHEAD >= k ? (int64_t)(nb - 1) * HSG_PANEL * k : 0)) * es;
             for (int a = 0; a < nb; a++) {
                 const uint8_t *w = wp + ((int64_t)a * HSG_PANEL * k + kk * HSG_PANEL) * es;
-                if (codec == HSG_F32)
-                    wv[a] = _mm512_loadu_ps((const float *)w);
-                else if (codec == HSG_F16)
-                    wv[a] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
-                else
-                    wv[a] = _mm512_castsi512_ps(
-                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)w)), 16));
+                wv[a] = codec == HSG_F32 ? _mm512_loadu_ps((const float *)w) : half512(w, codec);
                 if (codec == HSG_F32 || (kk & 1) == 0) _mm_prefetch((const char *)(w + ahead), _MM_HINT_T0);
             }
             for (int b = 0; b < mb; b++) {
@@ -243,27 +257,16 @@ static inline __attribute__((always_inline)) T512 void tile512(const float *x, i
             if (codec == HSG_Q8) {
                 for (int r = 0; r < HSG_BLOCK; r++) {
                     __m512 wv[8];
-                    for (int a = 0; a < nb; a++) {
-                        const uint8_t *pb = blk + a * ps;
-                        __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(pb + 64 + r * HSG_PANEL)));
-                        wv[a] = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_loadu_ps((const float *)pb));
-                    }
+                    for (int a = 0; a < nb; a++) wv[a] = q8_512(blk + a * ps, r);
                     for (int b = 0; b < mb; b++) {
                         __m512 xb = _mm512_set1_ps(xk[b * ldx + r]);
                         for (int a = 0; a < nb; a++) acc[a][b] = _mm512_fmadd_ps(wv[a], xb, acc[a][b]);
                     }
                 }
             } else {
-                const __m512i low = _mm512_set1_epi32(15);
                 for (int t = 0; t < HSG_BLOCK / 2; t++) {
                     __m512 w0[8], w1[8];
-                    for (int a = 0; a < nb; a++) {
-                        const uint8_t *pb = blk + a * ps;
-                        __m512 d = _mm512_loadu_ps((const float *)pb), m = _mm512_loadu_ps((const float *)(pb + 64));
-                        __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(pb + 128 + t * HSG_PANEL)));
-                        w0[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, low)), d, m);
-                        w1[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)), d, m);
-                    }
+                    for (int a = 0; a < nb; a++) q4_512(blk + a * ps, t, &w0[a], &w1[a]);
                     for (int b = 0; b < mb; b++) {
                         __m512 x0 = _mm512_set1_ps(xk[b * ldx + 2 * t]), x1 = _mm512_set1_ps(xk[b * ldx + 2 * t + 1]);
                         for (int a = 0; a < nb; a++) {
@@ -312,34 +315,23 @@ static const int NB512[13] = {0, 8, 8, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2};
  * decoding it again for every chunk of 12 rows. */
 static T512 void decode512(const uint8_t *panel, int codec, int64_t k, float *out) {
     if (half_codec(codec)) {
-        for (int64_t kk = 0; kk < k; kk++) {
-            __m256i h = _mm256_loadu_si256((const __m256i *)(panel + 32 * kk));
-            __m512 v = codec == HSG_F16 ? _mm512_cvtph_ps(h)
-                                        : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-            _mm512_storeu_ps(out + kk * HSG_PANEL, v);
-        }
+        for (int64_t kk = 0; kk < k; kk++) _mm512_storeu_ps(out + kk * HSG_PANEL, half512(panel + 32 * kk, codec));
         return;
     }
     const int64_t bb = block_bytes(codec);
-    const __m512i low = _mm512_set1_epi32(15);
     for (int64_t kb = 0; kb < k / HSG_BLOCK; kb++) {
         const uint8_t *blk = panel + kb * bb;
         float *o = out + kb * HSG_BLOCK * HSG_PANEL;
-        __m512 d = _mm512_loadu_ps((const float *)blk);
-        if (codec == HSG_Q8) {
-            for (int r = 0; r < HSG_BLOCK; r++) {
-                __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 64 + r * HSG_PANEL)));
-                _mm512_storeu_ps(o + r * HSG_PANEL, _mm512_mul_ps(_mm512_cvtepi32_ps(c), d));
+        for (int t = 0; t < HSG_BLOCK / 2; t++) {
+            __m512 w0, w1;
+            if (codec == HSG_Q8) {
+                w0 = q8_512(blk, 2 * t);
+                w1 = q8_512(blk, 2 * t + 1);
+            } else {
+                q4_512(blk, t, &w0, &w1);
             }
-        } else {
-            __m512 m = _mm512_loadu_ps((const float *)(blk + 64));
-            for (int t = 0; t < HSG_BLOCK / 2; t++) {
-                __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 128 + t * HSG_PANEL)));
-                _mm512_storeu_ps(o + 2 * t * HSG_PANEL,
-                                 _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, low)), d, m));
-                _mm512_storeu_ps(o + (2 * t + 1) * HSG_PANEL,
-                                 _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)), d, m));
-            }
+            _mm512_storeu_ps(o + 2 * t * HSG_PANEL, w0);
+            _mm512_storeu_ps(o + (2 * t + 1) * HSG_PANEL, w1);
         }
     }
 }

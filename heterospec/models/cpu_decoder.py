@@ -150,7 +150,8 @@ class _Packed:
 
         def fused(lins):
             w = cpu_gemm.pack_rows(torch.cat([lin.weight.detach() for lin in lins]))
-            codecs[cpu_gemm.packed_codec(w)] = codecs.get(cpu_gemm.packed_codec(w), 0) + 1
+            codec = cpu_gemm.packed_codec(w)
+            codecs[codec] = codecs.get(codec, 0) + 1
             b = None
             if any(lin.bias is not None for lin in lins):
                 b = torch.cat([lin.bias.detach() if lin.bias is not None else lin.weight.new_zeros(lin.out_features)

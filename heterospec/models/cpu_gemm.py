@@ -183,8 +183,8 @@ def _codes(w, codec):
         if codec == 1:
             return _q8(b, bits, n, k)
         h = ((hi - lo) / 15).to(torch.float16)
-        best_q = best_d = None
-        ok_all = torch.zeros(lo.shape, dtype=torch.bool, device=w.device)   # (never the default device)
+        best_q, best_d = torch.zeros_like(b), torch.zeros_like(lo)   # (like w: never the default device)
+        ok_all = torch.zeros_like(lo, dtype=torch.bool)
         for step in (0, 1, -1):
             hb = h.view(torch.int16) + step
             cand = torch.where(hb >= 0, hb, torch.zeros_like(hb)).view(torch.float16).float()
@@ -193,8 +193,8 @@ def _codes(w, codec):
             q = torch.where(cand > 0, torch.round((b - lo) / torch.where(cand > 0, cand, 1.0)), 0.0).clamp(0, 15)
             q = q.to(torch.int8).float()   # (the codes as stored: never a -0)
             ok = (_bits(cand * q + lo) == bits).all(-1, keepdim=True) & ~ok_all
-            best_q = torch.where(ok, q, best_q) if best_q is not None else torch.where(ok, q, 0.0)
-            best_d = torch.where(ok, cand, best_d) if best_d is not None else torch.where(ok, cand, 0.0)
+            best_q = torch.where(ok, q, best_q)
+            best_d = torch.where(ok, cand, best_d)
             ok_all |= ok
         if ok_all.all():
             return 2, best_q.to(torch.int8).reshape(n, k), best_d.reshape(n, -1).contiguous(), \
