@@ -49,7 +49,7 @@ def _timer(torch, device):
 def forward_table(torch, model, *, tokens=(1, 8, 32, 64, 128), context=256, reps=20, columns=COLUMNS):
     """{column: {n: median ms}} for the verify forward of an n-token tree after ``context`` prompt tokens."""
     from heterospec.models.target import TargetAdapter
-    from heterospec.tune.costs import _device, _recorded
+    from heterospec.tune.costs import _device, _recorded, _recordings
 
     device = _device(model)
     timed = _timer(torch, device)
@@ -60,6 +60,8 @@ def forward_table(torch, model, *, tokens=(1, 8, 32, 64, 128), context=256, reps
     for col in columns:
         adapter = TargetAdapter(model, capture_taps=False, compile=col.startswith("compile"))
         adapter.allocate(context + max(tokens))
+        # the column's graphs, one set (emulated off a GPU, so the CPU tests run this code)
+        steps = _recordings(device, emulate=device.type != "cuda") if col.endswith("graph") else None
         row = {}
         try:
             with torch.no_grad():
@@ -72,11 +74,12 @@ def forward_table(torch, model, *, tokens=(1, 8, 32, 64, 128), context=256, reps
                     def fwd():
                         return adapter.verify(ids, depths, mask)
 
-                    call = _recorded(fwd, device) if col.endswith("graph") else fwd
+                    call = _recorded(fwd, device, steps) if steps is not None else fwd
                     for _ in range(3):
                         call()
                     row[n] = statistics.median(timed(call) for _ in range(reps))
         finally:
+            steps = None   # the graphs go before the buffers they read
             adapter.close()
         out[col] = row
     return out

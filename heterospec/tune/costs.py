@@ -39,12 +39,13 @@ def _device(module):
     return tensors[0].device if tensors else torch.device("cpu")
 
 
-def _recordings(device):
+def _recordings(device, emulate=False):
     """A fit's set of timing graphs: one :class:`~heterospec.engine.graphs.StepGraphs`, so they share its
-    capture stream and die together, as a recorded set of the engine does."""
+    capture stream and die together, as a recorded set of the engine does (``emulate``: the engine's
+    ``cuda_graphs="emulate"``, for a CPU run of the same code)."""
     from ..engine.graphs import StepGraphs
 
-    return StepGraphs(device=device)
+    return StepGraphs(emulate=emulate, device=device)
 
 
 def _recorded(fn, device, steps):
