@@ -264,7 +264,8 @@ def merge_answers(members, store):
     mine = AnswerStore.read_manifest(store)
     theirs = json.loads(members["answers/" + MANIFEST])
     # a window that grew the list (--add-prompts) carries a manifest whose earlier lists include ours
-    grew = {"prompts": mine.get("prompts"), "prompts_sha256": mine.get("prompts_sha256")} in theirs.get("extended", [])
+    grew = any(e.get("prompts") == mine.get("prompts") and e.get("prompts_sha256") == mine.get("prompts_sha256")
+               for e in theirs.get("extended", []))
     if grew and "answers/" + PROMPTS not in members:
         raise ValueError(f"head_window: the window grew the prompt list but its archive lacks {PROMPTS}")
     for key in ("target", "dtype", "generation", "prompts", "prompts_sha256", "shard_size", "vocab_size"):
@@ -281,8 +282,9 @@ def merge_answers(members, store):
             from heterospec.tools.commands import drop_later_turns
 
             drop_later_turns(store, k)
-        for key in ("prompts", "prompts_sha256", "extended"):
-            mine[key] = theirs[key]
+        for key in ("prompts", "prompts_sha256", "texts_sha256", "extended"):
+            if key in theirs:
+                mine[key] = theirs[key]
     new = tokens = 0
     for name, data in sorted(members.items()):
         if not name.startswith("answers/") or name == "answers/" + MANIFEST:
@@ -359,13 +361,15 @@ def run(a):
     t_collect = time.monotonic()
     if a.self_prompts > 0 and not window_wrote_prompts(store):
         # once: the target writes prompts for itself (issue 43.1), appended to the list; answering them is for
-        # this and later windows.  A failure here costs this step only.
+        # this and later windows.  A failure here costs this step only.  They are sampled at --self-batch-size:
+        # at the answers' 256 the 33,000 took about 400 s of the seventh window's H200 (beside its tests)
         try:
             _cli(["train-draft"] + common + ["--dtype", a.answer_dtype, "--collect-only", "--max-prompts", "0",
                                              "--add-prompts", "--data", f"self:{a.self_prompts}", "--gen-batch-size",
-                                             str(a.gen_batch_size)])
-        except SystemExit as e:
-            print(f"head_window: no self-written prompts added ({e}); answering goes on", file=sys.stderr, flush=True)
+                                             str(a.self_batch_size)])
+        except (SystemExit, Exception) as e:
+            print(f"head_window: no self-written prompts added ({type(e).__name__}: {e}); answering goes on",
+                  file=sys.stderr, flush=True)
     collect_s = min(a.collect_seconds - (time.monotonic() - t_collect), end - a.reserve - time.monotonic())
     if collect_s > 0:
         _cli(["train-draft"] + common + ["--dtype", a.answer_dtype, "--collect-only", "--gen-batch-size",
@@ -486,6 +490,8 @@ def build_parser():
     r.add_argument("--self-prompts", type=int, default=33000,
                    help="once per store: the target writes this many prompts for itself, appended to the list "
                         "(train-draft --add-prompts --data self:N), inside answering's share of the window")
+    r.add_argument("--self-batch-size", type=int, default=1024,
+                   help="the batch the self-written prompts are sampled in")
     m = sub.add_parser("merge", help="here, after a window: its answers into the store, its state for the next")
     m.add_argument("parts", nargs="+")
     m.add_argument("--answers", default=os.path.join(REPO, ANSWERS))

@@ -4,9 +4,10 @@ A draft head learns from the target's answers.  Generating them is the slow part
 target decodes token by token), so they are kept, compactly, where the next run finds them: a directory with
 
 - ``manifest.json``: what the answers depend on, pinned: the prompt list (count and sha256 of the prompts'
-  token ids), the target's identity, the dtype it answered in, the generation settings (greedy,
-  ``max_new_tokens``, the end-of-turn id, the cache) and the shard size.  A run with other prompts, another
-  target or other settings is refused, never mixed in.
+  token ids, and the sha256 of their texts: a machine whose tokenizer splits a listed prompt differently still
+  has the same list, and each shard keeps the ids it was answered from), the target's identity, the dtype it
+  answered in, the generation settings (greedy, ``max_new_tokens``, the end-of-turn id, the cache) and the
+  shard size.  A run with other prompts, another target or other settings is refused, never mixed in.
 - ``prompts.json.gz``: the training prompts (texts, shuffled once, seeded) with their sources, so the prompts of
   the shards still to answer are the same on every machine, whatever is installed there.
 - ``shard-NNNNN.npz``: the answers to prompts ``[N * shard_size, (N + 1) * shard_size)`` of that list (those
@@ -43,6 +44,13 @@ def prompts_sha256(prompt_ids):
         h.update(np.ascontiguousarray(np.asarray(p).reshape(-1), dtype=np.int64).tobytes())
         h.update(b"|")
     return h.hexdigest()
+
+
+def texts_sha256(texts):
+    """sha256 over what a list of prompts was rendered from (its texts, as JSON): the list's identity where the
+    tokenizer splits some prompt differently from the machine that listed it (another transformers version: 5.17
+    and 5.23 split a ShareGPT prompt holding control characters differently)."""
+    return hashlib.sha256(json.dumps(texts, ensure_ascii=False).encode("utf-8")).hexdigest()
 
 
 def file_sha256(path):
@@ -115,15 +123,20 @@ class AnswerStore:
     def __init__(self, directory, manifest):
         self.directory = directory
         self.manifest = manifest
+        self.retokenized = False   # opened on the texts' sha256: this machine's ids for the list differ
 
     # -- the manifest ---------------------------------------------------------------------------------------
     @classmethod
     def open(cls, directory, *, prompt_ids, target, dtype, max_new_tokens, eos_token_id, shard_size=256,
-             vocab_size=None, texts=None, create=True):
+             vocab_size=None, texts=None, create=True, prompt_texts=None):
         """The store in ``directory`` for these prompts (token ids; ``texts`` with their sources are written to
         ``prompts.json.gz`` on creation) and settings.  ``target`` is the target's identity (a dict, as profiles
         store it, never a path).  A directory written for other prompts or settings raises ValueError naming
-        every field that differs."""
+        every field that differs.
+
+        ``prompt_texts``: what ``prompt_ids`` were rendered from (JSON-able, one item per prompt).  The manifest
+        records their sha256; when only the ids' sha256 differs and the texts' matches, the list is the same one
+        tokenized differently here, and the store opens with ``retokenized`` set (the caller says so)."""
         if shard_size < 1:
             raise ValueError(f"AnswerStore: argument 'shard_size' expected an int >= 1, got {shard_size}")
         want = {"format": FORMAT, "target": target, "dtype": str(dtype).replace("torch.", ""),
@@ -138,31 +151,45 @@ class AnswerStore:
                 have = json.load(f)
             pinned = {k: v for k, v in have.items() if k in want}
             diff = [k for k in want if pinned.get(k) != want[k]]
-            if diff:
+            texts_sha = None if prompt_texts is None else texts_sha256(prompt_texts)
+            retokenized = (diff == ["prompts_sha256"] and texts_sha is not None
+                           and have.get("texts_sha256") == texts_sha)
+            if diff and not retokenized:
                 raise ValueError(f"AnswerStore: {directory} holds answers for other prompts or settings "
                                  f"({'; '.join(f'{k}: {pinned.get(k)!r} there, {want[k]!r} now' for k in diff)}); "
                                  f"use another directory")
-            return cls(directory, have)
+            store = cls(directory, have)
+            store.retokenized = retokenized
+            if texts_sha is not None and "texts_sha256" not in have:   # a store written before the record
+                have["texts_sha256"] = texts_sha
+                store._write_manifest()
+            return store
         if not create:
             raise FileNotFoundError(f"AnswerStore: {directory} has no {MANIFEST}")
         os.makedirs(directory, exist_ok=True)
         if texts is not None:
             _write_prompts(directory, texts)
+        if prompt_texts is not None:
+            want["texts_sha256"] = texts_sha256(prompt_texts)
         want["shards"] = {}
         store = cls(directory, want)
         store._write_manifest()
         return store
 
-    def extend(self, prompt_ids, texts=None):
+    def extend(self, prompt_ids, texts=None, prompt_texts=None):
         """Append prompts to the store's list: ``prompt_ids`` is the whole new list, which must begin with the
-        list the store was cut from (its count and sha256 pinned in the manifest); ``texts`` replaces
+        list the store was cut from (its count and sha256 pinned in the manifest, or the sha256 of its texts
+        when ``prompt_texts``, the whole new list's, are given: see :meth:`open`); ``texts`` replaces
         ``prompts.json.gz``.  Shards keep their ranges, so the answered ones stay valid, except a last shard
         of the old list that was short (its range now holds more prompts): it is removed, to be answered again.
         The manifest keeps each earlier list's count and sha256 under ``"extended"``.  Returns the removed
         shards' indices."""
         m = self.manifest
         n = m["prompts"]
-        if len(prompt_ids) < n or prompts_sha256(prompt_ids[:n]) != m["prompts_sha256"]:
+        same = len(prompt_ids) >= n and prompts_sha256(prompt_ids[:n]) == m["prompts_sha256"]
+        if not same and prompt_texts is not None and len(prompt_texts) >= n and "texts_sha256" in m:
+            same = texts_sha256(prompt_texts[:n]) == m["texts_sha256"]
+        if not same:
             raise ValueError(f"AnswerStore.extend: argument 'prompt_ids' expected a list beginning with the {n} "
                              f"prompts of {self.directory}, got {len(prompt_ids)} prompts that do not")
         removed = []
@@ -174,9 +201,12 @@ class AnswerStore:
         if texts is not None:
             _write_prompts(self.directory, texts)
         if len(prompt_ids) > n:
-            m.setdefault("extended", []).append({"prompts": n, "prompts_sha256": m["prompts_sha256"]})
+            m.setdefault("extended", []).append({k: m[k] for k in ("prompts", "prompts_sha256", "texts_sha256")
+                                                 if k in m})
             m["prompts"] = len(prompt_ids)
             m["prompts_sha256"] = prompts_sha256(prompt_ids)
+        if prompt_texts is not None and len(prompt_texts) == len(prompt_ids):
+            m["texts_sha256"] = texts_sha256(prompt_texts)
         self._write_manifest()
         return removed
 

@@ -298,12 +298,18 @@ def collect_answers(args, target, tokenizer, progress, out, collect=True):
                              target=model_identity(target.config, target_name(args)),
                              dtype=str(adtype).replace("torch.", ""), max_new_tokens=args.max_new_tokens,
                              eos_token_id=tokenizer.eos_token_id, shard_size=args.shard_size,
-                             vocab_size=target.config.vocab_size,
+                             vocab_size=target.config.vocab_size, prompt_texts=texts[:n_saved],
                              texts=None if saved is not None else {"data": list(args.data), "seed": args.seed,
                                                                    "chat_template": not args.no_chat_template,
                                                                    "prompts": texts, "later_turns": later})
+    if store.retokenized:
+        import transformers
+
+        print(f"{args.answers}: this machine's tokenizer (transformers {transformers.__version__}) splits some "
+              f"listed prompt differently from the machine that listed them; the list is the same (its texts' "
+              f"sha256), and each answered shard keeps the ids it was answered from", file=out, flush=True)
     if grown is not None:
-        for k in store.extend(ids, grown):
+        for k in store.extend(ids, grown, prompt_texts=texts):
             print(f"{args.answers}: shard {k} was the old list's short last shard; it is answered again with the "
                   f"prompts now in its range", file=out, flush=True)
             drop_later_turns(args.answers, k)   # they were built on the answers just removed
@@ -432,7 +438,8 @@ def later_turn_stores(args, answerer, tokenizer, store, texts, later, adtype, co
                 convs = sorted(i for i in g["answers"] if len(later.get(str(i), ())) >= turn - 1)
                 prompt_ids = [encode_turn(tokenizer, [texts[i]] + later[str(i)][:turn - 1], g["answers"][i],
                                           not args.no_chat_template).view(-1).numpy() for i in convs]
-                s = AnswerStore.open(d, prompt_ids=prompt_ids, shard_size=max(1, len(convs)),
+                rendered = [[[texts[i]] + later[str(i)][:turn - 1], g["answers"][i]] for i in convs]
+                s = AnswerStore.open(d, prompt_ids=prompt_ids, shard_size=max(1, len(convs)), prompt_texts=rendered,
                                      texts={"shard": k, "turn": turn, "conversations": convs,
                                             "prompts": [later[str(i)][turn - 2] for i in convs]}, **common)
                 if answering and not s.present():

@@ -476,6 +476,49 @@ def test_a_store_grows_its_prompt_list_and_keeps_its_answered_shards(tmp_path):
     assert (d / am.PROMPTS).read_bytes() == before
 
 
+def test_a_list_tokenized_differently_elsewhere_opens_on_its_texts_and_grows(tmp_path):
+    """The seventh GPU window's head failure: transformers 5.17 there split one committed ShareGPT prompt (it holds
+    control characters) differently from 5.23 here, so the ids' sha256 differed and the store was refused.  With
+    the texts' sha256 recorded, the same texts tokenized differently open (``retokenized``) and the list grows;
+    other texts are still refused, and a store without the record (written before it) still needs equal ids."""
+    ps = prompts(5)
+    texts = [f"p{i}" for i in range(5)]
+    other = _ids(ps)
+    other[3] = np.concatenate([other[3][:2], [0], other[3][2:]])          # one prompt split differently
+    d = tmp_path / "answers"
+    store = _open(d, ps, prompt_texts=texts)
+    assert not store.retokenized and store.manifest["texts_sha256"] == am.texts_sha256(texts)
+    again = _open(d, ps, prompt_ids=other, prompt_texts=texts)
+    assert again.retokenized
+    with pytest.raises(ValueError, match="prompts_sha256"):
+        _open(d, ps, prompt_ids=other, prompt_texts=texts[:4] + ["q4"])
+    with pytest.raises(ValueError, match="prompts_sha256"):
+        _open(d, ps, prompt_ids=other)                                       # no texts: the ids decide
+    with pytest.raises(ValueError, match="prompts_sha256"):
+        _open(d, ps, prompt_ids=other, prompt_texts=texts, max_new_tokens=6, dtype="float32", shard_size=3)
+    grown = other + _ids(prompts(7))[5:]
+    with pytest.raises(ValueError, match="argument 'prompt_ids' expected a list beginning"):
+        again.extend(grown, prompt_texts=["x"] * 7)
+    old = dict(again.manifest)
+    assert again.extend(grown, prompt_texts=texts + ["p5", "p6"]) == []
+    m = am.AnswerStore.read_manifest(d)
+    assert m["prompts"] == 7 and m["prompts_sha256"] == am.prompts_sha256(grown)
+    assert m["texts_sha256"] == am.texts_sha256(texts + ["p5", "p6"])
+    assert m["extended"] == [{"prompts": 5, "prompts_sha256": old["prompts_sha256"],
+                              "texts_sha256": old["texts_sha256"]}]
+    assert not _open(d, ps, prompt_ids=grown, prompt_texts=texts + ["p5", "p6"]).retokenized
+    assert _open(d, ps, prompt_ids=_ids(ps) + grown[5:], prompt_texts=texts + ["p5", "p6"]).retokenized
+    # a store written before the record gains it when its ids match, and is refused when they do not
+    e = tmp_path / "old"
+    _open(e, ps)
+    assert "texts_sha256" not in am.AnswerStore.read_manifest(e)
+    with pytest.raises(ValueError, match="prompts_sha256"):
+        _open(e, ps, prompt_ids=other, prompt_texts=texts)
+    _open(e, ps, prompt_texts=texts)
+    assert am.AnswerStore.read_manifest(e)["texts_sha256"] == am.texts_sha256(texts)
+    assert _open(e, ps, prompt_ids=other, prompt_texts=texts).retokenized
+
+
 def test_add_prompts_gives_a_first_turn_list_its_later_turns_and_appends_new_conversations(tmp_path, capsys):
     """train-draft --add-prompts (issue 43.1): a store made from first turns alone gains its conversations'
     later turns, new conversations are appended to the list, the answered shards stay; the later turns of
@@ -543,3 +586,44 @@ def test_add_prompts_gives_a_first_turn_list_its_later_turns_and_appends_new_con
     m2 = am.AnswerStore.read_manifest(d2)
     assert m2["prompts"] == 2
     assert m2["built_on"] == [am.AnswerStore.read_manifest(ans)["shards"]["00002"]["sha256"]]
+
+
+def test_train_draft_grows_a_store_its_tokenizer_splits_differently(tmp_path, capsys, monkeypatch):
+    """The CLI side of the seventh window's failure: a store listed with one tokenizer, then grown with
+    --add-prompts (and answered) where one listed prompt encodes differently, goes on and says so; the shards
+    answered before keep their bytes."""
+    from _cli import run_cli
+    from _pairs import save_tiny_pair
+
+    from heterospec.tools import commands
+
+    save_tiny_pair(tmp_path)
+    firsts = tmp_path / "firsts.txt"
+    firsts.write_text("w1 w2 w3\nw7 w8\nw9 w10 w11")
+    more = tmp_path / "more.txt"
+    more.write_text("w14 w15\nw16")
+    ans = tmp_path / "answers"
+
+    def run(data, *extra):
+        rc, out, err = run_cli(["train-draft", "--target", tmp_path / "target", "--data", data, "--out",
+                                tmp_path / "trained", "--max-new-tokens", "4", "--answers", ans, "--shard-size", "2",
+                                "--device", "cpu", "--collect-only", *extra], capsys)
+        assert rc == 0, err
+        return out
+
+    run(firsts, "--max-prompts", "2")
+    shard0 = (ans / "shard-00000.npz").read_bytes()
+    real = commands.encode
+
+    def other_tokenizer(tokenizer, text, chat=True):   # another version: one more token in one listed prompt
+        ids = real(tokenizer, text, chat)
+        return torch.cat([ids[:, :1], ids[:, :1], ids[:, 1:]], dim=1) if text == "w7 w8" else ids
+
+    monkeypatch.setattr(commands, "encode", other_tokenizer)
+    out = run(more, "--add-prompts")
+    assert "splits some listed prompt differently" in out and "2 prompts appended to the 3 there" in out
+    m = am.AnswerStore.read_manifest(ans)
+    assert m["prompts"] == 5 and am.AnswerStore(ans, m).present() == [0, 1, 2]
+    assert (ans / "shard-00000.npz").read_bytes() == shard0
+    monkeypatch.setattr(commands, "encode", real)                    # back on the first machine
+    assert "splits some listed prompt differently" in run(more)

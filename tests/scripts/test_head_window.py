@@ -22,7 +22,7 @@ if not os.path.isdir(os.path.join(ROOT, "benchmarks")):
 from benchmarks import head_window as hw  # noqa: E402
 from _pairs import WORDS, save_tiny_pair  # noqa: E402
 
-from heterospec.models.answers import PROMPTS, AnswerStore  # noqa: E402
+from heterospec.models.answers import PROMPTS, AnswerStore, texts_sha256  # noqa: E402
 from heterospec.models.draft import Eagle3Draft  # noqa: E402
 
 
@@ -189,14 +189,16 @@ def test_a_window_adds_self_written_prompts_once_and_merge_takes_the_grown_list(
     assert grown["added"][-1]["data"] == ["self:3"] and hw.window_wrote_prompts(str(theirs))
     m = AnswerStore.read_manifest(theirs)
     assert m["prompts"] == len(grown["prompts"]) and m["extended"] == [
-        {"prompts": len(old), "prompts_sha256": AnswerStore.read_manifest(mine)["prompts_sha256"]}]
+        {"prompts": len(old), "prompts_sha256": AnswerStore.read_manifest(mine)["prompts_sha256"],
+         "texts_sha256": texts_sha256(old)}]
+    assert m["texts_sha256"] == texts_sha256(grown["prompts"])
     parts = [str(tmp_path / "o1" / p) for p in sorted(os.listdir(tmp_path / "o1"))]
     _, members = hw.read_parts(parts)
     assert "answers/prompts.json.gz" in members
     assert hw.main(["merge", *parts, "--answers", str(mine), "--carry-out", str(tmp_path / "c")]) == 0
     got = AnswerStore.read_manifest(mine)
-    assert {k: got[k] for k in ("prompts", "prompts_sha256", "extended", "shards")} == \
-        {k: m[k] for k in ("prompts", "prompts_sha256", "extended", "shards")}
+    assert {k: got[k] for k in ("prompts", "prompts_sha256", "texts_sha256", "extended", "shards")} == \
+        {k: m[k] for k in ("prompts", "prompts_sha256", "texts_sha256", "extended", "shards")}
     assert AnswerStore.read_prompts(mine) == grown
     assert sorted(AnswerStore(str(mine), got).present()) == sorted(int(k) for k in got["shards"])
     assert hw.main(["merge", *parts, "--answers", str(mine), "--carry-out", str(tmp_path / "c")]) == 0  # idempotent
