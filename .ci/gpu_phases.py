@@ -12,6 +12,8 @@ network (the device tool's image), through ``bash .ci/gpu``:
                                           the device tool re-sends the working tree with every later call
     bash .ci/gpu --wait SECONDS           wait up to SECONDS for the background run, then report
     bash .ci/gpu --dry-run PHASE...       print the commands, run nothing
+    bash .ci/gpu --redigest               the ledger's digests recomputed at their commits (what a digest
+                                          covers changed: .ci/gpu_window.py's phase_deps)
 
 Each phase is killed (its whole process group) when it passes its limit (``HETEROSPEC_GPU_PHASE_LIMIT``
 seconds, default 540: 9 minutes, inside one 10-minute call of the device tool).  A phase that needs the
@@ -1176,6 +1178,8 @@ def main(argv=None):
                       help="turn a window's returned results (a folder with gpu-results.tar.gz, the tarball, or a "
                            "work folder) into the ledger's entries, keeping the small raw files under "
                            "benchmarks/results/gpu-windows/")
+    mode.add_argument("--redigest", action="store_true",
+                      help="recompute the ledger's digests at their commits (after a change of what a digest covers)")
     ap.add_argument("--dry-run", action="store_true", help="print each phase's commands (with --window: the plan "
                                                            "and its commands); run nothing")
     ap.add_argument("--window", type=float, metavar="MINUTES",
@@ -1199,6 +1203,10 @@ def main(argv=None):
         except (gpu_window.LedgerError, OSError, ValueError, tarfile.TarError) as e:
             print(f"gpu: --record: {e}", file=sys.stderr)
             return 2
+    if a.redigest:
+        changed = gpu_window.redigest(table, a.ledger or gpu_window.LEDGER)
+        print(f"gpu: --redigest: {len(changed)} entries changed")
+        return 0
     if a.window is not None and (a.phases or a.wait is not None or a.list):
         print("gpu: --window: the plan chooses the phases; name none (and no --wait)", file=sys.stderr)
         return 2

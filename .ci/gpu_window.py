@@ -23,10 +23,11 @@ takes the phases that are not done, correctness first (in PRIORITY order), then 
 A phase's expected minutes are its last measured minutes in the ledger when it ran to an end, else the
 table's estimate (from the two windows of 2026-11-26 where a phase ran then).
 
-The digest of a phase covers the code every phase depends on (``setup.py``, ``pyproject.toml``, ``csrc/``,
-``heterospec/``, this runner's phase definition) and the files its own commands name (test files with the
-tests' helpers, benchmark modules, data files): the same bytes give the same digest in a checkout, in the
-device tool's copy of the working tree (no ``.git`` needed) and at a commit (``git show``).
+The digest of a phase covers the code every phase depends on (``setup.py``, ``pyproject.toml``, ``csrc/``, the
+package's data files, this runner's phase definition), the files its own commands name (test files or folders
+with the tests' helpers, benchmark modules, data files) and the package's modules those reach by import
+(:func:`reached`): the same bytes give the same digest in a checkout, in the device tool's copy of the working
+tree (no ``.git`` needed) and at a commit (``git show``).
 
 A library of ``.ci/gpu_phases.py`` (which holds the phases), with no command of its own:
 
@@ -67,21 +68,15 @@ CONTENTION = 0.1
 PAIR_WAIT_S = 240
 SETUP_PHASES = ("build",)  # run first whenever a CUDA phase runs (a fresh machine has no build)
 
-COMMON_DEPS = ("setup.py", "pyproject.toml", "csrc/", "heterospec/")
+COMMON_DEPS = ("setup.py", "pyproject.toml", "csrc/")   # and heterospec/: its data always, its modules as reached
+PKG = "heterospec"
 SKIP_SUFFIXES = (".so", ".pyc", ".pyo", ".o", ".pyd")
 SKIP_PARTS = {"__pycache__", ".ipynb_checkpoints", ".pytest_cache", ".hypothesis"}
 TEST_HELPERS = ("tests/conftest.py", "tests/_doubles.py", "tests/_oracles.py", "tests/_dlpack.py", "tests/_models.py",
                 "tests/_pairs.py")
-# What only the command line, the benches and the vLLM plugin use: no module of the engine, the models, the
-# policy, tune or the ops imports them (tests/repo/test_ci_gpu.py checks), so a phase that runs neither the
-# command line nor a benchmark module, and whose test files and helpers do not reach them, does not depend on
-# them: a session that changes only the command line does not put the GPU's correctness phases back in the plan.
-CLI_ONLY = ("heterospec/tools/", "heterospec/integrations/", "heterospec/__main__.py")
-# how a command or a test file reaches them: a module of theirs named, the command line or a benchmark run, or one
-# of heterospec/__init__.py's lazy names that live in tools imported
-REACHES_CLI = re.compile(r"heterospec\.(tools|integrations|compare|HFMethod|demo_prompts)\b|-m heterospec\b|"
-                         r"-m benchmarks\.|\bheterospec (demo|bench|generate|calibrate|train-draft|info)\b")
-CLI_NAMES = re.compile(r"\b(compare|HFMethod|demo_prompts)\b")
+# how a command runs the command line (heterospec/__main__.py) or a benchmark module
+RUNS_CLI = re.compile(r"-m heterospec\b|\bheterospec (demo|bench|generate|calibrate|train-draft|info)\b")
+
 
 class LedgerError(ValueError):
     pass
@@ -90,31 +85,116 @@ class LedgerError(ValueError):
 # ---- digests ------------------------------------------------------------------------------------------------
 
 def phase_deps(phase, tree=None):
-    """The paths (files, or folders ending in /) a phase's result depends on; "!PATH" leaves PATH out.  With the
-    tree, the CLI_ONLY paths are left out when neither the commands nor the test files and helpers they name (as
-    the tree holds them) reach the command line."""
+    """The paths (files, or folders ending in /) a phase's result depends on.  The package's modules count as far
+    as the phase reaches them by import (with the tree: :func:`reached`), from the test files and helpers its
+    commands name, the benchmark modules they run and the command line when they run it; its other files (the
+    shipped head, profiles, data) always count.  Without the tree, or where a file does not parse, the whole
+    package counts."""
     deps = list(COMMON_DEPS)
     text = " ".join(s.cmd for s in phase.steps)
-    deps += re.findall(r"\b(tests/[\w/.-]+\.py)\b", text)
-    deps += [f"benchmarks/{m.replace('.', '/')}.py" for m in re.findall(r"-m benchmarks\.([\w.]+)", text)]
-    deps += re.findall(r"\b(benchmarks/data/[\w/.-]+)", text)
+    named = re.findall(r"\b(tests/[\w/.-]*\w)", text)   # test files, or folders of them (tests/ops)
+    starts = [f for f in named if f.endswith(".py")]
+    folders = [f + "/" for f in named if not f.endswith(".py")]
+    deps += folders
+    if tree is not None:
+        starts += [f for f in tree.files() if f.endswith(".py") and any(f.startswith(d) for d in folders)]
+    starts += [f"benchmarks/{m.replace('.', '/')}.py" for m in re.findall(r"-m benchmarks\.([\w.]+)", text)]
     if "pytest" in text:
-        deps += list(TEST_HELPERS)
-    if tree is not None and not _reaches_cli(text, [d for d in deps if d.startswith("tests/")], tree):
-        deps += ["!" + p for p in CLI_ONLY]
-    return sorted(set(deps))
+        starts += list(TEST_HELPERS)
+    if RUNS_CLI.search(text):
+        starts.append(f"{PKG}/__main__.py")
+    deps += re.findall(r"\b(benchmarks/data/[\w/.-]+)", text)
+    files = reached(starts, tree) if tree is not None else None
+    if files is None:
+        return sorted(set(deps + starts + [f"{PKG}/"]))
+    data = [f for f in tree.files() if f.startswith(f"{PKG}/") and not f.endswith(".py")]
+    return sorted(set(deps + starts + files + data))
 
 
-def _reaches_cli(text, test_files, tree):
+def _imports(text, path):
+    """The modules a Python file imports anywhere in it (functions included), as dotted names, relative ones
+    resolved against ``path``; with ``from M import a`` both M and M.a (a may be a module), and ``heterospec.X``
+    for an attribute X of the package bound by ``import heterospec``.  None if it does not parse."""
+    import ast
+
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return None
+    pkg = path[:-len(".py")].split("/")[:-1]   # a module's package; a package's __init__ is its own
+    out = set()
+    bound = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names
+             if a.name == PKG}   # `import heterospec [as hs]`: hs.X is an import of heterospec.X
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
+            out.add(f"{PKG}.{node.attr}")
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(pkg[:len(pkg) - node.level + 1] + ([node.module] if node.module else [])) if node.level \
+                else node.module or ""
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)
+    return out
+
+
+def _lazy_names(tree):
+    """heterospec/__init__.py's lazy names ({name: submodule}): ``from heterospec import X`` or ``heterospec.X``
+    imports the submodule only when X is used (its ``_LAZY`` and ``_SUBMODULES``)."""
+    import ast
+
+    path = f"{PKG}/__init__.py"
+    if path not in set(tree.files()):
+        return {}
+    names = {}
+    for node in ast.walk(ast.parse(tree.read(path))):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            value = ast.literal_eval(node.value) if node.targets[0].id in ("_LAZY", "_SUBMODULES") else None
+            if isinstance(value, dict):
+                names.update({k: v[0] for k, v in value.items()})
+            elif isinstance(value, tuple):
+                names.update({k: k for k in value})
+    return names
+
+
+def reached(starts, tree):
+    """The files of the package, the benchmarks and the tests' helper modules that ``starts`` (files of the tree)
+    reach by import, transitively; importing a.b.c runs a/__init__.py and a/b/__init__.py too.  One of
+    heterospec/__init__.py's lazy names imported from the package (or read as an attribute of it) counts as an
+    import of its submodule.  None when a file on the way does not parse (then the caller counts the whole
+    package)."""
     have = set(tree.files())
-    return any(_text_reaches_cli(t) for t in [text] + [tree.read(f).decode("utf-8", "replace") for f in test_files
-                                                        if f in have])
+    lazy = _lazy_names(tree)
+    seen, todo = set(), [f for f in starts if f in have]
 
+    def files_of(name):
+        parts = name.split(".")
+        if parts[0] not in (PKG, "benchmarks") and not (len(parts) == 1 and f"tests/{name}.py" in have):
+            return []
+        if parts[0] not in (PKG, "benchmarks"):
+            return [f"tests/{name}.py"]   # a helper of the tests (tests/ is on their path)
+        out = []
+        for i in range(1, len(parts) + 1):
+            stem = "/".join(parts[:i])
+            out += [f for f in (f"{stem}.py", f"{stem}/__init__.py") if f in have]
+        return out
 
-def _text_reaches_cli(t):
-    if REACHES_CLI.search(t):
-        return True
-    return any(CLI_NAMES.search(m.group(1)) for m in re.finditer(r"from heterospec import (\([^)]*\)|[^\n]*)", t))
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        if not f.endswith(".py"):
+            continue
+        text = tree.read(f).decode("utf-8", "replace")
+        names = _imports(text, f)
+        if names is None:
+            return None
+        names |= {f"{PKG}.{lazy[n.split('.')[1]]}" for n in names if n.count(".") == 1
+                  and n.startswith(PKG + ".") and n.split(".")[1] in lazy}
+        for n in names:
+            todo += [g for g in files_of(n) if g not in seen]
+    return sorted(seen)
 
 
 def _skipped(path):
@@ -128,6 +208,7 @@ class Tree:
     def __init__(self, root=REPO, commit=None):
         self.root, self.commit = root, commit
         self._files = None
+        self._bytes = {}   # a tree is read for one plan or record: its files do not change meanwhile
 
     def files(self):
         if self._files is None:
@@ -137,7 +218,7 @@ class Tree:
                 files = out.splitlines()
             else:
                 files = []
-                for d in COMMON_DEPS + ("tests", "benchmarks"):
+                for d in COMMON_DEPS + (PKG, "tests", "benchmarks"):
                     p = os.path.join(self.root, d)
                     if os.path.isfile(p):
                         files.append(d)
@@ -149,11 +230,14 @@ class Tree:
         return self._files
 
     def read(self, path):
-        if self.commit:
-            return subprocess.run(["git", "show", f"{self.commit}:{path}"], cwd=self.root, capture_output=True,
-                                  check=True).stdout
-        with open(os.path.join(self.root, path), "rb") as f:
-            return f.read()
+        if path not in self._bytes:
+            if self.commit:
+                self._bytes[path] = subprocess.run(["git", "show", f"{self.commit}:{path}"], cwd=self.root,
+                                                   capture_output=True, check=True).stdout
+            else:
+                with open(os.path.join(self.root, path), "rb") as f:
+                    self._bytes[path] = f.read()
+        return self._bytes[path]
 
     def matching(self, deps):
         """The files some dep names ("PATH" or "FOLDER/") and no "!PATH" / "!FOLDER/" leaves out."""
@@ -203,6 +287,27 @@ def save_ledger(led, path=LEDGER):
         json.dump(led, f, indent=1, sort_keys=True)
         f.write("\n")
     os.replace(tmp, path)
+
+
+def redigest(table, ledger_path=LEDGER, out=sys.stdout):
+    """Recompute every ledger entry's digest at its commit (after a change of what a digest covers:
+    :func:`phase_deps`), so a phase that passed stays done where the code it depends on did not change.  Entries
+    without a commit of this repository (unknown, or uncommitted code) keep theirs.  Returns the names changed."""
+    led = load_ledger(ledger_path)
+    trees, changed = {}, []
+    for name, entry in sorted(led["phases"].items()):
+        commit = entry.get("commit") or ""
+        if name not in table or not re.fullmatch(r"[0-9a-f]{7,40}", commit) or _git("cat-file", "-e", commit) is None:
+            continue
+        tree = trees.setdefault(commit, Tree(REPO, commit))
+        digest = phase_digest(table[name], tree)
+        if digest != entry.get("digest"):
+            print(f"redigest: {name}: {entry.get('digest')} -> {digest} (commit {commit})", file=out)
+            entry["digest"] = digest
+            changed.append(name)
+    if changed:
+        save_ledger(led, ledger_path)
+    return changed
 
 
 def is_done(entry, digest):

@@ -601,13 +601,16 @@ def test_the_committed_ledger_names_real_phases_and_is_well_formed():
         assert name in phases.BY_NAME, name
         assert e["kind"] == phases.BY_NAME[name].kind and e["state"] in ("pass", "fail", "timeout", "skip")
         assert re.fullmatch(r"[0-9a-f]{16}", e["digest"]) and e["device"].startswith("NVIDIA")
-    # a recorded window's numbers are its raw results': the sixth window's bf16 bench (H200), read from the committed
-    # results.json it brought back, not from the ledger
+    # a recorded window's numbers are its raw results': the bf16 bench's entry, read from the committed results.json
+    # of the window that ran it (the raw folder whose phase status ended when the entry says), not from the ledger
     e = led["phases"]["bench-bf16"]
-    with open(os.path.join(REPO, "benchmarks/results/gpu-windows/2026-11-28-nvidia-h200-2/bench-bf16/bench/results.json")) as f:
+    base = os.path.join(REPO, "benchmarks", "results", window.WINDOWS_DIR)
+    (folder,) = [d for d in os.listdir(base) if os.path.isfile(os.path.join(base, d, "bench-bf16", "status.json"))
+                 and json.load(open(os.path.join(base, d, "bench-bf16", "status.json"))).get("ended") == e["date"]]
+    with open(os.path.join(base, folder, "bench-bf16", "bench", "results.json")) as f:
         raw = json.load(f)
     t0 = next(run for run in raw["runs"] if run["temperature"] == 0.0)
-    assert e["date"].startswith("2026-11-28") and e["device"] == "NVIDIA H200"
+    assert e["device"].startswith("NVIDIA") and folder.startswith(e["date"][:10])
     assert e["numbers"]["T0"]["hf-static"]["tokens_per_s"] == round(t0["mean"]["hf-static"]["tokens_per_s"], 1)
 
 
@@ -713,68 +716,98 @@ def test_a_digest_is_the_same_from_a_checkout_a_copy_and_a_commit_and_follows_th
     assert window.phase_digest(ph2, window.Tree(str(root), head)) != d
 
 
-def test_the_command_line_counts_only_for_phases_that_reach_it(tmp_path):
-    """A change to heterospec/tools/ (or integrations/, __main__.py) leaves a pytest phase's digest alone unless its
-    command or a test file it names reaches the command line: a module of tools named, one of the package's lazy
-    names from tools imported (also in a parenthesised import over several lines), `-m heterospec`, a benchmark."""
+def test_the_package_counts_as_far_as_a_phase_reaches_it_by_import(tmp_path):
+    """A module of heterospec/ enters a phase's digest only when the phase reaches it by import: from the test
+    files (or folders of them) its commands name and the tests' helpers, the benchmark modules it runs, the
+    command line when it runs it; imports inside functions, relative ones, and the package's lazy names (imported
+    from it or read as its attributes) count.  The package's other files always count; a file that does not
+    parse makes the whole package count."""
     root = _git_repo(tmp_path)
-    (root / "heterospec" / "tools").mkdir()
-    (root / "heterospec" / "tools" / "cli.py").write_text("x = 1\n")
-    (root / "heterospec" / "engine.py").write_text("y = 1\n")
-    tree = window.Tree(str(root))
+    files = {"heterospec/__init__.py": '_LAZY = {"Thing": ("engine", "Thing")}\n_SUBMODULES = ("ops",)\n',
+             "heterospec/engine.py": "from .core import x\n", "heterospec/core.py": "x = 1\n",
+             "heterospec/ops.py": "y = 1\n", "heterospec/tools/__init__.py": "",
+             "heterospec/tools/cli.py": "from ..engine import x\n",
+             "heterospec/__main__.py": "from .tools import cli\n",
+             "heterospec/data/profile.json": "{}", "benchmarks/b.py": "import heterospec.ops\n",
+             "tests/_helper.py": "def f():\n    from heterospec.tools import cli\n",
+             "tests/ops/test_a.py": "import _helper\n"}
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
 
-    def digest(cmd, test_text=None):
+    def deps(cmd, test_text=None):
         if test_text is not None:
             (root / "tests" / "test_k.py").write_text(test_text)
         ph = phases.Phase("k", 1, "", (phases.Step("s", cmd),), ("cuda",))
-        return window.phase_digest(ph, window.Tree(str(root)))
+        got = window.phase_deps(ph, window.Tree(str(root)))
+        return {f[len("heterospec/"):] for f in got if f.startswith("heterospec/")}
 
     plain = "{py} -m pytest tests/test_k.py"
-    cases = {   # test file text -> reaches the command line
-        "def test(): pass  # compare the outputs\n": False,
-        "from heterospec import HeteroSpec, Policy\n": False,
-        "from heterospec.tools import cli\n": True,
-        "from heterospec import (\n    HeteroSpec,\n    compare,\n)\n": True,
-        "import heterospec\nheterospec.HFMethod\n": True,
+    always = {"data/profile.json"}
+    engine = {"__init__.py", "engine.py", "core.py"}
+    tools = engine | {"tools/__init__.py", "tools/cli.py"}
+    cases = {   # test file text -> the package's modules the phase depends on
+        "def test(): pass\n": set(),
+        "from heterospec import Thing\n": engine,
+        "import heterospec as hs\n\ndef test():\n    hs.Thing\n": engine,
+        "import heterospec\nheterospec.ops.y\n": {"__init__.py", "ops.py"},
+        "def test():\n    from heterospec.tools import cli\n": tools,
+        "from heterospec.core import x  # Thing, in a comment, imports nothing\n": {"__init__.py", "core.py"},
     }
-    for text, reaches in cases.items():
-        before = digest(plain, text)
-        (root / "heterospec" / "tools" / "cli.py").write_text("x = 2\n")
-        assert (digest(plain) != before) == reaches, text
-        (root / "heterospec" / "tools" / "cli.py").write_text("x = 1\n")
-        before = digest(plain)
-        (root / "heterospec" / "engine.py").write_text("y = 2\n")   # the rest of the package always counts
-        assert digest(plain) != before, text
-        (root / "heterospec" / "engine.py").write_text("y = 1\n")
-    for cmd in ("{py} -m heterospec info", "{py} -m benchmarks.b --x", "heterospec bench --device cuda"):
-        before = digest(cmd, "def test(): pass\n")
-        (root / "heterospec" / "tools" / "cli.py").write_text("x = 3\n")
-        assert digest(cmd) != before, cmd
-        (root / "heterospec" / "tools" / "cli.py").write_text("x = 1\n")
-    assert tree.matching(["heterospec/", "!heterospec/tools/"]) == ["heterospec/__init__.py", "heterospec/engine.py"]
+    for text, want in cases.items():
+        assert deps(plain, text) == always | want, text
+    assert deps("{py} -m pytest tests/ops", "def test(): pass\n") == always | tools
+    assert deps("{py} -m benchmarks.b --x") == always | {"__init__.py", "ops.py"}
+    assert deps("{py} -m heterospec info") == always | tools | {"__main__.py"}
+    assert deps(plain, "def test(:\n") == {""}     # it does not parse: "heterospec/", the whole package
+
+    def digest(cmd):
+        ph = phases.Phase("k", 1, "", (phases.Step("s", cmd),), ("cuda",))
+        return window.phase_digest(ph, window.Tree(str(root)))
+
+    (root / "tests" / "test_k.py").write_text("from heterospec import Thing\n")
+    before = {c: digest(c) for c in (plain, "{py} -m benchmarks.b")}
+    (root / "heterospec" / "core.py").write_text("x = 2\n")
+    assert digest(plain) != before[plain] and digest("{py} -m benchmarks.b") == before["{py} -m benchmarks.b"]
+    (root / "heterospec" / "data" / "profile.json").write_text('{"a": 1}')
+    assert digest("{py} -m benchmarks.b") != before["{py} -m benchmarks.b"]
 
 
-def test_no_module_outside_the_command_line_imports_it():
-    """CLI_ONLY's premise: the engine, models, policy, tune, ops and the package's import never import tools/ or
-    integrations/ (heterospec/__init__.py names tools' modules lazily, for the names CLI_NAMES matches)."""
-    import re
-    pkg = os.path.join(REPO, "heterospec")
-    bad = []
-    for base, _, names in os.walk(pkg):
-        rel = os.path.relpath(base, REPO).replace(os.sep, "/") + "/"
-        if any(rel.startswith(p) for p in window.CLI_ONLY if p.endswith("/")):
-            continue
-        for n in names:
-            path = rel + n
-            if not n.endswith(".py") or path in window.CLI_ONLY:
-                continue
-            for line in open(os.path.join(REPO, path), encoding="utf-8"):
-                if re.match(r"\s*(from\s+(\.+|heterospec\.)(tools|integrations)\b|from\s+(\.+|heterospec)\s+import\s+.*"
-                            r"\b(tools|integrations)\b|import\s+heterospec\.(tools|integrations)\b)", line):
-                    bad.append(f"{path}: {line.strip()}")
-    assert bad == []
-    lazy = re.findall(r'"(\w+)": \("tools\.', open(os.path.join(pkg, "__init__.py")).read())
-    assert lazy and all(window.CLI_NAMES.fullmatch(n) for n in lazy), lazy
+def test_the_static_closure_holds_every_module_the_phases_tests_import(tmp_path):
+    """What reached() finds from a phase's test files is a superset of what collecting them really imports (in a
+    subprocess: the engine phase's files and tests/ops); so a digest never misses a module the tests load."""
+    script = tmp_path / "collect.py"
+    script.write_text("import contextlib, io, json, sys\nimport pytest\n"
+                      "with contextlib.redirect_stdout(io.StringIO()):\n"
+                      "    pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider'] + sys.argv[1:])\n"
+                      "print(json.dumps(sorted(m for m in sys.modules if m.startswith('heterospec'))))\n")
+    tree = window.Tree(REPO)
+    for name in ("engine", "kernels"):
+        ph = phases.BY_NAME[name]
+        cmd = next(s.cmd for s in ph.steps if "pytest" in s.cmd)
+        named = re.findall(r"\b(tests/[\w/.-]*\w)", cmd)
+        r = subprocess.run([sys.executable, str(script), *named], cwd=REPO, capture_output=True, text=True)
+        imported = json.loads(r.stdout.strip().splitlines()[-1])
+        deps = set(window.phase_deps(ph, tree))
+        missing = [m for m in imported if not {m.replace(".", "/") + ".py", m.replace(".", "/") + "/__init__.py"} & deps
+                   and {m.replace(".", "/") + ".py", m.replace(".", "/") + "/__init__.py"} & set(tree.files())]
+        assert len(imported) > 5 and missing == [], (name, missing)
+
+
+def test_redigest_recomputes_each_entry_at_its_commit(tmp_path):
+    """--redigest: an entry of a commit of this repository gets the digest phase_deps gives at that commit; one of
+    uncommitted code keeps its own."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True).stdout.strip()
+    ledger = tmp_path / "ledger.json"
+    ledger.write_text(json.dumps({"phases": {
+        "kernels": {"kind": "correctness", "commit": head, "digest": "old", "state": "pass"},
+        "engine": {"kind": "correctness", "commit": f"{head}+uncommitted", "digest": "mine", "state": "pass"}},
+        "windows": []}))
+    assert window.redigest(phases.BY_NAME, str(ledger), out=open(os.devnull, "w")) == ["kernels"]
+    got = json.loads(ledger.read_text())["phases"]
+    assert got["kernels"]["digest"] == window.phase_digest(phases.BY_NAME["kernels"], window.Tree(REPO, head))
+    assert got["engine"]["digest"] == "mine"
 
 
 def test_a_window_runs_correctness_side_by_side_then_speed_alone_and_records_into_the_ledger(tmp_path):
