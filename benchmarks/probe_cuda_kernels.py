@@ -148,7 +148,8 @@ def merge_sweep(ops, torch, dev, iters):
 
 def wide_sweep(ops, torch, dev, tree_tokens, tree_parents, V, iters):
     """verify_sample at top-p 0.9 on the tree's rows of randn * 3 + shift (WIDE_CASES): the level-0 bins the
-    rows' keys fall into, the call replayed in a graph, and each hs_k_wide_level launch (levels 0-3)."""
+    rows' keys fall into, the call replayed in a graph, each hs_k_wide_level launch (levels 0-3) and the
+    crossing key's tie (hs_k_wide_tie)."""
     rows = []
     T = tree_tokens.shape[0]
     for dtype, shift in WIDE_CASES:
@@ -163,7 +164,8 @@ def wide_sweep(ops, torch, dev, tree_tokens, tree_parents, V, iters):
         t = timeit(torch, graph.replay, iters)
         ops.cuda_check(dev)
         rows.append(dict(dtype=dtype, shift=shift, bins=distinct, largest_bin=largest, graph_median_us=t["median_us"],
-                         wide_level_us=launches(torch, fn, "wide_level")))
+                         wide_level_us=launches(torch, fn, "wide_level"),
+                         wide_tie_us=launches(torch, fn, "wide_tie")))
         del graph, lg
     return rows
 
@@ -246,11 +248,12 @@ def main(argv=None):
 
     # 5. the wide rows against the level-0 bins
     out["wide_sweep"] = wide_sweep(ops, torch, dev, tree_tokens, tree_parents, flat.shape[1], args.iters)
-    print("\n| logits | bins at level 0 | largest bin | graph us | hs_k_wide_level us, levels 0-3 |\n"
-          "|---|---:|---:|---:|---|")
+    print("\n| logits | bins at level 0 | largest bin | graph us | hs_k_wide_level us, levels 0-3 "
+          "| hs_k_wide_tie us |\n|---|---:|---:|---:|---|---:|")
     for r in out["wide_sweep"]:
         print(f"| {r['dtype']} randn x 3 + {r['shift']:g} | {r['bins']:.1f} | {r['largest_bin']:.2f} | "
-              f"{r['graph_median_us']:.1f} | {' / '.join(f'{u:.1f}' for u in r['wide_level_us'])} |")
+              f"{r['graph_median_us']:.1f} | {' / '.join(f'{u:.1f}' for u in r['wide_level_us'])} | "
+              f"{sum(r['wide_tie_us']):.1f} |")
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     return out

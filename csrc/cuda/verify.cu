@@ -245,12 +245,14 @@ __device__ __forceinline__ int hs_warp_begin(hs_warp_stats *s, float m, long lon
  * per row, reset by that block) choosing the bin and the next prefix.  Phase 1 finds the top-k cut (the k-th
  * largest key, as hs_block_radix_select); phase 2 the top-p crossing over the survivors of top-k, the same
  * descent the CPU's best-first order defines, with the crossing key's tokens (equal weights) then taken one by
- * one in id order as the CPU adds them.  Four launches per phase, whatever the rows need (a row that is not
- * in a launch's phase returns at once), so the sequence is the same every call and a CUDA graph replays it.
+ * one in id order as the CPU adds them (how many here; which token, when only some are kept, in hs_k_wide_tie).
+ * Four launches per phase and one of hs_k_wide_tie after the top-p phase, whatever the rows need (a row that is
+ * not in a launch's phase returns at once), so the sequence is the same every call and a CUDA graph replays it.
  * The merge sets a wide row up: its counter and histograms zeroed (the workspace is shared with other ops),
  * its statistics begun (max, status), the phase to start from. */
 struct hs_wide {
-    int phase;        /* 0 decided, 1 top-k descent, 2 top-p descent */
+    int phase;        /* 0 decided, 1 top-k descent, 2 top-p descent, 3 the crossing key's tie_q-th token to find
+                       * (need: tie_q; stats hold the row's cut but ptie; hs_k_wide_tie) */
     int level;        /* 0..3: bits 31..24, .., 7..0 */
     uint32_t pfx;     /* the key bits chosen so far */
     long long need;   /* phase 1: how many keys still to take from the bins at and below the current range */
@@ -484,29 +486,90 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_wide_level(const void *logits, 
         s.pkey = wide[row].pfx;
         s.ptie = tie_q < 0 ? V - 1 : -1; /* all of the key's tokens, or the first tie_q of them (none: -1) */
         if (tie_q > 0) {
-            /* the tie_q-th token with the crossing key, in id order: each thread counts the key's tokens in its
-             * own contiguous slice of the row, one scan over the threads (their slices are in id order) finds the
-             * slice that holds it, and that thread walks its slice.  One scan instead of one per blockDim tokens:
-             * a bf16 row of 128,256 has ties at almost every key, and the old walk took 500 block scans. */
-            const int64_t seg = (V + blockDim.x - 1) / blockDim.x;
-            const int64_t lo = (int64_t)threadIdx.x * seg, hi = lo + seg < V ? lo + seg : V;
-            const hs_logit_key<DT> key{logits, row * V};
-            long long cnt = 0;
-            hs_batched(lo, hi, 1, key, [&](int64_t, uint32_t k) { cnt += k == s.pkey; });
-            if (threadIdx.x == 0) *flag = -1;
-            long long total;
-            const long long ex = hs_block_exscan(cnt, red, &total);
-            if (ex < tie_q && ex + cnt >= tie_q) {
-                long long need = tie_q - ex;
-                hs_batched(lo, hi, 1, key, [&](int64_t v, uint32_t k) {
-                    if (k == s.pkey && need > 0 && --need == 0) *flag = (int)v;
-                });
+            /* the tie_q-th token with the crossing key, in id order, is found by hs_k_wide_tie over the row's
+             * chunks (a bf16 row of 128,256 has ties at almost every key): the row waits there in phase 3 */
+            if (threadIdx.x == 0) {
+                s.R = R;
+                stats[row] = s;
+                wide[row].phase = 3;
+                wide[row].need = tie_q;
             }
-            __syncthreads();
-            s.ptie = *flag;
+            return;
         }
     }
     if (threadIdx.x == 0) hs_wide_done(row, s, R, wide, stats);
+}
+
+/* The crossing key's tie_q-th token of the rows left in phase 3 (hs_k_wide_level): every (row, chunk) block counts
+ * the key's tokens in its chunk, and the row's last block finds the chunk that holds the wanted one (the counts'
+ * prefix in chunk order is the prefix in id order) and walks that chunk alone: each thread counts the key's tokens
+ * in its own contiguous slice of the chunk, one scan over the threads (their slices are in id order) finds the
+ * slice, and that thread walks it.  One launch every call, so a recorded graph holds it whatever its rows need.
+ * The seventh window (H200) timed the one-block scan of a whole bf16 row this replaces inside level 1 at about
+ * 100 us for 59 rows of 128,256. */
+template <int DT>
+__global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_wide_tie(const void *logits, int64_t T, int64_t V, const int64_t *n_dev,
+                                                          int64_t len, int64_t C, hs_warp_stats *stats, hs_wide *wide,
+                                                          long long *tcnt, unsigned *ctr) {
+    char *sm = hs_smem();
+    long long *red = (long long *)sm;
+    int *flag = (int *)(red + blockDim.x);
+    const int64_t row = blockIdx.x / C, c = blockIdx.x % C;
+    if (n_dev && row % T >= n_dev[row / T]) return;
+    if (wide[row].phase != 3) return; /* block-uniform */
+    hs_warp_stats s = stats[row];
+    const hs_logit_key<DT> key{logits, row * V};
+    const int64_t c0 = c * len, c1 = V - c0 < len ? V : c0 + len;
+    long long cnt = 0;
+    hs_strided(c0, c1, key, [&](int64_t, uint32_t k) { cnt += k == s.pkey; });
+    cnt = hs_block_reduce(cnt, red, hs_op_sum());
+    if (threadIdx.x == 0) tcnt[row * C + c] = cnt;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) *flag = atomicAdd(&ctr[row], 1u) == (unsigned)(C - 1);
+    __syncthreads();
+    if (!*flag) return;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const volatile long long *g = tcnt + row * C;
+        long long need = wide[row].need, cc = C - 1;
+        for (int64_t j = 0; j < C; j++) { /* the chunk holding the need-th; the counts say one does */
+            const long long n = g[j];
+            if (need <= n) {
+                cc = j;
+                break;
+            }
+            need -= n;
+        }
+        red[0] = cc;
+        red[1] = need;
+        ctr[row] = 0;
+        *flag = -1;
+    }
+    __syncthreads();
+    const int64_t cc = red[0];
+    const long long want = red[1];
+    __syncthreads();
+    const int64_t b0 = cc * len, b1 = V - b0 < len ? V : b0 + len;
+    const int64_t seg = (b1 - b0 + blockDim.x - 1) / blockDim.x;
+    const int64_t lo = b0 + (int64_t)threadIdx.x * seg < b1 ? b0 + (int64_t)threadIdx.x * seg : b1;
+    const int64_t hi = lo + seg < b1 ? lo + seg : b1;
+    long long mine = 0;
+    hs_batched(lo, hi, 1, key, [&](int64_t, uint32_t k) { mine += k == s.pkey; });
+    long long total;
+    const long long ex = hs_block_exscan(mine, red, &total);
+    if (ex < want && ex + mine >= want) {
+        long long left = want - ex;
+        hs_batched(lo, hi, 1, key, [&](int64_t v, uint32_t k) {
+            if (k == s.pkey && left > 0 && --left == 0) *flag = (int)v;
+        });
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        s.ptie = *flag;
+        hs_wide_done(row, s, s.R, wide, stats);
+    }
 }
 
 static size_t hs_wide_smem(unsigned threads) {
@@ -903,14 +966,15 @@ __global__ void HS_BOUNDS(HS_TREE_THREADS) hs_k_sample_walk(const void *tt, int 
 
 /* Workspace of the split verify_sample, in order: stats [rows], partials [rows * C], candidate keys and ids
  * [rows * C * HS_CAND_MAX], walk records [batch], rejected tokens [batch * T], residual masses and last
- * tokens [batch * C2], the wide rows' state [rows], histograms [rows * 256] (counts, masses) and counters
- * [rows] (rows = batch * T). */
+ * tokens [batch * C2], the wide rows' state [rows], histograms [rows * 256] (counts, masses), counters [rows]
+ * and the crossing key's count per chunk [rows * C] (rows = batch * T). */
 struct hs_sample_ws {
     hs_warp_stats *stats;
     hs_wide *wide;
     unsigned long long *hcnt;
     double *hmass;
     unsigned *ctr;
+    long long *tcnt;
     hs_part *parts;
     uint32_t *ckey;
     int64_t *cidx;
@@ -946,6 +1010,7 @@ static hs_sample_ws hs_sample_layout(void *ws, int64_t batch, int64_t T, int64_t
     HS_TAKE(hcnt, unsigned long long, rows * HS_WIDE_BINS)
     HS_TAKE(hmass, double, rows * HS_WIDE_BINS)
     HS_TAKE(ctr, unsigned, rows)
+    HS_TAKE(tcnt, long long, rows * w.C)
 #undef HS_TAKE
     w.bytes = off;
     return w;
@@ -998,8 +1063,9 @@ extern "C" hs_status hs_cuda_verify_sample(const void *tree_tokens, hs_dtype tok
         if (st != HS_OK) return st;
     }
     int rc = 0;
-    /* the wide rows' descents: four levels of the top-k phase when there is a top-k, four of the top-p phase when
-     * there is a top-p (every call, so that a recorded graph holds them whatever its rows need) */
+    /* the wide rows' descents: four levels of the top-k phase when there is a top-k, four of the top-p phase and
+     * the crossing key's tie when there is a top-p (every call, so that a recorded graph holds them whatever its
+     * rows need) */
     const int phases[2] = {topk ? 1 : 0, sp.top_p < 1.0 ? 2 : 0};
     const size_t sm_wide = hs_wide_smem(tc);
 #define HS_SAMPLE_LAUNCH(DT)                                                                                          \
@@ -1010,6 +1076,9 @@ extern "C" hs_status hs_cuda_verify_sample(const void *tree_tokens, hs_dtype tok
         for (int lv = 0; lv < 4 && !rc && phases[ph]; lv++)                                                           \
             rc = HS_LAUNCH(hs_k_wide_level<DT>, rows * w.C, tc, sm_wide, stream, logits, T, V, n_dev, sp.temperature, \
                            sp.top_p, w.len, w.C, phases[ph], lv, w.stats, w.wide, w.hcnt, w.hmass, w.ctr);            \
+    if (!rc && phases[1])                                                                                             \
+        rc = HS_LAUNCH(hs_k_wide_tie<DT>, rows * w.C, tc, tc * sizeof(long long) + 16, stream, logits, T, V, n_dev,  \
+                       w.len, w.C, w.stats, w.wide, w.tcnt, w.ctr);                                                   \
     if (!rc)                                                                                                          \
         rc = HS_LAUNCH(hs_k_sample_walk<DT>, batch, HS_TREE_THREADS, sm_walk, stream, tree_tokens, (int)token_dtype,  \
                        tree_parents, (int)parent_dtype, T, n_dev, logits, V, sp.temperature,                          \
