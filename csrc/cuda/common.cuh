@@ -292,6 +292,20 @@ __device__ __forceinline__ uint64_t hs_key64(double f) {
     return (u >> 63) ? ~u : (u | 0x8000000000000000ull);
 }
 
+/* Whether this block is the last of the `of` blocks that count on *ctr to get here (block-uniform; every thread
+ * of the block must call it, and `flag` is shared).  The last block sees what the others wrote before they
+ * arrived; it resets *ctr when it is done with it, so the next launch and a graph replay start from zero. */
+__device__ __forceinline__ int hs_last_block(unsigned *ctr, int64_t of, int *flag) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) *flag = atomicAdd(ctr, 1u) == (unsigned)(of - 1);
+    __syncthreads();
+    const int last = *flag;
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
 /* ---- block reductions over shared scratch `red` (blockDim entries of 8 bytes); blockDim a power of 2.
  * Every thread of the block must call them; they end with the result visible to all. ------------------ */
 template <class T, class Op> __device__ __forceinline__ T hs_block_reduce(T v, T *red, Op op) {

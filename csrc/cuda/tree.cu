@@ -109,12 +109,7 @@ static inline size_t hs_expand_smem(unsigned threads, int64_t k) {
 __device__ void hs_pick_next_beams(const hs_expand_row &w, int64_t B, int64_t k, int64_t node_offset, float *out_scores,
                                    int64_t *out_next_beams, unsigned *counters) {
     const int64_t Bk = B * k;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) w.ints[1] = atomicAdd(&counters[w.bi], 1u) == (unsigned)(B - 1);
-    __syncthreads();
-    if (!w.ints[1]) return;
-    __threadfence();
+    if (!hs_last_block(&counters[w.bi], B, &w.ints[1])) return;
     if (threadIdx.x == 0) counters[w.bi] = 0; /* ready for the next launch (and graph replay) */
     hs_score_key skey{out_scores + w.bi * Bk};
     if (Bk <= HS_PICK_RANK_MAX) {

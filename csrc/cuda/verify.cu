@@ -362,13 +362,8 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_wide_level(const void *logits, 
         if (n) atomicAdd(&hcnt[row * HS_WIDE_BINS + j], n);
         if (m > 0.0) atomicAdd(&hmass[row * HS_WIDE_BINS + j], m);
     }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) *flag = atomicAdd(&ctr[row], 1u) == (unsigned)(C - 1);
-    __syncthreads();
-    if (!*flag) return;
+    if (!hs_last_block(&ctr[row], C, flag)) return;
     /* the last block of the row: the row's histogram, then the bin */
-    __threadfence();
     const volatile unsigned long long *gc = hcnt + row * HS_WIDE_BINS;
     const volatile double *gm = hmass + row * HS_WIDE_BINS;
     for (int j = threadIdx.x; j < HS_WIDE_BINS; j += blockDim.x) {
@@ -524,13 +519,7 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_wide_tie(const void *logits, in
     hs_strided(c0, c1, key, [&](int64_t, uint32_t k) { cnt += k == s.pkey; });
     cnt = hs_block_reduce(cnt, red, hs_op_sum());
     if (threadIdx.x == 0) tcnt[row * C + c] = cnt;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) *flag = atomicAdd(&ctr[row], 1u) == (unsigned)(C - 1);
-    __syncthreads();
-    if (!*flag) return;
-    __threadfence();
-    __syncthreads();
+    if (!hs_last_block(&ctr[row], C, flag)) return;
     if (threadIdx.x == 0) {
         const volatile long long *g = tcnt + row * C;
         long long need = wide[row].need, cc = C - 1;
