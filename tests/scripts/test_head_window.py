@@ -247,3 +247,35 @@ def test_merge_of_a_grown_list_replaces_the_old_short_last_shard(tmp_path):
     AnswerStore.open(str(other), prompt_ids=ids[1:6], texts={"prompts": list("bcdef")}, **kw)
     with pytest.raises(ValueError, match="another store"):
         hw.merge_answers(members, str(other))
+
+
+def test_a_failure_while_the_target_writes_its_prompts_costs_that_step_only(window, tmp_path, monkeypatch, capsys):
+    """The seventh GPU window lost its whole head run to a ValueError raised inside the self-written prompts' step
+    (the store refused there; the handler caught SystemExit only).  Any error there now leaves the list as it was
+    and the window goes on: it answers, trains and packs.  The prompts are sampled at --self-batch-size."""
+    root, store, _, args = window
+    theirs = tmp_path / "machine"
+    shutil.copytree(root / "repo-store", theirs)
+    before = (theirs / "prompts.json.gz").read_bytes()
+    real, calls = hw._cli, []
+
+    def failing(argv):
+        calls.append(argv)
+        if "--add-prompts" in argv:
+            raise ValueError("AnswerStore: the store refused")
+        return real(argv)
+
+    monkeypatch.setattr(hw, "_cli", failing)
+    run = list(args)
+    run[run.index("--answers") + 1] = str(theirs)
+    run[run.index("--self-prompts") + 1] = "3"
+    run[run.index("--total-steps") + 1] = "1"
+    rc = hw.main(run + ["--self-batch-size", "7", "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o"),
+                        "--tau-limit", "0"])
+    assert rc == 0
+    assert "no self-written prompts added (ValueError: AnswerStore: the store refused)" in capsys.readouterr().err
+    (add,) = [a for a in calls if "--add-prompts" in a]
+    assert add[add.index("--gen-batch-size") + 1] == "7"
+    assert len(calls) >= 2 and (theirs / "prompts.json.gz").read_bytes() == before
+    parts = os.listdir(tmp_path / "o")
+    assert parts and all(p.startswith("head-window.tar.") for p in parts)
