@@ -338,11 +338,10 @@ def main(argv=None):
     ctx = args.prompt_len + args.new_tokens // 2
     cost = profile_costs(model, head, tree_tokens=(1, 8, 16, 32, 60), contexts=(ctx,), beams=(1, 10),
                          levels=(1, 7), reps=3, graphs=cuda, overhead_tokens=0)
-    a, b, c, d = cost.verify
     stage("cost model", verify=cost.verify)
 
     def verify_s(nodes):
-        return a + b * nodes + c * ctx + d * nodes * ctx
+        return cost.verify_cost(nodes, ctx)
 
     # the caches for --cache-check positions at batch 8, allocated for real
     caches = None

@@ -23,7 +23,9 @@ PROFILE_VERSION = 1
 class CostModel:
     """Seconds per cycle as a function of verified tree tokens, context length, draft levels and beam.
 
-    ``verify`` (a, b, c, d): ``a + b*nodes + c*context + d*nodes*context``; ``level``: the draft's side of a
+    ``verify`` (a, b, c, d): ``a + b*nodes + c*context + d*nodes*context``, or (a, b, c, d, knee, b0) with the
+    nodes' term ``b0*min(nodes, knee) + b*max(nodes - knee, 0)``: a step that costs little per node up to the knee
+    (rows that ride on the weights' read) and more past it (rows that compute); ``level``: the draft's side of a
     cycle, either (e, f, g, h) = ``levels*(e + f*beam) + g + h*beam`` (levels, and the root expansion, the
     verification tree and the catch-up once per cycle; what :func:`heterospec.tune.profile_costs` fits) or, in
     profiles from before issue 28.4, (e, f) = ``(levels + 1)*(e + f*beam)``; ``overhead``: per-cycle time
@@ -34,9 +36,19 @@ class CostModel:
     overhead: float = 0.0
 
     def __post_init__(self):
-        if len(self.verify) != 4 or len(self.level) not in (2, 4):
-            raise ValueError(f"CostModel: expected 4 verify and 2 or 4 level coefficients, got "
+        if len(self.verify) not in (4, 6) or len(self.level) not in (2, 4):
+            raise ValueError(f"CostModel: expected 4 or 6 verify and 2 or 4 level coefficients, got "
                              f"{len(self.verify)} and {len(self.level)}")
+
+    def verify_cost(self, nodes, context):
+        """Seconds of the target's forward over a ``nodes``-token tree after ``context`` committed positions."""
+        a, b, c, d = self.verify[:4]
+        if len(self.verify) == 6:
+            knee, b0 = self.verify[4:]
+            node_term = b0 * min(nodes, knee) + b * max(nodes - knee, 0.0)
+        else:
+            node_term = b * nodes
+        return a + node_term + c * context + d * nodes * context
 
     def draft(self, levels, beam):
         """Seconds of the draft's side of a cycle growing ``levels`` levels of ``beam`` beams (0: no draft)."""
@@ -49,9 +61,7 @@ class CostModel:
         return levels * (e + f * beam) + g + h * beam
 
     def __call__(self, nodes, context, levels, beam):
-        a, b, c, d = self.verify
-        t = a + b * nodes + c * context + d * nodes * context + self.overhead + self.draft(levels, beam)
-        return max(t, 1e-9)
+        return max(self.verify_cost(nodes, context) + self.overhead + self.draft(levels, beam), 1e-9)
 
     def to_dict(self):
         return {"verify": list(self.verify), "level": list(self.level), "overhead": self.overhead}

@@ -6,7 +6,9 @@ the steps of its cycle where they run, on the engine's static caches, with the e
 attention window, its GPU tree buckets, ``cpu_gemm``, CUDA graphs):
 
 * **verify(n, ctx)**: ``TargetAdapter.verify`` of an n-node tree with ctx committed positions (taps captured
-  when there is a draft, as the engine does), fitted as ``a + b*n + c*ctx + d*n*ctx``;
+  when there is a draft, as the engine does), fitted as ``a + b*n + c*ctx + d*n*ctx``, or with a knee in n
+  where that fits better (:func:`_fit_verify_rows`: a step flat in the nodes until its rows stop riding on the
+  weights' read, as a GPU's is up to tens of tokens and a CPU's few-rows kernel up to about a dozen);
 * **the draft's side of a cycle** for beam width (top_k) K and L levels: ``DraftState.grow`` from the root
   (one draft step and one ``ops.expand`` per level), the verification tree (``ops.select`` +
   ``ops.build_tree``) and the catch-up (``DraftState.follow`` over the L + 2 rows a cycle may commit), fitted as
@@ -152,19 +154,51 @@ def _fit_verify(target, draft, tree_tokens, contexts, reps, settings, device):
         rows = [(n, ctx, t) for (n, ctx, *_), t in zip(calls, times)]
     finally:
         hs.close()
-    return _fit([[1.0, n, c, n * c] for n, c, _ in rows], [t for _, _, t in rows])
+    return _fit_verify_rows(rows)
+
+
+def _fit_verify_rows(rows):
+    """The verify coefficients from measured (nodes, context, seconds): the line ``a + b*n + c*ctx + d*n*ctx``,
+    or the same with a knee (a, b, c, d, knee, b0: ``b0`` per node up to ``knee``, ``b`` past it) at the grid's
+    node count whose fit has the least relative error among those where the cost per node rises at the knee
+    (0 <= b0 <= b), when that error is under 0.8 of the line's and half a percent below it.  A line
+    through a step that is flat for few nodes and steep for many misses both ends: on the 2-core Xeon with the
+    GGUF's codes it put a one-row step at 12 ms against 6-7.5 measured."""
+    y = [t for *_, t in rows]
+    line = _fit([[1.0, n, c, n * c] for n, c, _ in rows], y)
+    knees = []
+    nodes = sorted({n for n, *_ in rows})
+    for knee in nodes[1:-1]:   # a node count below it and one past it, at least
+        a, b0, b, c, d = _fit([[1.0, min(n, knee), max(n - knee, 0), c, n * c] for n, c, _ in rows], y)
+        if b0 >= 0 and b >= b0:   # a knee where the cost per node rises, never a fit of one noisy point
+            coef = (a, b, c, d, float(knee), b0)
+            knees.append((_relative_error(coef, rows), coef))
+    err, coef = min(knees) if knees else (None, None)
+    line_err = _relative_error(line, rows)
+    return coef if knees and err < 0.8 * line_err and line_err - err > 0.005 else line
+
+
+def _relative_error(coef, rows):
+    """Root mean square relative error of the verify coefficients ``coef`` over (nodes, context, seconds)."""
+    model = CostModel(tuple(coef), (0.0, 0.0), 0.0)
+    return float(np.sqrt(np.mean([(model.verify_cost(n, c) / max(t, 1e-12) - 1.0) ** 2 for n, c, t in rows])))
 
 
 def _interleaved(timer, points, reps):
     """The median seconds of each (setup, call) of ``points``: every call once untimed first (one-time costs
     stay out), then ``reps`` rounds timing each call once in turn, its setup untimed before it, so that a slow
-    spell of a shared machine touches every point alike instead of a block of them."""
+    spell of a shared machine touches every point alike instead of a block of them.  In a round each call runs
+    once untimed right before its timed run: decoding repeats steps of one size, and a step timed right after
+    another point's much larger one pays for it (on the 2-core Xeon a one-row verify step right after a 128-row
+    one took 11-29 ms against 8-11 after its own size, which put the grid's one-row point above its two-row one)."""
     for setup, call in points:
         setup()
         call()
     times = [[] for _ in points]
     for _ in range(reps):
         for (setup, call), ts in zip(points, times):
+            setup()
+            call()
             setup()
             ts.append(timer(call)[1])
     return [float(np.median(ts)) for ts in times]

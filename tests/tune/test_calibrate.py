@@ -49,8 +49,60 @@ def test_cost_model_draft_terms_old_and_new_form():
     assert new(6, 100, 7, 10) == pytest.approx(0.01 + 7 * 0.003 + 0.006)
     assert new(1, 100, 0, 0) == pytest.approx(0.01)                   # autoregressive: no draft term
     assert CostModel.from_dict(json.loads(json.dumps(new.to_dict()))) == new
-    with pytest.raises(ValueError, match="CostModel: expected 4 verify and 2 or 4 level coefficients, got 4 and 3"):
+    with pytest.raises(ValueError, match="expected 4 or 6 verify and 2 or 4 level coefficients, got 4 and 3"):
         CostModel((0.0,) * 4, (0.0,) * 3)
+    with pytest.raises(ValueError, match="got 5 and 4"):
+        CostModel((0.0,) * 5, (0.0,) * 4)
+
+
+def test_a_verify_step_with_a_knee_is_fitted_with_one():
+    """verify with a knee (a, b, c, d, knee, b0): b0 per node up to the knee, b past it.  The fit takes it where
+    it fits much better than a line (a CPU's few-rows kernel, a GPU's launch-bound step flat up to tens of
+    tokens), keeps the line for a linear step, and never takes a knee with a falling cost per node."""
+    from heterospec.tune.costs import _fit_verify_rows, _relative_error
+
+    m = CostModel((0.01, 0.002, 1e-6, 0.0, 8.0, 0.0005), (0.0, 0.0))
+    assert m.verify_cost(4, 100) == pytest.approx(0.01 + 4 * 0.0005 + 1e-4)
+    assert m.verify_cost(20, 100) == pytest.approx(0.01 + 8 * 0.0005 + 12 * 0.002 + 1e-4)
+    assert m(20, 100, 0, 0) == pytest.approx(m.verify_cost(20, 100))
+    assert CostModel.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    grid = [(n, c) for c in (64, 160, 256) for n in (1, 2, 4, 8, 16, 32, 64, 128)]
+
+    def fit(f):
+        rows = [(n, c, f(n, c)) for n, c in grid]
+        return _fit_verify_rows(rows), rows
+
+    cpu, rows = fit(lambda n, c: 0.006 + 0.0009 * min(n, 16) + 0.0014 * max(n - 16, 0) + 2e-6 * c)
+    assert len(cpu) == 6 and cpu[4] == 16 and _relative_error(cpu, rows) < 1e-6
+    gpu, rows = fit(lambda n, c: 0.0036 + 1e-5 * min(n, 64) + 1e-4 * max(n - 64, 0) + 1e-7 * c)
+    assert len(gpu) == 6 and gpu[4] == 64 and CostModel(gpu, (0, 0)).verify_cost(1, 100) == pytest.approx(0.00362)
+    line, rows = fit(lambda n, c: 0.005 + 0.001 * n + 1e-6 * c)
+    assert len(line) == 4 and _relative_error(line, rows) < 1e-9
+    # one slow point at n = 1 (what a point timed after a much larger one read): a falling cost per node below
+    # a knee is no knee
+    odd, rows = fit(lambda n, c: (0.015 if n == 1 else 0.01 + 0.001 * n) + 1e-6 * c)
+    assert len(odd) == 4 or (0 <= odd[5] <= odd[1])
+
+
+def test_each_point_is_timed_right_after_an_untimed_run_of_itself():
+    """_interleaved: in every round, a point's timed call comes right after an untimed call of the same point
+    (a step timed after a much larger one pays for it), each call after its setup."""
+    from heterospec.tune.costs import _interleaved
+
+    log = []
+    points = [(lambda k=k: log.append(("setup", k)), lambda k=k: log.append(("call", k))) for k in range(3)]
+
+    def timer(fn):
+        log.append(("timed",))
+        fn()
+        return None, 1.0
+
+    assert _interleaved(timer, points, 2) == [1.0, 1.0, 1.0]
+    rounds = log[6:]          # after the first untimed pass over the points
+    assert len(rounds) == 2 * 3 * 5
+    for i in range(0, len(rounds), 5):
+        k = rounds[i][1]
+        assert rounds[i: i + 5] == [("setup", k), ("call", k), ("setup", k), ("timed",), ("call", k)]
 
 
 def test_profile_costs_measures_this_machine():
