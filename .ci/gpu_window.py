@@ -74,7 +74,7 @@ SKIP_SUFFIXES = (".so", ".pyc", ".pyo", ".o", ".pyd")
 SKIP_PARTS = {"__pycache__", ".ipynb_checkpoints", ".pytest_cache", ".hypothesis"}
 TEST_HELPERS = ("tests/conftest.py", "tests/_doubles.py", "tests/_oracles.py", "tests/_dlpack.py", "tests/_models.py",
                 "tests/_pairs.py")
-# how a command runs the command line (heterospec/__main__.py) or a benchmark module
+# how a command runs the command line (heterospec/__main__.py); a benchmark module is found by its `-m benchmarks.`
 RUNS_CLI = re.compile(r"-m heterospec\b|\bheterospec (demo|bench|generate|calibrate|train-draft|info)\b")
 
 
@@ -240,12 +240,8 @@ class Tree:
         return self._bytes[path]
 
     def matching(self, deps):
-        """The files some dep names ("PATH" or "FOLDER/") and no "!PATH" / "!FOLDER/" leaves out."""
-        def hit(f, d):
-            return f == d or (d.endswith("/") and f.startswith(d))
-        inc = [d for d in deps if not d.startswith("!")]
-        exc = [d[1:] for d in deps if d.startswith("!")]
-        return [f for f in self.files() if any(hit(f, d) for d in inc) and not any(hit(f, d) for d in exc)]
+        """The files some dep names ("PATH", or "FOLDER/" for every file under it)."""
+        return [f for f in self.files() if any(f == d or (d.endswith("/") and f.startswith(d)) for d in deps)]
 
 
 def phase_definition(phase):

@@ -173,9 +173,9 @@ def _fit_verify_rows(rows):
         if b0 >= 0 and b >= b0:   # a knee where the cost per node rises, never a fit of one noisy point
             coef = (a, b, c, d, float(knee), b0)
             knees.append((_relative_error(coef, rows), coef))
-    err, coef = min(knees) if knees else (None, None)
+    err, coef = min(knees, default=(float("inf"), None))
     line_err = _relative_error(line, rows)
-    return coef if knees and err < 0.8 * line_err and line_err - err > 0.005 else line
+    return coef if err < 0.8 * line_err and line_err - err > 0.005 else line
 
 
 def _relative_error(coef, rows):
