@@ -60,16 +60,20 @@ typedef struct {
  * req, slot: [n] (the cache row and column each row's keys and values go to); allowed: [n][W] (1: row r attends
  * to column j of its request's cache; W <= capacity); taps: three [n][hidden] buffers or NULLs, filled with h
  * entering layers tap_layers[0..2]; logits: [keep][vocab] for rows out_rows[0..keep) (NULL: the last keep rows;
- * keep <= n; 0: none), and hout: [keep][hidden] those rows' states (see HSD_OUT_NORMED) or NULL.  Returns 0, or
+ * keep <= n; 0: none), and hout: [keep][hidden] those rows' states (see HSD_OUT_NORMED) or NULL.  bad (NULL: none):
+ * bad[req[r]] is set to 1 where a kept row r's logits are not finite (a NaN, a +inf, or every value -inf:
+ * hsd_nonfinite), counting only the rows with r % per < nreal[req[r]] when nreal is given (the rows of each
+ * request one after another, per of them: each request's first nreal rows are real, the rest padding).  Returns 0, or
  * -1 for a req, slot, out_rows entry or W out of range, or the draft's layout without emb or with layers != 1
  * (nothing written then), -2 for an allocation failure, -3 for a weight whose packed copy (rows.h) is not of its
  * shape (nothing written either). */
 int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *emb, int64_t n, const float *cos,
                 const float *sin, const int64_t *req, const int64_t *slot, const uint8_t *allowed, int64_t W,
                 const int64_t *tap_layers, float *const *taps, const int64_t *out_rows, int64_t keep, float *logits,
-                float *hout, int isa, int threads);
+                float *hout, int64_t *bad, const int64_t *nreal, int64_t per, int isa, int threads);
 
 /* The pieces, exposed for the tests (heterospec.reference.decoder holds each to a NumPy twin). */
+int hsd_nonfinite(const float *x, int64_t V); /* 1: x[0..V) holds a NaN or a +inf, or is all -inf */
 float hsd_dot(const float *a, const float *b, int64_t d, int isa);
 void hsd_exp(float *x, int64_t n, int isa);
 void hsd_rmsnorm(const float *x, const float *w, float *y, int64_t d, float eps, int isa);

@@ -117,21 +117,28 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
 }
 
 /* decoder_forward(model, eps, scale, cache, h, emb, n, cos, sin, req, slot, allowed, W, tap_layers, taps, out_rows,
- * keep, logits, hout, isa, threads): decoder.h's hsd_forward.  model: (layers, hidden, heads, kv_heads, head_dim,
- * inter, vocab, table, final_norm, head, head_b, hidden_norm, flags); cache: (kv, batch, capacity, s_batch, s_kv,
- * s_layer, s_head); tap_layers, taps: 3 each (a tap address 0: not captured); out_rows 0: the last keep rows;
- * emb, hidden_norm, hout 0: absent. */
+ * keep, logits, hout, bad, nreal, per, isa, threads): decoder.h's hsd_forward.  model: (layers, hidden, heads,
+ * kv_heads, head_dim, inter, vocab, table, final_norm, head, head_b, hidden_norm, flags); cache: (kv, batch,
+ * capacity, s_batch, s_kv, s_layer, s_head); tap_layers, taps: 3 each (a tap address 0: not captured); out_rows 0:
+ * the last keep rows; emb, hidden_norm, hout, bad, nreal 0: absent (bad int64 [requests], nreal int64 [requests],
+ * per > 0 with nreal). */
 static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
     (void)self;
-    long long md[12], cc[7], h, emb, n, cs, sn, req, slot, allowed, W, tl[3], tp[3], out_rows, keep, logits, hout;
+    long long md[12], cc[7], h, emb, n, cs, sn, req, slot, allowed, W, tl[3], tp[3], out_rows, keep, logits, hout, bad,
+        nreal, per;
     float eps, scale;
     int flags, isa, threads;
-    if (!PyArg_ParseTuple(args, "(LLLLLLLLLLLLi)ff(LLLLLLL)LLLLLLLLL(LLL)(LLL)LLLLii", &md[0], &md[1], &md[2], &md[3],
-                          &md[4], &md[5], &md[6], &md[7], &md[8], &md[9], &md[10], &md[11], &flags, &eps, &scale,
-                          &cc[0], &cc[1], &cc[2], &cc[3], &cc[4], &cc[5], &cc[6], &h, &emb, &n, &cs, &sn, &req, &slot,
-                          &allowed, &W, &tl[0], &tl[1], &tl[2], &tp[0], &tp[1], &tp[2], &out_rows, &keep, &logits,
-                          &hout, &isa, &threads))
+    if (!PyArg_ParseTuple(args, "(LLLLLLLLLLLLi)ff(LLLLLLL)LLLLLLLLL(LLL)(LLL)LLLLLLLii", &md[0], &md[1], &md[2],
+                          &md[3], &md[4], &md[5], &md[6], &md[7], &md[8], &md[9], &md[10], &md[11], &flags, &eps,
+                          &scale, &cc[0], &cc[1], &cc[2], &cc[3], &cc[4], &cc[5], &cc[6], &h, &emb, &n, &cs, &sn, &req,
+                          &slot, &allowed, &W, &tl[0], &tl[1], &tl[2], &tp[0], &tp[1], &tp[2], &out_rows, &keep,
+                          &logits, &hout, &bad, &nreal, &per, &isa, &threads))
         return NULL;
+    if (nreal && (!bad || per <= 0)) {
+        PyErr_Format(PyExc_ValueError, "decoder_forward: argument 'per' expected > 0 with 'nreal' and 'bad', got %lld "
+                     "(bad %s)", per, bad ? "given" : "absent");
+        return NULL;
+    }
     if (isa_ok(isa, "decoder_forward") < 0) return NULL;
     if (md[0] < 0 || md[1] <= 0 || md[2] <= 0 || md[3] <= 0 || md[2] % md[3] || md[4] <= 0 || md[4] % 2 || md[5] <= 0
         || md[6] <= 0 || (flags & ~(HSD_RESIDUAL_NORMED | HSD_HEAD_RAW | HSD_OUT_NORMED))) {
@@ -170,7 +177,8 @@ static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
                                             (const int64_t *)(uintptr_t)req, (const int64_t *)(uintptr_t)slot,
                                             (const uint8_t *)(uintptr_t)allowed, W, taps_at, taps,
                                             (const int64_t *)(uintptr_t)out_rows, keep, (float *)(uintptr_t)logits,
-                                            (float *)(uintptr_t)hout, isa, threads);
+                                            (float *)(uintptr_t)hout, (int64_t *)(uintptr_t)bad,
+                                            (const int64_t *)(uintptr_t)nreal, per, isa, threads);
     Py_END_ALLOW_THREADS if (rc == -1) {
         PyErr_Format(PyExc_ValueError, "decoder_forward: arguments 'req', 'slot', 'out_rows', 'W' and 'keep' expected "
                      "cache rows in [0, %lld), columns in [0, %lld), rows in [0, %lld), W <= %lld and keep <= %lld; "
@@ -208,6 +216,15 @@ static PyObject *py_exp(PyObject *self, PyObject *args) {
     if (n > 0 && addresses(&x, names, 1, "exp") < 0) return NULL;
     hsd_exp((float *)(uintptr_t)x, n, isa);
     Py_RETURN_NONE;
+}
+
+static PyObject *py_nonfinite(PyObject *self, PyObject *args) {
+    (void)self;
+    long long x, n;
+    if (!PyArg_ParseTuple(args, "LL", &x, &n)) return NULL;
+    static const char *const names[] = {"x"};
+    if (n > 0 && addresses(&x, names, 1, "nonfinite") < 0) return NULL;
+    return PyBool_FromLong(hsd_nonfinite((const float *)(uintptr_t)x, n < 0 ? 0 : n));
 }
 
 static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
@@ -289,8 +306,9 @@ static PyObject *py_openmp(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"pack", FAST(py_pack), "pack(w, ldw, wp, n, k)"},
     {"linear", FAST(py_linear), "linear(x, ldx, wp, bias, y, ldy, m, n, k, isa, threads)"},
-    {"decoder_forward", py_decoder_forward, METH_VARARGS, "decoder_forward(model, eps, scale, cache, h, n, cos, sin, "
-     "req, slot, allowed, W, tap_layers, taps, out_rows, keep, logits, isa, threads)"},
+    {"decoder_forward", py_decoder_forward, METH_VARARGS, "decoder_forward(model, eps, scale, cache, h, emb, n, cos, "
+     "sin, req, slot, allowed, W, tap_layers, taps, out_rows, keep, logits, hout, bad, nreal, per, isa, threads)"},
+    {"nonfinite", py_nonfinite, METH_VARARGS, "nonfinite(x, n) -> whether x[0..n) holds a NaN or +inf or is all -inf"},
     {"dot", py_dot, METH_VARARGS, "dot(a, b, d, isa) -> the 16-lane dot product of decoder.h"},
     {"exp", py_exp, METH_VARARGS, "exp(x, n, isa): decoder.h's exp, in place"},
     {"rmsnorm", py_rmsnorm, METH_VARARGS, "rmsnorm(x, w, y, d, eps, isa)"},

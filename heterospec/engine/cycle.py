@@ -34,7 +34,7 @@ from collections import OrderedDict
 import torch
 
 from .. import ops
-from . import health, requests, sync
+from . import requests, sync
 from .graphs import WORKSPACE_BYTES, StepGraphs, no_collection_while_recording, warm_up
 from .tree import NoDraft, bucket_for, tree_size, verification_tree
 
@@ -142,8 +142,7 @@ class Cycle:
         tokens, parents, depths, tmask, n_real = verification_tree(g, n, m, st.root, T, check)
         lap("draft_s")
         # 6: the target's forward
-        logits, vtaps = tgt.verify(tokens, depths, tmask, window)
-        health.mark(st.bad, logits, n_real)
+        logits, vtaps = tgt.verify(tokens, depths, tmask, window, bad=st.bad, real=n_real)
         lap("verify_s")
         # 7: acceptance
         sample, temperature, top_k, top_p = settings

@@ -2,10 +2,12 @@
 
 A target or a draft that produces NaN or +inf logits (an fp16 overflow does this, so does a broken checkpoint),
 or a row of only -inf, has no distribution to verify against: no token could be called the model's own.  Every
-forward of the cycle ORs one flag per model and per request into a fixed-address device tensor (:func:`mark`: one
-``amax`` over the vocabulary, no host read, so recorded steps keep it); the flags travel with the accepted
-tokens at the sync point "accepted", and the loop raises :class:`NonFiniteLogitsError` naming the model, the cycle
-and the position before any token of that cycle is committed, streamed or returned.
+forward of the cycle ORs one flag per model and per request into a fixed-address device tensor: the target adapter
+and the drafter are handed the tensor with each forward and apply
+:func:`heterospec.models.finite.mark_nonfinite` (one ``amax`` over the vocabulary, no host read, so recorded steps
+keep it), or the same rule inside the CPU decoder's own call.  The flags travel with the accepted tokens at the
+sync point "accepted", and the loop raises :class:`NonFiniteLogitsError` naming the model, the cycle and the
+position before any token of that cycle is committed, streamed or returned.
 
 On the CPU the ops themselves refuse such logits while the cycle runs (a ``ValueError`` naming the op's
 argument, row and column); the loop then reads the flags and raises the same error from it
@@ -17,23 +19,13 @@ from __future__ import annotations
 import torch
 
 from .. import ops
+from ..models.finite import mark_nonfinite
 from . import sync
 
 
 class NonFiniteLogitsError(FloatingPointError):
     """A model produced NaN or +inf logits (or a row of only -inf): the message names the model, the cycle and
     the position."""
-
-
-def mark(bad, logits, n=None):
-    """``bad |= (some row of logits has NaN, +inf, or only -inf)``, in place, on the device.  ``bad``: [1] for
-    one request (``logits`` [..., V]), or [B] for a batch (``logits`` [B, ..., V]); ``n`` ([B], optional): only
-    each request's first ``n[b]`` rows count (``logits`` [B, T, V]: the rest is padding no op reads)."""
-    flagged = ~torch.isfinite(logits.amax(-1))
-    if n is not None:
-        flagged &= torch.arange(flagged.shape[1], device=flagged.device) < n.view(-1, 1)
-    flagged = flagged.reshape(bad.shape[0], -1).any(1) if flagged.dim() else flagged.view(1)
-    bad.bitwise_or_(flagged.long())   # every flag tensor is int64 (the dtype of the tensor read at "accepted")
 
 
 def describe(model):
@@ -58,7 +50,7 @@ def error(who, model, cycle, position, row=None):
 def check_prefill(logits, model, position):
     """The prefill's last logits (read on the host, outside the cycle): raise if they are not finite."""
     bad = torch.zeros(logits.shape[0] if logits.dim() > 1 else 1, dtype=torch.long, device=logits.device)
-    mark(bad, logits.view(bad.shape[0], -1))
+    mark_nonfinite(bad, logits.view(bad.shape[0], -1))
     with sync.outside_cycle():
         rows = [i for i, x in enumerate(bad.tolist()) if x]
     if rows:

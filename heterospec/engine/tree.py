@@ -23,7 +23,7 @@ import torch
 
 from .. import ops
 from ..growth import Growth, candidate_count
-from . import health
+from ..models.finite import mark_nonfinite
 
 
 class DraftState:
@@ -37,6 +37,7 @@ class DraftState:
     def __init__(self, draft, top_k, max_levels, d2t, batch=1, fast=None):
         self.draft, self.K, self.d2t = draft, top_k, d2t
         self.fast = fast          # the draft's step and head in one call of C (cpu_decoder.CpuDraft), or None
+        self.fast_on = None       # fast runs this call's steps (asked at each prime; None: not yet)
         self.max_levels = max_levels
         self.batch = batch
         self.base = 0
@@ -88,14 +89,19 @@ class DraftState:
 
     def _step_head(self, hidden, ids, pos, slots, allowed, last=None):
         """One draft step on the cache, then the head over its rows (or each request's row ``last`` [B]):
-        (logits [B, rows, Vd], the states to feed back [B, rows, H]) -- in one call where ``fast`` runs it (not
-        while a user's forward hook is set on the draft: its modules run then, and the hook with them)."""
-        if self.fast is not None and not self.fast.hooked():
-            return self.fast.step_head(hidden, ids, pos, self.cache, slots, allowed, last)
+        (logits [B, rows, Vd], the states to feed back [B, rows, H]), the logits' non-finite rows flagged in
+        ``bad`` -- in one call where ``fast`` runs it (not while a user's forward hook is set on the draft: its
+        modules run then, and the hook with them; asked once per call, at :meth:`prime`)."""
+        on = self.fast_on
+        if self.fast is not None and (on if on is not None else not self.fast.hooked()):
+            return self.fast.step_head(hidden, ids, pos, self.cache, slots, allowed, last, current=bool(on),
+                                       bad=self.bad)
         h2 = self.draft.step(hidden, ids, pos, self.cache, slots, allowed)
         if last is not None:
             h2 = h2.gather(1, last.view(-1, 1, 1).expand(-1, 1, h2.shape[-1]))
-        return self.draft.head(h2)
+        logits, h = self.draft.head(h2)
+        mark_nonfinite(self.bad, logits)
+        return logits, h
 
     def _store_root(self, logits, h):
         """Write the roots' draft logits and states into the static ``root_logits`` / ``root_h`` in place, so
@@ -104,7 +110,6 @@ class DraftState:
         if self.root_logits is None or self.root_logits.shape != logits.shape:
             self.root_logits, self.root_h = torch.empty_like(logits), torch.empty_like(h)
         self.root_logits.copy_(logits)
-        health.mark(self.bad, logits)
         self.root_h.copy_(h)
         return self.root_logits, self.root_h
 
@@ -115,6 +120,7 @@ class DraftState:
         then whatever fills the row; the tests' oracle draft reads it)."""
         if prompt is not None and hasattr(self.draft, "begin_sequence"):
             self.draft.begin_sequence(prompt)
+        self.fast_on = self.fast is not None and self.fast.usable()   # the C layer or the modules, for this call
         self.catch_up(taps, ids, torch.zeros_like(last), last)
 
     def follow(self, vtaps, kept, path_tokens, length, nxt, prefix):
@@ -167,7 +173,6 @@ class DraftState:
             logits, h_out = self._step_head(self.h_rows.gather(1, src.view(B, K, 1).expand(B, K, H)), ids, pos,
                                             slots, allowed)
             self.h_rows[:, 1 + r0:1 + r0 + K] = h_out
-            health.mark(self.bad, logits)
             g = g.extend(logits, self.d2t, check=check)
         return g
 
@@ -226,25 +231,23 @@ def verification_tree(g, n, m, root, T, check):
     mask [B, T, T], the real sizes ``n + 1``)."""
     B = root.shape[0]
     dev = root.device
+    if T == 1:   # every tree is its root, always real (n >= 0): nothing to pad
+        return (root.view(B, 1).clone(), torch.full((B, 1), -1, dtype=torch.long, device=dev),
+                torch.zeros((B, 1), dtype=torch.long, device=dev), torch.ones((B, 1, 1), dtype=torch.bool, device=dev),
+                n + 1)
     cols = torch.arange(T, device=dev)
     real = cols.view(1, T) < (n + 1).view(B, 1)
-    if T > 1:
-        cand_tokens, cand_scores, cand_parents = g.candidates()
-        width = min(T - 1, cand_scores.shape[-1])
-        sel = ops.select(cand_scores, n, m=m, width=width, check=check)
-        tree, _, _ = ops.build_tree(cand_tokens, cand_parents, sel, root, n=n, check=check)
-        tokens, parents, depths, mask = tree.tokens, tree.parents, tree.depths, tree.mask
-        if T > width + 1:
-            pad = T - width - 1
-            tokens = torch.cat([tokens, tokens.new_full((B, pad), -1)], 1)
-            parents = torch.cat([parents, parents.new_full((B, pad), -1)], 1)
-            depths = torch.cat([depths, depths.new_full((B, pad), -1)], 1)
-            mask = torch.nn.functional.pad(mask, (0, pad, 0, pad))
-    else:
-        tokens = root.view(B, 1).clone()
-        parents = torch.full((B, 1), -1, dtype=torch.long, device=dev)
-        depths = torch.zeros((B, 1), dtype=torch.long, device=dev)
-        mask = torch.ones((B, 1, 1), dtype=torch.bool, device=dev)
+    cand_tokens, cand_scores, cand_parents = g.candidates()
+    width = min(T - 1, cand_scores.shape[-1])
+    sel = ops.select(cand_scores, n, m=m, width=width, check=check)
+    tree, _, _ = ops.build_tree(cand_tokens, cand_parents, sel, root, n=n, check=check)
+    tokens, parents, depths, mask = tree.tokens, tree.parents, tree.depths, tree.mask
+    if T > width + 1:
+        pad = T - width - 1
+        tokens = torch.cat([tokens, tokens.new_full((B, pad), -1)], 1)
+        parents = torch.cat([parents, parents.new_full((B, pad), -1)], 1)
+        depths = torch.cat([depths, depths.new_full((B, pad), -1)], 1)
+        mask = torch.nn.functional.pad(mask, (0, pad, 0, pad))
     tokens = torch.where(real, tokens, root.view(B, 1))
     depths = torch.where(real, depths, torch.ones_like(depths))
     parents = torch.where(real, parents, torch.zeros_like(parents))

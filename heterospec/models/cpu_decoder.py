@@ -111,7 +111,9 @@ class _Packed:
         self._g = cpu_gemm._rows_module()
         self.isa = self._g.isa_best()
         self._params = list(module.parameters())
-        self._children = list(module.modules())[1:]   # (the module itself only through the weak reference)
+        # the submodules' hook tables (the module's own only through the weak reference): fixed objects that
+        # register_forward_hook and a handle's remove() change in place
+        self._hook_dicts = [d for m in list(module.modules())[1:] for d in (m._forward_hooks, m._forward_pre_hooks)]
         self._versions = None
 
     def hooked(self):
@@ -121,11 +123,22 @@ class _Packed:
 
         if tm._global_forward_hooks or tm._global_forward_pre_hooks:
             return True
-        for m in (self.model, *self._children):
-            for hooks in (m._forward_hooks, m._forward_pre_hooks):
-                if hooks and not all(getattr(h, "heterospec_tap", False) for h in hooks.values()):
-                    return True
-        return False
+        model = self.model
+        dicts = (model._forward_hooks, model._forward_pre_hooks, *self._hook_dicts)
+        return any(not all(getattr(h, "heterospec_tap", False) for h in hooks.values())
+                   for hooks in filter(None, dicts))
+
+    def usable(self):
+        """Whether our forward runs the module now: no user's hook is set (:meth:`hooked`), and the packed copies
+        are current (repacked when a weight was written since; ValueError when the module is now unsupported).
+        The engine asks once per call, when the call's prompts are prefilled, and then passes ``current=True``
+        to each forward: walking every parameter and module before each of a cycle's forwards cost 5-7 % of a
+        one-token step on a 2-core CPU.  A hook set or a weight written while a call runs (from a streamer's
+        callback) takes effect from the next call."""
+        if self.hooked():
+            return False
+        self._fresh()
+        return True
 
     @property
     def model(self):
@@ -187,12 +200,20 @@ class _Packed:
                                  f"new HeteroSpec for it")
             self._pack()
 
-    def _run(self, h, emb, cos, sin, B, n, slots, allowed, cache, out_rows, k, taps=None, hout=False):
+    def _run(self, h, emb, cos, sin, B, n, slots, allowed, cache, out_rows, k, taps=None, hout=False, bad=None,
+             nreal=None):
         """decoder.h's forward over B requests x n rows: ``h`` [B*n, H] in (the residual stream out), ``emb``
         the draft's embeddings or None, ``cos``/``sin`` [B, n, d], ``slots`` [n] or [B, n], ``allowed`` [n, W] or
         [B, n, W], ``cache``: (tensor, batch, capacity, strides of a request, of keys/values, of a layer, of a kv
-        head); logits for the rows ``out_rows`` (None: all), ``k`` of them.  Returns (logits [k, V], the taps'
-        inputs or None, the kept rows' states [k, H] or None)."""
+        head); logits for the rows ``out_rows`` (None: all), ``k`` of them; ``bad`` (int64 [B]) |= a kept row of
+        that request has non-finite logits (:func:`~.finite.mark_nonfinite`'s rule), counting only each request's
+        first ``nreal[b]`` rows when given (int64 [B]).  Returns (logits [k, V], the taps' inputs or None, the kept
+        rows' states [k, H] or None)."""
+        for name, t in (("bad", bad), ("nreal", nreal)):
+            if t is not None and (t.dtype != torch.int64 or t.device.type != "cpu" or not t.is_contiguous()
+                                  or t.numel() != B):
+                raise ValueError(f"cpu_decoder: argument '{name}' expected a contiguous int64 CPU tensor of {B} "
+                                 f"(one per request), got {tuple(t.shape)} {t.dtype} on {t.device}")
         rows, H = B * n, self.hidden
         cos = cos.expand(B, n, -1).contiguous()
         sin = sin.expand(B, n, -1).contiguous()
@@ -209,7 +230,8 @@ class _Packed:
                                 0 if emb is None else emb.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(),
                                 req.data_ptr(), slot.data_ptr(), allowed.data_ptr(), W, tuple(tap_at), tuple(addrs),
                                 0 if out_rows is None else out_rows.data_ptr(), k, logits.data_ptr(),
-                                0 if states is None else states.data_ptr(), self.isa, 0)
+                                0 if states is None else states.data_ptr(), 0 if bad is None else bad.data_ptr(),
+                                0 if nreal is None else nreal.data_ptr(), n, self.isa, 0)
         return logits, (bufs if taps else None), states
 
 
@@ -245,13 +267,17 @@ class CpuDecoder(_Packed):
         return self.model.model.norm, self.model.lm_head, None, 0
 
     @torch.no_grad()
-    def forward(self, ids, positions, slots, allowed, kv, keep=None, taps=None):
+    def forward(self, ids, positions, slots, allowed, kv, keep=None, taps=None, current=False, bad=None,
+                nreal=None):
         """One forward of ``ids`` [B, n] at ``positions`` [B, n], written to cache columns ``slots`` ([n] for
         every row, or [B, n]) of ``kv`` (the engine's cache [B', 2, layers, kv_heads, capacity, head_dim],
         request b in its row b), each row attending to the columns ``allowed`` [n, W] / [B, n, W] marks.
         ``keep``: logits for every row (None) or for each request's last ``keep`` rows; ``taps``: the layers whose
-        input to return.  Returns (logits [B, rows kept, V] float32, [the taps' inputs [B, n, H]] or None)."""
-        self._fresh()
+        input to return; ``current``: :meth:`usable` was asked in this call (else the weights are checked here);
+        ``bad``, ``nreal``: :func:`~.finite.mark_nonfinite` (bad, the kept logits, nreal) inside the call.
+        Returns (logits [B, rows kept, V] float32, [the taps' inputs [B, n, H]] or None)."""
+        if not current:
+            self._fresh()
         B, n = ids.shape
         H = self.hidden
         if kv.dim() != 6 or kv.dtype != torch.float32 or kv.stride(5) != 1 or kv.stride(4) != self.head_dim \
@@ -273,7 +299,7 @@ class CpuDecoder(_Packed):
         s = kv.stride()
         logits, bufs, _ = self._run(h, None, cos, sin, B, n, slots, allowed,
                                     (kv.data_ptr(), kv.shape[0], kv.shape[4], s[0], s[1], s[2], s[3]), out_rows, k,
-                                    taps=taps)
+                                    taps=taps, bad=bad, nreal=nreal)
         return logits.view(B, -1, self.vocab), ([b.view(B, n, H) for b in bufs] if taps else None)
 
 
@@ -329,11 +355,13 @@ class CpuDraft(_Packed):
         return d.norm, d.lm_head, d.midlayer.hidden_norm, flags
 
     @torch.no_grad()
-    def step_head(self, hidden, input_ids, position_ids, cache, slots, attn_mask, last=None):
+    def step_head(self, hidden, input_ids, position_ids, cache, slots, attn_mask, last=None, current=False, bad=None):
         """``Eagle3Draft.step`` then ``Eagle3Draft.head`` over its rows (``last`` None) or over each request's row
-        ``last`` [B] -- the same arguments (``cache`` from ``new_cache``) -- in one call.  Returns (logits
-        [B, rows, Vd] float32, the states to feed back [B, rows, H])."""
-        self._fresh()
+        ``last`` [B] -- the same arguments (``cache`` from ``new_cache``) -- in one call (``current``, ``bad``: as
+        :meth:`CpuDecoder.forward`'s, every kept row counting).  Returns (logits [B, rows, Vd] float32, the states to
+        feed back [B, rows, H])."""
+        if not current:
+            self._fresh()
         d = self.model
         B, n, H = hidden.shape
         if cache.dim() != 5 or cache.dtype != torch.float32 or not cache.is_contiguous() or cache.shape[1] < B:
@@ -350,7 +378,7 @@ class CpuDraft(_Packed):
         s = cache.stride()
         logits, _, states = self._run(h, emb, cos, sin, B, n, slots, attn_mask.view(torch.uint8),
                                       (cache.data_ptr(), cache.shape[1], cache.shape[3], s[1], s[0], 0, s[2]),
-                                      out_rows, k, hout=True)
+                                      out_rows, k, hout=True, bad=bad)
         return logits.view(B, -1, self.vocab), states.view(B, -1, H)
 
 

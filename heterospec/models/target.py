@@ -28,6 +28,7 @@ import torch
 from .. import ops
 from .draft.config import default_tap_layers
 from .draft.module import write_at
+from .finite import mark_nonfinite
 
 TREE_MASK_ATTN = ("sdpa", "eager")
 
@@ -410,6 +411,7 @@ class TargetAdapter:
             raise ValueError("target: argument 'decoder' expected the model's own CpuDecoder, without compile or "
                              "row-invariant verification")
         self.decoder = decoder
+        self._decoder_on = None   # the decoder runs this call's forwards (asked at each prefill; None: not yet)
 
     def _make_hook(self, i):
         def hook(module, args, kwargs):
@@ -476,19 +478,29 @@ class TargetAdapter:
         self._kv_rows = ops.KVTensors([self.kv.view(self.batch, -1, self.capacity, self.kv.shape[-1])])
         self.prefix = self.prefix.index_select(0, idx)
 
-    def _forward(self, ids, positions, slots, allowed, call=None, cache=None, exact=False, **kw):
+    def _forward(self, ids, positions, slots, allowed, call=None, cache=None, exact=False, bad=None, n=None, **kw):
         """ids/positions [B, n], slots [n] (the same cache columns in every row) or [B, n] (per row), allowed
         bool [n, W] or [B, n, W] over the first W = window or capacity columns; ``call``: the model or its
         compiled forward (default: the model); ``cache``: the StaticKV written (default: the whole cache);
-        ``exact``: attend with :func:`exact_keys_attention` (row-invariant verification)."""
+        ``exact``: attend with :func:`exact_keys_attention` (row-invariant verification); ``bad``, ``n``:
+        :func:`~.finite.mark_nonfinite` (bad, the logits, n), inside the decoder's call where it runs."""
         cache = self.cache if cache is None else cache
+        on = self._decoder_on
         if self.decoder is not None and call in (None, self.model) and cache is self.cache and not exact \
-                and set(kw) <= {"logits_to_keep"} and not self.decoder.hooked():
+                and set(kw) <= {"logits_to_keep"} and (on if on is not None else not self.decoder.hooked()):
             logits, taps = self.decoder.forward(ids, positions, slots, allowed, self.kv, keep=kw.get("logits_to_keep"),
-                                                taps=self.tap_layers if self._hooks else None)
+                                                taps=self.tap_layers if self._hooks else None, current=bool(on),
+                                                bad=bad, nreal=n)
             for i, t in zip(self.tap_layers, taps or ()):
                 self._captured[i] = t
             return _Logits(logits)
+        out = self._modules_forward(ids, positions, slots, allowed, call, cache, exact, **kw)
+        if bad is not None:
+            mark_nonfinite(bad, out.logits, n)
+        return out
+
+    def _modules_forward(self, ids, positions, slots, allowed, call, cache, exact, **kw):
+        """:meth:`_forward` through transformers' modules."""
         cache.slots = slots
         W = allowed.shape[-1]
         cache.window = W if W < self.capacity else None
@@ -521,6 +533,8 @@ class TargetAdapter:
         B, S = input_ids.shape
         if B != self.batch:
             raise ValueError(f"target: prefill expected {self.batch} prompts (the adapter's batch), got {B}")
+        # a call's forwards: ours or transformers', decided once here (CpuDecoder.usable)
+        self._decoder_on = self.decoder is not None and self.decoder.usable()
         if S > self.capacity:
             self.allocate(S)
         rows = self._cols[:S]
@@ -570,14 +584,16 @@ class TargetAdapter:
         return torch.stack(logits), taps
 
     @torch.no_grad()
-    def verify(self, tree_tokens, tree_depths, tree_mask, window=None):
+    def verify(self, tree_tokens, tree_depths, tree_mask, window=None, bad=None, real=None):
         """One forward over a verification tree per row: tree_tokens/tree_depths [n] int64 and tree_mask [n, n]
         bool (ancestor-or-self) with batch 1, [batch, n] / [batch, n, n] with a batch, all on the model's
         device.  Row b's nodes are written at cache columns prefix[b] .. prefix[b]+n-1 (until :meth:`commit`).
         ``window`` (a host int >= every row's prefix + n, or None = the whole cache): attend to the first
         ``window`` columns only -- on the CPU, where attention over unused columns is real work; a GPU keeps
-        the whole cache so every cycle has the same shape.  Returns (logits [n, V] / [batch, n, V] float32,
-        taps [batch, n, 3H] or None)."""
+        the whole cache so every cycle has the same shape.  ``bad``, ``real``: the engine's non-finite flags
+        [batch] and each row's real nodes (1-element tensors unbatched), ORed with :func:`~.finite.mark_nonfinite`
+        (bad, logits, real).  Returns (logits
+        [n, V] / [batch, n, V] float32, taps [batch, n, 3H] or None)."""
         W = self.capacity if window is None else min(window, self.capacity)
         if tree_tokens.dim() == 1:
             n = tree_tokens.shape[0]
@@ -586,14 +602,15 @@ class TargetAdapter:
             allowed = (self._cols[:W] < P).expand(n, W).clone()
             allowed.scatter_(1, slots.expand(n, n), tree_mask)           # the tree block: ancestors and self
             out = self._forward(tree_tokens.view(1, n), (tree_depths + P).view(1, n), slots, allowed,
-                                call=self._call, exact=self.invariant)
+                                call=self._call, exact=self.invariant, bad=bad, n=real)
             return out.logits[0].float(), self._taps()
         B, n = tree_tokens.shape
         P = self.prefix.view(B, 1)
         slots = P + self._cols[:n]                                       # [B, n]
         allowed = (self._cols[:W].view(1, 1, W) < P.view(B, 1, 1)).expand(B, n, W).clone()
         allowed.scatter_(2, slots.view(B, 1, n).expand(B, n, n), tree_mask)
-        out = self._forward(tree_tokens, tree_depths + P, slots, allowed, call=self._call, exact=self.invariant)
+        out = self._forward(tree_tokens, tree_depths + P, slots, allowed, call=self._call, exact=self.invariant,
+                            bad=bad, n=real)
         return out.logits.float(), self._taps()
 
     def commit(self, path, length, *, check=True):

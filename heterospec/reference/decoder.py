@@ -1,6 +1,7 @@
 """The pieces of ``cpu_decoder``'s forward (the extension heterospec._gemm, csrc/gemm/decoder.h) in NumPy, bit for
-bit: the 16-lane dot product, exp, RMSNorm, one row's attention, SiLU-times-up, the rotation; and a whole
-decoder forward built from them (:func:`decoder_layers`, with :func:`rows_linear` for the matrix products).
+bit: the 16-lane dot product, exp, RMSNorm, one row's attention, SiLU-times-up, the rotation, the non-finite row
+rule; and a whole decoder forward built from them (:func:`decoder_layers`, with :func:`rows_linear` for the matrix
+products).
 
 Every step is one float32 operation rounded once: NumPy's float32 add, multiply, divide and sqrt round
 correctly, and fused multiply-adds go through the exact :func:`~heterospec.reference.gemm._fma32`.  So this is
@@ -27,6 +28,13 @@ def dot16(a, b):
     for half in (8, 4, 2, 1):
         acc = (acc[..., :half] + acc[..., half:2 * half]).astype(f32)
     return acc[..., 0]
+
+
+def nonfinite(x):
+    """x [..., V] -> [...] bool: the row holds a NaN or a +inf, or every value is -inf (the engine's non-finite
+    logits rule, which the forward applies to the logits it writes)."""
+    x = np.asarray(x, f32)
+    return np.isnan(x).any(-1) | (x == np.inf).any(-1) | (x == -np.inf).all(-1)
 
 
 def exp(x):

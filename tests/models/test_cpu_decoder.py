@@ -216,6 +216,48 @@ def test_a_batch_row_is_its_request_alone_and_prefill_keeps_the_last_rows():
         assert torch.equal(kv[b:b + 1], alone)
 
 
+def test_nonfinite_is_the_engines_rule_on_every_kind_of_row():
+    """hsd_nonfinite (the decoder's flags) against its NumPy twin and mark_nonfinite (the engine's rule, torch) on
+    rows of each kind."""
+    from heterospec.models.finite import mark_nonfinite
+
+    inf, nan = float("inf"), float("nan")
+    rows = {"finite": [1.0, -2.0, 3e38], "masked": [-inf, 0.5, -inf], "all -inf": [-inf] * 3, "nan": [0.0, nan, 1.0],
+            "+inf": [-inf, inf, 0.0], "-nan": [0.0, -nan, 0.0], "one -inf": [-inf], "one value": [-3e38]}
+    for name, r in rows.items():
+        for V in (len(r), 37, 1000):   # the row's values at its end, a vectorised body and a tail before them
+            x = torch.full((V,), -inf if name == "all -inf" else 0.25)
+            x[V - len(r):] = torch.tensor(r)
+            want = torch.zeros(1, dtype=torch.long)
+            mark_nonfinite(want, x.view(1, V))
+            assert G.nonfinite(x.data_ptr(), V) == bool(want.item()) == bool(ref.nonfinite(x.numpy())), (name, V)
+    assert G.nonfinite(torch.zeros(3).data_ptr(), 3) is False
+
+
+def test_the_forward_flags_non_finite_logits_of_each_requests_real_rows():
+    """bad |= a request's real row has non-finite logits, inside the call: a NaN in a cache column that only
+    request 0's row 2 attends to makes that row NaN, and only the rows counted by nreal flag."""
+    from heterospec.models.finite import mark_nonfinite
+
+    model = cpu_model("llama")
+    dec = cpu_decoder.CpuDecoder(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 3), generator=torch.Generator().manual_seed(4))
+    allowed = causal(3, 8).expand(2, 3, 8).clone()
+    allowed[0, 2, 5] = True          # request 0's row 2 sees column 5 too
+    for nreal, want in ((None, [1, 0]), ([3, 3], [1, 0]), ([2, 3], [0, 0]), ([3, 1], [1, 0])):
+        kv = new_cache(model, batch=2)
+        kv[0, :, 0, :, 5] = float("nan")
+        real = None if nreal is None else torch.tensor(nreal)
+        bad = torch.zeros(2, dtype=torch.long)
+        logits, _ = dec.forward(ids, torch.arange(3).expand(2, 3), torch.arange(3), allowed, kv, bad=bad, nreal=real)
+        rule = torch.zeros(2, dtype=torch.long)
+        mark_nonfinite(rule, logits, real)
+        assert bad.tolist() == want == rule.tolist(), nreal
+        assert torch.isnan(logits[0, 2]).all() and torch.isfinite(logits[0, :2]).all() and torch.isfinite(logits[1]).all()
+    with pytest.raises(ValueError, match="argument 'bad' expected a contiguous int64 CPU tensor of 2"):
+        dec.forward(ids, torch.arange(3).expand(2, 3), torch.arange(3), allowed, kv, bad=torch.zeros(2))
+
+
 def test_a_weight_written_in_place_is_packed_again():
     model = cpu_model("llama")
     dec = cpu_decoder.CpuDecoder(model)
@@ -455,3 +497,54 @@ def test_the_engine_runs_its_draft_on_the_c_layer_and_a_users_hook_on_the_draft_
         finally:
             handle.remove()
         assert calls and hooked.tolist() == want.tolist()
+
+
+def test_the_engine_checks_the_weights_once_a_call_and_a_weight_written_between_calls_is_read(tmp_path, monkeypatch):
+    """The weights and hooks are asked once a call (at the prefill and the draft's prime), not before each of a
+    cycle's forwards; a weight written between two calls is packed again before the second."""
+    model = tiny_target("llama").cpu()
+    draft = eagle3_head(model, tmp_path / "draft")
+    p = prompts(1)[0].cpu()
+    walks = []
+    state = cpu_decoder._Packed._state
+    monkeypatch.setattr(cpu_decoder._Packed, "_state", lambda self: walks.append(type(self).__name__) or state(self))
+    with HeteroSpec(model, draft, Policy.static(3, 3, 10)) as hs:
+        walks.clear()
+        out, st = hs.generate(p, max_new_tokens=12)
+        assert st.cycles >= 3 and sorted(walks) == ["CpuDecoder", "CpuDraft"]   # one walk each, whatever the cycles
+        assert out.tolist() == reference_greedy(model, p, 12).tolist()
+        with torch.no_grad():
+            model.model.layers[0].mlp.down_proj.weight.mul_(-2.0)
+        again, _ = hs.generate(p, max_new_tokens=12)
+        assert again.tolist() == reference_greedy(model, p, 12).tolist() and again.tolist() != out.tolist()
+
+
+def test_non_finite_logits_on_the_c_layers_are_the_engines_clear_errors(tmp_path):
+    """No hook in the way, so the target's and the draft's forwards run on the C layers and their flags come
+    from inside the calls: a target whose rotary tables turn NaN past a position fails in that cycle, naming the
+    target; a draft with a NaN output row fails naming the draft; both as the engine's one-line error."""
+    from heterospec import NonFiniteLogitsError
+
+    model = tiny_target("llama").cpu()
+    draft = eagle3_head(model, tmp_path / "draft")
+    p = prompts(1)[0].cpu()
+    rotary = model.model.rotary_emb
+    plain = rotary.forward
+
+    def poisoned(x, positions):
+        cos, sin = plain(x, positions)
+        late = (positions >= p.shape[1] + 3).unsqueeze(-1)
+        return cos.masked_fill(late, float("nan")), sin
+    with HeteroSpec(model, draft, Policy.static(2, 2, 4)) as hs:
+        rotary.forward = poisoned
+        try:
+            with pytest.raises(NonFiniteLogitsError, match="the target model LlamaForCausalLM .* in cycle [1-4],"):
+                hs.generate(p, max_new_tokens=12)
+        finally:
+            del rotary.forward
+        assert hs.cycle.drafter.fast_on and hs.target._decoder_on   # both on the C layers
+        with torch.no_grad():
+            draft.lm_head.weight[3] = float("nan")
+        with pytest.raises(NonFiniteLogitsError, match="the draft model Eagle3Draft .* in cycle 1,"):
+            hs.generate(p, max_new_tokens=12)
+        assert hs.cycle.drafter.fast_on
