@@ -92,10 +92,9 @@ class DraftState:
         (logits [B, rows, Vd], the states to feed back [B, rows, H]), the logits' non-finite rows flagged in
         ``bad`` -- in one call where ``fast`` runs it (not while a user's forward hook is set on the draft: its
         modules run then, and the hook with them; asked once per call, at :meth:`prime`)."""
-        on = self.fast_on
-        if self.fast is not None and (on if on is not None else not self.fast.hooked()):
-            return self.fast.step_head(hidden, ids, pos, self.cache, slots, allowed, last, current=bool(on),
-                                       bad=self.bad)
+        if self.fast is not None and self.fast.runs(self.fast_on):
+            return self.fast.step_head(hidden, ids, pos, self.cache, slots, allowed, last,
+                                       current=self.fast_on is not None, bad=self.bad)
         h2 = self.draft.step(hidden, ids, pos, self.cache, slots, allowed)
         if last is not None:
             h2 = h2.gather(1, last.view(-1, 1, 1).expand(-1, 1, h2.shape[-1]))

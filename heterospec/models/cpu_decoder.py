@@ -140,6 +140,12 @@ class _Packed:
         self._fresh()
         return True
 
+    def runs(self, asked):
+        """Whether our forward runs the module for a forward of a call: ``asked`` (:meth:`usable`'s answer at the
+        call's start), or, before any call asked (None), whether no user's hook is set now; such a forward then
+        checks the weights itself (``current=False``)."""
+        return asked if asked is not None else not self.hooked()
+
     @property
     def model(self):
         """The module (None once the user dropped it)."""

@@ -485,11 +485,11 @@ class TargetAdapter:
         ``exact``: attend with :func:`exact_keys_attention` (row-invariant verification); ``bad``, ``n``:
         :func:`~.finite.mark_nonfinite` (bad, the logits, n), inside the decoder's call where it runs."""
         cache = self.cache if cache is None else cache
-        on = self._decoder_on
         if self.decoder is not None and call in (None, self.model) and cache is self.cache and not exact \
-                and set(kw) <= {"logits_to_keep"} and (on if on is not None else not self.decoder.hooked()):
+                and set(kw) <= {"logits_to_keep"} and self.decoder.runs(self._decoder_on):
             logits, taps = self.decoder.forward(ids, positions, slots, allowed, self.kv, keep=kw.get("logits_to_keep"),
-                                                taps=self.tap_layers if self._hooks else None, current=bool(on),
+                                                taps=self.tap_layers if self._hooks else None,
+                                                current=self._decoder_on is not None,
                                                 bad=bad, nreal=n)
             for i, t in zip(self.tap_layers, taps or ()):
                 self._captured[i] = t
