@@ -217,15 +217,16 @@ int hsd_nonfinite(const float *x, int64_t V) {
     return nan_inf || !other;
 }
 
-int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *emb, int64_t n, const float *cos,
-                const float *sin, const int64_t *req, const int64_t *slot, const uint8_t *allowed, int64_t W,
-                const int64_t *tap_layers, float *const *taps, const int64_t *out_rows, int64_t keep, float *logits,
+int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *emb, const float *fuse, int64_t n,
+                const float *cos, const float *sin, const int64_t *req, const int64_t *slot, const uint8_t *allowed,
+                int64_t W, const int64_t *tap_layers, float *const *taps, const int64_t *out_rows, int64_t keep, float *logits,
                 float *hout, int64_t *bad, const int64_t *nreal, int64_t per, int isa, int threads) {
     const int64_t H = m->hidden, D = m->head_dim, NQ = m->heads * D, NK = m->kv_heads * D, I = m->inter;
     const int64_t QKV = NQ + 2 * NK, group = m->heads / m->kv_heads;
     const int64_t XW = m->hidden_norm ? 2 * H : H; /* the attention input's width */
     if (W < 0 || W > c->capacity || keep < 0 || keep > n) return -1;
     if (m->hidden_norm && (!emb || m->layers != 1)) return -1;
+    if (fuse && (!m->fc || m->fc_in <= 0 || m->fc_in % 3)) return -1;
     for (int64_t r = 0; r < n; r++)
         if (req[r] < 0 || req[r] >= c->batch || slot[r] < 0 || slot[r] >= c->capacity) return -1;
     for (int64_t i = 0; out_rows && i < keep; i++)
@@ -235,8 +236,10 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
             || hsg_check(W_(L, HSD_DOWN), H, I))
             return -3;
     if (keep > 0 && hsg_check(m->head, m->vocab, H)) return -3;
+    if (fuse && hsg_check(m->fc, H, m->fc_in)) return -3;
     int T = nthreads(threads);
-    size_t floats = (size_t)(n * XW + n * H + n * QKV + n * NQ + n * 2 * I + n * I + D + (int64_t)T * W);
+    const int64_t F = fuse && (m->in_norm || m->fc_norms) ? m->fc_in : 0; /* the normed taps' width (0: none) */
+    size_t floats = (size_t)(n * XW + n * H + n * QKV + n * NQ + n * 2 * I + n * I + D + (int64_t)T * W + n * F);
     float *buf = malloc(floats * sizeof(float));
     int64_t *cols = malloc((size_t)(T * (W > 0 ? W : 1)) * sizeof(int64_t));
     if (!buf || !cols) {
@@ -245,7 +248,18 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
         return -2;
     }
     float *x = buf, *tmp = x + n * XW, *qkv = tmp + n * H, *att = qkv + n * QKV, *gu = att + n * NQ,
-          *act = gu + n * 2 * I, *rot = act + n * I, *scores = rot + D;
+          *act = gu + n * 2 * I, *rot = act + n * I, *scores = rot + D, *normed = scores + (int64_t)T * W;
+    if (fuse) { /* the draft's fusion: h = fc(the taps, normed where the draft norms them) */
+        const int64_t third = m->fc_in / 3;
+        for (int64_t r = 0; F && r < n; r++) {
+            float *row = normed + r * F;
+            if (m->in_norm) hsd_rmsnorm(fuse + r * F, m->in_norm, row, F, m->eps, isa);
+            else memcpy(row, fuse + r * F, (size_t)F * sizeof *row);
+            for (int t = 0; m->fc_norms && t < 3; t++)
+                hsd_rmsnorm(row + t * third, m->fc_norms + t * third, row + t * third, third, m->eps, isa);
+        }
+        hsg_linear(F ? normed : fuse, m->fc_in, m->fc, m->fc_b, h, H, n, H, m->fc_in, isa, threads);
+    }
     for (int64_t L = 0; L < m->layers; L++) {
         for (int t = 0; t < 3; t++)
             if (taps && taps[t] && tap_layers[t] == L) memcpy(taps[t], h, (size_t)(n * H) * sizeof *h);

@@ -47,6 +47,10 @@ typedef struct {
     const float *head, *head_b; /* packed output layer [vocab x hidden], its bias or NULL */
     const float *hidden_norm;   /* NULL: a decoder; else the EAGLE-3 draft's layout (one layer; q/k/v 2*hidden in) */
     int flags;                  /* HSD_RESIDUAL_NORMED | HSD_HEAD_RAW | HSD_OUT_NORMED (0 for a decoder) */
+    /* the draft's fusion of the target's taps (NULL / 0 without): packed fc [hidden x fc_in] and its bias; the
+     * norms before it: in_norm [fc_in] over the whole row, then fc_norms [fc_in] over each third of it */
+    const float *fc, *fc_b, *in_norm, *fc_norms;
+    int64_t fc_in;
 } hsd_model;
 
 typedef struct {
@@ -56,7 +60,9 @@ typedef struct {
 } hsd_cache;
 
 /* One forward over n rows.  h: [n][hidden], the embeddings in (the draft: the fed-in states; emb its tokens'
- * embeddings [n][hidden], else NULL), the residual stream out; cos/sin: [n][head_dim];
+ * embeddings [n][hidden], else NULL), the residual stream out; fuse (the draft with fc only; NULL: h is given):
+ * [n][fc_in] the target's taps, h written from them first (the norms in_norm then fc_norms where set, each rows'
+ * rmsnorm, then fc, rows.h's kernel); cos/sin: [n][head_dim];
  * req, slot: [n] (the cache row and column each row's keys and values go to); allowed: [n][W] (1: row r attends
  * to column j of its request's cache; W <= capacity); taps: three [n][hidden] buffers or NULLs, filled with h
  * entering layers tap_layers[0..2]; logits: [keep][vocab] for rows out_rows[0..keep) (NULL: the last keep rows;
@@ -64,10 +70,11 @@ typedef struct {
  * bad[req[r]] is set to 1 where a kept row r's logits are not finite (a NaN, a +inf, or every value -inf:
  * hsd_nonfinite), counting only the rows with r % per < nreal[req[r]] when nreal is given (the rows of each
  * request one after another, per of them: each request's first nreal rows are real, the rest padding).  Returns 0, or
- * -1 for a req, slot, out_rows entry or W out of range, or the draft's layout without emb or with layers != 1
- * (nothing written then), -2 for an allocation failure, -3 for a weight whose packed copy (rows.h) is not of its
- * shape (nothing written either). */
-int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *emb, int64_t n, const float *cos,
+ * -1 for a req, slot, out_rows entry or W out of range, the draft's layout without emb or with layers != 1, or
+ * fuse without fc (nothing written then), -2 for an allocation failure, -3 for a weight whose packed copy (rows.h)
+ * is not of its shape (nothing written either). */
+int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *emb, const float *fuse, int64_t n,
+                const float *cos,
                 const float *sin, const int64_t *req, const int64_t *slot, const uint8_t *allowed, int64_t W,
                 const int64_t *tap_layers, float *const *taps, const int64_t *out_rows, int64_t keep, float *logits,
                 float *hout, int64_t *bad, const int64_t *nreal, int64_t per, int isa, int threads);

@@ -116,24 +116,29 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
-/* decoder_forward(model, eps, scale, cache, h, emb, n, cos, sin, req, slot, allowed, W, tap_layers, taps, out_rows,
- * keep, logits, hout, bad, nreal, per, isa, threads): decoder.h's hsd_forward.  model: (layers, hidden, heads,
- * kv_heads, head_dim, inter, vocab, table, final_norm, head, head_b, hidden_norm, flags); cache: (kv, batch,
- * capacity, s_batch, s_kv, s_layer, s_head); tap_layers, taps: 3 each (a tap address 0: not captured); out_rows 0:
- * the last keep rows; emb, hidden_norm, hout, bad, nreal 0: absent (bad int64 [requests], nreal int64 [requests],
- * per > 0 with nreal). */
+/* decoder_forward(model, eps, scale, cache, h, emb, fuse, n, cos, sin, req, slot, allowed, W, tap_layers, taps,
+ * out_rows, keep, logits, hout, bad, nreal, per, isa, threads): decoder.h's hsd_forward.  model: (layers, hidden,
+ * heads, kv_heads, head_dim, inter, vocab, table, final_norm, head, head_b, hidden_norm, flags, fc, fc_b, fc_in,
+ * in_norm, fc_norms); cache: (kv, batch, capacity, s_batch, s_kv, s_layer, s_head); tap_layers, taps: 3 each (a tap
+ * address 0: not captured); out_rows 0: the last keep rows; emb, fuse, hidden_norm, fc, fc_b, in_norm, fc_norms,
+ * hout, bad, nreal 0: absent (bad int64 [requests], nreal int64 [requests], per > 0 with nreal). */
 static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
     (void)self;
-    long long md[12], cc[7], h, emb, n, cs, sn, req, slot, allowed, W, tl[3], tp[3], out_rows, keep, logits, hout, bad,
-        nreal, per;
+    long long md[12], fc[5], cc[7], h, emb, fuse, n, cs, sn, req, slot, allowed, W, tl[3], tp[3], out_rows, keep,
+        logits, hout, bad, nreal, per;
     float eps, scale;
     int flags, isa, threads;
-    if (!PyArg_ParseTuple(args, "(LLLLLLLLLLLLi)ff(LLLLLLL)LLLLLLLLL(LLL)(LLL)LLLLLLLii", &md[0], &md[1], &md[2],
-                          &md[3], &md[4], &md[5], &md[6], &md[7], &md[8], &md[9], &md[10], &md[11], &flags, &eps,
-                          &scale, &cc[0], &cc[1], &cc[2], &cc[3], &cc[4], &cc[5], &cc[6], &h, &emb, &n, &cs, &sn, &req,
-                          &slot, &allowed, &W, &tl[0], &tl[1], &tl[2], &tp[0], &tp[1], &tp[2], &out_rows, &keep,
-                          &logits, &hout, &bad, &nreal, &per, &isa, &threads))
+    if (!PyArg_ParseTuple(args, "(LLLLLLLLLLLLiLLLLL)ff(LLLLLLL)LLLLLLLLLL(LLL)(LLL)LLLLLLLii", &md[0], &md[1], &md[2],
+                          &md[3], &md[4], &md[5], &md[6], &md[7], &md[8], &md[9], &md[10], &md[11], &flags, &fc[0],
+                          &fc[1], &fc[2], &fc[3], &fc[4], &eps, &scale, &cc[0], &cc[1], &cc[2], &cc[3], &cc[4], &cc[5],
+                          &cc[6], &h, &emb, &fuse, &n, &cs, &sn, &req, &slot, &allowed, &W, &tl[0], &tl[1], &tl[2],
+                          &tp[0], &tp[1], &tp[2], &out_rows, &keep, &logits, &hout, &bad, &nreal, &per, &isa, &threads))
         return NULL;
+    if (fuse && (!fc[0] || fc[2] <= 0 || fc[2] % 3)) {
+        PyErr_Format(PyExc_ValueError, "decoder_forward: argument 'fuse' expected a model with fc and fc_in a positive "
+                     "multiple of 3, got fc %s and fc_in %lld", fc[0] ? "given" : "absent", fc[2]);
+        return NULL;
+    }
     if (nreal && (!bad || per <= 0)) {
         PyErr_Format(PyExc_ValueError, "decoder_forward: argument 'per' expected > 0 with 'nreal' and 'bad', got %lld "
                      "(bad %s)", per, bad ? "given" : "absent");
@@ -167,12 +172,15 @@ static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
             }
     hsd_model m = {md[0], md[1], md[2], md[3], md[4], md[5], md[6], eps, scale, table,
                    (const float *)(uintptr_t)md[8], (const float *)(uintptr_t)md[9], (const float *)(uintptr_t)md[10],
-                   (const float *)(uintptr_t)md[11], flags};
+                   (const float *)(uintptr_t)md[11], flags, (const float *)(uintptr_t)fc[0],
+                   (const float *)(uintptr_t)fc[1], (const float *)(uintptr_t)fc[3], (const float *)(uintptr_t)fc[4],
+                   fc[2]};
     hsd_cache c = {(float *)(uintptr_t)cc[0], cc[1], cc[2], cc[3], cc[4], cc[5], cc[6]};
     int64_t taps_at[3] = {tl[0], tl[1], tl[2]};
     float *taps[3] = {(float *)(uintptr_t)tp[0], (float *)(uintptr_t)tp[1], (float *)(uintptr_t)tp[2]};
     int rc;
-    Py_BEGIN_ALLOW_THREADS rc = hsd_forward(&m, &c, (float *)(uintptr_t)h, (const float *)(uintptr_t)emb, n,
+    Py_BEGIN_ALLOW_THREADS rc = hsd_forward(&m, &c, (float *)(uintptr_t)h, (const float *)(uintptr_t)emb,
+                                            (const float *)(uintptr_t)fuse, n,
                                             (const float *)(uintptr_t)cs, (const float *)(uintptr_t)sn,
                                             (const int64_t *)(uintptr_t)req, (const int64_t *)(uintptr_t)slot,
                                             (const uint8_t *)(uintptr_t)allowed, W, taps_at, taps,
@@ -306,8 +314,8 @@ static PyObject *py_openmp(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"pack", FAST(py_pack), "pack(w, ldw, wp, n, k)"},
     {"linear", FAST(py_linear), "linear(x, ldx, wp, bias, y, ldy, m, n, k, isa, threads)"},
-    {"decoder_forward", py_decoder_forward, METH_VARARGS, "decoder_forward(model, eps, scale, cache, h, emb, n, cos, "
-     "sin, req, slot, allowed, W, tap_layers, taps, out_rows, keep, logits, hout, bad, nreal, per, isa, threads)"},
+    {"decoder_forward", py_decoder_forward, METH_VARARGS, "decoder_forward(model, eps, scale, cache, h, emb, fuse, n, "
+     "cos, sin, req, slot, allowed, W, tap_layers, taps, out_rows, keep, logits, hout, bad, nreal, per, isa, threads)"},
     {"nonfinite", py_nonfinite, METH_VARARGS, "nonfinite(x, n) -> whether x[0..n) holds a NaN or +inf or is all -inf"},
     {"dot", py_dot, METH_VARARGS, "dot(a, b, d, isa) -> the 16-lane dot product of decoder.h"},
     {"exp", py_exp, METH_VARARGS, "exp(x, n, isa): decoder.h's exp, in place"},

@@ -79,22 +79,24 @@ class DraftState:
         token after each); rows past the accepted ones are garbage the mask never shows later.  ``last`` [B]:
         the row whose output expands each request's root.  Writes the static ``root_logits`` [B, 1, Vd] and
         ``root_h`` [B, 1, H]."""
-        d = self.draft
         B, R = ids.shape
         rows = prefix.view(B, 1) + self.cols[:R]                       # [B, R]: each request's own columns
         allowed = self.cols.view(1, 1, -1) <= rows.view(B, R, 1)          # causal over the committed part
         allowed[:, :, self.base:] = False
-        logits, h = self._step_head(d.fuse(taps), ids, rows, rows, allowed, last)
+        logits, h = self._step_head(None, ids, rows, rows, allowed, last, taps=taps)
         return self._store_root(logits, h)
 
-    def _step_head(self, hidden, ids, pos, slots, allowed, last=None):
-        """One draft step on the cache, then the head over its rows (or each request's row ``last`` [B]):
-        (logits [B, rows, Vd], the states to feed back [B, rows, H]), the logits' non-finite rows flagged in
-        ``bad`` -- in one call where ``fast`` runs it (not while a user's forward hook is set on the draft: its
-        modules run then, and the hook with them; asked once per call, at :meth:`prime`)."""
+    def _step_head(self, hidden, ids, pos, slots, allowed, last=None, taps=None):
+        """One draft step on the cache from ``hidden`` (or from the target's ``taps``, fused by the draft first),
+        then the head over its rows (or each request's row ``last`` [B]): (logits [B, rows, Vd], the states to
+        feed back [B, rows, H]), the logits' non-finite rows flagged in ``bad`` -- in one call where ``fast`` runs
+        it (not while a user's forward hook is set on the draft: its modules run then, and the hook with them;
+        asked once per call, at :meth:`prime`)."""
         if self.fast is not None and self.fast.runs(self.fast_on):
             return self.fast.step_head(hidden, ids, pos, self.cache, slots, allowed, last,
-                                       current=self.fast_on is not None, bad=self.bad)
+                                       current=self.fast_on is not None, bad=self.bad, taps=taps)
+        if taps is not None:
+            hidden = self.draft.fuse(taps)
         h2 = self.draft.step(hidden, ids, pos, self.cache, slots, allowed)
         if last is not None:
             h2 = h2.gather(1, last.view(-1, 1, 1).expand(-1, 1, h2.shape[-1]))

@@ -190,9 +190,13 @@ class _Packed:
         self._table = torch.tensor(rows, dtype=torch.int64, device="cpu")
         final, head, hidden_norm, flags = self._head()
         head, head_b = fused([head])
+        fc, in_norm, fc_norms = self._fusion()
+        fc_w, fc_b = fused([fc]) if fc is not None else (0, 0)
         self._desc = (len(rows), self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter, self.vocab,
                       self._table.data_ptr(), addr(final.weight), head, head_b,
-                      addr(None if hidden_norm is None else hidden_norm.weight), flags)
+                      addr(None if hidden_norm is None else hidden_norm.weight), flags,
+                      fc_w, fc_b, 0 if fc is None else fc.in_features, addr(in_norm),
+                      addr(None if fc_norms is None else torch.cat(fc_norms)))
         self._keep = keep
         self.codecs = codecs
         self._versions = self._state()
@@ -206,10 +210,16 @@ class _Packed:
                                  f"new HeteroSpec for it")
             self._pack()
 
+    def _fusion(self):
+        """The draft's fusion of the target's taps: (fc, the norm over the whole row or None, the three norm weights
+        of its thirds or None); (None, None, None) for a model without one."""
+        return None, None, None
+
     def _run(self, h, emb, cos, sin, B, n, slots, allowed, cache, out_rows, k, taps=None, hout=False, bad=None,
-             nreal=None):
-        """decoder.h's forward over B requests x n rows: ``h`` [B*n, H] in (the residual stream out), ``emb``
-        the draft's embeddings or None, ``cos``/``sin`` [B, n, d], ``slots`` [n] or [B, n], ``allowed`` [n, W] or
+             nreal=None, fuse=None):
+        """decoder.h's forward over B requests x n rows: ``h`` [B*n, H] in (the residual stream out; written from
+        ``fuse`` [B*n, 3T], the target's taps, by the draft's fusion when given), ``emb`` the draft's embeddings or
+        None, ``cos``/``sin`` [B, n, d], ``slots`` [n] or [B, n], ``allowed`` [n, W] or
         [B, n, W], ``cache``: (tensor, batch, capacity, strides of a request, of keys/values, of a layer, of a kv
         head); logits for the rows ``out_rows`` (None: all), ``k`` of them; ``bad`` (int64 [B]) |= a kept row of
         that request has non-finite logits (:func:`~.finite.mark_nonfinite`'s rule), counting only each request's
@@ -233,7 +243,8 @@ class _Packed:
         addrs = [b.data_ptr() for b in bufs] + [0] * (3 - len(bufs))
         states = torch.empty(k, H, device="cpu") if hout else None
         self._g.decoder_forward(self._desc, self.eps, self.scale, cache, h.data_ptr(),
-                                0 if emb is None else emb.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(),
+                                0 if emb is None else emb.data_ptr(), 0 if fuse is None else fuse.data_ptr(), rows,
+                                cos.data_ptr(), sin.data_ptr(),
                                 req.data_ptr(), slot.data_ptr(), allowed.data_ptr(), W, tuple(tap_at), tuple(addrs),
                                 0 if out_rows is None else out_rows.data_ptr(), k, logits.data_ptr(),
                                 0 if states is None else states.data_ptr(), 0 if bad is None else bad.data_ptr(),
@@ -319,15 +330,16 @@ def draft_unsupported(draft):
         return f"a draft of type {type(draft).__name__} (the C layer runs heterospec's Eagle3Draft)"
     if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in draft.parameters()):
         return "a draft not in float32 on the CPU"
-    if type(draft).step is not Eagle3Draft.step or type(draft).head is not Eagle3Draft.head:
-        return "a draft whose step or head is its own"
+    if any(getattr(type(draft), f) is not getattr(Eagle3Draft, f) for f in ("fuse", "step", "head")):
+        return "a draft whose fuse, step or head is its own"
     return None
 
 
 class CpuDraft(_Packed):
-    """The EAGLE-3 draft's step and head on the CPU in one call of ours (decoder.h's draft layout): the layer
-    over the step's rows on the draft's own static cache, then the final norm and the output layer over the
-    rows wanted.  The fusion layer ``fc`` and the embedding stay torch's.  Get it with :func:`for_draft`."""
+    """The EAGLE-3 draft's step and head on the CPU in one call of ours (decoder.h's draft layout): the fusion of
+    the target's taps where the step starts from them, the layer over the step's rows on the draft's own static
+    cache, then the final norm and the output layer over the rows wanted.  The embedding stays torch's.  Get it
+    with :func:`for_draft`."""
 
     def __init__(self, draft):
         super().__init__(draft)
@@ -344,10 +356,10 @@ class CpuDraft(_Packed):
     _why = staticmethod(draft_unsupported)
 
     def hooked(self):
-        """A user's forward hook on the draft, or its ``step`` or ``head`` replaced on the instance (a patch of
-        the user's, which must run): the drafter then calls the module's own."""
+        """A user's forward hook on the draft, or its ``fuse``, ``step`` or ``head`` replaced on the instance (a
+        patch of the user's, which must run): the drafter then calls the module's own."""
         d = self.model
-        return "step" in vars(d) or "head" in vars(d) or super().hooked()
+        return any(f in vars(d) for f in ("fuse", "step", "head")) or super().hooked()
 
     def _layer_rows(self):
         m = self.model.midlayer
@@ -360,20 +372,40 @@ class CpuDraft(_Packed):
             | (HSD_OUT_NORMED if c.norm_hidden_out else 0)
         return d.norm, d.lm_head, d.midlayer.hidden_norm, flags
 
+    def _fusion(self):
+        d = self.model
+        return (d.fc, None if d.input_norm is None else d.input_norm.weight,
+                None if d.fc_norm is None else [norm.weight for norm in d.fc_norm])
+
     @torch.no_grad()
-    def step_head(self, hidden, input_ids, position_ids, cache, slots, attn_mask, last=None, current=False, bad=None):
+    def step_head(self, hidden, input_ids, position_ids, cache, slots, attn_mask, last=None, current=False, bad=None,
+                  taps=None):
         """``Eagle3Draft.step`` then ``Eagle3Draft.head`` over its rows (``last`` None) or over each request's row
         ``last`` [B] -- the same arguments (``cache`` from ``new_cache``) -- in one call (``current``, ``bad``: as
-        :meth:`CpuDecoder.forward`'s, every kept row counting).  Returns (logits [B, rows, Vd] float32, the states to
-        feed back [B, rows, H])."""
+        :meth:`CpuDecoder.forward`'s, every kept row counting).  ``taps`` [B, rows, 3T] (the target's, ``hidden``
+        None): the step starts from ``Eagle3Draft.fuse(taps)``, fused in the same call.  Returns (logits [B, rows,
+        Vd] float32, the states to feed back [B, rows, H])."""
         if not current:
             self._fresh()
         d = self.model
-        B, n, H = hidden.shape
+        if (hidden is None) == (taps is None):
+            raise ValueError("cpu_decoder: step_head expected one of 'hidden' and 'taps', got "
+                             f"{'both' if taps is not None else 'neither'}")
+        H = self.hidden
+        fuse = None
+        if taps is not None:
+            B, n, F = taps.shape
+            if F != d.fc.in_features:
+                raise ValueError(f"cpu_decoder: argument 'taps' expected [B, rows, {d.fc.in_features}] (3 x the "
+                                 f"target's hidden size), got {tuple(taps.shape)}")
+            fuse = taps.reshape(B * n, F).to(torch.float32).contiguous()
+            h = torch.empty(B * n, H, device="cpu")
+        else:
+            B, n, H = hidden.shape
+            h = hidden.reshape(B * n, H).to(torch.float32, copy=True).contiguous()
         if cache.dim() != 5 or cache.dtype != torch.float32 or not cache.is_contiguous() or cache.shape[1] < B:
             raise ValueError(f"cpu_decoder: argument 'cache' expected the draft's float32 cache [2, >= {B}, kv_heads, "
                              f"capacity, {self.head_dim}], got {tuple(cache.shape)} {cache.dtype}")
-        h = hidden.reshape(B * n, H).to(torch.float32, copy=True).contiguous()
         emb = torch.nn.functional.embedding(input_ids.reshape(-1), d.embed_tokens.weight).contiguous()
         cos, sin = d.rope_tables(position_ids.reshape(-1, n).expand(B, n), torch.device("cpu"), torch.float32)
         if last is None:
@@ -384,7 +416,7 @@ class CpuDraft(_Packed):
         s = cache.stride()
         logits, _, states = self._run(h, emb, cos, sin, B, n, slots, attn_mask.view(torch.uint8),
                                       (cache.data_ptr(), cache.shape[1], cache.shape[3], s[1], s[0], 0, s[2]),
-                                      out_rows, k, hout=True, bad=bad)
+                                      out_rows, k, hout=True, bad=bad, fuse=fuse)
         return logits.view(B, -1, self.vocab), states.view(B, -1, H)
 
 
@@ -439,8 +471,9 @@ def for_draft(setting, draft):
 
 
 def gemm_modules(draft, fast):
-    """The draft modules whose linear layers stay torch's (``cpu_gemm`` routes them): the fusion layer ``fc``
-    alone where the C layer runs the rest (``fast``), else the whole draft (None without one)."""
+    """The draft modules whose linear layers ``cpu_gemm`` routes: the fusion layer ``fc`` alone where the C layer
+    runs the draft (``fast``: ``fc`` runs on torch's modules only while a user's hook sends the draft there), else
+    the whole draft (None without one)."""
     if draft is None:
         return None
     return draft.fc if fast is not None else draft

@@ -141,6 +141,18 @@ def decoder_layers(layers, final_norm, head, eps, scale, heads, kv_heads, h, cos
     return rows_linear(rmsnorm(h, final_norm, eps), head[0], head[1])
 
 
+def fuse(taps, fc, fc_b, eps, in_norm=None, fc_norms=None):
+    """The draft's fusion of the target's taps as the kernel computes it: ``taps`` [n, 3T] -> [n, H]: rmsnorm over
+    the whole row with ``in_norm`` [3T] where given, then over each third with ``fc_norms`` (3 x [T]) where given,
+    then ``fc`` [H, 3T] (+ ``fc_b``) by :func:`rows_linear`."""
+    x = np.asarray(taps, f32)
+    if in_norm is not None:
+        x = rmsnorm(x, in_norm, eps)
+    if fc_norms is not None:
+        x = np.concatenate([rmsnorm(part, w, eps) for part, w in zip(np.split(x, 3, axis=-1), fc_norms)], -1)
+    return rows_linear(x, fc, fc_b)
+
+
 def draft_layer(layer, hidden_norm, final_norm, head, eps, scale, heads, kv_heads, e, h, cos, sin, cache, slots,
                 allowed, *, residual_normed=False, head_normed=True, out_normed=False):
     """The kernel's EAGLE-3 draft step and head (decoder.h's draft layout) for the rows of one request: the layer's

@@ -365,7 +365,7 @@ def test_the_shared_decoder_does_not_keep_the_model_alive():
 # ---- the EAGLE-3 draft's step and head (decoder.h's draft layout) -----------------------------------------------
 
 DRAFT_VARIANTS = [{}, {"qk_norm": True}, {"norm_before_residual": True}, {"norm_output": False},
-                  {"norm_hidden_out": True}]
+                  {"norm_hidden_out": True}, {"fc_norm": True}, {"norm_before_fc": True}]
 
 
 def random_draft(seed=0, **flags):
@@ -434,6 +434,24 @@ def test_the_draft_step_is_its_twins_and_the_modules_to_rounding(flags):
     assert logits[0].numpy().tobytes() == twin_logits.tobytes()
     assert states[0].numpy().tobytes() == twin_states.tobytes()
     assert mine[:, 0].numpy().tobytes() == twin_cache.tobytes()
+    # from the target's taps: the draft's fusion in the same call, its norms included where the config has them
+    taps = 2.0 * torch.randn(1, n, 96, generator=g)
+    mine = before.clone()
+    logits, states = fast.step_head(None, ids, pos, mine, slots, allowed, taps=taps)
+    cache = before.clone()
+    with torch.no_grad():
+        want_logits, want_states = draft.head(draft.step(draft.fuse(taps), ids, pos, cache, slots, allowed))
+    scale = want_logits.abs().max().item()
+    assert torch.allclose(logits, want_logits, rtol=1e-4, atol=1e-5 * scale)
+    assert torch.allclose(states, want_states, rtol=1e-4, atol=1e-5)
+    norms = None if draft.fc_norm is None else [m.weight.detach().numpy() for m in draft.fc_norm]
+    fused = ref.fuse(taps[0].numpy(), draft.fc.weight.detach().numpy(), None, draft.config.rms_norm_eps,
+                     None if draft.input_norm is None else draft.input_norm.weight.detach().numpy(), norms)
+    twin_logits, twin_states, twin_cache = draft_twin(draft, torch.from_numpy(fused), ids[0], pos[0], slots, allowed,
+                                                      before[:, 0].numpy())
+    assert logits[0].numpy().tobytes() == twin_logits.tobytes()
+    assert states[0].numpy().tobytes() == twin_states.tobytes()
+    assert mine[:, 0].numpy().tobytes() == twin_cache.tobytes()
 
 
 def test_the_draft_step_keeps_each_requests_row_and_a_row_is_its_request_alone_on_every_isa():
@@ -471,6 +489,11 @@ def test_the_draft_step_refuses_a_wrong_cache_and_is_off_for_other_drafts():
     with pytest.raises(ValueError, match="argument 'cache' expected the draft's float32 cache"):
         fast.step_head(x, ids, torch.arange(2).view(1, 2), torch.zeros(2, 1, 2, 8), torch.arange(2),
                        causal(2, 8))
+    pos, cache = torch.arange(2).view(1, 2), draft.new_cache(8)
+    with pytest.raises(ValueError, match="step_head expected one of 'hidden' and 'taps', got both"):
+        fast.step_head(x, ids, pos, cache, torch.arange(2), causal(2, 8), taps=torch.zeros(1, 2, 96))
+    with pytest.raises(ValueError, match=r"argument 'taps' expected \[B, rows, 96\].*got \(1, 2, 32\)"):
+        fast.step_head(None, ids, pos, cache, torch.arange(2), causal(2, 8), taps=x)
     assert cpu_decoder.draft_unsupported(draft) is None
     assert "bfloat16" not in str(cpu_decoder.draft_unsupported(random_draft().to(torch.bfloat16)))
     assert cpu_decoder.draft_unsupported(random_draft().to(torch.bfloat16)) is not None
@@ -497,6 +520,26 @@ def test_the_engine_runs_its_draft_on_the_c_layer_and_a_users_hook_on_the_draft_
         finally:
             handle.remove()
         assert calls and hooked.tolist() == want.tolist()
+
+
+def test_the_draft_fuses_the_targets_taps_in_its_own_call_on_the_c_layer(tmp_path, monkeypatch):
+    from heterospec.models.draft import Eagle3Draft
+
+    model = tiny_target("llama").cpu()
+    draft = eagle3_head(model, tmp_path / "draft")
+    p = prompts(1)[0].cpu()
+    want = reference_greedy(model, p)
+    fused = []
+    own = Eagle3Draft.fuse
+    monkeypatch.setattr(Eagle3Draft, "fuse", lambda self, taps: fused.append(taps.shape) or own(self, taps))
+    pol = Policy.static(2, 3, 6)
+    with HeteroSpec(model, draft, pol) as hs, HeteroSpec(model, draft, pol, cpu_decoder=False) as off:
+        assert hs.cycle.drafter.fast is not None
+        out, st = hs.generate(p, max_new_tokens=want.shape[1] - p.shape[1])
+        assert out.tolist() == want.tolist() and st.cycles >= 3
+        assert fused == []                          # the catch-ups' fusion ran inside the draft's C call
+        out, st = off.generate(p, max_new_tokens=want.shape[1] - p.shape[1])
+        assert out.tolist() == want.tolist() and len(fused) == st.cycles + 1   # the prime, then one per cycle
 
 
 def test_the_engine_checks_the_weights_once_a_call_and_a_weight_written_between_calls_is_read(tmp_path, monkeypatch):
