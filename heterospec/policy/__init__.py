@@ -83,9 +83,10 @@ class Policy:
 
     @property
     def binned(self):
-        """Whether the tree shape depends on the path entropy (a drafting policy with thresholds and at least
-        one base level to measure it on)."""
-        return self.drafts and bool(self.thresholds) and self.depth >= 1
+        """Whether the tree shape depends on the path entropy (a drafting policy with thresholds).  At depth 0
+        the path is the root expansion's best candidate: its entropy is the root distribution's top-K entropy
+        (paper Eq. 1 over a path of one token), and a bin's extra levels grow past the root expansion."""
+        return self.drafts and bool(self.thresholds)
 
     @property
     def levels(self):

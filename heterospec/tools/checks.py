@@ -88,7 +88,7 @@ def _check_draft(draft, name="--draft"):
 
 
 def _check_tree(args):
-    _need(args.depth >= 1, "--depth", "an int >= 1", args.depth)
+    _need(args.depth >= 0, "--depth", "an int >= 0", args.depth)
     _need(args.top_k_tree >= 1, "--top-k-tree", "an int >= 1", args.top_k_tree)
     _need(args.total_tokens >= 2, "--total-tokens", "an int >= 2 (the root and at least one draft node)",
           args.total_tokens)

@@ -71,7 +71,7 @@ def calibrate_cmd(args, out=None):
         raise SystemExit("heterospec calibrate: no prompts found in " + ", ".join(args.prompts))
     tokenizer, target, draft = load_pair(args, args.device)
     ids = [encode(tokenizer, t, not args.no_chat_template).to(args.device) for t in texts]
-    levels = args.depth + math.ceil(args.depth / 2)
+    levels = args.depth + max(1, math.ceil(args.depth / 2))   # the extra levels the bins may grow (1 at depth 0)
     search = getattr(args, "search_base_tree", False)
     if search:  # the trace must hold the deepest tree of the search grid and its extra levels
         from .bench.tuning import TUNE_DEPTHS

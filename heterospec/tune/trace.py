@@ -97,7 +97,7 @@ class Trace:
                     tree = trees[t]
                     keep = policy.total_tokens
                     levels = policy.depth
-                    if policy.binned:            # as the engine decides (a depth-0 policy is not binned)
+                    if policy.binned:            # as the engine decides
                         b, extra, keep = policy.plan(tree.path_entropy(policy.depth))
                         levels += extra
                     m = tree.size(levels)

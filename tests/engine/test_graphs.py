@@ -46,6 +46,8 @@ def _method(name, model, head):
         "heterospec-script": (ScriptDraft(V).to(DEVICE), Policy.paper(3, 3, 12, THRESHOLDS)),
         "eagle3-noisy": (NoisyDraft(32, V).to(DEVICE), Policy.static(3, 3, 10)),
         "heterospec-head": (head, Policy.paper(4, 3, 16, THRESHOLDS)),
+        # binned on the root expansion's entropy alone, a bin growing two levels past it
+        "heterospec-depth0-script": (ScriptDraft(V).to(DEVICE), Policy(0, 3, 12, (0.5, 1.0), (2, 1, 0), (8, 12, 6))),
     }[name]
 
 
@@ -59,7 +61,7 @@ def _run(hs, draft, ps, refs, **kw):
     return out
 
 
-METHODS = ["ar", "eagle3-script", "heterospec-script", "eagle3-noisy", "heterospec-head"]
+METHODS = ["ar", "eagle3-script", "heterospec-script", "eagle3-noisy", "heterospec-head", "heterospec-depth0-script"]
 
 
 @pytest.mark.parametrize("buckets", ["auto", GPU_BUCKETS])

@@ -48,10 +48,11 @@ def spread_thresholds(x, quantiles, gap=1e-4):
 def policies(trace):
     x, _ = trace.features(BASE, N)
     thresholds = spread_thresholds(x, [0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9])
-    # a depth-0 policy with thresholds is not binned (no path entropy before the root expansion): the replay must
-    # decide that as the engine does (issue 45)
-    depth0 = Policy(0, K, N, thresholds[:2], (1, 0), (N, 6), name="depth-0")
-    assert not depth0.binned
+    # a depth-0 policy with thresholds is binned on the root expansion's entropy, its bins growing extra levels
+    # past it: the replay must decide that as the engine does
+    x0, _ = trace.features(0, N)
+    depth0 = Policy(0, K, N, spread_thresholds(x0, [0.3, 0.6]), (1, 0, 1), (N, 6, 4), name="depth-0")
+    assert depth0.binned and len(depth0.thresholds) == 2
     return [Policy.static(BASE, K, N), Policy.paper(BASE, K, N, thresholds), Policy.static(LEVELS, K, 5),
             Policy.autoregressive(), depth0]
 

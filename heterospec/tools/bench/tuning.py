@@ -8,7 +8,7 @@ import math
 from ...measure import DeviceTimer
 from ...policy import Policy
 
-TUNE_DEPTHS = (1, 2, 3, 4, 5, 6, 7, 8)
+TUNE_DEPTHS = (0, 1, 2, 3, 4, 5, 6, 7, 8)   # 0: the root expansion alone (no draft call between it and the verify)
 TUNE_NODES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 60)
 
 
