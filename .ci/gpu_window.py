@@ -24,7 +24,9 @@ A phase's expected minutes are its last measured minutes in the ledger when it r
 table's estimate (from the two windows of 2026-11-26 where a phase ran then).
 
 The digest of a phase covers the code every phase depends on (``setup.py``, ``pyproject.toml``, ``csrc/``, the
-package's data files, this runner's phase definition), the files its own commands name (test files or folders
+package's data files, this runner's phase definition; the C sources of the CPU-only extension ``heterospec._gemm``,
+``csrc/gemm/``, count for ``build`` alone: no GPU phase runs them on CUDA tensors, CPU CI tests every change of
+them, and ``build`` compiles and imports them), the files its own commands name (test files or folders
 with the tests' helpers, benchmark modules, data files) and the package's modules those reach by import
 (:func:`reached`): the same bytes give the same digest in a checkout, in the device tool's copy of the working
 tree (no ``.git`` needed) and at a commit (``git show``).
@@ -69,6 +71,7 @@ PAIR_WAIT_S = 240
 SETUP_PHASES = ("build",)  # run first whenever a CUDA phase runs (a fresh machine has no build)
 
 COMMON_DEPS = ("setup.py", "pyproject.toml", "csrc/")   # and heterospec/: its data always, its modules as reached
+CPU_ONLY_SOURCES = ("csrc/gemm/",)   # heterospec._gemm's C sources: in the digest of SETUP_PHASES only
 PKG = "heterospec"
 SKIP_SUFFIXES = (".so", ".pyc", ".pyo", ".o", ".pyd")
 SKIP_PARTS = {"__pycache__", ".ipynb_checkpoints", ".pytest_cache", ".hypothesis"}
@@ -251,11 +254,20 @@ def phase_definition(phase):
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+def phase_files(phase, tree):
+    """The files of ``tree`` a phase's digest covers: :func:`phase_deps`' matches, less the CPU-only extension's C
+    sources (:data:`CPU_ONLY_SOURCES`) for every phase but the setup phases."""
+    files = tree.matching(phase_deps(phase, tree))
+    if phase.name in SETUP_PHASES:
+        return files
+    return [f for f in files if not f.startswith(CPU_ONLY_SOURCES)]
+
+
 def phase_digest(phase, tree):
-    """sha256 of the phase's definition and of every file it depends on (path and bytes)."""
+    """sha256 of the phase's definition and of every file it depends on (path and bytes: :func:`phase_files`)."""
     h = hashlib.sha256()
     h.update(phase_definition(phase).encode())
-    for path in tree.matching(phase_deps(phase, tree)):
+    for path in phase_files(phase, tree):
         h.update(path.encode() + b"\0" + hashlib.sha256(tree.read(path)).digest())
     return h.hexdigest()[:16]
 

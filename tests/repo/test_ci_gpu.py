@@ -716,6 +716,25 @@ def test_a_digest_is_the_same_from_a_checkout_a_copy_and_a_commit_and_follows_th
     assert window.phase_digest(ph2, window.Tree(str(root), head)) != d
 
 
+def test_the_cpu_only_extensions_sources_count_for_the_build_alone(tmp_path):
+    """csrc/gemm/ (heterospec._gemm, the CPU decoder's kernels) enters the digest of `build`, which compiles and
+    imports it, and of no other phase; the rest of csrc/ enters every phase's."""
+    root = _git_repo(tmp_path)
+    (root / "csrc" / "gemm").mkdir()
+    (root / "csrc" / "gemm" / "rows.c").write_text("int r;\n")
+    build = phases.Phase("build", 1, "", (phases.Step("b", "{py} setup.py build_ext --inplace"),), ("cuda",))
+    k = phases.Phase("k", 1, "", (phases.Step("pytest", "{py} -m pytest tests/test_k.py"),), ("cuda",))
+    tree = window.Tree(str(root))
+    assert "csrc/gemm/rows.c" in window.phase_files(build, tree) and "csrc/a.c" in window.phase_files(build, tree)
+    assert "csrc/gemm/rows.c" not in window.phase_files(k, tree) and "csrc/a.c" in window.phase_files(k, tree)
+    before = {ph.name: window.phase_digest(ph, window.Tree(str(root))) for ph in (build, k)}
+    (root / "csrc" / "gemm" / "rows.c").write_text("int s;\n")
+    after = {ph.name: window.phase_digest(ph, window.Tree(str(root))) for ph in (build, k)}
+    assert after["k"] == before["k"] and after["build"] != before["build"]
+    (root / "csrc" / "a.c").write_text("int c;\n")
+    assert window.phase_digest(k, window.Tree(str(root))) != before["k"]
+
+
 def test_the_package_counts_as_far_as_a_phase_reaches_it_by_import(tmp_path):
     """A module of heterospec/ enters a phase's digest only when the phase reaches it by import: from the test
     files (or folders of them) its commands name and the tests' helpers, the benchmark modules it runs, the
