@@ -1,5 +1,15 @@
-import sys, copy, time, json, torch
-sys.path.insert(0, "/work/main"); sys.path.insert(0, "/work/main/benchmarks")
+"""tau of the shipped head with its linear weights rounded to Q8_0 / Q4_1 decodings (tests/_gguf.py's quantizers)
+against the float16 head, on the five benchmark files: python benchmarks/results/draft-codes/qtau.py LIMIT TOKENS"""
+import copy
+import json
+import os
+import sys
+import time
+
+import torch
+
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..")
+sys.path[:0] = [REPO, os.path.join(REPO, "benchmarks")]
 from tests._gguf import q8_0, q4_1
 from measure_tau import measure, default_bench_dir
 from heterospec import HeteroSpec, Policy, default_pair, default_policy
@@ -26,4 +36,4 @@ for pn, pol in pols.items():
         tps = sum(v["new_tokens"] for v in r.values()) / el
         print(pn, dn, hs.cpu_decoder, f"mean tau {mean:.3f} {tps:.1f} tok/s", taus, "fsa", fsa, flush=True)
         out[f"{pn}/{dn}"] = {"taus": taus, "first_step": fsa, "mean_tau": mean, "seconds": el, "tokens_per_s": tps}
-json.dump(out, open("/tmp/s25/qtau.json", "w"), indent=1)
+json.dump(out, open(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"tau-{limit}x{mnt}.json"), "w"), indent=1)
