@@ -1,5 +1,5 @@
-import time, torch, sys, collections
-from heterospec import HeteroSpec, Policy, default_pair, default_policy
+import time, torch, collections
+from heterospec import HeteroSpec, Policy, default_pair
 from heterospec.models import cpu_decoder as cd
 from heterospec.tools.demo import demo_prompts
 target, tok, draft = default_pair()
