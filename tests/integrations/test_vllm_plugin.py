@@ -29,14 +29,13 @@ PLUGIN_PROFILE = os.path.join(os.path.dirname(__file__), "..", "data", "profile-
 
 
 def test_a_profile_read_as_chain_lengths():
-    # the shipped profile (searched on the CPU on the decoder with the GGUF codes): depth 1, no extra levels; bins
-    # 0-1 keep 3 nodes, bins 2-3 keep 2 -> chains of 1 + 1 = 2 tokens in bins 0-1 (under keep - 1 = 2), then 1
-    # (keep - 1)
+    # the shipped profile (searched on the CPU on the decoder with the GGUF codes): depth 0, 4 nodes in every bin,
+    # one extra level in bins 0-2 -> chains of 1 + 0 + 1 = 2 tokens there (under keep - 1 = 3), then 1
     shipped = json.load(open(PROFILE))["policy"]
     pol = Policy(shipped["depth"], shipped["top_k"], shipped["total_tokens"], tuple(shipped["thresholds"]),
                  tuple(shipped["extra"]), tuple(shipped["keep"]))
-    assert (pol.depth, pol.keep, pol.extra) == (1, (3, 3, 2, 2), (0, 0, 0, 0))
-    assert pol.chain_lengths() == (2, 2, 1, 1)
+    assert (pol.depth, pol.keep, pol.extra) == (0, (4, 4, 4, 4), (1, 1, 1, 0))
+    assert pol.chain_lengths() == (2, 2, 2, 1)
     # the profile shipped before it (issue 42; the vLLM runs below use it): bins 0-1 drafted 3 extra levels and kept
     # 7 nodes -> 1 + 1 + 3 = 5
     assert Policy.from_profile(PLUGIN_PROFILE).chain_lengths() == (5, 5, 2, 2, 2)

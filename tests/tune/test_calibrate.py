@@ -432,7 +432,7 @@ def test_the_shipped_profile_is_chosen_per_device_and_says_which(tmp_path):
     shutil.copy(os.path.join(DEFAULT_HEAD, "profile-eagle3-base.json"), head / "profile-eagle3-base.json")
     path, what = shipped_profile("cuda", str(head))
     assert path == str(head / "profile-eagle3-base.json") and "7/10/60" in what and "no profile calibrated" in what
-    assert default_policy("cuda", str(head)).depth == 7 and default_policy("cpu", str(head)).depth == 1
+    assert default_policy("cuda", str(head)).depth == 7 and default_policy("cpu", str(head)).depth == 0
     assert shipped_profile("cpu", str(head))[0] == str(head / "profile.json")
     raw = json.loads((head / "profile.json").read_text())
     raw["policy"]["thresholds"] = [t + 0.125 for t in raw["policy"]["thresholds"]]   # a different, valid profile
