@@ -58,10 +58,11 @@ class Policy:
         """HeteroSpec's rule (paper §4.3): α = ⌈depth/2⌉; bins 0-2 draft α−i more levels and keep
         round(γ_i·N) + (α−i) nodes, γ = 0.3, 0.6, 1.0; other bins unchanged.  ``alpha`` and ``gammas`` (one
         per low-entropy bin) override the paper's values for ablations.  Where α−i goes negative (α = 1 for
-        depth ≤ 2, bin 2) it is taken as 0 (no extra level, no extra node)."""
+        depth ≤ 2, bin 2) it is taken as 0 (no extra level, no extra node).  A bin keeps at least the root: with
+        a small N (a CPU's trees of 3 nodes) round(γ_i·N) can be 0."""
         alpha = math.ceil(depth / 2) if alpha is None else alpha
         extra = tuple(max(alpha - i, 0) for i in range(len(gammas)))
-        keep = tuple(round(g * total_tokens) + e for g, e in zip(gammas, extra))
+        keep = tuple(max(1, round(g * total_tokens) + e) for g, e in zip(gammas, extra))
         return cls(depth, top_k, total_tokens, tuple(thresholds), extra, keep, name="heterospec")
 
     @classmethod

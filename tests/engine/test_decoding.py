@@ -103,6 +103,9 @@ def test_heterospec_policy_bins_and_shapes():
     model = tiny_target("llama")
     pol = Policy.paper(7, 10, 60, THRESHOLDS)
     assert pol.extra == (4, 3, 2) and pol.keep == (22, 39, 62)  # paper §4.3 with N = 60, α = 4
+    # a CPU's tree of 3 nodes at depth 0 (α = 0): round(0.1 * 3) = 0 nodes would be no tree; a bin keeps the root
+    small = Policy.paper(0, 10, 3, (1.0, 2.0, 3.0), gammas=(0.1, 0.6, 1.0))
+    assert small.extra == (0, 0, 0) and small.keep == (1, 2, 3)
     hs = HeteroSpec(model, OracleDraft(model), pol, cuda_graphs=False)
     _, stats = hs.generate(prompts(1)[0], max_new_tokens=32)
     assert sum(stats.bins.values()) == stats.cycles
