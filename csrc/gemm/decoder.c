@@ -219,8 +219,8 @@ int hsd_nonfinite(const float *x, int64_t V) {
 
 int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *emb, const float *fuse, int64_t n,
                 const float *cos, const float *sin, const int64_t *req, const int64_t *slot, const uint8_t *allowed,
-                int64_t W, const int64_t *tap_layers, float *const *taps, const int64_t *out_rows, int64_t keep, float *logits,
-                float *hout, int64_t *bad, const int64_t *nreal, int64_t per, int isa, int threads) {
+                int64_t W, const int64_t *tap_layers, float *const *taps, const int64_t *out_rows, int64_t keep,
+                float *logits, float *hout, int64_t *bad, const int64_t *nreal, int64_t per, int isa, int threads) {
     const int64_t H = m->hidden, D = m->head_dim, NQ = m->heads * D, NK = m->kv_heads * D, I = m->inter;
     const int64_t QKV = NQ + 2 * NK, group = m->heads / m->kv_heads;
     const int64_t XW = m->hidden_norm ? 2 * H : H; /* the attention input's width */

@@ -74,10 +74,9 @@ typedef struct {
  * fuse without fc (nothing written then), -2 for an allocation failure, -3 for a weight whose packed copy (rows.h)
  * is not of its shape (nothing written either). */
 int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *emb, const float *fuse, int64_t n,
-                const float *cos,
-                const float *sin, const int64_t *req, const int64_t *slot, const uint8_t *allowed, int64_t W,
-                const int64_t *tap_layers, float *const *taps, const int64_t *out_rows, int64_t keep, float *logits,
-                float *hout, int64_t *bad, const int64_t *nreal, int64_t per, int isa, int threads);
+                const float *cos, const float *sin, const int64_t *req, const int64_t *slot, const uint8_t *allowed,
+                int64_t W, const int64_t *tap_layers, float *const *taps, const int64_t *out_rows, int64_t keep,
+                float *logits, float *hout, int64_t *bad, const int64_t *nreal, int64_t per, int isa, int threads);
 
 /* The pieces, exposed for the tests (heterospec.reference.decoder holds each to a NumPy twin). */
 int hsd_nonfinite(const float *x, int64_t V); /* 1: x[0..V) holds a NaN or a +inf, or is all -inf */

@@ -244,8 +244,8 @@ class _Packed:
         states = torch.empty(k, H, device="cpu") if hout else None
         self._g.decoder_forward(self._desc, self.eps, self.scale, cache, h.data_ptr(),
                                 0 if emb is None else emb.data_ptr(), 0 if fuse is None else fuse.data_ptr(), rows,
-                                cos.data_ptr(), sin.data_ptr(),
-                                req.data_ptr(), slot.data_ptr(), allowed.data_ptr(), W, tuple(tap_at), tuple(addrs),
+                                cos.data_ptr(), sin.data_ptr(), req.data_ptr(), slot.data_ptr(), allowed.data_ptr(), W,
+                                tuple(tap_at), tuple(addrs),
                                 0 if out_rows is None else out_rows.data_ptr(), k, logits.data_ptr(),
                                 0 if states is None else states.data_ptr(), 0 if bad is None else bad.data_ptr(),
                                 0 if nreal is None else nreal.data_ptr(), n, self.isa, 0)

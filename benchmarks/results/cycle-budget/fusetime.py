@@ -1,12 +1,10 @@
-import time, torch
+import time
 from heterospec import HeteroSpec, Policy, default_pair
 from heterospec.engine import tree as T
 from heterospec.tools.demo import demo_prompts
+from heterospec.tools.prompts import encode
 target, tok, draft = default_pair()
-xs=[]
-for p in demo_prompts()[:3]:
-    x = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, return_tensors="pt")
-    xs.append(x["input_ids"] if not torch.is_tensor(x) else x)
+xs = [encode(tok, p) for p in demo_prompts()[:3]]
 new_sh = T.DraftState._step_head
 rec = {"fuse": [], "c_new": [], "c_old": []}
 def old_sh(self, hidden, ids, pos, slots, allowed, last=None, taps=None):

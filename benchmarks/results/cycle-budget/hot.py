@@ -1,12 +1,10 @@
-import time, torch, collections
+import time, collections
 from heterospec import HeteroSpec, Policy, default_pair
 from heterospec.models import cpu_decoder as cd
 from heterospec.tools.demo import demo_prompts
+from heterospec.tools.prompts import encode
 target, tok, draft = default_pair()
-xs=[]
-for p in demo_prompts()[:2]:
-    x = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, return_tensors="pt")
-    xs.append(x["input_ids"] if not torch.is_tensor(x) else x)
+xs = [encode(tok, p) for p in demo_prompts()[:2]]
 rec = collections.defaultdict(list)
 orig = cd.CpuDraft.step_head
 def wrapped(self, *a, **k):

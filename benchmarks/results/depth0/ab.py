@@ -1,12 +1,10 @@
-import time, torch, sys, statistics
+import time, sys, statistics
 from heterospec import HeteroSpec, Policy, default_pair, default_policy
 from heterospec.tools.demo import demo_prompts
+from heterospec.tools.prompts import encode
 target, tok, draft = default_pair()
 n = int(sys.argv[1]); rounds = int(sys.argv[2]); specs = sys.argv[3:]
-xs=[]
-for p in demo_prompts()[:n]:
-    x = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, return_tensors="pt")
-    xs.append(x["input_ids"] if not torch.is_tensor(x) else x)
+xs = [encode(tok, p) for p in demo_prompts()[:n]]
 def pol(s):
     if s == "ar": return Policy.autoregressive()
     if s == "shipped": return default_policy()
