@@ -3,7 +3,8 @@
  *
  * Work split: the output columns' panels are cut into one contiguous range per thread; each thread walks its
  * range in groups of 8 panels (the widest tile), and within a group runs every chunk of rows (12 with AVX-512,
- * 6 with AVX2) as tiles of NB panels x MB rows whose sums stay in registers for the whole of K.  The group's
+ * 6 with AVX2; with coded weights and more rows than a chunk, the group is decoded once into float32 first) as
+ * tiles of NB panels x MB rows whose sums stay in registers for the whole of K.  The group's
  * weights (8 x K x 64 bytes) are read from memory once and from the cache for the later chunks.
  *
  * Every variant computes each output as the same chain of fused multiply-adds over k in order, so the bits are
@@ -197,6 +198,16 @@ static void tile_portable(const float *x, int64_t ldx, const uint8_t *wp, int64_
 #define HSG_AHEAD 16
 #endif
 
+/* The prefetch of a coded tile at block kb of `blocks`: the blocks `lookahead` ahead of its panels [0, nb) (2 x 384
+ * or 576 bytes a panel), and near the end the next tile's first ones. */
+static inline __attribute__((always_inline)) void prefetch_blocks(const uint8_t *blk, int64_t kb, int64_t blocks,
+                                                                  int nb, int64_t ps, int64_t bb) {
+    const int lookahead = 2;
+    int64_t ahead = lookahead * bb + (kb + lookahead >= blocks ? (int64_t)(nb - 1) * ps : 0);
+    for (int a = 0; a < nb; a++)
+        for (int64_t l = 0; l < bb; l += 64) _mm_prefetch((const char *)(blk + a * ps + ahead + l), _MM_HINT_T0);
+}
+
 /* ---- AVX-512: a panel is one register; NB x MB <= 24 accumulators ------------------------------------------ */
 
 #define T512 __attribute__((target("avx512f")))
@@ -247,12 +258,9 @@ static inline __attribute__((always_inline)) T512 void tile512(const float *x, i
         }
     } else {
         const int64_t bb = block_bytes(codec), blocks = k / HSG_BLOCK;
-        const int lookahead = 2; /* blocks (2 x 384 or 576 bytes a panel) */
         for (int64_t kb = 0; kb < blocks; kb++) {
             const uint8_t *blk = wp + kb * bb;
-            int64_t ahead = lookahead * bb + (kb + lookahead >= blocks ? (int64_t)(nb - 1) * ps : 0);
-            for (int a = 0; a < nb; a++)
-                for (int64_t l = 0; l < bb; l += 64) _mm_prefetch((const char *)(blk + a * ps + ahead + l), _MM_HINT_T0);
+            prefetch_blocks(blk, kb, blocks, nb, ps, bb);
             const float *xk = x + kb * HSG_BLOCK;
             if (codec == HSG_Q8) {
                 for (int r = 0; r < HSG_BLOCK; r++) {
@@ -352,33 +360,114 @@ static float *group_buffer(int64_t floats) {
 
 /* ---- AVX2: a panel is two registers; 2 x NB x MB <= 12 accumulators ----------------------------------------- */
 
-#define T256 __attribute__((target("avx2,fma")))
+#define T256 __attribute__((target("avx2,fma,f16c")))
 
 static inline __attribute__((always_inline)) T256 __m256i mask256(int64_t rem) {
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(rem < 8 ? rem : 8)), lanes);
 }
 
-static inline __attribute__((always_inline)) T256 void tile256(const float *x, int64_t ldx, const float *wp,
+/* The decodings of rows.h as two registers of 8 weights (columns 0-7 and 8-15), the same values as half512,
+ * q8_512 and q4_512: float16 through F16C (exact), bfloat16 by a shift, Q8 by one rounded product, Q4 by one
+ * fused multiply-add. */
+static inline __attribute__((always_inline)) T256 void half256(const uint8_t *w, int codec, __m256 *v) {
+    __m128i h0 = _mm_loadu_si128((const __m128i *)w), h1 = _mm_loadu_si128((const __m128i *)(w + 16));
+    if (codec == HSG_F16) {
+        v[0] = _mm256_cvtph_ps(h0);
+        v[1] = _mm256_cvtph_ps(h1);
+    } else {
+        v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h0), 16));
+        v[1] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h1), 16));
+    }
+}
+
+/* Half h (columns 8h..8h+7) of row r of a Q8 block, and of rows 2t (w0) and 2t + 1 (w1) of a Q4 block. */
+static inline __attribute__((always_inline)) T256 __m256 q8_256(const uint8_t *blk, int r, int h) {
+    __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 64 + r * HSG_PANEL + 8 * h)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(c), _mm256_loadu_ps((const float *)(blk + 32 * h)));
+}
+
+static inline __attribute__((always_inline)) T256 void q4_256(const uint8_t *blk, int t, int h, __m256 *w0,
+                                                               __m256 *w1) {
+    __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 128 + t * HSG_PANEL + 8 * h)));
+    const __m256 d = _mm256_loadu_ps((const float *)(blk + 32 * h));
+    const __m256 m = _mm256_loadu_ps((const float *)(blk + 64 + 32 * h));
+    *w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c, _mm256_set1_epi32(15))), d, m);
+    *w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4)), d, m);
+}
+
+/* An empty asm that the compiler must assume changes p: the scales read through p stay loads inside the loop
+ * (operands of the multiply-adds) instead of 4 registers a panel hoisted out of it, which with 16 ymm registers
+ * pushed the accumulators of a 4-panel tile onto the stack (measured: 2x slower). */
+#define OPAQUE(p) __asm__("" : "+r"(p))
+
+/* One tile over any codec, as tile512: coded weights are decoded once per k (or pair of k) and panel, then the
+ * same fused multiply-adds as HSG_F32 run over the tile's rows, in order of k for every sum. */
+static inline __attribute__((always_inline)) T256 void tile256(const float *x, int64_t ldx, const uint8_t *wp,
                                                                int64_t k, const float *bias, float *y, int64_t ldy,
-                                                               int64_t cols, int nb, int mb) { /* HSG_F32 only */
+                                                               int64_t cols, int nb, int mb, int codec) {
     __m256 acc[4][6][2];
     for (int a = 0; a < nb; a++)
         for (int b = 0; b < mb; b++) acc[a][b][0] = acc[a][b][1] = _mm256_setzero_ps();
-    for (int64_t kk = 0; kk < k; kk++) {
-        __m256 wv[4][2];
-        int64_t ahead = HSG_AHEAD * HSG_PANEL + (kk + HSG_AHEAD >= k ? (int64_t)(nb - 1) * HSG_PANEL * k : 0);
-        for (int a = 0; a < nb; a++) {
-            const float *w = wp + (int64_t)a * HSG_PANEL * k + kk * HSG_PANEL;
-            wv[a][0] = _mm256_loadu_ps(w);
-            wv[a][1] = _mm256_loadu_ps(w + 8);
-            _mm_prefetch((const char *)(w + ahead), _MM_HINT_T0);
-        }
-        for (int b = 0; b < mb; b++) {
-            __m256 xb = _mm256_broadcast_ss(x + b * ldx + kk);
+    const int64_t ps = panel_bytes(codec, k);
+    if (codec == HSG_F32 || half_codec(codec)) {
+        const int es = codec == HSG_F32 ? 4 : 2; /* bytes a weight */
+        for (int64_t kk = 0; kk < k; kk++) {
+            __m256 wv[4][2];
+            int64_t ahead = HSG_AHEAD * HSG_PANEL + (kk + HSG_AHEAD >= k ? (int64_t)(nb - 1) * HSG_PANEL * k : 0);
+            ahead *= es;
             for (int a = 0; a < nb; a++) {
-                acc[a][b][0] = _mm256_fmadd_ps(wv[a][0], xb, acc[a][b][0]);
-                acc[a][b][1] = _mm256_fmadd_ps(wv[a][1], xb, acc[a][b][1]);
+                const uint8_t *w = wp + ((int64_t)a * HSG_PANEL * k + kk * HSG_PANEL) * es;
+                if (codec == HSG_F32) {
+                    wv[a][0] = _mm256_loadu_ps((const float *)w);
+                    wv[a][1] = _mm256_loadu_ps((const float *)w + 8);
+                } else {
+                    half256(w, codec, wv[a]);
+                }
+                if (codec == HSG_F32 || (kk & 1) == 0) _mm_prefetch((const char *)(w + ahead), _MM_HINT_T0);
+            }
+            for (int b = 0; b < mb; b++) {
+                __m256 xb = _mm256_broadcast_ss(x + b * ldx + kk);
+                for (int a = 0; a < nb; a++) {
+                    acc[a][b][0] = _mm256_fmadd_ps(wv[a][0], xb, acc[a][b][0]);
+                    acc[a][b][1] = _mm256_fmadd_ps(wv[a][1], xb, acc[a][b][1]);
+                }
+            }
+        }
+    } else {
+        const int64_t bb = block_bytes(codec), blocks = k / HSG_BLOCK;
+        for (int64_t kb = 0; kb < blocks; kb++) {
+            const uint8_t *blk = wp + kb * bb;
+            prefetch_blocks(blk, kb, blocks, nb, ps, bb);
+            const float *xk = x + kb * HSG_BLOCK;
+            /* panel by panel and half by half, so that only two decoded registers are live */
+            if (codec == HSG_Q8) {
+                for (int r = 0; r < HSG_BLOCK; r++)
+                    for (int a = 0; a < nb; a++) {
+                        const uint8_t *pb = blk + a * ps;
+                        OPAQUE(pb);
+                        for (int h = 0; h < 2; h++) {
+                            __m256 w = q8_256(pb, r, h);
+                            for (int b = 0; b < mb; b++)
+                                acc[a][b][h] =
+                                    _mm256_fmadd_ps(w, _mm256_broadcast_ss(xk + b * ldx + r), acc[a][b][h]);
+                        }
+                    }
+            } else {
+                for (int t = 0; t < HSG_BLOCK / 2; t++)
+                    for (int a = 0; a < nb; a++) {
+                        const uint8_t *pb = blk + a * ps;
+                        OPAQUE(pb);
+                        for (int h = 0; h < 2; h++) {
+                            __m256 w0, w1;
+                            q4_256(pb, t, h, &w0, &w1);
+                            for (int b = 0; b < mb; b++) {
+                                const float *xb = xk + b * ldx + 2 * t;
+                                acc[a][b][h] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xb), acc[a][b][h]);
+                                acc[a][b][h] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(xb + 1), acc[a][b][h]);
+                            }
+                        }
+                    }
             }
         }
     }
@@ -396,23 +485,67 @@ static inline __attribute__((always_inline)) T256 void tile256(const float *x, i
         }
 }
 
-#define TILE256(NB, MB)                                                                                           \
-    static T256 void t256_##NB##_##MB(const float *x, int64_t ldx, const uint8_t *wp, int64_t k,                \
-                                      const float *bias, float *y, int64_t ldy, int64_t cols) {                 \
-        tile256(x, ldx, (const float *)wp, k, bias, y, ldy, cols, NB, MB);                                        \
+#define TILE256C(NB, MB, C, CODEC)                                                                                 \
+    static T256 void t256##C##_##NB##_##MB(const float *x, int64_t ldx, const uint8_t *wp, int64_t k,           \
+                                           const float *bias, float *y, int64_t ldy, int64_t cols) {            \
+        tile256(x, ldx, wp, k, bias, y, ldy, cols, NB, MB, CODEC);                                                \
     }
+#define TILE256(NB, MB)                                                                                            \
+    TILE256C(NB, MB, f, HSG_F32) TILE256C(NB, MB, q8, HSG_Q8) TILE256C(NB, MB, q4, HSG_Q4)                         \
+    TILE256C(NB, MB, h, HSG_F16) TILE256C(NB, MB, bh, HSG_BF16)
 TILE256(4, 1) TILE256(2, 2) TILE256(2, 3) TILE256(1, 1) TILE256(1, 2) TILE256(1, 3) TILE256(1, 4) TILE256(1, 5)
 TILE256(1, 6)
-static const hsg_tile WIDE256[7] = {0, t256_4_1, t256_2_2, t256_2_3, t256_1_4, t256_1_5, t256_1_6};
-static const hsg_tile ONE256[7] = {0, t256_1_1, t256_1_2, t256_1_3, t256_1_4, t256_1_5, t256_1_6};
+#define TABLES256(C)                                                                                               \
+    {0, t256##C##_4_1, t256##C##_2_2, t256##C##_2_3, t256##C##_1_4, t256##C##_1_5, t256##C##_1_6},                \
+    {0, t256##C##_1_1, t256##C##_1_2, t256##C##_1_3, t256##C##_1_4, t256##C##_1_5, t256##C##_1_6}
+static const hsg_tile TILES256[5][2][7] = {{TABLES256(f)}, {TABLES256(q8)}, {TABLES256(q4)}, {TABLES256(h)},
+                                           {TABLES256(bh)}}; /* [codec][wide?][mb] */
 static const int NB256[7] = {0, 4, 2, 2, 1, 1, 1};
+
+/* decode512's AVX2 twin. */
+static T256 void decode256(const uint8_t *panel, int codec, int64_t k, float *out) {
+    if (half_codec(codec)) {
+        __m256 v[2];
+        for (int64_t kk = 0; kk < k; kk++) {
+            half256(panel + 32 * kk, codec, v);
+            _mm256_storeu_ps(out + kk * HSG_PANEL, v[0]);
+            _mm256_storeu_ps(out + kk * HSG_PANEL + 8, v[1]);
+        }
+        return;
+    }
+    const int64_t bb = block_bytes(codec);
+    for (int64_t kb = 0; kb < k / HSG_BLOCK; kb++) {
+        const uint8_t *blk = panel + kb * bb;
+        float *o = out + kb * HSG_BLOCK * HSG_PANEL;
+        for (int t = 0; t < HSG_BLOCK / 2; t++)
+            for (int h = 0; h < 2; h++) {
+                __m256 w0, w1;
+                if (codec == HSG_Q8) {
+                    w0 = q8_256(blk, 2 * t, h);
+                    w1 = q8_256(blk, 2 * t + 1, h);
+                } else {
+                    q4_256(blk, t, h, &w0, &w1);
+                }
+                _mm256_storeu_ps(o + 2 * t * HSG_PANEL + 8 * h, w0);
+                _mm256_storeu_ps(o + (2 * t + 1) * HSG_PANEL + 8 * h, w1);
+            }
+    }
+}
+#endif
+
+#ifdef HSG_X86
+#include <cpuid.h>
+static int f16c(void) { /* CPUID leaf 1, ECX bit 29: the float16 conversions AVX2's half256 uses */
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c >> 29 & 1);
+}
 #endif
 
 int hsg_isa_best(void) {
 #ifdef HSG_X86
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f")) return HSG_ISA_AVX512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return HSG_ISA_AVX2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c()) return HSG_ISA_AVX2;
 #endif
     return HSG_ISA_PORTABLE;
 }
@@ -425,12 +558,18 @@ static void run_range(const float *x, int64_t ldx, const uint8_t *wp, int codec,
     /* codes and more rows than one chunk: each group's panels decoded once, then read as float32 by every chunk */
     float *dec = NULL;
 #ifdef HSG_X86
-    if (isa == HSG_ISA_AVX512 && codec != HSG_F32 && m > chunk) dec = group_buffer(HSG_GROUP * HSG_PANEL * k);
+    if (isa != HSG_ISA_PORTABLE && codec != HSG_F32 && m > chunk) dec = group_buffer(HSG_GROUP * HSG_PANEL * k);
 #endif
     for (int64_t g = p0; g < p1; g += HSG_GROUP) {
         int64_t g1 = g + HSG_GROUP < p1 ? g + HSG_GROUP : p1;
 #ifdef HSG_X86
-        for (int64_t p = g; dec && p < g1; p++) decode512(wp + p * ps, codec, k, dec + (p - g) * HSG_PANEL * k);
+        for (int64_t p = g; dec && p < g1; p++) {
+            float *o = dec + (p - g) * HSG_PANEL * k;
+            if (isa == HSG_ISA_AVX512)
+                decode512(wp + p * ps, codec, k, o);
+            else
+                decode256(wp + p * ps, codec, k, o);
+        }
 #endif
         const int cc = dec ? HSG_F32 : codec; /* the codec the tiles read */
         for (int64_t m0 = 0; m0 < m; m0 += chunk) {
@@ -445,9 +584,9 @@ static void run_range(const float *x, int64_t ldx, const uint8_t *wp, int codec,
                 if (isa == HSG_ISA_AVX512) {
                     nb = p + NB512[r] <= g1 ? NB512[r] : 1;
                     fn = TILES512[cc][nb > 1 ? 0 : 1][r];
-                } else if (isa == HSG_ISA_AVX2 && cc == HSG_F32) {
+                } else if (isa == HSG_ISA_AVX2) {
                     nb = p + NB256[r] <= g1 ? NB256[r] : 1;
-                    fn = nb > 1 ? WIDE256[r] : ONE256[r];
+                    fn = TILES256[cc][nb > 1 ? 0 : 1][r];
                 }
 #endif
                 int64_t col = p * HSG_PANEL;

@@ -64,13 +64,13 @@ int hsg_pack_half(int codec, const uint16_t *h, void *wp, int64_t n, int64_t k);
 /* 0 when wp holds a packed copy of an N x K weight (its header says so), else -1. */
 int hsg_check(const void *wp, int64_t n, int64_t k);
 
-/* The widest instruction set this CPU runs (HSG_ISA_*). */
+/* The widest instruction set this CPU runs (HSG_ISA_*; HSG_ISA_AVX2 means AVX2 with FMA and F16C). */
 int hsg_isa_best(void);
 
 /* y[m][n] = sum_k x[m][k] * W[n][k] (+ bias[n]) for m < M, n < N; wp: W's packed copy (hsg_check(wp, N, K) == 0:
  * the callers check); x: M x K (row stride ldx), y: M x N (row stride ldy), bias: N floats or NULL.  isa: an
- * HSG_ISA_* not above hsg_isa_best() (the codes' decoding has AVX-512 and portable loops: HSG_ISA_AVX2 takes the
- * portable one for them); threads: OpenMP threads (<= 0: the runtime's current setting). */
+ * HSG_ISA_* not above hsg_isa_best() (every codec has AVX-512, AVX2 and portable tiles); threads: OpenMP threads
+ * (<= 0: the runtime's current setting). */
 void hsg_linear(const float *x, int64_t ldx, const float *wp, const float *bias, float *y, int64_t ldy, int64_t m,
                 int64_t n, int64_t k, int isa, int threads);
 

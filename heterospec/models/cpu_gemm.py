@@ -13,7 +13,7 @@ the weights streamed from memory are the same (benchmarks/RESULTS.md, issue 28).
   csrc/gemm/rows.h): the weight in panels of 16 columns, every call streaming it once with up to 12 rows' sums
   in registers, on torch's own OpenMP threads.  Each output is the same chain of fused multiply-adds over k in
   order whatever the call's row count, the row's place in it, the thread count or the instruction set: a row's
-  bits never depend on the other rows (row-invariant by construction).  On an AVX-512 CPU a weight that is
+  bits never depend on the other rows (row-invariant by construction).  On an AVX2 or AVX-512 CPU a weight that is
   exactly the float32 decoding of codes is packed as the codes (:func:`pack_rows`: a GGUF checkpoint's Q4_1 /
   Q8_0 blocks, or float16 / bfloat16 values) and decoded in registers to the same floats: the same bits from
   a quarter to a half of the bytes.
@@ -226,15 +226,15 @@ def half_codes(w):
 
 def pack_rows(w, coded=None):
     """The few-rows kernel's packed copy of a float32 weight [N, K] (rows.h), a new CPU tensor: codes where the
-    weight is exactly their decoding and the kernel decodes them with AVX-512 (``coded`` None), always (True) or
-    never (False) -- block codes (:func:`block_codes`: a GGUF checkpoint's Q4_1 / Q8_0 tensors, 0.75 or 1.125
+    weight is exactly their decoding and the kernel decodes them with AVX2 or AVX-512 (``coded`` None), always
+    (True) or never (False) -- block codes (:func:`block_codes`: a GGUF checkpoint's Q4_1 / Q8_0 tensors, 0.75 or 1.125
     bytes a weight), else 16-bit values (:func:`half_codes`: 2 bytes); else float32 panels (4 bytes).  The kernel
     computes the same bits from any of them."""
     g = _rows_module()
     w = w.detach().contiguous()
     n, k = w.shape
     if coded is None:
-        coded = g.isa_best() == 2
+        coded = g.isa_best() >= 1   # the portable loop decodes one weight at a time: floats are faster there
     found = block_codes(w) if coded else None
     if found is not None:
         codec, q, d, m = found
