@@ -77,6 +77,13 @@ def rows_available():
     return _rows_module() is not None
 
 
+def kernel_isa():
+    """The widest instruction set the few-rows kernel runs on this CPU (0 its portable loop, 1 AVX2, 2 AVX-512),
+    or None where it was not built."""
+    g = _rows_module()
+    return None if g is None else g.isa_best()
+
+
 def _onednn_runs(dtype):
     if dtype == torch.float32:
         return available()

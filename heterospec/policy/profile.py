@@ -194,6 +194,10 @@ def load_profile(path, *, target=None, draft=None):
 # model (on a GPU a 60-node tree costs about what 12 do, on a 2-core CPU five times more), so each device type
 # gets its own; a device type without one uses the CPU profile, and says so
 PROFILE_FILES = {"cpu": "profile.json", "cuda": "profile-cuda.json"}
+# and a CPU whose widest vector unit is AVX2 gets its own where the head ships one: its multiply-adds run at half
+# AVX-512's width, so each verified row costs more of a step (about a quarter of the default target's one-row step
+# on a 2-core AMD EPYC, a sixth with AVX-512), and the shapes that pay are smaller
+CPU_ISA_FILES = {1: ("profile-cpu-avx2.json", "AVX2")}
 # where a head has no profile calibrated on a GPU: one calibrated (on a CPU) around EAGLE-3's default tree, 7/10/60,
 # whose bins fit a deep tree, before the CPU profile, whose searched base tree may be tiny (depth 1 for the default
 # pair on a 2-core CPU, where verifying a token costs nearly what generating one does; a GPU verifies 60 for the
@@ -203,7 +207,8 @@ DEEP_BASE_FILE = "profile-eagle3-base.json"
 
 def shipped_profile(device="cpu", head=None):
     """The profile that ships with ``head`` for ``device`` (a torch device or its name): ``(path or None,
-    description)``.  CUDA uses ``profile-cuda.json`` (calibrated on an H100/H200) where the head has one, else
+    description)``.  A CPU whose widest unit is AVX2 uses ``profile-cpu-avx2.json`` where the head has one, else
+    ``profile.json``.  CUDA uses ``profile-cuda.json`` (calibrated on an H100/H200) where the head has one, else
     the profile calibrated around EAGLE-3's 7/10/60 tree (``profile-eagle3-base.json``), else the CPU profile;
     None when the head ships no profile at all."""
     if head is None:
@@ -212,6 +217,12 @@ def shipped_profile(device="cpu", head=None):
     own = os.path.join(head, PROFILE_FILES.get(kind, PROFILE_FILES["cpu"]))
     cpu = os.path.join(head, PROFILE_FILES["cpu"])
     deep = os.path.join(head, DEEP_BASE_FILE)
+    if kind == "cpu":
+        from ..models.cpu_gemm import kernel_isa
+
+        name, isa = CPU_ISA_FILES.get(kernel_isa(), (None, None))
+        if name and os.path.exists(os.path.join(head, name)):
+            return os.path.join(head, name), f"the shipped CPU profile for {isa} CPUs ({name})"
     if os.path.exists(own):
         return own, f"the shipped {'GPU' if kind == 'cuda' else 'CPU'} profile ({os.path.basename(own)})"
     if kind == "cuda" and os.path.exists(deep):

@@ -1,4 +1,5 @@
 """`heterospec generate` on a tiny target + EAGLE-3 draft saved to disk, with a word-level tokenizer."""
+import os
 import json
 import subprocess
 import sys
@@ -95,19 +96,28 @@ def test_policy_paper_means_what_it_means_in_demo(tmp_path):
     _one_line_usage_error(_run(*base, "--policy", "paper"), "--policy")
 
 
-def test_the_shipped_head_gets_the_shipped_profile_without_flags():
+def test_the_shipped_head_gets_the_shipped_profile_without_flags(monkeypatch):
     """Issue 18.2: --target default (--draft defaults to the shipped head) and the default method use the
     shipped calibrated profile; --policy paper takes the shipped bins; --thresholds of any count 1..7 work.
-    Checked on the resolved arguments: nothing is loaded."""
-    from heterospec.models.default import DEFAULT_PROFILE
+    Checked on the resolved arguments: nothing is loaded.  The CPU's kernel is pinned to AVX-512 (the CPU
+    profile); an AVX2-only CPU gets its own (twenty-sixth session)."""
+    from heterospec.models import cpu_gemm
+    from heterospec.models.default import DEFAULT_HEAD, DEFAULT_PROFILE
     from heterospec.policy.profile import load_profile
     from heterospec.tools import cli
+
+    monkeypatch.setattr(cpu_gemm, "kernel_isa", lambda: 2)
 
     parse = lambda *a: cli.resolve_generate(_parsed(["generate", "--target", "default", "--prompt", "hi", *a]))  # noqa: E731
     shipped = load_profile(DEFAULT_PROFILE)[0]
     args = parse()
     assert (args.method, args.draft, args.policy_obj) == ("heterospec", "default", shipped)
     assert args.policy_what.startswith("the shipped CPU profile (profile.json")
+    monkeypatch.setattr(cpu_gemm, "kernel_isa", lambda: 1)
+    avx2 = parse()
+    assert avx2.policy_obj == load_profile(os.path.join(DEFAULT_HEAD, "profile-cpu-avx2.json"))[0] != shipped
+    assert avx2.policy_what == "the shipped CPU profile for AVX2 CPUs (profile-cpu-avx2.json)"
+    monkeypatch.setattr(cpu_gemm, "kernel_isa", lambda: 2)
     paper = parse("--policy", "paper").policy_obj
     assert paper.thresholds == shipped.thresholds and paper.extra[0] > 0
     assert parse("--thresholds", "1.5,2.5").policy_obj.thresholds == (1.5, 2.5)

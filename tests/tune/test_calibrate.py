@@ -165,12 +165,14 @@ def test_model_identity_is_stable_and_pathless(tmp_path):
     assert ident["name"] == "my-head" and ident["draft_vocab_size"] == 40 and str(tmp_path) not in json.dumps(ident)
 
 
-def test_the_shipped_profile_names_its_pair_without_paths():
-    """Issue 18.3: the shipped profile's pair is the default target and the shipped head by identity, so an
-    installed copy (another path) loads it without a warning."""
-    from heterospec.models.default import DEFAULT_HEAD, DEFAULT_PROFILE
+@pytest.mark.parametrize("name", ["profile.json", "profile-cpu-avx2.json"])
+def test_the_shipped_profile_names_its_pair_without_paths(name):
+    """Issue 18.3: the shipped profiles' pair is the default target and the shipped head by identity, so an
+    installed copy (another path) loads them without a warning."""
+    from heterospec.models.default import DEFAULT_HEAD
 
-    raw = json.loads(open(DEFAULT_PROFILE).read())
+    path = os.path.join(DEFAULT_HEAD, name)
+    raw = json.loads(open(path).read())
     pair = raw["model_pair"]
     assert isinstance(pair["target"], dict) and isinstance(pair["draft"], dict)
     assert "/" not in json.dumps(pair), pair
@@ -178,7 +180,7 @@ def test_the_shipped_profile_names_its_pair_without_paths():
     assert pair["target"]["name"] == "SmolLM2-135M-Instruct" and pair["target"]["vocab_size"] == 49152
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        load_profile(DEFAULT_PROFILE, draft=head_identity(DEFAULT_HEAD), target=pair["target"])
+        load_profile(path, draft=head_identity(DEFAULT_HEAD), target=pair["target"])
 
 
 def test_profile_round_trip_and_errors(tmp_path, stretch_trace):
@@ -411,7 +413,7 @@ def test_replay_predicts_each_bins_tokens_per_second(stretch_trace):
     assert all(v["tokens_per_s"] is None for v in bare.per_bin().values())
 
 
-def test_the_shipped_profile_is_chosen_per_device_and_says_which(tmp_path):
+def test_the_shipped_profile_is_chosen_per_device_and_says_which(tmp_path, monkeypatch):
     """Issue 40.4: a head ships a profile per device type (profile.json calibrated on a CPU, profile-cuda.json on
     an H100/H200); CUDA takes its own where it ships and otherwise the CPU one, saying so; a user's own profile is
     never replaced (the callers pass --policy/--profile first)."""
@@ -445,5 +447,15 @@ def test_the_shipped_profile_is_chosen_per_device_and_says_which(tmp_path):
     assert gpu_policy.thresholds == load_profile(str(head / "profile-cuda.json"))[0].thresholds
     assert gpu_policy.thresholds != default_policy("cpu", str(head)).thresholds
     assert Policy.from_profile(str(head / "profile-cuda.json")) == gpu_policy
-    # the default head: its CPU profile on the CPU
-    assert shipped_profile("cpu")[0] == os.path.join(DEFAULT_HEAD, "profile.json")
+    # the default head: its CPU profile on the CPU, and on a CPU whose widest unit is AVX2 the one calibrated there
+    # (twenty-sixth session); a head without that file keeps profile.json on any CPU
+    from heterospec.models import cpu_gemm
+
+    for isa, name in ((2, "profile.json"), (None, "profile.json"), (0, "profile.json"), (1, "profile-cpu-avx2.json")):
+        monkeypatch.setattr(cpu_gemm, "kernel_isa", lambda isa=isa: isa)
+        assert shipped_profile("cpu")[0] == os.path.join(DEFAULT_HEAD, name)
+        assert shipped_profile("cpu", str(head))[0] == str(head / "profile.json")
+        assert shipped_profile("cuda", str(head))[0] == str(head / "profile-cuda.json")
+    avx2 = load_profile(os.path.join(DEFAULT_HEAD, "profile-cpu-avx2.json"))
+    assert avx2[2]["machine"]["cpu_isa"] == "AVX2" and avx2[0] == default_policy("cpu")
+    assert "for AVX2 CPUs" in shipped_profile("cpu:0")[1]
