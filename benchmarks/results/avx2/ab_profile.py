@@ -1,5 +1,5 @@
+# One process of the profile A/B: python ab_profile.py PROFILE.json -> ar and HeteroSpec tokens/s on 3 demo prompts x 96 tokens, and a digest of each method's outputs
 import sys, time, torch, heterospec
-from heterospec.models import cpu_gemm
 from heterospec.tools import prompts as P
 prof = sys.argv[1]
 

@@ -1,3 +1,4 @@
+# The decoder C calls per cycle, by row count: CODED=1 python runs.py ar hs 1,2,3 (CODED=0: float32 packing)
 import time, sys, collections
 import os
 from heterospec.models import cpu_gemm
