@@ -76,7 +76,8 @@ def _cpu_kernels():
     except ImportError:
         return ("not built (setup.py builds heterospec._gemm where the C compiler has OpenMP): cpu_gemm has oneDNN and "
                 "torch's paths, cpu_decoder is off")
-    isa = ("the portable loop (no AVX2 with FMA and F16C here; cpu_decoder='auto' stays off)", "AVX2", "AVX-512")[_gemm.isa_best()]
+    isa = ("the portable loop (no AVX2 with FMA and F16C here; cpu_decoder='auto' stays off)", "AVX2",
+           "AVX-512")[_gemm.isa_best()]
     threads = f"OpenMP, {_gemm.threads()} threads" if _gemm.openmp() else "no OpenMP (1 thread)"
     return f"heterospec._gemm built: {isa}, {threads}"
 
