@@ -318,14 +318,16 @@ static inline __attribute__((always_inline)) T512 void tile512(const float *x, i
     }
 }
 
-#define TILE512C(NB, MB, C, CODEC)                                                                                 \
-    static T512 void t512##C##_##NB##_##MB(const float *x, int64_t ldx, const uint8_t *wp, int64_t k,           \
+/* The tiles of instruction set W (512 or 256) as functions of one signature, NB panels x MB rows, one per codec. */
+#define TILEC(W, NB, MB, C, CODEC)                                                                                 \
+    static T##W void t##W##C##_##NB##_##MB(const float *x, int64_t ldx, const uint8_t *wp, int64_t k,           \
                                            const float *bias, float *y, int64_t ldy, int64_t cols) {            \
-        tile512(x, ldx, wp, k, bias, y, ldy, cols, NB, MB, CODEC);                                                \
+        tile##W(x, ldx, wp, k, bias, y, ldy, cols, NB, MB, CODEC);                                                \
     }
-#define TILE512(NB, MB)                                                                                            \
-    TILE512C(NB, MB, f, HSG_F32) TILE512C(NB, MB, q8, HSG_Q8) TILE512C(NB, MB, q4, HSG_Q4)                         \
-    TILE512C(NB, MB, h, HSG_F16) TILE512C(NB, MB, bh, HSG_BF16)
+#define TILES(W, NB, MB)                                                                                           \
+    TILEC(W, NB, MB, f, HSG_F32) TILEC(W, NB, MB, q8, HSG_Q8) TILEC(W, NB, MB, q4, HSG_Q4)                         \
+    TILEC(W, NB, MB, h, HSG_F16) TILEC(W, NB, MB, bh, HSG_BF16)
+#define TILE512(NB, MB) TILES(512, NB, MB)
 TILE512(8, 1) TILE512(8, 2) TILE512(4, 3) TILE512(4, 4) TILE512(4, 5) TILE512(4, 6)
 TILE512(2, 7) TILE512(2, 8) TILE512(2, 9) TILE512(2, 10) TILE512(2, 11) TILE512(2, 12)
 TILE512(1, 1) TILE512(1, 2) TILE512(1, 3) TILE512(1, 4) TILE512(1, 5) TILE512(1, 6)
@@ -517,14 +519,7 @@ static inline __attribute__((always_inline)) T256 void tile256(const float *x, i
         }
 }
 
-#define TILE256C(NB, MB, C, CODEC)                                                                                 \
-    static T256 void t256##C##_##NB##_##MB(const float *x, int64_t ldx, const uint8_t *wp, int64_t k,           \
-                                           const float *bias, float *y, int64_t ldy, int64_t cols) {            \
-        tile256(x, ldx, wp, k, bias, y, ldy, cols, NB, MB, CODEC);                                                \
-    }
-#define TILE256(NB, MB)                                                                                            \
-    TILE256C(NB, MB, f, HSG_F32) TILE256C(NB, MB, q8, HSG_Q8) TILE256C(NB, MB, q4, HSG_Q4)                         \
-    TILE256C(NB, MB, h, HSG_F16) TILE256C(NB, MB, bh, HSG_BF16)
+#define TILE256(NB, MB) TILES(256, NB, MB)
 TILE256(4, 1) TILE256(2, 2) TILE256(2, 3) TILE256(1, 1) TILE256(1, 2) TILE256(1, 3) TILE256(1, 4) TILE256(1, 5)
 TILE256(1, 6)
 #define TABLES256(C)                                                                                               \
