@@ -61,7 +61,7 @@ def calibrate_cmd(args, out=None):
     from ..tune.costs import profile_costs
     from ..policy.profile import save_profile
     from ..policy import Policy
-    from ..tune.bins import fit_thresholds
+    from ..tune.bins import fit_bins
     from ..tune.trace import record
 
     if not args.draft:
@@ -97,8 +97,10 @@ def calibrate_cmd(args, out=None):
         print(f"base tree searched on this machine: depth {base.depth}, top_k {base.top_k}, {base.total_tokens} nodes "
               f"({len(searched['grid'])} trees replayed, {len(searched['measured'])} timed on "
               f"{min(len(ids), args.search_prompts)} prompts)", file=out)
-    x, y = trace.features(args.depth, args.total_tokens, target=args.fit_target)
-    thresholds = tuple(fit_thresholds(x, y, depth=3, min_leaf=max(5, len(x) // 50)))
+    thresholds, fitted_on, x = fit_bins(trace, args.depth, args.total_tokens, target=args.fit_target)
+    if fitted_on != args.fit_target:
+        print(f"entropy bins fitted on the accepted length: the {args.fit_target} target never varies at this base "
+              f"tree (depth {args.depth}, {args.total_tokens} nodes)", file=out)
     policy, predicted = optimise_policy(trace, cost, base_depth=args.depth, total_tokens=args.total_tokens,
                                         thresholds=thresholds)
     static = trace.replay(Policy.static(args.depth, args.top_k_tree, args.total_tokens), cost_model=cost)
@@ -107,7 +109,7 @@ def calibrate_cmd(args, out=None):
     ar = trace.replay(Policy.autoregressive(), cost_model=cost)   # the same outputs without a draft
     t_id, d_id = pair_identity(args, target)
     save_profile(args.out, policy, cost, target=t_id, draft=d_id,
-                 notes={"prompts": len(texts), "positions": int(len(x)), "fit_target": args.fit_target,
+                 notes={"prompts": len(texts), "positions": int(len(x)), "fit_target": fitted_on,
                         "predicted_tokens_per_s": {"static": static.tokens_per_s,
                                                    "paper": paper.tokens_per_s,
                                                    "calibrated": calibrated.tokens_per_s,

@@ -30,8 +30,9 @@ def _best_split(x, y, min_leaf):
 
 def fit_thresholds(x, y, depth=3, min_leaf=1):
     """Fit the paper's regression tree (Eq. 2) on one feature and return its split thresholds, ascending:
-    2**depth - 1 of them unless some node has too few points or no distinct values to split.  A value v
-    falls in bin = number of thresholds below v (``ops.bucketize``)."""
+    2**depth - 1 of them unless some node has too few points, no distinct values to split, or one value of y
+    (nothing to separate: every split of a constant y scores 0, and the leftmost would peel off min_leaf points
+    for no reason).  A value v falls in bin = number of thresholds below v (``ops.bucketize``)."""
     x = np.asarray(x, np.float64)
     y = np.asarray(y, np.float64)
     if x.ndim != 1 or y.shape != x.shape:
@@ -47,7 +48,7 @@ def fit_thresholds(x, y, depth=3, min_leaf=1):
     out = []
 
     def split(lo, hi, level):
-        if level == depth:
+        if level == depth or y[lo:hi].min() == y[lo:hi].max():
             return
         s = _best_split(x[lo:hi], y[lo:hi], min_leaf)
         if s is None:
@@ -59,3 +60,24 @@ def fit_thresholds(x, y, depth=3, min_leaf=1):
 
     split(0, x.shape[0], 0)
     return np.array(sorted(out))
+
+
+# Points each bin is fitted on, at least: a tenth of the trace.  Eq. 2 sums the two sides' variances unweighted, so
+# it prefers to peel a min_leaf-sized group off an edge; with a fiftieth (before 2026-11-30) the bins of the AVX2 CPU
+# profile held 1-2 % of the cycles each and 92-95 % fell in one bin, which left nothing to adapt.
+MIN_LEAF_SHARE = 10
+
+
+def fit_bins(trace, base_depth, total_tokens, target="rank", depth=3):
+    """The entropy bins of a profile from a recorded trace (:class:`heterospec.tune.Trace`), what ``heterospec
+    calibrate`` and ``bench``'s tuned HeteroSpec fit: :func:`fit_thresholds` on the path entropy at the static base
+    tree (``base_depth``, ``total_tokens``) against ``target`` (``Trace.features``), each bin on at least a tenth of
+    the positions.  The rank of the best path's leaf among the kept nodes is constant where the base grows no level
+    past the root expansion (its best candidate is always kept first): there, and wherever that rank never varies,
+    the bins are fitted on the accepted length instead.  Returns (thresholds, the target used, x)."""
+    x, y = trace.features(base_depth, total_tokens, target=target)
+    if target == "rank" and y.size and y.min() == y.max():
+        target = "accepted"
+        x, y = trace.features(base_depth, total_tokens, target=target)
+    th = fit_thresholds(x, y, depth=depth, min_leaf=max(5, len(x) // MIN_LEAF_SHARE))
+    return tuple(float(t) for t in th), target, x

@@ -7,13 +7,19 @@ import math
 
 from ..policy import Policy
 
+# Kept node counts every bin may take besides the fractions of the base tree's: the root alone (1: nothing drafted is
+# verified, where the draft is rarely right) and a few nodes.  A base tree of 2-3 nodes (a CPU's, where each verified
+# row costs a sixth to a quarter of a step) otherwise left every bin at its own size.
+SMALL_KEEPS = (1, 2, 3, 4)
+
 
 def optimise_policy(trace, cost_model, *, base_depth=None, total_tokens=None, thresholds=(), max_extra=None,
                     keep_grid=None, max_sweeps=4):
     """Per-bin (extra depth, kept nodes) maximising the replayed predicted tokens/s by coordinate descent from
     two starts, the paper's rule (bins past its three at (0, total_tokens)) and the static tree (every bin at
     (0, total_tokens)); the better result is returned, so the calibrated policy never predicts slower than the
-    static tree of its base."""
+    static tree of its base.  Kept nodes come from ``keep_grid``, by default fractions of ``total_tokens`` and
+    ``SMALL_KEEPS``."""
     K = trace.top_k
     base = base_depth if base_depth is not None else trace.levels - math.ceil(trace.levels / 3)
     N = total_tokens or 60
@@ -23,7 +29,8 @@ def optimise_policy(trace, cost_model, *, base_depth=None, total_tokens=None, th
     extra = [paper.extra[b] if b < 3 else 0 for b in range(nbins)]
     extra = [min(e, max_extra) for e in extra]
     keep = [paper.keep[b] if b < 3 else N for b in range(nbins)]
-    grid = sorted(set(keep_grid or [max(2, round(N * g)) for g in (0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0, 1.2)]) | set(keep))
+    grid = sorted(set(keep_grid or [max(2, round(N * g)) for g in (0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0, 1.2)]
+                      + list(SMALL_KEEPS)) | set(keep))
 
     def score(ex, kp):
         pol = Policy(base, K, N, tuple(thresholds), tuple(ex), tuple(kp), name="calibrated")

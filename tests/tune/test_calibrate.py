@@ -19,7 +19,7 @@ from heterospec.policy.profile import CostModel, head_identity, load_profile, mo
 from heterospec.tune.costs import profile_costs  # noqa: E402
 from heterospec.tune.optimise import optimise_policy  # noqa: E402
 from heterospec.policy import Policy  # noqa: E402
-from heterospec.tune.bins import fit_thresholds  # noqa: E402
+from heterospec.tune.bins import MIN_LEAF_SHARE, fit_bins, fit_thresholds  # noqa: E402
 from heterospec.tune.trace import record  # noqa: E402
 
 BASE, K, N, LEVELS = 4, 3, 16, 7
@@ -145,6 +145,32 @@ def test_the_calibrated_policy_never_predicts_slower_than_the_static_tree(stretc
                                             thresholds=thresholds, max_sweeps=sweeps)
         assert predicted >= static
         assert stretch_trace.replay(policy, cost_model=dear_draft).tokens_per_s == pytest.approx(predicted)
+
+
+def test_bins_at_depth_0_are_fitted_on_the_accepted_length(stretch_trace):
+    """At a base tree of depth 0 the best path's leaf is the root expansion's best candidate, always kept first:
+    its rank is 0 at every position, and Eq. 2 has nothing to fit (the shipped depth-0 CPU profiles' bins held
+    1-2 % of the cycles each).  fit_bins fits on the accepted length there, and on the rank where it varies."""
+    _, rank = stretch_trace.features(0, 2, target="rank")
+    assert (rank == 0).all()
+    th, target, x = fit_bins(stretch_trace, 0, 2)
+    xa, acc = stretch_trace.features(0, 2, target="accepted")
+    assert target == "accepted" and np.array_equal(x, xa) and acc.min() < acc.max()
+    want = fit_thresholds(xa, acc, depth=3, min_leaf=max(5, len(xa) // MIN_LEAF_SHARE))
+    assert len(th) >= 1 and th == tuple(float(t) for t in want)
+    _, rank4 = stretch_trace.features(BASE, N, target="rank")
+    assert rank4.min() < rank4.max() and fit_bins(stretch_trace, BASE, N)[1] == "rank"
+
+
+def test_a_small_base_trees_bins_may_keep_fewer_or_more_nodes(stretch_trace):
+    """The kept-node grid holds 1-4 besides the fractions of the base tree's nodes: with a 2-node base (a CPU's)
+    it was {2} (and the paper's rule's start), so no bin could verify more than the base, however sure its draft."""
+    th, _, _ = fit_bins(stretch_trace, 0, 2)
+    policy, predicted = optimise_policy(stretch_trace, CPU_LIKE, base_depth=0, total_tokens=2, thresholds=th)
+    frozen, before = optimise_policy(stretch_trace, CPU_LIKE, base_depth=0, total_tokens=2, thresholds=th,
+                                     keep_grid=[2])
+    assert max(frozen.keep) <= 2 < max(policy.keep) and predicted > before
+    assert stretch_trace.replay(policy, cost_model=CPU_LIKE).tokens_per_s == pytest.approx(predicted)
 
 
 def test_model_identity_is_stable_and_pathless(tmp_path):

@@ -53,8 +53,11 @@ def policies(trace):
     x0, _ = trace.features(0, N)
     depth0 = Policy(0, K, N, spread_thresholds(x0, [0.3, 0.6]), (1, 0, 1), (N, 6, 4), name="depth-0")
     assert depth0.binned and len(depth0.thresholds) == 2
+    # a CPU's small base tree (2 nodes) whose bins verify more nodes, the base's, or the root alone (keep 1: a
+    # cycle that verifies no drafted token while the draft still catches up)
+    small = Policy(0, K, 2, spread_thresholds(x0, [0.3, 0.6]), (1, 0, 0), (3, 2, 1), name="depth-0, keep 1")
     return [Policy.static(BASE, K, N), Policy.paper(BASE, K, N, thresholds), Policy.static(LEVELS, K, 5),
-            Policy.autoregressive(), depth0]
+            Policy.autoregressive(), depth0, small]
 
 
 def test_replay_reproduces_the_live_loop_exactly(model, draft_and_trace):
@@ -131,7 +134,7 @@ def brute_force_thresholds(x, y, depth, min_leaf):
         return float(np.mean((part - part.mean()) ** 2))
 
     def node(xs, ys, level):
-        if level == depth:
+        if level == depth or len(set(ys.tolist())) == 1:   # a constant y has nothing to separate
             return []
         order = np.argsort(xs, kind="stable")
         xs, ys = xs[order], ys[order]
@@ -174,6 +177,19 @@ def test_fit_thresholds_finds_the_regimes():
     assert 3 <= len(th) <= 7
     assert ((th > 1.0) & (th < 3.0)).sum() == 1  # exactly one split between the regimes
     assert math.isclose(sorted(th, key=lambda s: abs(s - 2.0))[0], 0.5 * (easy.max() + hard.min()))
+
+
+def test_fit_thresholds_never_splits_a_constant_target():
+    """A y that never varies has nothing to separate (every split scores 0): no bins, where the leftmost split of
+    each node would have peeled off min_leaf points (the depth-0 CPU profiles' bins of 1-2 % before the fix); a
+    constant side of a useful split is not split further either."""
+    x = np.linspace(0.0, 3.0, 200)
+    assert fit_thresholds(x, np.zeros(200), depth=3, min_leaf=4).size == 0
+    y = np.where(x < 1.0, 1.0, 0.0)
+    y[150:] = np.arange(50) % 2          # the high end varies
+    th = fit_thresholds(x, y, depth=3, min_leaf=4)
+    # the first split separates the constant low end (y = 1) from the rest, and that side is never split again
+    assert th[0] == pytest.approx(0.5 * (x[66] + x[67])) and (th[1:] > x[67]).all()
 
 
 def test_fit_thresholds_bad_input():

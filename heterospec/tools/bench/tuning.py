@@ -58,11 +58,10 @@ def calibrate_on(tr, base, cost_model):
     """HeteroSpec calibrated on the static tree ``base`` with the trace ``tr``: entropy bins fitted at the
     base depth (paper Eq. 2, as ``heterospec calibrate``), per-bin extra depth and kept nodes optimised.
     Returns (Policy, report)."""
-    from ...tune.bins import fit_thresholds
+    from ...tune.bins import fit_bins
     from ...tune.optimise import optimise_policy
 
-    x, y = tr.features(base.depth, base.total_tokens)
-    th = tuple(fit_thresholds(x, y, depth=3, min_leaf=max(5, len(x) // 50)))
+    th, _, x = fit_bins(tr, base.depth, base.total_tokens)
     # extra depth up to the paper's alpha + 1 (its Table 3 range)
     pol, pred = optimise_policy(tr, cost_model, base_depth=base.depth, total_tokens=base.total_tokens, thresholds=th,
                                 max_extra=math.ceil(base.depth / 2) + 1)
