@@ -29,8 +29,8 @@ def optimise_policy(trace, cost_model, *, base_depth=None, total_tokens=None, th
     extra = [paper.extra[b] if b < 3 else 0 for b in range(nbins)]
     extra = [min(e, max_extra) for e in extra]
     keep = [paper.keep[b] if b < 3 else N for b in range(nbins)]
-    grid = sorted(set(keep_grid or [max(2, round(N * g)) for g in (0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0, 1.2)]
-                      + list(SMALL_KEEPS)) | set(keep))
+    default_grid = [max(2, round(N * g)) for g in (0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0, 1.2)] + list(SMALL_KEEPS)
+    grid = sorted(set(keep_grid or default_grid) | set(keep))
 
     def score(ex, kp):
         pol = Policy(base, K, N, tuple(thresholds), tuple(ex), tuple(kp), name="calibrated")
