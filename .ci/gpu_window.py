@@ -506,6 +506,11 @@ def record(results, table, ledger_path=LEDGER, keep_raw=True, out=sys.stdout):
                 print(f"record: {name}: skipped there ({st.get('reason', '')}); the entry of "
                       f"{old.get('date', '?')} stays", file=out)
                 continue
+            if st.get("state") not in _PAST:
+                # still running (or waiting) when these results came back: if the window ends here, it never
+                # ended; a later call's results of the same window replace this entry
+                st = dict(st, state="interrupted", reason=f"{st.get('state') or 'not started'} when the results "
+                                                          f"came back")
             entry = {"kind": table[name].kind, "commit": commit, "digest": digest, "state": st.get("state"),
                      "definition": st.get("definition"),
                      "passed": st.get("passed"), "failed": st.get("failed"), "device": st.get("device"),

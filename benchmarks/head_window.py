@@ -6,8 +6,8 @@ at most a few files of 16 MiB.  So one call of ``run`` does everything a window 
 1. **continue**: the training state of the last window (``--state DIR``: the parts ``merge`` made, carried in
    by ``.ci/gpu_carry.py prepare --head-state``), or the state already in ``--work`` on this machine, or the
    shipped head (``--init-head``);
-2. **answer**: once per store, the target first writes ``--self-prompts`` prompts for itself, appended to the
-   list; then it answers the later turns of conversations begun in earlier windows and the next prompts of the
+2. **answer**: until the list holds ``--self-prompts`` prompts the target wrote for itself, it first writes more
+   (``--self-seconds`` at most a window), appended to the list; then it answers the later turns of conversations begun in earlier windows and the next prompts of the
    committed answer store (``--answers``: HF's
    ``generate`` on the static cache at ``--gen-batch-size``, bfloat16), no shard started past its share of
    the time;
@@ -224,12 +224,14 @@ def restore_state(members, head_dir):
 
 # ---- the answers --------------------------------------------------------------------------------------------
 
-def window_wrote_prompts(store):
-    """Whether the store's list holds prompts the target wrote for itself added by --add-prompts (a window's)."""
+def self_written(store):
+    """(prompts, calls): how many prompts the target wrote for itself are in the store's list, added by how
+    many --add-prompts calls (windows)."""
     from heterospec.models.answers import AnswerStore
 
     saved = AnswerStore.read_prompts(store) or {}
-    return any(d.startswith("self:") for add in saved.get("added", []) for d in add.get("data", []))
+    adds = [add for add in saved.get("added", []) if any(d.startswith("self:") for d in add.get("data", []))]
+    return sum(int(add.get("prompts", 0)) for add in adds), len(adds)
 
 
 def answer_files(store):
@@ -359,14 +361,17 @@ def run(a):
     listed = os.path.join(store, PROMPTS)
     prompts_before = _file_sha(listed) if os.path.exists(listed) else None
     t_collect = time.monotonic()
-    if a.self_prompts > 0 and not window_wrote_prompts(store):
-        # once: the target writes prompts for itself (issue 43.1), appended to the list; answering them is for
-        # this and later windows.  A failure here costs this step only.  They are sampled at --self-batch-size:
-        # at the answers' 256 the 33,000 took about 400 s of the seventh window's H200 (beside its tests)
+    written, calls = self_written(store)
+    if a.self_prompts > written and a.self_seconds > 0:
+        # the target writes prompts for itself (issue 43.1), appended to the list, --self-seconds a window until
+        # the list holds --self-prompts of them (a new seed each window); answering them is for this and later
+        # windows.  A failure here costs this step only.  Unbounded, the 33,000 took 400 s of the seventh
+        # window's H200 at batch 256 and 320 s of the eighth's at 1,024, beside the tests
         try:
             _cli(["train-draft"] + common + ["--dtype", a.answer_dtype, "--collect-only", "--max-prompts", "0",
-                                             "--add-prompts", "--data", f"self:{a.self_prompts}", "--gen-batch-size",
-                                             str(a.self_batch_size)])
+                                             "--add-prompts", "--data", f"self:{a.self_prompts - written}",
+                                             "--seed", str(calls), "--time-limit", str(a.self_seconds),
+                                             "--gen-batch-size", str(a.self_batch_size)])
         except (SystemExit, Exception) as e:
             print(f"head_window: no self-written prompts added ({type(e).__name__}: {e}); answering goes on",
                   file=sys.stderr, flush=True)
@@ -488,9 +493,11 @@ def build_parser():
     r.add_argument("--tau-dtype", default="float32")
     r.add_argument("--no-chat-template", action="store_true")
     r.add_argument("--self-prompts", type=int, default=33000,
-                   help="once per store: the target writes this many prompts for itself, appended to the list "
-                        "(train-draft --add-prompts --data self:N), inside answering's share of the window")
-    r.add_argument("--self-batch-size", type=int, default=1024,
+                   help="the target writes prompts for itself, appended to the list (train-draft --add-prompts "
+                        "--data self:N), until the list holds this many of them, inside answering's share")
+    r.add_argument("--self-seconds", type=float, default=60,
+                   help="a window's time for writing them (no batch started past it; 0: none)")
+    r.add_argument("--self-batch-size", type=int, default=2048,
                    help="the batch the self-written prompts are sampled in")
     m = sub.add_parser("merge", help="here, after a window: its answers into the store, its state for the next")
     m.add_argument("parts", nargs="+")

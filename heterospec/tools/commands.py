@@ -12,7 +12,8 @@ import time
 from ..models.default import DEFAULT_HEAD, load_pair
 from . import ProgressBar
 from .checks import pair_identity, resolve_generate, target_name, _records_dir
-from .prompts import SELF, OverlapGuard, encode, encode_turn, read_conversations, read_prompts, self_written_prompts
+from .prompts import (SELF, OverlapGuard, encode, encode_many, encode_turn, read_conversations, read_prompts,
+                      self_written_prompts)
 
 
 def generate_cmd(args, out=None):
@@ -256,7 +257,8 @@ def _conversations(args, target, tokenizer):
     for d in args.data:
         if d.startswith(SELF):  # prompts the target writes for itself
             convs += [[t] for t in self_written_prompts(target, tokenizer, int(d[len(SELF):]), seed=args.seed,
-                                                        batch_size=max(16, args.gen_batch_size))]
+                                                        batch_size=max(16, args.gen_batch_size),
+                                                        deadline=getattr(args, "deadline", None))]
     guard = _guard(args)
     if guard.files:   # never a prompt that overlaps a benchmark question
         before = len(convs)
@@ -293,7 +295,7 @@ def collect_answers(args, target, tokenizer, progress, out, collect=True):
         convs = _conversations(args, target, tokenizer)
         texts = [c[0] for c in convs]
         later = {str(i): c[1:] for i, c in enumerate(convs) if len(c) > 1}   # answered after the first turn's
-    ids = [encode(tokenizer, t, not args.no_chat_template).view(-1).numpy() for t in texts]
+    ids = encode_many(tokenizer, texts, not args.no_chat_template)
     adtype = getattr(torch, args.answer_dtype) if args.answer_dtype else target.dtype
     n_saved = len(saved["prompts"]) if saved is not None else len(ids)
     store = AnswerStore.open(args.answers, prompt_ids=ids[:n_saved],

@@ -208,10 +208,13 @@ def user_turn_prefix(tokenizer):
 
 
 def self_written_prompts(target, tokenizer, n, *, max_new_tokens=64, temperature=1.0, top_p=0.95, seed=0,
-                         batch_size=16):
+                         batch_size=16, deadline=None):
     """Prompts the target writes for itself (a training source that no benchmark contains): its chat template
     opened at a user turn, sampled until the turn closes; empty and repeated ones are dropped, so up to ``n``
-    come back.  Without a chat template it writes from its BOS token."""
+    come back.  Without a chat template it writes from its BOS token.  ``deadline`` (``time.monotonic()``): no
+    batch starts past it, so fewer may come back (the first batch always runs)."""
+    import time
+
     import torch
 
     prefix, end = user_turn_prefix(tokenizer)
@@ -227,8 +230,8 @@ def self_written_prompts(target, tokenizer, n, *, max_new_tokens=64, temperature
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop[0] if stop else 0)
     torch.manual_seed(seed)
     out, seen = [], set()
-    for _ in range(0, 4 * n, batch_size):   # at most 4n draws: duplicates and empty turns are dropped
-        if len(out) >= n:
+    for first in range(0, 4 * n, batch_size):   # at most 4n draws: duplicates and empty turns are dropped
+        if len(out) >= n or (first and deadline is not None and time.monotonic() >= deadline):
             break
         k = min(batch_size, 4 * n)
         batch = ids.to(device).repeat(k, 1)
@@ -305,3 +308,21 @@ def encode_turn(tokenizer, turns, answers, chat=True):
 def encode(tokenizer, text, chat=True):
     """One user turn through the tokenizer's chat template (plain tokenization without one) -> [1, S] ids."""
     return encode_turn(tokenizer, [text], [], chat)
+
+
+def encode_many(tokenizer, texts, chat=True, chunk=4096):
+    """:func:`encode` of each of ``texts`` -> a list of 1-D int64 arrays, the same ids, rendered and tokenized
+    ``chunk`` at a time through the tokenizer's batched path (about 4x faster than one by one: a list of 70,000
+    prompts is encoded by every ``train-draft`` call on an answer store)."""
+    import numpy as np
+
+    out = []
+    for i in range(0, len(texts), chunk):
+        part = list(texts[i:i + chunk])
+        if chat and getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template([[{"role": "user", "content": t}] for t in part],
+                                                add_generation_prompt=True, tokenize=True, return_dict=False)
+        else:
+            ids = tokenizer(part)["input_ids"]
+        out += [np.asarray(x, dtype=np.int64) for x in ids]
+    return out

@@ -613,17 +613,17 @@ def test_train_draft_grows_a_store_its_tokenizer_splits_differently(tmp_path, ca
 
     run(firsts, "--max-prompts", "2")
     shard0 = (ans / "shard-00000.npz").read_bytes()
-    real = commands.encode
+    real = commands.encode_many
 
-    def other_tokenizer(tokenizer, text, chat=True):   # another version: one more token in one listed prompt
-        ids = real(tokenizer, text, chat)
-        return torch.cat([ids[:, :1], ids[:, :1], ids[:, 1:]], dim=1) if text == "w7 w8" else ids
+    def other_tokenizer(tokenizer, texts, chat=True):   # another version: one more token in one listed prompt
+        return [np.concatenate([ids[:1], ids]) if text == "w7 w8" else ids
+                for text, ids in zip(texts, real(tokenizer, texts, chat))]
 
-    monkeypatch.setattr(commands, "encode", other_tokenizer)
+    monkeypatch.setattr(commands, "encode_many", other_tokenizer)
     out = run(more, "--add-prompts")
     assert "splits some listed prompt differently" in out and "2 prompts appended to the 3 there" in out
     m = am.AnswerStore.read_manifest(ans)
     assert m["prompts"] == 5 and am.AnswerStore(ans, m).present() == [0, 1, 2]
     assert (ans / "shard-00000.npz").read_bytes() == shard0
-    monkeypatch.setattr(commands, "encode", real)                    # back on the first machine
+    monkeypatch.setattr(commands, "encode_many", real)               # back on the first machine
     assert "splits some listed prompt differently" in run(more)

@@ -190,6 +190,10 @@ def test_the_target_writes_training_prompts_for_itself(tmp_path):
     assert 1 <= len(a) <= 5 and len(set(a)) == len(a) and all(t.strip() for t in a)
     assert all(w.startswith("w") or w in ("<s>",) for t in a for w in t.split())
     assert self_written_prompts(model, tok, 5, max_new_tokens=6, seed=3, batch_size=4) == a
+    # a deadline already passed: the first batch alone, the same draws as the unbounded run's first batch
+    b = self_written_prompts(model, tok, 8, max_new_tokens=6, seed=3, batch_size=4)
+    c = self_written_prompts(model, tok, 8, max_new_tokens=6, seed=3, batch_size=4, deadline=0.0)
+    assert len(b) > len(c) >= 1 and len(c) <= 4 and c == b[:len(c)]
 
     class Templated:
         chat_template = "x"
@@ -404,3 +408,25 @@ def test_training_stops_at_its_deadline_and_resumes(tmp_path):
     log2 = train_draft(model, None, tmp_path, records=recs, draft_vocab_size=40, steps=3, log_every=1, batch_size=2,
                        resume=True)
     assert [s for s, _, _ in log2] == [1, 2, 3]
+
+
+def test_encode_many_gives_encode_s_ids_through_the_batched_path(tmp_path):
+    """The answer store's prompt list is encoded in chunks through the tokenizer's batched path: the same ids as
+    :func:`encode` one by one, with a chat template and without, across chunk boundaries."""
+    import numpy as np
+    from _pairs import save_tiny_pair
+
+    from heterospec.tools.prompts import encode, encode_many
+
+    _, tok = save_tiny_pair(tmp_path)
+    texts = ["w1 w2", "w3", "w4 w5 w6 zzz", "", "w2 w2 w2 w2 w2"]
+    for template in (None, "{% for m in messages %}<s> {{ m['content'] }} w9{% endfor %}"
+                           "{% if add_generation_prompt %} w7 w8{% endif %}"):
+        tok.chat_template = template
+        for chat in (True, False):
+            want = [encode(tok, t, chat).view(-1).numpy() for t in texts]
+            got = encode_many(tok, texts, chat, chunk=2)
+            assert len(got) == len(want) and all(g.dtype == np.int64 and np.array_equal(g, w)
+                                                 for g, w in zip(got, want))
+            if template and chat:
+                assert got[1].tolist()[-2:] == tok.convert_tokens_to_ids(["w7", "w8"])

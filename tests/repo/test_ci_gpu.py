@@ -599,7 +599,7 @@ def test_the_committed_ledger_names_real_phases_and_is_well_formed():
     assert led["phases"], "the ledger starts from the two windows of 2026-11-26"
     for name, e in led["phases"].items():
         assert name in phases.BY_NAME, name
-        assert e["kind"] == phases.BY_NAME[name].kind and e["state"] in ("pass", "fail", "timeout", "skip")
+        assert e["kind"] == phases.BY_NAME[name].kind and e["state"] in ("pass", "fail", "timeout", "skip", "interrupted")
         assert re.fullmatch(r"[0-9a-f]{16}", e["digest"]) and e["device"].startswith("NVIDIA")
     # a recorded window's numbers are its raw results': the bf16 bench's entry, read from the committed results.json
     # of the window that ran it (the raw folder whose phase status ended when the entry says), not from the ledger
@@ -916,6 +916,27 @@ def test_two_windows_of_one_day_and_device_keep_their_raw_files_apart(tmp_path):
     window.record(later, phases.BY_NAME, str(ledger), out=open(os.devnull, "w"))
     assert (kept / "2026-11-28-nvidia-h200" / "build" / "build.log").read_text() == "the fifth window's log"
     assert (kept / "2026-11-28-nvidia-h200-3" / "build" / "build.log").read_text() == "a third window's log"
+
+
+def test_a_phase_still_running_when_the_results_came_back_is_recorded_as_interrupted(tmp_path):
+    """The eighth window's head was running when its last results came back; an idle gap then gave the machine
+    back.  The ledger read 'running' (a state the plan did not know: "code changed since it running"); it is an
+    interrupted phase with the reason, and a later call's results of the same window replace the entry."""
+    ledger = tmp_path / "results" / "ledger.json"
+    d = tmp_path / "out" / "head"
+    d.mkdir(parents=True)
+    st = {"state": "running", "passed": None, "failed": None, "seconds": None, "device": "NVIDIA H200",
+          "started": "2026-11-30 14:37:04 UTC", "digest": "0" * 16}
+    (d / "status.json").write_text(json.dumps(st))
+    assert window.record(str(tmp_path / "out"), phases.BY_NAME, str(ledger), out=open(os.devnull, "w")) == ["head"]
+    e = json.loads(ledger.read_text())["phases"]["head"]
+    assert e["state"] == "interrupted" and e["reason"] == "running when the results came back" and e["minutes"] is None
+    (d / "status.json").write_text(json.dumps(dict(st, state="pass", passed=3, failed=0, seconds=480,
+                                                   ended="2026-11-30 14:45:04 UTC")))
+    window.record(str(tmp_path / "out"), phases.BY_NAME, str(ledger), out=open(os.devnull, "w"))
+    led = json.loads(ledger.read_text())
+    assert led["phases"]["head"]["state"] == "pass" and "reason" not in led["phases"]["head"]
+    assert len(led["windows"]) == 1
 
 
 def test_a_group_phase_that_needs_the_pair_waits_for_its_bundles_then_runs(monkeypatch):

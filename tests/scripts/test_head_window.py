@@ -171,9 +171,10 @@ def test_merge_refuses_a_window_of_another_store(window, tmp_path):
     assert res.returncode == 2 and "prompts_sha256" in res.stderr and "Traceback" not in res.stderr
 
 
-def test_a_window_adds_self_written_prompts_once_and_merge_takes_the_grown_list(window, tmp_path):
+def test_a_window_adds_self_written_prompts_until_the_list_holds_n_and_merge_takes_the_grown_list(window, tmp_path):
     """--self-prompts N: the first window appends the target's own prompts to the list (the answered shards
-    stay, the old short last shard is answered again); merge takes the grown list; a later window adds none."""
+    stay, the old short last shard is answered again); merge takes the grown list; a later window adds none
+    once the list holds N of them."""
     root, store, _, args = window
     mine, theirs = tmp_path / "repo", tmp_path / "machine"
     shutil.copytree(root / "repo-store", mine)
@@ -186,7 +187,8 @@ def test_a_window_adds_self_written_prompts_once_and_merge_takes_the_grown_list(
     assert hw.main(run + ["--work", str(tmp_path / "w1"), "--out", str(tmp_path / "o1"), "--tau-limit", "0"]) == 0
     grown = AnswerStore.read_prompts(theirs)
     assert grown["prompts"][:len(old)] == old and 1 <= len(grown["prompts"]) - len(old) <= 3
-    assert grown["added"][-1]["data"] == ["self:3"] and hw.window_wrote_prompts(str(theirs))
+    written = len(grown["prompts"]) - len(old)
+    assert grown["added"][-1]["data"] == ["self:3"] and hw.self_written(str(theirs)) == (written, 1)
     m = AnswerStore.read_manifest(theirs)
     assert m["prompts"] == len(grown["prompts"]) and m["extended"] == [
         {"prompts": len(old), "prompts_sha256": AnswerStore.read_manifest(mine)["prompts_sha256"],
@@ -203,6 +205,7 @@ def test_a_window_adds_self_written_prompts_once_and_merge_takes_the_grown_list(
     assert sorted(AnswerStore(str(mine), got).present()) == sorted(int(k) for k in got["shards"])
     assert hw.main(["merge", *parts, "--answers", str(mine), "--carry-out", str(tmp_path / "c")]) == 0  # idempotent
     # the next window finds them and adds none
+    run[run.index("--self-prompts") + 1] = str(written)
     assert hw.main(run + ["--work", str(tmp_path / "w2"), "--out", str(tmp_path / "o2"), "--tau-limit", "0",
                           "--collect-seconds", "0"]) == 0
     assert AnswerStore.read_prompts(theirs) == grown
@@ -276,6 +279,8 @@ def test_a_failure_while_the_target_writes_its_prompts_costs_that_step_only(wind
     assert "no self-written prompts added (ValueError: AnswerStore: the store refused)" in capsys.readouterr().err
     (add,) = [a for a in calls if "--add-prompts" in a]
     assert add[add.index("--gen-batch-size") + 1] == "7"
+    # bounded in time (--self-seconds), the first window's seed 0
+    assert float(add[add.index("--time-limit") + 1]) == 60 and add[add.index("--seed") + 1] == "0"
     assert len(calls) >= 2 and (theirs / "prompts.json.gz").read_bytes() == before
     parts = os.listdir(tmp_path / "o")
     assert parts and all(p.startswith("head-window.tar.") for p in parts)
