@@ -65,6 +65,11 @@ START_MINUTES = 2.0      # machine start, the first call's transfer, the bundle 
 # were measured side by side, so they hold the contention already: in the fourth window (H100) six phases ran
 # together and the group ended with its longest (engine, 8.9 min); the other five's 19.3 minutes added nothing.
 CONTENTION = 0.1
+# the head recipe runs HEAD_SECONDS (500 by default: the table's 9 minutes); its minutes in the plan follow a
+# HEAD_SECONDS given to the window, plus this for loading the pair and packing past --seconds, so a shorter
+# head leaves a speed phase room in the same window
+HEAD_DEFAULT_SECONDS = 500
+HEAD_OVERHEAD_MINUTES = 0.67
 # how long a correctness phase of the side-by-side group that needs the default pair waits for its bundles (they
 # come in the calls after the first; the fifth window's four took 20 s) before it is skipped
 PAIR_WAIT_S = 240
@@ -341,7 +346,21 @@ def _order(name):
     return PRIORITY.index(name) if name in PRIORITY else len(PRIORITY)
 
 
-def plan(table, ledger, window_minutes, digests):
+def head_minutes(env):
+    """The head phase's expected minutes from HEAD_SECONDS in ``env`` (None when it is not set)."""
+    raw = env.get("HEAD_SECONDS")
+    if raw in (None, ""):
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 60 <= seconds <= 540:
+        raise LedgerError(f"HEAD_SECONDS: expected seconds from 60 to 540 (one call of at most 9 minutes), got {raw!r}")
+    return round(seconds / 60 + HEAD_OVERHEAD_MINUTES, 2)
+
+
+def plan(table, ledger, window_minutes, digests, env=None):
     """The window's plan: {"run": [names in order], "group": correctness names run side by side,
     "serial": the rest in order, "left": [(name, why)], "minutes": expected wall minutes,
     "why": {name: why it runs}, "expected": {name: minutes}}."""
@@ -371,6 +390,9 @@ def plan(table, ledger, window_minutes, digests):
 
     pending.sort(key=rank)
     exp = {n: expected_minutes(table[n], entries.get(n)) for n in table}
+    head = head_minutes(os.environ if env is None else env)
+    if head is not None and "head" in exp:
+        exp["head"] = head
     cuda = any("cuda" in table[n].needs for n in pending)
     setup = [n for n in SETUP_PHASES if n in table and (n in pending or cuda)]
     for n in setup:

@@ -656,13 +656,43 @@ def test_the_head_recipe_runs_beside_the_correctness_group_in_every_window():
     t["head"] = dataclasses.replace(phases.BY_NAME["head"], minutes=8)
     digests = {n: f"d-{n}" for n in t}
     done = {"phases": {n: _entry(f"d-{n}") for n in t}, "windows": []}
-    p = window.plan(t, done, 14, digests)
+    p = window.plan(t, done, 14, digests, env={})
     assert p["group"] == ["head"] and "every window" in p["why"]["head"]    # passed on this code: runs again
-    p = window.plan(t, {"phases": {}, "windows": []}, 13, digests)
+    p = window.plan(t, {"phases": {}, "windows": []}, 13, digests, env={})
     assert p["group"] == ["k", "head"] and p["serial"] == []                # before s1, which no longer fits
     assert p["minutes"] == pytest.approx(window.START_MINUTES + 0.5 + 8 + window.CONTENTION * 4)
-    assert window.plan(t, {"phases": {}, "windows": []}, 17, digests)["serial"] == ["s1"]
+    assert window.plan(t, {"phases": {}, "windows": []}, 17, digests, env={})["serial"] == ["s1"]
     assert phases.BY_NAME["head"].window and not phases.BY_NAME["vllm"].window
+
+
+def test_head_seconds_sets_the_head_s_minutes_so_a_speed_phase_can_follow(tmp_path):
+    """HEAD_SECONDS, which the head phase's command reads, also sets its minutes in the plan (seconds / 60 plus
+    the pair's loading): at the default 500 s nothing follows the group and the head in 14 minutes; at 300 s a
+    3-minute speed phase does.  A value the command could not run in one call is one line, status 2."""
+    import dataclasses
+
+    t = _table([("build", "correctness", 0.5, ["cuda"]), ("k", "correctness", 4, ["cuda"]),
+                ("s1", "speed", 3, ["cuda"])])
+    t["head"] = dataclasses.replace(phases.BY_NAME["head"], minutes=9)
+    digests = {n: f"d-{n}" for n in t}
+    none = {"phases": {}, "windows": []}
+    p = window.plan(t, none, 14, digests, env={})
+    assert p["expected"]["head"] == 9 and p["serial"] == [] and [n for n, _ in p["left"]] == ["s1"]
+    at_default = window.plan(t, none, 14, digests, env={"HEAD_SECONDS": "500"})
+    assert at_default["expected"]["head"] == pytest.approx(9, abs=0.01)
+    p = window.plan(t, none, 14, digests, env={"HEAD_SECONDS": "300"})
+    assert p["expected"]["head"] == pytest.approx(300 / 60 + window.HEAD_OVERHEAD_MINUTES)
+    assert p["group"] == ["k", "head"] and p["serial"] == ["s1"]
+    assert p["minutes"] == pytest.approx(window.START_MINUTES + 0.5 + p["expected"]["head"]
+                                         + window.CONTENTION * 4 + 3)
+    for bad in ("abc", "30", "600", "-5"):
+        with pytest.raises(window.LedgerError, match="HEAD_SECONDS: expected seconds from 60 to 540"):
+            window.plan(t, none, 14, digests, env={"HEAD_SECONDS": bad})
+    r = _gpu(["--window", "14", "--dry-run"], tmp_path, {"HEAD_SECONDS": "abc"})
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "HEAD_SECONDS" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = _gpu(["--window", "14", "--dry-run"], tmp_path, {"HEAD_SECONDS": "300"})
+    assert r.returncode == 0 and re.search(r"\| head \| speed \| [^|]+ \| 5\.67 \|", r.stdout), r.stdout
 
 
 def test_expected_minutes_come_from_the_last_run_of_the_same_definition():
