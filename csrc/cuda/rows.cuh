@@ -42,13 +42,17 @@
 #define HS_SORT_MAX 1536  /* sorted candidates a verify_sample merge keeps (its shared memory stays under 48 KB) */
 #define HS_CHUNK_THREADS HS_TREE_THREADS
 
-/* Entries per chunk for `rows` rows of V: spread over about HS_TARGET_BLOCKS blocks, at least HS_CHUNK_MIN
- * entries, at most HS_MAX_CHUNKS chunks per row. */
+/* Entries per chunk for `rows` rows of V: HS_TARGET_BLOCKS / rows chunks a row, rounded down (at least 1, at
+ * most HS_MAX_CHUNKS), so that rows * chunks never passes HS_TARGET_BLOCKS when rows <= HS_TARGET_BLOCKS; at
+ * least HS_CHUNK_MIN entries.  Rounding up instead (chunks of ceil(rows * V / HS_TARGET_BLOCKS) entries) gave
+ * the 60 rows of 128,256 nine chunks each: 540 blocks where an H200 holds 528 of the 64-register kernels
+ * (hs_k_chunks<bf16, 1>, hs_k_wide_level: 4 blocks an SM), and the eighth window's Nsight Compute counters show
+ * the second wave's 12 blocks: the SMs active 65 % of those launches' 86-95 us. */
 static inline int64_t hs_chunk_len(int64_t rows, int64_t V) {
     if (V < 1) return 1;
-    int64_t c = rows > 0 && rows <= INT64_MAX / V ? (rows * V + HS_TARGET_BLOCKS - 1) / HS_TARGET_BLOCKS : V;
-    int64_t lo = (V + HS_MAX_CHUNKS - 1) / HS_MAX_CHUNKS;
-    c = c < lo ? lo : c;
+    int64_t C = rows > 0 ? HS_TARGET_BLOCKS / rows : 1;
+    C = C < 1 ? 1 : C > HS_MAX_CHUNKS ? HS_MAX_CHUNKS : C;
+    int64_t c = (V + C - 1) / C;
     c = c < HS_CHUNK_MIN ? HS_CHUNK_MIN : c;
     return c > V ? V : c;
 }

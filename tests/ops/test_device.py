@@ -158,18 +158,25 @@ def test_graph_capture_of_a_cycle_replays_exactly():
 @on_device
 def test_rows_are_split_into_chunks_as_on_a_gpu():
     """The split-row merge paths run on every GPU cycle; the emulation must take them too (it once kept every
-    row whole).  Hand-computed: chunk = max(ceil(rows * V / 528), ceil(V / 32), minimum chunk), at most V;
-    the minimum chunk is 256 entries emulated and 1024 on a GPU."""
+    row whole).  Hand-computed: C = min(floor(528 / rows), 32) chunks a row (at least 1), chunk = ceil(V / C)
+    entries but at least the minimum chunk (256 entries emulated, 1024 on a GPU) and at most V; so the blocks,
+    rows * chunks, never pass 528 (one wave of the 64-register kernels on an H100 or H200: 4 blocks on each of
+    132 SMs) while rows <= 528."""
     chunks = heterospec._C.cuda_chunks
     assert chunks(1, 100) == 1
     if EMU:
         assert chunks(6, 3001) == 12        # ceil(3001 / 256): the split_rows tests' shape
         assert chunks(1, 3001) == 12
-        assert chunks(60, 128256) == 9      # ceil(60 * 128256 / 528) = 14575 entries a chunk
     else:
         assert chunks(6, 3001) == 3         # ceil(3001 / 1024)
-        assert chunks(60, 128256) == 9      # the cycle benchmark's shape (test_split_rows_at_the_benchmark_shape)
+    # the cycle benchmark's shape (test_split_rows_at_the_benchmark_shape): 8 chunks of 16,032 (rounding the
+    # chunk's length up from rows * V / 528 gave 9 of 14,575: 540 blocks, a second wave of 12)
+    assert chunks(60, 128256) == 8 and chunks(60, 49152) == 8
+    assert chunks(20, 128256) == 26         # floor(528 / 20) (rounding up gave 27: 540 blocks)
     assert chunks(1, 49152) == 32           # SmolLM2's vocabulary, one row: the 32-chunk cap (1536 entries)
+    assert chunks(600, 128256) == 1         # more rows than blocks: one chunk a row
+    for V in (49152, 128256, 151936):
+        assert all(rows * chunks(rows, V) <= 528 for rows in range(1, 529)), V
 
 
 @on_device
