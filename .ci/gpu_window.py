@@ -68,7 +68,6 @@ CONTENTION = 0.1
 # the head recipe runs HEAD_SECONDS (500 by default: the table's 9 minutes); its minutes in the plan follow a
 # HEAD_SECONDS given to the window, plus this for loading the pair and packing past --seconds, so a shorter
 # head leaves a speed phase room in the same window
-HEAD_DEFAULT_SECONDS = 500
 HEAD_OVERHEAD_MINUTES = 0.67
 # how long a correctness phase of the side-by-side group that needs the default pair waits for its bundles (they
 # come in the calls after the first; the fifth window's four took 20 s) before it is skipped

@@ -7,8 +7,8 @@ at most a few files of 16 MiB.  So one call of ``run`` does everything a window 
    by ``.ci/gpu_carry.py prepare --head-state``), or the state already in ``--work`` on this machine, or the
    shipped head (``--init-head``);
 2. **answer**: until the list holds ``--self-prompts`` prompts the target wrote for itself, it first writes more
-   (``--self-seconds`` at most a window), appended to the list; then it answers the later turns of conversations begun in earlier windows and the next prompts of the
-   committed answer store (``--answers``: HF's
+   (``--self-seconds`` at most a window), appended to the list; then it answers the later turns of
+   conversations begun in earlier windows and the next prompts of the committed answer store (``--answers``: HF's
    ``generate`` on the static cache at ``--gen-batch-size``, bfloat16), no shard started past its share of
    the time;
 3. **train** on every answered shard (the committed ones and the new), the features recomputed on the fly

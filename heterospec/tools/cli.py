@@ -203,8 +203,9 @@ def build_parser():
                    help="with --answers: no feature files; every training batch's features come from one "
                         "teacher-forced forward of the target (a GPU's way, for answers of any size)")
     t.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
-                   help="after this many seconds from the start, start no new batch of self-written prompts (self:N), no "
-                        "new answer shard, and stop training at the next step (checkpointed: --resume goes on)")
+                   help="after this many seconds from the start, start no new batch of self-written prompts "
+                        "(self:N), no new answer shard, and stop training at the next step (checkpointed: --resume "
+                        "goes on)")
     t.add_argument("--shard-size", type=int, default=256, help="prompts per shard of --answers or a --records directory")
     t.add_argument("--collect-only", action="store_true",
                    help="only answer the prompts into --records (resumable), do not train")

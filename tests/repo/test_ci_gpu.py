@@ -599,7 +599,8 @@ def test_the_committed_ledger_names_real_phases_and_is_well_formed():
     assert led["phases"], "the ledger starts from the two windows of 2026-11-26"
     for name, e in led["phases"].items():
         assert name in phases.BY_NAME, name
-        assert e["kind"] == phases.BY_NAME[name].kind and e["state"] in ("pass", "fail", "timeout", "skip", "interrupted")
+        assert e["kind"] == phases.BY_NAME[name].kind
+        assert e["state"] in ("pass", "fail", "timeout", "skip", "interrupted")
         assert re.fullmatch(r"[0-9a-f]{16}", e["digest"]) and e["device"].startswith("NVIDIA")
     # a recorded window's numbers are its raw results': the bf16 bench's entry, read from the committed results.json
     # of the window that ran it (the raw folder whose phase status ended when the entry says), not from the ledger
