@@ -7,8 +7,9 @@
  * switch to the next fiber, and the dynamic shared memory one buffer per block.  That build (HETEROSPEC_CUDA=emu) lets the CPU-only CI
  * run the kernels' logic through the real binding against the CPU core; it says nothing about speed and
  * cannot see GPU-only faults (memory model subtleties, launch limits), which the GPU parity run covers.
- * Because of it the kernels use only block-level shared-memory cooperation (no warp shuffles, no CUB)
- * and only dynamic shared memory.
+ * Because of it the kernels use no CUB and only dynamic shared memory, and exchange values between a warp's lanes
+ * only through hs_lane_xor / hs_lane_up (warp shuffles on a GPU; in the emulation a slot a thread between two
+ * barriers), called by every thread of the block alike.
  *
  * The kernels live per op family, as the CPU core does (csrc/core/): entropy.cu (topk_entropy, bucketize),
  * tree.cu (expand, select, build_tree), verify.cu (verify_greedy, verify_sample), kv.cu (kv_compact); the
@@ -44,6 +45,8 @@ extern std::atomic<long long> blocks_run; /* blocks every launch ran so far (hs_
  * has reached its next sync() or returned. */
 void run_blocks(dim3 grid, dim3 block, size_t smem, void (*call)(void *), void *arg);
 void sync();
+/* the warp exchange's slots (hs_lane_from): one a thread, shared by the fibers of the launching thread's block */
+extern thread_local unsigned long long lanes[1024];
 }
 #define threadIdx (hs_emu::thread_idx)
 #define blockIdx (hs_emu::block_idx)
@@ -55,6 +58,8 @@ void sync();
 #define __forceinline__ inline
 #define __restrict__
 inline void __syncthreads() { hs_emu::sync(); }
+/* __syncwarp as a whole-block barrier: valid wherever every thread of the block calls it alike, as the kernels do */
+inline void __syncwarp(unsigned = 0xffffffffu) { hs_emu::sync(); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 template <class T> inline T atomicAdd(T *p, T v) {
     T old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
@@ -111,6 +116,7 @@ inline int hs_emu_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t sme
 #define HS_LAUNCH(kernel, grid, block, smem, stream, ...) ((void)(stream), hs_emu_launch(kernel, dim3(grid), dim3(block), smem, __VA_ARGS__))
 __device__ __forceinline__ char *hs_smem() { return hs_emu::smem; }
 #define HS_BOUNDS(n)
+#define HS_BOUNDS_MIN(n, blocks)
 #else
 /* ---- CUDA -------------------------------------------------------------------------------------------- */
 #include <cuda_runtime.h>
@@ -133,6 +139,8 @@ static inline int hs_prepare_smem(const void *kernel, size_t smem) {
         hs_rc_;                                                                                            \
     })
 #define HS_BOUNDS(n) __launch_bounds__(n)
+/* ... and at least `blocks` of them resident on an SM (registers capped to fit: 64 for 4 blocks of 256) */
+#define HS_BOUNDS_MIN(n, blocks) __launch_bounds__(n, blocks)
 __device__ __forceinline__ char *hs_smem() {
     extern __shared__ __align__(16) char hs_dynamic_smem[];
     return hs_dynamic_smem;
@@ -306,17 +314,51 @@ __device__ __forceinline__ int hs_last_block(unsigned *ctr, int64_t of, int *fla
     return last;
 }
 
-/* ---- block reductions over shared scratch `red` (blockDim entries of 8 bytes); blockDim a power of 2.
- * Every thread of the block must call them; they end with the result visible to all. ------------------ */
-template <class T, class Op> __device__ __forceinline__ T hs_block_reduce(T v, T *red, Op op) {
-    unsigned t = threadIdx.x;
-    red[t] = v;
+/* ---- warps: the block's threads in groups of hs_warp_width() = min(32, blockDim) consecutive threads ------
+ * hs_lane_xor / hs_lane_up read another lane's value (__shfl_xor_sync / __shfl_up_sync); every thread of the block
+ * must call them alike.  The emulation exchanges through one slot a thread between two barriers. */
+__device__ __forceinline__ unsigned hs_warp_width() { return blockDim.x < 32 ? blockDim.x : 32u; }
+__device__ __forceinline__ unsigned hs_warp_mask() { return blockDim.x < 32 ? (1u << blockDim.x) - 1u : 0xffffffffu; }
+#ifdef HS_CUDA_EMU
+template <class T> inline T hs_lane_from(T v, unsigned src) {
+    static_assert(sizeof(T) <= sizeof(unsigned long long), "a lane holds 8 bytes");
+    memcpy(&hs_emu::lanes[threadIdx.x], &v, sizeof v);
     __syncthreads();
-    for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (t < s) red[t] = op(red[t], red[t + s]);
-        __syncthreads();
+    T r;
+    memcpy(&r, &hs_emu::lanes[src], sizeof r);
+    __syncthreads();
+    return r;
+}
+template <class T> inline T hs_lane_xor(T v, unsigned m) { return hs_lane_from(v, threadIdx.x ^ m); }
+template <class T> inline T hs_lane_up(T v, unsigned d) {
+    return hs_lane_from(v, threadIdx.x % hs_warp_width() >= d ? threadIdx.x - d : threadIdx.x);
+}
+#else
+template <class T> __device__ __forceinline__ T hs_lane_xor(T v, unsigned m) {
+    return __shfl_xor_sync(hs_warp_mask(), v, m);
+}
+template <class T> __device__ __forceinline__ T hs_lane_up(T v, unsigned d) {
+    return __shfl_up_sync(hs_warp_mask(), v, d);
+}
+#endif
+
+/* ---- block reductions and scans over shared scratch `red` (8 bytes for each warp: blockDim entries suffice);
+ * blockDim a power of 2.  Every thread of the block must call them; they end with the result visible to all,
+ * and with a barrier (what the block wrote to shared memory before the call is visible after it).  Each warp
+ * combines its lanes by exchanges, then every thread combines the warps' results from `red` in warp order: two
+ * barriers a call, where a tree over shared memory took log2(blockDim) + 2 (10 for 256 threads, 12 for 1,024;
+ * the eighth GPU window's one-block merges spend 13-31 us mostly on such barrier chains).  A pair of lanes always
+ * combines as op(lower lane, higher lane), so every lane gets the same bits (max/min with a NaN included). */
+template <class T, class Op> __device__ __forceinline__ T hs_block_reduce(T v, T *red, Op op) {
+    const unsigned t = threadIdx.x, W = hs_warp_width();
+    for (unsigned m = W / 2; m > 0; m >>= 1) {
+        const T o = hs_lane_xor(v, m);
+        v = (t & m) ? op(o, v) : op(v, o);
     }
+    if (t % W == 0) red[t / W] = v;
+    __syncthreads();
     T r = red[0];
+    for (unsigned w = 1; w < blockDim.x / W; w++) r = op(r, red[w]);
     __syncthreads();
     return r;
 }
@@ -330,21 +372,26 @@ struct hs_op_min {
     template <class T> __device__ __forceinline__ T operator()(T a, T b) const { return a < b ? a : b; }
 };
 
-/* Exclusive prefix sum of v over the block in thread order (Hillis-Steele); *total gets the sum. */
+/* Exclusive prefix sum of v over the block in thread order; *total gets the sum.  Within a warp by exchanges
+ * (Hillis-Steele), then each thread adds the totals of the warps before its own. */
 template <class T> __device__ __forceinline__ T hs_block_exscan(T v, T *red, T *total) {
-    unsigned t = threadIdx.x;
-    red[t] = v;
-    __syncthreads();
-    for (unsigned s = 1; s < blockDim.x; s <<= 1) {
-        T add = t >= s ? red[t - s] : (T)0;
-        __syncthreads();
-        red[t] += add;
-        __syncthreads();
+    const unsigned t = threadIdx.x, W = hs_warp_width(), lane = t % W;
+    T x = v;
+    for (unsigned d = 1; d < W; d <<= 1) {
+        const T y = hs_lane_up(x, d);
+        if (lane >= d) x = y + x;
     }
-    T incl = red[t];
-    *total = red[blockDim.x - 1];
+    const T ex = hs_lane_up(x, 1); /* the warp's sum before this lane (lane 0: its own, not used) */
+    if (lane == W - 1) red[t / W] = x;
     __syncthreads();
-    return incl - v;
+    T before = (T)0, all = (T)0;
+    for (unsigned w = 0; w < blockDim.x / W; w++) {
+        if (w == t / W) before = all;
+        all += red[w];
+    }
+    *total = all;
+    __syncthreads();
+    return lane == 0 ? before : before + ex;
 }
 
 /* ---- block radix select ----------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ static size_t hs_chunk_smem(unsigned th, int K) {
 
 /* With `sum`: s = sum of expf(x - m) (MODE 0: expand) or of exp(x/t - m/t) in float64 (MODE 1: verify_sample).  Rows i >= n_dev[i / T] of a verify call are skipped.  Grid: rows * C blocks. */
 template <int DT, int MODE>
-__global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_chunks(const void *logits, int64_t V, int64_t len, int64_t C, int64_t T,
+__global__ void HS_CHUNK_BOUNDS hs_k_chunks(const void *logits, int64_t V, int64_t len, int64_t C, int64_t T,
                                                         const int64_t *n_dev, int K, int sum, double temperature,
                                                         hs_part *parts, uint32_t *ckey, int64_t *cidx) {
     char *sm = hs_smem();

@@ -35,6 +35,10 @@
  * a GPU's are (with a target of 1 block, rows * V / 1 >= V kept every row in one chunk and the merge paths
  * were never run off a GPU: tests/ops/test_device.py checks hs_cuda_chunks) */
 #define HS_TARGET_BLOCKS 528
+/* ... which the kernels launched on rows * chunks blocks are compiled to allow: at most 64 registers a thread.
+ * Without the bound, the block reductions' warp exchanges took hs_k_chunks<bf16, 1> to 72 registers: 3 blocks an
+ * SM, and 480 blocks in two waves. */
+#define HS_CHUNK_BOUNDS HS_BOUNDS_MIN(HS_CHUNK_THREADS, 4)
 #define HS_MAX_CHUNKS 32
 #define HS_CAND_MAX 256   /* the largest K the split path takes (expand k, verify_sample top_k) */
 #define HS_TOPP_CAND 128  /* candidates per chunk for a top-p cut without top-k */
@@ -211,8 +215,8 @@ __device__ __forceinline__ int64_t hs_merge_rank(const hs_cands &v, int64_t C, i
  * hs_merge_rank there, whose C - 1 binary searches per candidate made a merge quadratic in the chunks: the fifth
  * GPU window timed hs_k_expand_merge for 10 rows at 11.2 us with 1 chunk a row, 18.1 with 16 and 39.0 with 32
  * (C * k * (C - 1) searches: 2,400 and 9,920).  The sort is log2(n2) * (log2(n2) + 1) / 2 barrier-separated
- * passes (45 for C * K = 320), each thread comparing n2 / 2 / blockDim pairs a pass.  `at`: 16-byte aligned
- * shared memory of hs_merge_sort_smem(C, K) bytes.  Every thread calls it; the result is visible to all. */
+ * passes (45 for C * K = 320), each thread comparing n2 / 2 / blockDim pairs a pass; most of them warp-local.
+ * `at`: 16-byte aligned shared memory of hs_merge_sort_smem(C, K) bytes.  Every thread calls it; the result is visible to all. */
 __host__ __device__ static inline int64_t hs_pow2_at_least(int64_t n) {
     int64_t p = 1;
     while (p < n) p <<= 1;
@@ -266,7 +270,12 @@ __device__ __forceinline__ hs_sorted hs_merge_sort(const uint32_t *CK, const int
                     id[hi] = il;
                 }
             }
-            __syncthreads();
+            /* a pass of stride <= 16 has pair i (of thread i mod blockDim) in slots [64 * (i / 32), + 64): with
+             * blockDim a multiple of 32, one warp owns those slots in every such pass, so between two of them
+             * the warp need only wait for itself (35 of the 45 passes for C * K = 320) */
+            const int next = stride > 1 ? stride >> 1 : (size < (int)n2 ? size : 0);
+            if (stride <= 16 && next > 0 && next <= 16 && blockDim.x % 32 == 0) __syncwarp();
+            else __syncthreads();
         }
     }
     hs_sorted s = {key, id, n};

@@ -359,6 +359,7 @@ namespace hs_emu {
 thread_local dim3 thread_idx, block_idx;
 thread_local dim3 block_dim, grid_dim;
 thread_local char *smem;
+thread_local unsigned long long lanes[1024];
 std::atomic<long long> blocks_run{0};
 
 /* 128 KB a fiber (the kernels keep small locals, and AddressSanitizer's redzones fit), above a guard page */

@@ -62,7 +62,7 @@ static hs_status hs_verify_sizes(const char *op, int64_t T, size_t ws_bytes, siz
  * ~col (ties to the lower id) and its first bad entry; hs_k_argmax_merge folds a row's chunks into
  * ws[2*row] = argmax, ws[2*row+1] = -1, or the error (argmax -1 and col*2+is_inf, or -2 for an all -inf row). */
 template <int DT>
-__global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_argmax_chunks(const void *logits, int64_t T, int64_t V, int64_t len, int64_t C,
+__global__ void HS_CHUNK_BOUNDS hs_k_argmax_chunks(const void *logits, int64_t T, int64_t V, int64_t len, int64_t C,
                                                                const int64_t *n_dev, unsigned long long *pbest, long long *pbad) {
     long long *red = (long long *)hs_smem();
     const int64_t rc = blockIdx.x, row = rc / C, c = rc % C;
@@ -309,7 +309,7 @@ __device__ __forceinline__ uint32_t hs_key_fill(uint32_t pfx, int shift) {
 }
 
 template <int DT>
-__global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_wide_level(const void *logits, int64_t T, int64_t V, const int64_t *n_dev,
+__global__ void HS_CHUNK_BOUNDS hs_k_wide_level(const void *logits, int64_t T, int64_t V, const int64_t *n_dev,
                                                             double temperature, double top_p, int64_t len,
                                                             int64_t C, int phase, int level, hs_warp_stats *stats,
                                                             hs_wide *wide, unsigned long long *hcnt, double *hmass,
@@ -503,7 +503,7 @@ __global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_wide_level(const void *logits, 
  * The seventh window (H200) timed the one-block scan of a whole bf16 row this replaces inside level 1 at about
  * 100 us for 59 rows of 128,256. */
 template <int DT>
-__global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_wide_tie(const void *logits, int64_t T, int64_t V, const int64_t *n_dev,
+__global__ void HS_CHUNK_BOUNDS hs_k_wide_tie(const void *logits, int64_t T, int64_t V, const int64_t *n_dev,
                                                           int64_t len, int64_t C, hs_warp_stats *stats, hs_wide *wide,
                                                           long long *tcnt, unsigned *ctr) {
     char *sm = hs_smem();
@@ -735,7 +735,7 @@ struct hs_walk_rec {
 /* The residual draw's first half: the residual mass of each chunk of the row the walk ended at (rejected
  * tokens removed) and its last token with mass.  Grid: batch * C blocks. */
 template <int DT>
-__global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_resid_chunks(const void *logits, int64_t T, int64_t V, int64_t len, int64_t C,
+__global__ void HS_CHUNK_BOUNDS hs_k_resid_chunks(const void *logits, int64_t T, int64_t V, int64_t len, int64_t C,
                                                               double temperature, const hs_warp_stats *stats,
                                                               const hs_walk_rec *rec, const int64_t *rejg, double *rmass,
                                                               long long *rlast) {
