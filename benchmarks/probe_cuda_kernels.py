@@ -27,6 +27,12 @@ The fourth window (H100, RESULTS.md) left two questions, answered by three more 
    work, but fall into 2 or 1 bins: if level 0's launch slows as the bins narrow while levels 1-3 do not, the time is those atomics'
    contention.
 
+6. the minimum chunk length (`_C.cuda_set_chunk_min`): the eighth window's probe shows the draft's split rows
+   paying a fixed latency per kernel and per chunk (10 rows of Vd = 1,024 in one chunk each: chunk kernel 9.8 us,
+   merge 12.6; 10 rows of 32,000 in 32 chunks of 1,000: 15.5 and 17.9), so fewer, longer chunks may be cheaper
+   for the draft's few rows while the target's 60 rows of 128,256 (8 chunks of 16,032) are untouched; each op of
+   the cycle and the whole cycle replayed in a graph at each minimum (CHUNK_MINS) chooses the default.
+
 The sixth window (H200) left the wide launches at 94-110 us each whatever their work: level 2 of the flat rows,
 where almost no entry passes the prefix test, took 43 us, and the "+1000" rows, where every entry passes every
 level, about 100.  Neither float64 arithmetic (about 10 us of it for 7.7M entries) nor contention explains that;
@@ -44,6 +50,7 @@ import json
 from benchmarks.bench_cuda_cycle import capture, cycle_ops, make_inputs, make_state, per_op_calls, timeit
 
 MERGE_VOCABS = (1024, 4096, 16384, 32000)     # 10 rows each: 1, 4, 16 and 32 chunks a row on a GPU
+CHUNK_MINS = (0, 2048, 4096, 8192, 32768)      # 0: the build's default (1,024 on a GPU)
 # (dtype, shift) for randn * 3 + shift: the same softmax (so the same nucleus), keys in fewer level-0 bins
 WIDE_CASES = (("bfloat16", 0.0), ("float32", 0.0), ("float32", 30.0), ("float32", 1000.0))
 
@@ -170,6 +177,32 @@ def wide_sweep(ops, torch, dev, tree_tokens, tree_parents, V, iters):
     return rows
 
 
+def chunk_sweep(ops, torch, x, state, calls, iters):
+    """Each op of the cycle (calls: per_op_calls) and the whole cycle, each replayed in a graph captured after
+    setting the minimum chunk length to each of CHUNK_MINS; the chunks a row of each shape gets.  The build's
+    default is restored afterwards, whatever happens."""
+    from heterospec._native import _C
+    rows = []
+    shapes = {"draft": (x["k"], x["draft"][-1].shape[1]), "draft root": (1, x["draft"][0].shape[1]),
+              "target": tuple(x["target"].shape)}
+    try:
+        for lo in CHUNK_MINS:
+            _C.cuda_set_chunk_min(lo)
+            row = dict(chunk_min=lo or None, chunks={k: chunks_per_row(*v) for k, v in shapes.items()}, ops={})
+            for op, fn in calls.items():
+                g = capture(torch, fn)
+                row["ops"][op] = timeit(torch, g.replay, iters)["median_us"]
+                del g
+            cyc = capture(torch, lambda: cycle_ops(ops, torch, x, state))
+            row["cycle_us"] = timeit(torch, cyc.replay, iters)["median_us"]
+            del cyc
+            ops.cuda_check(torch.device("cuda"))
+            rows.append(row)
+    finally:
+        _C.cuda_set_chunk_min(0)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=100)
@@ -254,6 +287,18 @@ def main(argv=None):
         print(f"| {r['dtype']} randn x 3 + {r['shift']:g} | {r['bins']:.1f} | {r['largest_bin']:.2f} | "
               f"{r['graph_median_us']:.1f} | {' / '.join(f'{u:.1f}' for u in r['wide_level_us'])} | "
               f"{sum(r['wide_tie_us']):.1f} |")
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+    # 6. the minimum chunk length
+    out["chunk_sweep"] = chunk_sweep(ops, torch, x, state, calls, args.iters)
+    names = list(calls)
+    print("\n| chunk min | chunks a row (draft / root / target) | " + " | ".join(names) + " | cycle us |\n|---|---|"
+          + "---:|" * (len(names) + 1))
+    for r in out["chunk_sweep"]:
+        c = r["chunks"]
+        print(f"| {r['chunk_min'] or 'default'} | {c['draft']} / {c['draft root']} / {c['target']} | "
+              + " | ".join(f"{r['ops'][n]:.1f}" for n in names) + f" | {r['cycle_us']:.1f} |")
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     return out

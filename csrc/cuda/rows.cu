@@ -3,11 +3,17 @@
  * topk_entropy (entropy.cu), expand (tree.cu) and verify_sample (verify.cu); and the launch-geometry
  * diagnostics of heterospec_cuda.h.
  */
+#include <atomic>
+
 #include "rows.cuh"
 
 extern "C" int hs_cuda_max_threads(void) { return HS_ROW_THREADS; }
 
 extern "C" int64_t hs_cuda_chunks(int64_t rows, int64_t V) { return hs_nchunks(V, hs_chunk_len(rows, V)); }
+
+static std::atomic<int64_t> hs_chunk_min_len{HS_CHUNK_MIN};
+int64_t hs_chunk_min(void) { return hs_chunk_min_len.load(std::memory_order_relaxed); }
+extern "C" int64_t hs_cuda_set_chunk_min(int64_t n) { return hs_chunk_min_len.exchange(n >= 1 ? n : HS_CHUNK_MIN); }
 
 /* The K best of n keys (key desc, index asc) into out_key / out_idx (index + idx0), best first.  tmax: this
  * thread's largest key over the entries it read with the same stride (0 if none).  Shared: red, scratch

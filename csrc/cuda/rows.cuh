@@ -48,16 +48,18 @@
 
 /* Entries per chunk for `rows` rows of V: HS_TARGET_BLOCKS / rows chunks a row, rounded down (at least 1, at
  * most HS_MAX_CHUNKS), so that rows * chunks never passes HS_TARGET_BLOCKS when rows <= HS_TARGET_BLOCKS; at
- * least HS_CHUNK_MIN entries.  Rounding up instead (chunks of ceil(rows * V / HS_TARGET_BLOCKS) entries) gave
- * the 60 rows of 128,256 nine chunks each: 540 blocks where an H200 holds 528 of the 64-register kernels
- * (hs_k_chunks<bf16, 1>, hs_k_wide_level: 4 blocks an SM), and the eighth window's Nsight Compute counters show
- * the second wave's 12 blocks: the SMs active 65 % of those launches' 86-95 us. */
+ * least hs_chunk_min() entries (HS_CHUNK_MIN).  Rounding up instead (chunks of ceil(rows * V /
+ * HS_TARGET_BLOCKS) entries) gave the 60 rows of 128,256 nine chunks each: 540 blocks where an H200 holds 528 of
+ * the 64-register kernels (hs_k_chunks<bf16, 1>, hs_k_wide_level: 4 blocks an SM), and the eighth window's Nsight
+ * Compute counters show the second wave's 12 blocks: the SMs active 65 % of those launches' 86-95 us. */
+int64_t hs_chunk_min(void); /* HS_CHUNK_MIN unless hs_cuda_set_chunk_min changed it (rows.cu) */
 static inline int64_t hs_chunk_len(int64_t rows, int64_t V) {
     if (V < 1) return 1;
     int64_t C = rows > 0 ? HS_TARGET_BLOCKS / rows : 1;
     C = C < 1 ? 1 : C > HS_MAX_CHUNKS ? HS_MAX_CHUNKS : C;
     int64_t c = (V + C - 1) / C;
-    c = c < HS_CHUNK_MIN ? HS_CHUNK_MIN : c;
+    const int64_t lo = hs_chunk_min();
+    c = c < lo ? lo : c;
     return c > V ? V : c;
 }
 static inline int64_t hs_nchunks(int64_t V, int64_t len) { return V < 1 ? 1 : (V + len - 1) / len; }

@@ -164,6 +164,7 @@ PyObject *py_cuda_check(PyObject *self, PyObject *args);
 PyObject *py_cuda_reserve(PyObject *self, PyObject *args);
 PyObject *py_cuda_new_stream(PyObject *self, PyObject *args);
 PyObject *py_cuda_chunks(PyObject *self, PyObject *args);
+PyObject *py_cuda_set_chunk_min(PyObject *self, PyObject *args);
 PyObject *py_set_release_gil(PyObject *self, PyObject *arg);
 /* Adds the KVTensors type to the module (kv.c). */
 int hs_kv_add_type(PyObject *module);

@@ -1,6 +1,6 @@
 /*
  * info.c -- what heterospec._C says about itself and the CUDA utilities that are no op: build_info, cuda_check,
- * cuda_reserve, cuda_chunks (machinery: call.h).
+ * cuda_reserve, cuda_chunks, cuda_set_chunk_min (machinery: call.h).
  */
 #include "call.h"
 
@@ -134,6 +134,23 @@ PyObject *py_cuda_new_stream(PyObject *self, PyObject *args) {
 #else
     (void)dev;
     return hs_no_cuda("cuda_new_stream");
+#endif
+}
+
+/* cuda_set_chunk_min(n): the fewest entries of a split-row chunk from now on (0: the default); returns the old value.
+ * For probes that time the ops at several chunk lengths. */
+PyObject *py_cuda_set_chunk_min(PyObject *self, PyObject *args) {
+    (void)self;
+    long long n;
+    if (!PyArg_ParseTuple(args, "L", &n)) return NULL;
+    if (n < 0) {
+        PyErr_Format(PyExc_ValueError, "cuda_set_chunk_min: argument 'n' expected >= 0 (0: the default), got %lld", n);
+        return NULL;
+    }
+#ifdef HS_WITH_CUDA
+    return PyLong_FromLongLong((long long)hs_cuda_set_chunk_min(n));
+#else
+    return hs_no_cuda("cuda_set_chunk_min");
 #endif
 }
 

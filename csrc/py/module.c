@@ -32,6 +32,8 @@ static PyMethodDef hs_methods[] = {
     {"cuda_new_stream", py_cuda_new_stream, METH_VARARGS,
      "cuda_new_stream(device) -> a new non-blocking cudaStream_t (int) that heterospec never destroys"},
     {"cuda_chunks", py_cuda_chunks, METH_VARARGS, "cuda_chunks(rows, V): chunks per row of the split-row kernels"},
+    {"cuda_set_chunk_min", py_cuda_set_chunk_min, METH_VARARGS,
+     "cuda_set_chunk_min(n): fewest entries of a split-row chunk from now on (0: the default); returns the old value"},
     {"_emu_blocks", py_emu_blocks, METH_NOARGS,
      "_emu_blocks() -> kernel blocks the emulated CUDA build has run since it loaded; None in other builds (for tests)"},
     {"_set_release_gil", py_set_release_gil, METH_O,

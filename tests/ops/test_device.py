@@ -180,6 +180,39 @@ def test_rows_are_split_into_chunks_as_on_a_gpu():
 
 
 @on_device
+def test_the_minimum_chunk_can_be_set_and_the_ops_agree_at_every_split():
+    """cuda_set_chunk_min (the probe's knob for timing the ops at several chunk lengths) changes the split of the
+    launches made after it and returns the value it replaces; 0 restores the build's default.  topk_entropy and
+    expand give the CPU core's answers at every split (12, 3 and 1 chunks a row here, emulated; 3 and 1 on a
+    GPU), and a negative length is refused naming the argument."""
+    C = heterospec._C
+    default = 256 if EMU else 1024
+    rng = np.random.default_rng(61)
+    x = (rng.normal(0, 3, (6, 3001))).astype(np.float32)
+    x[2, 17] = x[2, 2900] = x[2].max() + 1.0       # a tie for the top across chunks
+    dev, cpu = D.put_logits(x, "float32")
+    want_h = np.asarray(ops.topk_entropy(cpu, 8))
+    want = ops.expand(cpu, np.zeros(6, np.float32), np.arange(6), 5, None, 6)
+    try:
+        for lo, split in ((0, 3001 // default + 1), (1024, 3), (3001, 1)):
+            assert C.cuda_set_chunk_min(lo) >= 1
+            assert C.cuda_chunks(6, 3001) == split, lo
+            np.testing.assert_allclose(D.get(ops.topk_entropy(dev, 8)), want_h, rtol=1e-5, atol=1e-6)
+            got = ops.expand(dev, D.put(np.zeros(6, np.float32)), D.put(np.arange(6)), 5, None, 6)
+            for name, g, w in zip(("tokens", "scores", "parents", "entropy", "next_beams"), got, want):
+                if name in ("scores", "entropy"):
+                    np.testing.assert_allclose(D.get(g), np.asarray(w), rtol=1e-5, atol=1e-6, err_msg=name)
+                else:
+                    np.testing.assert_array_equal(D.get(g), np.asarray(w), err_msg=name)
+        assert C.cuda_set_chunk_min(0) == 3001
+        assert C.cuda_set_chunk_min(0) == default
+        with pytest.raises(ValueError, match=r"argument 'n' expected >= 0 \(0: the default\), got -1"):
+            C.cuda_set_chunk_min(-1)
+    finally:
+        C.cuda_set_chunk_min(0)
+
+
+@on_device
 def test_new_streams_are_distinct_and_usable():
     """cuda_new_stream gives a new stream each call (the engine's recorded sets each capture on one of their
     own, engine/graphs.stream_for); an op runs on it."""

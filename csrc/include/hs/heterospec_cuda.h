@@ -41,6 +41,10 @@ void hs_cuda_error_message(const hs_cuda_error *e, const char *op, char *buf, si
 int hs_cuda_max_threads(void);
 /* The chunks each of `rows` rows of V entries is cut into by the split-row kernels (a diagnostic for tests). */
 int64_t hs_cuda_chunks(int64_t rows, int64_t V);
+/* The fewest entries a chunk holds (rows shorter than that are one chunk): 1024 on a GPU build, 256 in the
+ * emulation.  Setting it (n >= 1; 0 restores the default) changes the launches made from then on, in every thread
+ * (a CUDA graph keeps the geometry it captured); returns the value it replaces.  A tuning knob for probes. */
+int64_t hs_cuda_set_chunk_min(int64_t n);
 
 /* Workspace: the split path's partials and candidates (k <= 256; 0 otherwise). */
 size_t hs_cuda_topk_entropy_workspace_bytes(int64_t rows, int64_t k, int64_t V);
