@@ -394,6 +394,31 @@ template <class T> __device__ __forceinline__ T hs_block_exscan(T v, T *red, T *
     return lane == 0 ? before : before + ex;
 }
 
+/* Sort n2 slots of shared memory (n2 a power of two, at most 2^30) by a bitonic network over the block:
+ * before(a, b) says slot a's entry goes before slot b's, swap(a, b) exchanges them; afterwards slot 0 holds the
+ * first.  log2(n2) * (log2(n2) + 1) / 2 passes of n2 / 2 compare-exchanges, pair i taken by thread i mod blockDim.
+ * A pass of stride <= 16 has pair i in slots [64 * (i / 32), + 64): with blockDim a multiple of 32, one warp owns
+ * those slots in every such pass, so between two of them the warp waits only for itself (__syncwarp); the other
+ * passes end with a block barrier, and so does the sort.  Every thread of the block must call it. */
+template <class Before, class Swap> __device__ __forceinline__ void hs_block_bitonic(int n2, const Before &before,
+                                                                                    const Swap &swap) {
+    const int half = n2 / 2;
+    for (int size = 2; size <= n2; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int i = (int)threadIdx.x; i < half; i += (int)blockDim.x) {
+                const int lo = ((i & ~(stride - 1)) << 1) | (i & (stride - 1)), hi = lo + stride;
+                /* in "before" order where bit `size` of lo is clear, reversed where it is set; the last passes
+                 * (size == n2) are all in order */
+                if ((lo & size) == 0 ? before(hi, lo) : before(lo, hi)) swap(lo, hi);
+            }
+            const int next = stride > 1 ? stride >> 1 : (size < n2 ? size : 0);
+            if (stride <= 16 && next > 0 && next <= 16 && blockDim.x % 32 == 0) __syncwarp();
+            else __syncthreads();
+        }
+    }
+    if (n2 < 2) __syncthreads();
+}
+
 /* ---- block radix select ----------------------------------------------------------------------------------
  * Among n keys key(i), find what "the k largest, ties to the lower index" takes: a result (pfx, shift) such
  * that every key with (key >> shift) > pfx is taken, none with (key >> shift) < pfx is, and of those with

@@ -26,13 +26,18 @@ __device__ int hs_chunk_topk(const KeyFn &key, int64_t n, int K, uint32_t tmax, 
     if (want <= 0) return 0;
     uint32_t thr = 0; /* every entry passes when no bound is known */
     if (n > K && K <= (int)blockDim.x) {
+        /* the K-th largest of the threads' maxima: at least K entries reach it.  The maxima sorted (largest
+         * first) by the block's bitonic network: 36 passes of 128 compare-exchanges for 256 threads, where ranking
+         * each maximum against all the others took 256 iterations a thread */
         tk[threadIdx.x] = tmax;
         __syncthreads();
-        int r = 0; /* rank of this thread's maximum among all threads' (ties by thread): one thread has K - 1 */
-        for (unsigned j = 0; j < blockDim.x; j++) r += tk[j] > tmax || (tk[j] == tmax && j < threadIdx.x);
-        if (r == K - 1) ints[1] = (int)tmax;
-        __syncthreads();
-        thr = (uint32_t)ints[1];
+        hs_block_bitonic((int)blockDim.x, [&](int a, int b) { return tk[a] > tk[b]; },
+                         [&](int a, int b) {
+                             const uint32_t t = tk[a];
+                             tk[a] = tk[b];
+                             tk[b] = t;
+                         });
+        thr = tk[K - 1];
     }
     if (threadIdx.x == 0) ints[0] = 0;
     __syncthreads();

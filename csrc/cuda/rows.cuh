@@ -216,8 +216,8 @@ __device__ __forceinline__ int64_t hs_merge_rank(const hs_cands &v, int64_t C, i
  * sort over the block orders them.  Sorted position r is then the candidate's rank in the row.  It replaces
  * hs_merge_rank there, whose C - 1 binary searches per candidate made a merge quadratic in the chunks: the fifth
  * GPU window timed hs_k_expand_merge for 10 rows at 11.2 us with 1 chunk a row, 18.1 with 16 and 39.0 with 32
- * (C * k * (C - 1) searches: 2,400 and 9,920).  The sort is log2(n2) * (log2(n2) + 1) / 2 barrier-separated
- * passes (45 for C * K = 320), each thread comparing n2 / 2 / blockDim pairs a pass; most of them warp-local.
+ * (C * k * (C - 1) searches: 2,400 and 9,920).  The sort is common.cuh's hs_block_bitonic: 45 passes for
+ * C * K = 320, 35 of them warp-local.
  * `at`: 16-byte aligned shared memory of hs_merge_sort_smem(C, K) bytes.  Every thread calls it; the result is visible to all. */
 __host__ __device__ static inline int64_t hs_pow2_at_least(int64_t n) {
     int64_t p = 1;
@@ -255,31 +255,16 @@ __device__ __forceinline__ hs_sorted hs_merge_sort(const uint32_t *CK, const int
         n += real;
     }
     n = hs_block_reduce(n, red, hs_op_sum()); /* ends with a barrier: the slots are written */
-    const int half = (int)(n2 / 2); /* n2 <= 2 * HS_MERGE_STAGE_MAX: ints, and masks instead of divisions */
-    for (int size = 2; size <= (int)n2; size <<= 1) {
-        for (int stride = size >> 1; stride > 0; stride >>= 1) {
-            for (int i = (int)threadIdx.x; i < half; i += (int)blockDim.x) {
-                const int lo = ((i & ~(stride - 1)) << 1) | (i & (stride - 1)), hi = lo + stride;
-                const uint32_t kl = key[lo], kh = key[hi];
-                const int64_t il = id[lo], ih = id[hi];
-                /* ascending in "before" order where bit `size` of lo is clear, descending where it is set; the
-                 * last pass (size == n2) is all ascending: best first */
-                const int up = (lo & size) == 0;
-                if (up ? hs_cand_before(kh, ih, kl, il) : hs_cand_before(kl, il, kh, ih)) {
-                    key[lo] = kh;
-                    key[hi] = kl;
-                    id[lo] = ih;
-                    id[hi] = il;
-                }
-            }
-            /* a pass of stride <= 16 has pair i (of thread i mod blockDim) in slots [64 * (i / 32), + 64): with
-             * blockDim a multiple of 32, one warp owns those slots in every such pass, so between two of them
-             * the warp need only wait for itself (35 of the 45 passes for C * K = 320) */
-            const int next = stride > 1 ? stride >> 1 : (size < (int)n2 ? size : 0);
-            if (stride <= 16 && next > 0 && next <= 16 && blockDim.x % 32 == 0) __syncwarp();
-            else __syncthreads();
-        }
-    }
+    /* slot a before slot b: key desc, id asc */
+    hs_block_bitonic((int)n2, [&](int a, int b) { return hs_cand_before(key[a], id[a], key[b], id[b]); },
+                     [&](int a, int b) {
+                         const uint32_t k = key[a];
+                         key[a] = key[b];
+                         key[b] = k;
+                         const int64_t t = id[a];
+                         id[a] = id[b];
+                         id[b] = t;
+                     });
     hs_sorted s = {key, id, n};
     return s;
 }
