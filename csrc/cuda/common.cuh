@@ -8,8 +8,8 @@
  * run the kernels' logic through the real binding against the CPU core; it says nothing about speed and
  * cannot see GPU-only faults (memory model subtleties, launch limits), which the GPU parity run covers.
  * Because of it the kernels use no CUB and only dynamic shared memory, and exchange values between a warp's lanes
- * only through hs_lane_xor / hs_lane_up (warp shuffles on a GPU; in the emulation a slot a thread between two
- * barriers), called by every thread of the block alike.
+ * only through hs_warp_reduce / hs_warp_scan (warp shuffles on a GPU; in the emulation a slot a thread between
+ * two barriers), called by every thread of the block alike.
  *
  * The kernels live per op family, as the CPU core does (csrc/core/): entropy.cu (topk_entropy, bucketize),
  * tree.cu (expand, select, build_tree), verify.cu (verify_greedy, verify_sample), kv.cu (kv_compact); the
@@ -45,7 +45,8 @@ extern std::atomic<long long> blocks_run; /* blocks every launch ran so far (hs_
  * has reached its next sync() or returned. */
 void run_blocks(dim3 grid, dim3 block, size_t smem, void (*call)(void *), void *arg);
 void sync();
-/* the warp exchange's slots (hs_lane_from): one a thread, shared by the fibers of the launching thread's block */
+/* the warp primitives' slots (hs_emu_warp_values): one a thread, shared by the fibers of the launching thread's
+ * block */
 extern thread_local unsigned long long lanes[1024];
 }
 #define threadIdx (hs_emu::thread_idx)
@@ -315,46 +316,72 @@ __device__ __forceinline__ int hs_last_block(unsigned *ctr, int64_t of, int *fla
 }
 
 /* ---- warps: the block's threads in groups of hs_warp_width() = min(32, blockDim) consecutive threads ------
- * hs_lane_xor / hs_lane_up read another lane's value (__shfl_xor_sync / __shfl_up_sync); every thread of the block
- * must call them alike.  The emulation exchanges through one slot a thread between two barriers. */
+ * hs_warp_reduce gives every lane op over its warp's values, combined by a butterfly: at step m (W/2 .. 1) lane i
+ * pairs with lane i ^ m and both compute op(lower lane's value, higher lane's value), so every lane gets the same
+ * bits (max/min with a NaN included).  hs_warp_scan gives each lane the sum over lanes 0..lane (Hillis-Steele:
+ * at step d = 1, 2, .. lane i >= d adds lane i - d's value before its own) and lane - 1's.  On a GPU by
+ * __shfl_xor_sync / __shfl_up_sync; the emulation publishes the warp's values in one slot a thread between two
+ * barriers and replays the same steps in the same order on them, so it computes the same bits.  Every thread of
+ * the block must call them alike. */
 __device__ __forceinline__ unsigned hs_warp_width() { return blockDim.x < 32 ? blockDim.x : 32u; }
 __device__ __forceinline__ unsigned hs_warp_mask() { return blockDim.x < 32 ? (1u << blockDim.x) - 1u : 0xffffffffu; }
 #ifdef HS_CUDA_EMU
-template <class T> inline T hs_lane_from(T v, unsigned src) {
-    static_assert(sizeof(T) <= sizeof(unsigned long long), "a lane holds 8 bytes");
+/* the values of this thread's warp, x[0 .. W) */
+template <class T> inline void hs_emu_warp_values(T v, T *x) {
+    static_assert(sizeof(T) <= sizeof(unsigned long long), "a slot holds 8 bytes");
+    const unsigned W = hs_warp_width(), w0 = threadIdx.x - threadIdx.x % W;
     memcpy(&hs_emu::lanes[threadIdx.x], &v, sizeof v);
     __syncthreads();
-    T r;
-    memcpy(&r, &hs_emu::lanes[src], sizeof r);
+    for (unsigned i = 0; i < W; i++) memcpy(&x[i], &hs_emu::lanes[w0 + i], sizeof(T));
     __syncthreads();
-    return r;
 }
-template <class T> inline T hs_lane_xor(T v, unsigned m) { return hs_lane_from(v, threadIdx.x ^ m); }
-template <class T> inline T hs_lane_up(T v, unsigned d) {
-    return hs_lane_from(v, threadIdx.x % hs_warp_width() >= d ? threadIdx.x - d : threadIdx.x);
+template <class T, class Op> inline T hs_warp_reduce(T v, Op op) {
+    const unsigned W = hs_warp_width();
+    T x[32], y[32];
+    hs_emu_warp_values(v, x);
+    for (unsigned m = W / 2; m > 0; m >>= 1) {
+        for (unsigned i = 0; i < W; i++) y[i] = (i & m) ? op(x[i ^ m], x[i]) : op(x[i], x[i ^ m]);
+        memcpy(x, y, sizeof(T) * W);
+    }
+    return x[threadIdx.x % W];
+}
+template <class T> inline void hs_warp_scan(T v, T *incl, T *prev) {
+    const unsigned W = hs_warp_width(), lane = threadIdx.x % W;
+    T x[32];
+    hs_emu_warp_values(v, x);
+    for (unsigned d = 1; d < W; d <<= 1)
+        for (unsigned i = W; i-- > d;) x[i] = x[i - d] + x[i]; /* descending: x[i - d] is still the step's input */
+    *incl = x[lane];
+    *prev = lane > 0 ? x[lane - 1] : x[lane];
 }
 #else
-template <class T> __device__ __forceinline__ T hs_lane_xor(T v, unsigned m) {
-    return __shfl_xor_sync(hs_warp_mask(), v, m);
+template <class T, class Op> __device__ __forceinline__ T hs_warp_reduce(T v, Op op) {
+    for (unsigned m = hs_warp_width() / 2; m > 0; m >>= 1) {
+        const T o = __shfl_xor_sync(hs_warp_mask(), v, m);
+        v = (threadIdx.x & m) ? op(o, v) : op(v, o);
+    }
+    return v;
 }
-template <class T> __device__ __forceinline__ T hs_lane_up(T v, unsigned d) {
-    return __shfl_up_sync(hs_warp_mask(), v, d);
+template <class T> __device__ __forceinline__ void hs_warp_scan(T v, T *incl, T *prev) {
+    const unsigned lane = threadIdx.x % hs_warp_width();
+    for (unsigned d = 1; d < hs_warp_width(); d <<= 1) {
+        const T y = __shfl_up_sync(hs_warp_mask(), v, d);
+        if (lane >= d) v = y + v;
+    }
+    *incl = v;
+    *prev = __shfl_up_sync(hs_warp_mask(), v, 1); /* lane 0: its own */
 }
 #endif
 
 /* ---- block reductions and scans over shared scratch `red` (8 bytes for each warp: blockDim entries suffice);
  * blockDim a power of 2.  Every thread of the block must call them; they end with the result visible to all,
  * and with a barrier (what the block wrote to shared memory before the call is visible after it).  Each warp
- * combines its lanes by exchanges, then every thread combines the warps' results from `red` in warp order: two
- * barriers a call, where a tree over shared memory took log2(blockDim) + 2 (10 for 256 threads, 12 for 1,024;
- * the eighth GPU window's one-block merges spend 13-31 us mostly on such barrier chains).  A pair of lanes always
- * combines as op(lower lane, higher lane), so every lane gets the same bits (max/min with a NaN included). */
+ * combines its lanes (hs_warp_reduce / hs_warp_scan), then every thread combines the warps' results from `red` in
+ * warp order: two barriers a call, where a tree over shared memory took log2(blockDim) + 2 (10 for 256 threads,
+ * 12 for 1,024; the eighth GPU window's one-block merges spend 13-31 us mostly on such barrier chains). */
 template <class T, class Op> __device__ __forceinline__ T hs_block_reduce(T v, T *red, Op op) {
     const unsigned t = threadIdx.x, W = hs_warp_width();
-    for (unsigned m = W / 2; m > 0; m >>= 1) {
-        const T o = hs_lane_xor(v, m);
-        v = (t & m) ? op(o, v) : op(v, o);
-    }
+    v = hs_warp_reduce(v, op);
     if (t % W == 0) red[t / W] = v;
     __syncthreads();
     T r = red[0];
@@ -372,16 +399,12 @@ struct hs_op_min {
     template <class T> __device__ __forceinline__ T operator()(T a, T b) const { return a < b ? a : b; }
 };
 
-/* Exclusive prefix sum of v over the block in thread order; *total gets the sum.  Within a warp by exchanges
- * (Hillis-Steele), then each thread adds the totals of the warps before its own. */
+/* Exclusive prefix sum of v over the block in thread order; *total gets the sum.  Within a warp by hs_warp_scan,
+ * then each thread adds the totals of the warps before its own. */
 template <class T> __device__ __forceinline__ T hs_block_exscan(T v, T *red, T *total) {
     const unsigned t = threadIdx.x, W = hs_warp_width(), lane = t % W;
-    T x = v;
-    for (unsigned d = 1; d < W; d <<= 1) {
-        const T y = hs_lane_up(x, d);
-        if (lane >= d) x = y + x;
-    }
-    const T ex = hs_lane_up(x, 1); /* the warp's sum before this lane (lane 0: its own, not used) */
+    T x, ex;
+    hs_warp_scan(v, &x, &ex); /* x: the warp's sum up to this lane; ex: up to the lane before (lane 0: unused) */
     if (lane == W - 1) red[t / W] = x;
     __syncthreads();
     T before = (T)0, all = (T)0;
