@@ -217,8 +217,8 @@ __device__ __forceinline__ int64_t hs_merge_rank(const hs_cands &v, int64_t C, i
  * hs_merge_rank there, whose C - 1 binary searches per candidate made a merge quadratic in the chunks: the fifth
  * GPU window timed hs_k_expand_merge for 10 rows at 11.2 us with 1 chunk a row, 18.1 with 16 and 39.0 with 32
  * (C * k * (C - 1) searches: 2,400 and 9,920).  The sort is common.cuh's hs_block_bitonic: 45 passes for
- * C * K = 320, 30 of them ending with a warp's wait instead of the block's.
- * `at`: 16-byte aligned shared memory of hs_merge_sort_smem(C, K) bytes.  Every thread calls it; the result is visible to all. */
+ * C * K = 320, 30 of them ending with a warp's wait instead of the block's.  `at`: 16-byte aligned shared memory
+ * of hs_merge_sort_smem(C, K) bytes.  Every thread calls it; the result is visible to all. */
 __host__ __device__ static inline int64_t hs_pow2_at_least(int64_t n) {
     int64_t p = 1;
     while (p < n) p <<= 1;
