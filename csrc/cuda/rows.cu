@@ -17,7 +17,8 @@ extern "C" int64_t hs_cuda_set_chunk_min(int64_t n) { return hs_chunk_min_len.ex
 
 /* The K best of n keys (key desc, index asc) into out_key / out_idx (index + idx0), best first.  tmax: this
  * thread's largest key over the entries it read with the same stride (0 if none).  Shared: red, scratch
- * (HS_RADIX_SMEM), tk (blockDim), fk/fi (HS_FILTER_CAP), cand/cval/rank (K) and two ints.  Every thread calls it. */
+ * (HS_RADIX_SMEM), tk (blockDim), fk/fi (HS_FILTER_CAP), cand/cval/rank (K) and an int (the filter's count).
+ * Every thread calls it. */
 template <class KeyFn>
 __device__ int hs_chunk_topk(const KeyFn &key, int64_t n, int K, uint32_t tmax, int64_t idx0, long long *red, char *scratch,
                              uint32_t *tk, uint32_t *fk, int *fi, int64_t *cand, uint32_t *cval, int *rank, int *ints,
