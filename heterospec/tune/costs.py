@@ -72,14 +72,18 @@ def _recorded(fn, device, steps):
 
 def profile_costs(target, draft=None, *, tree_tokens=(1, 2, 4, 8, 16, 32, 64, 128), contexts=(64, 160, 256),
                   beams=(1, 2, 4, 8, 10), levels=(1, 4, 8), reps=3, graphs=False, cpu_gemm="auto",
-                  overhead_tokens=32, cpu_decoder="auto"):
+                  overhead_tokens=32, cpu_decoder="auto", report=None):
     """Measure this machine and fit a :class:`CostModel` (see the module docstring).  Every timed region is
     synchronised with the device at both ends (:class:`DeviceTimer`) and holds one engine step.
     ``tree_tokens`` x ``contexts``: the verify grid; ``beams`` x ``levels``: the draft grid (at the first
     context); ``graphs=True`` (a CUDA model): each step is timed as a replayed CUDA graph and the overhead
     from ``generate`` with ``cuda_graphs=True`` -- the costs of the recorded engine; ``cpu_gemm``: the engine's
     setting (:mod:`heterospec.models.cpu_gemm`); ``overhead_tokens``: new tokens per ``generate`` call timed for
-    the overhead (0: leave it 0); ``cpu_decoder``: the engine's setting (:mod:`heterospec.models.cpu_decoder`)."""
+    the overhead (0: leave it 0); ``cpu_decoder``: the engine's setting (:mod:`heterospec.models.cpu_decoder`);
+    ``report``: called with one line per part as it ends (what was timed, how many points, its seconds), so a
+    command can say where minutes of measuring go."""
+    import time
+
     import torch
 
     from ..models import cpu_decoder as decoder
@@ -94,13 +98,26 @@ def profile_costs(target, draft=None, *, tree_tokens=(1, 2, 4, 8, 16, 32, 64, 12
     on_decoder = decoder.for_target(cpu_decoder, target) is not None   # (shared with the engines: packed once)
     routed = decoder.gemm_modules(draft, decoder.for_draft(cpu_decoder, draft))
     settings = (graphs, cpu_gemm, cpu_decoder)
+    say = report or (lambda line: None)
+    how = "replayed CUDA graphs" if graphs else "eager steps"
     with gemm.for_models(cpu_gemm, target, routed, route_target=not on_decoder), torch.no_grad():
+        t0 = time.perf_counter()
         verify = _fit_verify(target, draft, tree_tokens, contexts, reps, settings, device)
-        level = _fit_levels(target, draft, beams, levels, contexts[0], reps, settings, device) \
-            if draft is not None else (0.0, 0.0, 0.0, 0.0)
+        say(f"costs: verify timed at {len(tree_tokens) * len(contexts)} (tree size, context) points, {how}, "
+            f"{reps} rounds, in {time.perf_counter() - t0:.1f} s")
+        if draft is not None:
+            t0 = time.perf_counter()
+            level = _fit_levels(target, draft, beams, levels, contexts[0], reps, settings, device)
+            say(f"costs: the draft's side timed at {len(beams) * len(levels)} (levels, beams) points, {how}, "
+                f"{reps} rounds, in {time.perf_counter() - t0:.1f} s")
+        else:
+            level = (0.0, 0.0, 0.0, 0.0)
     cost = CostModel(verify, level, 0.0)
     if overhead_tokens:
+        t0 = time.perf_counter()
         cost.overhead = _measure_overhead(target, draft, contexts[0], overhead_tokens, settings, device)
+        say(f"costs: overhead {cost.overhead * 1e3:.3f} ms a cycle from a generate call of {overhead_tokens} tokens "
+            f"after a warm-up, in {time.perf_counter() - t0:.1f} s")
     return cost
 
 
