@@ -552,13 +552,15 @@ static inline __attribute__((always_inline)) T256 void tile256(const float *x, i
 #define TILE256(NB, MB) TILES(256, NB, MB)
 TILE256(4, 1) TILE256(2, 2) TILE256(2, 3) TILE256(1, 1) TILE256(1, 2) TILE256(1, 3) TILE256(1, 4) TILE256(1, 5)
 TILE256(1, 6)
-/* [codec][wide?][mb]: a coded tile of 3 rows is one panel (one pass of 6 chains, see tile256), a float one two. */
+/* [codec][wide?][mb]: a tile of 3 rows of codes or 16-bit weights is one panel (6 chains; see tile256 for codes),
+ * a float32 one two (12 accumulators: the 16-bit decodings' registers spilled them, 13.6 cycles per 32 float16
+ * weights against 8.3 for one panel). */
 #define TABLES256(C, NB3)                                                                                          \
     {0, t256##C##_4_1, t256##C##_2_2, t256##C##_##NB3##_3, t256##C##_1_4, t256##C##_1_5, t256##C##_1_6},          \
     {0, t256##C##_1_1, t256##C##_1_2, t256##C##_1_3, t256##C##_1_4, t256##C##_1_5, t256##C##_1_6}
 static const hsg_tile TILES256[5][2][7] = {{TABLES256(f, 2)}, {TABLES256(q8, 1)}, {TABLES256(q4, 1)},
-                                           {TABLES256(h, 2)}, {TABLES256(bh, 2)}};
-static const int NB256[2][7] = {{0, 4, 2, 2, 1, 1, 1}, {0, 4, 2, 1, 1, 1, 1}}; /* [coded?][mb] */
+                                           {TABLES256(h, 1)}, {TABLES256(bh, 1)}};
+static const int NB256[2][7] = {{0, 4, 2, 2, 1, 1, 1}, {0, 4, 2, 1, 1, 1, 1}}; /* [not float32?][mb] */
 
 /* decode512's AVX2 twin. */
 static T256 void decode256(const uint8_t *panel, int codec, int64_t k, float *out) {
@@ -613,10 +615,11 @@ static void run_range(const float *x, int64_t ldx, const uint8_t *wp, int codec,
                       int64_t ldy, int64_t m, int64_t n, int64_t k, int isa, int64_t p0, int64_t p1) {
     int chunk = isa == HSG_ISA_AVX512 ? 12 : isa == HSG_ISA_AVX2 ? 6 : 4;
     const int64_t ps = panel_bytes(codec, k);
-    /* AVX2 with block codes, 7-10 rows: two tiles of at most 5 rows each read the codes (rows as even as can be),
-     * which beats decoding them once for 6 + the rest (Zen 3 VM, one thread, cycles per 32 weights, Q4 / Q8: 7 rows
-     * 28.0 / 25.6 -> 24.0 / 20.6, 8 rows 30.6 / 29.2 -> 25.0 / 22.8, 10 rows 30.4 / 29.7 -> 29.0 / 25.9) */
-    const int split = isa == HSG_ISA_AVX2 && (codec == HSG_Q8 || codec == HSG_Q4) && m > chunk && m <= 10;
+    /* AVX2 with codes or 16-bit weights, 7-10 rows: two tiles of at most 5 rows each read them as they are (rows as
+     * even as can be), which beats decoding them once for 6 + the rest (Zen 3 VM, one thread, cycles per 32 weights,
+     * Q4 / Q8 / float16: 7 rows 28.0 / 25.6 / 24.6 -> 24.0 / 20.6 / 16.3, 8 rows 30.6 / 29.2 / 27.7 -> 25.0 / 22.8 /
+     * 16.6, 10 rows 30.4 / 29.7 / 29.8 -> 29.0 / 25.9 / 21.5) */
+    const int split = isa == HSG_ISA_AVX2 && codec != HSG_F32 && m > chunk && m <= 10;
     const int64_t tiles = split ? (m + 4) / 5 : 0;
     /* codes and more rows than one chunk: each group's panels decoded once, then read as float32 by every chunk */
     float *dec = NULL;
@@ -650,7 +653,7 @@ static void run_range(const float *x, int64_t ldx, const uint8_t *wp, int codec,
                     nb = p + NB512[r] <= g1 ? NB512[r] : 1;
                     fn = TILES512[cc][nb > 1 ? 0 : 1][r];
                 } else if (isa == HSG_ISA_AVX2) {
-                    const int *nbs = NB256[cc == HSG_Q8 || cc == HSG_Q4];
+                    const int *nbs = NB256[cc != HSG_F32];
                     nb = p + nbs[r] <= g1 ? nbs[r] : 1;
                     fn = TILES256[cc][nb > 1 ? 0 : 1][r];
                 }

@@ -229,7 +229,7 @@ def test_the_kernel_refuses_a_packed_copy_of_another_shape_or_none():
 
 @needs
 @pytest.mark.parametrize("codec,dtype", [("F16", torch.float16), ("BF16", torch.bfloat16)])
-@pytest.mark.parametrize("m,n,k", [(1, 16, 7), (5, 40, 64), (13, 33, 100)])
+@pytest.mark.parametrize("m,n,k", [(1, 16, 7), (3, 48, 33), (5, 40, 64), (8, 40, 64), (10, 33, 100), (13, 33, 100)])
 def test_float16_and_bfloat16_valued_weights_give_the_bits_of_their_floats(codec, dtype, m, n, k):
     """A float16 head or a bfloat16 checkpoint loaded in float32: 2 bytes a weight, the same bits; subnormals and
     signed zeros included."""
