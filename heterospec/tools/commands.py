@@ -83,8 +83,8 @@ def calibrate_cmd(args, out=None):
     trace = record(target, draft, ids, max_new_tokens=args.max_new_tokens, top_k=args.top_k_tree, levels=levels,
                    progress=bar, cpu_decoder=getattr(args, "decoder", "auto"))
     bar.close()
-    print("measuring this machine's costs (verify, the draft's side, the host's overhead): a few minutes",
-          file=sys.stderr, flush=True)
+    print("measuring this machine's costs (verify, the draft's side, the host's overhead) ...", file=sys.stderr,
+          flush=True)
     cost = profile_costs(target, draft, reps=2, graphs=getattr(args, "graphs", False),
                          cpu_decoder=getattr(args, "decoder", "auto"),
                          report=lambda line: print(line, file=out, flush=True))
