@@ -615,12 +615,11 @@ static void run_range(const float *x, int64_t ldx, const uint8_t *wp, int codec,
                       int64_t ldy, int64_t m, int64_t n, int64_t k, int isa, int64_t p0, int64_t p1) {
     int chunk = isa == HSG_ISA_AVX512 ? 12 : isa == HSG_ISA_AVX2 ? 6 : 4;
     const int64_t ps = panel_bytes(codec, k);
-    /* AVX2 with codes or 16-bit weights, 7-10 rows: two tiles of at most 5 rows each read them as they are (rows as
-     * even as can be), which beats decoding them once for 6 + the rest (Zen 3 VM, one thread, cycles per 32 weights,
+    /* AVX2 with codes or 16-bit weights, 7-10 rows: two tiles of at most 5 rows each (the first takes the odd row)
+     * read them as they are, which beats decoding them once for 6 + the rest (Zen 3 VM, one thread, cycles per 32 weights,
      * Q4 / Q8 / float16: 7 rows 28.0 / 25.6 / 24.6 -> 24.0 / 20.6 / 16.3, 8 rows 30.6 / 29.2 / 27.7 -> 25.0 / 22.8 /
      * 16.6, 10 rows 30.4 / 29.7 / 29.8 -> 29.0 / 25.9 / 21.5) */
     const int split = isa == HSG_ISA_AVX2 && codec != HSG_F32 && m > chunk && m <= 10;
-    const int64_t tiles = split ? (m + 4) / 5 : 0;
     /* codes and more rows than one chunk: each group's panels decoded once, then read as float32 by every chunk */
     float *dec = NULL;
 #ifdef HSG_X86
@@ -640,8 +639,8 @@ static void run_range(const float *x, int64_t ldx, const uint8_t *wp, int codec,
 #endif
         const int cc = dec ? HSG_F32 : codec; /* the codec the tiles read */
         int r;
-        for (int64_t m0 = 0, t = 0; m0 < m; m0 += r, t++) {
-            r = (int)(tiles ? m / tiles + (t < m % tiles) : m - m0 < chunk ? m - m0 : chunk);
+        for (int64_t m0 = 0; m0 < m; m0 += r) {
+            r = (int)(split ? (m0 == 0 ? (m + 1) / 2 : m - m0) : m - m0 < chunk ? m - m0 : chunk);
             const float *xr = x + m0 * ldx;
             float *yr = y + m0 * ldy;
             int64_t p = g;

@@ -151,7 +151,7 @@ def coded_kernel(x, w, bias=None, isa=None, threads=0, codec=None):
 @needs
 @pytest.mark.parametrize("codec,make", [("Q4", q4_1), ("Q8", q8_0)])
 # every tile a call of up to 6 rows takes as it is (AVX2: one row, 2 rows, one panel of 3-5 rows in one pass, 6 rows in
-# two; AVX-512 likewise), 7-10 rows (AVX2: two or three such tiles on the codes), then more (the codes decoded once,
+# two; AVX-512 likewise), 7-10 rows (AVX2: two such tiles on the codes), then more (the codes decoded once,
 # then the float tiles)
 @pytest.mark.parametrize("m,n,k", [(1, 16, 32), (2, 48, 96), (3, 40, 64), (4, 40, 64), (5, 33, 576), (6, 130, 96),
                                    (7, 33, 576), (8, 48, 64), (10, 40, 96), (11, 33, 64), (13, 130, 96), (25, 20, 32)])

@@ -287,7 +287,6 @@ def test_profile_costs_makes_its_inputs_on_the_models_device(cpu_pair, meta_by_d
     assert torch.zeros(1).device.type == "meta"  # (the trap was armed throughout)
 
 
-
 def test_profile_costs_reports_each_part_as_it_ends(cpu_pair):
     """calibrate was silent for the minutes of measuring (5.5 of a GPU window's 5.9 calibrate minutes): each part now
     says what it timed, at how many points, and its seconds."""
@@ -303,6 +302,7 @@ def test_profile_costs_reports_each_part_as_it_ends(cpu_pair):
     lines.clear()
     profile_costs(model, None, tree_tokens=(1,), contexts=(12,), reps=1, overhead_tokens=0, report=lines.append)
     assert [line.split(" timed at ")[0] for line in lines] == ["costs: verify"]   # no draft, no overhead: one part
+
 
 def _log_draft_steps(draft, log, what=lambda hidden, ids: ("draft", ids.shape[1])):
     """Wrap ``draft.step`` (what the engine calls for every draft forward) to log each call."""

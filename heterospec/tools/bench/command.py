@@ -227,9 +227,9 @@ def _tune(args, names, tokenizer, target, draft, timer):
                 levels=deepest + math.ceil(deepest / 2) + 1, progress=lambda i, n: bar("tuning: trace", i, n),
                 cpu_decoder=getattr(args, "decoder", "auto"))
     graphs = getattr(args, "graphs", False)
+    # what the timed engine pays
     cost = profile_costs(target, draft, reps=2, graphs=graphs, cpu_decoder=getattr(args, "decoder", "auto"),
                          report=lambda line: print(f"heterospec bench: tuning: {line}", file=sys.stderr, flush=True))
-    # (what the timed engine pays)
     if given is None:
         tuned, tuning = tune_static_tree(target, draft, ids, tr, cost_model=cost, timer=timer, progress=bar,
                                          cuda_graphs=graphs, cpu_decoder=getattr(args, "decoder", "auto"))
