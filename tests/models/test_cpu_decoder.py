@@ -63,19 +63,29 @@ def test_rmsnorm_and_attention_are_their_twins_bit_for_bit(isa):
         assert y.numpy().tobytes() == ref.rmsnorm(x.numpy(), w.numpy(), 1e-6).tobytes()
         x64 = x.numpy().astype(np.float64)
         assert np.allclose(y.numpy(), w.numpy() * x64 / np.sqrt((x64 ** 2).mean() + 1e-6), rtol=1e-5, atol=1e-6)
-        W = 37
-        q, k, v = t(g.standard_normal(d)), t(g.standard_normal((W, d))), t(g.standard_normal((W, d)))
-        allowed = torch.from_numpy(g.random(W) < 0.6)
-        allowed[3] = True
-        out = torch.empty(d)
-        G.attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), d, allowed.data_ptr(), W, d ** -0.5, out.data_ptr(), d, isa)
-        twin = ref.attend(q.numpy(), k.numpy(), v.numpy(), allowed.numpy(), d ** -0.5)
-        assert out.numpy().tobytes() == twin.tobytes()
-        # against softmax in float64 over the allowed keys only
-        s = (k.numpy().astype(np.float64) @ q.numpy()) * d ** -0.5
-        s[~allowed.numpy()] = -np.inf
-        p = np.exp(s - s.max())
-        assert np.allclose(twin, (p / p.sum()) @ v.numpy(), rtol=1e-5, atol=1e-6)
+    # attention: the AVX2 path takes the keys four at a time (so 1-3 left over), keeps 64 outputs in registers at
+    # a time (so d = 80, 100, 128 run two blocks, with and without a ragged tail) and reads keys at a stride
+    for d, W, stride in ((8, 37, 8), (16, 37, 16), (24, 37, 24), (64, 37, 64), (64, 130, 64), (7, 23, 9),
+                         (17, 41, 17), (80, 58, 80), (100, 29, 104), (128, 75, 128), (64, 5, 64), (64, 1, 64)):
+        q = t(g.standard_normal(d))
+        k, v = t(g.standard_normal((W, stride)) * 2), t(g.standard_normal((W, stride)))
+        for allowed in (torch.from_numpy(g.random(W) < 0.6), torch.ones(W, dtype=torch.bool)):
+            allowed[W // 2] = True
+            out = torch.empty(d)
+            G.attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), stride, allowed.data_ptr(), W, d ** -0.5, out.data_ptr(),
+                     d, isa)
+            twin = ref.attend(q.numpy(), k.numpy()[:, :d], v.numpy()[:, :d], allowed.numpy(), d ** -0.5)
+            assert out.numpy().tobytes() == twin.tobytes(), (d, W, stride)
+            # against softmax in float64 over the allowed keys only
+            s = (k.numpy()[:, :d].astype(np.float64) @ q.numpy()) * d ** -0.5
+            s[~allowed.numpy()] = -np.inf
+            p = np.exp(s - s.max())
+            assert np.allclose(twin, (p / p.sum()) @ v.numpy()[:, :d], rtol=1e-5, atol=1e-6)
+    out = torch.full((16,), 7.0)   # no key allowed: zeros
+    none = torch.zeros(8, dtype=torch.bool)
+    kv = t(g.standard_normal((8, 16)))
+    G.attend(q.data_ptr(), kv.data_ptr(), kv.data_ptr(), 16, none.data_ptr(), 8, 0.25, out.data_ptr(), 16, isa)
+    assert out.tolist() == [0.0] * 16
 
 
 def cpu_model(arch, layers=3, seed=0):
