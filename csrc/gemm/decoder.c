@@ -171,18 +171,13 @@ static T256 float pv256(const float *p, const float *v, int64_t stride, const in
         __m256 acc[8];
         for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
         const __m256i tail = _mm256_castps_si256(lanes_below(rem));
-        if (full == 8 && e0 == 0) {
-            for (int64_t c = 0; c < cnt; c++) {
-                const float *vr = v + cols[c] * stride;
-                __m256 pc = _mm256_set1_ps(p[c]);
-                for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(pc, _mm256_loadu_ps(vr + 8 * i), acc[i]);
-                l += p[c];
-            }
-        } else if (full == 8) {
+        const int first = e0 == 0; /* (loop-invariant: the compiler unswitches it) */
+        if (full == 8) {
             for (int64_t c = 0; c < cnt; c++) {
                 const float *vr = v + cols[c] * stride + e0;
                 __m256 pc = _mm256_set1_ps(p[c]);
                 for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(pc, _mm256_loadu_ps(vr + 8 * i), acc[i]);
+                if (first) l += p[c];
             }
         } else {
             for (int64_t c = 0; c < cnt; c++) {
@@ -190,7 +185,7 @@ static T256 float pv256(const float *p, const float *v, int64_t stride, const in
                 __m256 pc = _mm256_set1_ps(p[c]);
                 for (int i = 0; i < full; i++) acc[i] = _mm256_fmadd_ps(pc, _mm256_loadu_ps(vr + 8 * i), acc[i]);
                 if (rem) acc[full] = _mm256_fmadd_ps(pc, _mm256_maskload_ps(vr + 8 * full, tail), acc[full]);
-                if (e0 == 0) l += p[c];
+                if (first) l += p[c];
             }
         }
         for (int i = 0; i < full; i++) _mm256_storeu_ps(out + e0 + 8 * i, acc[i]);

@@ -83,7 +83,7 @@ def test_rmsnorm_and_attention_are_their_twins_bit_for_bit(isa):
             assert np.allclose(twin, (p / p.sum()) @ v.numpy()[:, :d], rtol=1e-5, atol=1e-6)
     out = torch.full((16,), 7.0)   # no key allowed: zeros
     none = torch.zeros(8, dtype=torch.bool)
-    kv = t(g.standard_normal((8, 16)))
+    q, kv = t(g.standard_normal(16)), t(g.standard_normal((8, 16)))
     G.attend(q.data_ptr(), kv.data_ptr(), kv.data_ptr(), 16, none.data_ptr(), 8, 0.25, out.data_ptr(), 16, isa)
     assert out.tolist() == [0.0] * 16
 
