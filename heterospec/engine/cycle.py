@@ -127,12 +127,13 @@ class Cycle:
             clock.lap("draft_s")
         return g, g.path_entropy()
 
-    def finish(self, g, extra, T, settings, window=None, clock=None):
+    def finish(self, g, extra, T, settings, window=None, clock=None, process=None):
         """Steps 5-8 on the Growth ``g`` of :meth:`base` (None: grow the whole tree from the root): ``extra``
         more levels, each row's tree from ``state.rows`` padded to ``T``, the target's forward, per-row
         acceptance (finished rows commit nothing) and commit -> [B, 4 + R] int64 on the device: each row's
         accepted length (root included), next token, path tokens (R), then its target's and its draft's
-        non-finite flags (:mod:`.health`)."""
+        non-finite flags (:mod:`.health`).  ``process``: None, or ``(tokens, parents, n_real, logits) -> logits``
+        applied between the forward and the acceptance (logits processors, :mod:`.processors`; eager only)."""
         lap = clock.lap if clock is not None else (lambda field: None)
         tgt, dr, st, B = self.target, self.drafter, self.state, self.batch
         check = self.device.type != "cuda"
@@ -144,6 +145,9 @@ class Cycle:
         # 6: the target's forward
         logits, vtaps = tgt.verify(tokens, depths, tmask, window, bad=st.bad, real=n_real)
         lap("verify_s")
+        if process is not None:
+            with sync.point("processors"):   # the processors read the trees on the host
+                logits = process(tokens, parents, n_real, logits)
         # 7: acceptance
         sample, temperature, top_k, top_p = settings
         if sample:
@@ -218,10 +222,13 @@ class Cycle:
         clock.lap("graph_s")
         return None, entropy
 
-    def run_finish(self, steps, g, extra, T, settings, window, clock):
-        """Steps 5-8 for the shape ``(extra, T)``, eager or replayed (its recording)."""
+    def run_finish(self, steps, g, extra, T, settings, window, clock, process=None):
+        """Steps 5-8 for the shape ``(extra, T)``, eager or replayed (its recording); ``process`` (logits
+        processors) only eager."""
         if steps is None:
-            return self.finish(g, extra, T, settings, window, clock)
+            return self.finish(g, extra, T, settings, window, clock, process)
+        if process is not None:
+            raise RuntimeError("Cycle.run_finish: logits processors run in the eager cycle only")
         out = steps.replay(self.step_key((extra, T)))
         clock.lap("graph_s")
         return out

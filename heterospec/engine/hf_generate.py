@@ -6,11 +6,52 @@ import torch
 
 from .loop import HeteroSpec
 
-# processors that only warp the distribution the way verify_sample already does (we apply those ourselves);
-# anything else changes the distribution per position (penalties, bans, forced tokens, min length...) and
-# is refused rather than silently ignored
+# warpers the acceptance applies itself (verify_sample: temperature, then top-k, then top-p, as HuggingFace orders
+# them); LogitNormalization (renormalize_logits) is a log-softmax: the same distribution, nothing to do
 _WARPERS = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper"}
+_SAME = {"LogitNormalization"}
+# processors that compute each row from that row's own ids and scores: applied per tree node with its own path
+# (heterospec.engine.processors), losslessly.  Any other (a row index, a model call, warpers we do not apply) is
+# refused rather than silently ignored.
+_PER_POSITION = {"RepetitionPenaltyLogitsProcessor", "NoRepeatNGramLogitsProcessor", "NoBadWordsLogitsProcessor",
+                 "SequenceBiasLogitsProcessor", "MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor",
+                 "SuppressTokensLogitsProcessor", "SuppressTokensAtBeginLogitsProcessor",
+                 "ForcedBOSTokenLogitsProcessor", "ForcedEOSTokenLogitsProcessor", "ExponentialDecayLengthPenalty",
+                 "InfNanRemoveLogitsProcessor"}
 _OWN_CRITERIA = {"MaxLengthCriteria", "EosTokenCriteria", "MaxTimeCriteria"}
+
+
+def split_processors(logits_processor, batch):
+    """HuggingFace's processor list -> each row's per-position processors to apply per tree node, in order (a list
+    of ``batch`` lists); a one-line ValueError naming any processor that cannot be applied losslessly here (one that
+    is not a function of each row's own tokens, or that comes after the warpers, whose order the acceptance fixes).
+    A repetition penalty that skips each row's padding (``prompt_ignore_length``, one length per row, as
+    ``generate`` makes it from the attention mask) becomes one penalty per row with that row's length."""
+    rows, refused, warped = [[] for _ in range(batch)], [], False
+    for p in logits_processor or []:
+        name = type(p).__name__
+        skip = getattr(p, "prompt_ignore_length", None)
+        if name in _WARPERS:
+            warped = True
+        elif name in _SAME:
+            continue
+        elif name not in _PER_POSITION or warped:
+            refused.append(name)
+        elif isinstance(skip, torch.Tensor):
+            if skip.numel() != batch or name != "RepetitionPenaltyLogitsProcessor":
+                refused.append(name)
+                continue
+            for row, n in zip(rows, skip.tolist()):
+                row.append(type(p)(p.penalty, prompt_ignore_length=int(n)))
+        else:
+            for row in rows:
+                row.append(p)
+    if refused:
+        raise ValueError(
+            f"custom_generate: argument 'logits_processor' expected processors computed from each row's own tokens "
+            f"before the temperature / top-k / top-p warpers ({', '.join(sorted(_PER_POSITION))}), got {refused}, "
+            f"which speculative acceptance cannot reproduce losslessly; remove them from the generation config")
+    return rows
 
 
 def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
@@ -20,8 +61,10 @@ def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=N
 
     Needs a transformers release whose ``generate`` accepts a callable ``custom_generate`` (5.x; tested
     with 5.23).  Honours max_new_tokens / max_length, do_sample, temperature, top_k, top_p and the eos ids
-    of the generation config; refuses logits processors that would change the distribution per position
-    (repetition penalty, bad words, min length, ...) with a ValueError.  A batch of prompts comes left-padded
+    of the generation config, and the per-position processors it builds (repetition penalty, no repeated
+    n-grams, bad words, sequence bias, minimum lengths, suppressed or forced tokens, length decay: each tree node
+    processed with its own path, so the output is still the processed target's own; the call then runs the eager
+    cycle); refuses any other processor with a ValueError.  A batch of prompts comes left-padded
     with its ``attention_mask``, as HuggingFace pads prompts for generation: every row decodes on its own,
     losslessly, and the result is what HuggingFace returns for a batch -- [B, S + the longest generation], each
     row's input, its new tokens, then the generation config's ``pad_token_id`` (else its first EOS id) after
@@ -33,12 +76,7 @@ def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=N
     ``disable_by_batch_size`` as in :class:`HeteroSpec` (the decoder's packed weights are made once per model and
     kept for later calls).  Returns the sequences."""
     gc = generation_config
-    extra = [type(p).__name__ for p in (logits_processor or []) if type(p).__name__ not in _WARPERS]
-    if extra:
-        raise ValueError(
-            f"custom_generate: logits processors {extra} would change the target's distribution per position, "
-            f"which speculative acceptance cannot reproduce losslessly; remove them from the generation config"
-        )
+    procs = split_processors(logits_processor, input_ids.shape[0])
     mask = model_kwargs.get("attention_mask")
     if gc.max_new_tokens is not None:
         max_new = gc.max_new_tokens
@@ -57,5 +95,5 @@ def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=N
             input_ids, attention_mask=mask, pad_token_id=int(pad), max_new_tokens=max_new,
             temperature=float(gc.temperature if gc.temperature is not None else 1.0) if sample else 0.0,
             top_k=int(gc.top_k or 0) if sample else 0, top_p=float(gc.top_p if gc.top_p is not None else 1.0) if sample else 1.0,
-            eos_token_id=eos, stopping_criteria=criteria, streamer=streamer, seed=seed)
+            eos_token_id=eos, stopping_criteria=criteria, streamer=streamer, seed=seed, logits_processor=procs)
     return seq.to(input_ids.device)

@@ -33,7 +33,7 @@ from ..models import cpu_decoder as decoder_mod
 from ..models import cpu_gemm as gemm
 from ..models.target import TargetAdapter, _decoder_layers, attention_window
 from ..policy import Policy
-from . import health, requests, sync
+from . import health, processors, requests, sync
 from .cycle import Cycle
 from .stats import GenerationStats
 from .tree import DraftState, NoDraft, bucket_for, tree_size
@@ -388,7 +388,7 @@ class HeteroSpec:
     @torch.no_grad()
     def generate(self, input_ids, *, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, eos_token_id=None,
                  stopping_criteria=None, streamer=None, seed=None, attention_mask=None, pad_token_id=None,
-                 finished_rows="drop"):
+                 finished_rows="drop", logits_processor=None):
         """Returns (sequences [1, S + new] int64 on the CPU, GenerationStats).  Greedy when temperature == 0.
         A request ends at ``max_new_tokens`` or at an ``eos_token_id`` (an id or ids; None, the default: the
         target's ``generation_config.eos_token_id``, as HuggingFace's ``generate`` takes it; [] for none).
@@ -407,7 +407,18 @@ class HeteroSpec:
         [1, n] ids); a ``streamer`` takes a single prompt.  ``finished_rows``: "drop" (a
         finished request leaves the caches, so it stops costing work) or "mask" (it stays, verifying its root
         alone and committing nothing, so every cycle keeps the batch's shape; with ``cuda_graphs`` a batch's
-        recorded steps have a fixed batch, so finished rows are always masked)."""
+        recorded steps have a fixed batch, so finished rows are always masked).
+
+        ``logits_processor``: HuggingFace-style processors ``(input_ids [n, L], scores [n, V]) -> scores`` (a
+        ``LogitsProcessorList``, a list or one callable, e.g. ``RepetitionPenaltyLogitsProcessor(1.2)``, or one such
+        list per prompt), applied in
+        order to the target's next-token scores at every position before the greedy or sampling rule (temperature,
+        top-k and top-p come after them, as in HuggingFace's ``generate``), with ``input_ids`` each request's input
+        row (padding included, as HuggingFace passes a padded batch; a list's prompts unpadded) and its tokens so
+        far.  Each verification-tree node is processed with its own path, so decoding stays lossless for the
+        processed distribution; a processor must compute each row from that row's own ids and scores.  Such a call
+        runs the eager cycle (no recorded steps) and processes on the host every cycle
+        (:mod:`heterospec.engine.processors`)."""
         _check_generate_args(max_new_tokens, temperature, top_k, top_p)
         eos_token_id = eos_ids(self.target.model, eos_token_id)
         eos = set(eos_token_id)
@@ -421,6 +432,7 @@ class HeteroSpec:
             if attention_mask is not None:
                 raise ValueError("generate: argument 'attention_mask' expected None with a list of prompts (they "
                                  "are padded here), got a mask")
+            raw_prompts = input_ids
             input_ids, attention_mask = requests.left_pad(input_ids, pad, self.device)
         elif not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(f"generate: argument 'input_ids' expected a [B, S] tensor or a list of prompts, got "
@@ -436,6 +448,10 @@ class HeteroSpec:
         if streamer is not None and B > 1:
             raise ValueError(f"generate: argument 'streamer' expected a single prompt, got a batch of {B}")
         S = input_ids.shape[1]
+        procs, contexts = processors.check(logits_processor, B), None
+        if procs:   # what each request's processors see before its first new token
+            with sync.outside_cycle():
+                contexts = ([[int(t) for t in p] for p in raw_prompts] if as_list else input_ids.tolist())
         if max(lengths) < 1:
             raise ValueError("generate: argument 'input_ids' expected at least one token, got 0")
         maxpos = self.target.max_positions
@@ -449,7 +465,7 @@ class HeteroSpec:
             input_ids, attention_mask = input_ids[:, S - lengths[0]:], None
         with self._gemm:
             new, stats = self._decode(input_ids, attention_mask, lengths, max_new_tokens, temperature, top_k, top_p,
-                                      eos, seed, finished_rows, stopping_criteria, streamer)
+                                      eos, seed, finished_rows, stopping_criteria, streamer, procs, contexts)
         with sync.outside_cycle():                      # the results, on the host
             ids = input_ids.cpu()
             S = ids.shape[1]
@@ -534,18 +550,19 @@ class HeteroSpec:
         return need
 
     def _decode(self, input_ids, attention_mask, lengths, max_new_tokens, temperature, top_k, top_p, eos, seed,
-                finished, stopping_criteria, streamer):
+                finished, stopping_criteria, streamer, procs=(), contexts=None):
         """The host loop for ``B`` requests (``lengths``: :func:`.requests.check_mask`'s) -> (per-row lists of new
         tokens, GenerationStats: the request's own for one, the batch's with ``per_row`` for more).
         ``finished``: "drop" (a finished row leaves the caches at the end of its cycle) or "mask" (it stays, with
         a root-only tree whose commit is zeroed, so the shapes stay those of the whole batch -- what a recorded
         step of fixed batch needs: with recorded steps finished rows are always masked).  Stopping criteria are
-        asked after every new token of a request, with its prompt and new tokens."""
+        asked after every new token of a request, with its prompt and new tokens.  ``procs``: logits processors
+        (:mod:`.processors`), with each request's ``contexts`` (host lists) before its first new token."""
         B, S = input_ids.shape
         dev = self.device
         sample = temperature > 0
         settings = (True, float(temperature), int(top_k), float(top_p)) if sample else (False, 0.0, 0, 1.0)
-        graphs = bool(self.cuda_graphs)
+        graphs = bool(self.cuda_graphs) and not procs   # processors run on the host between forward and acceptance
         if graphs:
             finished = "mask"
         seeds = self._seeds(seed, B)
@@ -571,6 +588,10 @@ class HeteroSpec:
                 mask = attention_mask.to(dev) if attention_mask is not None else None
                 last_logits, taps = tgt.prefill(ids_dev, attention_mask=mask)
                 health.check_prefill(last_logits, tgt.model, S)
+                if procs:
+                    one = torch.zeros((B, 1), dtype=torch.long, device=dev)
+                    last_logits = processors.apply(procs, contexts, one, one - 1, one[:, 0] + 1,
+                                                   last_logits.view(B, 1, -1)).view(B, -1)
                 st.seed.copy_(torch.tensor(seeds, dtype=torch.long, device="cpu"))
                 st.offset.zero_()
                 if sample:
@@ -650,7 +671,11 @@ class HeteroSpec:
                     # cache, and so does a compiled forward (a new width would be a new compilation every 64 tokens)
                     window = None if graphs or cyc.target.compiled else \
                         attention_window(dev, max(prefix_host[a] for a in alive) + 1, T)
-                    acc = cyc.run_finish(steps, g, extra, T, settings, window, clock)
+                    process = None
+                    if procs:
+                        ctx = [contexts[a] + generated[a] for a in alive]
+                        process = functools.partial(processors.apply, [procs[a] for a in alive], ctx)
+                    acc = cyc.run_finish(steps, g, extra, T, settings, window, clock, process)
                 except ValueError:   # on the CPU the ops refuse non-finite logits mid-cycle: say which model's
                     with sync.outside_cycle():
                         flags = [[int(t), int(d)] for t, d in zip(st.bad.tolist(), dr.bad.tolist())]

@@ -259,6 +259,25 @@ def test_custom_generate_with_a_batch_returns_what_hf_returns(do_sample):
     assert (out[2, S:] == 3).any()                        # the early row was padded
 
 
+def test_custom_generate_applies_processors_to_a_padded_batch_as_hf_does():
+    """repetition_penalty, no_repeat_ngram_size and min_new_tokens on a left-padded batch: the processors see each
+    row as HuggingFace's batched generate passes it (its padding included, the new tokens counted past the padded
+    prompt), so the output equals HuggingFace's own batched greedy generate; the processors change it."""
+    import heterospec
+
+    model = tiny_target("qwen3")
+    ps = prompts(4)
+    ids, mask = left_padded(ps)
+    draft, _ = scripted(model, ps, new=30)
+    plain = dict(attention_mask=mask, max_new_tokens=20, pad_token_id=3, do_sample=False, eos_token_id=5)
+    kw = dict(plain, repetition_penalty=1.8, no_repeat_ngram_size=2, min_new_tokens=8)
+    hf = model.generate(ids, **kw)
+    out = model.generate(ids, custom_generate=heterospec.custom_generate, draft=draft,
+                         policy=Policy.paper(4, 3, 12, THRESHOLDS), **kw)
+    assert out.tolist() == hf.tolist()
+    assert hf.tolist() != model.generate(ids, **plain).tolist()
+
+
 def test_custom_generate_hands_the_engine_options_on(monkeypatch):
     import heterospec
     from heterospec.engine import hf_generate

@@ -127,32 +127,42 @@ SETTINGS = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.2, 0, 0.8)]
 # the batch-1 path for the first setting with the noisy draft (2,000 calls of about 18 ms; its rejections exercise
 # the residual draws that an oracle's accepted paths rarely reach; the oracle's 2,000 single calls took 97 s of CI
 # for what its batched case and the row-alone check below already show).
-CHI2_CASES = [(d, s, 50) for d in ("oracle", "noisy") for s in SETTINGS]
+CHI2_CASES = [(d, s, 50, 0) for d in ("oracle", "noisy") for s in SETTINGS]
+# a repetition penalty of 3 on the prompt's tokens and on t1 (the second token's own context): the processed target
+CHI2_CASES.append(("noisy", SETTINGS[1], 50, 3.0))
 if DEVICE.type == "cpu":
-    CHI2_CASES.append(("noisy", SETTINGS[0], 1))
+    CHI2_CASES.append(("noisy", SETTINGS[0], 1, 0))
 
 
-@pytest.mark.parametrize("draft_kind, setting, rows", [
-    pytest.param(d, s, r, id=f"{d}-setting{SETTINGS.index(s)}-rows{r}") for d, s, r in CHI2_CASES])
-def test_sampling_matches_the_target_distribution(setting, rows, draft_kind):
+@pytest.mark.parametrize("draft_kind, setting, rows, penalty", [
+    pytest.param(d, s, r, pen, id=f"{d}-setting{SETTINGS.index(s)}-rows{r}" + (f"-penalty{pen:g}" if pen else ""))
+    for d, s, r, pen in CHI2_CASES])
+def test_sampling_matches_the_target_distribution(setting, rows, draft_kind, penalty):
     """Two sampled tokens, 2,000 seeds: the joint distribution of (t1, t2) matches the exact target
-    distribution p(t1) p(t2 | t1) by chi-square (cells with expected count < 5 merged)."""
+    distribution p(t1) p(t2 | t1) by chi-square (cells with expected count < 5 merged); with a ``penalty``,
+    HuggingFace's RepetitionPenaltyLogitsProcessor applied to each position's logits with that position's own
+    tokens before the warpers, as its ``generate`` applies it."""
     temperature, top_k, top_p = setting
     vocab = 12
     model = tiny_target("llama", vocab=vocab, layers=4, seed=5)
     prompt = torch.tensor([[3, 7, 1]], device=DEVICE)
     draft = OracleDraft(model) if draft_kind == "oracle" else NoisyDraft(32, vocab).to(DEVICE)
     hs = HeteroSpec(model, draft, Policy.static(3, 3, 8), cuda_graphs=False)
+    procs = [transformers.RepetitionPenaltyLogitsProcessor(penalty)] if penalty else []
+
+    def target(ids):   # the processed and warped next-token distribution after ids [1, L]
+        z = model(ids).logits[0, -1].float()
+        for proc in procs:
+            z = proc(ids, z.view(1, -1))[0]
+        return _warp(z, temperature, top_k, top_p)
+
     with torch.no_grad():
-        p1 = _warp(model(prompt).logits[0, -1], temperature, top_k, top_p)
-        joint = torch.stack([
-            p1[a] * _warp(model(torch.cat([prompt, torch.tensor([[a]], device=DEVICE)], 1)).logits[0, -1], temperature,
-                          top_k, top_p)
-            for a in range(vocab)
-        ]).cpu().numpy().ravel()
+        p1 = target(prompt)
+        joint = torch.stack([p1[a] * target(torch.cat([prompt, torch.tensor([[a]], device=DEVICE)], 1))
+                             for a in range(vocab)]).cpu().numpy().ravel()
     counts = np.zeros(vocab * vocab)
     n = 2000
-    kw = dict(max_new_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p)
+    kw = dict(max_new_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p, logits_processor=procs or None)
     for call in range(n // rows):
         if rows == 1:
             seq, _ = hs.generate(prompt, seed=call, **kw)
@@ -252,6 +262,7 @@ def test_stopping_criteria_inside_a_path():
     (dict(max_new_tokens=5, temperature=0.5, top_p=1.5), "top_p"),
     (dict(max_new_tokens=5, top_k=-1), "top_k"),
     (dict(max_new_tokens=600), "max_position_embeddings"),
+    (dict(max_new_tokens=5, logits_processor=[None]), "argument 'logits_processor' expected callables"),
 ])
 def test_bad_generate_arguments(kwargs, match):
     model = tiny_target("llama")
@@ -320,14 +331,83 @@ def test_custom_generate_in_hf_generate_is_lossless():
     assert all(not layer._forward_pre_hooks for layer in model.model.layers)
 
 
-def test_custom_generate_refuses_lossy_processors():
+def test_custom_generate_refuses_processors_it_cannot_apply():
+    """A processor that is not a function of each row's own tokens (prefix_allowed_tokens_fn gets a batch index),
+    or a warper the acceptance does not apply (min_p), is refused in one line naming it, never ignored."""
     import heterospec
 
     model = tiny_target("llama")
     p = prompts(1)[0]
-    with pytest.raises(ValueError, match="RepetitionPenaltyLogitsProcessor"):
-        model.generate(p, attention_mask=torch.ones_like(p), custom_generate=heterospec.custom_generate,
-                       draft=OracleDraft(model), max_new_tokens=5, repetition_penalty=1.3, pad_token_id=0)
+    kw = dict(attention_mask=torch.ones_like(p), custom_generate=heterospec.custom_generate, draft=OracleDraft(model),
+              max_new_tokens=5, pad_token_id=0)
+    with pytest.raises(ValueError, match=r"argument 'logits_processor' .*\['PrefixConstrainedLogitsProcessor'\]"):
+        model.generate(p, prefix_allowed_tokens_fn=lambda b, ids: [1, 2, 3], **kw)
+    with pytest.raises(ValueError, match=r"\['MinPLogitsWarper'\]"):
+        model.generate(p, do_sample=True, min_p=0.1, **kw)
+
+
+# ---- logits processors -----------------------------------------------------------------------------------------
+
+PROCESSED = dict(repetition_penalty=1.8, no_repeat_ngram_size=2)
+
+
+def _processors():
+    return transformers.LogitsProcessorList([transformers.RepetitionPenaltyLogitsProcessor(1.8),
+                                             transformers.NoRepeatNGramLogitsProcessor(2)])
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "eagle3-oracle", "heterospec-noisy"])
+def test_logits_processors_keep_greedy_output_equal_to_hf_generate(method):
+    """A repetition penalty and no repeated 2-grams, applied to every tree node with its own path: each method's
+    greedy output equals HuggingFace's generate with the same processors, from ``generate(logits_processor=)``
+    and from ``custom_generate`` with the generation config's options; and the processors do change the output."""
+    import heterospec
+
+    model = tiny_target("qwen2")
+    draft, policy = METHODS[method](model)
+    changed = 0
+    with HeteroSpec(model, draft, policy) as hs:
+        for p in prompts(4):
+            kw = dict(attention_mask=torch.ones_like(p), do_sample=False, max_new_tokens=30, pad_token_id=0,
+                      eos_token_id=None, **PROCESSED)
+            ref = model.generate(p, min_new_tokens=30, **kw).cpu()
+            out, stats = hs.generate(p, max_new_tokens=30, logits_processor=_processors())
+            assert out.tolist() == ref.tolist()
+            via_hf = model.generate(p, custom_generate=heterospec.custom_generate, draft=draft, policy=policy, **kw)
+            assert via_hf.tolist() == ref.tolist()
+            changed += ref.tolist() != reference_greedy(model, p, 30).tolist()
+    assert changed >= 3
+    if method == "eagle3-oracle":
+        assert stats.tau > 1.5   # trees were verified and accepted past the root
+
+
+def test_processors_see_each_nodes_own_path():
+    """processors.apply hands node i of each row the row's context and then the tree tokens from the root's child
+    down to i (written out here for a fixed tree) through that row's own processors, and leaves padding nodes
+    alone; check takes one list for every request or one list per request."""
+    from heterospec.engine import processors
+
+    seen = []
+
+    def record(ids, scores):
+        for row in ids.tolist():
+            seen.append(row)
+        return scores + 1.0
+
+    tokens = torch.tensor([[9, 4, 5, 6, 7, 9], [8, 2, 9, 9, 9, 9]])
+    parents = torch.tensor([[-1, 0, 0, 1, 3, 0], [-1, 0, 0, 0, 0, 0]])
+    logits = torch.zeros(2, 6, 3)
+    twice = (record, lambda ids, scores: scores * 2)
+    out = processors.apply([(record,), twice], [[1, 9], [3, 8]], tokens, parents, torch.tensor([5, 2]), logits)
+    assert sorted(seen) == sorted([[1, 9], [1, 9, 4], [1, 9, 5], [1, 9, 4, 6], [1, 9, 4, 6, 7], [3, 8], [3, 8, 2]])
+    assert out[0, :5].eq(1).all() and out[0, 5].eq(0).all()
+    assert out[1, :2].eq(2).all() and out[1, 2:].eq(0).all()
+    assert processors.check(record, 2) == [(record,), (record,)] and processors.check([], 3) == []
+    assert processors.check([[record], list(twice)], 2) == [(record,), twice]
+    with pytest.raises(ValueError, match="argument 'logits_processor' expected callables"):
+        processors.check([record, 3], 1)
+    with pytest.raises(ValueError, match="expected each processor to return scores of shape"):
+        processors.apply([(lambda ids, s: s[:, :2],)] * 2, [[1], [3]], tokens, parents, torch.tensor([1, 1]), logits)
 
 
 def test_custom_generate_eos_from_the_generation_config():

@@ -13,7 +13,7 @@ import types
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 from _doubles import OracleDraft  # noqa: E402
 from _models import THRESHOLDS, eagle3_head, prompts, reference_greedy, tiny_target  # noqa: E402
@@ -111,6 +111,19 @@ def test_the_host_transfer_guard_fires(pair, monkeypatch):
     with HeteroSpec(model, head, _policies()["eagle3"], cuda_graphs=False) as hs, sync.forbid_host_transfers():
         with pytest.raises(AssertionError, match=r"host transfer Tensor.item\(\) inside the decoding cycle"):
             hs.generate(p, max_new_tokens=8)
+
+
+def test_processors_read_the_host_at_their_declared_point_only(pair):
+    """With logits processors the cycle reads each tree on the host once more, at the declared "processors" point
+    between the forward and "accepted", and nowhere else."""
+    model, head = pair
+    p = prompts(2)[1]
+    record = []
+    procs = [transformers.RepetitionPenaltyLogitsProcessor(1.5)]
+    with HeteroSpec(model, head, _policies()["heterospec"], cuda_graphs=False) as hs, \
+            sync.forbid_host_transfers(record):
+        _, stats = hs.generate(p, max_new_tokens=NEW, logits_processor=procs)
+    assert record == ["bin", "processors", "accepted"] * stats.cycles
 
 
 def test_commit_gets_the_path_and_prefix_on_the_caches_device(pair, monkeypatch):
