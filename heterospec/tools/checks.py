@@ -4,6 +4,7 @@ from them."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from ..models.default import DEFAULT_HEAD
@@ -151,6 +152,9 @@ def resolve_generate(args):
           f"0 (greedy) or a finite value >= {MIN_TEMPERATURE:g}", args.temperature)
     _need(args.top_k >= 0, "--top-k", "an int >= 0 (0: off)", args.top_k)
     _need(0 < args.top_p <= 1, "--top-p", "a value in (0, 1]", args.top_p)
+    _need(math.isfinite(args.repetition_penalty) and args.repetition_penalty > 0, "--repetition-penalty",
+          "a finite value > 0 (1: off)", args.repetition_penalty)
+    _need(args.no_repeat_ngram_size >= 0, "--no-repeat-ngram-size", "an int >= 0 (0: off)", args.no_repeat_ngram_size)
     _check_tree(args)
     _check_target(args)
     method = args.method or "heterospec"

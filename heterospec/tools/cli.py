@@ -74,6 +74,10 @@ def build_parser():
     g.add_argument("--top-k", type=int, default=0, help="sampling top-k (0: off)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="HuggingFace's repetition penalty (1: off), applied losslessly to every tree node")
+    g.add_argument("--no-repeat-ngram-size", type=int, default=0,
+                   help="never repeat an n-gram of this size, as HuggingFace's generate (0: off)")
     g.add_argument("--depth", type=int, default=7, help="draft tree depth (levels drafted per cycle)")
     g.add_argument("--top-k-tree", type=int, default=10, help="draft tree branching / beam width")
     g.add_argument("--total-tokens", type=int, default=60, help="verified tree nodes, root included")

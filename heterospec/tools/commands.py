@@ -16,6 +16,18 @@ from .prompts import (SELF, OverlapGuard, encode, encode_many, encode_turn, read
                       self_written_prompts)
 
 
+def processors_for(repetition_penalty, no_repeat_ngram_size):
+    """HuggingFace's processors for ``generate``'s --repetition-penalty and --no-repeat-ngram-size (None: neither)."""
+    from transformers import NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
+
+    procs = []
+    if repetition_penalty != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(float(repetition_penalty)))
+    if no_repeat_ngram_size > 0:
+        procs.append(NoRepeatNGramLogitsProcessor(int(no_repeat_ngram_size)))
+    return procs or None
+
+
 def generate_cmd(args, out=None):
     """Load target (+ draft), apply the chat template, stream the answer, print the stats."""
     out = sys.stdout if out is None else out   # the stdout of the call, not of the import
@@ -36,12 +48,13 @@ def generate_cmd(args, out=None):
     streamer = TextStreamer(tokenizer, skip_prompt=True)
     eos = tokenizer.eos_token_id if args.eos else []          # [] : no EOS (None would be the model's)
     graphs = {"on": True, "off": False, "auto": "auto"}[getattr(args, "cuda_graphs", "off")]   # auto: falls back
+    procs = processors_for(getattr(args, "repetition_penalty", 1.0), getattr(args, "no_repeat_ngram_size", 0))
     print(f"[{args.method}] {args.policy_what}", file=out)
     with HeteroSpec(target, draft if policy.drafts else None, policy, cuda_graphs=graphs,
                     cpu_decoder=getattr(args, "decoder", "auto")) as hs:
         seq, stats = hs.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  top_k=args.top_k, top_p=args.top_p, eos_token_id=eos, streamer=streamer,
-                                 seed=args.seed)
+                                 seed=args.seed, logits_processor=procs)
     d = stats.as_dict()
     print(f"\n[{args.method}] {d['new_tokens']} tokens in {d['total_s']:.2f} s ({d['tokens_per_s']:.1f} tok/s); "
           f"verification calls {d['cycles']}, tree tokens verified {d['verified_tokens']}, tau {d['tau']:.2f}; "

@@ -30,6 +30,26 @@ def test_generate_command_streams_the_targets_greedy_answer(tmp_path, method):
     assert f"[{method}] 16 tokens" in res.stdout and "tau" in res.stdout
 
 
+def test_generate_command_applies_a_repetition_penalty_losslessly(tmp_path):
+    """--repetition-penalty and --no-repeat-ngram-size: HeteroSpec's answer is HuggingFace's greedy generate with
+    the same options, which differs from the unpenalised answer."""
+    model, tok = save_tiny_pair(tmp_path)
+    prompt = "w5 w17 w3 w40 w22"
+    cmd = [sys.executable, "-m", "heterospec", "generate", "--target", str(tmp_path / "target"), "--draft",
+           str(tmp_path / "draft"), "--prompt", prompt, "--method", "heterospec", "--max-new-tokens", "16",
+           "--no-eos", "--depth", "4", "--top-k-tree", "3", "--total-tokens", "12",
+           "--thresholds", ",".join(str(t) for t in THRESHOLDS), "--repetition-penalty", "1.8",
+           "--no-repeat-ngram-size", "2"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
+                         min_new_tokens=16, pad_token_id=0, eos_token_id=None, repetition_penalty=1.8,
+                         no_repeat_ngram_size=2)[0, ids.shape[1]:]
+    assert ref.tolist() != reference_greedy(model, ids, 16)[0, ids.shape[1]:].tolist()
+    assert tok.decode(ref).strip() in res.stdout
+
+
 def test_generate_command_needs_a_policy_for_heterospec_with_another_draft(tmp_path):
     save_tiny_pair(tmp_path)
     res = subprocess.run([sys.executable, "-m", "heterospec", "generate", "--target", str(tmp_path / "target"),
@@ -181,6 +201,9 @@ def _parsed(argv):
     (["--temperature", "1e-31"], "--temperature"),
     (["--top-p", "0"], "--top-p"),
     (["--top-k", "-2"], "--top-k"),
+    (["--repetition-penalty", "0"], "--repetition-penalty"),
+    (["--repetition-penalty", "nan"], "--repetition-penalty"),
+    (["--no-repeat-ngram-size", "-1"], "--no-repeat-ngram-size"),
     (["--depth", "-1"], "--depth"),
     (["--total-tokens", "1"], "--total-tokens"),
     (["--thresholds", "2,1"], "--thresholds"),
