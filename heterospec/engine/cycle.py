@@ -120,34 +120,35 @@ class Cycle:
 
     # ---- the steps (fixed shapes per key: run eagerly, or recorded once and replayed) -------------------
 
-    def base(self, clock=None):
-        """Steps 1-4 of a binned policy: the root expansion and the base depth -> (Growth, path entropy [B])."""
-        g = self.drafter.grow(None, self.policy.depth, self.target.prefix)
+    def base(self, clock=None, draft_process=None):
+        """Steps 1-4 of a binned policy: the root expansion and the base depth -> (Growth, path entropy [B]);
+        ``draft_process``: the draft's logits processors (:meth:`.tree.DraftState.grow`'s ``process``)."""
+        g = self.drafter.grow(None, self.policy.depth, self.target.prefix, draft_process)
         if clock is not None:
             clock.lap("draft_s")
         return g, g.path_entropy()
 
-    def finish(self, g, extra, T, settings, window=None, clock=None, process=None):
+    def finish(self, g, extra, T, settings, window=None, clock=None, process=None, draft_process=None):
         """Steps 5-8 on the Growth ``g`` of :meth:`base` (None: grow the whole tree from the root): ``extra``
         more levels, each row's tree from ``state.rows`` padded to ``T``, the target's forward, per-row
         acceptance (finished rows commit nothing) and commit -> [B, 4 + R] int64 on the device: each row's
         accepted length (root included), next token, path tokens (R), then its target's and its draft's
         non-finite flags (:mod:`.health`).  ``process``: None, or ``(tokens, parents, n_real, logits) -> logits``
-        applied between the forward and the acceptance (logits processors, :mod:`.processors`; eager only)."""
+        applied between the forward and the acceptance (logits processors, :mod:`.processors`; eager only), and
+        ``draft_process`` to the draft's distributions as :meth:`base` applies it."""
         lap = clock.lap if clock is not None else (lambda field: None)
         tgt, dr, st, B = self.target, self.drafter, self.state, self.batch
         check = self.device.type != "cuda"
         n, m, masked = st.rows[0], st.rows[1], st.rows[2] != 0
         # 5: the rest of the trees, the verification trees
-        g = dr.grow(g, extra if g is not None else self.policy.depth + extra, tgt.prefix)
+        g = dr.grow(g, extra if g is not None else self.policy.depth + extra, tgt.prefix, draft_process)
         tokens, parents, depths, tmask, n_real = verification_tree(g, n, m, st.root, T, check)
         lap("draft_s")
         # 6: the target's forward
         logits, vtaps = tgt.verify(tokens, depths, tmask, window, bad=st.bad, real=n_real)
         lap("verify_s")
         if process is not None:
-            with sync.point("processors"):   # the processors read the trees on the host
-                logits = process(tokens, parents, n_real, logits)
+            logits = process(tokens, parents, n_real, logits)
         # 7: acceptance
         sample, temperature, top_k, top_p = settings
         if sample:
@@ -214,20 +215,20 @@ class Cycle:
     def step_key(self, shape):
         return ("finish" if self.binned else "cycle",) + tuple(shape)
 
-    def run_base(self, steps, clock):
+    def run_base(self, steps, clock, draft_process=None):
         """Steps 1-4, eager (``steps`` None) or replayed -> (Growth or None, path entropies on the device)."""
         if steps is None:
-            return self.base(clock)
+            return self.base(clock, draft_process)
         _, entropy = steps.replay(("base",))
         clock.lap("graph_s")
         return None, entropy
 
-    def run_finish(self, steps, g, extra, T, settings, window, clock, process=None):
+    def run_finish(self, steps, g, extra, T, settings, window, clock, process=None, draft_process=None):
         """Steps 5-8 for the shape ``(extra, T)``, eager or replayed (its recording); ``process`` (logits
         processors) only eager."""
         if steps is None:
-            return self.finish(g, extra, T, settings, window, clock, process)
-        if process is not None:
+            return self.finish(g, extra, T, settings, window, clock, process, draft_process)
+        if process is not None or draft_process is not None:
             raise RuntimeError("Cycle.run_finish: logits processors run in the eager cycle only")
         out = steps.replay(self.step_key((extra, T)))
         clock.lap("graph_s")

@@ -588,6 +588,7 @@ class HeteroSpec:
                 mask = attention_mask.to(dev) if attention_mask is not None else None
                 last_logits, taps = tgt.prefill(ids_dev, attention_mask=mask)
                 health.check_prefill(last_logits, tgt.model, S)
+                vocab = last_logits.shape[-1]
                 if procs:
                     one = torch.zeros((B, 1), dtype=torch.long, device=dev)
                     last_logits = processors.apply(procs, contexts, one, one - 1, one[:, 0] + 1,
@@ -648,9 +649,15 @@ class HeteroSpec:
                     clock.lap("idle_s")
                 first = False
                 g = None
+                process = draft_process = None
+                if procs:   # each row's processors with its tokens so far, for the target's and the draft's logits
+                    ctx = [contexts[a] + generated[a] for a in alive]
+                    rows_procs = [procs[a] for a in alive]
+                    process = functools.partial(processors.apply, rows_procs, ctx)
+                    draft_process = functools.partial(processors.apply_draft, rows_procs, ctx, vocab)
                 try:
                     if cyc.binned:
-                        g, entropy = cyc.run_base(steps, clock)
+                        g, entropy = cyc.run_base(steps, clock, draft_process)
                         with sync.point("bin", total):
                             ent = entropy.tolist()
                         plans = [pol.plan(e) if not done[a] else (None, 0, 1) for e, a in zip(ent, alive)]
@@ -671,11 +678,7 @@ class HeteroSpec:
                     # cache, and so does a compiled forward (a new width would be a new compilation every 64 tokens)
                     window = None if graphs or cyc.target.compiled else \
                         attention_window(dev, max(prefix_host[a] for a in alive) + 1, T)
-                    process = None
-                    if procs:
-                        ctx = [contexts[a] + generated[a] for a in alive]
-                        process = functools.partial(processors.apply, [procs[a] for a in alive], ctx)
-                    acc = cyc.run_finish(steps, g, extra, T, settings, window, clock, process)
+                    acc = cyc.run_finish(steps, g, extra, T, settings, window, clock, process, draft_process)
                 except ValueError:   # on the CPU the ops refuse non-finite logits mid-cycle: say which model's
                     with sync.outside_cycle():
                         flags = [[int(t), int(d)] for t, d in zip(st.bad.tolist(), dr.bad.tolist())]

@@ -6,18 +6,23 @@ function of the tokens before the position.  Speculation stays exact with it whe
 tree is processed with its own context: the request's tokens so far, then the tree path down to that node.  The
 acceptance rule (greedy argmax, or the sampled residual rule) then verifies the processed distribution, which is
 what a plain loop would have sampled from at that position, so the output is the processed target's own.  The
-draft is not processed: what it proposes only decides how many tokens a cycle accepts.
+draft's distributions are processed the same way (:func:`apply_draft`: the root expansion and each beam with its
+own path), so it proposes what the processed target is likely to pick; that changes only how many tokens a
+cycle accepts, never what it commits.
 
 :func:`check` validates a ``logits_processor`` argument; :func:`apply` processes a batch of trees' logits (the
 prefill's last position is a tree of one node).  A request's nodes of equal context length go to its processors as
 one batch, so a processor must compute each row from that row's own tokens and scores (the ones HuggingFace's
 ``generate`` builds from a generation config do; :func:`heterospec.custom_generate` admits only those).  It runs
-on the host between the target's forward and the acceptance (the declared sync point "processors"), so a call
+on the host between the target's forward and the acceptance, and before each of the draft's expansions (the declared sync
+point "processors"), so a call
 with processors runs the eager cycle, never recorded steps.
 """
 from __future__ import annotations
 
 import torch
+
+from . import sync
 
 
 def check(processors, batch):
@@ -59,6 +64,11 @@ def apply(processors, contexts, tokens, parents, n_real, logits):
     ``tokens`` / ``parents`` [B, T] (each row's tree, node 0 the root), ``n_real`` [B] real nodes per row, ``logits``
     [B, T, V] the target's -> float32 [B, T, V]: node i of row b processed with ``contexts[b]`` + the tokens on its
     path below the root, padding nodes (i >= n_real[b], never read by the acceptance) as they were."""
+    with sync.point("processors"):   # the trees, read on the host
+        return _apply(processors, contexts, tokens, parents, n_real, logits)
+
+
+def _apply(processors, contexts, tokens, parents, n_real, logits):
     B, T, V = logits.shape
     tok, par, nn = tokens.tolist(), parents.tolist(), n_real.view(-1).tolist()
     groups = {}   # (row, context length) -> [(row, node, ids)]
@@ -80,3 +90,55 @@ def apply(processors, contexts, tokens, parents, n_real, logits):
                              f"shape {(len(items), V)}, got {getattr(scores, 'shape', type(scores).__name__)}")
         out[rows, nodes] = scores.to(torch.float32)
     return out
+
+
+def _beam_paths(g, B):
+    """Each row's beams' tokens below the root, from a Growth's candidates (None: the root expansion)."""
+    if g is None:
+        return [[[]] for _ in range(B)]
+    tokens, _, parents = g.candidates()
+    tok, par, beams = tokens.tolist(), parents.tolist(), g.beams.tolist()
+    out = []
+    for b in range(B):
+        memo = {}
+
+        def path(c):
+            if c < 0:
+                return []
+            if c not in memo:
+                memo[c] = path(par[b][c]) + [tok[b][c]]
+            return memo[c]
+
+        out.append([path(c) for c in beams[b]])
+    return out
+
+
+def apply_draft(processors, contexts, vocab, g, logits, d2t=None):
+    """The draft's logits [B, K, Vd] processed as :func:`apply` processes the target's: distribution k of row b
+    (the root expansion's when ``g`` is None, else the beam ``g.beams[b, k]``'s) with ``contexts[b]`` + the tokens on
+    its path below the root.  The draft's vocabulary is scattered into the target's (``vocab`` ids; draft id j is
+    target id j + d2t[j]), every other id at -inf, processed there and gathered back -> float32 [B, K, Vd]."""
+    with sync.point("processors"):   # the beams' paths, read on the host
+        return _apply_draft(processors, contexts, vocab, g, logits, d2t)
+
+
+def _apply_draft(processors, contexts, vocab, g, logits, d2t):
+    B, K, Vd = logits.shape
+    dev = logits.device
+    tid = torch.arange(Vd, device=dev) + (d2t.to(dev) if d2t is not None else 0)
+    full = torch.full((B, K, vocab), -float("inf"), dtype=torch.float32, device=dev)
+    full[:, :, tid] = logits.to(torch.float32)
+    paths = _beam_paths(g, B)
+    groups = {}
+    for b in range(B):
+        for k, p in enumerate(paths[b]):
+            ids = contexts[b] + p
+            groups.setdefault((b, len(ids)), []).append((k, ids))
+    for (b, _), items in groups.items():
+        ks = torch.tensor([x[0] for x in items], dtype=torch.long, device=dev)
+        ids = torch.tensor([x[1] for x in items], dtype=torch.long, device=dev)
+        scores = full[b, ks]
+        for proc in processors[b]:
+            scores = proc(ids, scores)
+        full[b, ks] = scores.to(torch.float32)
+    return full[:, :, tid]

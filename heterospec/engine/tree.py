@@ -136,20 +136,24 @@ class DraftState:
         taps = vtaps.gather(1, kept.unsqueeze(-1).expand(-1, -1, vtaps.shape[-1]))
         self.catch_up(taps, ids, prefix, last)
 
-    def start(self):
-        """Expand the roots (the static ``root_logits`` / ``root_h``): a Growth with 0 levels."""
-        g = Growth.root(self.root_logits, self.K, self.d2t, zero_score=self.zero_score, no_parent=self.no_parent,
+    def start(self, process=None):
+        """Expand the roots (the static ``root_logits`` / ``root_h``): a Growth with 0 levels; ``process``: as
+        :meth:`grow`'s."""
+        logits = self.root_logits if process is None else process(None, self.root_logits, self.d2t)
+        g = Growth.root(logits, self.K, self.d2t, zero_score=self.zero_score, no_parent=self.no_parent,
                         check=self.root_logits.device.type != "cuda")
         self.h_rows[:, 0] = self.root_h[:, 0]
         return g
 
-    def grow(self, g, levels, prefix):
+    def grow(self, g, levels, prefix, process=None):
         """Grow ``levels`` more levels (EAGLE-2/3 dynamic tree: one draft step and one ``ops.expand`` per
         level, for every request at once) on top of ``g`` (None: the root expansion first); returns a new
         Growth (``g`` is left as it is).  Growing a levels then b more is growing a + b at once: the trace
-        records level by level."""
+        records level by level.  ``process``: None, or ``(g, logits [B, K, Vd], d2t) -> logits`` applied to the
+        draft's distributions before each expansion (logits processors, :func:`.processors.apply_draft`; eager
+        only)."""
         if g is None:
-            g = self.start()
+            g = self.start(process)
         B, K, check = self.batch, self.K, prefix.device.type != "cuda"
         H = self.h_rows.shape[-1]
         for _ in range(levels):
@@ -174,6 +178,8 @@ class DraftState:
             logits, h_out = self._step_head(self.h_rows.gather(1, src.view(B, K, 1).expand(B, K, H)), ids, pos,
                                             slots, allowed)
             self.h_rows[:, 1 + r0:1 + r0 + K] = h_out
+            if process is not None:
+                logits = process(g, logits, self.d2t)
             g = g.extend(logits, self.d2t, check=check)
         return g
 
@@ -198,7 +204,7 @@ class NoDraft:
     def prime(self, taps, ids, last, prompt=None):
         pass
 
-    def grow(self, g, levels, prefix):
+    def grow(self, g, levels, prefix, process=None):
         return None
 
     def follow(self, vtaps, kept, path_tokens, length, nxt, prefix):

@@ -114,8 +114,8 @@ def test_the_host_transfer_guard_fires(pair, monkeypatch):
 
 
 def test_processors_read_the_host_at_their_declared_point_only(pair):
-    """With logits processors the cycle reads each tree on the host once more, at the declared "processors" point
-    between the forward and "accepted", and nowhere else."""
+    """With logits processors the cycle reads the host at the declared "processors" point (the draft's expansions
+    before "bin" and after it, the target's tree after the forward) besides "bin" and "accepted", nowhere else."""
     model, head = pair
     p = prompts(2)[1]
     record = []
@@ -123,7 +123,16 @@ def test_processors_read_the_host_at_their_declared_point_only(pair):
     with HeteroSpec(model, head, _policies()["heterospec"], cuda_graphs=False) as hs, \
             sync.forbid_host_transfers(record):
         _, stats = hs.generate(p, max_new_tokens=NEW, logits_processor=procs)
-    assert record == ["bin", "processors", "accepted"] * stats.cycles
+    cycles, c = [], []
+    for name in record:
+        c.append(name)
+        if name == "accepted":
+            cycles.append(c)
+            c = []
+    assert not c and len(cycles) == stats.cycles
+    for c in cycles:   # the root expansion (and base levels) processed, bin, extra levels, the tree, accepted
+        assert c.count("bin") == 1 and c[0] == "processors" and c[-2:] == ["processors", "accepted"]
+        assert set(c) == {"bin", "processors", "accepted"}
 
 
 def test_commit_gets_the_path_and_prefix_on_the_caches_device(pair, monkeypatch):

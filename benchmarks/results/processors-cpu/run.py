@@ -23,4 +23,4 @@ for text in prompts:
             t = time.perf_counter(); out, st = hs.generate(x, max_new_tokens=64, logits_processor=procs); dt = time.perf_counter() - t
             t = time.perf_counter(); out0, st0 = hs.generate(x, max_new_tokens=64); dt0 = time.perf_counter() - t
         print(f"{name}: equal HF {out.tolist() == ref.tolist()}, processors changed output {ref.tolist() != plain.tolist()}, "
-              f"{st.new_tokens/dt:.1f} tok/s with processors (tau {st.tau:.2f}), {st0.new_tokens/dt0:.1f} without, HF {ref.shape[1]-x.shape[1]} toks {(ref.shape[1]-x.shape[1])/t_hf:.1f} tok/s", flush=True)
+              f"{st.new_tokens/dt:.1f} tok/s with processors (tau {st.tau:.2f}), {st0.new_tokens/dt0:.1f} without (tau {st0.tau:.2f}), HF {ref.shape[1]-x.shape[1]} toks {(ref.shape[1]-x.shape[1])/t_hf:.1f} tok/s", flush=True)
