@@ -50,7 +50,9 @@ def split_processors(logits_processor, batch):
         raise ValueError(
             f"custom_generate: argument 'logits_processor' expected processors computed from each row's own tokens "
             f"before the temperature / top-k / top-p warpers ({', '.join(sorted(_PER_POSITION))}), got {refused}, "
-            f"which speculative acceptance cannot reproduce losslessly; remove them from the generation config")
+            f"which speculative acceptance cannot reproduce losslessly; remove them from the generation config (a "
+            f"processor of your own that computes each row from its own tokens goes to HeteroSpec.generate("
+            f"logits_processor=...))")
     return rows
 
 
