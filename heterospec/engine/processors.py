@@ -43,17 +43,19 @@ def check(processors, batch):
     return rows if any(rows) else []
 
 
-def _paths(tokens, parents, n):
-    """Each real node's tokens below the root (the root's own token is the context's last): lists, node by node."""
-    paths = [None] * n
-    paths[0] = []
+def _paths(tokens, parents, wanted, root=-1):
+    """The tokens below the root down to each index of ``wanted`` (lists), walking ``parents`` (host lists) up to
+    -1 or to ``root`` (a tree's node 0, whose token is the context's last)."""
+    memo = {}
 
-    def path(i):
-        if paths[i] is None:
-            paths[i] = path(parents[i]) + [tokens[i]]
-        return paths[i]
+    def path(c):
+        if c < 0 or c == root:
+            return []
+        if c not in memo:
+            memo[c] = path(parents[c]) + [tokens[c]]
+        return memo[c]
 
-    return [path(i) for i in range(n)]
+    return [path(c) for c in wanted]
 
 
 def apply(processors, contexts, tokens, parents, n_real, logits):
@@ -73,7 +75,7 @@ def _apply(processors, contexts, tokens, parents, n_real, logits):
     tok, par, nn = tokens.tolist(), parents.tolist(), n_real.view(-1).tolist()
     groups = {}   # (row, context length) -> [(row, node, ids)]
     for b in range(B):
-        for i, p in enumerate(_paths(tok[b], par[b], nn[b])):
+        for i, p in enumerate(_paths(tok[b], par[b], range(nn[b]), root=0)):
             ids = contexts[b] + p
             groups.setdefault((b, len(ids)), []).append((b, i, ids))
     out = logits.to(torch.float32, copy=True)
@@ -98,19 +100,7 @@ def _beam_paths(g, B):
         return [[[]] for _ in range(B)]
     tokens, _, parents = g.candidates()
     tok, par, beams = tokens.tolist(), parents.tolist(), g.beams.tolist()
-    out = []
-    for b in range(B):
-        memo = {}
-
-        def path(c):
-            if c < 0:
-                return []
-            if c not in memo:
-                memo[c] = path(par[b][c]) + [tok[b][c]]
-            return memo[c]
-
-        out.append([path(c) for c in beams[b]])
-    return out
+    return [_paths(tok[b], par[b], beams[b]) for b in range(B)]
 
 
 def apply_draft(processors, contexts, vocab, g, logits, d2t=None):
