@@ -411,12 +411,12 @@ class HeteroSpec:
 
         ``logits_processor``: HuggingFace-style processors ``(input_ids [n, L], scores [n, V]) -> scores`` (a
         ``LogitsProcessorList``, a list or one callable, e.g. ``RepetitionPenaltyLogitsProcessor(1.2)``, or one such
-        list per prompt), applied in
-        order to the target's next-token scores at every position before the greedy or sampling rule (temperature,
-        top-k and top-p come after them, as in HuggingFace's ``generate``), with ``input_ids`` each request's input
-        row (padding included, as HuggingFace passes a padded batch; a list's prompts unpadded) and its tokens so
-        far.  Each verification-tree node is processed with its own path, so decoding stays lossless for the
-        processed distribution; a processor must compute each row from that row's own ids and scores.  Such a call
+        list per prompt), applied in order to the target's next-token scores at every position before the greedy or
+        sampling rule (temperature, top-k and top-p come after them, as in HuggingFace's ``generate``), with
+        ``input_ids`` each request's input row (padding included, as HuggingFace passes a padded batch; a list's
+        prompts unpadded) and its tokens so far.  Each verification-tree node is processed with its own path, so
+        decoding stays lossless for the processed distribution (the draft's distributions are processed too, which
+        only helps it guess); a processor must compute each row from that row's own ids and scores.  Such a call
         runs the eager cycle (no recorded steps) and processes on the host every cycle
         (:mod:`heterospec.engine.processors`)."""
         _check_generate_args(max_new_tokens, temperature, top_k, top_p)
