@@ -590,8 +590,8 @@ class HeteroSpec:
                 health.check_prefill(last_logits, tgt.model, S)
                 vocab = last_logits.shape[-1]
                 if procs:
-                    one = torch.zeros((B, 1), dtype=torch.long, device=dev)
-                    last_logits = processors.apply(procs, contexts, one, one - 1, one[:, 0] + 1,
+                    lone = torch.zeros((B, 1), dtype=torch.long, device=dev)   # a tree of its root alone
+                    last_logits = processors.apply(procs, contexts, lone, lone - 1, lone[:, 0] + 1,
                                                    last_logits.view(B, 1, -1)).view(B, -1)
                 st.seed.copy_(torch.tensor(seeds, dtype=torch.long, device="cpu"))
                 st.offset.zero_()

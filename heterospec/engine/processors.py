@@ -14,9 +14,8 @@ cycle accepts, never what it commits.
 prefill's last position is a tree of one node).  A request's nodes of equal context length go to its processors as
 one batch, so a processor must compute each row from that row's own tokens and scores (the ones HuggingFace's
 ``generate`` builds from a generation config do; :func:`heterospec.custom_generate` admits only those).  It runs
-on the host between the target's forward and the acceptance, and before each of the draft's expansions (the declared sync
-point "processors"), so a call
-with processors runs the eager cycle, never recorded steps.
+on the host between the target's forward and the acceptance, and before each of the draft's expansions (the
+declared sync point "processors"), so a call with processors runs the eager cycle, never recorded steps.
 """
 from __future__ import annotations
 
@@ -62,37 +61,42 @@ def apply(processors, contexts, tokens, parents, n_real, logits):
     """The processed logits of a batch of verification trees: ``processors`` (a tuple of callables per row, as
     :func:`check` gives them; each call sees one row's nodes of one context length), ``contexts`` (a host list per
     row: the request's input ids, padding included where the caller passed it, and its tokens so far, ending with
-    the root's token),
-    ``tokens`` / ``parents`` [B, T] (each row's tree, node 0 the root), ``n_real`` [B] real nodes per row, ``logits``
-    [B, T, V] the target's -> float32 [B, T, V]: node i of row b processed with ``contexts[b]`` + the tokens on its
-    path below the root, padding nodes (i >= n_real[b], never read by the acceptance) as they were."""
+    the root's token), ``tokens`` / ``parents`` [B, T] (each row's tree, node 0 the root), ``n_real`` [B] real nodes
+    per row, ``logits`` [B, T, V] the target's -> float32 [B, T, V]: node i of row b processed with
+    ``contexts[b]`` + the tokens on its path below the root, padding nodes (i >= n_real[b], never read by the
+    acceptance) as they were."""
     with sync.point("processors"):   # the trees, read on the host
         return _apply(processors, contexts, tokens, parents, n_real, logits)
 
 
 def _apply(processors, contexts, tokens, parents, n_real, logits):
-    B, T, V = logits.shape
     tok, par, nn = tokens.tolist(), parents.tolist(), n_real.view(-1).tolist()
-    groups = {}   # (row, context length) -> [(row, node, ids)]
-    for b in range(B):
-        for i, p in enumerate(_paths(tok[b], par[b], range(nn[b]), root=0)):
-            ids = contexts[b] + p
-            groups.setdefault((b, len(ids)), []).append((b, i, ids))
     out = logits.to(torch.float32, copy=True)
-    dev = logits.device
-    for items in groups.values():
-        rows = torch.tensor([x[0] for x in items], dtype=torch.long, device=dev)
-        nodes = torch.tensor([x[1] for x in items], dtype=torch.long, device=dev)
-        ids = torch.tensor([x[2] for x in items], dtype=torch.long, device=dev)
-        scores = out[rows, nodes]
-        for p in processors[items[0][0]]:
-            scores = p(ids, scores)
-        if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != (len(items), V):
-            raise ValueError(f"generate: argument 'logits_processor' expected each processor to return scores of "
-                             f"shape {(len(items), V)}, got {getattr(scores, 'shape', type(scores).__name__)}")
-        out[rows, nodes] = scores.to(torch.float32)
+    _process(processors, contexts, [_paths(tok[b], par[b], range(nn[b]), root=0) for b in range(len(nn))], out)
     return out
 
+
+def _process(processors, contexts, paths, scores):
+    """The one processing step of :func:`apply` and :func:`apply_draft`: entry j of row b of ``scores`` [B, N, V]
+    (float32, written in place) through row b's processors with ``contexts[b]`` + ``paths[b][j]``, for the entries
+    ``paths`` lists; a row's entries of one context length as one batch."""
+    V = scores.shape[-1]
+    dev = scores.device
+    groups = {}   # (row, context length) -> [(entry, ids)]
+    for b, row in enumerate(paths):
+        for j, p in enumerate(row):
+            ids = contexts[b] + p
+            groups.setdefault((b, len(ids)), []).append((j, ids))
+    for (b, _), items in groups.items():
+        entries = torch.tensor([x[0] for x in items], dtype=torch.long, device=dev)
+        ids = torch.tensor([x[1] for x in items], dtype=torch.long, device=dev)
+        got = scores[b, entries]
+        for p in processors[b]:
+            got = p(ids, got)
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != (len(items), V):
+            raise ValueError(f"generate: argument 'logits_processor' expected each processor to return scores of "
+                             f"shape {(len(items), V)}, got {getattr(got, 'shape', type(got).__name__)}")
+        scores[b, entries] = got.to(torch.float32)
 
 def _beam_paths(g, B):
     """Each row's beams' tokens below the root, from a Growth's candidates (None: the root expansion)."""
@@ -118,17 +122,5 @@ def _apply_draft(processors, contexts, vocab, g, logits, d2t):
     tid = torch.arange(Vd, device=dev) + (d2t.to(dev) if d2t is not None else 0)
     full = torch.full((B, K, vocab), -float("inf"), dtype=torch.float32, device=dev)
     full[:, :, tid] = logits.to(torch.float32)
-    paths = _beam_paths(g, B)
-    groups = {}
-    for b in range(B):
-        for k, p in enumerate(paths[b]):
-            ids = contexts[b] + p
-            groups.setdefault((b, len(ids)), []).append((k, ids))
-    for (b, _), items in groups.items():
-        ks = torch.tensor([x[0] for x in items], dtype=torch.long, device=dev)
-        ids = torch.tensor([x[1] for x in items], dtype=torch.long, device=dev)
-        scores = full[b, ks]
-        for proc in processors[b]:
-            scores = proc(ids, scores)
-        full[b, ks] = scores.to(torch.float32)
+    _process(processors, contexts, _beam_paths(g, B), full)
     return full[:, :, tid]
