@@ -34,7 +34,7 @@ from collections import OrderedDict
 import torch
 
 from .. import ops
-from . import requests, sync
+from . import lookup, requests, sync
 from .graphs import WORKSPACE_BYTES, StepGraphs, no_collection_while_recording, warm_up
 from .tree import NoDraft, bucket_for, tree_size, verification_tree
 
@@ -85,6 +85,7 @@ class Cycle:
         self.state = CycleState.on(device, target.batch)
         self._recorded = OrderedDict()    # sampling settings -> StepGraphs, least recently used first
         self._capacity = None
+        self.grafted = None               # each row's real tree size after the last prompt-lookup graft (host)
 
     @property
     def batch(self):
@@ -128,21 +129,27 @@ class Cycle:
             clock.lap("draft_s")
         return g, g.path_entropy()
 
-    def finish(self, g, extra, T, settings, window=None, clock=None, process=None, draft_process=None):
+    def finish(self, g, extra, T, settings, window=None, clock=None, process=None, draft_process=None, chains=None):
         """Steps 5-8 on the Growth ``g`` of :meth:`base` (None: grow the whole tree from the root): ``extra``
         more levels, each row's tree from ``state.rows`` padded to ``T``, the target's forward, per-row
         acceptance (finished rows commit nothing) and commit -> [B, 4 + R] int64 on the device: each row's
         accepted length (root included), next token, path tokens (R), then its target's and its draft's
         non-finite flags (:mod:`.health`).  ``process``: None, or ``(tokens, parents, n_real, logits) -> logits``
         applied between the forward and the acceptance (logits processors, :mod:`.processors`; eager only), and
-        ``draft_process`` to the draft's distributions as :meth:`base` applies it."""
+        ``draft_process`` to the draft's distributions as :meth:`base` applies it.  ``chains``: None, or each row's
+        prompt-lookup chain (host lists, :mod:`.lookup`; eager only), grafted onto its tree (``T`` counts them);
+        each row's real tree size is then left in ``self.grafted`` (a host list)."""
         lap = clock.lap if clock is not None else (lambda field: None)
         tgt, dr, st, B = self.target, self.drafter, self.state, self.batch
         check = self.device.type != "cuda"
         n, m, masked = st.rows[0], st.rows[1], st.rows[2] != 0
         # 5: the rest of the trees, the verification trees
         g = dr.grow(g, extra if g is not None else self.policy.depth + extra, tgt.prefix, draft_process)
-        tokens, parents, depths, tmask, n_real = verification_tree(g, n, m, st.root, T, check)
+        tokens, parents, depths, tmask, n_real = verification_tree(g, n, m, st.root, T if g is not None else 1, check)
+        if chains is not None:
+            with sync.point("lookup"):
+                tokens, parents, depths, tmask, n_real, self.grafted = lookup.graft(tokens, parents, depths, tmask,
+                                                                                  n_real, chains, T)
         lap("draft_s")
         # 6: the target's forward
         logits, vtaps = tgt.verify(tokens, depths, tmask, window, bad=st.bad, real=n_real)
@@ -160,6 +167,8 @@ class Cycle:
         length = length.masked_fill(masked, 0)              # a finished row commits nothing
         path = path.masked_fill(masked.view(B, 1), -1)
         R = min(T, self.policy.levels + 2) if self.drafting else 1   # positions a cycle may commit: the catch-up's rows
+        if chains is not None:                                        # a chain's path: its tokens and the root
+            R = min(T, max(R, 1 + max(map(len, chains))))
         kept = path[:, :R].clamp(min=0)
         path_tokens = tokens.gather(1, kept)
         lap("ops_s")
@@ -223,13 +232,13 @@ class Cycle:
         clock.lap("graph_s")
         return None, entropy
 
-    def run_finish(self, steps, g, extra, T, settings, window, clock, process=None, draft_process=None):
+    def run_finish(self, steps, g, extra, T, settings, window, clock, process=None, draft_process=None, chains=None):
         """Steps 5-8 for the shape ``(extra, T)``, eager or replayed (its recording); ``process`` (logits
-        processors) only eager."""
+        processors) and ``chains`` (prompt lookup) only eager."""
         if steps is None:
-            return self.finish(g, extra, T, settings, window, clock, process, draft_process)
-        if process is not None or draft_process is not None:
-            raise RuntimeError("Cycle.run_finish: logits processors run in the eager cycle only")
+            return self.finish(g, extra, T, settings, window, clock, process, draft_process, chains)
+        if process is not None or draft_process is not None or chains is not None:
+            raise RuntimeError("Cycle.run_finish: logits processors and prompt lookup run in the eager cycle only")
         out = steps.replay(self.step_key((extra, T)))
         clock.lap("graph_s")
         return out

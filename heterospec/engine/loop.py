@@ -33,7 +33,7 @@ from ..models import cpu_decoder as decoder_mod
 from ..models import cpu_gemm as gemm
 from ..models.target import TargetAdapter, _decoder_layers, attention_window
 from ..policy import Policy
-from . import health, processors, requests, sync
+from . import health, lookup, processors, requests, sync
 from .cycle import Cycle
 from .stats import GenerationStats
 from .tree import DraftState, NoDraft, bucket_for, tree_size
@@ -367,15 +367,15 @@ class HeteroSpec:
     def __exit__(self, *exc):
         self.close()
 
-    def capacity(self, prompt_len, max_new_tokens):
+    def capacity(self, prompt_len, max_new_tokens, lookup=0):
         """Static cache positions per row a request needs: every committed token plus the largest tree (or the
-        draft's catch-up rows) written past them."""
-        return prompt_len + max_new_tokens + max(self._max_nodes, self._levels + 2) + 1
+        draft's catch-up rows) written past them; ``lookup``: the prompt-lookup chain's length grafted onto it."""
+        return prompt_len + max_new_tokens + max(self._max_nodes + lookup, self._levels + 2, lookup + 1) + 1
 
-    def overshoot(self):
+    def overshoot(self, lookup=0):
         """Positions a cycle may commit past a request's budget (its deepest path and the bonus token): a masked
         finished row keeps them and still verifies a tree there every cycle."""
-        return self._levels + 2
+        return max(self._levels + 2, lookup + 1)
 
     # ---- the loop -----------------------------------------------------------------------------------
 
@@ -388,7 +388,8 @@ class HeteroSpec:
     @torch.no_grad()
     def generate(self, input_ids, *, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, eos_token_id=None,
                  stopping_criteria=None, streamer=None, seed=None, attention_mask=None, pad_token_id=None,
-                 finished_rows="drop", logits_processor=None):
+                 finished_rows="drop", logits_processor=None, prompt_lookup_num_tokens=None,
+                 max_matching_ngram_size=None, min_matching_ngram_size=None):
         """Returns (sequences [1, S + new] int64 on the CPU, GenerationStats).  Greedy when temperature == 0.
         A request ends at ``max_new_tokens`` or at an ``eos_token_id`` (an id or ids; None, the default: the
         target's ``generation_config.eos_token_id``, as HuggingFace's ``generate`` takes it; [] for none).
@@ -418,7 +419,15 @@ class HeteroSpec:
         decoding stays lossless for the processed distribution (the draft's distributions are processed too, which
         only helps it guess); a processor must compute each row from that row's own ids and scores.  Such a call
         runs the eager cycle (no recorded steps) and processes on the host every cycle
-        (:mod:`heterospec.engine.processors`)."""
+        (:mod:`heterospec.engine.processors`).
+
+        ``prompt_lookup_num_tokens``: HuggingFace's prompt lookup inside the cycle -- each cycle, the longest suffix
+        of at most ``max_matching_ngram_size`` tokens (default 2) and at least ``min_matching_ngram_size`` (default
+        1) of a request's prompt and tokens so far that occurred before proposes the ``prompt_lookup_num_tokens``
+        tokens that followed it (its latest occurrence), as
+        one more branch of the verification tree (with a draft) or as the whole tree (without one).  The output is
+        unchanged (lossless either way); only how many tokens a cycle accepts changes.  Such a call runs the eager
+        cycle (:mod:`heterospec.engine.lookup`)."""
         _check_generate_args(max_new_tokens, temperature, top_k, top_p)
         eos_token_id = eos_ids(self.target.model, eos_token_id)
         eos = set(eos_token_id)
@@ -449,6 +458,7 @@ class HeteroSpec:
             raise ValueError(f"generate: argument 'streamer' expected a single prompt, got a batch of {B}")
         S = input_ids.shape[1]
         procs, contexts = processors.check(logits_processor, B), None
+        lookup_n = lookup.check(prompt_lookup_num_tokens, max_matching_ngram_size, min_matching_ngram_size)
         if procs:   # what each request's processors see before its first new token
             with sync.outside_cycle():
                 contexts = ([[int(t) for t in p] for p in raw_prompts] if as_list else input_ids.tolist())
@@ -465,7 +475,8 @@ class HeteroSpec:
             input_ids, attention_mask = input_ids[:, S - lengths[0]:], None
         with self._gemm:
             new, stats = self._decode(input_ids, attention_mask, lengths, max_new_tokens, temperature, top_k, top_p,
-                                      eos, seed, finished_rows, stopping_criteria, streamer, procs, contexts)
+                                      eos, seed, finished_rows, stopping_criteria, streamer, procs, contexts,
+                                      lookup_n)
         with sync.outside_cycle():                      # the results, on the host
             ids = input_ids.cpu()
             S = ids.shape[1]
@@ -537,36 +548,39 @@ class HeteroSpec:
                              f"seed + b), got {bad[0]}")
         return seeds
 
-    def _need(self, S, max_new_tokens, masked, graphs):
+    def _need(self, S, max_new_tokens, masked, graphs, lookup=0):
         """Static cache positions per row for prompts of ``S`` columns (a one-line error past ``max_length``)."""
-        more = self.overshoot() if masked else 0
-        need = self.capacity(S, max_new_tokens) + more
-        if self.max_length is not None and need > self.capacity(0, self.max_length) + more:
+        more = self.overshoot(lookup) if masked else 0
+        need = self.capacity(S, max_new_tokens, lookup) + more
+        if self.max_length is not None and need > self.capacity(0, self.max_length, lookup) + more:
             raise ValueError(f"generate: prompt ({S}) + max_new_tokens ({max_new_tokens}) = {S + max_new_tokens} "
                              f"exceed the static caches' max_length ({self.max_length}) given to HeteroSpec")
-        need = max(need, self.capacity(0, self.max_length or 0) + more)
+        need = max(need, self.capacity(0, self.max_length or 0, lookup) + more)
         if graphs and self.max_length is None:
             need = -(-need // 256) * 256      # fewer distinct capacities: each one is recorded anew
         return need
 
     def _decode(self, input_ids, attention_mask, lengths, max_new_tokens, temperature, top_k, top_p, eos, seed,
-                finished, stopping_criteria, streamer, procs=(), contexts=None):
+                finished, stopping_criteria, streamer, procs=(), contexts=None, lookup_n=(0, 2, 1)):
         """The host loop for ``B`` requests (``lengths``: :func:`.requests.check_mask`'s) -> (per-row lists of new
         tokens, GenerationStats: the request's own for one, the batch's with ``per_row`` for more).
         ``finished``: "drop" (a finished row leaves the caches at the end of its cycle) or "mask" (it stays, with
         a root-only tree whose commit is zeroed, so the shapes stay those of the whole batch -- what a recorded
         step of fixed batch needs: with recorded steps finished rows are always masked).  Stopping criteria are
         asked after every new token of a request, with its prompt and new tokens.  ``procs``: logits processors
-        (:mod:`.processors`), with each request's ``contexts`` (host lists) before its first new token."""
+        (:mod:`.processors`), with each request's ``contexts`` (host lists) before its first new token.
+        ``lookup_n``: (chain length, longest n-gram, shortest) of prompt lookup (:mod:`.lookup`; length 0: none)."""
         B, S = input_ids.shape
         dev = self.device
         sample = temperature > 0
         settings = (True, float(temperature), int(top_k), float(top_p)) if sample else (False, 0.0, 0, 1.0)
-        graphs = bool(self.cuda_graphs) and not procs   # processors run on the host between forward and acceptance
+        L = lookup_n[0]
+        # processors run on the host between forward and acceptance; a lookup chain's length is known on the host
+        graphs = bool(self.cuda_graphs) and not procs and not L
         if graphs:
             finished = "mask"
         seeds = self._seeds(seed, B)
-        need = self._need(S, max_new_tokens, finished == "mask" and B > 1, graphs)
+        need = self._need(S, max_new_tokens, finished == "mask" and B > 1, graphs, L)
         total = self._new_stats(graphs)
         rows = [self._new_stats(graphs) for _ in range(B)] if B > 1 else [total]
         clock = PhaseClock(dev, total)
@@ -608,6 +622,7 @@ class HeteroSpec:
                 total.prefill_s = time.perf_counter() - start
                 prompts_host = [row[S - n:] for row, n in zip(input_ids.tolist(), lengths)]
             generated = [[r] for r in roots]
+            index = [lookup.NgramIndex(prompts_host[a] + [r], *lookup_n[1:]) for a, r in enumerate(roots)] if L else None
             if streamer is not None:
                 streamer.put(input_ids.cpu())
                 streamer.put(torch.tensor(roots, device="cpu"))
@@ -670,7 +685,11 @@ class HeteroSpec:
                     extra = max(p[1] for p in plans)
                     levels = [pol.depth + p[1] for p in plans]
                     sizes = [tree_size(K, lv, p[2]) if cyc.drafting else 1 for lv, p in zip(levels, plans)]
-                    T = bucket_for(max(sizes), self.buckets) if max(sizes) > 1 else 1
+                    chains = [index[a].propose(L) if not done[a] else [] for a in alive] if L else None
+                    if chains is not None and not any(chains):
+                        chains = None
+                    most = max(s + len(c) for s, c in zip(sizes, chains)) if chains else max(sizes)
+                    T = bucket_for(most, self.buckets) if most > 1 else 1
                     cyc.set_rows([s - 1 for s in sizes],
                                  [candidate_count(K, lv) if cyc.drafting else 0 for lv in levels],
                                  [int(done[a]) for a in alive])
@@ -678,7 +697,9 @@ class HeteroSpec:
                     # cache, and so does a compiled forward (a new width would be a new compilation every 64 tokens)
                     window = None if graphs or cyc.target.compiled else \
                         attention_window(dev, max(prefix_host[a] for a in alive) + 1, T)
-                    acc = cyc.run_finish(steps, g, extra, T, settings, window, clock, process, draft_process)
+                    acc = cyc.run_finish(steps, g, extra, T, settings, window, clock, process, draft_process, chains)
+                    if chains is not None:
+                        sizes = cyc.grafted
                 except ValueError:   # on the CPU the ops refuse non-finite logits mid-cycle: say which model's
                     with sync.outside_cycle():
                         flags = [[int(t), int(d)] for t, d in zip(st.bad.tolist(), dr.bad.tolist())]
@@ -708,6 +729,8 @@ class HeteroSpec:
                     # truncate at the budget, at EOS, or where a stopping criterion fires
                     for t in row[3:3 + n_acc] + [row[1]]:
                         generated[a].append(t)
+                        if index is not None:
+                            index[a].extend((t,))
                         if streamer is not None:
                             streamer.put(torch.tensor([t], device="cpu"))
                         if (t in eos or len(generated[a]) >= max_new_tokens

@@ -127,26 +127,32 @@ SETTINGS = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.2, 0, 0.8)]
 # the batch-1 path for the first setting with the noisy draft (2,000 calls of about 18 ms; its rejections exercise
 # the residual draws that an oracle's accepted paths rarely reach; the oracle's 2,000 single calls took 97 s of CI
 # for what its batched case and the row-alone check below already show).
-CHI2_CASES = [(d, s, 50, 0) for d in ("oracle", "noisy") for s in SETTINGS]
+CHI2_CASES = [(d, s, 50, 0, 0) for d in ("oracle", "noisy") for s in SETTINGS]
 # a repetition penalty of 3 on the prompt's tokens and on t1 (the second token's own context): the processed target
-CHI2_CASES.append(("noisy", SETTINGS[1], 50, 3.0))
+CHI2_CASES.append(("noisy", SETTINGS[1], 50, 3.0, 0))
+# prompt lookup: t2 proposed by a chain of 3 from the prompt wherever t1 occurred in it (a prompt holding 9 of the
+# 12 ids), grafted onto the noisy draft's tree, and as the whole tree without a draft
+CHI2_CASES += [("noisy", SETTINGS[2], 50, 0, 3), ("none", SETTINGS[0], 50, 0, 3)]
 if DEVICE.type == "cpu":
-    CHI2_CASES.append(("noisy", SETTINGS[0], 1, 0))
+    CHI2_CASES.append(("noisy", SETTINGS[0], 1, 0, 0))
 
 
-@pytest.mark.parametrize("draft_kind, setting, rows, penalty", [
-    pytest.param(d, s, r, pen, id=f"{d}-setting{SETTINGS.index(s)}-rows{r}" + (f"-penalty{pen:g}" if pen else ""))
-    for d, s, r, pen in CHI2_CASES])
-def test_sampling_matches_the_target_distribution(setting, rows, draft_kind, penalty):
+@pytest.mark.parametrize("draft_kind, setting, rows, penalty, lookup", [
+    pytest.param(d, s, r, pen, lk, id=f"{d}-setting{SETTINGS.index(s)}-rows{r}" + (f"-penalty{pen:g}" if pen else "")
+                 + (f"-lookup{lk}" if lk else ""))
+    for d, s, r, pen, lk in CHI2_CASES])
+def test_sampling_matches_the_target_distribution(setting, rows, draft_kind, penalty, lookup):
     """Two sampled tokens, 2,000 seeds: the joint distribution of (t1, t2) matches the exact target
     distribution p(t1) p(t2 | t1) by chi-square (cells with expected count < 5 merged); with a ``penalty``,
     HuggingFace's RepetitionPenaltyLogitsProcessor applied to each position's logits with that position's own
-    tokens before the warpers, as its ``generate`` applies it."""
+    tokens before the warpers, as its ``generate`` applies it; with ``lookup``, prompt-lookup chains of that length
+    in the trees."""
     temperature, top_k, top_p = setting
     vocab = 12
     model = tiny_target("llama", vocab=vocab, layers=4, seed=5)
-    prompt = torch.tensor([[3, 7, 1]], device=DEVICE)
-    draft = OracleDraft(model) if draft_kind == "oracle" else NoisyDraft(32, vocab).to(DEVICE)
+    prompt = torch.tensor([[3, 7, 1, 5, 3, 9, 2, 0, 4, 7, 8, 1] if lookup else [3, 7, 1]], device=DEVICE)
+    draft = {"oracle": lambda: OracleDraft(model), "noisy": lambda: NoisyDraft(32, vocab).to(DEVICE),
+             "none": lambda: None}[draft_kind]()
     hs = HeteroSpec(model, draft, Policy.static(3, 3, 8), cuda_graphs=False)
     procs = [transformers.RepetitionPenaltyLogitsProcessor(penalty)] if penalty else []
 
@@ -162,7 +168,8 @@ def test_sampling_matches_the_target_distribution(setting, rows, draft_kind, pen
                              for a in range(vocab)]).cpu().numpy().ravel()
     counts = np.zeros(vocab * vocab)
     n = 2000
-    kw = dict(max_new_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p, logits_processor=procs or None)
+    kw = dict(max_new_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p, logits_processor=procs or None,
+              prompt_lookup_num_tokens=lookup or None, max_matching_ngram_size=1)
     for call in range(n // rows):
         if rows == 1:
             seq, _ = hs.generate(prompt, seed=call, **kw)

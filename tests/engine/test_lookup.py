@@ -1,0 +1,130 @@
+"""Prompt lookup inside the cycle (heterospec/engine/lookup.py): the n-gram index's proposals and the graft of a
+chain onto a verification tree, written out by hand; greedy output equal to HuggingFace's generate with a chain
+grafted onto no tree, a noisy draft's and a binned policy's, alone and batched; the host read at its declared sync
+point only; bad arguments.  The sampled distribution with chains is in test_decoding's chi-square cases."""
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from _doubles import NoisyDraft, OracleDraft  # noqa: E402
+from _models import DEVICE, NEW, THRESHOLDS, V, prompts, reference_greedy, tiny_target  # noqa: E402
+
+from heterospec import HeteroSpec, Policy  # noqa: E402
+from heterospec.engine import lookup, sync  # noqa: E402
+
+
+def test_the_index_proposes_what_followed_the_latest_longest_suffix():
+    idx = lookup.NgramIndex([5, 1, 2, 3, 9, 1, 2, 4, 8, 1, 2], max_ngram=2)
+    assert idx.propose(3) == [4, 8, 1]            # (1, 2) last occurred at 5: what followed it there
+    idx.extend([4])
+    assert idx.propose(5) == [8, 1, 2, 4]         # (2, 4) at 6, cut at the context's end
+    idx.extend([7])
+    assert idx.propose(2) == []                   # (4, 7) and (7,) never occurred before
+    idx = lookup.NgramIndex([5, 1, 2, 3, 9, 1, 2, 4, 8, 1, 2], max_ngram=2, min_ngram=2)
+    idx.extend([6, 2])
+    assert idx.propose(2) == []                   # (6, 2) is new; the one-token match (2,) is below min_ngram
+    idx = lookup.NgramIndex([3, 3], max_ngram=3)
+    assert idx.propose(4) == [3]                  # the suffix never matches itself: (3,) at 0, followed by 3
+    idx = lookup.NgramIndex([7], max_ngram=3)
+    assert idx.propose(4) == []
+    idx = lookup.NgramIndex([1, 2, 3, 1, 2, 9, 2, 3, 5, 1, 2, 3], max_ngram=3)
+    assert idx.propose(2) == [1, 2]               # the longest suffix first: (1, 2, 3) at 0, not (2, 3) at 6
+
+
+def _tree():
+    """Two rows padded to 4 nodes: row 0 = root 10 with children 11 (node 1) and 12 (node 2), node 3 = 13 under
+    node 1; row 1 = root 20 alone, then padding (root token, depth 1, parent 0, sees the root and itself)."""
+    tokens = torch.tensor([[10, 11, 12, 13], [20, 20, 20, 20]])
+    parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, 0, 0]])
+    depths = torch.tensor([[0, 1, 1, 2], [0, 1, 1, 1]])
+    mask = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]],
+                         [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 1]]], dtype=torch.bool)
+    return tokens, parents, depths, mask, torch.tensor([4, 1])
+
+
+def test_graft_follows_the_tree_then_hangs_the_rest_below():
+    tokens, parents, depths, mask, n = _tree()
+    # row 0's chain 11, 13 is already the path to node 3, then 14 and 15 hang below it; row 1's chain is new
+    t, p, d, m, n2, sizes = lookup.graft(tokens, parents, depths, mask, n, [[11, 13, 14, 15], [21, 22]], 7)
+    assert sizes == [6, 3] and n2.tolist() == [6, 3]
+    assert t.tolist() == [[10, 11, 12, 13, 14, 15, 10], [20, 21, 22, 20, 20, 20, 20]]
+    assert p.tolist() == [[-1, 0, 0, 1, 3, 4, 0], [-1, 0, 1, 0, 0, 0, 0]]
+    assert d.tolist() == [[0, 1, 1, 2, 3, 4, 1], [0, 1, 2, 1, 1, 1, 1]]
+    want = [[[1, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0, 0], [1, 1, 0, 1, 0, 0, 0],
+             [1, 1, 0, 1, 1, 0, 0], [1, 1, 0, 1, 1, 1, 0], [1, 0, 0, 0, 0, 0, 1]],
+            [[1, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0], [1, 0, 0, 1, 0, 0, 0],
+             [1, 0, 0, 0, 1, 0, 0], [1, 0, 0, 0, 0, 1, 0], [1, 0, 0, 0, 0, 0, 1]]]
+    assert m.int().tolist() == want
+
+
+def test_graft_never_adds_a_sibling_with_a_token_already_there():
+    tokens, parents, depths, mask, n = _tree()
+    # a chain inside the tree adds nothing; one that leaves it at the root's child 12 hangs below node 2
+    t, p, d, m, _, sizes = lookup.graft(tokens, parents, depths, mask, n, [[11, 13], [20]], 4)
+    assert sizes == [4, 2] and t.tolist() == [[10, 11, 12, 13], [20, 20, 20, 20]]
+    assert p.tolist()[1] == [-1, 0, 0, 0] and d.tolist()[1] == [0, 1, 1, 1]
+    t, p, d, m, _, sizes = lookup.graft(tokens, parents, depths, mask, n, [[12, 16], []], 5)
+    assert sizes == [5, 1] and t.tolist()[0] == [10, 11, 12, 13, 16] and p.tolist()[0] == [-1, 0, 0, 1, 2]
+    assert m[0, 4].int().tolist() == [1, 0, 1, 0, 1] and d.tolist()[0][4] == 2
+
+
+CASES = {
+    "autoregressive": lambda m: (None, None),
+    "eagle3-noisy": lambda m: (NoisyDraft(32, V).to(DEVICE), Policy.static(5, 3, 16)),
+    "heterospec-noisy": lambda m: (NoisyDraft(32, V, seed=3).to(DEVICE), Policy.paper(4, 4, 20, THRESHOLDS)),
+    "eagle3-oracle": lambda m: (OracleDraft(m), Policy.static(3, 2, 6)),
+}
+
+
+@pytest.mark.parametrize("method", list(CASES))
+def test_prompt_lookup_keeps_greedy_output_equal_to_hf_generate(method):
+    """Chains of 6 grafted onto each method's trees: every output equals HuggingFace's greedy generate, alone and in
+    a batch; chains were verified and, for the autoregressive engine, accepted (tau > 1 from lookup alone)."""
+    model = tiny_target("llama")
+    draft, policy = CASES[method](model)
+    ps = prompts(6)
+    refs = [reference_greedy(model, p) for p in ps]
+    kw = dict(max_new_tokens=NEW, prompt_lookup_num_tokens=6, max_matching_ngram_size=3)
+    with HeteroSpec(model, draft, policy, cuda_graphs=False) as hs:
+        plain = [hs.generate(p, max_new_tokens=NEW)[1] for p in ps]
+        runs = []
+        for p, ref in zip(ps, refs):
+            out, st = hs.generate(p, **kw)
+            assert out.tolist() == ref.tolist()
+            runs.append(st)
+        outs, st = hs.generate([p[0] for p in ps], **kw)
+        assert [o.tolist() for o in outs] == [r[0].tolist() for r in refs]
+
+    def per_cycle(stats, field):
+        return sum(getattr(s, field) for s in stats) / sum(s.cycles for s in stats)
+
+    # the chains were verified with the trees (more nodes a cycle), and they were accepted (more tokens a cycle)
+    assert per_cycle(runs, "verified_tokens") > per_cycle(plain, "verified_tokens")
+    if method != "eagle3-oracle":                # the oracle's tree holds the target's own path already
+        assert per_cycle(runs, "committed") > per_cycle(plain, "committed") + 0.1
+    if method == "autoregressive":
+        assert st.tau > 1.2, st.tau              # a chain alone, in the batch too
+
+
+def test_prompt_lookup_reads_the_host_at_its_declared_point_only():
+    model = tiny_target("llama")
+    p = prompts(2)[1]
+    record = []
+    with HeteroSpec(model, NoisyDraft(32, V, seed=3).to(DEVICE), Policy.paper(4, 4, 20, THRESHOLDS),
+                    cuda_graphs=False) as hs, sync.forbid_host_transfers(record):
+        _, stats = hs.generate(p, max_new_tokens=NEW, prompt_lookup_num_tokens=4)
+    assert record.count("accepted") == stats.cycles and record.count("lookup") >= 1
+    assert set(record) == {"bin", "lookup", "accepted"}
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(prompt_lookup_num_tokens=-1), "argument 'prompt_lookup_num_tokens' expected None or an int in"),
+    (dict(prompt_lookup_num_tokens=2.5), "argument 'prompt_lookup_num_tokens'"),
+    (dict(prompt_lookup_num_tokens=3, max_matching_ngram_size=0), "argument 'max_matching_ngram_size'"),
+    (dict(prompt_lookup_num_tokens=3, max_matching_ngram_size=2, min_matching_ngram_size=3),
+     "argument 'min_matching_ngram_size' expected at most max_matching_ngram_size"),
+])
+def test_bad_prompt_lookup_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        HeteroSpec(tiny_target("llama"), cuda_graphs=False).generate(prompts(1)[0], max_new_tokens=4, **kwargs)
