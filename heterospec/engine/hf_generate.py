@@ -66,7 +66,9 @@ def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=N
     of the generation config, and the per-position processors it builds (repetition penalty, no repeated
     n-grams, bad words, sequence bias, minimum lengths, suppressed or forced tokens, length decay: each tree node
     processed with its own path, so the output is still the processed target's own; the call then runs the eager
-    cycle); refuses any other processor with a ValueError.  A batch of prompts comes left-padded
+    cycle); refuses any other processor with a ValueError.  ``prompt_lookup_num_tokens`` and
+    ``max_matching_ngram_size`` run prompt lookup inside our cycle (a chain grafted onto the draft's tree, or the
+    whole tree without a draft; :meth:`HeteroSpec.generate`), batches included.  A batch of prompts comes left-padded
     with its ``attention_mask``, as HuggingFace pads prompts for generation: every row decodes on its own,
     losslessly, and the result is what HuggingFace returns for a batch -- [B, S + the longest generation], each
     row's input, its new tokens, then the generation config's ``pad_token_id`` (else its first EOS id) after
@@ -97,5 +99,7 @@ def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=N
             input_ids, attention_mask=mask, pad_token_id=int(pad), max_new_tokens=max_new,
             temperature=float(gc.temperature if gc.temperature is not None else 1.0) if sample else 0.0,
             top_k=int(gc.top_k or 0) if sample else 0, top_p=float(gc.top_p if gc.top_p is not None else 1.0) if sample else 1.0,
-            eos_token_id=eos, stopping_criteria=criteria, streamer=streamer, seed=seed, logits_processor=procs)
+            eos_token_id=eos, stopping_criteria=criteria, streamer=streamer, seed=seed, logits_processor=procs,
+            prompt_lookup_num_tokens=getattr(gc, "prompt_lookup_num_tokens", None),
+            max_matching_ngram_size=getattr(gc, "max_matching_ngram_size", None))
     return seq.to(input_ids.device)

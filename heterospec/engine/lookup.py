@@ -21,18 +21,20 @@ import numpy as np
 import torch
 
 
-def check(num_tokens, max_ngram, min_ngram):
-    """``(prompt_lookup_num_tokens, max_matching_ngram_size, min_matching_ngram_size)`` of ``generate`` ->
-    (L, longest n, shortest n): L 0 turns it off; the n-gram sizes default to HuggingFace's 2 and 1."""
-    for name, v, lo in (("prompt_lookup_num_tokens", num_tokens, 0), ("max_matching_ngram_size", max_ngram, 1),
-                        ("min_matching_ngram_size", min_ngram, 1)):
+def check(num_tokens, max_ngram, min_ngram, default=(0, 2, 1), who="generate"):
+    """``(prompt_lookup_num_tokens, max_matching_ngram_size, min_matching_ngram_size)`` -> (L, longest n, shortest
+    n), each None taken from ``default`` (an engine's own, else HuggingFace's: off, 2 and 1); L 0 turns it off.  A
+    one-line ValueError naming ``who``'s argument for a bad value."""
+    given = (num_tokens, max_ngram, min_ngram)
+    names = ("prompt_lookup_num_tokens", "max_matching_ngram_size", "min_matching_ngram_size")
+    for name, v, lo in zip(names, given, (0, 1, 1)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo or v > 64):
-            raise ValueError(f"generate: argument '{name}' expected None or an int in [{lo}, 64], got {v!r}")
-    hi, lo = int(max_ngram or 2), int(min_ngram or 1)
+            raise ValueError(f"{who}: argument '{name}' expected None or an int in [{lo}, 64], got {v!r}")
+    L, hi, lo = (int(d if v is None else v) for v, d in zip(given, default))
     if lo > hi:
-        raise ValueError(f"generate: argument 'min_matching_ngram_size' expected at most max_matching_ngram_size "
+        raise ValueError(f"{who}: argument 'min_matching_ngram_size' expected at most max_matching_ngram_size "
                          f"({hi}), got {lo}")
-    return int(num_tokens or 0), hi, lo
+    return L, hi, lo
 
 
 class NgramIndex:

@@ -232,11 +232,15 @@ class HeteroSpec:
     option of the same name): where a verify's rows cost compute, a batch's trees outweigh what they save (on a
     2-core CPU the default pair's HeteroSpec fell behind autoregressive decoding from 4 requests on).  The output
     is the same either way (speculation is lossless); the call's stats show τ 1.  None (default): every call
-    drafts."""
+    drafts.
+
+    ``prompt_lookup_num_tokens``, ``max_matching_ngram_size``, ``min_matching_ngram_size``: the engine's prompt
+    lookup (:meth:`generate`'s arguments of the same names, which override them per call): off by default."""
 
     def __init__(self, target, draft=None, policy=None, *, max_length=None, buckets="auto", cuda_graphs="auto",
                  compile=False, cpu_gemm="auto", batch_invariant="auto", cpu_decoder="auto",
-                 disable_by_batch_size=None):
+                 disable_by_batch_size=None, prompt_lookup_num_tokens=None, max_matching_ngram_size=None,
+                 min_matching_ngram_size=None):
         self.draft = draft
         self.policy = policy if policy is not None else (Policy.static() if draft is not None else
                                                          Policy.autoregressive())
@@ -315,6 +319,8 @@ class HeteroSpec:
             raise ValueError(f"HeteroSpec: argument 'disable_by_batch_size' expected None or an int >= 1, got "
                              f"{disable_by_batch_size!r}")
         self.disable_by_batch_size = disable_by_batch_size
+        self.lookup = lookup.check(prompt_lookup_num_tokens, max_matching_ngram_size, min_matching_ngram_size,
+                                   who="HeteroSpec")
         pol = self.policy
         self._levels = pol.levels
         most = max((pol.total_tokens, *pol.keep))
@@ -424,7 +430,7 @@ class HeteroSpec:
         ``prompt_lookup_num_tokens``: HuggingFace's prompt lookup inside the cycle -- each cycle, the longest suffix
         of at most ``max_matching_ngram_size`` tokens (default 2) and at least ``min_matching_ngram_size`` (default
         1) of a request's prompt and tokens so far that occurred before proposes the ``prompt_lookup_num_tokens``
-        tokens that followed it (its latest occurrence), as
+        tokens that followed it (its latest occurrence; None: the engine's own settings, 0: off), as
         one more branch of the verification tree (with a draft) or as the whole tree (without one).  The output is
         unchanged (lossless either way); only how many tokens a cycle accepts changes.  Such a call runs the eager
         cycle (:mod:`heterospec.engine.lookup`)."""
@@ -458,7 +464,8 @@ class HeteroSpec:
             raise ValueError(f"generate: argument 'streamer' expected a single prompt, got a batch of {B}")
         S = input_ids.shape[1]
         procs, contexts = processors.check(logits_processor, B), None
-        lookup_n = lookup.check(prompt_lookup_num_tokens, max_matching_ngram_size, min_matching_ngram_size)
+        lookup_n = lookup.check(prompt_lookup_num_tokens, max_matching_ngram_size, min_matching_ngram_size,
+                                self.lookup)
         if procs:   # what each request's processors see before its first new token
             with sync.outside_cycle():
                 contexts = ([[int(t) for t in p] for p in raw_prompts] if as_list else input_ids.tolist())

@@ -155,6 +155,9 @@ def resolve_generate(args):
     _need(math.isfinite(args.repetition_penalty) and args.repetition_penalty > 0, "--repetition-penalty",
           "a finite value > 0 (1: off)", args.repetition_penalty)
     _need(args.no_repeat_ngram_size >= 0, "--no-repeat-ngram-size", "an int >= 0 (0: off)", args.no_repeat_ngram_size)
+    _need(0 <= args.prompt_lookup <= 64, "--prompt-lookup", "an int in [0, 64] (0: off)", args.prompt_lookup)
+    _need(1 <= args.lookup_ngram[0] <= args.lookup_ngram[1] <= 64, "--lookup-ngram",
+          "MIN,MAX with 1 <= MIN <= MAX <= 64", ",".join(map(str, args.lookup_ngram)))
     _check_tree(args)
     _check_target(args)
     method = args.method or "heterospec"

@@ -33,6 +33,15 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the arguments)\n")
 
 
+def _int_pair(text):
+    """'MIN,MAX' -> (MIN, MAX) ints (an argparse type: a bad value is one usage line, status 2)."""
+    try:
+        a, b = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX (two ints), got {text!r}") from None
+    return a, b
+
+
 def build_parser():
     """The ``heterospec`` command line (argparse only: the checks that need no model run in :func:`main`)."""
     parser = _Parser(prog="heterospec", description=__doc__.splitlines()[0])
@@ -78,6 +87,11 @@ def build_parser():
                    help="HuggingFace's repetition penalty (1: off), applied losslessly to every tree node")
     g.add_argument("--no-repeat-ngram-size", type=int, default=0,
                    help="never repeat an n-gram of this size, as HuggingFace's generate (0: off)")
+    g.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+                   help="prompt lookup inside the cycle: each cycle, the N tokens that followed the latest earlier "
+                        "occurrence of the text's last n-gram join the verification tree (0: off; lossless)")
+    g.add_argument("--lookup-ngram", type=_int_pair, default=(2, 3), metavar="MIN,MAX",
+                   help="--prompt-lookup's n-gram sizes to match, longest first (default 2,3)")
     g.add_argument("--depth", type=int, default=7, help="draft tree depth (levels drafted per cycle)")
     g.add_argument("--top-k-tree", type=int, default=10, help="draft tree branching / beam width")
     g.add_argument("--total-tokens", type=int, default=60, help="verified tree nodes, root included")

@@ -50,8 +50,11 @@ def generate_cmd(args, out=None):
     graphs = {"on": True, "off": False, "auto": "auto"}[getattr(args, "cuda_graphs", "off")]   # auto: falls back
     procs = processors_for(getattr(args, "repetition_penalty", 1.0), getattr(args, "no_repeat_ngram_size", 0))
     print(f"[{args.method}] {args.policy_what}", file=out)
+    lo, hi = getattr(args, "lookup_ngram", (2, 3))
     with HeteroSpec(target, draft if policy.drafts else None, policy, cuda_graphs=graphs,
-                    cpu_decoder=getattr(args, "decoder", "auto")) as hs:
+                    cpu_decoder=getattr(args, "decoder", "auto"),
+                    prompt_lookup_num_tokens=getattr(args, "prompt_lookup", 0),
+                    max_matching_ngram_size=hi, min_matching_ngram_size=lo) as hs:
         seq, stats = hs.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  top_k=args.top_k, top_p=args.top_p, eos_token_id=eos, streamer=streamer,
                                  seed=args.seed, logits_processor=procs)

@@ -107,6 +107,33 @@ def test_prompt_lookup_keeps_greedy_output_equal_to_hf_generate(method):
         assert st.tau > 1.2, st.tau              # a chain alone, in the batch too
 
 
+def test_custom_generate_takes_prompt_lookup_from_the_generation_config():
+    """HF's own prompt_lookup_num_tokens through custom_generate: the same output as HF's greedy generate, and the
+    chains were used (HF's prompt-lookup decoding is refused for batches; ours takes one)."""
+    import heterospec
+
+    model = tiny_target("llama")
+    ps = prompts(3)
+    kw = dict(do_sample=False, max_new_tokens=NEW, pad_token_id=0, eos_token_id=None, prompt_lookup_num_tokens=5,
+              max_matching_ngram_size=3)
+    for p in ps:
+        out = model.generate(p, attention_mask=torch.ones_like(p), custom_generate=heterospec.custom_generate, **kw)
+        assert out.tolist() == reference_greedy(model, p).tolist()
+    seen = []
+    real = heterospec.HeteroSpec.generate
+
+    def spy(self, *a, **k):
+        seen.append((k["prompt_lookup_num_tokens"], k["max_matching_ngram_size"]))
+        return real(self, *a, **k)
+
+    heterospec.HeteroSpec.generate = spy
+    try:
+        model.generate(ps[0], attention_mask=torch.ones_like(ps[0]), custom_generate=heterospec.custom_generate, **kw)
+    finally:
+        heterospec.HeteroSpec.generate = real
+    assert seen == [(5, 3)]
+
+
 def test_prompt_lookup_reads_the_host_at_its_declared_point_only():
     model = tiny_target("llama")
     p = prompts(2)[1]
@@ -126,5 +153,19 @@ def test_prompt_lookup_reads_the_host_at_its_declared_point_only():
      "argument 'min_matching_ngram_size' expected at most max_matching_ngram_size"),
 ])
 def test_bad_prompt_lookup_arguments(kwargs, match):
+    model = tiny_target("llama")
     with pytest.raises(ValueError, match=match):
-        HeteroSpec(tiny_target("llama"), cuda_graphs=False).generate(prompts(1)[0], max_new_tokens=4, **kwargs)
+        HeteroSpec(model, cuda_graphs=False).generate(prompts(1)[0], max_new_tokens=4, **kwargs)
+    with pytest.raises(ValueError, match="HeteroSpec: " + match):
+        HeteroSpec(model, cuda_graphs=False, **kwargs)
+
+
+def test_the_engines_settings_are_each_calls_default():
+    """HeteroSpec(prompt_lookup_num_tokens=...) turns lookup on for every call; a call's 0 turns it off."""
+    model = tiny_target("llama")
+    p = prompts(3)[2]
+    with HeteroSpec(model, cuda_graphs=False, prompt_lookup_num_tokens=6, max_matching_ngram_size=3) as hs:
+        on = hs.generate(p, max_new_tokens=NEW)[1]
+        off = hs.generate(p, max_new_tokens=NEW, prompt_lookup_num_tokens=0)[1]
+        assert hs.lookup == (6, 3, 1)
+    assert off.tau == 1.0 and on.tau > 1.0 and on.verified_tokens > on.cycles

@@ -96,11 +96,17 @@ def test_build_methods_and_their_errors():
     assert not m["hf-static"].compile_all_devices and m["hf-static"].as_dict()["compile"] == "transformers' criterion"
     assert m["hf-compiled"].cache_implementation == "static" and m["hf-compiled"].compile_all_devices
     assert m["hf-compiled"].as_dict()["compile"] == "on every device"
-    # bench's default: every method but hf-compiled (minutes of compilation on a CPU)
-    assert bench.DEFAULT_METHODS == tuple(n for n in bench.METHODS if n != "hf-compiled")
+    # our prompt lookup: the autoregressive policy or the profile, with the engine's lookup options
+    assert m["lookup"] == Policy.autoregressive() and m["heterospec-lookup"] is prof
+    assert bench.engine_options("lookup") == {"prompt_lookup_num_tokens": 4, "max_matching_ngram_size": 3,
+                                              "min_matching_ngram_size": 2} and bench.engine_options("eagle3") == {}
+    assert bench.method_dict(m["lookup"], "lookup")["prompt_lookup_num_tokens"] == 4
+    # bench's default: every method but hf-compiled (minutes of compilation on a CPU) and our lookup methods
+    assert bench.DEFAULT_METHODS == tuple(n for n in bench.METHODS
+                                          if n not in ("hf-compiled", "lookup", "heterospec-lookup"))
     # the HuggingFace baselines need no draft
-    assert [n for n, _ in bench.build_methods(["ar", "hf", "hf-static", "hf-compiled", "hf-lookup"])] == \
-        ["ar", *bench.HF_METHODS]
+    assert [n for n, _ in bench.build_methods(["ar", "hf", "hf-static", "hf-compiled", "hf-lookup", "lookup"])] == \
+        ["ar", *bench.HF_METHODS, "lookup"]
     with pytest.raises(ValueError, match="argument 'methods' expected distinct names from .*hf-lookup.*got hf, hf-fast"):
         bench.build_methods(["hf", "hf-fast"])
     with pytest.raises(ValueError, match="argument 'methods' expected distinct names from .*got ar, medusa"):
@@ -257,10 +263,12 @@ def test_bench_outputs_equal_the_targets_greedy_answers_turn_by_turn(tmp_path):
     model, tok = save_tiny_pair(tmp_path)
     qs = bench.load_questions(_questions(tmp_path)[:1], limit=1)
     q = qs["chat"][0]
-    methods = [("ar", Policy.autoregressive()), ("eagle3", Policy.static(3, 3, 8))]
     from heterospec.models.draft import Eagle3Draft
 
     draft = Eagle3Draft.from_pretrained(str(tmp_path / "draft"), target=model)
+    prof = Policy(3, 3, 8, THRESHOLDS, (1, 1, 0), (4, 6, 8), name="calibrated")
+    methods = [("ar", Policy.autoregressive()), ("eagle3", Policy.static(3, 3, 8))] + \
+        bench.build_methods(["lookup", "heterospec-lookup"], draft=draft, profile=prof)
     r = bench.run_bench(model, tok, draft, methods, qs, max_new_tokens=8, warmup_tokens=0,
                         eos_token_id=tok.eos_token_id)
     answers = []

@@ -20,7 +20,8 @@ above it in this list (and the layers below the tools):
 The names other code uses are imported here (not :func:`.report.report`, which would hide the module)."""
 from .baselines import BaselineStats, HFGenerate
 from .command import DEFAULT_TUNE_PROMPTS, add_arguments, main
-from .methods import DEFAULT_METHODS, HF_BASELINES, HF_METHODS, METHODS, HFMethod, build_methods, check_method_names, parse_tree
+from .methods import (DEFAULT_METHODS, HF_BASELINES, HF_METHODS, LOOKUP, METHODS, HFMethod, build_methods,
+                      check_method_names, engine_options, method_dict, parse_tree)
 from .metrics import add_speedup_over_hf, mismatch_report, pooled_bins, speedup_over
 from .questions import BENCHMARKS, LABELS, load_questions, question_paths
 from .report import SCHEMA, markdown, plots, write_outputs
@@ -29,7 +30,7 @@ from .tuning import TUNE_DEPTHS, TUNE_NODES, calibrate_on, tune_static_tree
 from ..prompts import encode_turn  # the chat template of a turn, as the bench encodes it (tests, notebooks)
 
 __all__ = ["BENCHMARKS", "BaselineStats", "DEFAULT_METHODS", "DEFAULT_TUNE_PROMPTS", "HF_BASELINES", "HF_METHODS", "HFGenerate",
-           "HFMethod", "LABELS", "METHODS", "SCHEMA", "TUNE_DEPTHS", "TUNE_NODES", "add_arguments",
-           "add_speedup_over_hf", "build_methods", "calibrate_on", "check_method_names", "encode_turn",
-           "load_questions", "main", "markdown", "mismatch_report", "parse_tree", "plots", "pooled_bins",
+           "HFMethod", "LABELS", "LOOKUP", "METHODS", "SCHEMA", "TUNE_DEPTHS", "TUNE_NODES", "add_arguments",
+           "add_speedup_over_hf", "build_methods", "calibrate_on", "check_method_names", "encode_turn", "engine_options",
+           "load_questions", "main", "markdown", "method_dict", "mismatch_report", "parse_tree", "plots", "pooled_bins",
            "question_paths", "run_bench", "speedup_over", "static_cache_len", "tune_static_tree", "write_outputs"]

@@ -18,7 +18,7 @@ import statistics
 from ...measure import DeviceTimer
 from ..prompts import encode_turn
 from .baselines import HFGenerate, eos_list
-from .methods import HFMethod, static_hf
+from .methods import HFMethod, engine_options, static_hf
 from .metrics import first_diff
 
 
@@ -63,7 +63,7 @@ def run_batch_bench(target, tokenizer, draft, methods, prompts, batch_sizes, *, 
         engines[name] = (HFGenerate(target, pol, pad_token_id=pad) if isinstance(pol, HFMethod) else
                          HeteroSpec(target, draft if pol.drafts else None, pol, cuda_graphs=cuda_graphs,
                                     max_length=longest + max_new_tokens if cuda_graphs else None,
-                                    cpu_decoder=cpu_decoder))
+                                    cpu_decoder=cpu_decoder, **engine_options(name)))
     results, tokens = {}, {}
     steps = sum(-(-len(prompts) // B) for B in batch_sizes) * len(methods)
     step = 0

@@ -73,13 +73,14 @@ def main(args, out=None):
         raise SystemExit(2) from None
     if args.draft is None and args.target == "default":
         args.draft = DEFAULT_HEAD
-    if args.draft is None and any(n != "ar" and n not in HF_METHODS for n in names):
-        raise SystemExit("heterospec bench: --draft PATH is required for methods other than ar and the hf baselines")
+    if args.draft is None and any(n not in ("ar", "lookup") and n not in HF_METHODS for n in names):
+        raise SystemExit("heterospec bench: --draft PATH is required for methods other than ar, lookup and the hf "
+                         "baselines")
     profile_path, profile_what = ((args.profile, f"--profile {args.profile}") if args.profile else
                                   shipped_profile(args.device) if args.draft in (DEFAULT_HEAD, "default") else
                                   (None, "no profile"))
     profile = load_profile(profile_path)[0] if profile_path else None
-    if profile is not None and {"heterospec", "heterospec-paper"} & set(names):
+    if profile is not None and {"heterospec", "heterospec-paper", "heterospec-lookup"} & set(names):
         print(f"heterospec bench: heterospec's profile: {profile_what}", file=out, flush=True)
     # the cheap checks before the models load
     try:
@@ -87,9 +88,10 @@ def main(args, out=None):
             parse_tree(args.tuned_tree)
     except ValueError as e:
         raise SystemExit(f"heterospec bench: {e}") from None
-    if profile is None and {"heterospec", "heterospec-paper"} & set(names):
-        raise SystemExit("heterospec bench: methods heterospec and heterospec-paper need a calibrated profile "
-                         "(--profile; heterospec calibrate writes one), or leave them out with --methods")
+    if profile is None and {"heterospec", "heterospec-paper", "heterospec-lookup"} & set(names):
+        raise SystemExit("heterospec bench: methods heterospec, heterospec-paper and heterospec-lookup need a "
+                         "calibrated profile (--profile; heterospec calibrate writes one), or leave them out with "
+                         "--methods")
     graphs = getattr(args, "graphs", False)   # --cuda-graphs, resolved and checked by the CLI
     sizes = None
     if getattr(args, "batch_size", None):
@@ -128,7 +130,7 @@ def main(args, out=None):
                       progress=_bar("bench", redraws=20), cuda_graphs=graphs, cpu_decoder=getattr(args, "decoder", "auto"))
         answers += [dict(a, temperature=temp) for a in r.pop("answers")]
         runs.append(r)
-    policies = {n: method_dict(p) for n, p in methods}
+    policies = {n: method_dict(p, n) for n, p in methods}
     result = {
         "schema": SCHEMA,
         "command": "heterospec bench " + " ".join(getattr(args, "argv", []) or []),
@@ -178,7 +180,7 @@ def _batched(args, names, sizes, questions, tokenizer, target, draft, profile, p
                         warmup_tokens=min(args.warmup_tokens, 16), progress=_bar("bench", redraws=20),
                         cuda_graphs=getattr(args, "graphs", False), cpu_decoder=getattr(args, "decoder", "auto"))
     r.update(command="heterospec bench " + " ".join(getattr(args, "argv", []) or []),
-             machine=machine_info(args.device), dtype=args.dtype, methods={n: method_dict(p) for n, p in methods},
+             machine=machine_info(args.device), dtype=args.dtype, methods={n: method_dict(p, n) for n, p in methods},
              profile=profile_path, profile_what=profile_what, seconds=time.perf_counter() - t_start)
     os.makedirs(args.out, exist_ok=True)
     header = (f"{r['machine'].get('summary', args.device)}; {args.dtype}, greedy, {args.max_new_tokens} new tokens "

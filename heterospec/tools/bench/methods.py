@@ -15,7 +15,9 @@ Our engine (one loop, :class:`heterospec.HeteroSpec`), a :class:`~heterospec.pol
 - ``heterospec-tuned``: HeteroSpec calibrated on ``eagle3-tuned``'s base tree, on the same tuning prompts
   and cost model (:func:`heterospec.tools.bench.tuning.calibrate_on`: entropy bins fitted on the trace at
   that base depth, per-bin extra depth and kept nodes optimised) -- HeteroSpec on top of the machine's best
-  static tree rather than EAGLE-3's default one.
+  static tree rather than EAGLE-3's default one;
+- ``lookup``: prompt lookup in our cycle, no draft (:data:`LOOKUP`; ``hf-lookup``'s method on our engine);
+- ``heterospec-lookup``: ``heterospec`` with the prompt-lookup chain grafted onto its trees (:data:`LOOKUP`).
 
 and the strongest baselines a HuggingFace user already has, no draft (:data:`HF_BASELINES`, an
 :class:`HFMethod` each, run by :mod:`.baselines`):
@@ -37,9 +39,24 @@ import dataclasses
 from ...policy import Policy
 
 HF_METHODS = ("hf", "hf-static", "hf-compiled", "hf-lookup")
-METHODS = ("ar", *HF_METHODS, "eagle3", "eagle3-tuned", "heterospec-paper", "heterospec", "heterospec-tuned")
-# bench's default --methods: every method but hf-compiled (minutes of compilation; the same as hf-static on CUDA)
-DEFAULT_METHODS = tuple(n for n in METHODS if n != "hf-compiled")
+METHODS = ("ar", *HF_METHODS, "eagle3", "eagle3-tuned", "heterospec-paper", "heterospec", "heterospec-tuned", "lookup",
+           "heterospec-lookup")
+# our engine's prompt lookup per method: HeteroSpec's (prompt_lookup_num_tokens, max_matching_ngram_size,
+# min_matching_ngram_size) -- see engine_options.  Chosen on a 2-core CPU (benchmarks/results/lookup-cpu): chains of
+# 4 from matches of 2-3 tokens; HuggingFace's 10 from matches of 1-2 tokens verified rows that were mostly rejected
+# (0.80x our ar there, against 1.20x)
+LOOKUP = {"lookup": (4, 3, 2), "heterospec-lookup": (4, 3, 2)}
+# bench's default --methods: every method but hf-compiled (minutes of compilation; the same as hf-static on CUDA) and
+# the prompt-lookup methods of our engine (ask for them with --methods)
+DEFAULT_METHODS = tuple(n for n in METHODS if n not in ("hf-compiled", *LOOKUP))
+
+
+def engine_options(name):
+    """The HeteroSpec constructor's options of our method ``name`` beyond its Policy: its prompt lookup."""
+    if name not in LOOKUP:
+        return {}
+    n, hi, lo = LOOKUP[name]
+    return {"prompt_lookup_num_tokens": n, "max_matching_ngram_size": hi, "min_matching_ngram_size": lo}
 
 
 def check_method_names(names):
@@ -86,9 +103,9 @@ def build_methods(names, *, draft=None, profile=None, tuned=None, tuned_profile=
         if n in HF_BASELINES:
             out.append((n, HF_BASELINES[n]))
             continue
-        if n != "ar" and draft is None:
+        if n not in ("ar", "lookup") and draft is None:
             raise ValueError(f"bench: method {n!r} needs a draft head (--draft)")
-        if n == "ar":
+        if n in ("ar", "lookup"):
             pol = Policy.autoregressive()
         elif n == "eagle3":
             pol = Policy.static(7, 10, 60)
@@ -104,8 +121,8 @@ def build_methods(names, *, draft=None, profile=None, tuned=None, tuned_profile=
             if profile is None:
                 raise ValueError(f"bench: method {n!r} needs a calibrated profile (--profile; heterospec calibrate "
                                  f"writes one)")
-            pol = profile if n == "heterospec" else Policy.paper(profile.depth, profile.top_k, profile.total_tokens,
-                                                                 profile.thresholds)
+            pol = profile if n in ("heterospec", "heterospec-lookup") else Policy.paper(
+                profile.depth, profile.top_k, profile.total_tokens, profile.thresholds)
         out.append((n, pol))
     return out
 
@@ -119,10 +136,11 @@ def parse_tree(text):
     return Policy.static(d, k, n)
 
 
-def method_dict(method):
+def method_dict(method, name=None):
     """results.json's ``methods`` entry of a method of :func:`build_methods`: an HFMethod's settings, or the
-    Policy's tree, entropy bins and per-bin plans."""
+    Policy's tree, entropy bins and per-bin plans (and the prompt lookup of our method ``name``)."""
     if isinstance(method, HFMethod):
         return method.as_dict()
     return {"depth": method.depth, "top_k": method.top_k, "total_tokens": method.total_tokens,
-            "thresholds": list(method.thresholds), "extra": list(method.extra), "keep": list(method.keep)}
+            "thresholds": list(method.thresholds), "extra": list(method.extra), "keep": list(method.keep),
+            **engine_options(name)}

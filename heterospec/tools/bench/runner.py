@@ -11,7 +11,7 @@ from __future__ import annotations
 from ...measure import DeviceTimer
 from ..prompts import encode_turn
 from .baselines import HFGenerate, eos_list
-from .methods import HFMethod, static_hf
+from .methods import HFMethod, engine_options, static_hf
 from .metrics import add_speedup_over_hf, file_row, mean_row, mismatch_report
 
 
@@ -52,7 +52,7 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
                 engines[name] = HFGenerate(target, pol, pad_token_id=pad)
             else:
                 engines[name] = HeteroSpec(target, draft if pol.drafts else None, pol, cuda_graphs=cuda_graphs,
-                                           max_length=engine_len, cpu_decoder=cpu_decoder)
+                                           max_length=engine_len, cpu_decoder=cpu_decoder, **engine_options(name))
         if warmup_tokens:
             first = next(iter(questions.values()))[0]
             ids = encode_turn(tokenizer, first["turns"], [], chat).to(device)
