@@ -183,7 +183,7 @@ PHASES = (
                        "non-finite logits stopped by the device flags (real CUDA graphs too)", (
         Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "engine" + " -k 'not " + CHI2 + " and not "
              + CHI2_BATCH + "'" + " tests/engine/test_decoding.py tests/engine/test_engine_device.py tests/engine/test_batch_target.py"
-             " tests/engine/test_batch_decoding.py tests/engine/test_nonfinite.py"),
+             " tests/engine/test_batch_decoding.py tests/engine/test_nonfinite.py tests/engine/test_lookup.py"),
     ), needs=("cuda",), workers=6),
     # The chi-square phases draw their 2,000 seeds a setting as 40 calls of 50 rows on a GPU (test_decoding's
     # CHI2_CASES; each row draws as its prompt alone with its seed): 2,000 single calls took 7.4 minutes in the
@@ -194,8 +194,10 @@ PHASES = (
              + " tests/engine/test_decoding.py"),
     ), needs=("cuda",), workers=3),
     Phase("engine-chi2-noisy", 1, "chi-square sampling on the GPU with the noisy draft (3 warps x 2,000 seeds, as "
-                                   "40 batched calls of 50 rows each)", (
-        Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "chi2-noisy" + " -k '" + CHI2 + " and noisy'"
+                                   "40 batched calls of 50 rows each), and with prompt-lookup chains (with the "
+                                   "noisy draft and without a draft)", (
+        Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "chi2-noisy" + " -k '" + CHI2
+             + " and (noisy or none)'"
              + " tests/engine/test_decoding.py"),
     ), needs=("cuda",), workers=3),
     Phase("graphs", 1.5, "the recorded engine's tests on the GPU: real CUDA graphs, one per tree shape (and per "
@@ -207,8 +209,10 @@ PHASES = (
                       "(hf, hf-static, hf-lookup); T=0 identity", (
         Step("bench", BENCH + " --methods ar,hf,hf-static,hf-lookup,eagle3,heterospec --out {dir}/bench"),
     ), needs=("cuda", "pair", "questions"), kind="speed"),
-    Phase("bench-eager", 4, "default pair, fp32, CUDA graphs off (the eager engine) against hf-static", (
-        Step("bench", BENCH + " --cuda-graphs off --methods ar,hf-static,eagle3,heterospec --out {dir}/bench"),
+    Phase("bench-eager", 4.5, "default pair, fp32, CUDA graphs off (the eager engine) against hf-static, with our "
+                              "prompt lookup (eager only) beside it", (
+        Step("bench", BENCH + " --cuda-graphs off --methods ar,hf-static,hf-lookup,eagle3,heterospec,lookup,"
+                              "heterospec-lookup --out {dir}/bench"),
     ), needs=("cuda", "pair", "questions"), kind="speed"),
     Phase("bench-bf16", 5, "default pair, bf16, graphs on; agreement with ar reported, not enforced", (
         Step("bench", BENCH + " --dtype bfloat16 --methods ar,hf,hf-static,eagle3,heterospec --out {dir}/bench",
