@@ -49,16 +49,18 @@ class MethodResult:
 
 
 def default_methods(draft, policy=None, depth=7, top_k=10, total_tokens=60):
-    """[(name, Policy or HFMethod)]: ar, hf (the target's own ``generate``, what a user has already), eagle3
-    (static tree: depth 7, top_k 10, 60 nodes) and, when a HeteroSpec ``policy`` is given, heterospec."""
+    """[(name, Policy or HFMethod)]: ar, hf (the target's own ``generate``, what a user has already), lookup (our
+    prompt lookup, no draft: ``bench``'s method of that name), eagle3 (static tree: depth 7, top_k 10, 60 nodes)
+    and, when a HeteroSpec ``policy`` is given, heterospec and heterospec-lookup (its trees with the lookup's
+    chain grafted on)."""
     from ..policy import Policy
     from .bench.methods import HF_BASELINES
 
-    methods = [("ar", Policy.autoregressive()), ("hf", HF_BASELINES["hf"])]
+    methods = [("ar", Policy.autoregressive()), ("hf", HF_BASELINES["hf"]), ("lookup", Policy.autoregressive())]
     if draft is not None:
         methods.append(("eagle3", Policy.static(depth, top_k, total_tokens)))
         if policy is not None:
-            methods.append(("heterospec", policy))
+            methods += [("heterospec", policy), ("heterospec-lookup", policy)]
     return methods
 
 
@@ -91,12 +93,14 @@ def compare(target, draft, input_ids_list, methods, *, max_new_tokens=128, eos_t
     instead of landing on one.  ``streamer`` (e.g. transformers' TextStreamer) streams the first prompt's
     answer of ``stream_method`` (default: the last method).  ``progress(name, i, n, streaming)`` is called
     before each prompt of each method.  ``cuda_graphs``, ``cpu_decoder``: passed to our engines
-    (:class:`HeteroSpec`); the untimed warm-up records their steps."""
+    (:class:`HeteroSpec`), with each method's own options beyond its policy (``bench``'s
+    :func:`~heterospec.tools.bench.methods.engine_options`: the prompt lookup of ``lookup`` and
+    ``heterospec-lookup``); the untimed warm-up records their steps."""
     from contextlib import ExitStack
 
     from ..engine.loop import HeteroSpec, eos_ids
     from .bench.baselines import HFGenerate
-    from .bench.methods import HFMethod
+    from .bench.methods import HFMethod, engine_options
 
     stream_method = stream_method or methods[-1][0]
     results = Comparison((name, MethodResult(name, baseline=isinstance(pol, HFMethod))) for name, pol in methods)
@@ -106,16 +110,16 @@ def compare(target, draft, input_ids_list, methods, *, max_new_tokens=128, eos_t
     pad = getattr(gen_config, "pad_token_id", None)
     pad = pad if pad is not None else (eos_token_id[0] if eos_token_id else 0)
 
-    def engine(policy):
+    def engine(name, policy):
         if isinstance(policy, HFMethod):
             return HFGenerate(target, policy, pad_token_id=pad)
         return HeteroSpec(target, draft if policy.drafts else None, policy, cuda_graphs=cuda_graphs,
-                          cpu_decoder=cpu_decoder)
+                          cpu_decoder=cpu_decoder, **engine_options(name))
 
     with ExitStack() as stack:
         engines = {}
         for name, policy in methods:
-            e = engine(policy)
+            e = engine(name, policy)
             engines[name] = stack.enter_context(e) if isinstance(e, HeteroSpec) else e
         # what our engines' forwards ran on (the drafting one's, which names the draft too)
         results.cpu_decoder = next((e.cpu_decoder for e in reversed(list(engines.values()))
@@ -236,13 +240,14 @@ def run(args, out=None):
             bar(done[0], len(names) * n, desc=f"prompt {i + 1}/{n}: {name}")
         done[0] += 1
 
+    shown = "heterospec" if "heterospec" in names else names[-1]   # the method whose first answer is shown
     results = compare(target, draft, ids, methods, max_new_tokens=args.max_new_tokens,
-                      eos_token_id=tokenizer.eos_token_id, streamer=streamer, progress=progress, cuda_graphs=graphs,
-                      cpu_decoder=getattr(args, "decoder", "auto"))
+                      eos_token_id=tokenizer.eos_token_id, streamer=streamer, stream_method=shown,
+                      progress=progress, cuda_graphs=graphs, cpu_decoder=getattr(args, "decoder", "auto"))
     bar(len(names) * len(ids), len(names) * len(ids), desc="done")
     if args.no_stream:
-        first = results[methods[-1][0]].sequences[0]
-        print(f"[{methods[-1][0]}] >>> {texts[0]}\n", file=out)
+        first = results[shown].sequences[0]
+        print(f"[{shown}] >>> {texts[0]}\n", file=out)
         print(tokenizer.decode(first[0, ids[0].shape[1]:], skip_special_tokens=True), file=out)
     bad = results.mismatches()
     print(file=out)

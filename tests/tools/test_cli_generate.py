@@ -1,6 +1,7 @@
 """`heterospec generate` on a tiny target + EAGLE-3 draft saved to disk, with a word-level tokenizer."""
 import os
 import json
+import re
 import subprocess
 import sys
 
@@ -48,6 +49,26 @@ def test_generate_command_applies_a_repetition_penalty_losslessly(tmp_path):
                          no_repeat_ngram_size=2)[0, ids.shape[1]:]
     assert ref.tolist() != reference_greedy(model, ids, 16)[0, ids.shape[1]:].tolist()
     assert tok.decode(ref).strip() in res.stdout
+
+
+@pytest.mark.parametrize("method", ["ar", "heterospec"])
+def test_generate_command_with_prompt_lookup_is_lossless(tmp_path, method):
+    """--prompt-lookup: the answer is HuggingFace's greedy generate, and the chains were verified (more tree tokens
+    than verification calls, where ar alone verifies one token a call)."""
+    model, tok = save_tiny_pair(tmp_path)
+    prompt = "w5 w17 w3 w40 w22 w5 w17 w3"
+    cmd = [sys.executable, "-m", "heterospec", "generate", "--target", str(tmp_path / "target"), "--draft",
+           str(tmp_path / "draft"), "--prompt", prompt, "--method", method, "--max-new-tokens", "16", "--no-eos",
+           "--depth", "4", "--top-k-tree", "3", "--total-tokens", "12", "--prompt-lookup", "4",
+           "--lookup-ngram", "1,3"] + (["--thresholds", ",".join(str(t) for t in THRESHOLDS)]
+                                       if method == "heterospec" else [])
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    ref = reference_greedy(model, ids, 16)[0, ids.shape[1]:]
+    assert tok.decode(ref).strip() in res.stdout
+    calls, verified = re.search(r"verification calls (\d+), tree tokens verified (\d+)", res.stdout).groups()
+    assert int(verified) > int(calls)
 
 
 def test_generate_command_needs_a_policy_for_heterospec_with_another_draft(tmp_path):
@@ -204,6 +225,11 @@ def _parsed(argv):
     (["--repetition-penalty", "0"], "--repetition-penalty"),
     (["--repetition-penalty", "nan"], "--repetition-penalty"),
     (["--no-repeat-ngram-size", "-1"], "--no-repeat-ngram-size"),
+    (["--prompt-lookup", "-1"], "--prompt-lookup"),
+    (["--prompt-lookup", "65"], "--prompt-lookup"),
+    (["--lookup-ngram", "3,2"], "--lookup-ngram"),
+    (["--lookup-ngram", "0,2"], "--lookup-ngram"),
+    (["--lookup-ngram", "2"], "--lookup-ngram"),
     (["--depth", "-1"], "--depth"),
     (["--total-tokens", "1"], "--total-tokens"),
     (["--thresholds", "2,1"], "--thresholds"),

@@ -54,7 +54,9 @@ def test_compare_puts_hf_generate_beside_ar(tmp_path):
     model = tiny_target("llama")
     draft = eagle3_head(model, tmp_path / "draft")
     methods = demo.default_methods(draft, Policy.paper(4, 3, 12, THRESHOLDS))
-    assert [n for n, _ in methods] == ["ar", "hf", "eagle3", "heterospec"] and isinstance(methods[1][1], HFMethod)
+    assert [n for n, _ in methods] == ["ar", "hf", "lookup", "eagle3", "heterospec", "heterospec-lookup"]
+    assert isinstance(methods[1][1], HFMethod) and methods[2][1] == Policy.autoregressive()
+    assert methods[5][1] is methods[4][1]   # the same policy, with the prompt lookup's chains grafted on
     ps = prompts(2)
     res = demo.compare(model, draft, ps, methods, max_new_tokens=10, warmup_tokens=0)
     assert res.mismatches() == []
@@ -62,7 +64,7 @@ def test_compare_puts_hf_generate_beside_ar(tmp_path):
     assert res["hf"].new_tokens == 20 and res["hf"].cycles == 0
     header, rule, *rows = res.table().splitlines()
     cols = [c.strip() for c in header.split("|")[1:-1]]
-    assert cols[3:5] == ["x ar", "x HF generate"] and len(rows) == 4 and rule.count("|") == header.count("|")
+    assert cols[3:5] == ["x ar", "x HF generate"] and len(rows) == 6 and rule.count("|") == header.count("|")
     cells = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[1:-1]] for r in rows}
     assert cells["ar"][3] == "1.00x" and cells["hf"][4] == "1.00x" and cells["hf"][5:] == ["-", "-", "-"]
     want = res["heterospec"].tokens_per_s / res["hf"].tokens_per_s
@@ -108,11 +110,12 @@ def test_demo_command_on_a_tiny_pair(tmp_path):
            "--max-new-tokens", "12"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
-    assert "identical greedy outputs across ar, hf, eagle3, heterospec" in res.stdout
+    assert "identical greedy outputs across ar, hf, lookup, eagle3, heterospec, heterospec-lookup" in res.stdout
     assert "our engines' forwards: cpu_decoder target" in res.stdout   # a float32 Llama pair on the CPU: ours
     assert "[heterospec, streamed] >>> w5 w17 w3 w40 w22" in res.stdout
     rows = [line for line in res.stdout.splitlines() if line.startswith("| ")]
-    assert [r.split("|")[1].strip() for r in rows[1:]] == ["ar", "hf", "eagle3", "heterospec"]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["ar", "hf", "lookup", "eagle3", "heterospec",
+                                                           "heterospec-lookup"]
     assert "x HF generate" in rows[0]
     # without a profile for a head of one's own, the heterospec row is left out and the reason printed
     res = subprocess.run(cmd[:8] + cmd[10:] + ["--no-stream"], capture_output=True, text=True, timeout=300)

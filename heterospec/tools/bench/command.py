@@ -256,7 +256,8 @@ def add_arguments(p):
                                                    "(default: the shipped head's)")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help=f"comma-separated, from {', '.join(METHODS)} (default: all but hf-compiled, whose "
-                        f"compilation takes minutes on a CPU and which is hf-static on CUDA)")
+                        f"compilation takes minutes on a CPU and which is hf-static on CUDA, and our prompt-lookup "
+                        f"methods lookup and heterospec-lookup)")
     p.add_argument("--questions", nargs="+", default=None,
                    help="EAGLE question.jsonl files, or a directory of the five benchmark files (default: "
                         "the checkout's benchmarks/data/questions, else ../shared/data/benchmarks)")
