@@ -84,6 +84,18 @@ static hs_status hs_tree_row_at(const char *op, const void *tree_tokens, hs_dtyp
 /* argmax of a checked logits row (ties to the lower id) */
 static hs_status hs_row_argmax(const void *logits, hs_dtype dt, int64_t row, int64_t V, const char *op,
                                int64_t *out, hs_error *err) {
+    if (dt == HS_FLOAT32) {
+        /* float32 rows: the vectorised checked max (the same errors, at the same first column), then the first
+         * column holding it -- the scalar loop below took 0.1 ms a row at V = 49,152 on a 2-core EPYC */
+        const float *x = (const float *)logits + row * V;
+        float m;
+        hs_status st = hs_row_check_max(x, V, op, "target_logits", row, &m, err);
+        if (st != HS_OK) return st;
+        int64_t v = 0;
+        while (x[v] != m) v++;
+        *out = v;
+        return HS_OK;
+    }
     float best = -INFINITY;
     int64_t arg = -1;
     for (int64_t v = 0; v < V; v++) {

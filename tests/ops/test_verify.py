@@ -152,6 +152,27 @@ def test_verify_greedy_large_vocab_float16(impl, v):
     assert nxt == argmax_loop(x[2]) == top[2]
 
 
+def test_verify_greedy_wide_rows_tie_to_the_lower_id_and_name_the_first_bad_column(impl):
+    """Rows past the 8-lane blocks of the C core's float32 argmax: the maximum held by several columns in
+    different lanes and blocks (and in the tail) goes to the lowest; -0.0 equals 0.0; the first NaN / +inf column
+    is the one named, wherever the others are."""
+    tokens, parents = np.array([0]), np.array([-1])
+    x = np.full((1, 1003), -5.0, dtype=np.float32)
+    x[0, [17, 500, 1001]] = 2.5
+    assert impl.verify_greedy(tokens, parents, x)[1] == 17
+    x[0, 9] = 2.5
+    assert impl.verify_greedy(tokens, parents, x)[1] == 9
+    z = np.full((1, 21), -np.inf, dtype=np.float32)
+    z[0, 19], z[0, 20] = -0.0, 0.0
+    assert impl.verify_greedy(tokens, parents, z)[1] == 19
+    x[0, 700], x[0, 600], x[0, 1002] = np.inf, np.nan, np.nan
+    with pytest.raises(ValueError, match=r"got nan at \D*0\D+600\b"):
+        impl.verify_greedy(tokens, parents, x)
+    x[0, 600] = 0.0
+    with pytest.raises(ValueError, match=r"got \+?inf at \D*0\D+700\b"):
+        impl.verify_greedy(tokens, parents, x)
+
+
 def test_verify_greedy_duplicate_children_and_unvisited_nan(impl):
     x = np.zeros((5, 4), np.float32)
     x[0, 2] = 1.0
