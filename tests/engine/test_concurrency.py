@@ -10,6 +10,7 @@
 - A KeyboardInterrupt or an exception from a streamer, a stopping criterion, the target's forward or the draft's,
   in the middle of a cycle, leaves the engine usable: the next call gives what a fresh engine gives.
 """
+import sys
 import threading
 import time
 
@@ -98,6 +99,20 @@ def test_the_gil_is_released_during_a_core_call_and_held_when_asked():
 
     def measure():
         progress = {}
+        # a long switch interval: the spinner cannot force the main thread off the GIL in the few bytecodes between
+        # reading the count and entering the core call (under load, CI saw it spin 40 ms there with a held GIL);
+        # a released GIL still hands it over at once
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(0.5)
+        try:
+            _both(progress)
+        finally:
+            sys.setswitchinterval(interval)
+        steps, elapsed = progress["released"]
+        # held: the spinner runs only in the Python around the core call (the interpreter's switch interval)
+        return elapsed > 0.02 and steps > 1000 and progress["held"][0] * 4 < steps, progress
+
+    def _both(progress):
         for mode in ("released", "held"):
             before = _C._set_release_gil(mode == "released")
             try:
@@ -119,9 +134,6 @@ def test_the_gil_is_released_during_a_core_call_and_held_when_asked():
                 t.join()
             finally:
                 _C._set_release_gil(before)
-        steps, elapsed = progress["released"]
-        # held: the spinner runs only in the Python around the core call (the interpreter's switch interval)
-        return elapsed > 0.02 and steps > 1000 and progress["held"][0] * 4 < steps, progress
 
     # up to three tries: where other processes share the cores (pytest-xdist's workers), the OS may leave the
     # spinner off a core for a whole call; a held GIL fails all three, as it stops the spinner every time
