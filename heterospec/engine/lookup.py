@@ -96,10 +96,10 @@ def graft(tokens, parents, depths, mask, n_real, chains, T):
         cur, i = 0, 0
         chain = chains[b]
         while i < len(chain):                       # down the tree while a child already holds the chain's token
-            kids = [j for j in range(cur + 1, n) if pa[b, j] == cur and tk[b, j] == chain[i]]
-            if not kids:
+            kids = np.flatnonzero((pa[b, cur + 1:n] == cur) & (tk[b, cur + 1:n] == chain[i]))
+            if not kids.size:
                 break
-            cur, i = kids[0], i + 1
+            cur, i = cur + 1 + int(kids[0]), i + 1
         for t in chain[i:]:                         # the rest: a new node under the last one
             out_tk[b, n], out_pa[b, n], out_de[b, n] = t, cur, out_de[b, cur] + 1
             out_mk[b, n] = False
