@@ -205,12 +205,14 @@ PHASES = (
         Step("pytest", "HETEROSPEC_TEST_DEVICE=cuda " + PYTEST % "graphs" + " tests/engine/test_graphs.py"
              " tests/engine/test_batch_graphs.py"),
     ), needs=("cuda",), workers=2),
-    Phase("bench", 5, "default pair, fp32, CUDA graphs on: ar, eagle3, heterospec and the HF baselines "
-                      "(hf, hf-static, hf-lookup); T=0 identity", (
-        Step("bench", BENCH + " --methods ar,hf,hf-static,hf-lookup,eagle3,heterospec --out {dir}/bench"),
+    Phase("bench", 6, "default pair, fp32, CUDA graphs on: ar, eagle3, heterospec, our prompt lookup (alone and "
+                      "on heterospec's trees, grafted inside the graphs) and the HF baselines (hf, hf-static, "
+                      "hf-lookup); T=0 identity", (
+        Step("bench", BENCH + " --methods ar,hf,hf-static,hf-lookup,eagle3,heterospec,lookup,heterospec-lookup "
+                              "--out {dir}/bench"),
     ), needs=("cuda", "pair", "questions"), kind="speed"),
     Phase("bench-eager", 4.5, "default pair, fp32, CUDA graphs off (the eager engine) against hf-static, with our "
-                              "prompt lookup (eager only) beside it", (
+                              "prompt lookup beside it", (
         Step("bench", BENCH + " --cuda-graphs off --methods ar,hf-static,hf-lookup,eagle3,heterospec,lookup,"
                               "heterospec-lookup --out {dir}/bench"),
     ), needs=("cuda", "pair", "questions"), kind="speed"),
@@ -257,12 +259,13 @@ PHASES = (
                           "--max-prompts 4 --max-new-tokens 32 --prompts " + CALIB + " --out {dir}/calibrated.json "
                           "--cuda-graphs on"),
     ), needs=("cuda", "pair")),
-    Phase("smoke", 1.5, "demo (graphs on: the default), generate (heterospec eager, eagle3, heterospec graphs on) and "
-                        "train-draft with --device cuda", (
+    Phase("smoke", 1.5, "demo (graphs on: the default), generate (heterospec eager, eagle3, heterospec graphs on, "
+                        "and with prompt-lookup chains grafted inside the graphs) and train-draft with --device cuda", (
         Step("demo", "{py} -m heterospec demo --device cuda --max-new-tokens 64 --no-stream"),
         Step("generate", SMOKE_GEN + " --draft default --cuda-graphs off"),
         Step("generate-eagle3", SMOKE_GEN + " --method eagle3"),
         Step("generate-graphs", SMOKE_GEN + " --draft default --cuda-graphs on"),
+        Step("generate-lookup-graphs", SMOKE_GEN + " --draft default --cuda-graphs on --prompt-lookup 4"),
         Step("train-draft", "{py} -m heterospec train-draft --target default --device cuda --data " + CALIB
                             + " --max-prompts 8 --max-new-tokens 16 --steps 5 --out {state}/head-smoke"),
     ), needs=("cuda", "pair")),

@@ -8,8 +8,8 @@ for every batch size (batch 1 is a batch of one).
 - :mod:`heterospec.models.target`: the target's side (verify forward, KV commit);
 - :mod:`.loop`: ``HeteroSpec``: checks, caches, prefill, the one host loop with its declared sync points
   (:mod:`.sync`), streaming, EOS and stopping; :mod:`.requests`: the requests' padding and masks;
-- :mod:`.processors` and :mod:`.lookup`: logits processors per tree node, and prompt lookup's n-gram chains
-  grafted onto the trees (eager cycle);
+- :mod:`.processors` and :mod:`.lookup`: logits processors per tree node (eager cycle), and prompt lookup's
+  n-gram chains grafted onto the trees on the device (eager and recorded);
 - :mod:`.health`: a model's non-finite logits, flagged in the cycle and raised as one error;
 - :mod:`.stats`: what a call reports; :mod:`.hf_generate`: ``custom_generate`` for HF's generate().
 """

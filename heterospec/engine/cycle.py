@@ -8,7 +8,8 @@ Every step runs on the model's device:
   5.   ``finish``: the drafter grows the deepest extra depth any row needs, and each row keeps its own tree
        from the candidates of its own depth (:func:`~.tree.verification_tree`: ``ops.select`` and
        ``ops.build_tree`` with per-row sizes); the ragged trees are padded to the cycle's largest (a bucket on
-       a GPU) by the one padding rule: past each row's node count, which the acceptance ops never read;
+       a GPU) by the one padding rule: past each row's node count, which the acceptance ops never read; with
+       prompt lookup, each row's chain is grafted on in the padding (:func:`.lookup.graft`, on the device);
   6.   one target forward over the ``[B, T]`` trees (``TargetAdapter.verify``, per-row slots and positions);
   7.   per-row acceptance: ``ops.verify_greedy`` / ``ops.verify_sample`` with device outputs (Philox key and
        counter per row, so a row's draws never depend on its neighbours);
@@ -54,16 +55,17 @@ class CycleState:
     bad: torch.Tensor      # [B] int64: the target's logits of that row were not finite in this call (:mod:`.health`)
     rows: torch.Tensor     # [3, B] int64: the host's plan per row -- kept nodes (root excluded), candidate
     #                        count, finished -- written before each cycle's tree is made
+    chain: torch.Tensor    # [B, 1 + lookup.MAX_TOKENS] int64: each row's prompt-lookup chain, [length, tokens...]
 
     @classmethod
     def on(cls, device, batch):
         z = lambda *shape: torch.zeros(shape, dtype=torch.long, device=device)   # noqa: E731
-        return cls(z(batch), z(batch), z(batch), z(batch), z(3, batch))
+        return cls(z(batch), z(batch), z(batch), z(batch), z(3, batch), z(batch, 1 + lookup.MAX_TOKENS))
 
     def keep(self, idx):
         """The state of the rows ``idx`` alone (the eager engine drops finished rows)."""
         return CycleState(self.root[idx], self.seed[idx], self.offset[idx], self.bad[idx],
-                          self.rows.index_select(1, idx))
+                          self.rows.index_select(1, idx), self.chain[idx])
 
 
 class Cycle:
@@ -85,7 +87,6 @@ class Cycle:
         self.state = CycleState.on(device, target.batch)
         self._recorded = OrderedDict()    # sampling settings -> StepGraphs, least recently used first
         self._capacity = None
-        self.grafted = None               # each row's real tree size after the last prompt-lookup graft (host)
 
     @property
     def batch(self):
@@ -115,6 +116,11 @@ class Cycle:
         finished flags -- one copy to the device, not a sync (:func:`.requests.to_device`)."""
         self.state.rows.copy_(requests.to_device([n, m, finished], self.device))
 
+    def set_chains(self, chains, L):
+        """Each row's prompt-lookup chain for this cycle (host lists of at most ``L`` tokens, [] for none) into
+        ``state.chain`` -- one copy to the device, not a sync."""
+        self.state.chain[:, :1 + L].copy_(requests.to_device(lookup.pack(chains, L), self.device))
+
     def clear_flags(self):
         self.state.bad.zero_()
         self.drafter.bad.zero_()
@@ -129,27 +135,26 @@ class Cycle:
             clock.lap("draft_s")
         return g, g.path_entropy()
 
-    def finish(self, g, extra, T, settings, window=None, clock=None, process=None, draft_process=None, chains=None):
+    def finish(self, g, extra, T, settings, window=None, clock=None, process=None, draft_process=None, chain=0):
         """Steps 5-8 on the Growth ``g`` of :meth:`base` (None: grow the whole tree from the root): ``extra``
         more levels, each row's tree from ``state.rows`` padded to ``T``, the target's forward, per-row
-        acceptance (finished rows commit nothing) and commit -> [B, 4 + R] int64 on the device: each row's
-        accepted length (root included), next token, path tokens (R), then its target's and its draft's
-        non-finite flags (:mod:`.health`).  ``process``: None, or ``(tokens, parents, n_real, logits) -> logits``
-        applied between the forward and the acceptance (logits processors, :mod:`.processors`; eager only), and
-        ``draft_process`` to the draft's distributions as :meth:`base` applies it.  ``chains``: None, or each row's
-        prompt-lookup chain (host lists, :mod:`.lookup`; eager only), grafted onto its tree (``T`` counts them);
-        each row's real tree size is then left in ``self.grafted`` (a host list)."""
+        acceptance (finished rows commit nothing) and commit -> [B, 5 + R] int64 on the device: each row's
+        accepted length (root included), next token, path tokens (R), real tree size (its chain included), then
+        its target's and its draft's non-finite flags (:mod:`.health`).  ``process``: None, or ``(tokens, parents,
+        n_real, logits) -> logits`` applied between the forward and the acceptance (logits processors,
+        :mod:`.processors`; eager only), and ``draft_process`` to the draft's distributions as :meth:`base` applies
+        it.  ``chain``: the prompt-lookup chains' length ``L`` (0: none): each row's chain in ``state.chain``
+        (:meth:`set_chains`) is grafted onto its tree on the device (:func:`.lookup.graft`; ``T`` counts it)."""
         lap = clock.lap if clock is not None else (lambda field: None)
         tgt, dr, st, B = self.target, self.drafter, self.state, self.batch
         check = self.device.type != "cuda"
         n, m, masked = st.rows[0], st.rows[1], st.rows[2] != 0
         # 5: the rest of the trees, the verification trees
         g = dr.grow(g, extra if g is not None else self.policy.depth + extra, tgt.prefix, draft_process)
-        tokens, parents, depths, tmask, n_real = verification_tree(g, n, m, st.root, T if g is not None else 1, check)
-        if chains is not None:
-            with sync.point("lookup"):
-                tokens, parents, depths, tmask, n_real, self.grafted = lookup.graft(tokens, parents, depths, tmask,
-                                                                                  n_real, chains, T)
+        tokens, parents, depths, tmask, n_real = verification_tree(g, n, m, st.root, T, check)
+        if chain:
+            tokens, parents, depths, tmask, n_real = lookup.graft(tokens, parents, depths, tmask, n_real,
+                                                                  st.chain[:, 1:1 + chain], st.chain[:, 0])
         lap("draft_s")
         # 6: the target's forward
         logits, vtaps = tgt.verify(tokens, depths, tmask, window, bad=st.bad, real=n_real)
@@ -167,8 +172,8 @@ class Cycle:
         length = length.masked_fill(masked, 0)              # a finished row commits nothing
         path = path.masked_fill(masked.view(B, 1), -1)
         R = min(T, self.policy.levels + 2) if self.drafting else 1   # positions a cycle may commit: the catch-up's rows
-        if chains is not None:                                        # a chain's path: its tokens and the root
-            R = min(T, max(R, 1 + max(map(len, chains))))
+        if chain:                                                     # a chain's path: its tokens and the root
+            R = min(T, max(R, 1 + chain))
         kept = path[:, :R].clamp(min=0)
         path_tokens = tokens.gather(1, kept)
         lap("ops_s")
@@ -182,14 +187,15 @@ class Cycle:
         st.root.copy_(nxt)
         lap("ops_s")
         flags = torch.stack([st.bad, dr.bad], 1)
-        return torch.cat([length.view(B, 1), nxt.view(B, 1), path_tokens, flags], 1)
+        return torch.cat([length.view(B, 1), nxt.view(B, 1), path_tokens, n_real.view(B, 1), flags], 1)
 
-    def shapes(self):
+    def shapes(self, chain=0):
         """The (extra levels, padded tree size) a cycle of this policy can take: one row's plans; with more rows,
         the deepest extra depth and the largest tree of any two rows (one of them still decoding, the other
-        perhaps finished: a root-only tree), which covers every batch."""
+        perhaps finished: a root-only tree), which covers every batch; ``chain``: room for prompt-lookup chains
+        of that length past the largest tree."""
         if not self.drafting:
-            return [(0, 1)]
+            return [(0, bucket_for(1 + chain, self.buckets) if chain else 1)]
         K, depth = self.policy.top_k, self.policy.depth
         plans = self.policy.plans() if self.binned else self.policy.plans()[:1]
         live = {(e, tree_size(K, depth + e, keep)) for e, keep in plans}
@@ -198,7 +204,7 @@ class Cycle:
         out = set()
         for (e1, s1), (e2, s2) in pairs:
             s = max(s1, s2)
-            out.add((max(e1, e2), bucket_for(s, self.buckets) if s > 1 else 1))
+            out.add((max(e1, e2), bucket_for(s + chain, self.buckets) if s + chain > 1 else 1))
         return sorted(out)
 
     # ---- recording: ("base",), then ("finish", extra, T) per shape, or ("cycle", extra, T) -----------------
@@ -208,6 +214,7 @@ class Cycle:
         self.target.prefix.fill_(1)
         self.state.root.zero_()
         self.state.rows.zero_()
+        self.state.chain.zero_()
         self.clear_flags()
 
     def capacity_key(self):
@@ -232,29 +239,30 @@ class Cycle:
         clock.lap("graph_s")
         return None, entropy
 
-    def run_finish(self, steps, g, extra, T, settings, window, clock, process=None, draft_process=None, chains=None):
-        """Steps 5-8 for the shape ``(extra, T)``, eager or replayed (its recording); ``process`` (logits
-        processors) and ``chains`` (prompt lookup) only eager."""
+    def run_finish(self, steps, g, extra, T, settings, window, clock, process=None, draft_process=None, chain=0):
+        """Steps 5-8 for the shape ``(extra, T)``, eager or replayed (its recording, made by :meth:`record` with
+        the same ``chain``); ``process`` (logits processors) only eager."""
         if steps is None:
-            return self.finish(g, extra, T, settings, window, clock, process, draft_process, chains)
-        if process is not None or draft_process is not None or chains is not None:
-            raise RuntimeError("Cycle.run_finish: logits processors and prompt lookup run in the eager cycle only")
+            return self.finish(g, extra, T, settings, window, clock, process, draft_process, chain)
+        if process is not None or draft_process is not None:
+            raise RuntimeError("Cycle.run_finish: logits processors run in the eager cycle only")
         out = steps.replay(self.step_key((extra, T)))
         clock.lap("graph_s")
         return out
 
-    def record(self, settings):
-        """Warm up and record every step for these sampling settings on dummy state (the prompt's prefill
-        overwrites it; capture time is reported apart from decoding).  Returns (StepGraphs, whether they were
-        recorded by this call)."""
+    def record(self, settings, chain=0):
+        """Warm up and record every step for these sampling settings and prompt-lookup chain length (0: none) on
+        dummy state (the prompt's prefill overwrites it; capture time is reported apart from decoding).  Returns
+        (StepGraphs, whether they were recorded by this call)."""
         dev = self.device
         capacity = self.capacity_key()
         if self._capacity != capacity:
             self._recorded.clear()
             self._capacity = capacity
-        steps = self._recorded.get(settings)
+        key = (settings, chain)
+        steps = self._recorded.get(key)
         if steps is not None:
-            self._recorded.move_to_end(settings)
+            self._recorded.move_to_end(key)
             return steps, False
         while len(self._recorded) >= MAX_GRAPH_SETS:     # drop the least recently used set and its memory pool
             self._recorded.popitem(last=False)
@@ -264,13 +272,13 @@ class Cycle:
             if dev.type == "cuda":
                 ops.cuda_reserve(dev, WORKSPACE_BYTES)
             self.dummy_state()
-            shapes = self.shapes()
+            shapes = self.shapes(chain)
 
             def run_all():
                 for a, b in shapes:
                     self.reset()
                     base = self.base() if self.binned else None
-                    self.finish(base[0] if base else None, a, b, settings)
+                    self.finish(base[0] if base else None, a, b, settings, chain=chain)
 
             warm_up(dev, [run_all, run_all], steps.stream)
             self.reset()
@@ -278,12 +286,12 @@ class Cycle:
             for a, b in shapes:
                 self.reset()
                 steps.capture(self.step_key((a, b)),
-                              lambda a=a, b=b: self.finish(base[0] if base else None, a, b, settings))
+                              lambda a=a, b=b: self.finish(base[0] if base else None, a, b, settings, chain=chain))
             self.reset()
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
         steps.capture_s = time.perf_counter() - t0
-        self._recorded[settings] = steps
+        self._recorded[key] = steps
         return steps, True
 
     def drop_recordings(self):

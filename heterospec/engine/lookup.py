@@ -9,16 +9,18 @@ any tree node (``ops.verify_sample``'s point-mass siblings), and grafting never 
   suffix of at most ``max_ngram`` tokens that occurred before, the ``num_tokens`` tokens that followed it), taking
   the most recent occurrence where HuggingFace takes the first (a repeated phrase continues as it did last), and
   with vLLM's lower bound on the suffix (``min_ngram``: one-token matches propose the wrong token most of the time).
-- :func:`graft`: merge each row's chain into its padded tree (step 5's output) on the host: follow the chain down
-  the tree while a child holds its next token, then hang the rest below that node; the result is padded by the
-  verification tree's one padding rule (:func:`.tree.verification_tree`).
-
-The graft reads the trees on the host, at the declared sync point ``"lookup"`` (free on the CPU; one read a cycle
-on a GPU, where calls with a lookup run the eager cycle: a chain's length is known on the host only)."""
+- :func:`graft`: merge each row's chain into its padded tree (step 5's output) on the device: follow the chain
+  down the tree while a child holds its next token, then hang the rest below that node, in the padding after the
+  real nodes.  No host read and fixed shapes, so the eager cycle and a recorded step (CUDA graph) run the same
+  code; the chains reach it through :class:`~.cycle.CycleState`'s ``chain`` buffer (:func:`pack`: one copy a
+  cycle, made before the cycle from the tokens the host read at the sync point "accepted"), and a recorded step
+  is recorded per chain length ``L``, its trees padded to the policy's sizes plus ``L``."""
 from __future__ import annotations
 
-import numpy as np
 import torch
+
+# the longest chain (and n-gram) a call may ask for: the size of CycleState's chain buffer
+MAX_TOKENS = 64
 
 
 def check(num_tokens, max_ngram, min_ngram, default=(0, 2, 1), who="generate"):
@@ -28,8 +30,8 @@ def check(num_tokens, max_ngram, min_ngram, default=(0, 2, 1), who="generate"):
     given = (num_tokens, max_ngram, min_ngram)
     names = ("prompt_lookup_num_tokens", "max_matching_ngram_size", "min_matching_ngram_size")
     for name, v, lo in zip(names, given, (0, 1, 1)):
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo or v > 64):
-            raise ValueError(f"{who}: argument '{name}' expected None or an int in [{lo}, 64], got {v!r}")
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo or v > MAX_TOKENS):
+            raise ValueError(f"{who}: argument '{name}' expected None or an int in [{lo}, {MAX_TOKENS}], got {v!r}")
     L, hi, lo = (int(d if v is None else v) for v, d in zip(given, default))
     if lo > hi:
         raise ValueError(f"{who}: argument 'min_matching_ngram_size' expected at most max_matching_ngram_size "
@@ -69,43 +71,45 @@ class NgramIndex:
         return []
 
 
-def graft(tokens, parents, depths, mask, n_real, chains, T):
-    """Each row's ``chains[b]`` (host list) merged into its tree, padded to ``T`` nodes.  ``tokens``, ``parents``,
-    ``depths`` [B, T0], ``mask`` [B, T0, T0] and ``n_real`` [B] as :func:`.tree.verification_tree` returns them;
-    ``T`` >= each row's real size plus its chain.  Row b's first ``n_real[b]`` nodes stay as they are; the chain
-    walks down from the root through the children that already hold its tokens, and its remaining tokens become
-    new nodes after them, each the child of the one before.  Returns the same five (the tensors on their device)
-    and each row's real size as a host list."""
+def pack(chains, num_tokens):
+    """Each row's chain (host lists of at most ``num_tokens`` tokens) as rows [length, tokens..., zeros] of
+    ``1 + num_tokens`` ints: what :meth:`.cycle.Cycle.set_chains` copies to the device."""
+    return [[len(c), *c] + [0] * (num_tokens - len(c)) for c in chains]
+
+
+def graft(tokens, parents, depths, mask, n_real, chain, length):
+    """Each row's chain merged into its padded tree on the device, with no host read and fixed shapes (the same
+    code in the eager cycle and inside a recorded step).  ``tokens``, ``parents``, ``depths`` [B, T], ``mask``
+    [B, T, T] and ``n_real`` [B] as :func:`.tree.verification_tree` returns them, padded to ``T`` >= each row's
+    real size plus its chain; ``chain`` [B, L] the chains' tokens, ``length`` [B] their lengths (0: none).  Row
+    b's first ``n_real[b]`` nodes stay as they are; the chain's longest prefix that is a path from the root in
+    the tree is followed (a node matches when it and each of its ancestors hold the chain's token at their
+    depth; siblings hold distinct tokens, so at most one node matches at each depth), and the rest becomes new
+    nodes in the padding right after the real ones, each the child of the one before, the first under the last
+    matched node.  Returns the same five; past the new real sizes the padding is untouched."""
+    B, T = tokens.shape
+    L = chain.shape[1]
     dev = tokens.device
-    tk, pa, de, mk = (t.cpu().numpy() for t in (tokens, parents, depths, mask))
-    nr = n_real.cpu().numpy()
-    B = tk.shape[0]
-    # the one padding rule: a padding node holds its row's root token at depth 1 and sees the root and itself
-    out_tk = np.repeat(tk[:, :1], T, axis=1)
-    out_pa = np.zeros((B, T), dtype=pa.dtype)
-    out_de = np.ones((B, T), dtype=de.dtype)
-    out_mk = np.zeros((B, T, T), dtype=bool)
-    out_mk[:, :, 0] = True
-    out_mk[:, np.arange(T), np.arange(T)] = True
-    sizes = []
-    for b in range(B):
-        n = int(nr[b])
-        out_tk[b, :n], out_pa[b, :n], out_de[b, :n] = tk[b, :n], pa[b, :n], de[b, :n]
-        out_mk[b, :n] = False
-        out_mk[b, :n, :n] = mk[b, :n, :n]
-        cur, i = 0, 0
-        chain = chains[b]
-        while i < len(chain):                       # down the tree while a child already holds the chain's token
-            kids = np.flatnonzero((pa[b, cur + 1:n] == cur) & (tk[b, cur + 1:n] == chain[i]))
-            if not kids.size:
-                break
-            cur, i = cur + 1 + int(kids[0]), i + 1
-        for t in chain[i:]:                         # the rest: a new node under the last one
-            out_tk[b, n], out_pa[b, n], out_de[b, n] = t, cur, out_de[b, cur] + 1
-            out_mk[b, n] = False
-            out_mk[b, n, :n] = out_mk[b, cur, :n]
-            out_mk[b, n, n] = True
-            cur, n = n, n + 1
-        sizes.append(n)
-    new = [torch.from_numpy(a).to(dev) for a in (out_tk, out_pa, out_de, out_mk)]
-    return (*new, torch.tensor(sizes, dtype=n_real.dtype, device=dev), sizes)
+    cols = torch.arange(T, device=dev).view(1, T)
+    n_real = n_real.view(B)
+    length = length.view(B)
+    # the nodes on the chain's path: each real node below the root at a depth the chain reaches whose token is
+    # the chain's at that depth, with every ancestor below the root so too
+    d = depths.clamp(min=1, max=L) - 1
+    on = (cols >= 1) & (cols < n_real.view(B, 1)) & (depths <= length.view(B, 1)) & (tokens == chain.gather(1, d))
+    off_path = mask & ~on.view(B, 1, T) & (cols >= 1).view(1, 1, T)
+    on = on & ~off_path.any(2)
+    deepest = torch.where(on, depths, torch.zeros_like(depths))
+    matched, cur = deepest.max(1)                       # the deepest node on the path (the root when none is)
+    # the rest of the chain: new node c = n_real + k holds chain token matched + k, k = 0 .. length - matched - 1
+    k = cols - n_real.view(B, 1)
+    new = (k >= 0) & (k < (length - matched).view(B, 1))
+    at = (matched.view(B, 1) + k).clamp(min=0, max=max(L - 1, 0))
+    tokens = torch.where(new, chain.gather(1, at), tokens)
+    parents = torch.where(new, torch.where(k == 0, cur.view(B, 1), cols - 1), parents)
+    depths = torch.where(new, depths.gather(1, cur.view(B, 1)) + k + 1, depths)
+    # a new node sees its branch point's ancestors and the new nodes from the first one to itself
+    branch = mask.gather(1, cur.view(B, 1, 1).expand(B, 1, T))                        # [B, 1, T]
+    chain_cols = (cols.view(1, 1, T) >= n_real.view(B, 1, 1)) & (cols.view(1, 1, T) <= cols.view(1, T, 1))
+    mask = torch.where(new.view(B, T, 1), branch | chain_cols, mask)
+    return tokens, parents, depths, mask, n_real + (length - matched)

@@ -324,7 +324,8 @@ class HeteroSpec:
         pol = self.policy
         self._levels = pol.levels
         most = max((pol.total_tokens, *pol.keep))
-        self._max_nodes = bucket_for(min(most, candidate_count(pol.top_k, self._levels) + 1), self.buckets)
+        self._raw_nodes = min(most, candidate_count(pol.top_k, self._levels) + 1)   # the largest tree, root included
+        self._max_nodes = bucket_for(self._raw_nodes, self.buckets)
         self._d2t = None
         if self._drafting:
             d2t = getattr(draft, "d2t", None)
@@ -376,7 +377,8 @@ class HeteroSpec:
     def capacity(self, prompt_len, max_new_tokens, lookup=0):
         """Static cache positions per row a request needs: every committed token plus the largest tree (or the
         draft's catch-up rows) written past them; ``lookup``: the prompt-lookup chain's length grafted onto it."""
-        return prompt_len + max_new_tokens + max(self._max_nodes + lookup, self._levels + 2, lookup + 1) + 1
+        tree = bucket_for(self._raw_nodes + lookup, self.buckets) if lookup else self._max_nodes
+        return prompt_len + max_new_tokens + max(tree, self._levels + 2, lookup + 1) + 1
 
     def overshoot(self, lookup=0):
         """Positions a cycle may commit past a request's budget (its deepest path and the bonus token): a masked
@@ -432,8 +434,9 @@ class HeteroSpec:
         1) of a request's prompt and tokens so far that occurred before proposes the ``prompt_lookup_num_tokens``
         tokens that followed it (its latest occurrence; None: the engine's own settings, 0: off), as
         one more branch of the verification tree (with a draft) or as the whole tree (without one).  The output is
-        unchanged (lossless either way); only how many tokens a cycle accepts changes.  Such a call runs the eager
-        cycle (:mod:`heterospec.engine.lookup`)."""
+        unchanged (lossless either way); only how many tokens a cycle accepts changes.  The chain is grafted on
+        the device, so such a call runs recorded steps too (recorded once per chain length, the trees padded for a
+        whole chain: :mod:`heterospec.engine.lookup`)."""
         _check_generate_args(max_new_tokens, temperature, top_k, top_p)
         eos_token_id = eos_ids(self.target.model, eos_token_id)
         eos = set(eos_token_id)
@@ -582,8 +585,8 @@ class HeteroSpec:
         sample = temperature > 0
         settings = (True, float(temperature), int(top_k), float(top_p)) if sample else (False, 0.0, 0, 1.0)
         L = lookup_n[0]
-        # processors run on the host between forward and acceptance; a lookup chain's length is known on the host
-        graphs = bool(self.cuda_graphs) and not procs and not L
+        # processors run on the host between forward and acceptance
+        graphs = bool(self.cuda_graphs) and not procs
         if graphs:
             finished = "mask"
         seeds = self._seeds(seed, B)
@@ -599,7 +602,7 @@ class HeteroSpec:
         try:
             with sync.outside_cycle():
                 if graphs:
-                    steps = self._record(cyc, settings, total)
+                    steps = self._record(cyc, settings, total, L)
                     if steps is None:                   # 'auto' after a failed recording: eager from now on
                         graphs = False
                         self._cycles.pop(B, None)       # closed below, as an eager call's
@@ -692,10 +695,13 @@ class HeteroSpec:
                     extra = max(p[1] for p in plans)
                     levels = [pol.depth + p[1] for p in plans]
                     sizes = [tree_size(K, lv, p[2]) if cyc.drafting else 1 for lv, p in zip(levels, plans)]
-                    chains = [index[a].propose(L) if not done[a] else [] for a in alive] if L else None
-                    if chains is not None and not any(chains):
-                        chains = None
-                    most = max(s + len(c) for s, c in zip(sizes, chains)) if chains else max(sizes)
+                    # prompt lookup: a recorded step always grafts (its trees padded for chains of L); the eager
+                    # cycle only when some row has a chain, padded for the longest
+                    chains = [index[a].propose(L) if L and not done[a] else [] for a in alive]
+                    chain = L if graphs or any(chains) else 0
+                    if chain:
+                        cyc.set_chains(chains, L)
+                    most = max(sizes) + L if graphs else max(s + len(c) for s, c in zip(sizes, chains))
                     T = bucket_for(most, self.buckets) if most > 1 else 1
                     cyc.set_rows([s - 1 for s in sizes],
                                  [candidate_count(K, lv) if cyc.drafting else 0 for lv in levels],
@@ -704,9 +710,7 @@ class HeteroSpec:
                     # cache, and so does a compiled forward (a new width would be a new compilation every 64 tokens)
                     window = None if graphs or cyc.target.compiled else \
                         attention_window(dev, max(prefix_host[a] for a in alive) + 1, T)
-                    acc = cyc.run_finish(steps, g, extra, T, settings, window, clock, process, draft_process, chains)
-                    if chains is not None:
-                        sizes = cyc.grafted
+                    acc = cyc.run_finish(steps, g, extra, T, settings, window, clock, process, draft_process, chain)
                 except ValueError:   # on the CPU the ops refuse non-finite logits mid-cycle: say which model's
                     with sync.outside_cycle():
                         flags = [[int(t), int(d)] for t, d in zip(st.bad.tolist(), dr.bad.tolist())]
@@ -715,6 +719,7 @@ class HeteroSpec:
                 with sync.point("accepted", total):
                     host = acc.tolist()
                 self._raise_flagged([row[-2:] for row in host], alive, done, rows, prefix_host, B)
+                sizes = [row[-3] for row in host]     # each row's real tree size, chain included
                 clock.flush()
                 batch_calls += 1
                 for j, a in enumerate(alive):
@@ -777,12 +782,12 @@ class HeteroSpec:
                 health.raise_flagged(f, self._models(), rows[a].cycles + 1, prefix_host[a], self.device,
                                      row=a if B > 1 else None)
 
-    def _record(self, cycle, settings, stats):
-        """``cycle.record(settings)`` (a :class:`~.cycle.Cycle` of any batch) -> its
+    def _record(self, cycle, settings, stats, chain=0):
+        """``cycle.record(settings, chain)`` (a :class:`~.cycle.Cycle` of any batch) -> its
         StepGraphs, with the capture time in ``stats``; or None when recording failed under
         ``cuda_graphs='auto'``, which then decodes eagerly from here on (warned)."""
         try:
-            steps, fresh = cycle.record(settings)
+            steps, fresh = cycle.record(settings, chain)
         except Exception as e:
             if not self._graphs_fallback:
                 raise

@@ -3,9 +3,9 @@
 A cycle may wait for the device only here: after the base depth, to read the path entropy that picks the
 entropy bin (``"bin"``, policies with bins only), and after acceptance, to read the accepted tokens for
 streaming, EOS and stopping criteria (``"accepted"``); and in a call with logits processors, around them
-(``"processors"``: they read each tree, and the draft's beams at each level, on the host, :mod:`.processors`); and
-in a call with prompt lookup, where each row's chain is grafted onto its tree on the host (``"lookup"``,
-:mod:`.lookup`).  Everything between stays on the device.  Tests
+(``"processors"``: they read each tree, and the draft's beams at each level, on the host, :mod:`.processors`).
+Prompt lookup adds none: its chains are made from the tokens read at "accepted" and grafted on the device
+(:mod:`.lookup`).  Everything between stays on the device.  Tests
 wrap a whole generate call in :func:`forbid_host_transfers` to prove it (tests/engine/test_engine_device.py).
 """
 from __future__ import annotations

@@ -229,8 +229,8 @@ def verification_tree(g, n, m, root, T, check):
     """Step 5: row b keeps its best ``n[b]`` candidates among its first ``m[b]`` (the candidates of its own
     depth; a tree grown to fewer levels is a prefix of the arrays) -- ``n``, ``m`` int64 [B] on the device --
     through ``ops.select`` and ``ops.build_tree`` (device outputs, each row's root token written from the
-    device), and the ragged trees are padded to ``T`` nodes (the cycle's largest tree, or its bucket; 1, or
-    ``g`` None: every tree is its root).
+    device), and the ragged trees are padded to ``T`` nodes (the cycle's largest tree, or its bucket; with ``g`` None
+    or ``T`` 1 every tree is its root, padded to ``T``: room for a prompt-lookup chain).
 
     The one padding rule: padding node i of a row carries the row's root token at depth 1 and sees the root and
     itself.  Padding sits past each row's real size ``n[b] + 1``, which the acceptance ops are given and never
@@ -238,11 +238,13 @@ def verification_tree(g, n, m, root, T, check):
     mask [B, T, T], the real sizes ``n + 1``)."""
     B = root.shape[0]
     dev = root.device
-    if T == 1:   # every tree is its root, always real (n >= 0): nothing to pad
-        return (root.view(B, 1).clone(), torch.full((B, 1), -1, dtype=torch.long, device=dev),
-                torch.zeros((B, 1), dtype=torch.long, device=dev), torch.ones((B, 1, 1), dtype=torch.bool, device=dev),
-                n + 1)
     cols = torch.arange(T, device=dev)
+    if g is None or T == 1:   # every tree is its root (n = 0), then padding (room for a prompt-lookup chain)
+        tokens = root.view(B, 1).expand(B, T).clone()
+        depths = (cols > 0).long().view(1, T).expand(B, T).clone()
+        parents = -(cols == 0).long().view(1, T).expand(B, T).clone()
+        mask = (torch.eye(T, dtype=torch.bool, device=dev) | (cols == 0).view(1, T)).expand(B, T, T).clone()
+        return tokens, parents, depths, mask, n + 1
     real = cols.view(1, T) < (n + 1).view(B, 1)
     cand_tokens, cand_scores, cand_parents = g.candidates()
     width = min(T - 1, cand_scores.shape[-1])

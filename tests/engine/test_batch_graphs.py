@@ -66,6 +66,24 @@ def test_a_recorded_batch_equals_the_eager_batch_and_each_prompt_alone(setup, na
         assert len({str(r[2]) for r in rows}) > 1         # rows accepted different lengths
 
 
+@pytest.mark.parametrize("name", ["ar", "heterospec-head"])
+def test_a_recorded_batch_with_prompt_lookup_equals_the_eager_batch(setup, name):
+    """Each row's chain in the batch's static chain buffer, grafted inside the recording; rows finish at different
+    cycles and keep a zero-length chain: the eager batch's outputs and per-row statistics, HF's greedy per row."""
+    model, ps, refs, head, table = setup
+    draft, policy = _method(name, model, head, table)
+    kw = dict(prompt_lookup_num_tokens=4, max_matching_ngram_size=3)
+    with HeteroSpec(model, draft, policy) as hs:
+        eager, eager_rows, _ = _run(hs, ps, **kw)
+        plain = _run(hs, ps)[2]
+    with HeteroSpec(model, draft, policy, cuda_graphs=MODE) as hs:
+        recorded, rows, st = _run(hs, ps, **kw)
+    for out, p, ref in zip(recorded, ps, refs):
+        assert out == ref[0, :p.shape[1] + NEW].tolist(), f"{name}: a recorded row with lookup differs from HF's"
+    assert recorded == eager and rows == eager_rows
+    assert st.tau > plain.tau
+
+
 @pytest.mark.parametrize("name", ["ar", "eagle3-table", "heterospec-table", "heterospec-head"])
 def test_a_recorded_batch_draws_as_the_eager_batch(setup, name):
     model, ps, refs, head, table = setup

@@ -97,6 +97,41 @@ def test_recorded_steps_equal_the_eager_engine_sampling(setup, name):
     assert other[0][0] != runs[MODE][0][0][0]
 
 
+LOOKUP = dict(prompt_lookup_num_tokens=5, max_matching_ngram_size=3)
+
+
+@pytest.mark.parametrize("buckets", ["auto", GPU_BUCKETS])
+@pytest.mark.parametrize("name", ["ar", "eagle3-noisy", "heterospec-head"])
+def test_recorded_steps_with_prompt_lookup_equal_the_eager_engine(setup, name, buckets):
+    """Prompt lookup in recorded steps: the chains grafted on the device inside the recording (trees padded for a
+    whole chain) give the eager engine's output and statistics, which equal HF's greedy; the chains were used."""
+    model, ps, refs, head = setup
+    draft, policy = _method(name, model, head)
+    with HeteroSpec(model, draft, policy, buckets=buckets) as hs:
+        eager = _run(hs, draft, ps, refs, **LOOKUP)
+        plain = _run(hs, draft, ps, refs)
+    with HeteroSpec(model, draft, policy, buckets=buckets, cuda_graphs=MODE) as hs:
+        recorded = _run(hs, draft, ps, refs, **LOOKUP)
+        (key,) = hs.cycle._recorded
+        assert key[1] == 5                      # recorded once, for chains of 5
+        assert hs.cycle._recorded[key].captured[-1][-1] >= 5 + 1   # every tree has room for a whole chain
+    for (seq, *_), ref in zip(recorded, refs):
+        assert seq == ref[0].tolist(), f"{name}: recorded engine with lookup differs from target.generate"
+    assert recorded == eager, f"{name}: cycles, verified tokens, acceptance or bins differ from the eager engine"
+    assert sum(r[1] for r in recorded) < sum(r[1] for r in plain)    # fewer cycles: chains were accepted
+
+
+def test_recorded_steps_with_prompt_lookup_draw_as_the_eager_engine(setup):
+    model, ps, refs, head = setup
+    draft, policy = _method("heterospec-head", model, head)
+    kw = dict(temperature=0.9, top_k=20, top_p=0.95, **LOOKUP)
+    runs = {}
+    for mode in (False, MODE):
+        with HeteroSpec(model, draft, policy, cuda_graphs=mode) as hs:
+            runs[mode] = [_run(hs, draft, ps[i:i + 1], refs[i:i + 1], seed=100 + i, **kw) for i in range(3)]
+    assert runs[MODE] == runs[False]
+
+
 def test_each_shape_is_recorded_once_and_reported_apart(setup):
     model, ps, refs, _ = setup
     draft = ScriptDraft(V).to(DEVICE)
@@ -135,10 +170,11 @@ def test_static_policy_and_ar_are_one_step_per_cycle(setup):
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="the host-transfer guard patches torch.Tensor; CPU check")
+@pytest.mark.parametrize("lookup", [0, 4])
 @pytest.mark.parametrize("name, per_cycle", [("heterospec-script", ["bin", "accepted"]),
                                               ("heterospec-head", ["bin", "accepted"]),
                                               ("eagle3-script", ["accepted"]), ("ar", ["accepted"])])
-def test_at_most_two_sync_points_per_recorded_cycle(setup, name, per_cycle):
+def test_at_most_two_sync_points_per_recorded_cycle(setup, name, per_cycle, lookup):
     model, ps, refs, head = setup
     draft, policy = _method(name, model, head)
     if isinstance(draft, ScriptDraft):
@@ -146,7 +182,7 @@ def test_at_most_two_sync_points_per_recorded_cycle(setup, name, per_cycle):
     record = []
     with HeteroSpec(model, draft, policy, cuda_graphs=MODE) as hs:
         with sync.forbid_host_transfers(record):
-            _, st = hs.generate(ps[0], max_new_tokens=NEW)
+            _, st = hs.generate(ps[0], max_new_tokens=NEW, prompt_lookup_num_tokens=lookup)
     assert record == per_cycle * st.cycles
 
 
@@ -352,7 +388,7 @@ def test_recorded_sets_are_kept_for_the_latest_sampling_settings_only(setup):
             hs.generate(ps[0], max_new_tokens=8, temperature=t, seed=3)
             assert len(hs.cycle._recorded) <= MAX_GRAPH_SETS
         assert len(hs.cycle._recorded) == MAX_GRAPH_SETS
-        kept = [s[1] for s in hs.cycle._recorded]
+        kept = [settings[1] for settings, _ in hs.cycle._recorded]
         assert kept == pytest.approx(temps[-MAX_GRAPH_SETS:])
         again, st = hs.generate(ps[0], max_new_tokens=8, temperature=temps[0], seed=3)
         assert again.tolist() == first
@@ -360,7 +396,7 @@ def test_recorded_sets_are_kept_for_the_latest_sampling_settings_only(setup):
         hit = temps[-MAX_GRAPH_SETS + 1]                   # kept and not the newest
         st = hs.generate(ps[0], max_new_tokens=8, temperature=hit, seed=3)[1]
         assert st.capture_s == 0.0                         # replayed, not recorded
-        assert [s[1] for s in hs.cycle._recorded][-1] == pytest.approx(hit)   # a hit becomes the most recent
+        assert [s[1] for s, _ in hs.cycle._recorded][-1] == pytest.approx(hit)   # a hit becomes the most recent
 
 
 def test_captured_costs_need_a_gpu(setup):
