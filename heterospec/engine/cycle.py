@@ -87,6 +87,7 @@ class Cycle:
         self.state = CycleState.on(device, target.batch)
         self._recorded = OrderedDict()    # sampling settings -> StepGraphs, least recently used first
         self._capacity = None
+        self.path_logits = None           # finish(keep_logits=True): the target's logits at the path nodes
 
     @property
     def batch(self):
@@ -135,7 +136,8 @@ class Cycle:
             clock.lap("draft_s")
         return g, g.path_entropy()
 
-    def finish(self, g, extra, T, settings, window=None, clock=None, process=None, draft_process=None, chain=0):
+    def finish(self, g, extra, T, settings, window=None, clock=None, process=None, draft_process=None, chain=0,
+               keep_logits=False):
         """Steps 5-8 on the Growth ``g`` of :meth:`base` (None: grow the whole tree from the root): ``extra``
         more levels, each row's tree from ``state.rows`` padded to ``T``, the target's forward, per-row
         acceptance (finished rows commit nothing) and commit -> [B, 5 + R] int64 on the device: each row's
@@ -144,7 +146,10 @@ class Cycle:
         n_real, logits) -> logits`` applied between the forward and the acceptance (logits processors,
         :mod:`.processors`; eager only), and ``draft_process`` to the draft's distributions as :meth:`base` applies
         it.  ``chain``: the prompt-lookup chains' length ``L`` (0: none): each row's chain in ``state.chain``
-        (:meth:`set_chains`) is grafted onto its tree on the device (:func:`.lookup.graft`; ``T`` counts it)."""
+        (:meth:`set_chains`) is grafted onto its tree on the device (:func:`.lookup.graft`; ``T`` counts it).
+        ``keep_logits`` (eager only): the target's raw logits at each row's path nodes (before ``process``: the
+        rows its new tokens were decided from, R of them, the first ``length`` real) are left in
+        ``self.path_logits`` [B, R, V]."""
         lap = clock.lap if clock is not None else (lambda field: None)
         tgt, dr, st, B = self.target, self.drafter, self.state, self.batch
         check = self.device.type != "cuda"
@@ -159,6 +164,7 @@ class Cycle:
         # 6: the target's forward
         logits, vtaps = tgt.verify(tokens, depths, tmask, window, bad=st.bad, real=n_real)
         lap("verify_s")
+        raw = logits
         if process is not None:
             logits = process(tokens, parents, n_real, logits)
         # 7: acceptance
@@ -176,6 +182,8 @@ class Cycle:
             R = min(T, max(R, 1 + chain))
         kept = path[:, :R].clamp(min=0)
         path_tokens = tokens.gather(1, kept)
+        if keep_logits:
+            self.path_logits = raw.gather(1, kept.unsqueeze(-1).expand(-1, -1, raw.shape[-1])).float()
         lap("ops_s")
         # 8: the draft catches up on the accepted positions (before the prefixes move), then the commit
         dr.follow(vtaps, kept, path_tokens, length, nxt, tgt.prefix)
@@ -239,13 +247,14 @@ class Cycle:
         clock.lap("graph_s")
         return None, entropy
 
-    def run_finish(self, steps, g, extra, T, settings, window, clock, process=None, draft_process=None, chain=0):
+    def run_finish(self, steps, g, extra, T, settings, window, clock, process=None, draft_process=None, chain=0,
+                   keep_logits=False):
         """Steps 5-8 for the shape ``(extra, T)``, eager or replayed (its recording, made by :meth:`record` with
-        the same ``chain``); ``process`` (logits processors) only eager."""
+        the same ``chain``); ``process`` (logits processors) and ``keep_logits`` only eager."""
         if steps is None:
-            return self.finish(g, extra, T, settings, window, clock, process, draft_process, chain)
-        if process is not None or draft_process is not None:
-            raise RuntimeError("Cycle.run_finish: logits processors run in the eager cycle only")
+            return self.finish(g, extra, T, settings, window, clock, process, draft_process, chain, keep_logits)
+        if process is not None or draft_process is not None or keep_logits:
+            raise RuntimeError("Cycle.run_finish: logits processors and kept logits run in the eager cycle only")
         out = steps.replay(self.step_key((extra, T)))
         clock.lap("graph_s")
         return out

@@ -78,9 +78,21 @@ def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=N
     'auto': each call builds its engine, so it would record its graphs anew (0.4-1.6 s for the default pair on an
     H200); for many calls keep one ``HeteroSpec`` instead (a batch runs the eager steps).  ``cpu_decoder`` and
     ``disable_by_batch_size`` as in :class:`HeteroSpec` (the decoder's packed weights are made once per model and
-    kept for later calls).  Returns the sequences."""
+    kept for later calls).  Returns the sequences; with the generation config's ``return_dict_in_generate``, a
+    ``GenerateDecoderOnlyOutput`` as HuggingFace's generate returns it, with ``logits`` (``output_logits``: the
+    target's raw logits each new token was decided from) and ``scores`` (``output_scores``: those logits through
+    the call's processors and warpers, HuggingFace's own objects applied to each step's ids as its loop applies
+    them), each a tuple of one [B, V] tensor per new column; a row that already finished holds a distribution
+    certain of the padding token there (0 at ``pad_token_id``, -inf elsewhere), where HuggingFace holds the logits
+    of its padded continuation.  Attentions and hidden states are refused in one line."""
     gc = generation_config
     procs = split_processors(logits_processor, input_ids.shape[0])
+    as_dict = bool(getattr(gc, "return_dict_in_generate", False))
+    for name in ("output_attentions", "output_hidden_states"):
+        if as_dict and getattr(gc, name, False):
+            raise ValueError(f"custom_generate: argument '{name}' expected False (the speculative cycle keeps no "
+                             f"per-step attentions or hidden states), got True")
+    want_logits = as_dict and bool(getattr(gc, "output_logits", False) or getattr(gc, "output_scores", False))
     mask = model_kwargs.get("attention_mask")
     if gc.max_new_tokens is not None:
         max_new = gc.max_new_tokens
@@ -95,11 +107,57 @@ def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=N
         pad = int(torch.as_tensor(pad).view(-1)[0])
     with HeteroSpec(model, draft, policy, cuda_graphs=cuda_graphs, cpu_decoder=cpu_decoder,
                     disable_by_batch_size=disable_by_batch_size) as hs:
-        seq, _ = hs.generate(
+        seq, stats = hs.generate(
             input_ids, attention_mask=mask, pad_token_id=int(pad), max_new_tokens=max_new,
             temperature=float(gc.temperature if gc.temperature is not None else 1.0) if sample else 0.0,
             top_k=int(gc.top_k or 0) if sample else 0, top_p=float(gc.top_p if gc.top_p is not None else 1.0) if sample else 1.0,
             eos_token_id=eos, stopping_criteria=criteria, streamer=streamer, seed=seed, logits_processor=procs,
             prompt_lookup_num_tokens=getattr(gc, "prompt_lookup_num_tokens", None),
-            max_matching_ngram_size=getattr(gc, "max_matching_ngram_size", None))
-    return seq.to(input_ids.device)
+            max_matching_ngram_size=getattr(gc, "max_matching_ngram_size", None), output_logits=want_logits)
+    seq = seq.to(input_ids.device)
+    if not as_dict:
+        return seq
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    logits = scores = None
+    if want_logits:
+        rows = stats.per_row or [stats]
+        logits = _steps([r.logits for r in rows], seq.shape[1] - input_ids.shape[1], int(pad))
+        if getattr(gc, "output_scores", False):
+            scores = _scores(logits, [r.logits.shape[0] for r in rows], seq, input_ids.shape[1], logits_processor,
+                             int(pad))
+        if not getattr(gc, "output_logits", False):
+            logits = None
+    return GenerateDecoderOnlyOutput(sequences=seq, scores=scores, logits=logits)
+
+
+def _pad_row(like, pad):
+    """A [V] row certain of the padding token: what a finished row's step holds."""
+    row = torch.full(like.shape[-1:], float("-inf"), dtype=like.dtype, device=like.device)
+    row[pad] = 0.0
+    return row
+
+
+def _steps(per_row, N, pad):
+    """Each row's [n_b, V] logits -> a tuple of N [B, V] tensors, one per new column (a finished row's steps
+    certain of ``pad``)."""
+    out = []
+    for t in range(N):
+        out.append(torch.stack([x[t] if t < x.shape[0] else _pad_row(x, pad) for x in per_row]))
+    return tuple(out)
+
+
+def _scores(logits, counts, seq, S, logits_processor, pad):
+    """HuggingFace's ``scores``: step t's logits through the processor list with the ids before it (``seq[:,
+    :S + t]``), as its sampling loop calls them; finished rows' steps stay certain of ``pad``."""
+    out = []
+    ids = seq.to(logits[0].device) if logits else seq
+    for t, lt in enumerate(logits):
+        st = lt.clone()
+        for proc in logits_processor or []:
+            st = proc(ids[:, :S + t], st)
+        for b, n in enumerate(counts):
+            if t >= n:
+                st[b] = _pad_row(st, pad)
+        out.append(st)
+    return tuple(out)

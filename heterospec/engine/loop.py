@@ -397,7 +397,7 @@ class HeteroSpec:
     def generate(self, input_ids, *, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, eos_token_id=None,
                  stopping_criteria=None, streamer=None, seed=None, attention_mask=None, pad_token_id=None,
                  finished_rows="drop", logits_processor=None, prompt_lookup_num_tokens=None,
-                 max_matching_ngram_size=None, min_matching_ngram_size=None):
+                 max_matching_ngram_size=None, min_matching_ngram_size=None, output_logits=False):
         """Returns (sequences [1, S + new] int64 on the CPU, GenerationStats).  Greedy when temperature == 0.
         A request ends at ``max_new_tokens`` or at an ``eos_token_id`` (an id or ids; None, the default: the
         target's ``generation_config.eos_token_id``, as HuggingFace's ``generate`` takes it; [] for none).
@@ -436,8 +436,15 @@ class HeteroSpec:
         one more branch of the verification tree (with a draft) or as the whole tree (without one).  The output is
         unchanged (lossless either way); only how many tokens a cycle accepts changes.  The chain is grafted on
         the device, so such a call runs recorded steps too (recorded once per chain length, the trees padded for a
-        whole chain: :mod:`heterospec.engine.lookup`)."""
+        whole chain: :mod:`heterospec.engine.lookup`).
+
+        ``output_logits``: keep the target's raw logits (before any processor or warper) that each new token was
+        decided from -- the prefill's last row for the first, then each accepted path node's row -- as
+        ``stats.logits`` ([new_tokens, V] float32 on the model's device; a batch: each row's ``per_row`` stats),
+        HuggingFace's ``output_logits``.  Such a call runs the eager cycle."""
         _check_generate_args(max_new_tokens, temperature, top_k, top_p)
+        if not isinstance(output_logits, bool):
+            raise ValueError(f"generate: argument 'output_logits' expected True or False, got {output_logits!r}")
         eos_token_id = eos_ids(self.target.model, eos_token_id)
         eos = set(eos_token_id)
         if finished_rows not in ("drop", "mask"):
@@ -486,7 +493,7 @@ class HeteroSpec:
         with self._gemm:
             new, stats = self._decode(input_ids, attention_mask, lengths, max_new_tokens, temperature, top_k, top_p,
                                       eos, seed, finished_rows, stopping_criteria, streamer, procs, contexts,
-                                      lookup_n)
+                                      lookup_n, output_logits)
         with sync.outside_cycle():                      # the results, on the host
             ids = input_ids.cpu()
             S = ids.shape[1]
@@ -571,7 +578,7 @@ class HeteroSpec:
         return need
 
     def _decode(self, input_ids, attention_mask, lengths, max_new_tokens, temperature, top_k, top_p, eos, seed,
-                finished, stopping_criteria, streamer, procs=(), contexts=None, lookup_n=(0, 2, 1)):
+                finished, stopping_criteria, streamer, procs=(), contexts=None, lookup_n=(0, 2, 1), keep_logits=False):
         """The host loop for ``B`` requests (``lengths``: :func:`.requests.check_mask`'s) -> (per-row lists of new
         tokens, GenerationStats: the request's own for one, the batch's with ``per_row`` for more).
         ``finished``: "drop" (a finished row leaves the caches at the end of its cycle) or "mask" (it stays, with
@@ -579,14 +586,15 @@ class HeteroSpec:
         step of fixed batch needs: with recorded steps finished rows are always masked).  Stopping criteria are
         asked after every new token of a request, with its prompt and new tokens.  ``procs``: logits processors
         (:mod:`.processors`), with each request's ``contexts`` (host lists) before its first new token.
-        ``lookup_n``: (chain length, longest n-gram, shortest) of prompt lookup (:mod:`.lookup`; length 0: none)."""
+        ``lookup_n``: (chain length, longest n-gram, shortest) of prompt lookup (:mod:`.lookup`; length 0: none).
+        ``keep_logits``: each row's raw logits per new token into its stats' ``logits`` (eager cycle)."""
         B, S = input_ids.shape
         dev = self.device
         sample = temperature > 0
         settings = (True, float(temperature), int(top_k), float(top_p)) if sample else (False, 0.0, 0, 1.0)
         L = lookup_n[0]
-        # processors run on the host between forward and acceptance
-        graphs = bool(self.cuda_graphs) and not procs
+        # processors run on the host between forward and acceptance; kept logits are sliced per row on the host
+        graphs = bool(self.cuda_graphs) and not procs and not keep_logits
         if graphs:
             finished = "mask"
         seeds = self._seeds(seed, B)
@@ -613,6 +621,7 @@ class HeteroSpec:
                 last_logits, taps = tgt.prefill(ids_dev, attention_mask=mask)
                 health.check_prefill(last_logits, tgt.model, S)
                 vocab = last_logits.shape[-1]
+                kept_logits = [[last_logits[b:b + 1].float().clone()] for b in range(B)] if keep_logits else None
                 if procs:
                     lone = torch.zeros((B, 1), dtype=torch.long, device=dev)   # a tree of its root alone
                     last_logits = processors.apply(procs, contexts, lone, lone - 1, lone[:, 0] + 1,
@@ -710,7 +719,8 @@ class HeteroSpec:
                     # cache, and so does a compiled forward (a new width would be a new compilation every 64 tokens)
                     window = None if graphs or cyc.target.compiled else \
                         attention_window(dev, max(prefix_host[a] for a in alive) + 1, T)
-                    acc = cyc.run_finish(steps, g, extra, T, settings, window, clock, process, draft_process, chain)
+                    acc = cyc.run_finish(steps, g, extra, T, settings, window, clock, process, draft_process, chain,
+                                         keep_logits)
                 except ValueError:   # on the CPU the ops refuse non-finite logits mid-cycle: say which model's
                     with sync.outside_cycle():
                         flags = [[int(t), int(d)] for t, d in zip(st.bad.tolist(), dr.bad.tolist())]
@@ -739,6 +749,7 @@ class HeteroSpec:
                         rs.bin_s[b] += time.perf_counter() - t_cycle
                     prefix_host[a] += n_acc + 1
                     # truncate at the budget, at EOS, or where a stopping criterion fires
+                    before = len(generated[a])
                     for t in row[3:3 + n_acc] + [row[1]]:
                         generated[a].append(t)
                         if index is not None:
@@ -750,6 +761,8 @@ class HeteroSpec:
                             done[a] = True
                             rs.total_s = time.perf_counter() - start     # this request's latency
                             break
+                    if kept_logits is not None:             # the path nodes' rows of the tokens kept
+                        kept_logits[a].append(cyc.path_logits[j, :len(generated[a]) - before])
             if dev.type == "cuda":
                 ops.cuda_check(dev)   # device-side errors of the check=False launches
         finally:
@@ -757,8 +770,10 @@ class HeteroSpec:
                 cyc.close()
         if streamer is not None:
             streamer.end()
-        for rs, gen in zip(rows, generated):
+        for a, (rs, gen) in enumerate(zip(rows, generated)):
             rs.new_tokens = len(gen)
+            if keep_logits:
+                rs.logits = torch.cat(kept_logits[a])
         total.total_s = time.perf_counter() - start
         if B == 1:
             return generated, total

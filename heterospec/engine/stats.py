@@ -34,6 +34,9 @@ class GenerationStats:
     predicted: bool = False    # the times are a cost model's prediction (a trace's replay), not measured
     batch_calls: int = 0       # a batch's verification forwards (each over every unfinished row; cycles counts rows)
     per_row: list = dataclasses.field(default_factory=list)   # a batch: each request's own GenerationStats
+    # generate(output_logits=True): the target's raw logits that each new token was decided from, [new_tokens, V]
+    # float32 on the model's device (a batch: on each row's own stats); None otherwise
+    logits: object = dataclasses.field(default=None, repr=False)
 
     @property
     def committed(self):
@@ -78,7 +81,8 @@ class GenerationStats:
         return out
 
     def as_dict(self):
-        d = dataclasses.asdict(self)
+        """The stats as JSON-ready values (without ``logits``)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("logits", "per_row")}
         for f in ("accepted_hist", "bins", "bin_accepted", "bin_verified", "bin_s"):
             d[f] = dict(sorted(getattr(self, f).items()))
         d["tau"] = self.tau
