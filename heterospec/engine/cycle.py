@@ -87,7 +87,6 @@ class Cycle:
         self.state = CycleState.on(device, target.batch)
         self._recorded = OrderedDict()    # sampling settings -> StepGraphs, least recently used first
         self._capacity = None
-        self.path_logits = None           # finish(keep_logits=True): the target's logits at the path nodes
 
     @property
     def batch(self):
@@ -147,9 +146,8 @@ class Cycle:
         :mod:`.processors`; eager only), and ``draft_process`` to the draft's distributions as :meth:`base` applies
         it.  ``chain``: the prompt-lookup chains' length ``L`` (0: none): each row's chain in ``state.chain``
         (:meth:`set_chains`) is grafted onto its tree on the device (:func:`.lookup.graft`; ``T`` counts it).
-        ``keep_logits`` (eager only): the target's raw logits at each row's path nodes (before ``process``: the
-        rows its new tokens were decided from, R of them, the first ``length`` real) are left in
-        ``self.path_logits`` [B, R, V]."""
+        ``keep_logits``: returns (that, the target's raw logits at each row's path nodes [B, R, V] float32) --
+        before ``process``, the rows its new tokens were decided from, the first ``length`` of them real."""
         lap = clock.lap if clock is not None else (lambda field: None)
         tgt, dr, st, B = self.target, self.drafter, self.state, self.batch
         check = self.device.type != "cuda"
@@ -182,8 +180,7 @@ class Cycle:
             R = min(T, max(R, 1 + chain))
         kept = path[:, :R].clamp(min=0)
         path_tokens = tokens.gather(1, kept)
-        if keep_logits:
-            self.path_logits = raw.gather(1, kept.unsqueeze(-1).expand(-1, -1, raw.shape[-1])).float()
+        path_logits = raw.gather(1, kept.unsqueeze(-1).expand(-1, -1, raw.shape[-1])).float() if keep_logits else None
         lap("ops_s")
         # 8: the draft catches up on the accepted positions (before the prefixes move), then the commit
         dr.follow(vtaps, kept, path_tokens, length, nxt, tgt.prefix)
@@ -195,7 +192,8 @@ class Cycle:
         st.root.copy_(nxt)
         lap("ops_s")
         flags = torch.stack([st.bad, dr.bad], 1)
-        return torch.cat([length.view(B, 1), nxt.view(B, 1), path_tokens, n_real.view(B, 1), flags], 1)
+        out = torch.cat([length.view(B, 1), nxt.view(B, 1), path_tokens, n_real.view(B, 1), flags], 1)
+        return (out, path_logits) if keep_logits else out
 
     def shapes(self, chain=0):
         """The (extra levels, padded tree size) a cycle of this policy can take: one row's plans; with more rows,
@@ -250,25 +248,25 @@ class Cycle:
     def run_finish(self, steps, g, extra, T, settings, window, clock, process=None, draft_process=None, chain=0,
                    keep_logits=False):
         """Steps 5-8 for the shape ``(extra, T)``, eager or replayed (its recording, made by :meth:`record` with
-        the same ``chain``); ``process`` (logits processors) and ``keep_logits`` only eager."""
+        the same ``chain`` and ``keep_logits``); ``process`` (logits processors) only eager."""
         if steps is None:
             return self.finish(g, extra, T, settings, window, clock, process, draft_process, chain, keep_logits)
-        if process is not None or draft_process is not None or keep_logits:
-            raise RuntimeError("Cycle.run_finish: logits processors and kept logits run in the eager cycle only")
+        if process is not None or draft_process is not None:
+            raise RuntimeError("Cycle.run_finish: logits processors run in the eager cycle only")
         out = steps.replay(self.step_key((extra, T)))
         clock.lap("graph_s")
         return out
 
-    def record(self, settings, chain=0):
-        """Warm up and record every step for these sampling settings and prompt-lookup chain length (0: none) on
-        dummy state (the prompt's prefill overwrites it; capture time is reported apart from decoding).  Returns
-        (StepGraphs, whether they were recorded by this call)."""
+    def record(self, settings, chain=0, keep_logits=False):
+        """Warm up and record every step for these sampling settings, prompt-lookup chain length (0: none) and
+        kept logits (:meth:`finish`) on dummy state (the prompt's prefill overwrites it; capture time is reported
+        apart from decoding).  Returns (StepGraphs, whether they were recorded by this call)."""
         dev = self.device
         capacity = self.capacity_key()
         if self._capacity != capacity:
             self._recorded.clear()
             self._capacity = capacity
-        key = (settings, chain)
+        key = (settings, chain, keep_logits)
         steps = self._recorded.get(key)
         if steps is not None:
             self._recorded.move_to_end(key)
@@ -287,7 +285,7 @@ class Cycle:
                 for a, b in shapes:
                     self.reset()
                     base = self.base() if self.binned else None
-                    self.finish(base[0] if base else None, a, b, settings, chain=chain)
+                    self.finish(base[0] if base else None, a, b, settings, chain=chain, keep_logits=keep_logits)
 
             warm_up(dev, [run_all, run_all], steps.stream)
             self.reset()
@@ -295,7 +293,8 @@ class Cycle:
             for a, b in shapes:
                 self.reset()
                 steps.capture(self.step_key((a, b)),
-                              lambda a=a, b=b: self.finish(base[0] if base else None, a, b, settings, chain=chain))
+                              lambda a=a, b=b: self.finish(base[0] if base else None, a, b, settings, chain=chain,
+                                                           keep_logits=keep_logits))
             self.reset()
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)

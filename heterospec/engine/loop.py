@@ -441,7 +441,7 @@ class HeteroSpec:
         ``output_logits``: keep the target's raw logits (before any processor or warper) that each new token was
         decided from -- the prefill's last row for the first, then each accepted path node's row -- as
         ``stats.logits`` ([new_tokens, V] float32 on the model's device; a batch: each row's ``per_row`` stats),
-        HuggingFace's ``output_logits``.  Such a call runs the eager cycle."""
+        HuggingFace's ``output_logits`` (recorded steps too: recorded apart, with the rows' gather inside)."""
         _check_generate_args(max_new_tokens, temperature, top_k, top_p)
         if not isinstance(output_logits, bool):
             raise ValueError(f"generate: argument 'output_logits' expected True or False, got {output_logits!r}")
@@ -587,14 +587,14 @@ class HeteroSpec:
         asked after every new token of a request, with its prompt and new tokens.  ``procs``: logits processors
         (:mod:`.processors`), with each request's ``contexts`` (host lists) before its first new token.
         ``lookup_n``: (chain length, longest n-gram, shortest) of prompt lookup (:mod:`.lookup`; length 0: none).
-        ``keep_logits``: each row's raw logits per new token into its stats' ``logits`` (eager cycle)."""
+        ``keep_logits``: each row's raw logits per new token into its stats' ``logits``."""
         B, S = input_ids.shape
         dev = self.device
         sample = temperature > 0
         settings = (True, float(temperature), int(top_k), float(top_p)) if sample else (False, 0.0, 0, 1.0)
         L = lookup_n[0]
-        # processors run on the host between forward and acceptance; kept logits are sliced per row on the host
-        graphs = bool(self.cuda_graphs) and not procs and not keep_logits
+        # processors run on the host between forward and acceptance
+        graphs = bool(self.cuda_graphs) and not procs
         if graphs:
             finished = "mask"
         seeds = self._seeds(seed, B)
@@ -610,7 +610,7 @@ class HeteroSpec:
         try:
             with sync.outside_cycle():
                 if graphs:
-                    steps = self._record(cyc, settings, total, L)
+                    steps = self._record(cyc, settings, total, L, keep_logits)
                     if steps is None:                   # 'auto' after a failed recording: eager from now on
                         graphs = False
                         self._cycles.pop(B, None)       # closed below, as an eager call's
@@ -721,6 +721,8 @@ class HeteroSpec:
                         attention_window(dev, max(prefix_host[a] for a in alive) + 1, T)
                     acc = cyc.run_finish(steps, g, extra, T, settings, window, clock, process, draft_process, chain,
                                          keep_logits)
+                    if keep_logits:                 # a recorded step's outputs are rewritten by its next replay
+                        acc, path_logits = acc
                 except ValueError:   # on the CPU the ops refuse non-finite logits mid-cycle: say which model's
                     with sync.outside_cycle():
                         flags = [[int(t), int(d)] for t, d in zip(st.bad.tolist(), dr.bad.tolist())]
@@ -762,7 +764,7 @@ class HeteroSpec:
                             rs.total_s = time.perf_counter() - start     # this request's latency
                             break
                     if kept_logits is not None:             # the path nodes' rows of the tokens kept
-                        kept_logits[a].append(cyc.path_logits[j, :len(generated[a]) - before])
+                        kept_logits[a].append(path_logits[j, :len(generated[a]) - before].clone())
             if dev.type == "cuda":
                 ops.cuda_check(dev)   # device-side errors of the check=False launches
         finally:
@@ -797,12 +799,12 @@ class HeteroSpec:
                 health.raise_flagged(f, self._models(), rows[a].cycles + 1, prefix_host[a], self.device,
                                      row=a if B > 1 else None)
 
-    def _record(self, cycle, settings, stats, chain=0):
-        """``cycle.record(settings, chain)`` (a :class:`~.cycle.Cycle` of any batch) -> its
+    def _record(self, cycle, settings, stats, chain=0, keep_logits=False):
+        """``cycle.record(settings, chain, keep_logits)`` (a :class:`~.cycle.Cycle` of any batch) -> its
         StepGraphs, with the capture time in ``stats``; or None when recording failed under
         ``cuda_graphs='auto'``, which then decodes eagerly from here on (warned)."""
         try:
-            steps, fresh = cycle.record(settings, chain)
+            steps, fresh = cycle.record(settings, chain, keep_logits)
         except Exception as e:
             if not self._graphs_fallback:
                 raise

@@ -132,6 +132,26 @@ def test_recorded_steps_with_prompt_lookup_draw_as_the_eager_engine(setup):
     assert runs[MODE] == runs[False]
 
 
+@pytest.mark.parametrize("name", ["ar", "heterospec-head"])
+def test_recorded_steps_keep_the_eager_engines_logits(setup, name):
+    """generate(output_logits=True) in recorded steps: the path rows' gather inside the recording, each cycle's rows
+    copied out before the next replay rewrites them; the same logits as the eager engine (alone and in a batch)."""
+    model, ps, refs, head = setup
+    draft, policy = _method(name, model, head)
+    runs = {}
+    for mode in (False, MODE):
+        with HeteroSpec(model, draft, policy, cuda_graphs=mode) as hs:
+            alone = [hs.generate(p, max_new_tokens=NEW, output_logits=True) for p in ps[:2]]
+            outs, st = hs.generate([p[0] for p in ps[:3]], max_new_tokens=NEW, output_logits=True)
+            runs[mode] = ([(seq.tolist(), s.logits.cpu()) for seq, s in alone],
+                          [(o.tolist(), r.logits.cpu()) for o, r in zip(outs, st.per_row)], st.graphs)
+    assert runs[MODE][2] == ("cuda" if MODE is True else "emulate")
+    for (a_seq, a_lg), (b_seq, b_lg) in zip(runs[False][0] + runs[False][1], runs[MODE][0] + runs[MODE][1]):
+        assert a_seq == b_seq and a_lg.shape == b_lg.shape == (NEW, V)
+        assert torch.allclose(a_lg, b_lg, atol=1e-5)
+    assert not torch.allclose(runs[MODE][0][0][1][0], runs[MODE][0][0][1][-1])   # steps differ (no stale rows)
+
+
 def test_each_shape_is_recorded_once_and_reported_apart(setup):
     model, ps, refs, _ = setup
     draft = ScriptDraft(V).to(DEVICE)
@@ -388,7 +408,7 @@ def test_recorded_sets_are_kept_for_the_latest_sampling_settings_only(setup):
             hs.generate(ps[0], max_new_tokens=8, temperature=t, seed=3)
             assert len(hs.cycle._recorded) <= MAX_GRAPH_SETS
         assert len(hs.cycle._recorded) == MAX_GRAPH_SETS
-        kept = [settings[1] for settings, _ in hs.cycle._recorded]
+        kept = [settings[1] for settings, *_ in hs.cycle._recorded]
         assert kept == pytest.approx(temps[-MAX_GRAPH_SETS:])
         again, st = hs.generate(ps[0], max_new_tokens=8, temperature=temps[0], seed=3)
         assert again.tolist() == first
@@ -396,7 +416,7 @@ def test_recorded_sets_are_kept_for_the_latest_sampling_settings_only(setup):
         hit = temps[-MAX_GRAPH_SETS + 1]                   # kept and not the newest
         st = hs.generate(ps[0], max_new_tokens=8, temperature=hit, seed=3)[1]
         assert st.capture_s == 0.0                         # replayed, not recorded
-        assert [s[1] for s, _ in hs.cycle._recorded][-1] == pytest.approx(hit)   # a hit becomes the most recent
+        assert [s[1] for s, *_ in hs.cycle._recorded][-1] == pytest.approx(hit)   # a hit becomes the most recent
 
 
 def test_captured_costs_need_a_gpu(setup):
