@@ -18,7 +18,9 @@ _PER_POSITION = {"RepetitionPenaltyLogitsProcessor", "NoRepeatNGramLogitsProcess
                  "SuppressTokensLogitsProcessor", "SuppressTokensAtBeginLogitsProcessor",
                  "ForcedBOSTokenLogitsProcessor", "ForcedEOSTokenLogitsProcessor", "ExponentialDecayLengthPenalty",
                  "InfNanRemoveLogitsProcessor"}
-_OWN_CRITERIA = {"MaxLengthCriteria", "EosTokenCriteria", "MaxTimeCriteria"}
+# criteria the engine applies itself (max_new_tokens, the EOS ids); any other (max_time, stop strings, a user's own)
+# is asked per row after every new token
+_OWN_CRITERIA = {"MaxLengthCriteria", "EosTokenCriteria"}
 
 
 def split_processors(logits_processor, batch):
@@ -86,6 +88,10 @@ def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=N
     certain of the padding token there (0 at ``pad_token_id``, -inf elsewhere), where HuggingFace holds the logits
     of its padded continuation.  Attentions and hidden states are refused in one line."""
     gc = generation_config
+    beams = getattr(gc, "num_beams", 1) or 1
+    if beams != 1:
+        raise ValueError(f"custom_generate: argument 'num_beams' expected 1 (speculative decoding reproduces greedy "
+                         f"or sampled decoding, not beam search), got {beams}")
     procs = split_processors(logits_processor, input_ids.shape[0])
     as_dict = bool(getattr(gc, "return_dict_in_generate", False))
     for name in ("output_attentions", "output_hidden_states"):

@@ -163,3 +163,34 @@ def test_without_return_dict_custom_generate_returns_the_sequences():
     out = model.generate(p, attention_mask=torch.ones_like(p), custom_generate=heterospec.custom_generate,
                          do_sample=False, max_new_tokens=4, pad_token_id=0, output_scores=True)
     assert isinstance(out, torch.Tensor) and out.shape == (1, p.shape[1] + 4)
+
+
+def test_custom_generate_refuses_beam_search_in_one_line():
+    """HF expands the prompt to num_beams rows before calling us: without the check, two greedy copies came back
+    as if they were beam search's output."""
+    model = tiny_target("llama")
+    p = prompts(1)[0].to(DEVICE)
+    with pytest.raises(ValueError, match="custom_generate: argument 'num_beams' expected 1 .*got 2"):
+        model.generate(p, attention_mask=torch.ones_like(p), custom_generate=heterospec.custom_generate,
+                       do_sample=False, num_beams=2, max_new_tokens=4, pad_token_id=0)
+
+
+def test_custom_generate_honours_max_time_as_hf_does():
+    """max_time was dropped with the criteria the engine applies itself: it is asked after every new token now,
+    so a time already spent stops after the first token, as in HF's own generate."""
+    model = tiny_target("llama")
+    p = prompts(1)[0].to(DEVICE)
+    kw = dict(attention_mask=torch.ones_like(p), do_sample=False, max_new_tokens=8, pad_token_id=0, max_time=1e-9)
+    ours = model.generate(p, custom_generate=heterospec.custom_generate, **kw)
+    assert ours.shape[1] == p.shape[1] + 1 == model.generate(p, **kw).shape[1]
+    full = model.generate(p, custom_generate=heterospec.custom_generate, **dict(kw, max_time=60.0))
+    assert full.shape[1] == p.shape[1] + 8
+
+
+def test_custom_generate_num_return_sequences_samples_each_row_apart():
+    model = tiny_target("llama")
+    p = prompts(2)[1].to(DEVICE)
+    out = model.generate(p, attention_mask=torch.ones_like(p), custom_generate=heterospec.custom_generate,
+                         do_sample=True, num_return_sequences=3, max_new_tokens=NEW, pad_token_id=0, seed=4,
+                         eos_token_id=None)
+    assert out.shape == (3, p.shape[1] + NEW) and len({tuple(r) for r in out[:, p.shape[1]:].tolist()}) == 3
