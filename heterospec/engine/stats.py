@@ -91,6 +91,27 @@ class GenerationStats:
         d["per_row"] = [r.as_dict() for r in self.per_row]
         return d
 
+    def summary(self):
+        """One line: tokens, time and speed, verification calls, verified tree tokens, tau, the accepted-length
+        histogram, the bins and the time split (what ``heterospec generate`` prints after its answer)."""
+        d = self.as_dict()
+        return (f"{d['new_tokens']} tokens in {d['total_s']:.2f} s ({d['tokens_per_s']:.1f} tok/s); verification "
+                f"calls {d['cycles']}, tree tokens verified {d['verified_tokens']}, tau {d['tau']:.2f}; "
+                f"accepted-length histogram {d['accepted_hist']}; bins {d['bins']}; draft {d['draft_s']:.2f} s, "
+                f"verify {d['verify_s']:.2f} s, ops {d['ops_s']:.3f} s")
+
+    def _repr_markdown_(self):
+        """Jupyter: the call at a glance (and a batch's rows, one line each) instead of every field."""
+        rows = ["| | new tokens | tokens/s | tau | verification calls | verified tree tokens per call | "
+                "steps |", "|---|---:|---:|---:|---:|---:|---|"]
+        for name, r in [("call", self)] + [(f"row {i}", x) for i, x in enumerate(self.per_row)]:
+            per_call = r.verified_tokens / r.cycles if r.cycles else 0.0
+            rows.append(f"| {name} | {r.new_tokens} | {r.tokens_per_s or 0.0:.1f} | {r.tau:.2f} | {r.cycles} | "
+                        f"{per_call:.1f} | {r.graphs if r.graphs != 'off' else 'eager'} |")
+        bins = "" if not self.bins else "\n\nEntropy bins (cycles): " + ", ".join(
+            f"{b}: {c}" for b, c in sorted(self.bins.items()))
+        return "\n".join(rows) + bins
+
     @property
     def host_s_per_cycle(self):
         """Wall time per cycle the host spent outside the sync points (on a GPU: Python, launches and the

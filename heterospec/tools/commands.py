@@ -58,11 +58,7 @@ def generate_cmd(args, out=None):
         seq, stats = hs.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  top_k=args.top_k, top_p=args.top_p, eos_token_id=eos, streamer=streamer,
                                  seed=args.seed, logits_processor=procs)
-    d = stats.as_dict()
-    print(f"\n[{args.method}] {d['new_tokens']} tokens in {d['total_s']:.2f} s ({d['tokens_per_s']:.1f} tok/s); "
-          f"verification calls {d['cycles']}, tree tokens verified {d['verified_tokens']}, tau {d['tau']:.2f}; "
-          f"accepted-length histogram {d['accepted_hist']}; bins {d['bins']}; draft {d['draft_s']:.2f} s, "
-          f"verify {d['verify_s']:.2f} s, ops {d['ops_s']:.3f} s", file=out)
+    print(f"\n[{args.method}] {stats.summary()}", file=out)
     return seq, stats
 
 

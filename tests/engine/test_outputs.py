@@ -194,3 +194,20 @@ def test_custom_generate_num_return_sequences_samples_each_row_apart():
                          do_sample=True, num_return_sequences=3, max_new_tokens=NEW, pad_token_id=0, seed=4,
                          eos_token_id=None)
     assert out.shape == (3, p.shape[1] + NEW) and len({tuple(r) for r in out[:, p.shape[1]:].tolist()}) == 3
+
+
+def test_stats_show_themselves_in_one_line_and_as_a_jupyter_table():
+    """GenerationStats.summary (what `heterospec generate` prints) and its Markdown for Jupyter: the call's
+    counts, and a batch's rows one line each, written from the stats' own fields."""
+    from heterospec import GenerationStats
+
+    st = GenerationStats(new_tokens=12, cycles=5, verified_tokens=20, total_s=0.5, graphs="cuda")
+    st.accepted_hist.update({1: 3, 2: 1, 0: 1})
+    st.bins.update({0: 2, 3: 3})
+    assert st.summary().startswith("12 tokens in 0.50 s (24.0 tok/s); verification calls 5, tree tokens verified "
+                                   "20, tau 2.00; accepted-length histogram {0: 1, 1: 3, 2: 1}; bins {0: 2, 3: 3}")
+    md = st._repr_markdown_().splitlines()
+    assert md[2] == "| call | 12 | 24.0 | 2.00 | 5 | 4.0 | cuda |" and md[-1] == "Entropy bins (cycles): 0: 2, 3: 3"
+    batch = GenerationStats(new_tokens=3, cycles=2, per_row=[GenerationStats(new_tokens=1, cycles=1),
+                                                             GenerationStats(new_tokens=2, cycles=1)])
+    assert [r.split("|")[1].strip() for r in batch._repr_markdown_().splitlines()[2:]] == ["call", "row 0", "row 1"]
