@@ -457,14 +457,19 @@ class HeteroSpec:
             if attention_mask is not None:
                 raise ValueError("generate: argument 'attention_mask' expected None with a list of prompts (they "
                                  "are padded here), got a mask")
+            vocab = self.target.model.get_input_embeddings().num_embeddings
+            if len(input_ids) > 1 and not 0 <= pad < vocab:    # it fills the shorter prompts' padding
+                raise ValueError(f"generate: argument 'pad_token_id' expected an id in [0, {vocab}) to pad a list "
+                                 f"of prompts, got {pad}")
             raw_prompts = input_ids
             input_ids, attention_mask = requests.left_pad(input_ids, pad, self.device)
         elif not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(f"generate: argument 'input_ids' expected a [B, S] tensor or a list of prompts, got "
                              f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
         B = input_ids.shape[0]
-        with sync.outside_cycle():                      # the mask's check reads it on the host
+        with sync.outside_cycle():                      # the mask's and the ids' checks read them on the host
             lengths = requests.check_mask(input_ids, attention_mask)
+            requests.check_ids(input_ids, self.target.model.get_input_embeddings().num_embeddings)
         if isinstance(seed, (list, tuple)) and len(seed) != B:
             raise ValueError(f"generate: argument 'seed' expected an int or {B} ints (one per prompt), got "
                              f"{len(seed)}")

@@ -11,10 +11,13 @@ def left_pad(prompts, pad_token_id, device):
     as a HuggingFace tokenizer pads a batch for generation."""
     rows = []
     for i, p in enumerate(prompts):
-        t = torch.as_tensor(p, dtype=torch.long).reshape(-1) if not isinstance(p, torch.Tensor) else p.reshape(-1)
+        t = torch.as_tensor(p).reshape(-1)
         if t.numel() == 0:
             raise ValueError(f"generate: argument 'input_ids' expected a token in every prompt, got an empty "
                              f"prompt at index {i}")
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ValueError(f"generate: argument 'input_ids' expected integer token ids in every prompt, got "
+                             f"{t.dtype} at index {i}")
         rows.append(t.to("cpu", torch.long))
     S = max(r.numel() for r in rows)
     ids = torch.full((len(rows), S), pad_token_id, dtype=torch.long)
@@ -23,6 +26,19 @@ def left_pad(prompts, pad_token_id, device):
         ids[b, S - r.numel():] = r
         mask[b, S - r.numel():] = 1
     return ids.to(device), mask.to(device)
+
+
+def check_ids(input_ids, vocab):
+    """One-line errors for prompts that are not token ids of a ``vocab``-token model: a float or bool tensor, or an
+    id outside [0, vocab) at any position, the padding included (the prefill embeds every position) -- which would
+    otherwise fail inside the embedding, or read past it on a GPU."""
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ValueError(f"generate: argument 'input_ids' expected integer token ids, got {input_ids.dtype}")
+    if input_ids.numel() and vocab is not None:
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"generate: argument 'input_ids' expected token ids in [0, {vocab}) (the target's "
+                             f"vocabulary) at every position, the padding included, got {lo if lo < 0 else hi}")
 
 
 def check_mask(input_ids, attention_mask):

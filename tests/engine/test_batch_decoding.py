@@ -14,7 +14,7 @@ scipy_stats = pytest.importorskip("scipy.stats")
 
 from _doubles import BatchScriptDraft  # noqa: E402
 from test_batch_target import left_padded  # noqa: E402
-from _models import DEVICE, THRESHOLDS, _warp, eagle3_head, prompts, reference_greedy, tiny_target  # noqa: E402
+from _models import DEVICE, THRESHOLDS, V, _warp, eagle3_head, prompts, reference_greedy, tiny_target  # noqa: E402
 
 from heterospec import ops  # noqa: E402
 from heterospec.engine import HeteroSpec  # noqa: E402
@@ -214,6 +214,19 @@ def test_sampling_per_row_matches_the_target_distribution(setting):
      r"generate: argument 'seed' expected an int or 1 ints \(one per prompt\), got 2"),
     (lambda hs, ids, m: hs.generate(ids, attention_mask=m, max_new_tokens=600),
      r"generate: prompt \(\d+\) \+ max_new_tokens \(600\) exceed the target's max_position_embeddings \(512\)"),
+    # ids that are not the target's tokens: they used to fail inside the embedding (IndexError, or a float tensor's
+    # RuntimeError), and a list's float ids were truncated to ints silently
+    (lambda hs, ids, m: hs.generate(ids.masked_fill(m == 1, 0) + m * V, attention_mask=m, max_new_tokens=4),
+     rf"generate: argument 'input_ids' expected token ids in \[0, {V}\) \(the target's vocabulary\) at every "
+     rf"position, the padding included, got {V}"),
+    (lambda hs, ids, m: hs.generate(ids - 1 - ids.max(), attention_mask=m, max_new_tokens=4),
+     r"generate: argument 'input_ids' expected token ids in \[0, \d+\) .*got -\d+"),
+    (lambda hs, ids, m: hs.generate(ids.float(), attention_mask=m, max_new_tokens=4),
+     r"generate: argument 'input_ids' expected integer token ids, got torch.float32"),
+    (lambda hs, ids, m: hs.generate([[1, 2], [1.5]], max_new_tokens=4),
+     r"generate: argument 'input_ids' expected integer token ids in every prompt, got torch.float32 at index 1"),
+    (lambda hs, ids, m: hs.generate([[1, 2], [3]], max_new_tokens=4, pad_token_id=V + 3),
+     rf"generate: argument 'pad_token_id' expected an id in \[0, {V}\) to pad a list of prompts, got {V + 3}"),
 ])
 def test_bad_batches_get_one_line_errors(call, match):
     model = tiny_target("llama")
