@@ -360,6 +360,23 @@ class HeteroSpec:
         and steps, on the static caches (what :func:`heterospec.tune.profile_costs` times)."""
         return self._cycle
 
+    def __repr__(self):
+        """What the engine runs, in one line: the target, the draft and the policy (with its bins), the device and
+        dtype, and how the steps run (recorded or eager, the CPU paths, prompt lookup)."""
+        cfg = getattr(self.target.model, "config", None)
+        name = getattr(cfg, "_name_or_path", "") or type(self.target.model).__name__
+        dtype = next(self.target.model.parameters()).dtype
+        pol = self.policy
+        shape = "autoregressive" if not pol.drafts else (
+            f"{pol.name} (depth {pol.depth}, top-k {pol.top_k}, {pol.total_tokens} nodes"
+            + (f", {len(pol.thresholds) + 1} entropy bins" if pol.binned else "") + ")")
+        draft = "none" if self.draft is None else type(self.draft).__name__
+        L, hi, lo = self.lookup
+        look = f", prompt lookup {L} tokens from {lo}-{hi}-grams" if L else ""
+        graphs = self.cuda_graphs if isinstance(self.cuda_graphs, str) else ("on" if self.cuda_graphs else "off")
+        return (f"HeteroSpec(target {name}, draft {draft}, {shape}, {self.device} {str(dtype).replace('torch.', '')}"
+                f", CUDA graphs {graphs}, CPU decoder: {self.cpu_decoder}{look})")
+
     def close(self):
         """Remove the tap hooks from the target and drop the recorded steps (also done on exit of a ``with``
         block)."""

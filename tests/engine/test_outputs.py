@@ -211,3 +211,14 @@ def test_stats_show_themselves_in_one_line_and_as_a_jupyter_table():
     batch = GenerationStats(new_tokens=3, cycles=2, per_row=[GenerationStats(new_tokens=1, cycles=1),
                                                              GenerationStats(new_tokens=2, cycles=1)])
     assert [r.split("|")[1].strip() for r in batch._repr_markdown_().splitlines()[2:]] == ["call", "row 0", "row 1"]
+
+
+def test_the_engine_says_what_it_runs_in_one_line():
+    model = tiny_target("llama")
+    plain = repr(HeteroSpec(model, cuda_graphs=False))
+    assert plain.startswith("HeteroSpec(target LlamaForCausalLM, draft none, autoregressive, cpu float32, "
+                            "CUDA graphs off, CPU decoder: ") and "\n" not in plain and "lookup" not in plain
+    hs = HeteroSpec(model, NoisyDraft(32, V).to(DEVICE), Policy.paper(4, 4, 20, THRESHOLDS), cuda_graphs=False,
+                    prompt_lookup_num_tokens=4, max_matching_ngram_size=3, min_matching_ngram_size=2)
+    assert (", draft NoisyDraft, heterospec (depth 4, top-k 4, 20 nodes, 8 entropy bins), " in repr(hs)
+            and repr(hs).endswith(", prompt lookup 4 tokens from 2-3-grams)"))
