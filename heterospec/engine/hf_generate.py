@@ -147,10 +147,8 @@ def _pad_row(like, pad):
 def _steps(per_row, N, pad):
     """Each row's [n_b, V] logits -> a tuple of N [B, V] tensors, one per new column (a finished row's steps
     certain of ``pad``)."""
-    out = []
-    for t in range(N):
-        out.append(torch.stack([x[t] if t < x.shape[0] else _pad_row(x, pad) for x in per_row]))
-    return tuple(out)
+    done = _pad_row(per_row[0], pad)
+    return tuple(torch.stack([x[t] if t < x.shape[0] else done for x in per_row]) for t in range(N))
 
 
 def _scores(logits, counts, seq, S, logits_processor, pad):
@@ -158,12 +156,13 @@ def _scores(logits, counts, seq, S, logits_processor, pad):
     :S + t]``), as its sampling loop calls them; finished rows' steps stay certain of ``pad``."""
     out = []
     ids = seq.to(logits[0].device) if logits else seq
+    done = _pad_row(logits[0], pad) if logits else None
     for t, lt in enumerate(logits):
         st = lt.clone()
         for proc in logits_processor or []:
             st = proc(ids[:, :S + t], st)
         for b, n in enumerate(counts):
             if t >= n:
-                st[b] = _pad_row(st, pad)
+                st[b] = done
         out.append(st)
     return tuple(out)

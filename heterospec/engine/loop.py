@@ -324,8 +324,7 @@ class HeteroSpec:
         pol = self.policy
         self._levels = pol.levels
         most = max((pol.total_tokens, *pol.keep))
-        self._raw_nodes = min(most, candidate_count(pol.top_k, self._levels) + 1)   # the largest tree, root included
-        self._max_nodes = bucket_for(self._raw_nodes, self.buckets)
+        self._most_nodes = min(most, candidate_count(pol.top_k, self._levels) + 1)   # the largest tree, root included
         self._d2t = None
         if self._drafting:
             d2t = getattr(draft, "d2t", None)
@@ -394,7 +393,7 @@ class HeteroSpec:
     def capacity(self, prompt_len, max_new_tokens, lookup=0):
         """Static cache positions per row a request needs: every committed token plus the largest tree (or the
         draft's catch-up rows) written past them; ``lookup``: the prompt-lookup chain's length grafted onto it."""
-        tree = bucket_for(self._raw_nodes + lookup, self.buckets) if lookup else self._max_nodes
+        tree = bucket_for(self._most_nodes + lookup, self.buckets)   # its bucket, a chain's room included
         return prompt_len + max_new_tokens + max(tree, self._levels + 2, lookup + 1) + 1
 
     def overshoot(self, lookup=0):
@@ -467,6 +466,7 @@ class HeteroSpec:
         if finished_rows not in ("drop", "mask"):
             raise ValueError(f"generate: argument 'finished_rows' expected 'drop' or 'mask', got {finished_rows!r}")
         pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
+        vocab = self.target.model.get_input_embeddings().num_embeddings
         as_list = isinstance(input_ids, (list, tuple))
         if as_list:
             if not input_ids:
@@ -474,7 +474,6 @@ class HeteroSpec:
             if attention_mask is not None:
                 raise ValueError("generate: argument 'attention_mask' expected None with a list of prompts (they "
                                  "are padded here), got a mask")
-            vocab = self.target.model.get_input_embeddings().num_embeddings
             if len(input_ids) > 1 and not 0 <= pad < vocab:    # it fills the shorter prompts' padding
                 raise ValueError(f"generate: argument 'pad_token_id' expected an id in [0, {vocab}) to pad a list "
                                  f"of prompts, got {pad}")
@@ -486,7 +485,7 @@ class HeteroSpec:
         B = input_ids.shape[0]
         with sync.outside_cycle():                      # the mask's and the ids' checks read them on the host
             lengths = requests.check_mask(input_ids, attention_mask)
-            requests.check_ids(input_ids, self.target.model.get_input_embeddings().num_embeddings)
+            requests.check_ids(input_ids, vocab)
         if isinstance(seed, (list, tuple)) and len(seed) != B:
             raise ValueError(f"generate: argument 'seed' expected an int or {B} ints (one per prompt), got "
                              f"{len(seed)}")

@@ -15,7 +15,7 @@ def left_pad(prompts, pad_token_id, device):
         if t.numel() == 0:
             raise ValueError(f"generate: argument 'input_ids' expected a token in every prompt, got an empty "
                              f"prompt at index {i}")
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        if not _integer(t.dtype):
             raise ValueError(f"generate: argument 'input_ids' expected integer token ids in every prompt, got "
                              f"{t.dtype} at index {i}")
         rows.append(t.to("cpu", torch.long))
@@ -28,11 +28,15 @@ def left_pad(prompts, pad_token_id, device):
     return ids.to(device), mask.to(device)
 
 
+def _integer(dtype):
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 def check_ids(input_ids, vocab):
     """One-line errors for prompts that are not token ids of a ``vocab``-token model: a float or bool tensor, or an
     id outside [0, vocab) at any position, the padding included (the prefill embeds every position) -- which would
     otherwise fail inside the embedding, or read past it on a GPU."""
-    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+    if not _integer(input_ids.dtype):
         raise ValueError(f"generate: argument 'input_ids' expected integer token ids, got {input_ids.dtype}")
     if input_ids.numel() and vocab is not None:
         lo, hi = int(input_ids.min()), int(input_ids.max())

@@ -238,19 +238,23 @@ def verification_tree(g, n, m, root, T, check):
     mask [B, T, T], the real sizes ``n + 1``)."""
     B = root.shape[0]
     dev = root.device
+    if T == 1:   # every tree is its root, always real (n >= 0): nothing to pad
+        return (root.view(B, 1).clone(), torch.full((B, 1), -1, dtype=torch.long, device=dev),
+                torch.zeros((B, 1), dtype=torch.long, device=dev), torch.ones((B, 1, 1), dtype=torch.bool, device=dev),
+                n + 1)
     cols = torch.arange(T, device=dev)
-    if g is None or T == 1:   # every tree is its root (n = 0), then padding (room for a prompt-lookup chain)
-        tokens = root.view(B, 1).expand(B, T).clone()
-        depths = (cols > 0).long().view(1, T).expand(B, T).clone()
-        parents = -(cols == 0).long().view(1, T).expand(B, T).clone()
-        mask = (torch.eye(T, dtype=torch.bool, device=dev) | (cols == 0).view(1, T)).expand(B, T, T).clone()
-        return tokens, parents, depths, mask, n + 1
     real = cols.view(1, T) < (n + 1).view(B, 1)
-    cand_tokens, cand_scores, cand_parents = g.candidates()
-    width = min(T - 1, cand_scores.shape[-1])
-    sel = ops.select(cand_scores, n, m=m, width=width, check=check)
-    tree, _, _ = ops.build_tree(cand_tokens, cand_parents, sel, root, n=n, check=check)
-    tokens, parents, depths, mask = tree.tokens, tree.parents, tree.depths, tree.mask
+    if g is None:   # no draft: the root alone (n = 0), padded below (room for a prompt-lookup chain)
+        width = 0
+        tokens, parents = root.view(B, 1).clone(), torch.full((B, 1), -1, dtype=torch.long, device=dev)
+        depths, mask = torch.zeros((B, 1), dtype=torch.long, device=dev), torch.ones((B, 1, 1), dtype=torch.bool,
+                                                                                      device=dev)
+    else:
+        cand_tokens, cand_scores, cand_parents = g.candidates()
+        width = min(T - 1, cand_scores.shape[-1])
+        sel = ops.select(cand_scores, n, m=m, width=width, check=check)
+        tree, _, _ = ops.build_tree(cand_tokens, cand_parents, sel, root, n=n, check=check)
+        tokens, parents, depths, mask = tree.tokens, tree.parents, tree.depths, tree.mask
     if T > width + 1:
         pad = T - width - 1
         tokens = torch.cat([tokens, tokens.new_full((B, pad), -1)], 1)
