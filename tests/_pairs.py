@@ -14,13 +14,19 @@ from _models import eagle3_head, tiny_target  # noqa: E402
 WORDS = [f"w{i}" for i in range(94)]
 
 
-def save_tiny_pair(root):
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+def word_tokenizer(last="w93"):
+    """A word-level tokenizer for the tiny targets' 97 ids: <unk>, <s>, </s>, then w0 ... w92 and ``last``
+    (HuggingFace's StopStringCriteria needs "abcdef" there: it reads each token's text after that word)."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS[:-1] + [last])}}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     tok.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                                                 eos_token="</s>")
+
+
+def save_tiny_pair(root, last="w93"):
+    fast = word_tokenizer(last)
     model = tiny_target("llama", vocab=97)
     (root / "target").mkdir()
     model.save_pretrained(root / "target")

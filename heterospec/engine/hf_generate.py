@@ -60,7 +60,7 @@ def split_processors(logits_processor, batch):
 
 def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
                     draft=None, policy=None, seed=None, streamer=None, cuda_graphs=False, cpu_decoder="auto",
-                    disable_by_batch_size=None, **model_kwargs):
+                    disable_by_batch_size=None, stop_strings=None, tokenizer=None, **model_kwargs):
     """``model.generate(input_ids, custom_generate=heterospec.custom_generate, draft=..., policy=...)``.
 
     Needs a transformers release whose ``generate`` accepts a callable ``custom_generate`` (5.x; tested
@@ -86,12 +86,23 @@ def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=N
     the call's processors and warpers, HuggingFace's own objects applied to each step's ids as its loop applies
     them), each a tuple of one [B, V] tensor per new column; a row that already finished holds a distribution
     certain of the padding token there (0 at ``pad_token_id``, -inf elsewhere), where HuggingFace holds the logits
-    of its padded continuation.  Attentions and hidden states are refused in one line."""
+    of its padded continuation.  Attentions and hidden states are refused in one line.
+
+    Stop strings: transformers 5.x's ``generate`` keeps the ``tokenizer`` argument from a ``custom_generate``
+    callable, so ``stop_strings=[...], tokenizer=tok`` cannot reach the engine this way; pass
+    ``stopping_criteria=StoppingCriteriaList([StopStringCriteria(tok, [...])])`` (asked per row after every new
+    token: the same output), or call :meth:`HeteroSpec.generate` with ``stop_strings`` and ``tokenizer``.  A
+    ``stop_strings`` argument without a tokenizer is refused in one line saying so."""
     gc = generation_config
     beams = getattr(gc, "num_beams", 1) or 1
     if beams != 1:
         raise ValueError(f"custom_generate: argument 'num_beams' expected 1 (speculative decoding reproduces greedy "
                          f"or sampled decoding, not beam search), got {beams}")
+    if stop_strings is not None and tokenizer is None:
+        raise ValueError("custom_generate: argument 'stop_strings' expected the tokenizer beside it, which "
+                         "transformers' generate does not pass to a custom_generate callable; pass stopping_criteria="
+                         "StoppingCriteriaList([StopStringCriteria(tokenizer, stop_strings)]) instead (the same "
+                         "output), or HeteroSpec.generate(stop_strings=..., tokenizer=...)")
     procs = split_processors(logits_processor, input_ids.shape[0])
     as_dict = bool(getattr(gc, "return_dict_in_generate", False))
     for name in ("output_attentions", "output_hidden_states"):
@@ -119,7 +130,8 @@ def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=N
             top_k=int(gc.top_k or 0) if sample else 0, top_p=float(gc.top_p if gc.top_p is not None else 1.0) if sample else 1.0,
             eos_token_id=eos, stopping_criteria=criteria, streamer=streamer, seed=seed, logits_processor=procs,
             prompt_lookup_num_tokens=getattr(gc, "prompt_lookup_num_tokens", None),
-            max_matching_ngram_size=getattr(gc, "max_matching_ngram_size", None), output_logits=want_logits)
+            max_matching_ngram_size=getattr(gc, "max_matching_ngram_size", None), output_logits=want_logits,
+            stop_strings=stop_strings, tokenizer=tokenizer)
     seq = seq.to(input_ids.device)
     if not as_dict:
         return seq

@@ -95,6 +95,23 @@ def _check_generate_args(max_new_tokens, temperature, top_k, top_p):
         raise ValueError(f"generate: argument 'top_p' expected a value in (0, 1], got {top_p!r}")
 
 
+def _with_stop_strings(criteria, stop_strings, tokenizer):
+    """``stopping_criteria`` plus HuggingFace's ``StopStringCriteria`` for ``stop_strings`` (a one-line
+    ValueError for strings that are not, or no tokenizer)."""
+    if stop_strings is None:
+        return criteria
+    strings = [stop_strings] if isinstance(stop_strings, str) else stop_strings
+    if not isinstance(strings, (list, tuple)) or not strings or not all(isinstance(x, str) and x for x in strings):
+        raise ValueError(f"generate: argument 'stop_strings' expected a non-empty string or a non-empty list of "
+                         f"them, got {stop_strings!r}")
+    if tokenizer is None or not callable(getattr(tokenizer, "get_vocab", None)):
+        raise ValueError(f"generate: argument 'tokenizer' expected the target's tokenizer (a HuggingFace "
+                         f"tokenizer, to match stop_strings), got {type(tokenizer).__name__}")
+    from transformers import StopStringCriteria
+
+    return list(criteria or []) + [StopStringCriteria(tokenizer, list(strings))]
+
+
 def _rope_types(model):
     """The RoPE variants a model's config names, from ``rope_parameters`` (transformers 5; a dict per layer
     type in some models) or ``rope_scaling`` (4.x)."""
@@ -413,7 +430,8 @@ class HeteroSpec:
     def generate(self, input_ids, *, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, eos_token_id=None,
                  stopping_criteria=None, streamer=None, seed=None, attention_mask=None, pad_token_id=None,
                  finished_rows="drop", logits_processor=None, prompt_lookup_num_tokens=None,
-                 max_matching_ngram_size=None, min_matching_ngram_size=None, output_logits=False):
+                 max_matching_ngram_size=None, min_matching_ngram_size=None, output_logits=False, stop_strings=None,
+                 tokenizer=None):
         """Returns (sequences [1, S + new] int64 on the CPU, GenerationStats).  Greedy when temperature == 0.
         A request ends at ``max_new_tokens`` or at an ``eos_token_id`` (an id or ids; None, the default: the
         target's ``generation_config.eos_token_id``, as HuggingFace's ``generate`` takes it; [] for none).
@@ -457,8 +475,14 @@ class HeteroSpec:
         ``output_logits``: keep the target's raw logits (before any processor or warper) that each new token was
         decided from -- the prefill's last row for the first, then each accepted path node's row -- as
         ``stats.logits`` ([new_tokens, V] float32 on the model's device; a batch: each row's ``per_row`` stats),
-        HuggingFace's ``output_logits`` (recorded steps too: recorded apart, with the rows' gather inside)."""
+        HuggingFace's ``output_logits`` (recorded steps too: recorded apart, with the rows' gather inside).
+
+        ``stop_strings``: a string or a list of them, with the ``tokenizer`` that decodes the target's ids: a
+        request ends once its text ends with one of them, the tokens that made it kept (HuggingFace's
+        ``stop_strings`` and its ``StopStringCriteria``, asked per request after every new token like any
+        stopping criterion, so the output is HuggingFace's with the same option)."""
         _check_generate_args(max_new_tokens, temperature, top_k, top_p)
+        stopping_criteria = _with_stop_strings(stopping_criteria, stop_strings, tokenizer)
         if not isinstance(output_logits, bool):
             raise ValueError(f"generate: argument 'output_logits' expected True or False, got {output_logits!r}")
         eos_token_id = eos_ids(self.target.model, eos_token_id)

@@ -42,6 +42,21 @@ def _int_pair(text):
     return a, b
 
 
+def _stop_string(text):
+    """--stop's TEXT with \\n, \\t and \\\\ read as a newline, a tab and a backslash (an argparse type)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a non-empty text, got ''")
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in "nt\\":
+            out.append({"n": "\n", "t": "\t", "\\": "\\"}[text[i + 1]])
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
 def build_parser():
     """The ``heterospec`` command line (argparse only: the checks that need no model run in :func:`main`)."""
     parser = _Parser(prog="heterospec", description=__doc__.splitlines()[0])
@@ -101,6 +116,9 @@ def build_parser():
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--no-chat-template", action="store_true")
     g.add_argument("--no-eos", dest="eos", action="store_false", help="do not stop at the tokenizer's EOS")
+    g.add_argument("--stop", action="append", type=_stop_string, default=None, metavar="TEXT",
+                   help="end once the answer's text ends with TEXT (repeatable; \\n and \\t read as a newline and "
+                        "a tab), the text kept, as HuggingFace's stop_strings")
     g.add_argument("--policy", default=None,
                    help="--method heterospec's policy: a profile JSON (heterospec calibrate --out), or 'paper' for "
                         "the paper's rule on --thresholds (or on the shipped bins with the shipped head); default: "

@@ -258,6 +258,32 @@ def test_stopping_criteria_inside_a_path():
     assert seq[0].tolist() == ref[:stop_len]
 
 
+def test_stop_strings_end_each_request_where_hf_generate_ends_it():
+    """``stop_strings`` with the ``tokenizer``, HuggingFace's option: the output equals HF's generate with the same
+    strings (the tokens that made one kept), each ending inside a verified path of the oracle draft, alone and in
+    a batch where every row stops at its own place."""
+    from _pairs import word_tokenizer
+
+    tok = word_tokenizer(last="abcdef")
+    model = tiny_target("llama")
+    ps = prompts(3)
+    stops = []
+    for p, at in zip(ps, (6, 9, 13)):    # the text of two new tokens, e.g. " w12 w40"
+        new = reference_greedy(model, p, 30)[0, p.shape[1]:].tolist()
+        stops.append(" " + tok.decode(new[at - 1:at + 1]))
+    refs = [model.generate(p, attention_mask=torch.ones_like(p), do_sample=False, max_new_tokens=30, pad_token_id=0,
+                           eos_token_id=None, stop_strings=stops, tokenizer=tok)[0].cpu() for p in ps]
+    assert all(r.shape[0] < p.shape[1] + 30 for r, p in zip(refs, ps))      # every one stopped early
+    assert len({r.shape[0] - p.shape[1] for r, p in zip(refs, ps)}) > 1     # at different places
+    hs = HeteroSpec(model, OracleDraft(model), Policy.static(7, 3, 20), cuda_graphs=False)
+    for p, ref in zip(ps, refs):
+        seq, stats = hs.generate(p, max_new_tokens=30, eos_token_id=[], stop_strings=stops, tokenizer=tok)
+        assert seq[0].tolist() == ref.tolist()
+        assert stats.cycles < stats.new_tokens        # paths of several tokens: the stop fell inside one
+    out, _ = hs.generate([p[0] for p in ps], max_new_tokens=30, eos_token_id=[], stop_strings=stops, tokenizer=tok)
+    assert [o.tolist() for o in out] == [r.tolist() for r in refs]
+
+
 # ---- bad input --------------------------------------------------------------------------------------------
 
 
@@ -270,6 +296,9 @@ def test_stopping_criteria_inside_a_path():
     (dict(max_new_tokens=5, top_k=-1), "top_k"),
     (dict(max_new_tokens=600), "max_position_embeddings"),
     (dict(max_new_tokens=5, logits_processor=[None]), "argument 'logits_processor' expected callables"),
+    (dict(max_new_tokens=5, stop_strings=["</s>"]), "argument 'tokenizer' expected the target's tokenizer"),
+    (dict(max_new_tokens=5, stop_strings=[""]), "argument 'stop_strings' expected a non-empty string"),
+    (dict(max_new_tokens=5, stop_strings=3), "argument 'stop_strings' expected a non-empty string"),
 ])
 def test_bad_generate_arguments(kwargs, match):
     model = tiny_target("llama")
@@ -336,6 +365,30 @@ def test_custom_generate_in_hf_generate_is_lossless():
         assert out.tolist() == ref.tolist()
     # hooks are removed after each call: none left on the model
     assert all(not layer._forward_pre_hooks for layer in model.model.layers)
+
+
+def test_custom_generate_stops_at_stop_strings_through_stopping_criteria():
+    """HuggingFace's generate keeps the tokenizer from a custom_generate callable, so its stop_strings cannot
+    reach the engine: StopStringCriteria given as stopping_criteria gives HF's own stop_strings output, and
+    stop_strings given anyway is one line naming the way that works (not HF's "pass the tokenizer", which the
+    user did)."""
+    import heterospec
+    from _pairs import word_tokenizer
+
+    tok = word_tokenizer(last="abcdef")
+    model = tiny_target("llama")
+    p = prompts(1)[0]
+    new = reference_greedy(model, p, 30)[0, p.shape[1]:].tolist()
+    stop = " " + tok.decode(new[10:12])
+    kw = dict(attention_mask=torch.ones_like(p), do_sample=False, max_new_tokens=30, pad_token_id=0, eos_token_id=None)
+    ref = model.generate(p, stop_strings=[stop], tokenizer=tok, **kw)
+    assert ref.shape[1] < p.shape[1] + 30
+    criteria = transformers.StoppingCriteriaList([transformers.StopStringCriteria(tok, [stop])])
+    out = model.generate(p, custom_generate=heterospec.custom_generate, draft=OracleDraft(model),
+                         policy=Policy.static(5, 3, 12), stopping_criteria=criteria, **kw)
+    assert out.tolist() == ref.tolist()
+    with pytest.raises(ValueError, match=r"argument 'stop_strings' expected the tokenizer.*StopStringCriteria"):
+        model.generate(p, custom_generate=heterospec.custom_generate, stop_strings=[stop], tokenizer=tok, **kw)
 
 
 def test_custom_generate_refuses_processors_it_cannot_apply():

@@ -71,6 +71,29 @@ def test_generate_command_with_prompt_lookup_is_lossless(tmp_path, method):
     assert int(verified) > int(calls)
 
 
+def test_generate_command_stops_at_a_stop_string_as_hf_generate_does(tmp_path):
+    """--stop TEXT (repeatable): the answer is HuggingFace's greedy generate with the same stop_strings, the text
+    that made it stop kept, and shorter than --max-new-tokens; \\n in TEXT reads as a newline."""
+    from heterospec.tools.cli import _stop_string
+
+    assert _stop_string("a\\nb\\t\\\\n") == "a\nb\t\\n"
+    model, tok = save_tiny_pair(tmp_path, last="abcdef")
+    prompt = "w5 w17 w3 w40 w22"
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    new = reference_greedy(model, ids, 24)[0, ids.shape[1]:].tolist()
+    stop = " " + tok.decode(new[7:9])
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24, pad_token_id=0,
+                         eos_token_id=None, stop_strings=[stop, "w999"], tokenizer=tok)[0, ids.shape[1]:]
+    assert 0 < ref.shape[0] < 24
+    cmd = [sys.executable, "-m", "heterospec", "generate", "--target", str(tmp_path / "target"), "--draft",
+           str(tmp_path / "draft"), "--prompt", prompt, "--method", "eagle3", "--max-new-tokens", "24", "--no-eos",
+           "--depth", "4", "--top-k-tree", "3", "--total-tokens", "12", "--stop", stop, "--stop", "w999"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert tok.decode(ref).strip() + "\n" in res.stdout
+    assert f"[eagle3] {ref.shape[0]} tokens" in res.stdout
+
+
 def test_generate_command_needs_a_policy_for_heterospec_with_another_draft(tmp_path):
     save_tiny_pair(tmp_path)
     res = subprocess.run([sys.executable, "-m", "heterospec", "generate", "--target", str(tmp_path / "target"),
@@ -230,6 +253,7 @@ def _parsed(argv):
     (["--lookup-ngram", "3,2"], "--lookup-ngram"),
     (["--lookup-ngram", "0,2"], "--lookup-ngram"),
     (["--lookup-ngram", "2"], "--lookup-ngram"),
+    (["--stop", ""], "--stop"),
     (["--depth", "-1"], "--depth"),
     (["--total-tokens", "1"], "--total-tokens"),
     (["--thresholds", "2,1"], "--thresholds"),
