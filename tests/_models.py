@@ -82,7 +82,7 @@ def eagle3_head(model, tmp_dir, vd=60, seed=0):
     return Eagle3Draft.from_pretrained(tmp_dir, target=model)
 
 
-def _warp(logits, temperature, top_k, top_p):
+def _warp(logits, temperature, top_k, top_p, min_p=None):
     z = logits.double() / temperature
     if 0 < top_k < z.numel():
         z[z < torch.topk(z, top_k).values[-1]] = -float("inf")
@@ -91,5 +91,8 @@ def _warp(logits, temperature, top_k, top_p):
         order = torch.argsort(z, descending=True, stable=True)
         before = torch.cumsum(p[order], 0) - p[order]
         p[order[before >= top_p]] = 0
+        p = p / p.sum()
+    if min_p:   # after top-p, as HuggingFace orders its warpers: below min_p times the likeliest left
+        p[p < min_p * p.max()] = 0
         p = p / p.sum()
     return p

@@ -35,7 +35,7 @@ from collections import OrderedDict
 import torch
 
 from .. import ops
-from . import lookup, requests, sync
+from . import lookup, processors, requests, sync
 from .graphs import WORKSPACE_BYTES, StepGraphs, no_collection_while_recording, warm_up
 from .tree import NoDraft, bucket_for, tree_size, verification_tree
 
@@ -166,8 +166,9 @@ class Cycle:
         if process is not None:
             logits = process(tokens, parents, n_real, logits)
         # 7: acceptance
-        sample, temperature, top_k, top_p = settings
+        sample, temperature, top_k, top_p, min_p = settings
         if sample:
+            logits, top_k, top_p = processors.with_min_p(logits, temperature, top_k, top_p, min_p)
             path, length, nxt, _ = ops.verify_sample(tokens, parents, logits, temperature=temperature, top_k=top_k,
                                                      top_p=top_p, seed=st.seed, offset=st.offset, n=n_real,
                                                      check=check, advance_offset=True)

@@ -7,8 +7,9 @@ import torch
 from .loop import HeteroSpec
 
 # warpers the acceptance applies itself (verify_sample: temperature, then top-k, then top-p, as HuggingFace orders
-# them); LogitNormalization (renormalize_logits) is a log-softmax: the same distribution, nothing to do
-_WARPERS = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper"}
+# them; min-p after them, processors.with_min_p, with the warper's own min_p); LogitNormalization
+# (renormalize_logits) is a log-softmax: the same distribution, nothing to do
+_WARPERS = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper"}
 _SAME = {"LogitNormalization"}
 # processors that compute each row from that row's own ids and scores: applied per tree node with its own path
 # (heterospec.engine.processors), losslessly.  Any other (a row index, a model call, warpers we do not apply) is
@@ -58,13 +59,20 @@ def split_processors(logits_processor, batch):
     return rows
 
 
+def _min_p(logits_processor):
+    """The ``min_p`` of HuggingFace's ``MinPLogitsWarper`` in the list (the generation config's, or one passed in),
+    None without one."""
+    found = [p for p in logits_processor or [] if type(p).__name__ == "MinPLogitsWarper"]
+    return float(found[-1].min_p) if found else None
+
+
 def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
                     draft=None, policy=None, seed=None, streamer=None, cuda_graphs=False, cpu_decoder="auto",
                     disable_by_batch_size=None, stop_strings=None, tokenizer=None, **model_kwargs):
     """``model.generate(input_ids, custom_generate=heterospec.custom_generate, draft=..., policy=...)``.
 
     Needs a transformers release whose ``generate`` accepts a callable ``custom_generate`` (5.x; tested
-    with 5.23).  Honours max_new_tokens / max_length, do_sample, temperature, top_k, top_p and the eos ids
+    with 5.23).  Honours max_new_tokens / max_length, do_sample, temperature, top_k, top_p, min_p and the eos ids
     of the generation config, and the per-position processors it builds (repetition penalty, no repeated
     n-grams, bad words, sequence bias, minimum lengths, suppressed or forced tokens, length decay: each tree node
     processed with its own path, so the output is still the processed target's own; the call then runs the eager
@@ -128,6 +136,7 @@ def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=N
             input_ids, attention_mask=mask, pad_token_id=int(pad), max_new_tokens=max_new,
             temperature=float(gc.temperature if gc.temperature is not None else 1.0) if sample else 0.0,
             top_k=int(gc.top_k or 0) if sample else 0, top_p=float(gc.top_p if gc.top_p is not None else 1.0) if sample else 1.0,
+            min_p=_min_p(logits_processor) if sample else None,
             eos_token_id=eos, stopping_criteria=criteria, streamer=streamer, seed=seed, logits_processor=procs,
             prompt_lookup_num_tokens=getattr(gc, "prompt_lookup_num_tokens", None),
             max_matching_ngram_size=getattr(gc, "max_matching_ngram_size", None), output_logits=want_logits,

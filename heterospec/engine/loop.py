@@ -83,7 +83,7 @@ def _exclusive(method):
     return call
 
 
-def _check_generate_args(max_new_tokens, temperature, top_k, top_p):
+def _check_generate_args(max_new_tokens, temperature, top_k, top_p, min_p):
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"generate: argument 'max_new_tokens' expected an int >= 1, got {max_new_tokens!r}")
     if not ops.is_decoding_temperature(temperature):
@@ -93,6 +93,9 @@ def _check_generate_args(max_new_tokens, temperature, top_k, top_p):
         raise ValueError(f"generate: argument 'top_k' expected an int >= 0, got {top_k!r}")
     if not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
         raise ValueError(f"generate: argument 'top_p' expected a value in (0, 1], got {top_p!r}")
+    if min_p is not None and not (isinstance(min_p, (int, float)) and not isinstance(min_p, bool)
+                                  and 0.0 <= min_p <= 1.0):
+        raise ValueError(f"generate: argument 'min_p' expected None or a value in [0, 1], got {min_p!r}")
 
 
 def _with_stop_strings(criteria, stop_strings, tokenizer):
@@ -427,12 +430,16 @@ class HeteroSpec:
 
     @_exclusive
     @torch.no_grad()
-    def generate(self, input_ids, *, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, eos_token_id=None,
+    def generate(self, input_ids, *, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, min_p=None, eos_token_id=None,
                  stopping_criteria=None, streamer=None, seed=None, attention_mask=None, pad_token_id=None,
                  finished_rows="drop", logits_processor=None, prompt_lookup_num_tokens=None,
                  max_matching_ngram_size=None, min_matching_ngram_size=None, output_logits=False, stop_strings=None,
                  tokenizer=None):
-        """Returns (sequences [1, S + new] int64 on the CPU, GenerationStats).  Greedy when temperature == 0.
+        """Returns (sequences [1, S + new] int64 on the CPU, GenerationStats).  Greedy when temperature == 0;
+        sampled otherwise, from the target's distribution warped as HuggingFace's ``generate`` warps it: the
+        temperature, ``top_k``, ``top_p``, then ``min_p`` (HuggingFace's ``MinPLogitsWarper``: tokens below ``min_p``
+        times the likeliest one's probability go; None or 0: off; applied on the device, recorded steps included:
+        :func:`.processors.with_min_p`).
         A request ends at ``max_new_tokens`` or at an ``eos_token_id`` (an id or ids; None, the default: the
         target's ``generation_config.eos_token_id``, as HuggingFace's ``generate`` takes it; [] for none).
 
@@ -481,7 +488,7 @@ class HeteroSpec:
         request ends once its text ends with one of them, the tokens that made it kept (HuggingFace's
         ``stop_strings`` and its ``StopStringCriteria``, asked per request after every new token like any
         stopping criterion, so the output is HuggingFace's with the same option)."""
-        _check_generate_args(max_new_tokens, temperature, top_k, top_p)
+        _check_generate_args(max_new_tokens, temperature, top_k, top_p, min_p)
         stopping_criteria = _with_stop_strings(stopping_criteria, stop_strings, tokenizer)
         if not isinstance(output_logits, bool):
             raise ValueError(f"generate: argument 'output_logits' expected True or False, got {output_logits!r}")
@@ -537,7 +544,7 @@ class HeteroSpec:
             input_ids, attention_mask = input_ids[:, S - lengths[0]:], None
         with self._gemm:
             new, stats = self._decode(input_ids, attention_mask, lengths, max_new_tokens, temperature, top_k, top_p,
-                                      eos, seed, finished_rows, stopping_criteria, streamer, procs, contexts,
+                                      min_p, eos, seed, finished_rows, stopping_criteria, streamer, procs, contexts,
                                       lookup_n, output_logits)
         with sync.outside_cycle():                      # the results, on the host
             ids = input_ids.cpu()
@@ -622,7 +629,7 @@ class HeteroSpec:
             need = -(-need // 256) * 256      # fewer distinct capacities: each one is recorded anew
         return need
 
-    def _decode(self, input_ids, attention_mask, lengths, max_new_tokens, temperature, top_k, top_p, eos, seed,
+    def _decode(self, input_ids, attention_mask, lengths, max_new_tokens, temperature, top_k, top_p, min_p, eos, seed,
                 finished, stopping_criteria, streamer, procs=(), contexts=None, lookup_n=(0, 2, 1), keep_logits=False):
         """The host loop for ``B`` requests (``lengths``: :func:`.requests.check_mask`'s) -> (per-row lists of new
         tokens, GenerationStats: the request's own for one, the batch's with ``per_row`` for more).
@@ -636,7 +643,8 @@ class HeteroSpec:
         B, S = input_ids.shape
         dev = self.device
         sample = temperature > 0
-        settings = (True, float(temperature), int(top_k), float(top_p)) if sample else (False, 0.0, 0, 1.0)
+        settings = ((True, float(temperature), int(top_k), float(top_p), float(min_p or 0.0)) if sample
+                    else (False, 0.0, 0, 1.0, 0.0))
         L = lookup_n[0]
         # processors run on the host between forward and acceptance
         graphs = bool(self.cuda_graphs) and not procs
@@ -675,9 +683,9 @@ class HeteroSpec:
                 st.offset.zero_()
                 if sample:
                     zeros = torch.zeros((B, 1), dtype=torch.long, device=dev)
-                    _, _, root, draws = ops.verify_sample(zeros, zeros - 1, last_logits.view(B, 1, -1),
-                                                          temperature=temperature, top_k=top_k, top_p=top_p,
-                                                          seed=st.seed, offset=st.offset)
+                    warped, k, p = processors.with_min_p(last_logits.view(B, 1, -1), *settings[1:])
+                    _, _, root, draws = ops.verify_sample(zeros, zeros - 1, warped, temperature=temperature, top_k=k,
+                                                          top_p=p, seed=st.seed, offset=st.offset)
                     st.offset.copy_(draws)                # the cycles' uniforms follow the prefill's, per row
                 else:
                     root = torch.argmax(last_logits, dim=-1)

@@ -152,6 +152,7 @@ def resolve_generate(args):
           f"0 (greedy) or a finite value >= {MIN_TEMPERATURE:g}", args.temperature)
     _need(args.top_k >= 0, "--top-k", "an int >= 0 (0: off)", args.top_k)
     _need(0 < args.top_p <= 1, "--top-p", "a value in (0, 1]", args.top_p)
+    _need(0 <= getattr(args, "min_p", 0.0) <= 1, "--min-p", "a value in [0, 1]", getattr(args, "min_p", 0.0))
     _need(math.isfinite(args.repetition_penalty) and args.repetition_penalty > 0, "--repetition-penalty",
           "a finite value > 0 (1: off)", args.repetition_penalty)
     _need(args.no_repeat_ngram_size >= 0, "--no-repeat-ngram-size", "an int >= 0 (0: off)", args.no_repeat_ngram_size)

@@ -97,6 +97,8 @@ def build_parser():
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0, help="sampling top-k (0: off)")
     g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="sampling min-p: drop tokens below this share of the likeliest one's probability (0: off)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="HuggingFace's repetition penalty (1: off), applied losslessly to every tree node")

@@ -56,7 +56,8 @@ def generate_cmd(args, out=None):
                     prompt_lookup_num_tokens=getattr(args, "prompt_lookup", 0),
                     max_matching_ngram_size=hi, min_matching_ngram_size=lo) as hs:
         seq, stats = hs.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                 top_k=args.top_k, top_p=args.top_p, eos_token_id=eos, streamer=streamer,
+                                 top_k=args.top_k, top_p=args.top_p, min_p=getattr(args, "min_p", 0.0),
+                                 eos_token_id=eos, streamer=streamer,
                                  seed=args.seed, logits_processor=procs, stop_strings=getattr(args, "stop", None),
                                  tokenizer=tokenizer)
     print(f"\n[{args.method}] {stats.summary()}", file=out)

@@ -133,21 +133,25 @@ CHI2_CASES.append(("noisy", SETTINGS[1], 50, 3.0, 0))
 # prompt lookup: t2 proposed by a chain of 3 from the prompt wherever t1 occurred in it (a prompt holding 9 of the
 # 12 ids), grafted onto the noisy draft's tree, and as the whole tree without a draft
 CHI2_CASES += [("noisy", SETTINGS[2], 50, 0, 3), ("none", SETTINGS[0], 50, 0, 3)]
+# min-p after top-p (HuggingFace's order), applied to the target's logits on the device before the acceptance
+MIN_P = (1.2, 0, 0.9, 0.3)
+CHI2_CASES.append(("noisy", MIN_P, 50, 0, 0))
 if DEVICE.type == "cpu":
     CHI2_CASES.append(("noisy", SETTINGS[0], 1, 0, 0))
 
 
 @pytest.mark.parametrize("draft_kind, setting, rows, penalty, lookup", [
-    pytest.param(d, s, r, pen, lk, id=f"{d}-setting{SETTINGS.index(s)}-rows{r}" + (f"-penalty{pen:g}" if pen else "")
-                 + (f"-lookup{lk}" if lk else ""))
+    pytest.param(d, s, r, pen, lk, id=f"{d}-" + (f"setting{SETTINGS.index(s)}" if s in SETTINGS else "minp")
+                 + f"-rows{r}" + (f"-penalty{pen:g}" if pen else "") + (f"-lookup{lk}" if lk else ""))
     for d, s, r, pen, lk in CHI2_CASES])
 def test_sampling_matches_the_target_distribution(setting, rows, draft_kind, penalty, lookup):
     """Two sampled tokens, 2,000 seeds: the joint distribution of (t1, t2) matches the exact target
     distribution p(t1) p(t2 | t1) by chi-square (cells with expected count < 5 merged); with a ``penalty``,
     HuggingFace's RepetitionPenaltyLogitsProcessor applied to each position's logits with that position's own
     tokens before the warpers, as its ``generate`` applies it; with ``lookup``, prompt-lookup chains of that length
-    in the trees."""
-    temperature, top_k, top_p = setting
+    in the trees; a fourth number in ``setting`` is min-p."""
+    temperature, top_k, top_p, *more = setting
+    min_p = more[0] if more else None
     vocab = 12
     model = tiny_target("llama", vocab=vocab, layers=4, seed=5)
     prompt = torch.tensor([[3, 7, 1, 5, 3, 9, 2, 0, 4, 7, 8, 1] if lookup else [3, 7, 1]], device=DEVICE)
@@ -160,7 +164,7 @@ def test_sampling_matches_the_target_distribution(setting, rows, draft_kind, pen
         z = model(ids).logits[0, -1].float()
         for proc in procs:
             z = proc(ids, z.view(1, -1))[0]
-        return _warp(z, temperature, top_k, top_p)
+        return _warp(z, temperature, top_k, top_p, min_p)
 
     with torch.no_grad():
         p1 = target(prompt)
@@ -168,7 +172,8 @@ def test_sampling_matches_the_target_distribution(setting, rows, draft_kind, pen
                              for a in range(vocab)]).cpu().numpy().ravel()
     counts = np.zeros(vocab * vocab)
     n = 2000
-    kw = dict(max_new_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p, logits_processor=procs or None,
+    kw = dict(max_new_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+              logits_processor=procs or None,
               prompt_lookup_num_tokens=lookup or None, max_matching_ngram_size=1)
     for call in range(n // rows):
         if rows == 1:

@@ -81,11 +81,15 @@ def test_recorded_steps_equal_the_eager_engine_greedy(setup, name, buckets):
         assert min(taus) > 2.0, taus      # multi-token commits really happened
 
 
+@pytest.mark.parametrize("warp", ["top-k-p", "min-p"])
 @pytest.mark.parametrize("name", ["ar", "eagle3-script", "heterospec-head"])
-def test_recorded_steps_equal_the_eager_engine_sampling(setup, name):
+def test_recorded_steps_equal_the_eager_engine_sampling(setup, name, warp):
+    """Draw for draw, with HuggingFace's top-k and top-p (the acceptance's own) or with min-p after top-p (the
+    warpers on the device before it, recorded inside the step)."""
     model, ps, refs, head = setup
     draft, policy = _method(name, model, head)
-    kw = dict(temperature=0.9, top_k=20, top_p=0.95)
+    kw = dict(temperature=0.9, top_k=20, top_p=0.95) if warp == "top-k-p" else dict(temperature=1.3, top_p=0.95,
+                                                                                     min_p=0.15)
     runs = {}
     for mode in (False, MODE):
         with HeteroSpec(model, draft, policy, cuda_graphs=mode) as hs:

@@ -254,6 +254,8 @@ def _parsed(argv):
     (["--lookup-ngram", "0,2"], "--lookup-ngram"),
     (["--lookup-ngram", "2"], "--lookup-ngram"),
     (["--stop", ""], "--stop"),
+    (["--min-p", "1.5"], "--min-p"),
+    (["--min-p", "nan"], "--min-p"),
     (["--depth", "-1"], "--depth"),
     (["--total-tokens", "1"], "--total-tokens"),
     (["--thresholds", "2,1"], "--thresholds"),
