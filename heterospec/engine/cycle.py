@@ -29,6 +29,7 @@ finished rows are masked (they verify their root alone and commit nothing).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import OrderedDict
 
@@ -56,16 +57,19 @@ class CycleState:
     rows: torch.Tensor     # [3, B] int64: the host's plan per row -- kept nodes (root excluded), candidate
     #                        count, finished -- written before each cycle's tree is made
     chain: torch.Tensor    # [B, 1 + lookup.MAX_TOKENS] int64: each row's prompt-lookup chain, [length, tokens...]
+    seen: torch.Tensor     # [B, V + 1] bool: the ids a repetition penalty counts in each row's context (the last
+    #                        column a sink for ids it does not count: processors.penalise)
 
     @classmethod
-    def on(cls, device, batch):
+    def on(cls, device, batch, vocab):
         z = lambda *shape: torch.zeros(shape, dtype=torch.long, device=device)   # noqa: E731
-        return cls(z(batch), z(batch), z(batch), z(batch), z(3, batch), z(batch, 1 + lookup.MAX_TOKENS))
+        return cls(z(batch), z(batch), z(batch), z(batch), z(3, batch), z(batch, 1 + lookup.MAX_TOKENS),
+                   torch.zeros((batch, vocab + 1), dtype=torch.bool, device=device))
 
     def keep(self, idx):
         """The state of the rows ``idx`` alone (the eager engine drops finished rows)."""
         return CycleState(self.root[idx], self.seed[idx], self.offset[idx], self.bad[idx],
-                          self.rows.index_select(1, idx), self.chain[idx])
+                          self.rows.index_select(1, idx), self.chain[idx], self.seen[idx])
 
 
 class Cycle:
@@ -84,7 +88,9 @@ class Cycle:
         self.binned = self.drafting and policy.binned
         self.emulate = emulate
         self.owns_target = owns_target
-        self.state = CycleState.on(device, target.batch)
+        head = target.model.get_output_embeddings()    # the logits' width: the ids a penalty can touch
+        vocab = head.weight.shape[0] if head is not None else target.model.config.vocab_size
+        self.state = CycleState.on(device, target.batch, vocab)
         self._recorded = OrderedDict()    # sampling settings -> StepGraphs, least recently used first
         self._capacity = None
 
@@ -127,10 +133,12 @@ class Cycle:
 
     # ---- the steps (fixed shapes per key: run eagerly, or recorded once and replayed) -------------------
 
-    def base(self, clock=None, draft_process=None):
+    def base(self, clock=None, draft_process=None, settings=None):
         """Steps 1-4 of a binned policy: the root expansion and the base depth -> (Growth, path entropy [B]);
-        ``draft_process``: the draft's logits processors (:meth:`.tree.DraftState.grow`'s ``process``)."""
-        g = self.drafter.grow(None, self.policy.depth, self.target.prefix, draft_process)
+        ``draft_process``: the draft's logits processors (:meth:`.tree.DraftState.grow`'s ``process``), else
+        the settings' repetition penalty on the device (:meth:`_draft_penalty`)."""
+        g = self.drafter.grow(None, self.policy.depth, self.target.prefix,
+                              draft_process or self._draft_penalty(settings))
         if clock is not None:
             clock.lap("draft_s")
         return g, g.path_entropy()
@@ -153,7 +161,8 @@ class Cycle:
         check = self.device.type != "cuda"
         n, m, masked = st.rows[0], st.rows[1], st.rows[2] != 0
         # 5: the rest of the trees, the verification trees
-        g = dr.grow(g, extra if g is not None else self.policy.depth + extra, tgt.prefix, draft_process)
+        g = dr.grow(g, extra if g is not None else self.policy.depth + extra, tgt.prefix,
+                    draft_process or self._draft_penalty(settings))
         tokens, parents, depths, tmask, n_real = verification_tree(g, n, m, st.root, T, check)
         if chain:
             tokens, parents, depths, tmask, n_real = lookup.graft(tokens, parents, depths, tmask, n_real,
@@ -163,10 +172,12 @@ class Cycle:
         logits, vtaps = tgt.verify(tokens, depths, tmask, window, bad=st.bad, real=n_real)
         lap("verify_s")
         raw = logits
+        sample, temperature, top_k, top_p, min_p, penalty = settings
+        if penalty != 1.0:
+            logits = processors.penalise(logits, tokens, tmask, st.seen, penalty)
         if process is not None:
             logits = process(tokens, parents, n_real, logits)
         # 7: acceptance
-        sample, temperature, top_k, top_p, min_p = settings
         if sample:
             logits, top_k, top_p = processors.with_min_p(logits, temperature, top_k, top_p, min_p)
             path, length, nxt, _ = ops.verify_sample(tokens, parents, logits, temperature=temperature, top_k=top_k,
@@ -182,6 +193,8 @@ class Cycle:
         kept = path[:, :R].clamp(min=0)
         path_tokens = tokens.gather(1, kept)
         path_logits = raw.gather(1, kept.unsqueeze(-1).expand(-1, -1, raw.shape[-1])).float() if keep_logits else None
+        if penalty != 1.0:                                            # the accepted tokens join each row's context
+            processors.see(st.seen, path_tokens, length)
         lap("ops_s")
         # 8: the draft catches up on the accepted positions (before the prefixes move), then the commit
         dr.follow(vtaps, kept, path_tokens, length, nxt, tgt.prefix)
@@ -195,6 +208,13 @@ class Cycle:
         flags = torch.stack([st.bad, dr.bad], 1)
         out = torch.cat([length.view(B, 1), nxt.view(B, 1), path_tokens, n_real.view(B, 1), flags], 1)
         return (out, path_logits) if keep_logits else out
+
+    def _draft_penalty(self, settings):
+        """The draft's side of the settings' repetition penalty (their last entry; 1.0: none): its distributions
+        penalised on the device with each beam's own path (:func:`.processors.penalise_draft`), else None."""
+        if settings is None or settings[-1] == 1.0:
+            return None
+        return functools.partial(processors.penalise_draft, self.state.seen, self.state.root, settings[-1])
 
     def shapes(self, chain=0):
         """The (extra levels, padded tree size) a cycle of this policy can take: one row's plans; with more rows,
@@ -222,6 +242,7 @@ class Cycle:
         self.state.root.zero_()
         self.state.rows.zero_()
         self.state.chain.zero_()
+        self.state.seen.zero_()
         self.clear_flags()
 
     def capacity_key(self):
@@ -238,10 +259,10 @@ class Cycle:
     def step_key(self, shape):
         return ("finish" if self.binned else "cycle",) + tuple(shape)
 
-    def run_base(self, steps, clock, draft_process=None):
+    def run_base(self, steps, clock, draft_process=None, settings=None):
         """Steps 1-4, eager (``steps`` None) or replayed -> (Growth or None, path entropies on the device)."""
         if steps is None:
-            return self.base(clock, draft_process)
+            return self.base(clock, draft_process, settings)
         _, entropy = steps.replay(("base",))
         clock.lap("graph_s")
         return None, entropy
@@ -285,12 +306,12 @@ class Cycle:
             def run_all():
                 for a, b in shapes:
                     self.reset()
-                    base = self.base() if self.binned else None
+                    base = self.base(settings=settings) if self.binned else None
                     self.finish(base[0] if base else None, a, b, settings, chain=chain, keep_logits=keep_logits)
 
             warm_up(dev, [run_all, run_all], steps.stream)
             self.reset()
-            base = steps.capture(("base",), self.base) if self.binned else None
+            base = steps.capture(("base",), lambda: self.base(settings=settings)) if self.binned else None
             for a, b in shapes:
                 self.reset()
                 steps.capture(self.step_key((a, b)),

@@ -76,7 +76,8 @@ def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=N
     of the generation config, and the per-position processors it builds (repetition penalty, no repeated
     n-grams, bad words, sequence bias, minimum lengths, suppressed or forced tokens, length decay: each tree node
     processed with its own path, so the output is still the processed target's own; the call then runs the eager
-    cycle); refuses any other processor with a ValueError.  ``prompt_lookup_num_tokens`` and
+    cycle, except for a repetition penalty alone, which runs on the device); refuses any other processor with a
+    ValueError.  ``prompt_lookup_num_tokens`` and
     ``max_matching_ngram_size`` run prompt lookup inside our cycle (a chain grafted onto the draft's tree, or the
     whole tree without a draft; :meth:`HeteroSpec.generate`), batches included.  A batch of prompts comes left-padded
     with its ``attention_mask``, as HuggingFace pads prompts for generation: every row decodes on its own,

@@ -468,7 +468,8 @@ class HeteroSpec:
         decoding stays lossless for the processed distribution (the draft's distributions are processed too, which
         only helps it guess); a processor must compute each row from that row's own ids and scores.  Such a call
         runs the eager cycle (no recorded steps) and processes on the host every cycle
-        (:mod:`heterospec.engine.processors`).
+        (:mod:`heterospec.engine.processors`) -- except a ``RepetitionPenaltyLogitsProcessor`` alone, which runs on
+        the device, recorded steps included (the draft's distributions then unpenalised).
 
         ``prompt_lookup_num_tokens``: HuggingFace's prompt lookup inside the cycle -- each cycle, the longest suffix
         of at most ``max_matching_ngram_size`` tokens (default 2) and at least ``min_matching_ngram_size`` (default
@@ -526,11 +527,16 @@ class HeteroSpec:
             raise ValueError(f"generate: argument 'streamer' expected a single prompt, got a batch of {B}")
         S = input_ids.shape[1]
         procs, contexts = processors.check(logits_processor, B), None
+        penalty = processors.on_device(procs)       # a repetition penalty alone: on the device, recordable
+        if penalty is not None:
+            procs = []
         lookup_n = lookup.check(prompt_lookup_num_tokens, max_matching_ngram_size, min_matching_ngram_size,
                                 self.lookup)
-        if procs:   # what each request's processors see before its first new token
+        if procs or penalty:   # what each request's processors see before its first new token
             with sync.outside_cycle():
                 contexts = ([[int(t) for t in p] for p in raw_prompts] if as_list else input_ids.tolist())
+            if penalty is not None and any(n >= len(c) for n, c in zip(penalty[1], contexts)):
+                penalty, procs = None, processors.check(logits_processor, B)   # a skip past the prompt: the host's
         if max(lengths) < 1:
             raise ValueError("generate: argument 'input_ids' expected at least one token, got 0")
         maxpos = self.target.max_positions
@@ -545,7 +551,7 @@ class HeteroSpec:
         with self._gemm:
             new, stats = self._decode(input_ids, attention_mask, lengths, max_new_tokens, temperature, top_k, top_p,
                                       min_p, eos, seed, finished_rows, stopping_criteria, streamer, procs, contexts,
-                                      lookup_n, output_logits)
+                                      lookup_n, output_logits, penalty)
         with sync.outside_cycle():                      # the results, on the host
             ids = input_ids.cpu()
             S = ids.shape[1]
@@ -630,7 +636,8 @@ class HeteroSpec:
         return need
 
     def _decode(self, input_ids, attention_mask, lengths, max_new_tokens, temperature, top_k, top_p, min_p, eos, seed,
-                finished, stopping_criteria, streamer, procs=(), contexts=None, lookup_n=(0, 2, 1), keep_logits=False):
+                finished, stopping_criteria, streamer, procs=(), contexts=None, lookup_n=(0, 2, 1), keep_logits=False,
+                penalty=None):
         """The host loop for ``B`` requests (``lengths``: :func:`.requests.check_mask`'s) -> (per-row lists of new
         tokens, GenerationStats: the request's own for one, the batch's with ``per_row`` for more).
         ``finished``: "drop" (a finished row leaves the caches at the end of its cycle) or "mask" (it stays, with
@@ -639,12 +646,14 @@ class HeteroSpec:
         asked after every new token of a request, with its prompt and new tokens.  ``procs``: logits processors
         (:mod:`.processors`), with each request's ``contexts`` (host lists) before its first new token.
         ``lookup_n``: (chain length, longest n-gram, shortest) of prompt lookup (:mod:`.lookup`; length 0: none).
-        ``keep_logits``: each row's raw logits per new token into its stats' ``logits``."""
+        ``keep_logits``: each row's raw logits per new token into its stats' ``logits``.  ``penalty``:
+        :func:`.processors.on_device`'s (penalty, skips) -- a repetition penalty on the device, from ``contexts``."""
         B, S = input_ids.shape
         dev = self.device
         sample = temperature > 0
-        settings = ((True, float(temperature), int(top_k), float(top_p), float(min_p or 0.0)) if sample
-                    else (False, 0.0, 0, 1.0, 0.0))
+        pen = penalty[0] if penalty is not None else 1.0
+        settings = ((True, float(temperature), int(top_k), float(top_p), float(min_p or 0.0), pen) if sample
+                    else (False, 0.0, 0, 1.0, 0.0, pen))
         L = lookup_n[0]
         # processors run on the host between forward and acceptance
         graphs = bool(self.cuda_graphs) and not procs
@@ -679,11 +688,16 @@ class HeteroSpec:
                     lone = torch.zeros((B, 1), dtype=torch.long, device=dev)   # a tree of its root alone
                     last_logits = processors.apply(procs, contexts, lone, lone - 1, lone[:, 0] + 1,
                                                    last_logits.view(B, 1, -1)).view(B, -1)
+                elif penalty is not None:                                      # the prompt's ids alone
+                    processors.seen_from(contexts, penalty[1], st.seen)
+                    none = torch.zeros((B, 1, 1), dtype=torch.bool, device=dev)
+                    last_logits = processors.penalise(last_logits.view(B, 1, -1), none.long().view(B, 1), none,
+                                                      st.seen, pen).view(B, -1)
                 st.seed.copy_(torch.tensor(seeds, dtype=torch.long, device="cpu"))
                 st.offset.zero_()
                 if sample:
                     zeros = torch.zeros((B, 1), dtype=torch.long, device=dev)
-                    warped, k, p = processors.with_min_p(last_logits.view(B, 1, -1), *settings[1:])
+                    warped, k, p = processors.with_min_p(last_logits.view(B, 1, -1), *settings[1:5])
                     _, _, root, draws = ops.verify_sample(zeros, zeros - 1, warped, temperature=temperature, top_k=k,
                                                           top_p=p, seed=st.seed, offset=st.offset)
                     st.offset.copy_(draws)                # the cycles' uniforms follow the prefill's, per row
@@ -744,7 +758,7 @@ class HeteroSpec:
                     draft_process = functools.partial(processors.apply_draft, rows_procs, ctx, vocab)
                 try:
                     if cyc.binned:
-                        g, entropy = cyc.run_base(steps, clock, draft_process)
+                        g, entropy = cyc.run_base(steps, clock, draft_process, settings)
                         with sync.point("bin", total):
                             ent = entropy.tolist()
                         plans = [pol.plan(e) if not done[a] else (None, 0, 1) for e, a in zip(ent, alive)]

@@ -17,6 +17,12 @@ one batch, so a processor must compute each row from that row's own tokens and s
 on the host between the target's forward and the acceptance, and before each of the draft's expansions (the
 declared sync point "processors"), so a call with processors runs the eager cycle, never recorded steps.
 
+A repetition penalty alone (HuggingFace's ``RepetitionPenaltyLogitsProcessor``, the one a generation config's
+``repetition_penalty`` gives, and the most common processor there) runs on the device instead (:func:`on_device`,
+:func:`penalise`, :func:`see`): each row's context as a set of ids in ``CycleState.seen``, each node's path from the
+tree's ancestor mask, fixed shapes and no host read, so such calls keep their recorded steps; the draft's
+distributions are penalised the same way (:func:`penalise_draft`, each beam's path from the growth's parents).
+
 :func:`with_min_p` is the one warper the acceptance does not apply itself (``ops.verify_sample`` applies the
 temperature, top-k and top-p): it runs on the device with fixed shapes, so calls with it keep their recorded steps.
 """
@@ -151,3 +157,81 @@ def with_min_p(logits, temperature, top_k, top_p, min_p):
     probs = z.masked_fill(remove, -float("inf")).softmax(-1)
     remove |= probs < min_p * probs.amax(-1, keepdim=True)
     return logits.masked_fill(remove, -float("inf")), 0, 1.0
+
+
+_PENALTY = "RepetitionPenaltyLogitsProcessor"
+
+
+def on_device(rows):
+    """:func:`check`'s rows -> (penalty, ids each row's penalty skips at its start) when every row's processors are
+    one HuggingFace ``RepetitionPenaltyLogitsProcessor`` of one penalty (its ``prompt_ignore_length`` None, an int,
+    or one int per row): the penalty then runs on the device (:func:`penalise`); else None, and the processors run
+    on the host (:func:`apply`)."""
+    if not rows or any(len(r) != 1 or type(r[0]).__name__ != _PENALTY for r in rows):
+        return None
+    penalties = {r[0].penalty for r in rows}
+    if len(penalties) != 1 or not isinstance(next(iter(penalties)), float):
+        return None
+    skips = []
+    for b, (p,) in enumerate(rows):
+        n = p.prompt_ignore_length
+        if isinstance(n, torch.Tensor):
+            if n.dim() != 1 or n.numel() != len(rows):
+                return None
+            n = n[b]
+        skips.append(int(n or 0))
+    return penalties.pop(), skips
+
+
+def seen_from(contexts, skips, seen):
+    """``seen`` [B, V + 1] (``CycleState.seen``) set to each row's ids of ``contexts`` (host lists) past its
+    first ``skips[b]``: one host-to-device copy; ids past the logits' width go to the sink column, as HuggingFace's
+    processor drops them."""
+    V = seen.shape[1] - 1
+    rows = [[min(max(t, 0), V) for t in ctx[n:]] or [V] for ctx, n in zip(contexts, skips)]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [V] * (width - len(r)) for r in rows], dtype=torch.long, device="cpu")
+    seen.zero_()
+    seen.scatter_(1, ids.to(seen.device, non_blocking=True), True)
+
+
+def penalise(logits, tokens, tmask, seen, penalty):
+    """HuggingFace's repetition penalty on every node of a batch of trees: ``logits`` [B, T, V] float32, node i of
+    row b divided by ``penalty`` (multiplied where negative) at the ids of its context -- ``seen[b]`` (the
+    request's, [B, V + 1] bool) and the tokens of the nodes ``tmask`` [B, T, T] (ancestor-or-self; node 0 the root,
+    the context's last token) gives it -> a new [B, T, V] tensor.  Fixed shapes on the device, no host read."""
+    B, T, V = logits.shape
+    hit = seen.unsqueeze(1).expand(B, T, V + 1).clone()
+    hit.scatter_(2, torch.where(tmask, tokens.unsqueeze(1).expand(B, T, T), V), True)
+    return torch.where(hit[..., :V], torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+
+
+def see(seen, path_tokens, length):
+    """The accepted path's first ``length[b]`` tokens ([B, R] / [B]; the root first) join each row's ``seen``."""
+    R = path_tokens.shape[1]
+    take = torch.arange(R, device=path_tokens.device).unsqueeze(0) < length.unsqueeze(1)
+    seen.scatter_(1, torch.where(take, path_tokens, seen.shape[1] - 1), True)
+
+
+def penalise_draft(seen, root, penalty, g, logits, d2t=None):
+    """The draft's logits [B, K, Vd] penalised as :func:`penalise` penalises the target's (a
+    :meth:`.tree.DraftState.grow` ``process``): distribution k of row b -- the root expansion's when ``g`` is None,
+    else the beam ``g.beams[b, k]``'s -- at the ids of ``seen[b]``, the row's ``root`` token ([B]) and the tokens
+    on the beam's path below the root (walked up the growth's parents, one gather a level); draft id j is target
+    id j + d2t[j].  Fixed shapes on the device."""
+    B, K, Vd = logits.shape
+    V = seen.shape[1] - 1
+    hit = seen.unsqueeze(1).expand(B, K, V + 1).clone()
+    hit.scatter_(2, root.view(B, 1, 1).expand(B, K, 1), True)
+    if g is not None:
+        tokens, _, parents = g.candidates()
+        at = g.beams
+        for _ in range(g.level + 1):
+            safe = at.clamp(min=0)
+            hit.scatter_(2, torch.where(at >= 0, tokens.gather(1, safe), V).unsqueeze(-1), True)
+            at = torch.where(at >= 0, parents.gather(1, safe), at)
+    tid = torch.arange(Vd, device=logits.device)
+    if d2t is not None:
+        tid = tid + d2t.to(logits.device)
+    hit = hit.gather(2, tid.view(1, 1, Vd).expand(B, K, Vd))
+    return torch.where(hit, torch.where(logits < 0, logits * penalty, logits / penalty), logits)

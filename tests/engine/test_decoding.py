@@ -398,7 +398,7 @@ def test_custom_generate_stops_at_stop_strings_through_stopping_criteria():
 
 def test_custom_generate_refuses_processors_it_cannot_apply():
     """A processor that is not a function of each row's own tokens (prefix_allowed_tokens_fn gets a batch index),
-    or a warper the acceptance does not apply (min_p), is refused in one line naming it, never ignored."""
+    or a warper the acceptance does not apply (typical_p), is refused in one line naming it, never ignored."""
     import heterospec
 
     model = tiny_target("llama")
@@ -407,8 +407,8 @@ def test_custom_generate_refuses_processors_it_cannot_apply():
               max_new_tokens=5, pad_token_id=0)
     with pytest.raises(ValueError, match=r"argument 'logits_processor' .*\['PrefixConstrainedLogitsProcessor'\]"):
         model.generate(p, prefix_allowed_tokens_fn=lambda b, ids: [1, 2, 3], **kw)
-    with pytest.raises(ValueError, match=r"\['MinPLogitsWarper'\]"):
-        model.generate(p, do_sample=True, min_p=0.1, **kw)
+    with pytest.raises(ValueError, match=r"\['TypicalLogitsWarper'\]"):
+        model.generate(p, do_sample=True, typical_p=0.5, **kw)
 
 
 # ---- logits processors -----------------------------------------------------------------------------------------

@@ -119,7 +119,7 @@ def test_processors_read_the_host_at_their_declared_point_only(pair):
     model, head = pair
     p = prompts(2)[1]
     record = []
-    procs = [transformers.RepetitionPenaltyLogitsProcessor(1.5)]
+    procs = [transformers.RepetitionPenaltyLogitsProcessor(1.5), transformers.NoRepeatNGramLogitsProcessor(3)]
     with HeteroSpec(model, head, _policies()["heterospec"], cuda_graphs=False) as hs, \
             sync.forbid_host_transfers(record):
         _, stats = hs.generate(p, max_new_tokens=NEW, logits_processor=procs)
@@ -133,6 +133,12 @@ def test_processors_read_the_host_at_their_declared_point_only(pair):
     for c in cycles:   # the root expansion (and base levels) processed, bin, extra levels, the tree, accepted
         assert c.count("bin") == 1 and c[0] == "processors" and c[-2:] == ["processors", "accepted"]
         assert set(c) == {"bin", "processors", "accepted"}
+    # a repetition penalty alone runs on the device: the cycle's own points only, as without processors
+    record.clear()
+    with HeteroSpec(model, head, _policies()["heterospec"], cuda_graphs=False) as hs, \
+            sync.forbid_host_transfers(record):
+        _, stats = hs.generate(p, max_new_tokens=NEW, logits_processor=procs[:1])
+    assert record == ["bin", "accepted"] * stats.cycles
 
 
 def test_commit_gets_the_path_and_prefix_on_the_caches_device(pair, monkeypatch):
