@@ -372,6 +372,23 @@ def test_custom_generate_in_hf_generate_is_lossless():
     assert all(not layer._forward_pre_hooks for layer in model.model.layers)
 
 
+def test_custom_generate_from_a_text_generation_pipeline():
+    """HuggingFace's text-generation pipeline hands its generate keyword arguments to custom_generate: the text
+    is the pipeline's own without it, greedy, for a string and for a list of prompts."""
+    import heterospec
+    from _pairs import word_tokenizer
+
+    model = tiny_target("llama")
+    pipe = transformers.pipeline("text-generation", model=model, tokenizer=word_tokenizer(), device=DEVICE)
+    texts = ["w5 w17 w3 w40 w22", "w9 w9 w1"]
+    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    ref = pipe(texts, **kw)
+    out = pipe(texts, custom_generate=heterospec.custom_generate, draft=OracleDraft(model),
+               policy=Policy.static(5, 3, 12), **kw)
+    assert out == ref and len(ref[0][0]["generated_text"].split()) > 5 + 8     # the prompt and 16 words
+    assert pipe(texts[0], custom_generate=heterospec.custom_generate, **kw) == ref[0]
+
+
 def test_custom_generate_stops_at_stop_strings_through_stopping_criteria():
     """HuggingFace's generate keeps the tokenizer from a custom_generate callable, so its stop_strings cannot
     reach the engine: StopStringCriteria given as stopping_criteria gives HF's own stop_strings output, and
