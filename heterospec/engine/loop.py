@@ -432,7 +432,7 @@ class HeteroSpec:
     @torch.no_grad()
     def generate(self, input_ids, *, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, min_p=None, eos_token_id=None,
                  stopping_criteria=None, streamer=None, seed=None, attention_mask=None, pad_token_id=None,
-                 finished_rows="drop", logits_processor=None, prompt_lookup_num_tokens=None,
+                 finished_rows="drop", logits_processor=None, repetition_penalty=None, prompt_lookup_num_tokens=None,
                  max_matching_ngram_size=None, min_matching_ngram_size=None, output_logits=False, stop_strings=None,
                  tokenizer=None):
         """Returns (sequences [1, S + new] int64 on the CPU, GenerationStats).  Greedy when temperature == 0;
@@ -469,7 +469,8 @@ class HeteroSpec:
         only helps it guess); a processor must compute each row from that row's own ids and scores.  Such a call
         runs the eager cycle (no recorded steps) and processes on the host every cycle
         (:mod:`heterospec.engine.processors`) -- except a ``RepetitionPenaltyLogitsProcessor`` alone, which runs on
-        the device, recorded steps included (the draft's distributions then unpenalised).
+        the device, recorded steps included.  ``repetition_penalty`` (HuggingFace's and vLLM's option; None or 1.0:
+        off) puts that processor first in the list.
 
         ``prompt_lookup_num_tokens``: HuggingFace's prompt lookup inside the cycle -- each cycle, the longest suffix
         of at most ``max_matching_ngram_size`` tokens (default 2) and at least ``min_matching_ngram_size`` (default
@@ -526,6 +527,7 @@ class HeteroSpec:
         if streamer is not None and B > 1:
             raise ValueError(f"generate: argument 'streamer' expected a single prompt, got a batch of {B}")
         S = input_ids.shape[1]
+        logits_processor = processors.with_penalty(repetition_penalty, logits_processor, B)
         procs, contexts = processors.check(logits_processor, B), None
         penalty = processors.on_device(procs)       # a repetition penalty alone: on the device, recordable
         if penalty is not None:

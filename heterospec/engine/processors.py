@@ -28,6 +28,8 @@ temperature, top-k and top-p): it runs on the device with fixed shapes, so calls
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import sync
@@ -49,6 +51,27 @@ def check(processors, batch):
                                  f"scores, got {type(p).__name__} at position {i}")
     rows = [tuple(r) for r in rows]
     return rows if any(rows) else []
+
+
+def with_penalty(repetition_penalty, processors, batch):
+    """``generate``'s ``repetition_penalty`` (None or 1.0: off; else a finite value > 0) as HuggingFace's
+    ``RepetitionPenaltyLogitsProcessor`` in front of the ``logits_processor`` argument (one list for every request,
+    or one per request) -> that argument."""
+    if repetition_penalty is None or repetition_penalty == 1.0:
+        return processors
+    if isinstance(repetition_penalty, bool) or not isinstance(repetition_penalty, (int, float)) \
+            or not math.isfinite(repetition_penalty) or repetition_penalty <= 0:
+        raise ValueError(f"generate: argument 'repetition_penalty' expected None or a finite value > 0 (1: off), "
+                         f"got {repetition_penalty!r}")
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    pen = RepetitionPenaltyLogitsProcessor(float(repetition_penalty))
+    if processors is None:
+        return [pen]
+    items = list(processors) if isinstance(processors, (list, tuple)) else [processors]
+    if len(items) == batch and items and all(isinstance(x, (list, tuple)) for x in items):
+        return [[pen] + list(x) for x in items]
+    return [pen] + items
 
 
 def _paths(tokens, parents, wanted, root=-1):

@@ -302,6 +302,9 @@ def test_stop_strings_end_each_request_where_hf_generate_ends_it():
     (dict(max_new_tokens=600), "max_position_embeddings"),
     (dict(max_new_tokens=5, logits_processor=[None]), "argument 'logits_processor' expected callables"),
     (dict(max_new_tokens=5, stop_strings=["</s>"]), "argument 'tokenizer' expected the target's tokenizer"),
+    (dict(max_new_tokens=5, repetition_penalty=0.0), "argument 'repetition_penalty' expected None or a finite"),
+    (dict(max_new_tokens=5, repetition_penalty=float("inf")), "argument 'repetition_penalty' expected"),
+    (dict(max_new_tokens=5, repetition_penalty="1.2"), "argument 'repetition_penalty' expected"),
     (dict(max_new_tokens=5, stop_strings=[""]), "argument 'stop_strings' expected a non-empty string"),
     (dict(max_new_tokens=5, stop_strings=3), "argument 'stop_strings' expected a non-empty string"),
 ])

@@ -99,6 +99,22 @@ def test_on_device_takes_a_penalty_alone_and_leaves_anything_else_to_the_host():
     assert processors.on_device([]) is None
 
 
+def test_the_repetition_penalty_argument_goes_first_in_each_rows_list():
+    def a(ids, scores):
+        return scores
+
+    def b(ids, scores):
+        return scores
+
+    assert processors.with_penalty(None, [a], 1) == [a] and processors.with_penalty(1.0, None, 1) is None
+    (pen,) = processors.with_penalty(1.3, None, 1)
+    assert type(pen) is Penalty and pen.penalty == 1.3
+    got = processors.with_penalty(1.3, a, 1)
+    assert [type(x) for x in got] == [Penalty, type(a)] and got[1] is a
+    rows = processors.with_penalty(1.3, [[a], [b]], 2)
+    assert [r[1:] for r in rows] == [[a], [b]] and all(type(r[0]) is Penalty for r in rows)
+
+
 def _methods(model, tmp_path):
     return {"ar": (None, None), "eagle3-oracle": (OracleDraft(model), Policy.static(5, 3, 16)),
             "heterospec-noisy": (NoisyDraft(32, V, seed=3).to(DEVICE), Policy.paper(4, 4, 20, (0.5, 1.0, 1.5))),
@@ -129,6 +145,8 @@ def test_a_penalty_alone_keeps_greedy_output_equal_to_hf_generate(method, graphs
             out, stats = hs.generate(p, max_new_tokens=30, eos_token_id=[], logits_processor=[Penalty(1.8)])
             assert out.tolist() == ref.tolist()
             assert (stats.captured_steps > 0) == bool(graphs)
+            assert hs.generate(p, max_new_tokens=30, eos_token_id=[], repetition_penalty=1.8)[0].tolist() == \
+                ref.tolist()
             changed += ref.tolist() != reference_greedy(model, p, 30).tolist()
             via_hf = model.generate(p, custom_generate=heterospec.custom_generate, draft=draft, policy=policy, **kw)
             assert via_hf.tolist() == ref.tolist()
