@@ -430,7 +430,8 @@ class HeteroSpec:
 
     @_exclusive
     @torch.no_grad()
-    def generate(self, input_ids, *, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, min_p=None, eos_token_id=None,
+    def generate(self, input_ids, *, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, min_p=None, do_sample=None,
+                 eos_token_id=None,
                  stopping_criteria=None, streamer=None, seed=None, attention_mask=None, pad_token_id=None,
                  finished_rows="drop", logits_processor=None, repetition_penalty=None, prompt_lookup_num_tokens=None,
                  max_matching_ngram_size=None, min_matching_ngram_size=None, output_logits=False, stop_strings=None,
@@ -439,7 +440,9 @@ class HeteroSpec:
         sampled otherwise, from the target's distribution warped as HuggingFace's ``generate`` warps it: the
         temperature, ``top_k``, ``top_p``, then ``min_p`` (HuggingFace's ``MinPLogitsWarper``: tokens below ``min_p``
         times the likeliest one's probability go; None or 0: off; applied on the device, recorded steps included:
-        :func:`.processors.with_min_p`).
+        :func:`.processors.with_min_p`).  ``do_sample``, HuggingFace's switch: None decides by the temperature,
+        False is greedy whatever the temperature, True samples (at temperature 1.0 when none is given; top-k stays
+        0, off, where HuggingFace's generation config defaults to 50).
         A request ends at ``max_new_tokens`` or at an ``eos_token_id`` (an id or ids; None, the default: the
         target's ``generation_config.eos_token_id``, as HuggingFace's ``generate`` takes it; [] for none).
 
@@ -490,6 +493,12 @@ class HeteroSpec:
         request ends once its text ends with one of them, the tokens that made it kept (HuggingFace's
         ``stop_strings`` and its ``StopStringCriteria``, asked per request after every new token like any
         stopping criterion, so the output is HuggingFace's with the same option)."""
+        if do_sample is not None and not isinstance(do_sample, bool):
+            raise ValueError(f"generate: argument 'do_sample' expected None, True or False, got {do_sample!r}")
+        if do_sample is False:
+            temperature = 0.0
+        elif do_sample and temperature == 0.0:
+            temperature = 1.0
         _check_generate_args(max_new_tokens, temperature, top_k, top_p, min_p)
         stopping_criteria = _with_stop_strings(stopping_criteria, stop_strings, tokenizer)
         if not isinstance(output_logits, bool):

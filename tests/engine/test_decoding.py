@@ -202,6 +202,22 @@ def test_sampling_matches_the_target_distribution(setting, rows, draft_kind, pen
     assert scipy_stats.chisquare(obs_cells, exp_cells).pvalue > 1e-4
 
 
+def test_do_sample_switches_as_in_huggingfaces_generate():
+    """do_sample=False is greedy whatever the temperature; True samples at temperature 1.0 when none is given (the
+    draws of temperature=1.0 with the same seed); None decides by the temperature."""
+    model = tiny_target("llama")
+    p = prompts(1)[0]
+    hs = HeteroSpec(model, NoisyDraft(32, V).to(DEVICE), Policy.static(3, 3, 10), cuda_graphs=False)
+    greedy = reference_greedy(model, p, 16).tolist()
+    kw = dict(max_new_tokens=16, eos_token_id=[], seed=4)
+    assert hs.generate(p, temperature=1.5, do_sample=False, **kw)[0].tolist() == greedy
+    assert hs.generate(p, do_sample=None, **kw)[0].tolist() == greedy
+    sampled = hs.generate(p, do_sample=True, **kw)[0].tolist()
+    assert sampled == hs.generate(p, temperature=1.0, **kw)[0].tolist() != greedy
+    assert hs.generate(p, do_sample=True, temperature=0.7, **kw)[0].tolist() == \
+        hs.generate(p, temperature=0.7, **kw)[0].tolist()
+
+
 def test_sampling_is_reproducible_with_a_seed():
     model = tiny_target("llama")
     hs = HeteroSpec(model, OracleDraft(model), Policy.static(4, 3, 10), cuda_graphs=False)
@@ -303,6 +319,7 @@ def test_stop_strings_end_each_request_where_hf_generate_ends_it():
     (dict(max_new_tokens=5, logits_processor=[None]), "argument 'logits_processor' expected callables"),
     (dict(max_new_tokens=5, stop_strings=["</s>"]), "argument 'tokenizer' expected the target's tokenizer"),
     (dict(max_new_tokens=5, repetition_penalty=0.0), "argument 'repetition_penalty' expected None or a finite"),
+    (dict(max_new_tokens=5, do_sample=1), "argument 'do_sample' expected None, True or False"),
     (dict(max_new_tokens=5, repetition_penalty=float("inf")), "argument 'repetition_penalty' expected"),
     (dict(max_new_tokens=5, repetition_penalty="1.2"), "argument 'repetition_penalty' expected"),
     (dict(max_new_tokens=5, stop_strings=[""]), "argument 'stop_strings' expected a non-empty string"),
