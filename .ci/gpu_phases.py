@@ -261,12 +261,16 @@ PHASES = (
                           "--cuda-graphs on"),
     ), needs=("cuda", "pair")),
     Phase("smoke", 1.5, "demo (graphs on: the default), generate (heterospec eager, eagle3, heterospec graphs on, "
-                        "and with prompt-lookup chains grafted inside the graphs) and train-draft with --device cuda", (
+                        "with prompt-lookup chains grafted inside the graphs, and sampled with a repetition penalty "
+                        "and min-p inside them) and train-draft with --device cuda", (
         Step("demo", "{py} -m heterospec demo --device cuda --max-new-tokens 64 --no-stream"),
         Step("generate", SMOKE_GEN + " --draft default --cuda-graphs off"),
         Step("generate-eagle3", SMOKE_GEN + " --method eagle3"),
         Step("generate-graphs", SMOKE_GEN + " --draft default --cuda-graphs on"),
         Step("generate-lookup-graphs", SMOKE_GEN + " --draft default --cuda-graphs on --prompt-lookup 4"),
+        # sampled with a repetition penalty and min-p, both on the device inside the graphs, and a stop string
+        Step("generate-penalty-minp-graphs", SMOKE_GEN + " --draft default --cuda-graphs on --temperature 0.8 "
+                                             "--top-p 0.9 --min-p 0.05 --repetition-penalty 1.1 --seed 0 --stop 391"),
         Step("train-draft", "{py} -m heterospec train-draft --target default --device cuda --data " + CALIB
                             + " --max-prompts 8 --max-new-tokens 16 --steps 5 --out {state}/head-smoke"),
     ), needs=("cuda", "pair")),
