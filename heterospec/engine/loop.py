@@ -83,7 +83,7 @@ def _exclusive(method):
     return call
 
 
-def _check_generate_args(max_new_tokens, temperature, top_k, top_p, min_p):
+def _check_generate_args(max_new_tokens, temperature, top_k, top_p, min_p=None):
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"generate: argument 'max_new_tokens' expected an int >= 1, got {max_new_tokens!r}")
     if not ops.is_decoding_temperature(temperature):
