@@ -536,7 +536,8 @@ class HeteroSpec:
         if streamer is not None and B > 1:
             raise ValueError(f"generate: argument 'streamer' expected a single prompt, got a batch of {B}")
         S = input_ids.shape[1]
-        logits_processor = processors.with_penalty(repetition_penalty, logits_processor, B)
+        logits_processor = processors.with_penalty(repetition_penalty, logits_processor, B,
+                                                   None if as_list else [S - n for n in lengths])
         procs, contexts = processors.check(logits_processor, B), None
         penalty = processors.on_device(procs)       # a repetition penalty alone: on the device, recordable
         if penalty is not None:

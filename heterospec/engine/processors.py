@@ -53,10 +53,11 @@ def check(processors, batch):
     return rows if any(rows) else []
 
 
-def with_penalty(repetition_penalty, processors, batch):
+def with_penalty(repetition_penalty, processors, batch, skips=None):
     """``generate``'s ``repetition_penalty`` (None or 1.0: off; else a finite value > 0) as HuggingFace's
     ``RepetitionPenaltyLogitsProcessor`` in front of the ``logits_processor`` argument (one list for every request,
-    or one per request) -> that argument."""
+    or one per request) -> that argument; ``skips``: each row's left padding, which the penalty skips as HF's
+    ``generate`` makes it skip (its ``prompt_ignore_length``; then one list per request)."""
     if repetition_penalty is None or repetition_penalty == 1.0:
         return processors
     if isinstance(repetition_penalty, bool) or not isinstance(repetition_penalty, (int, float)) \
@@ -65,13 +66,13 @@ def with_penalty(repetition_penalty, processors, batch):
                          f"got {repetition_penalty!r}")
     from transformers import RepetitionPenaltyLogitsProcessor
 
-    pen = RepetitionPenaltyLogitsProcessor(float(repetition_penalty))
-    if processors is None:
-        return [pen]
-    items = list(processors) if isinstance(processors, (list, tuple)) else [processors]
-    if len(items) == batch and items and all(isinstance(x, (list, tuple)) for x in items):
-        return [[pen] + list(x) for x in items]
-    return [pen] + items
+    items = [] if processors is None else (list(processors) if isinstance(processors, (list, tuple)) else [processors])
+    per_row = len(items) == batch and bool(items) and all(isinstance(x, (list, tuple)) for x in items)
+    if not per_row and not any(skips or ()):
+        return [RepetitionPenaltyLogitsProcessor(float(repetition_penalty))] + items
+    rows = [list(x) for x in items] if per_row else [items] * batch
+    return [[RepetitionPenaltyLogitsProcessor(float(repetition_penalty), prompt_ignore_length=int(n) or None)] + row
+            for row, n in zip(rows, skips or [0] * batch)]
 
 
 def _paths(tokens, parents, wanted, root=-1):
@@ -201,7 +202,8 @@ def on_device(rows):
         if isinstance(n, torch.Tensor):
             if n.dim() != 1 or n.numel() != len(rows):
                 return None
-            n = n[b]
+            with sync.outside_cycle():      # a per-row tensor of HuggingFace's, perhaps on the device
+                n = n.tolist()[b]
         skips.append(int(n or 0))
     return penalties.pop(), skips
 
@@ -225,7 +227,7 @@ def penalise(logits, tokens, tmask, seen, penalty):
     the context's last token) gives it -> a new [B, T, V] tensor.  Fixed shapes on the device, no host read."""
     B, T, V = logits.shape
     hit = seen.unsqueeze(1).expand(B, T, V + 1).clone()
-    hit.scatter_(2, torch.where(tmask, tokens.unsqueeze(1).expand(B, T, T), V), True)
+    hit.scatter_(2, torch.where(tmask, tokens.clamp(max=V).unsqueeze(1).expand(B, T, T), V), True)
     return torch.where(hit[..., :V], torch.where(logits < 0, logits * penalty, logits / penalty), logits)
 
 
@@ -233,7 +235,7 @@ def see(seen, path_tokens, length):
     """The accepted path's first ``length[b]`` tokens ([B, R] / [B]; the root first) join each row's ``seen``."""
     R = path_tokens.shape[1]
     take = torch.arange(R, device=path_tokens.device).unsqueeze(0) < length.unsqueeze(1)
-    seen.scatter_(1, torch.where(take, path_tokens, seen.shape[1] - 1), True)
+    seen.scatter_(1, torch.where(take, path_tokens.clamp(max=seen.shape[1] - 1), seen.shape[1] - 1), True)
 
 
 def penalise_draft(seen, root, penalty, g, logits, d2t=None):
@@ -245,13 +247,13 @@ def penalise_draft(seen, root, penalty, g, logits, d2t=None):
     B, K, Vd = logits.shape
     V = seen.shape[1] - 1
     hit = seen.unsqueeze(1).expand(B, K, V + 1).clone()
-    hit.scatter_(2, root.view(B, 1, 1).expand(B, K, 1), True)
+    hit.scatter_(2, root.clamp(max=V).view(B, 1, 1).expand(B, K, 1), True)
     if g is not None:
         tokens, _, parents = g.candidates()
         at = g.beams
         for _ in range(g.level + 1):
             safe = at.clamp(min=0)
-            hit.scatter_(2, torch.where(at >= 0, tokens.gather(1, safe), V).unsqueeze(-1), True)
+            hit.scatter_(2, torch.where(at >= 0, tokens.gather(1, safe).clamp(max=V), V).unsqueeze(-1), True)
             at = torch.where(at >= 0, parents.gather(1, safe), at)
     tid = torch.arange(Vd, device=logits.device)
     if d2t is not None:

@@ -171,3 +171,8 @@ def test_a_penalty_over_a_padded_batch_with_prompt_lookup_is_hfs(graphs, host_pa
     out = model.generate(ids, custom_generate=heterospec.custom_generate, draft=draft, policy=Policy.static(3, 3, 10),
                          cuda_graphs=graphs, prompt_lookup_num_tokens=4, max_matching_ngram_size=2, **kw)
     assert out.cpu().tolist() == ref.tolist()
+    # generate(repetition_penalty=...) on the same padded tensor skips each row's padding too, as HF's option does
+    with HeteroSpec(model, draft, Policy.static(3, 3, 10), cuda_graphs=graphs) as hs:
+        ours, _ = hs.generate(ids, attention_mask=mask, max_new_tokens=24, pad_token_id=0, eos_token_id=[],
+                              repetition_penalty=1.6, prompt_lookup_num_tokens=4, max_matching_ngram_size=2)
+    assert ours.tolist() == ref.tolist()
