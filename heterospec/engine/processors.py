@@ -226,9 +226,20 @@ def penalise(logits, tokens, tmask, seen, penalty):
     request's, [B, V + 1] bool) and the tokens of the nodes ``tmask`` [B, T, T] (ancestor-or-self; node 0 the root,
     the context's last token) gives it -> a new [B, T, V] tensor.  Fixed shapes on the device, no host read."""
     B, T, V = logits.shape
-    hit = seen.unsqueeze(1).expand(B, T, V + 1).clone()
+    hit = _context_hits(seen, T)
     hit.scatter_(2, torch.where(tmask, tokens.clamp(max=V).unsqueeze(1).expand(B, T, T), V), True)
-    return torch.where(hit[..., :V], torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+    return _penalised(logits, hit[..., :V], penalty)
+
+
+def _context_hits(seen, n):
+    """Each row's ``seen`` [B, V + 1] copied for ``n`` distributions -> [B, n, V + 1] bool, to add paths to."""
+    B, W = seen.shape
+    return seen.unsqueeze(1).expand(B, n, W).clone()
+
+
+def _penalised(logits, hit, penalty):
+    """HuggingFace's repetition penalty where ``hit``: divided by ``penalty``, multiplied where negative."""
+    return torch.where(hit, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
 
 
 def see(seen, path_tokens, length):
@@ -246,7 +257,7 @@ def penalise_draft(seen, root, penalty, g, logits, d2t=None):
     id j + d2t[j].  Fixed shapes on the device."""
     B, K, Vd = logits.shape
     V = seen.shape[1] - 1
-    hit = seen.unsqueeze(1).expand(B, K, V + 1).clone()
+    hit = _context_hits(seen, K)
     hit.scatter_(2, root.clamp(max=V).view(B, 1, 1).expand(B, K, 1), True)
     if g is not None:
         tokens, _, parents = g.candidates()
@@ -258,5 +269,4 @@ def penalise_draft(seen, root, penalty, g, logits, d2t=None):
     tid = torch.arange(Vd, device=logits.device)
     if d2t is not None:
         tid = tid + d2t.to(logits.device)
-    hit = hit.gather(2, tid.view(1, 1, Vd).expand(B, K, Vd))
-    return torch.where(hit, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+    return _penalised(logits, hit.gather(2, tid.view(1, 1, Vd).expand(B, K, Vd)), penalty)

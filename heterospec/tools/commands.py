@@ -16,16 +16,12 @@ from .prompts import (SELF, OverlapGuard, encode, encode_many, encode_turn, read
                       self_written_prompts)
 
 
-def processors_for(repetition_penalty, no_repeat_ngram_size):
-    """HuggingFace's processors for ``generate``'s --repetition-penalty and --no-repeat-ngram-size (None: neither)."""
-    from transformers import NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
+def processors_for(no_repeat_ngram_size):
+    """HuggingFace's processor for ``generate``'s --no-repeat-ngram-size (None: off; --repetition-penalty goes to
+    ``HeteroSpec.generate``'s own ``repetition_penalty``)."""
+    from transformers import NoRepeatNGramLogitsProcessor
 
-    procs = []
-    if repetition_penalty != 1.0:
-        procs.append(RepetitionPenaltyLogitsProcessor(float(repetition_penalty)))
-    if no_repeat_ngram_size > 0:
-        procs.append(NoRepeatNGramLogitsProcessor(int(no_repeat_ngram_size)))
-    return procs or None
+    return [NoRepeatNGramLogitsProcessor(int(no_repeat_ngram_size))] if no_repeat_ngram_size > 0 else None
 
 
 def generate_cmd(args, out=None):
@@ -48,7 +44,7 @@ def generate_cmd(args, out=None):
     streamer = TextStreamer(tokenizer, skip_prompt=True)
     eos = tokenizer.eos_token_id if args.eos else []          # [] : no EOS (None would be the model's)
     graphs = {"on": True, "off": False, "auto": "auto"}[getattr(args, "cuda_graphs", "off")]   # auto: falls back
-    procs = processors_for(getattr(args, "repetition_penalty", 1.0), getattr(args, "no_repeat_ngram_size", 0))
+    procs = processors_for(getattr(args, "no_repeat_ngram_size", 0))
     print(f"[{args.method}] {args.policy_what}", file=out)
     lo, hi = getattr(args, "lookup_ngram", (2, 3))
     with HeteroSpec(target, draft if policy.drafts else None, policy, cuda_graphs=graphs,
@@ -58,8 +54,9 @@ def generate_cmd(args, out=None):
         seq, stats = hs.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  top_k=args.top_k, top_p=args.top_p, min_p=getattr(args, "min_p", 0.0),
                                  eos_token_id=eos, streamer=streamer,
-                                 seed=args.seed, logits_processor=procs, stop_strings=getattr(args, "stop", None),
-                                 tokenizer=tokenizer)
+                                 seed=args.seed, logits_processor=procs,
+                                 repetition_penalty=getattr(args, "repetition_penalty", 1.0),
+                                 stop_strings=getattr(args, "stop", None), tokenizer=tokenizer)
     print(f"\n[{args.method}] {stats.summary()}", file=out)
     return seq, stats
 
