@@ -223,7 +223,7 @@ def timeit(torch, fn, iters, warmup=20):
 # timings only, so tests/scripts/test_bench_cuda_cycle.py checks them on the CPU.
 
 PER_OPS = ("topk_entropy", "expand root", "expand level", "select", "build_tree", "verify_greedy", "verify_sample",
-           "kv_compact stacked", "kv_compact list")
+           "verify_sample min-p", "kv_compact stacked", "kv_compact list")
 
 PER_OP_FORMULAS = {  # what per_op_bytes counts, in words (T = n + 1 tree nodes, M = k + depth*k*k candidates)
     "topk_entropy": "logits[k, Vd] fp32 read + entropy fp32[k] written",
@@ -237,6 +237,8 @@ PER_OP_FORMULAS = {  # what per_op_bytes counts, in words (T = n + 1 tree nodes,
     "verify_greedy": "target logits[T, V] (2 bytes for bf16) + tree tokens, parents int64[T] read; path int64[T] "
                      "+ length, next token int64 written",
     "verify_sample": "as verify_greedy + the Philox offset int64 read and written + draws int64 written",
+    "verify_sample min-p": "as verify_sample (top-p 0.9, then min-p 0.05: each row's kept mass summed again, a "
+                           "second read of the logits that the floor does not count)",
     "kv_compact stacked": "rows that move (slots[i] != i) x 2*layers tensors x heads x head_dim x 2 bytes, read "
                           "and written + slots int64 read",
     "kv_compact list": "as kv_compact stacked",
@@ -267,6 +269,7 @@ def per_op_bytes(Vd=32000, V=128256, k=10, depth=7, n=59, layers=32, heads=KV_HE
         "build_tree": 3 * n * 8 + 3 * T * 8 + T * T + T * T * 8 + 2 * 8,
         "verify_greedy": logits + 2 * T * 8 + T * 8 + 2 * 8,
         "verify_sample": logits + 2 * T * 8 + 8 + T * 8 + 3 * 8 + 8,
+        "verify_sample min-p": logits + 2 * T * 8 + 8 + T * 8 + 3 * 8 + 8,
         "kv_compact stacked": kv,
         "kv_compact list": kv,
     }
@@ -345,6 +348,9 @@ def per_op_calls(ops, torch, x, state, kv_stacked):
                                                    device_outputs=True),
         "verify_sample": lambda: ops.verify_sample(
             tree.tokens, tree.parents, target, temperature=1.0, top_p=0.9, seed=1,
+            offset=state["offset"] if on_gpu else 0, check=False, device_outputs=True, advance_offset=on_gpu),
+        "verify_sample min-p": lambda: ops.verify_sample(
+            tree.tokens, tree.parents, target, temperature=1.0, top_p=0.9, min_p=0.05, seed=1,
             offset=state["offset"] if on_gpu else 0, check=False, device_outputs=True, advance_offset=on_gpu),
         "kv_compact stacked": lambda: ops.kv_compact(kvt, x["prefix"], state["slots"], check=False),
         "kv_compact list": lambda: ops.kv_compact(x["kv"], x["prefix"], state["slots"], check=False),

@@ -257,12 +257,13 @@ def verify_greedy(tree_tokens, tree_parents, target_logits, *, n=None, stream=No
 
 def verify_sample(
     tree_tokens, tree_parents, target_logits, *, temperature, top_k=0, top_p=1.0, seed, offset, n=None,
-    stream=None, check=True, device_outputs=False, advance_offset=False,
+    stream=None, check=True, device_outputs=False, advance_offset=False, min_p=0.0,
 ):
     """Lossless tree acceptance under sampling: ``(path int64[len], next_token int, draws int)``.
 
     Recursive rejection sampling with point-mass sibling proposals against the target distribution warped
-    in HuggingFace order (temperature, top-k, top-p).  Uniforms come from Philox4x32-10 keyed by ``seed``
+    in HuggingFace order (temperature, top-k, top-p, then min-p: a token whose probability after the others is
+    below ``min_p`` times the largest is removed; 0 disables it).  Uniforms come from Philox4x32-10 keyed by ``seed``
     with counter ``offset + draw index``; ``draws`` says how many were used (advance ``offset`` by it).
     The emitted tokens follow the warped target distribution exactly.
 
@@ -285,7 +286,7 @@ def verify_sample(
     return _C.verify_sample(
         tree_tokens, _arr(tree_parents), target_logits, _arr(n), temperature, top_k, top_p, seed, offset,
         _allocator(tree_tokens), _stream(tree_tokens, stream), check, device_outputs, advance_offset,
-        _batched(tree_tokens, 2),
+        _batched(tree_tokens, 2), min_p,
     )
 
 

@@ -56,8 +56,8 @@ def argmax_loop(row):
     return best
 
 
-def hf_keep(row, temperature, top_k, top_p):
-    """HuggingFace TopK/TopP logits-warper semantics on one row -> (z float64, keep bool mask)."""
+def hf_keep(row, temperature, top_k, top_p, min_p=0.0):
+    """HuggingFace TopK/TopP/MinP logits-warper semantics on one row, in its order -> (z float64, keep bool mask)."""
     z = np.asarray(row, dtype=np.float32).astype(np.float64) / temperature
     v = z.shape[0]
     keep = np.ones(v, dtype=bool)
@@ -80,12 +80,19 @@ def hf_keep(row, temperature, top_k, top_p):
         for pos, i in enumerate(order):
             if remove[pos]:
                 keep[i] = False
+    if min_p > 0.0:
+        # MinPLogitsWarper: probs = softmax of the kept z; remove probs < min_p * max probs.  The sum cancels in
+        # the ratio, and the largest kept z is the largest z (top-k and top-p always keep the top token).
+        zmax = max(float(a) for a in z)
+        for i in range(v):
+            if keep[i] and math.exp(float(z[i]) - zmax) < min_p:
+                keep[i] = False
     return z, keep
 
 
-def warped_probs(row, temperature=1.0, top_k=0, top_p=1.0):
+def warped_probs(row, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
     """The exact (normalised) warped target distribution of one row."""
-    z, keep = hf_keep(row, temperature, top_k, top_p)
+    z, keep = hf_keep(row, temperature, top_k, top_p, min_p)
     zz = np.where(keep, z, -np.inf)
     e = np.exp(zz - zz.max())
     return e / e.sum()
@@ -98,13 +105,13 @@ def children_of(parents):
     return ch
 
 
-def sample_walk(tree_tokens, tree_parents, logits, temperature, top_k, top_p, seed, offset):
+def sample_walk(tree_tokens, tree_parents, logits, temperature, top_k, top_p, seed, offset, min_p=0.0):
     """docs/ops.md 'Walk' written out with Python floats -> (path list, next_token, draws)."""
     tokens = [int(t) for t in tree_tokens]
     ch = children_of(tree_parents)
     node, path, j = 0, [0], 0
     while True:
-        z, keep = hf_keep(logits[node], temperature, top_k, top_p)
+        z, keep = hf_keep(logits[node], temperature, top_k, top_p, min_p)
         zmax = max(float(x) for x in z)
         w = [math.exp(float(z[v]) - zmax) if keep[v] else 0.0 for v in range(len(z))]
         total = 0.0

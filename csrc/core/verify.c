@@ -180,7 +180,7 @@ HS_HOT static double hs_lane_sum(const double *w, int64_t V) {
     return s;
 }
 
-/* Warp one row the HuggingFace way (temperature, top-k, top-p) into unnormalised weights w[V]. */
+/* Warp one row the HuggingFace way (temperature, top-k, top-p, min-p) into unnormalised weights w[V]. */
 static hs_status hs_warp_row(const void *logits, hs_dtype dt, int64_t row, int64_t V, hs_sampling sp,
                              double *w, float *conv, hs_kv *sorted, const char *op, hs_error *err) {
     const float *x = hs_row_f32(logits, dt, row, V, conv);
@@ -243,6 +243,19 @@ static hs_status hs_warp_row(const void *logits, hs_dtype dt, int64_t row, int64
             memset(w, 0, (size_t)V * sizeof *w);
             for (int64_t i = 0; i < keep; i++) w[sorted[i].i] = sorted[i].v;
         }
+        nsorted = keep;
+        sparse = 1;
+    }
+    if (sp.min_p > 0.0) {
+        /* min-p last (HuggingFace's MinPLogitsWarper after top-p): p_v < min_p * max p, and p_v / max p = w_v (the
+         * largest w is exp(0) = 1), renormalised or not; the listed survivors only, when there is a list */
+        if (sparse) {
+            for (int64_t i = 0; i < nsorted; i++)
+                if (w[sorted[i].i] < sp.min_p) w[sorted[i].i] = 0.0;
+        } else {
+            for (int64_t v = 0; v < V; v++)
+                if (w[v] < sp.min_p) w[v] = 0.0;
+        }
     }
     return HS_OK;
 }
@@ -263,6 +276,8 @@ hs_status hs_verify_sample(const void *tree_tokens, hs_dtype token_dtype, const 
                        (long long)sp.top_k);
     if (!(sp.top_p > 0.0 && sp.top_p <= 1.0))
         return hs_fail(err, HS_ERR_VALUE, op, "top_p", "expected a value in (0, 1], got %g", sp.top_p);
+    if (!(sp.min_p >= 0.0 && sp.min_p <= 1.0))
+        return hs_fail(err, HS_ERR_VALUE, op, "min_p", "expected a value in [0, 1] (0 disables it), got %g", sp.min_p);
     size_t need = hs_verify_sample_workspace_bytes(T, V);
     if (ws_bytes < need)
         return hs_fail(err, HS_ERR_WORKSPACE, op, "workspace", "expected >= %zu bytes, got %zu", need, ws_bytes);

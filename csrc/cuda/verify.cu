@@ -6,7 +6,8 @@
  *                  per request follows the accepted children.
  *   verify_sample  chunks of every node row (max, kept mass, the best K for the top-k / top-p cuts; rows.cu),
  *                  one block per node row deciding its statistics from those candidates (or, when they cannot
- *                  decide, radix descents over the row's chunks: hs_k_wide_level), one block per request walking the
+ *                  decide, radix descents over the row's chunks: hs_k_wide_level), with min-p one block per node
+ *                  row summing its kept mass again after that cut (hs_k_min_p), one block per request walking the
  *                  tree with the CPU's Philox uniforms, then the residual draw split the same way (chunk
  *                  masses, then one block per request finds the chunk and the token by inverse CDF).
  * Sums that the CPU does in a fixed sequential order are parallel here: floats agree to ~1e-7 relative,
@@ -202,7 +203,8 @@ extern "C" hs_status hs_cuda_verify_greedy(const void *tree_tokens, hs_dtype tok
 /* ---- verify_sample ------------------------------------------------------------------------------------ */
 
 /* Warp statistics of one node row (docs/ops.md "Warp"): w_v = exp(x_v / T - zmax) for tokens that survive
- * top-k (key >= kpfx at kshift) and top-p (key > pkey, or key == pkey and v <= ptie), else 0. */
+ * top-k (key >= kpfx at kshift), top-p (key > pkey, or key == pkey and v <= ptie) and min-p (w_v >= min_p), else 0.
+ * min_p stays 0 until hs_k_min_p, which runs after every top-k / top-p cut is decided (min-p comes last). */
 struct hs_warp_stats {
     double R;       /* kept mass */
     float m;        /* row max */
@@ -213,6 +215,7 @@ struct hs_warp_stats {
     long long ptie;
     long long status; /* as hs_k_row_argmax: >= 0 fine, -1 bad entry (col*2+inf in bad), -2 all -inf */
     long long bad;
+    double min_p;     /* 0: no min-p cut (the merge and the wide kernels leave it so) */
 };
 
 __device__ __forceinline__ double hs_warp_w(const hs_warp_stats &s, float x, int64_t v, double temperature,
@@ -220,7 +223,8 @@ __device__ __forceinline__ double hs_warp_w(const hs_warp_stats &s, float x, int
     uint32_t key = hs_key32(x);
     if (s.kshift < 32 && (key >> s.kshift) < s.kpfx) return 0.0;
     if (s.pmode && (key < s.pkey || (key == s.pkey && v > s.ptie))) return 0.0;
-    return hs_exp_nonpos_f64((double)x / temperature - zmax);
+    const double w = hs_exp_nonpos_f64((double)x / temperature - zmax);
+    return w < s.min_p ? 0.0 : w;
 }
 
 /* A row's statistics before any cut, from its max m and first bad entry (col*2 + is_inf, or -1): 1 if the row
@@ -727,6 +731,30 @@ __global__ void HS_BOUNDS(HS_ROW_THREADS) hs_k_sample_merge(int64_t T, int64_t V
     if (threadIdx.x == 0) stats[row] = s;
 }
 
+/* min-p, last (docs/ops.md "Warp" step 4), one block per node row once its top-k / top-p cuts are decided (by the
+ * merge or the wide kernels): the cut is w_v < min_p (the largest w is 1), and the kept mass R is summed again over
+ * the whole row with it.  Launched only when min_p > 0. */
+template <int DT>
+__global__ void HS_BOUNDS(HS_CHUNK_THREADS) hs_k_min_p(const void *logits, int64_t T, int64_t V, const int64_t *n_dev,
+                                                       double temperature, double min_p, hs_warp_stats *stats) {
+    double *red = (double *)hs_smem();
+    const int64_t row = blockIdx.x;
+    if (n_dev && row % T >= n_dev[row / T]) return;
+    hs_warp_stats s = stats[row];
+    if (s.status < 0) return; /* block-uniform: the walk reports the row's failure */
+    s.min_p = min_p;
+    const double zmax = (double)s.m / temperature;
+    double R = 0.0;
+    hs_strided(0, V, hs_logit_val<DT>{logits, row * V}, [&](int64_t v, float x) {
+        R += hs_warp_w(s, x, v, temperature, zmax);
+    });
+    R = hs_block_reduce(R, red, hs_op_sum());
+    if (threadIdx.x == 0) {
+        s.R = R;
+        stats[row] = s;
+    }
+}
+
 /* Where a request's walk ended, for the residual draw. */
 struct hs_walk_rec {
     long long ok, cur, nrej, draw, len;
@@ -1024,6 +1052,8 @@ extern "C" hs_status hs_cuda_verify_sample(const void *tree_tokens, hs_dtype tok
         return hs_fail(herr, HS_ERR_VALUE, op, "top_k", "expected >= 0 (0 disables it), got %lld", (long long)sp.top_k);
     if (!(sp.top_p > 0.0 && sp.top_p <= 1.0))
         return hs_fail(herr, HS_ERR_VALUE, op, "top_p", "expected a value in (0, 1], got %g", sp.top_p);
+    if (!(sp.min_p >= 0.0 && sp.min_p <= 1.0))
+        return hs_fail(herr, HS_ERR_VALUE, op, "min_p", "expected a value in [0, 1] (0 disables it), got %g", sp.min_p);
     hs_status chk = hs_verify_sizes(op, T, ws_bytes, hs_cuda_verify_sample_workspace_bytes(batch, T, V), herr);
     if (chk != HS_OK) return chk;
     if (batch == 0 || T == 0) return HS_OK;
@@ -1068,6 +1098,9 @@ extern "C" hs_status hs_cuda_verify_sample(const void *tree_tokens, hs_dtype tok
     if (!rc && phases[1])                                                                                             \
         rc = HS_LAUNCH(hs_k_wide_tie<DT>, rows * w.C, tc, tc * sizeof(long long) + 16, stream, logits, T, V, n_dev,  \
                        w.len, w.C, w.stats, w.wide, w.tcnt, w.ctr);                                                   \
+    if (!rc && sp.min_p > 0.0)                                                                                        \
+        rc = HS_LAUNCH(hs_k_min_p<DT>, rows, tc, tc * sizeof(double) + 16, stream, logits, T, V, n_dev,              \
+                       sp.temperature, sp.min_p, w.stats);                                                            \
     if (!rc)                                                                                                          \
         rc = HS_LAUNCH(hs_k_sample_walk<DT>, batch, HS_TREE_THREADS, sm_walk, stream, tree_tokens, (int)token_dtype,  \
                        tree_parents, (int)parent_dtype, T, n_dev, logits, V, sp.temperature,                          \

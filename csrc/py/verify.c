@@ -214,12 +214,13 @@ static int hs_parse_seeds(hs_views *vs, PyObject *o, const char *op, const char 
 HS_FASTCALL(py_verify_sample) {
     (void)self;
     static const char op[] = "verify_sample";
-    if (hs_nargs(op, nargs, 15) < 0) return NULL;
+    if (hs_nargs(op, nargs, 16) < 0) return NULL;
     PyObject *o_seed = args[7], *o_off = args[8], *alloc = args[9], *o_stream = args[10], *res = NULL;
     hs_sampling sp;
     int check, devout, adv;
     if (hs_parse_f64(args[4], op, "temperature", &sp.temperature) < 0 || hs_parse_i64(args[5], op, "top_k", &sp.top_k) < 0 ||
-        hs_parse_f64(args[6], op, "top_p", &sp.top_p) < 0 || hs_parse_flag(args[11], op, "check", &check) < 0 ||
+        hs_parse_f64(args[6], op, "top_p", &sp.top_p) < 0 || hs_parse_f64(args[15], op, "min_p", &sp.min_p) < 0 ||
+        hs_parse_flag(args[11], op, "check", &check) < 0 ||
         hs_parse_flag(args[12], op, "device_outputs", &devout) < 0 ||
         hs_parse_flag(args[13], op, "advance_offset", &adv) < 0)
         return NULL;

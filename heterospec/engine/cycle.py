@@ -179,10 +179,9 @@ class Cycle:
             logits = process(tokens, parents, n_real, logits)
         # 7: acceptance
         if sample:
-            logits, top_k, top_p = processors.with_min_p(logits, temperature, top_k, top_p, min_p)
             path, length, nxt, _ = ops.verify_sample(tokens, parents, logits, temperature=temperature, top_k=top_k,
-                                                     top_p=top_p, seed=st.seed, offset=st.offset, n=n_real,
-                                                     check=check, advance_offset=True)
+                                                     top_p=top_p, min_p=min_p, seed=st.seed, offset=st.offset,
+                                                     n=n_real, check=check, advance_offset=True)
         else:
             path, length, nxt = ops.verify_greedy(tokens, parents, logits, n=n_real, check=check)
         length = length.masked_fill(masked, 0)              # a finished row commits nothing

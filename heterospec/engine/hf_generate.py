@@ -6,8 +6,8 @@ import torch
 
 from .loop import HeteroSpec
 
-# warpers the acceptance applies itself (verify_sample: temperature, then top-k, then top-p, as HuggingFace orders
-# them; min-p after them, processors.with_min_p, with the warper's own min_p); LogitNormalization
+# warpers the acceptance applies itself (verify_sample: temperature, then top-k, top-p and min-p, as HuggingFace
+# orders them; min-p with the warper's own min_p); LogitNormalization
 # (renormalize_logits) is a log-softmax: the same distribution, nothing to do
 _WARPERS = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper"}
 _SAME = {"LogitNormalization"}

@@ -439,8 +439,8 @@ class HeteroSpec:
         """Returns (sequences [1, S + new] int64 on the CPU, GenerationStats).  Greedy when temperature == 0;
         sampled otherwise, from the target's distribution warped as HuggingFace's ``generate`` warps it: the
         temperature, ``top_k``, ``top_p``, then ``min_p`` (HuggingFace's ``MinPLogitsWarper``: tokens below ``min_p``
-        times the likeliest one's probability go; None or 0: off; applied on the device, recorded steps included:
-        :func:`.processors.with_min_p`).  ``do_sample``, HuggingFace's switch: None decides by the temperature,
+        times the likeliest one's probability go; None or 0: off; applied by the acceptance, ``ops.verify_sample``,
+        recorded steps included).  ``do_sample``, HuggingFace's switch: None decides by the temperature,
         False is greedy whatever the temperature, True samples (at temperature 1.0 when none is given; top-k stays
         0, off, where HuggingFace's generation config defaults to 50).
         A request ends at ``max_new_tokens`` or at an ``eos_token_id`` (an id or ids; None, the default: the
@@ -709,9 +709,9 @@ class HeteroSpec:
                 st.offset.zero_()
                 if sample:
                     zeros = torch.zeros((B, 1), dtype=torch.long, device=dev)
-                    warped, k, p = processors.with_min_p(last_logits.view(B, 1, -1), *settings[1:5])
-                    _, _, root, draws = ops.verify_sample(zeros, zeros - 1, warped, temperature=temperature, top_k=k,
-                                                          top_p=p, seed=st.seed, offset=st.offset)
+                    _, _, root, draws = ops.verify_sample(zeros, zeros - 1, last_logits.view(B, 1, -1),
+                                                          temperature=temperature, top_k=top_k, top_p=top_p,
+                                                          min_p=settings[4], seed=st.seed, offset=st.offset)
                     st.offset.copy_(draws)                # the cycles' uniforms follow the prefill's, per row
                 else:
                     root = torch.argmax(last_logits, dim=-1)

@@ -23,8 +23,6 @@ A repetition penalty alone (HuggingFace's ``RepetitionPenaltyLogitsProcessor``, 
 tree's ancestor mask, fixed shapes and no host read, so such calls keep their recorded steps; the draft's
 distributions are penalised the same way (:func:`penalise_draft`, each beam's path from the growth's parents).
 
-:func:`with_min_p` is the one warper the acceptance does not apply itself (``ops.verify_sample`` applies the
-temperature, top-k and top-p): it runs on the device with fixed shapes, so calls with it keep their recorded steps.
 """
 from __future__ import annotations
 
@@ -157,30 +155,6 @@ def _apply_draft(processors, contexts, vocab, g, logits, d2t):
     full[:, :, tid] = logits.to(torch.float32)
     _process(processors, contexts, _beam_paths(g, B), full)
     return full[:, :, tid]
-
-
-def with_min_p(logits, temperature, top_k, top_p, min_p):
-    """The target's logits [..., V] and sampling settings -> (logits, top_k, top_p) for ``ops.verify_sample`` with
-    the same ``temperature``: as given without ``min_p`` (0); with it, every token HuggingFace's warpers remove, in
-    its ``generate``'s order (the temperature, top-k, top-p, then ``MinPLogitsWarper``: a token whose probability
-    after those is below ``min_p`` times the largest), set to -inf on the raw logits, and top-k / top-p then off
-    (0, 1.0), so the acceptance's softmax at ``temperature`` over the tokens left is HuggingFace's distribution.
-    min-p after top-p is not min-p before it (renormalised, the nucleus shrinks), so all of them are applied here,
-    in float32 as HuggingFace's loop does; fixed shapes on the logits' device, so a recorded step holds it."""
-    if not min_p:
-        return logits, top_k, top_p
-    z = logits.float() / temperature
-    remove = torch.zeros_like(z, dtype=torch.bool)
-    if 0 < top_k < z.shape[-1]:
-        remove |= z < torch.topk(z, top_k, dim=-1).values[..., -1:]
-    if top_p < 1.0:                 # the smallest tail whose mass is at most 1 - top_p goes; the largest stays
-        low, order = torch.sort(z.masked_fill(remove, -float("inf")), dim=-1)
-        drop = low.softmax(-1).cumsum(-1) <= 1.0 - top_p
-        drop[..., -1:] = False
-        remove |= torch.zeros_like(remove).scatter(-1, order, drop)
-    probs = z.masked_fill(remove, -float("inf")).softmax(-1)
-    remove |= probs < min_p * probs.amax(-1, keepdim=True)
-    return logits.masked_fill(remove, -float("inf")), 0, 1.0
 
 
 _PENALTY = "RepetitionPenaltyLogitsProcessor"

@@ -71,7 +71,7 @@ def _lane_sum(w):
     return total
 
 
-def _warp(row64, temperature, top_k, top_p):
+def _warp(row64, temperature, top_k, top_p, min_p=0.0):
     """HuggingFace-order warp of one float64 row (values already float32) -> w (float64, 0 = removed)."""
     v = row64.shape[0]
     z = row64 / temperature
@@ -87,6 +87,8 @@ def _warp(row64, temperature, top_k, top_p):
         order = ids[np.lexsort((ids, -z[ids]))]  # (z descending, id ascending)
         before = np.concatenate([[0.0], np.add.accumulate(p[order])[:-1]])  # mass strictly before each token
         w[order[before >= top_p]] = 0.0  # kept iff the mass before it is < top_p: the top token always is
+    if min_p > 0.0:
+        w[w < min_p] = 0.0  # p_v < min_p * max p, and p_v / max p = w_v (the largest w is 1), renormalised or not
     return w
 
 
@@ -108,7 +110,8 @@ def _uniform(seed, offset, j):
     return x0 * 2.0**-32
 
 
-def _verify_sample_host(tree_tokens, tree_parents, target_logits, *, temperature, top_k=0, top_p=1.0, seed, offset):
+def _verify_sample_host(tree_tokens, tree_parents, target_logits, *, temperature, top_k=0, top_p=1.0, min_p=0.0, seed,
+                        offset):
     """Lossless tree verification by recursive rejection sampling -> (path int64[len], next_token, draws)."""
     op = "verify_sample"
     tok, children, x = _tree(op, tree_tokens, tree_parents, target_logits)
@@ -117,13 +120,16 @@ def _verify_sample_host(tree_tokens, tree_parents, target_logits, *, temperature
     top_p = _real(op, "top_p", top_p)
     if not (0.0 < top_p <= 1.0):
         _fail(ValueError, op, "top_p", "a float in (0, 1]", top_p)
+    min_p = _real(op, "min_p", min_p)
+    if not (0.0 <= min_p <= 1.0):
+        _fail(ValueError, op, "min_p", "a float in [0, 1] (0 disables it)", min_p)
     seed = _int(op, "seed", seed, 0, _U64_LIMIT - 1)
     offset = _int(op, "offset", offset, 0, _U64_LIMIT - 1)
 
     node, path, j = 0, [0], 0
     while True:
         # 1. warp the row of the current node
-        w = _warp(_logit_row64(op, "target_logits", x, node), temperature, top_k, top_p)
+        w = _warp(_logit_row64(op, "target_logits", x, node), temperature, top_k, top_p, min_p)
         r_mass = _lane_sum(w)
         rejected = []
         accepted = None
@@ -295,7 +301,7 @@ def verify_greedy(tree_tokens, tree_parents, target_logits, *, n=None, stream=No
 
 
 def verify_sample(tree_tokens, tree_parents, target_logits, *, temperature, top_k=0, top_p=1.0, seed, offset, n=None,
-                  stream=None, check=True, device_outputs=False, advance_offset=False):
+                  stream=None, check=True, device_outputs=False, advance_offset=False, min_p=0.0):
     """Lossless tree verification by recursive rejection sampling -> (path int64[len], next_token, draws),
     or with device_outputs (path[n] padded with -1, length, next_token, draws) as arrays.
 
@@ -317,7 +323,8 @@ def verify_sample(tree_tokens, tree_parents, target_logits, *, temperature, top_
                np.zeros(B, np.int64))
         for b, c in enumerate(counts):
             path, nxt, draws = _verify_sample_host(tok[b, :c], par[b, :c], x[b, :c], temperature=temperature,
-                                                   top_k=top_k, top_p=top_p, seed=seeds[b], offset=offsets[b])
+                                                   top_k=top_k, top_p=top_p, min_p=min_p, seed=seeds[b],
+                                                   offset=offsets[b])
             out[0][b, : path.shape[0]], out[1][b], out[2][b], out[3][b] = path, path.shape[0], nxt, draws
         if advance_offset:
             for b in range(B):
@@ -352,7 +359,7 @@ def verify_sample(tree_tokens, tree_parents, target_logits, *, temperature, top_
         _fail(ValueError, op, "offset", "a writable tensor (advance_offset=True writes offset + draws into it)",
               "a read-only one")
     path, nxt, draws = _verify_sample_host(tree_tokens, tree_parents, target_logits, temperature=temperature,
-                                           top_k=top_k, top_p=top_p, seed=seed, offset=offset)
+                                           top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, offset=offset)
     if advance_offset:  # offset += draws, mod 2^64, stored as the int64 with those bits (as the kernel does)
         advanced = (offset + draws) % _U64_LIMIT
         offset_arr.fill(advanced - _U64_LIMIT if advanced >= 1 << 63 else advanced)

@@ -67,7 +67,7 @@ static void test_verify(void) {
               "verify_greedy row %d differs from its batch-1 call", b);
     }
 
-    hs_sampling sp = {0.8, 5, 0.9};
+    hs_sampling sp = {0.8, 5, 0.9, 0.1};
     uint64_t seeds[B] = {11, 12, 13}, offsets[B] = {0, 100, 7};
     int64_t draws[B];
     size_t wsb = hs_verify_sample_workspace_bytes(T, V);

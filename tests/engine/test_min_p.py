@@ -1,7 +1,9 @@
 """min-p sampling (HuggingFace's ``MinPLogitsWarper``; vLLM's and llama.cpp's ``min_p``) in the speculative cycle:
-the warpers' mask against HuggingFace's own warper objects applied in its order, the sampled draws through
+the acceptance's warp (``ops.verify_sample``'s ``min_p``, held by tests/ops/test_verify.py to the walk of
+``_oracles.hf_keep``) against HuggingFace's own warper objects applied in its order, the sampled draws through
 ``custom_generate`` against ``HeteroSpec.generate``, and bad input.  The distribution itself is tested by chi-square
 in test_decoding (its ``minp`` case) and recorded steps against the eager engine in test_graphs."""
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -9,9 +11,9 @@ transformers = pytest.importorskip("transformers")
 
 from _doubles import NoisyDraft  # noqa: E402
 from _models import DEVICE, V, prompts, tiny_target  # noqa: E402
+from _oracles import hf_keep  # noqa: E402
 
-from heterospec import HeteroSpec, Policy, custom_generate  # noqa: E402
-from heterospec.engine.processors import with_min_p  # noqa: E402
+from heterospec import HeteroSpec, Policy, custom_generate, ops  # noqa: E402
 
 W = transformers.generation.logits_process
 
@@ -23,7 +25,8 @@ def _hf_chain(logits, temperature, top_k, top_p, min_p):
         chain.append(W.TopKLogitsWarper(top_k))
     if top_p < 1.0:
         chain.append(W.TopPLogitsWarper(top_p))
-    chain.append(W.MinPLogitsWarper(min_p))
+    if min_p:
+        chain.append(W.MinPLogitsWarper(min_p))
     z = logits.float()
     for w in chain:
         z = w(None, z)
@@ -33,28 +36,35 @@ def _hf_chain(logits, temperature, top_k, top_p, min_p):
 @pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
     (1.0, 0, 1.0, 0.05), (0.7, 0, 1.0, 0.3), (1.3, 40, 1.0, 0.1), (1.0, 0, 0.8, 0.2), (0.6, 50, 0.9, 0.5),
     (1.0, 0, 0.5, 1.0)])
-def test_the_mask_is_huggingfaces_warpers_in_its_order(temperature, top_k, top_p, min_p):
-    """Random logits [3, 5, 300] with repeated values (ties): the tokens set to -inf are the ones HF's chain removes,
-    top-k and top-p come back off, and softmax at the temperature over the rest is HF's distribution."""
+def test_the_acceptances_warp_is_huggingfaces_warpers_in_their_order(temperature, top_k, top_p, min_p):
+    """Random rows [15, 300] with repeated values (ties): the tokens the ops' oracle keeps (``hf_keep``, which the C
+    core, its NumPy twin and the kernels are held to draw for draw) are the ones HuggingFace's chain keeps, and
+    min-p matters (it removes tokens the other warpers keep).  Min-p before top-p would keep fewer."""
     g = torch.Generator().manual_seed(int(1000 * min_p) + top_k)
-    logits = (torch.randn(3, 5, 300, generator=g) * 3).round(decimals=1)
-    out, k, p = with_min_p(logits, temperature, top_k, top_p, min_p)
-    ref = _hf_chain(logits.view(15, 300), temperature, top_k, top_p, min_p).view(3, 5, 300)
-    assert (k, p) == (0, 1.0)
-    assert torch.equal(torch.isinf(out), torch.isinf(ref))
-    assert 0 < torch.isinf(out).sum() < out.numel()
-    assert torch.allclose(torch.softmax(out / temperature, -1), torch.softmax(ref, -1), atol=1e-6)
-    # min-p after top-p is not min-p before it: the nucleus of the renormalised tokens would be smaller
+    logits = (torch.randn(15, 300, generator=g) * 3).round(decimals=1)
+    ref = ~torch.isinf(_hf_chain(logits, temperature, top_k, top_p, min_p)).numpy()
+    without = ~torch.isinf(_hf_chain(logits, temperature, top_k, top_p, 0.0)).numpy()
+    ours = np.stack([hf_keep(row, temperature, top_k, top_p, min_p)[1] for row in logits.numpy()])
+    assert (ours == ref).all()
+    assert ref.sum() < without.sum()
     if top_p < 1.0 and min_p < 1.0:
-        first = with_min_p(logits, temperature, 0, 1.0, min_p)[0]
-        before = _hf_chain(first.view(15, 300), temperature, top_k, top_p, 1e-9).view(3, 5, 300)
-        assert torch.isinf(before).sum() >= torch.isinf(out).sum()
+        first = _hf_chain(logits, temperature, 0, 1.0, min_p) * temperature   # min-p alone, back to logits
+        before = ~torch.isinf(_hf_chain(first, temperature, top_k, top_p, 0.0)).numpy()
+        assert before.sum() <= ref.sum()
 
 
-def test_without_min_p_the_logits_pass_through():
-    logits = torch.randn(2, 3, 50)
-    out, k, p = with_min_p(logits, 0.8, 7, 0.9, 0.0)
-    assert out is logits and (k, p) == (7, 0.9)
+@pytest.mark.parametrize("min_p", [0.0, 0.3, 1.0])
+def test_a_min_p_of_one_keeps_only_the_largest(min_p):
+    """A root-only tree samples the warped row itself: with min_p 1 every draw is the row's argmax (of two tied
+    maxima, either); with 0.3 only tokens within ln(0.3) of the max in z; with 0 (off) others come up too."""
+    x = np.array([[2.0, 5.0, 4.5, 5.0, -1.0, 3.0]], np.float32)
+    allowed = {1.0: {1, 3}, 0.3: {1, 2, 3}, 0.0: set(range(6))}[min_p]
+    seen = set()
+    for seed in range(300):
+        _, nxt, _ = ops.verify_sample(np.zeros(1, np.int64), np.full(1, -1, np.int64), x, temperature=1.0,
+                                      min_p=min_p, seed=seed, offset=0)
+        seen.add(nxt)
+    assert seen <= allowed and len(seen) >= min(len(allowed), 4)
 
 
 def test_min_p_changes_the_draws_and_custom_generate_takes_it_from_the_config():

@@ -83,7 +83,9 @@ def check_tree(tree, want):
     np.testing.assert_array_equal(mask, want["mask"])
 
 
-SAMPLE_SETTINGS = [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 3, 1.0), (1.0, 0, 0.8), (0.8, 4, 0.9), (2.0, 100, 0.5)]
+# (temperature, top_k, top_p, min_p)
+SAMPLE_SETTINGS = [(1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.3, 3, 1.0, 0.0), (1.0, 0, 0.8, 0.0), (0.8, 4, 0.9, 0.0),
+                   (2.0, 100, 0.5, 0.0), (1.0, 0, 1.0, 0.2), (1.5, 0, 0.9, 0.1), (0.8, 4, 1.0, 0.5), (1.0, 0, 1.0, 1.0)]
 
 TENSOR_KINDS = ["numpy[1]", "numpy[]", "torch[1]", "torch[]"]
 

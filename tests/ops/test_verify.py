@@ -186,9 +186,9 @@ def test_verify_greedy_duplicate_children_and_unvisited_nan(impl):
     assert nxt == 0  # row 4 all zeros: ties to the lower id
 
 
-@pytest.mark.parametrize("setting", SAMPLE_SETTINGS, ids=lambda s: "T%s-k%s-p%s" % s)
+@pytest.mark.parametrize("setting", SAMPLE_SETTINGS, ids=lambda s: "T%s-k%s-p%s-minp%s" % s)
 def test_verify_sample_matches_walk(impl, setting):
-    temperature, top_k, top_p = setting
+    temperature, top_k, top_p, min_p = setting
     rng = np.random.default_rng(51)
     for trial in range(40):
         v = int(rng.choice([1, 5, 7, 111]))
@@ -202,9 +202,9 @@ def test_verify_sample_matches_walk(impl, setting):
             seed = int(rng.integers(0, 2**63)) * 2 + s % 2
             offset = int(rng.integers(0, 2**64 - 64, dtype=np.uint64)) if s % 2 else int(rng.integers(0, 1000))
             path, nxt, draws = impl.verify_sample(
-                tokens, parents, x, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, offset=offset
-            )
-            w_path, w_next, w_draws = sample_walk(tokens, parents, x, temperature, top_k, top_p, seed, offset)
+                tokens, parents, x, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, offset=offset,
+                min_p=min_p)
+            w_path, w_next, w_draws = sample_walk(tokens, parents, x, temperature, top_k, top_p, seed, offset, min_p)
             path = to_numpy(path)
             assert path.dtype == np.int64
             assert path.tolist() == w_path
@@ -469,11 +469,12 @@ def test_agree_verify_greedy(c_ops, ref_ops):
 
 @pytest.mark.parametrize(
     "setting",
-    [(1.0, 0, 1.0), (0.6, 0, 1.0), (1.5, 2, 1.0), (1.0, 0, 0.7), (0.9, 5, 0.95), (1.0, 10**6, 0.999), (3.0, 1, 0.2)],
-    ids=lambda s: "T%s-k%s-p%s" % s,
+    [(1.0, 0, 1.0, 0.0), (0.6, 0, 1.0, 0.0), (1.5, 2, 1.0, 0.0), (1.0, 0, 0.7, 0.0), (0.9, 5, 0.95, 0.0),
+     (1.0, 10**6, 0.999, 0.0), (3.0, 1, 0.2, 0.0), (1.0, 0, 1.0, 0.3), (0.9, 5, 0.95, 0.1), (1.2, 0, 0.7, 0.05)],
+    ids=lambda s: "T%s-k%s-p%s-minp%s" % s,
 )
 def test_agree_verify_sample(c_ops, ref_ops, setting):
-    temperature, top_k, top_p = setting
+    temperature, top_k, top_p, min_p = setting
     rng = np.random.default_rng(105)
     for trial in range(60):
         v = int(rng.choice([1, 2, 6, 8, 50]))
@@ -485,7 +486,7 @@ def test_agree_verify_sample(c_ops, ref_ops, setting):
         for s in range(30):
             seed = int(rng.integers(0, 2**64, dtype=np.uint64)) if s % 3 else s
             offset = int(rng.integers(0, 2**64, dtype=np.uint64)) if s % 2 else 64 * s
-            kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, offset=offset)
+            kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, offset=offset)
             pc, nc, dc = c_ops.verify_sample(tokens, parents, x, **kw)
             pr, nr, dr = ref_ops.verify_sample(tokens, parents, x, **kw)
             same(pc, pr, f"path trial {trial} seed {seed} offset {offset}")
@@ -532,9 +533,9 @@ def test_greedy_batch_equals_its_rows(impl, seed, ragged):
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("setting", [(1.0, 0, 1.0), (0.7, 5, 0.9)])
+@pytest.mark.parametrize("setting", [(1.0, 0, 1.0, 0.0), (0.7, 5, 0.9, 0.0), (1.0, 0, 0.9, 0.2)])
 def test_sample_batch_equals_its_rows_with_per_row_seeds(impl, seed, setting):
-    temperature, top_k, top_p = setting
+    temperature, top_k, top_p, min_p = setting
     rng = np.random.default_rng(10 + seed)
     B, T, V = 4, 7, 25
     counts = rng.integers(1, T + 1, B)
@@ -542,7 +543,7 @@ def test_sample_batch_equals_its_rows_with_per_row_seeds(impl, seed, setting):
     seeds = rng.integers(0, 2**62, B).astype(np.int64)
     offsets = rng.integers(0, 1000, B).astype(np.int64)
     start = offsets.copy()
-    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     path, length, nxt, draws = (to_numpy(a) for a in impl.verify_sample(
         tok, par, x, n=counts.astype(np.int64), seed=seeds, offset=offsets, advance_offset=True, **kw))
     for b in range(B):
@@ -630,6 +631,9 @@ case(CASES, "vs-top-k-type", TypeError, "top_k", lambda m: vs(m, top_k=1.5))
 case(CASES, "vs-top-p", ValueError, "top_p",
      lambda m: vs(m, top_p=0.0), lambda m: vs(m, top_p=1.5), lambda m: vs(m, top_p=-0.1),
      lambda m: vs(m, top_p=float("nan")))
+case(CASES, "vs-min-p", ValueError, "min_p",
+     lambda m: vs(m, min_p=-0.1), lambda m: vs(m, min_p=1.5), lambda m: vs(m, min_p=float("nan")))
+case(CASES, "vs-min-p-type", TypeError, "min_p", lambda m: vs(m, min_p="0.1"), lambda m: vs(m, min_p=None))
 case(CASES, "vs-seed", ValueError, "seed", lambda m: vs(m, seed=-1), lambda m: vs(m, seed=2**64))
 case(CASES, "vs-seed-type", TypeError, "seed", lambda m: vs(m, seed=1.0))
 case(CASES, "vs-offset", ValueError, "offset", lambda m: vs(m, offset=-1), lambda m: vs(m, offset=2**64))
@@ -769,7 +773,8 @@ def test_verify_greedy_parity(dtype, n, V):
 @on_device
 @pytest.mark.parametrize("dtype", LOGIT_DTYPES)
 @pytest.mark.parametrize("n,V", [(1, 7), (10, 111), (40, 2000)])
-@pytest.mark.parametrize("warp", [dict(), dict(top_k=5), dict(top_p=0.8), dict(top_k=50, top_p=0.9), dict(top_p=0.3)])
+@pytest.mark.parametrize("warp", [dict(), dict(top_k=5), dict(top_p=0.8), dict(top_k=50, top_p=0.9), dict(top_p=0.3),
+                                  dict(min_p=0.1), dict(top_p=0.9, min_p=0.05), dict(top_k=50, min_p=0.3)])
 def test_verify_sample_parity_same_uniforms_same_path(dtype, n, V, warp):
     rng = np.random.default_rng(n * 13 + V + len(warp))
     for trial in range(4):
@@ -861,7 +866,8 @@ def test_batched_verify_on_the_device_equals_the_cpu_batch(dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shape", ["peaked", "flat", "ties"])
 @pytest.mark.parametrize("warp", [dict(), dict(top_p=0.9), dict(top_p=0.999), dict(top_k=7),
-                                  dict(top_k=200, top_p=0.8), dict(top_k=300), dict(top_k=7, top_p=0.5)])
+                                  dict(top_k=200, top_p=0.8), dict(top_k=300), dict(top_k=7, top_p=0.5),
+                                  dict(min_p=0.02), dict(top_p=0.9, min_p=0.1), dict(top_k=300, min_p=0.05)])
 def test_split_rows_verify_sample_parity(dtype, shape, warp):
     rng = np.random.default_rng(zlib.crc32(f"{dtype} {shape} {warp}".encode()))  # not hash(): salted per process
     n, V = 6, 3001

@@ -83,6 +83,7 @@ def test_per_op_bytes_of_the_default_shape_by_hand():
     assert logits == 15_390_720
     assert b["verify_greedy"] == logits + 2 * 60 * 8 + 60 * 8 + 16 == 15_392_176
     assert b["verify_sample"] == logits + 2 * 60 * 8 + 8 + 60 * 8 + 24 + 8 == 15_392_200
+    assert b["verify_sample min-p"] == b["verify_sample"]
     kv = 4 * 64 * 8 * 128 * 2  # 4 rows x 64 tensors x 8 heads x 128 x bf16
     assert 2 * kv + 5 * 8 == 1_048_616  # read + written, + the slots
     assert b["kv_compact stacked"] == b["kv_compact list"] == 1_048_616
@@ -126,7 +127,7 @@ def test_per_op_rows_and_markdown_have_one_row_per_op():
     lines = md.splitlines()
     sep = lines.index("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     body = lines[sep + 1:]
-    assert len(body) == len(bench.PER_OPS) == 9
+    assert len(body) == len(bench.PER_OPS) == 10
     assert [line.split(" | ")[0] for line in body] == ["| " + op for op in bench.PER_OPS]
     assert all(line.count("|") == lines[sep].count("|") for line in body)
 
@@ -188,7 +189,7 @@ def test_run_per_op_flow_on_the_cpu_with_fake_timers(monkeypatch):
     assert [r["bytes"] for r in out["rows"]] == list(nbytes.values())
     assert nbytes["expand root"] == 400 * 4 + 12 + 4 * 8 + 4 * 20 + 4 + 4 * 8  # Vd=400, k=4
     md = bench.per_op_markdown(out["rows"], "cpu", 1000.0, 3)
-    assert len([line for line in md.splitlines() if line.startswith("| ") and "---" not in line]) == 1 + 9
+    assert len([line for line in md.splitlines() if line.startswith("| ") and "---" not in line]) == 1 + len(bench.PER_OPS)
 
 
 def test_the_kernel_probe_peaked_rows_hold_almost_all_the_mass():

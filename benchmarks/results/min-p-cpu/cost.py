@@ -1,7 +1,8 @@
 """What min-p costs a sampled cycle on the CPU: HeteroSpec (shipped CPU profile) and our `ar` on the default pair
-(float32), the six demo prompts x 96 tokens, temperature 0.8, top-p 0.9 or 1.0, without and with min-p 0.05 (all
-four warpers then applied to the logits in torch before the acceptance; with top-p < 1 a sort over the vocabulary
-per tree node), 3 rounds alternated in one process, seed 0.  python benchmarks/results/min-p-cpu/cost.py [ROUNDS]"""
+(float32), the six demo prompts x 96 tokens, temperature 0.8, top-p 0.9 or 1.0, without and with min-p 0.05, 3 rounds
+alternated in one process, seed 0.  python benchmarks/results/min-p-cpu/cost.py [ROUNDS]
+cost.log: min-p as the four warpers applied to the logits in torch before the acceptance (with top-p < 1 a sort over
+the vocabulary per tree node); cost-in-verify.log: min-p inside ops.verify_sample (the same script, later code)."""
 import statistics
 import sys
 import time

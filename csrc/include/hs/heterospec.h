@@ -134,6 +134,7 @@ typedef struct hs_sampling {
     double temperature; /* >= HS_MIN_TEMPERATURE */
     int64_t top_k;      /* 0 = off */
     double top_p;       /* (0, 1]; 1 = off */
+    double min_p;       /* [0, 1]; 0 = off: after top-k and top-p, tokens below min_p times the largest probability go */
 } hs_sampling;
 
 /* Lossless recursive rejection sampling over the tree (point-mass sibling proposals), uniforms from
