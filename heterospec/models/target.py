@@ -19,7 +19,13 @@ ever calls ``update(keys, values, layer_idx, ...)`` on the cache.
 The three EAGLE-3 taps (the residual stream entering layers 2, L//2 and L-3 by default) are captured with
 forward pre-hooks, so the model never has to return all hidden states.
 
-Tested with transformers 5.x (Llama, Qwen2, Qwen3; sdpa and eager attention).
+Sliding attention windows (:func:`sliding_layout`): a layer that slides sees a key at position k from a query at
+position q only when k > q - window, as transformers' own masks say; the mask is restricted so for every layer
+(the Mistral family) or passed per layer type in a dict (``config.layer_types``: Gemma 2/3, Qwen2/3 with
+``use_sliding_window``, gpt-oss), so the output past the window is still the model's own.
+
+Tested with transformers 5.x (Llama, Qwen2, Qwen3; sdpa and eager attention; sliding windows on Mistral, Phi-3,
+Qwen2, Gemma 3 and gpt-oss).
 """
 from __future__ import annotations
 
@@ -261,6 +267,34 @@ def check_invariant_attention(dtype, heads, kv_heads, head_dim):
     return _ATTN_CHECKED[key]
 
 
+def sliding_layout(config):
+    """How a model's attention layers slide, as transformers (5.x) builds their masks -> None (no layer slides), or
+    (window, typed): ``typed`` when the config names each layer's type (``layer_types`` holding
+    "sliding_attention": Gemma 2/3, Qwen2/3 with ``use_sliding_window``, ...), whose forward takes a mask per type
+    in a dict; else every layer slides (``sliding_window`` set without layer types: the Mistral family, Phi-3,
+    Mixtral, Starcoder2).  Layer types other than full and sliding attention (chunked, linear) are refused (a
+    ValueError): their masks are not what the engine builds."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(c, "sliding_window", None)
+    types = getattr(c, "layer_types", None)
+    if types is not None:
+        other = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if other:
+            raise ValueError(f"target: expected layers of full or sliding attention (config.layer_types), got "
+                             f"{other}, whose masks the engine does not build")
+        if "sliding_attention" not in types:
+            return None
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ValueError(f"target: expected config.sliding_window an int >= 1 for its sliding_attention "
+                             f"layers, got {window!r}")
+        return window, True
+    if window is None:
+        return None
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"target: expected config.sliding_window None or an int >= 1, got {window!r}")
+    return window, False
+
+
 def _kv_shape(config):
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = c.num_attention_heads
@@ -388,6 +422,11 @@ class TargetAdapter:
                 raise ValueError("target: row-invariant verification: this machine's attention kernel gives a "
                                  "row of a batched call another result than the row alone; use float32 or "
                                  "batch_invariant=False")
+        # sliding attention windows: each forward's mask restricted to them as transformers restricts its own
+        self._sliding = sliding_layout(model.config)
+        if self._sliding is not None and self._sliding[1] and self.invariant:
+            raise ValueError("target: row-invariant verification (bfloat16 on the CPU) expected one kind of attention "
+                             "layer, got sliding and full layers (config.layer_types); use float32")
         self._captured = {}
         self._hooks = []
         if capture_taps:
@@ -504,8 +543,13 @@ class TargetAdapter:
         cache.slots = slots
         W = allowed.shape[-1]
         cache.window = W if W < self.capacity else None
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, self._neg)
-        mask = mask.view(1, 1, *allowed.shape) if allowed.dim() == 2 else mask.unsqueeze(1)
+        mask = self._additive(allowed)
+        if self._sliding is not None:
+            near = self._within_window(allowed, positions, slots)
+            if self._sliding[1]:      # a mask per layer type, as the model's forward takes them
+                mask = {"full_attention": mask, "sliding_attention": self._additive(near)}
+            else:                     # every layer slides
+                mask, allowed = self._additive(near), near
         call = self.model if call is None else call
         # cache_position is informational here (our cache writes at `slots`; the 4D mask skips mask building)
         args = dict(input_ids=ids, position_ids=positions, cache_position=slots if slots.dim() == 1 else slots[0],
@@ -522,6 +566,23 @@ class TargetAdapter:
             return call(**args, heterospec_keys=key_groups(allowed.view(-1, *allowed.shape[-2:])))
         finally:
             config._attn_implementation = before
+
+    def _additive(self, allowed):
+        """bool [n, W] or [B, n, W] -> the additive 4D mask [1 or B, 1, n, W] of the model's dtype."""
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, self._neg)
+        return mask.view(1, 1, *allowed.shape) if allowed.dim() == 2 else mask.unsqueeze(1)
+
+    def _within_window(self, allowed, positions, slots):
+        """``allowed`` restricted to the sliding window: a query at position q sees a key at position k only when
+        k > q - window (transformers' ``sliding_window_overlay``).  A column's position is its index (committed
+        positions sit at their own columns: prefill and commit put them there), except this forward's ``slots``,
+        which hold ``positions`` (a tree node's depth past the prefix, a left-padded prompt's own count)."""
+        B, n = positions.shape
+        W = allowed.shape[-1]
+        kpos = self._cols[:W].expand(B, W).clone()
+        kpos.scatter_(1, (slots if slots.dim() == 2 else slots.view(1, n)).expand(B, n), positions)
+        near = kpos.view(B, 1, W) > positions.view(B, n, 1) - self._sliding[0]
+        return allowed & (near[0] if allowed.dim() == 2 else near)
 
     @torch.no_grad()
     def prefill(self, input_ids, attention_mask=None):

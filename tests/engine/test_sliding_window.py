@@ -1,0 +1,116 @@
+"""Targets whose attention slides (Mistral, Phi-3, Mixtral: every layer; Gemma 2/3, Qwen2/3 with
+``use_sliding_window``, gpt-oss: some layers, by ``config.layer_types``): the engine restricts each forward's mask to
+the window as transformers does, so greedy output equals HuggingFace's own generate -- for prompts and generations
+longer than the window, where the window changes HuggingFace's output (checked first: a test that could not fail
+otherwise), with autoregressive decoding, EAGLE-3 trees and HeteroSpec's bins, one prompt or a left-padded batch.
+Before the engine knew the window, every such model drifted from HuggingFace's output past the window."""
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from _doubles import NoisyDraft, OracleDraft  # noqa: E402
+from _models import DEVICE, THRESHOLDS  # noqa: E402
+
+from heterospec import HeteroSpec, Policy  # noqa: E402
+from heterospec.models.target import sliding_layout  # noqa: E402
+
+VOCAB, WINDOW, PROMPT, NEW = 64, 12, 30, 32
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, attn_implementation="sdpa")
+# arch -> (config class, model class, extra config, lm_head scale: Gemma's logits stay unsharpened, as its soft
+# capping / embedding scale otherwise leave greedy ties that hide the window)
+ARCHS = {
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=WINDOW), 40.0),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=WINDOW, pad_token_id=0), 40.0),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
+              dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2), 40.0),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=8, sliding_window=WINDOW), 1.0),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(head_dim=8, num_local_experts=4, sliding_window=WINDOW, attn_implementation="eager"), 40.0),
+}
+
+
+def _model(arch, window=WINDOW):
+    cfg_name, cls_name, extra, scale = ARCHS[arch]
+    kw = dict(COMMON, **extra)
+    kw["sliding_window"] = window
+    torch.manual_seed(0)
+    model = getattr(transformers, cls_name)(getattr(transformers, cfg_name)(**kw)).eval().float()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(scale)
+    return model.to(DEVICE)
+
+
+def _hf(model, p, new=NEW):
+    out = model.generate(p, attention_mask=torch.ones_like(p), do_sample=False, max_new_tokens=new,
+                         min_new_tokens=new, pad_token_id=0, eos_token_id=None)
+    return out[0, p.shape[1]:].tolist()
+
+
+def _prompt(seed, n=PROMPT):
+    return torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def arch_model_refs(request):
+    model = _model(request.param)
+    ps = [_prompt(s) for s in (1, 2)]
+    refs = [_hf(model, p) for p in ps]
+    wide = _model(request.param, window=4096)            # the same weights, a window the sequence never reaches
+    assert any(_hf(wide, p) != r for p, r in zip(ps, refs)), "the window must change HuggingFace's output here"
+    return request.param, model, ps, refs
+
+
+@pytest.mark.parametrize("method", ["ar", "eagle3-oracle", "eagle3-noisy", "heterospec-noisy"])
+def test_greedy_equals_huggingface_past_the_window(arch_model_refs, method):
+    arch, model, ps, refs = arch_model_refs
+    draft, policy = {
+        "ar": lambda: (None, Policy.autoregressive()),
+        "eagle3-oracle": lambda: (OracleDraft(model), Policy.static(5, 3, 16)),
+        "eagle3-noisy": lambda: (NoisyDraft(32, VOCAB).to(DEVICE), Policy.static(4, 4, 12)),
+        "heterospec-noisy": lambda: (NoisyDraft(32, VOCAB, seed=3).to(DEVICE), Policy.paper(4, 4, 20, THRESHOLDS)),
+    }[method]()
+    with HeteroSpec(model, draft, policy, cuda_graphs=False) as hs:
+        for p, ref in zip(ps, refs):
+            out, _ = hs.generate(p, max_new_tokens=NEW, eos_token_id=[])
+            assert out[0, p.shape[1]:].tolist() == ref, f"{arch} {method}"
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_a_left_padded_batch_decodes_each_row_as_alone(arch):
+    """Rows of different lengths (left padding in the prefill, each prompt then moved to column 0): each row's
+    output is HuggingFace's for its prompt alone."""
+    model = _model(arch)
+    ps = [_prompt(10 + i, n) for i, n in enumerate((9, 30, 21))]
+    refs = [_hf(model, p) for p in ps]
+    S = max(p.shape[1] for p in ps)
+    ids = torch.zeros((len(ps), S), dtype=torch.long, device=DEVICE)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(ps):
+        ids[b, S - p.shape[1]:] = p[0]
+        mask[b, S - p.shape[1]:] = 1
+    with HeteroSpec(model, OracleDraft(model), Policy.static(5, 3, 16), cuda_graphs=False) as hs:
+        out, _ = hs.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=[])
+    assert [row[S:S + NEW].tolist() for row in out] == refs
+
+
+def test_sliding_layout_reads_the_config_as_transformers_does():
+    def cfg(**kw):
+        return transformers.PretrainedConfig(**kw)
+
+    assert sliding_layout(cfg()) is None
+    assert sliding_layout(cfg(sliding_window=None)) is None
+    assert sliding_layout(cfg(sliding_window=4096)) == (4096, False)                    # Mistral: every layer
+    assert sliding_layout(cfg(sliding_window=512, layer_types=["sliding_attention", "full_attention"])) == (512, True)
+    assert sliding_layout(cfg(sliding_window=4096, layer_types=["full_attention"] * 2)) is None   # Qwen2's default
+    assert sliding_layout(_model("qwen2").config) == (WINDOW, True)
+    assert sliding_layout(transformers.Qwen2Config(sliding_window=4096)) is None        # use_sliding_window False
+    with pytest.raises(ValueError, match=r"^target: expected layers of full or sliding attention \(config\.layer_types"
+                                         r"\), got \['chunked_attention'\]"):
+        sliding_layout(cfg(layer_types=["chunked_attention", "full_attention"]))
+    with pytest.raises(ValueError, match=r"^target: expected config\.sliding_window None or an int >= 1, got 0"):
+        sliding_layout(cfg(sliding_window=0))
+    with pytest.raises(ValueError, match=r"^target: expected config\.sliding_window an int >= 1 for its "):
+        sliding_layout(cfg(sliding_window=None, layer_types=["sliding_attention"]))
