@@ -112,6 +112,7 @@ def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=N
                          "transformers' generate does not pass to a custom_generate callable; pass stopping_criteria="
                          "StoppingCriteriaList([StopStringCriteria(tokenizer, stop_strings)]) instead (the same "
                          "output), or HeteroSpec.generate(stop_strings=..., tokenizer=...)")
+    _check_model_inputs(model_kwargs)
     procs = split_processors(logits_processor, input_ids.shape[0])
     as_dict = bool(getattr(gc, "return_dict_in_generate", False))
     for name in ("output_attentions", "output_hidden_states"):
@@ -157,6 +158,32 @@ def custom_generate(model, input_ids, logits_processor=None, stopping_criteria=N
         if not getattr(gc, "output_logits", False):
             logits = None
     return GenerateDecoderOnlyOutput(sequences=seq, scores=scores, logits=logits)
+
+
+# the tensors generate hands a custom_generate that the engine rebuilds from input_ids itself (positions from the
+# attention mask, its own cache); any other tensor or non-empty container (pixel_values, image_grid_thw,
+# inputs_embeds, input_features, transformers' precomputed mm_encoder_outputs of an image, a token_type_ids that marks
+# image tokens, ...) is an input the engine would ignore, so it is refused
+_REBUILT = {"attention_mask", "position_ids", "cache_position"}
+
+
+def _check_model_inputs(model_kwargs):
+    """A one-line ValueError naming the first model input the engine cannot take (it decodes ``input_ids`` alone:
+    a vision-language model's text generation, not its images)."""
+    for name, value in model_kwargs.items():
+        if name in _REBUILT:
+            continue
+        if isinstance(value, torch.Tensor):
+            if name == "token_type_ids" and not bool(value.any()):
+                continue                  # all text (Gemma 3's processor marks image tokens with 1)
+            got = f"a tensor of shape {tuple(value.shape)}"
+        elif isinstance(value, (dict, list, tuple)) and len(value) > 0:
+            got = f"a {type(value).__name__} of {len(value)} ({', '.join(map(str, list(value)[:3]))})" \
+                if isinstance(value, dict) else f"a {type(value).__name__} of {len(value)}"
+        else:
+            continue
+        raise ValueError(f"custom_generate: argument '{name}' expected None (the speculative engine decodes "
+                         f"input_ids alone: text, no images, audio or embeddings), got {got}")
 
 
 def _pad_row(like, pad):

@@ -40,12 +40,17 @@ TREE_MASK_ATTN = ("sdpa", "eager")
 
 
 def _decoder_layers(model):
+    """The decoder layers the taps hook: ``model.model.layers`` (a causal LM), or the text model's,
+    ``model.model.language_model.layers`` (a vision-language model that ``AutoModelForCausalLM`` gives for its text
+    generation: Gemma 3, Mistral 3, ...; its forward on text alone is the text model's)."""
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None) if base is not None else None
+    if layers is None and base is not None:
+        layers = getattr(getattr(base, "language_model", None), "layers", None)
     if layers is None:
         raise TypeError(
-            f"target: expected a HuggingFace decoder-only LM with model.model.layers (Llama family), "
-            f"got {type(model).__name__}"
+            f"target: expected a HuggingFace decoder-only LM with model.model.layers (Llama family) or "
+            f"model.model.language_model.layers (a vision-language model's text model), got {type(model).__name__}"
         )
     return layers
 

@@ -3,7 +3,9 @@
 the window as transformers does, so greedy output equals HuggingFace's own generate -- for prompts and generations
 longer than the window, where the window changes HuggingFace's output (checked first: a test that could not fail
 otherwise), with autoregressive decoding, EAGLE-3 trees and HeteroSpec's bins, one prompt or a left-padded batch.
-Before the engine knew the window, every such model drifted from HuggingFace's output past the window."""
+Before the engine knew the window, every such model drifted from HuggingFace's output past the window.  Also
+the vision-language class ``AutoModelForCausalLM`` gives for Gemma 3 (its decoder under ``model.language_model``):
+its text generation equals HuggingFace's, and ``custom_generate`` refuses an image in one line."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -114,3 +116,50 @@ def test_sliding_layout_reads_the_config_as_transformers_does():
         sliding_layout(cfg(sliding_window=0))
     with pytest.raises(ValueError, match=r"^target: expected config\.sliding_window an int >= 1 for its "):
         sliding_layout(cfg(sliding_window=None, layer_types=["sliding_attention"]))
+
+
+def _gemma3_vlm():
+    """A tiny Gemma 3 vision-language model: the class ``AutoModelForCausalLM`` gives for a Gemma 3 checkpoint, its
+    decoder layers under ``model.language_model`` (sliding ones among them)."""
+    text = {k: v for k, v in COMMON.items() if k != "attn_implementation"}
+    cfg = transformers.Gemma3Config(
+        text_config=dict(text, head_dim=8, sliding_window=WINDOW),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=VOCAB - 1, boi_token_index=VOCAB - 2, eoi_token_index=VOCAB - 3)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval().float()
+    model.generation_config.eos_token_id = None
+    return model.to(DEVICE)
+
+
+def test_a_vision_language_models_text_generation_is_its_own():
+    """``AutoModelForCausalLM`` gives Gemma 3 checkpoints as ``Gemma3ForConditionalGeneration``: on text, the
+    engine decodes it as HuggingFace does (it was refused before: its layers are not at ``model.model.layers``)."""
+    model = _gemma3_vlm()
+    assert transformers.AutoModelForCausalLM._model_mapping[type(model.config)] is type(model)
+    p = torch.randint(0, VOCAB - 3, (1, PROMPT), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    ref = _hf(model, p)
+    for draft, policy in ((None, Policy.autoregressive()), (NoisyDraft(32, VOCAB).to(DEVICE), Policy.static(4, 4, 12))):
+        with HeteroSpec(model, draft, policy, cuda_graphs=False) as hs:
+            out, _ = hs.generate(p, max_new_tokens=NEW, eos_token_id=[])
+        assert out[0, PROMPT:].tolist() == ref
+
+
+def test_custom_generate_refuses_images_and_takes_text_only_token_types():
+    """An input the engine would ignore (an image's pixels) is refused in one line naming it; Gemma 3's
+    ``token_type_ids`` of a text-only prompt (all 0) is taken, with the same output as without it."""
+    from heterospec import custom_generate
+
+    model = _gemma3_vlm()
+    p = torch.randint(0, VOCAB - 3, (1, PROMPT), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    kw = dict(attention_mask=torch.ones_like(p), custom_generate=custom_generate, draft=None,
+              policy=Policy.autoregressive(), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    # transformers 5.23 encodes the image first and hands over its mm_encoder_outputs; 5.0 the pixels themselves
+    with pytest.raises(ValueError, match=r"^custom_generate: argument '(pixel_values|mm_encoder_outputs)' expected "
+                                         r"None \(the speculative engine decodes input_ids alone"):
+        model.generate(p, pixel_values=torch.zeros(1, 3, 28, 28, device=DEVICE), **kw)
+    plain = model.generate(p, **kw)
+    typed = model.generate(p, token_type_ids=torch.zeros_like(p), **kw)
+    assert typed.tolist() == plain.tolist() == [p[0].tolist() + _hf(model, p, 8)]
