@@ -437,7 +437,7 @@ class TargetAdapter:
         if capture_taps:
             for i in self.tap_layers:
                 self._hooks.append(layers[i].register_forward_pre_hook(self._make_hook(i), with_kwargs=True))
-        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.max_positions = getattr(text, "max_position_embeddings", None)   # a VLM: its text model's
         self.capacity = 0
         self.kv = None
         self.cache = None

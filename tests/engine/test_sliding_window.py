@@ -144,6 +144,7 @@ def test_a_vision_language_models_text_generation_is_its_own():
     for draft, policy in ((None, Policy.autoregressive()), (NoisyDraft(32, VOCAB).to(DEVICE), Policy.static(4, 4, 12))):
         with HeteroSpec(model, draft, policy, cuda_graphs=False) as hs:
             out, _ = hs.generate(p, max_new_tokens=NEW, eos_token_id=[])
+            assert hs.target.max_positions == COMMON["max_position_embeddings"]     # the text model's limit
         assert out[0, PROMPT:].tolist() == ref
 
 
