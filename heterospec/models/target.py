@@ -42,7 +42,7 @@ TREE_MASK_ATTN = ("sdpa", "eager")
 def _decoder_layers(model):
     """The decoder layers the taps hook: ``model.model.layers`` (a causal LM), or the text model's,
     ``model.model.language_model.layers`` (a vision-language model that ``AutoModelForCausalLM`` gives for its text
-    generation: Gemma 3, Mistral 3, ...; its forward on text alone is the text model's)."""
+    generation: Gemma 3; Qwen2.5-VL and others passed directly; its forward on text alone is the text model's)."""
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None) if base is not None else None
     if layers is None and base is not None:
