@@ -223,6 +223,20 @@ def _one_conversion_at_a_time(cache):
             held.close()   # releases the lock
 
 
+def load_target(path, **kwargs):
+    """``AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", **kwargs)``, or with "eager" for a model
+    class that transformers gives no sdpa attention (Gemma 2, gpt-oss): the two attentions the engine's tree mask
+    takes, the faster one first."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", **kwargs)
+    except ValueError as e:
+        if "scaled_dot_product_attention" not in str(e):
+            raise
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", **kwargs)
+
+
 def default_target(device="cpu", dtype=None, attn_implementation="sdpa"):
     """-> (model, tokenizer) of SmolLM2-135M-Instruct, loaded offline."""
     import torch
@@ -294,7 +308,7 @@ def load_pair(args, device="cpu"):
     ``args.draft`` ('default' = SmolLM2-135M-Instruct / the shipped head), on ``device``; the draft takes
     the target's dtype."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from .draft import Eagle3Draft
 
@@ -303,8 +317,7 @@ def load_pair(args, device="cpu"):
     else:
         extra = {"gguf_file": args.gguf_file} if args.gguf_file else {}
         tokenizer = AutoTokenizer.from_pretrained(args.target, **extra)
-        target = AutoModelForCausalLM.from_pretrained(args.target, attn_implementation="sdpa",
-                                                      dtype=getattr(torch, args.dtype), **extra).eval().to(device)
+        target = load_target(args.target, dtype=getattr(torch, args.dtype), **extra).eval().to(device)
     if args.draft == "default":
         args.draft = DEFAULT_HEAD
     draft = Eagle3Draft.from_pretrained(args.draft, target=target, dtype=target.dtype) if args.draft else None

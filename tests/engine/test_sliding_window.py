@@ -164,3 +164,31 @@ def test_custom_generate_refuses_images_and_takes_text_only_token_types():
     plain = model.generate(p, **kw)
     typed = model.generate(p, token_type_ids=torch.zeros_like(p), **kw)
     assert typed.tolist() == plain.tolist() == [p[0].tolist() + _hf(model, p, 8)]
+
+
+def test_a_saved_model_without_sdpa_loads_with_eager_attention(tmp_path):
+    """The CLI's loader (``models.default.load_target``, what ``--target PATH`` runs) takes sdpa where transformers
+    has it and eager where it has not (Gemma 2 in transformers 5.23: sdpa refused; 5.0 takes it), so such a model
+    needs no flag; the loaded model decodes as HF's generate does."""
+    from heterospec.models.default import load_target
+
+    cfg = transformers.Gemma2Config(**dict(COMMON, head_dim=8, sliding_window=WINDOW, attn_implementation="eager"))
+    torch.manual_seed(0)
+    transformers.Gemma2ForCausalLM(cfg).save_pretrained(tmp_path / "gemma2")
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).save_pretrained(tmp_path / "llama")
+    gemma2, llama = load_target(tmp_path / "gemma2"), load_target(tmp_path / "llama")
+    try:                                   # does this transformers give Gemma 2 sdpa?
+        transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**dict(COMMON, head_dim=8)))
+        expected = "sdpa"
+    except ValueError as e:
+        assert "scaled_dot_product_attention" in str(e)
+        expected = "eager"
+    assert gemma2.config._attn_implementation == expected and llama.config._attn_implementation == "sdpa"
+    gemma2 = gemma2.eval().to(DEVICE)
+    gemma2.generation_config.eos_token_id = None
+    p = _prompt(4)
+    with HeteroSpec(gemma2, None, Policy.autoregressive(), cuda_graphs=False) as hs:
+        out, _ = hs.generate(p, max_new_tokens=NEW, eos_token_id=[])
+    assert out[0, PROMPT:].tolist() == _hf(gemma2, p)
+    with pytest.raises(OSError):
+        load_target(tmp_path / "missing")
