@@ -35,6 +35,10 @@
 hs_status hs_fail(hs_error *err, hs_status status, const char *op, const char *arg, const char *fmt,
                   ...) HS_PRINTF(5, 6);
 
+/* verify_sample's sampling settings checked (verify.c): HS_OK, or the first bad one named in err.  The CPU core
+ * and the CUDA path both call it, so their errors are the same. */
+hs_status hs_check_sampling(const char *op, hs_sampling sp, hs_error *err);
+
 /* ---- element loads ------------------------------------------------------------------------------- */
 
 /* Element i of a logits buffer as float32. */

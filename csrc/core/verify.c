@@ -260,13 +260,7 @@ static hs_status hs_warp_row(const void *logits, hs_dtype dt, int64_t row, int64
     return HS_OK;
 }
 
-hs_status hs_verify_sample(const void *tree_tokens, hs_dtype token_dtype, const void *tree_parents,
-                           hs_dtype parent_dtype, int64_t batch, int64_t T, const int64_t *n, const void *logits,
-                           hs_dtype logit_dtype, int64_t V, hs_sampling sp, const uint64_t *seeds,
-                           const uint64_t *offsets, int64_t *out_path, int64_t *out_len,
-                           int64_t *out_next, int64_t *out_draws, void *ws, size_t ws_bytes,
-                           hs_error *err) {
-    static const char op[] = "verify_sample";
+hs_status hs_check_sampling(const char *op, hs_sampling sp, hs_error *err) {
     if (!(sp.temperature >= HS_MIN_TEMPERATURE) || !isfinite(sp.temperature))
         return hs_fail(err, HS_ERR_VALUE, op, "temperature",
                        "expected a finite value >= 1e-30 (use verify_greedy for greedy decoding), got %g",
@@ -278,6 +272,18 @@ hs_status hs_verify_sample(const void *tree_tokens, hs_dtype token_dtype, const 
         return hs_fail(err, HS_ERR_VALUE, op, "top_p", "expected a value in (0, 1], got %g", sp.top_p);
     if (!(sp.min_p >= 0.0 && sp.min_p <= 1.0))
         return hs_fail(err, HS_ERR_VALUE, op, "min_p", "expected a value in [0, 1] (0 disables it), got %g", sp.min_p);
+    return HS_OK;
+}
+
+hs_status hs_verify_sample(const void *tree_tokens, hs_dtype token_dtype, const void *tree_parents,
+                           hs_dtype parent_dtype, int64_t batch, int64_t T, const int64_t *n, const void *logits,
+                           hs_dtype logit_dtype, int64_t V, hs_sampling sp, const uint64_t *seeds,
+                           const uint64_t *offsets, int64_t *out_path, int64_t *out_len,
+                           int64_t *out_next, int64_t *out_draws, void *ws, size_t ws_bytes,
+                           hs_error *err) {
+    static const char op[] = "verify_sample";
+    hs_status chk = hs_check_sampling(op, sp, err);
+    if (chk != HS_OK) return chk;
     size_t need = hs_verify_sample_workspace_bytes(T, V);
     if (ws_bytes < need)
         return hs_fail(err, HS_ERR_WORKSPACE, op, "workspace", "expected >= %zu bytes, got %zu", need, ws_bytes);

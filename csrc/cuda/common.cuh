@@ -153,6 +153,7 @@ __device__ __forceinline__ char *hs_smem() {
 /* ---- host side of a launch ----------------------------------------------------------------------------- */
 
 extern "C" hs_status hs_fail(hs_error *err, hs_status status, const char *op, const char *arg, const char *fmt, ...);
+extern "C" hs_status hs_check_sampling(const char *op, hs_sampling sp, hs_error *err);   /* core/verify.c */
 
 /* A launch's return code (HS_LAUNCH) as a status: HS_OK, or HS_ERR_CUDA saying why. */
 static inline hs_status hs_launched(int rc, const char *op, hs_error *herr) {

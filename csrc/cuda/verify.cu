@@ -1045,16 +1045,9 @@ extern "C" hs_status hs_cuda_verify_sample(const void *tree_tokens, hs_dtype tok
                                            int64_t *out_next, int64_t *out_draws, void *ws, size_t ws_bytes,
                                            hs_cuda_error *err, void *stream, hs_error *herr) {
     static const char op[] = "verify_sample";
-    if (!(sp.temperature >= HS_MIN_TEMPERATURE) || !isfinite(sp.temperature))
-        return hs_fail(herr, HS_ERR_VALUE, op, "temperature",
-                       "expected a finite value >= 1e-30 (use verify_greedy for greedy decoding), got %g", sp.temperature);
-    if (sp.top_k < 0)
-        return hs_fail(herr, HS_ERR_VALUE, op, "top_k", "expected >= 0 (0 disables it), got %lld", (long long)sp.top_k);
-    if (!(sp.top_p > 0.0 && sp.top_p <= 1.0))
-        return hs_fail(herr, HS_ERR_VALUE, op, "top_p", "expected a value in (0, 1], got %g", sp.top_p);
-    if (!(sp.min_p >= 0.0 && sp.min_p <= 1.0))
-        return hs_fail(herr, HS_ERR_VALUE, op, "min_p", "expected a value in [0, 1] (0 disables it), got %g", sp.min_p);
-    hs_status chk = hs_verify_sizes(op, T, ws_bytes, hs_cuda_verify_sample_workspace_bytes(batch, T, V), herr);
+    hs_status chk = hs_check_sampling(op, sp, herr);
+    if (chk != HS_OK) return chk;
+    chk = hs_verify_sizes(op, T, ws_bytes, hs_cuda_verify_sample_workspace_bytes(batch, T, V), herr);
     if (chk != HS_OK) return chk;
     if (batch == 0 || T == 0) return HS_OK;
     const hs_sample_ws w = hs_sample_layout(ws, batch, T, V);

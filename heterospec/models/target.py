@@ -282,22 +282,20 @@ def sliding_layout(config):
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
     window = getattr(c, "sliding_window", None)
     types = getattr(c, "layer_types", None)
-    if types is not None:
+    typed = types is not None
+    if typed:
         other = sorted(set(types) - {"full_attention", "sliding_attention"})
         if other:
             raise ValueError(f"target: expected layers of full or sliding attention (config.layer_types), got "
                              f"{other}, whose masks the engine does not build")
         if "sliding_attention" not in types:
             return None
-        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-            raise ValueError(f"target: expected config.sliding_window an int >= 1 for its sliding_attention "
-                             f"layers, got {window!r}")
-        return window, True
-    if window is None:
+    elif window is None:
         return None
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-        raise ValueError(f"target: expected config.sliding_window None or an int >= 1, got {window!r}")
-    return window, False
+        wanted = "an int >= 1 for its sliding_attention layers" if typed else "None or an int >= 1"
+        raise ValueError(f"target: expected config.sliding_window {wanted}, got {window!r}")
+    return window, typed
 
 
 def _kv_shape(config):
@@ -548,13 +546,14 @@ class TargetAdapter:
         cache.slots = slots
         W = allowed.shape[-1]
         cache.window = W if W < self.capacity else None
-        mask = self._additive(allowed)
-        if self._sliding is not None:
+        if self._sliding is None:
+            mask = self._additive(allowed)
+        elif self._sliding[1]:        # a mask per layer type, as the model's forward takes them
             near = self._within_window(allowed, positions, slots)
-            if self._sliding[1]:      # a mask per layer type, as the model's forward takes them
-                mask = {"full_attention": mask, "sliding_attention": self._additive(near)}
-            else:                     # every layer slides
-                mask, allowed = self._additive(near), near
+            mask = {"full_attention": self._additive(allowed), "sliding_attention": self._additive(near)}
+        else:                         # every layer slides
+            allowed = self._within_window(allowed, positions, slots)
+            mask = self._additive(allowed)
         call = self.model if call is None else call
         # cache_position is informational here (our cache writes at `slots`; the 4D mask skips mask building)
         args = dict(input_ids=ids, position_ids=positions, cache_position=slots if slots.dim() == 1 else slots[0],
