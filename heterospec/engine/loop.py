@@ -31,7 +31,7 @@ from ..growth import candidate_count
 from ..measure import PhaseClock
 from ..models import cpu_decoder as decoder_mod
 from ..models import cpu_gemm as gemm
-from ..models.target import TargetAdapter, _decoder_layers, attention_window
+from ..models.target import TargetAdapter, _decoder_layers, attention_window, rope_types
 from ..policy import Policy
 from . import health, lookup, processors, requests, sync
 from .cycle import Cycle
@@ -115,27 +115,12 @@ def _with_stop_strings(criteria, stop_strings, tokenizer):
     return list(criteria or []) + [StopStringCriteria(tokenizer, list(strings))]
 
 
-def _rope_types(model):
-    """The RoPE variants a model's config names, from ``rope_parameters`` (transformers 5; a dict per layer
-    type in some models) or ``rope_scaling`` (4.x)."""
-    cfg = getattr(model, "config", None)
-    found, todo = set(), [getattr(cfg, f, None) for f in ("rope_parameters", "rope_scaling")]
-    while todo:
-        rp = todo.pop()
-        if isinstance(rp, dict):
-            kind = rp.get("rope_type") or rp.get("type")
-            if isinstance(kind, str):
-                found.add(kind)
-            todo.extend(v for v in rp.values() if isinstance(v, dict))
-    return found
-
-
 def _check_graphs(cuda_graphs, device, draft, target=None):
     """-> False, True (CUDA graphs) or "emulate" (the recorded-step plumbing without graphs, any device)."""
     if cuda_graphs == "emulate":
         return "emulate"
     host_read = [(who, rope) for who, m in (("target", target), ("draft", draft)) if m is not None
-                 for rope in sorted(_rope_types(m) & set(HOST_READ_ROPE))]
+                 for rope in sorted(rope_types(getattr(m, "config", None)) & set(HOST_READ_ROPE))]
     if cuda_graphs == "auto":
         return device.type == "cuda" and not host_read
     if not isinstance(cuda_graphs, bool):
@@ -740,6 +725,14 @@ class HeteroSpec:
                 dr.prime(taps, ids, last, prompt=front)
                 clock.lap("draft_s")
             prefix_host = list(lengths)
+            # LongRoPE (models.target.rope_switch): a tree must not reach the switch from below it; each row decides
+            # its factors from its root in the target's forward
+            switch = tgt.rope_switch
+            reach = self.overshoot(L)
+
+            def straddles(P):
+                return P < switch[0] <= P + reach
+
             K = pol.top_k
             batch_calls = 0
             first = True
@@ -752,6 +745,11 @@ class HeteroSpec:
                     cyc.keep_rows(keep, max(prefix_host[alive[i]] for i in keep))
                     st = cyc.state
                     alive = [alive[i] for i in keep]
+                if switch is not None and switch[1]:   # LongRoPE's switch reached: the row's cache recomputed
+                    with sync.outside_cycle():
+                        for j, a in enumerate(alive):
+                            if not done[a] and prefix_host[a] == switch[0]:
+                                tgt.refill(j, prompts_host[a] + generated[a])
                 t_cycle = time.perf_counter()   # the cycle's wall time, host and device, ends at the accepted sync
                 # With recorded steps the device's idle time between replays (the host reading the bin or the
                 # accepted tokens, streaming, stopping checks, launching) is timed as idle_s, from the previous
@@ -782,14 +780,17 @@ class HeteroSpec:
                         plans = [(None, 0, 1)] * len(alive)
                     extra = max(p[1] for p in plans)
                     levels = [pol.depth + p[1] for p in plans]
-                    sizes = [tree_size(K, lv, p[2]) if cyc.drafting else 1 for lv, p in zip(levels, plans)]
+                    sizes = planned = [tree_size(K, lv, p[2]) if cyc.drafting else 1 for lv, p in zip(levels, plans)]
+                    if switch is not None:    # no tree straddles LongRoPE's switch: a row's root alone up to it
+                        sizes = [1 if straddles(prefix_host[a]) else n for n, a in zip(sizes, alive)]
                     # prompt lookup: a recorded step always grafts (its trees padded for chains of L); the eager
                     # cycle only when some row has a chain, padded for the longest
-                    chains = [index[a].propose(L) if L and not done[a] else [] for a in alive]
+                    chains = [index[a].propose(L) if L and not done[a] and not (switch and straddles(prefix_host[a]))
+                              else [] for a in alive]
                     chain = L if graphs or any(chains) else 0
                     if chain:
                         cyc.set_chains(chains, L)
-                    most = max(sizes) + L if graphs else max(s + len(c) for s, c in zip(sizes, chains))
+                    most = max(planned) + L if graphs else max(s + len(c) for s, c in zip(sizes, chains))
                     T = bucket_for(most, self.buckets) if most > 1 else 1
                     cyc.set_rows([s - 1 for s in sizes],
                                  [candidate_count(K, lv) if cyc.drafting else 0 for lv in levels],

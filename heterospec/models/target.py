@@ -39,20 +39,25 @@ from .finite import mark_nonfinite
 TREE_MASK_ATTN = ("sdpa", "eager")
 
 
-def _decoder_layers(model):
-    """The decoder layers the taps hook: ``model.model.layers`` (a causal LM), or the text model's,
-    ``model.model.language_model.layers`` (a vision-language model that ``AutoModelForCausalLM`` gives for its text
-    generation: Gemma 3; Qwen2.5-VL and others passed directly; its forward on text alone is the text model's)."""
+def layers_owner(model):
+    """The module holding the decoder layers (and the rotary embedding beside them): ``model.model`` (a causal LM),
+    or the text model, ``model.model.language_model`` (a vision-language model that ``AutoModelForCausalLM`` gives
+    for its text generation: Gemma 3; Qwen2.5-VL and others passed directly; its forward on text alone is the text
+    model's)."""
     base = getattr(model, "model", None)
-    layers = getattr(base, "layers", None) if base is not None else None
-    if layers is None and base is not None:
-        layers = getattr(getattr(base, "language_model", None), "layers", None)
-    if layers is None:
+    if base is not None and getattr(base, "layers", None) is None:
+        base = getattr(base, "language_model", None)
+    if base is None or getattr(base, "layers", None) is None:
         raise TypeError(
             f"target: expected a HuggingFace decoder-only LM with model.model.layers (Llama family) or "
             f"model.model.language_model.layers (a vision-language model's text model), got {type(model).__name__}"
         )
-    return layers
+    return base
+
+
+def _decoder_layers(model):
+    """The decoder layers the taps hook (:func:`layers_owner`'s ``layers``)."""
+    return layers_owner(model).layers
 
 
 def cache_kwarg(model):
@@ -298,6 +303,83 @@ def sliding_layout(config):
     return window, typed
 
 
+def rope_parameters(config):
+    """Every RoPE parameter dict a model's config holds, outermost first: ``rope_parameters`` (transformers 5; in
+    some models one per layer type, nested) or ``rope_scaling`` (4.x)."""
+    found, todo = [], [getattr(config, f, None) for f in ("rope_parameters", "rope_scaling")]
+    while todo:
+        rp = todo.pop(0)
+        if isinstance(rp, dict):
+            found.append(rp)
+            todo.extend(v for v in rp.values() if isinstance(v, dict))
+    return found
+
+
+def rope_types(config):
+    """The RoPE variants a model's config names (:func:`rope_parameters`' ``rope_type``)."""
+    return {k for k in ((rp.get("rope_type") or rp.get("type")) for rp in rope_parameters(config))
+            if isinstance(k, str)}
+
+
+def rope_switch(model):
+    """Where a target's rotary frequencies switch with its sequence -> None, or (at, recompute).
+
+    transformers' LongRoPE (``rope_type`` "longrope": Phi-3 and Phi-3.5 with 128K context, Phi-4-mini, PhiMoE)
+    rotates with its short factors while every position of a forward stays below ``at``
+    (``original_max_position_embeddings``) and with its long ones once any position reaches it: one decision per
+    forward, from the largest position in it.  ``recompute``: the model's ``generate`` then recomputes the whole cache
+    with the long factors, once, at the step whose query sits at position ``at`` (Phi-3's
+    ``prepare_inputs_for_generation`` drops its cache there); without it the keys written before keep the short
+    factors.  Decoding one token at a time, a position is thus rotated as its own step decided; the engine's tree
+    forwards reproduce that by deciding per row (:class:`_RopeRows`), never verifying a tree that straddles
+    ``at``, and recomputing a row's cache at ``at`` where the model's ``generate`` does (:meth:`TargetAdapter.refill`).
+    A model with LongRoPE per layer type must switch them all at one position (else a ValueError)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    ats = {rp.get("original_max_position_embeddings", getattr(config, "original_max_position_embeddings", None))
+           for rp in rope_parameters(config) if (rp.get("rope_type") or rp.get("type")) == "longrope"}
+    if not ats:
+        return None
+    at = ats.pop() if len(ats) == 1 else sorted(ats, key=repr)
+    if not isinstance(at, int) or isinstance(at, bool) or at < 1:
+        raise ValueError(f"target: expected LongRoPE's original_max_position_embeddings one int >= 1, got {at!r}")
+    import inspect
+
+    try:
+        prepare = inspect.getsource(type(model).prepare_inputs_for_generation)
+    except (AttributeError, TypeError, OSError):
+        prepare = ""
+    recompute = "original_max_position_embeddings" in prepare
+    if recompute and getattr(config, "original_max_position_embeddings", at) != at:
+        raise ValueError(f"target: expected config.original_max_position_embeddings "
+                         f"({config.original_max_position_embeddings}), where generate recomputes the cache, to equal "
+                         f"LongRoPE's switch ({at})")
+    return at, recompute
+
+
+class _RopeRows:
+    """The target's rotary embedding (``rotary_emb``) deciding LongRoPE's short or long factors per row, while the
+    adapter's own forwards run (:meth:`TargetAdapter._forward` installs it on the module and takes it off after:
+    the model is the user's).  transformers decides once per forward, from the largest position of the whole
+    batch; a row here is long when its own positions say so: with ``rule`` "max" (a prompt, a recomputed cache) when
+    its largest position reaches ``at``, with "min" (a verification tree, whose root is its smallest position) when
+    its root does.  transformers' own forward computes both tables -- the short one over positions clamped below
+    ``at``, the long one with a column at ``at`` appended and dropped -- so every value is its own; device ops only."""
+
+    def __init__(self, rotary, at):
+        self.rotary, self.at = rotary, at
+        self.rule = "max"
+
+    def __call__(self, x, position_ids, *args, **kwargs):
+        own = type(self.rotary).forward
+        B, n = position_ids.shape
+        edge = (position_ids.amax(1) if self.rule == "max" else position_ids.amin(1)) >= self.at
+        short = own(self.rotary, x, position_ids.clamp(max=self.at - 1), *args, **kwargs)
+        wide = torch.cat([position_ids, position_ids.new_full((B, 1), self.at)], dim=1)
+        long = own(self.rotary, x, wide, *args, **kwargs)
+        pick = edge.view(B, 1, 1)
+        return tuple(torch.where(pick, lt[:, :n], st) for st, lt in zip(short, long))
+
+
 def _kv_shape(config):
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = c.num_attention_heads
@@ -430,6 +512,15 @@ class TargetAdapter:
         if self._sliding is not None and self._sliding[1] and self.invariant:
             raise ValueError("target: row-invariant verification (bfloat16 on the CPU) expected one kind of attention "
                              "layer, got sliding and full layers (config.layer_types); use float32")
+        # LongRoPE: the short or long factors per row (rope_switch); the rotary module the model calls once a forward
+        self.rope_switch = rope_switch(model)
+        self._rope = None
+        if self.rope_switch is not None:
+            rotary = getattr(layers_owner(model), "rotary_emb", None)
+            if not isinstance(rotary, torch.nn.Module):
+                raise ValueError(f"target: expected the rotary embedding of a LongRoPE model at rotary_emb beside its "
+                                 f"decoder layers, got {type(rotary).__name__}")
+            self._rope = _RopeRows(rotary, self.rope_switch[0])
         self._captured = {}
         self._hooks = []
         if capture_taps:
@@ -520,12 +611,30 @@ class TargetAdapter:
         self._kv_rows = ops.KVTensors([self.kv.view(self.batch, -1, self.capacity, self.kv.shape[-1])])
         self.prefix = self.prefix.index_select(0, idx)
 
-    def _forward(self, ids, positions, slots, allowed, call=None, cache=None, exact=False, bad=None, n=None, **kw):
+    def _forward(self, ids, positions, slots, allowed, call=None, cache=None, exact=False, bad=None, n=None,
+                 rope="max", **kw):
         """ids/positions [B, n], slots [n] (the same cache columns in every row) or [B, n] (per row), allowed
         bool [n, W] or [B, n, W] over the first W = window or capacity columns; ``call``: the model or its
         compiled forward (default: the model); ``cache``: the StaticKV written (default: the whole cache);
         ``exact``: attend with :func:`exact_keys_attention` (row-invariant verification); ``bad``, ``n``:
-        :func:`~.finite.mark_nonfinite` (bad, the logits, n), inside the decoder's call where it runs."""
+        :func:`~.finite.mark_nonfinite` (bad, the logits, n), inside the decoder's call where it runs; ``rope``:
+        how a LongRoPE row decides its factors (:class:`_RopeRows`' rule: "max" for a sequence, "min" for a tree)."""
+        if self._rope is None:
+            return self._run(ids, positions, slots, allowed, call, cache, exact, bad, n, **kw)
+        self._rope.rule = rope
+        rotary = self._rope.rotary
+        own = rotary.__dict__.get("forward")
+        rotary.forward = self._rope          # this forward only: the model is the user's
+        try:
+            return self._run(ids, positions, slots, allowed, call, cache, exact, bad, n, **kw)
+        finally:
+            if own is None:
+                del rotary.forward
+            else:
+                rotary.forward = own
+
+    def _run(self, ids, positions, slots, allowed, call, cache, exact, bad, n, **kw):
+        """:meth:`_forward` with the rotary embedding in place."""
         cache = self.cache if cache is None else cache
         if self.decoder is not None and call in (None, self.model) and cache is self.cache and not exact \
                 and set(kw) <= {"logits_to_keep"} and self.decoder.runs(self._decoder_on):
@@ -667,7 +776,7 @@ class TargetAdapter:
             allowed = (self._cols[:W] < P).expand(n, W).clone()
             allowed.scatter_(1, slots.expand(n, n), tree_mask)           # the tree block: ancestors and self
             out = self._forward(tree_tokens.view(1, n), (tree_depths + P).view(1, n), slots, allowed,
-                                call=self._call, exact=self.invariant, bad=bad, n=real)
+                                call=self._call, exact=self.invariant, bad=bad, n=real, rope="min")
             return out.logits[0].float(), self._taps()
         B, n = tree_tokens.shape
         P = self.prefix.view(B, 1)
@@ -675,8 +784,23 @@ class TargetAdapter:
         allowed = (self._cols[:W].view(1, 1, W) < P.view(B, 1, 1)).expand(B, n, W).clone()
         allowed.scatter_(2, slots.view(B, 1, n).expand(B, n, n), tree_mask)
         out = self._forward(tree_tokens, tree_depths + P, slots, allowed, call=self._call, exact=self.invariant,
-                            bad=bad, n=real)
+                            bad=bad, n=real, rope="min")
         return out.logits.float(), self._taps()
+
+    @torch.no_grad()
+    def refill(self, row, tokens):
+        """Recompute row ``row``'s cache from its tokens (a host list: its committed tokens and its root, prefix + 1
+        ids) in one forward at positions 0 .. prefix, with LongRoPE's long factors: what the model's ``generate``
+        does when a sequence reaches the switch (:func:`rope_switch` with ``recompute``).  The root's column is
+        written too; the next verify writes it again."""
+        n = len(tokens)
+        if n > self.capacity:
+            raise ValueError(f"target: refill expected at most {self.capacity} tokens (the cache), got {n}")
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        cols = self._cols[:n]
+        causal = cols.view(1, n) <= cols.view(n, 1)
+        cache = self.cache if self.batch == 1 else StaticKV(self.kv[row:row + 1])
+        self._forward(ids, cols.view(1, n), cols, causal, cache=cache, logits_to_keep=1)
 
     def commit(self, path, length, *, check=True):
         """Keep the tree slots of ``path`` (tree node indices, ascending from the root, padded with -1 as the

@@ -391,6 +391,8 @@ def test_a_host_reading_rope_target_is_not_recorded(field, rope):
     rope_scaling before; per layer type in some models)."""
     model = tiny_target("llama")
     spec = {"rope_type": rope, "factor": 2.0, "rope_theta": 10000.0}
+    if rope == "longrope":
+        spec.update(original_max_position_embeddings=256, short_factor=[1.0] * 4, long_factor=[2.0] * 4)
     setattr(model.config, field, {"full_attention": spec} if field == "rope_parameters" else spec)
     draft = NoisyDraft(32, V)
     with pytest.raises(ValueError, match=rf"argument 'cuda_graphs' expected False for a target with {rope} RoPE"):

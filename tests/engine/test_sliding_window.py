@@ -15,6 +15,7 @@ from _doubles import NoisyDraft, OracleDraft  # noqa: E402
 from _models import DEVICE, THRESHOLDS  # noqa: E402
 
 from heterospec import HeteroSpec, Policy  # noqa: E402
+from heterospec.engine.requests import left_pad  # noqa: E402
 from heterospec.models.target import sliding_layout  # noqa: E402
 
 VOCAB, WINDOW, PROMPT, NEW = 64, 12, 30, 32
@@ -87,12 +88,8 @@ def test_a_left_padded_batch_decodes_each_row_as_alone(arch):
     model = _model(arch)
     ps = [_prompt(10 + i, n) for i, n in enumerate((9, 30, 21))]
     refs = [_hf(model, p) for p in ps]
-    S = max(p.shape[1] for p in ps)
-    ids = torch.zeros((len(ps), S), dtype=torch.long, device=DEVICE)
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(ps):
-        ids[b, S - p.shape[1]:] = p[0]
-        mask[b, S - p.shape[1]:] = 1
+    ids, mask = left_pad(ps, 0, DEVICE)
+    S = ids.shape[1]
     with HeteroSpec(model, OracleDraft(model), Policy.static(5, 3, 16), cuda_graphs=False) as hs:
         out, _ = hs.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=[])
     assert [row[S:S + NEW].tolist() for row in out] == refs
