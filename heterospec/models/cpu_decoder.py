@@ -67,7 +67,7 @@ def unsupported(model):
     head = getattr(model, "lm_head", None)
     if layers is None or not isinstance(getattr(base, "embed_tokens", None), torch.nn.Embedding) \
             or not _is_rmsnorm(getattr(base, "norm", None)) or getattr(base, "rotary_emb", None) is None \
-            or not isinstance(head, torch.nn.Linear):
+            or not cpu_gemm.plain_linear(head):
         return "a model without the Llama layout (model.embed_tokens, .layers, .norm, .rotary_emb; lm_head)"
     if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
         return f"hidden_act {cfg.hidden_act!r} (the decoder has SiLU)"
@@ -77,10 +77,9 @@ def unsupported(model):
         return "a layer count other than the config's"
     for layer in layers:
         att, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if att is None or mlp is None or not all(isinstance(getattr(att, n, None), torch.nn.Linear)
+        if att is None or mlp is None or not all(cpu_gemm.plain_linear(getattr(att, n, None))
                                                  for n in ("q_proj", "k_proj", "v_proj", "o_proj")) \
-                or not all(isinstance(getattr(mlp, n, None), torch.nn.Linear)
-                           for n in ("gate_proj", "up_proj", "down_proj")):
+                or not all(cpu_gemm.plain_linear(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")):
             return "a layer without q/k/v/o and gate/up/down linear layers"
         if not (_is_rmsnorm(getattr(layer, "input_layernorm", None))
                 and _is_rmsnorm(getattr(layer, "post_attention_layernorm", None))):

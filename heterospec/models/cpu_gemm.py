@@ -368,12 +368,18 @@ def check_invariant(forward, lin):
         return all(torch.equal(forward(x[i:i + m]), whole[i:i + m]) for m in INVARIANT_CHECK_ROWS for i in (0, 5))
 
 
+def plain_linear(module):
+    """Whether ``module`` is an ``nn.Linear`` computing ``nn.Linear``'s own forward: a subclass with a forward of its
+    own (PhiMoE's and Llama 4's routers return their top-k too) is something else, which neither the packed paths
+    nor the CPU decoder may stand in for."""
+    return isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
+
+
 def _linears(modules):
     for m in modules:
         for lin in m.modules():
             w = getattr(lin, "weight", None)
-            if isinstance(lin, torch.nn.Linear) and w is not None and w.device.type == "cpu" \
-                    and w.dtype in PACKED_DTYPES:
+            if plain_linear(lin) and w is not None and w.device.type == "cpu" and w.dtype in PACKED_DTYPES:
                 yield lin
 
 

@@ -3,8 +3,9 @@
 below ``original_max_position_embeddings`` and with the long ones from there on, one decision per forward; Phi-3's
 generate also recomputes its whole cache with the long factors at the step that reaches the switch.  The engine
 decides per row, never verifies a tree that straddles the switch and recomputes a row's cache where Phi-3 does, so
-its logits are HuggingFace's own on both sides of the switch: prompts below, at and past it, autoregressive
-decoding, EAGLE-3 trees, HeteroSpec's bins, prompt lookup, a left-padded batch, sampling.  Before, every method
+its logits are HuggingFace's own on both sides of the switch (Phi-3, PhiMoE, a Llama with LongRoPE): prompts below,
+at and past it, autoregressive decoding, EAGLE-3 trees, HeteroSpec's bins, prompt lookup, a left-padded batch,
+sampling.  Before, every method
 drifted from HuggingFace's logits once a sequence crossed the switch (by 0.01-0.05 here; the test first checks
 that the switch moves HuggingFace's logits by more than 100 times its tolerance)."""
 from types import SimpleNamespace
@@ -27,20 +28,30 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden
               num_key_value_heads=2, max_position_embeddings=256, attn_implementation="sdpa", pad_token_id=0)
 
 
-def _rope(long=(1.0, 3.0, 9.0, 27.0)):
-    return dict(rope_type="longrope", long_factor=list(long), short_factor=[1.0, 1.1, 1.2, 1.3],
+SHORT = [1.0, 1.1, 1.2, 1.3]
+
+
+def _rope(switch):
+    """LongRoPE's parameters; without ``switch`` the long ones equal the short ones."""
+    return dict(rope_type="longrope", long_factor=[1.0, 3.0, 9.0, 27.0] if switch else SHORT, short_factor=SHORT,
                 original_max_position_embeddings=AT)
 
 
-def _model(arch, long=(1.0, 3.0, 9.0, 27.0)):
-    """A tiny random Phi-3 (its generate recomputes the cache at the switch) or Llama (it does not), LongRoPE
-    switching at ``AT``."""
+def _model(arch, switch=True):
+    """A tiny random Phi-3 or PhiMoE (their generate recomputes the cache at the switch; PhiMoE's routers are linear
+    layers with a forward of their own; its rotary, in transformers 5.23, switches only its scale, ``long_mscale``) or
+    Llama (it does not), LongRoPE switching at ``AT`` (``switch`` False: the same weights, nothing to switch to)."""
     torch.manual_seed(0)
     if arch == "phi3":
-        cfg = transformers.Phi3Config(**COMMON, original_max_position_embeddings=AT, rope_parameters=_rope(long))
+        cfg = transformers.Phi3Config(**COMMON, original_max_position_embeddings=AT, rope_parameters=_rope(switch))
         model = transformers.Phi3ForCausalLM(cfg)
+    elif arch == "phimoe":
+        cfg = transformers.PhimoeConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
+                                        rope_parameters=dict(_rope(switch), short_mscale=1.0,
+                                                             long_mscale=1.2 if switch else 1.0))
+        model = transformers.PhimoeForCausalLM(cfg)
     else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, rope_parameters=_rope(long)))
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, rope_parameters=_rope(switch)))
     model = model.eval().float()
     model.generation_config.eos_token_id = None
     with torch.no_grad():
@@ -81,22 +92,27 @@ _FORGETS = {}
 
 
 def _check_hf(arch):
-    """Skip a Phi-3 case on a transformers whose Phi-3 generate drops its cache at the switch without recomputing it
-    (5.0: the step at the switch then attends to itself alone, and every later one from there on): its output is not
-    the model's, and the engine follows the releases that recompute (5.23: the whole sequence in one forward, as
-    each step's no-cache forward over the whole sequence gives it)."""
-    if arch != "phi3":
+    """Skip a Phi-3 or PhiMoE case on a transformers whose generate drops its cache at the switch without recomputing
+    it (5.0: the step at the switch then attends to itself alone, and every later one from there on), or whose own
+    LongRoPE forward fails (5.0's PhiMoE): its output is not the model's, and the engine follows the releases that
+    recompute (5.23: the whole sequence in one forward, as each step's no-cache forward over the whole sequence
+    gives it)."""
+    if arch == "llama":
         return
     if arch not in _FORGETS:
         model, p = _model(arch), _prompt(20)
-        tokens, logits = _hf(model, p)
-        seq = torch.cat([p, torch.tensor([tokens], device=DEVICE)], 1)
-        with torch.no_grad():
-            full = torch.stack([model(seq[:, :p.shape[1] + t]).logits[0, -1].float() for t in range(NEW)])
-        _FORGETS[arch] = float((full - logits).abs().max()) > TOL
+        try:
+            tokens, logits = _hf(model, p)
+        except AttributeError as e:        # 5.0's PhiMoE rotary reads attributes it never set
+            _FORGETS[arch] = f"{arch}'s own LongRoPE forward fails ({e})"
+        else:
+            seq = torch.cat([p, torch.tensor([tokens], device=DEVICE)], 1)
+            with torch.no_grad():
+                full = torch.stack([model(seq[:, :p.shape[1] + t]).logits[0, -1].float() for t in range(NEW)])
+            forgets = float((full - logits).abs().max()) > TOL
+            _FORGETS[arch] = forgets and f"{arch}'s generate drops its cache at the switch without recomputing it"
     if _FORGETS[arch]:
-        pytest.skip(f"transformers {transformers.__version__}: Phi-3's generate drops its cache at the LongRoPE "
-                    f"switch without recomputing it")
+        pytest.skip(f"transformers {transformers.__version__}: {_FORGETS[arch]}")
 
 
 METHODS = {
@@ -109,12 +125,12 @@ METHODS = {
 PROMPTS = (10, 20, 23, 24, 25, 30)      # below the switch by more and less than a tree's depth, at it, past it
 
 
-@pytest.fixture(scope="module", params=["phi3", "llama"])
+@pytest.fixture(scope="module", params=["phi3", "phimoe", "llama"])
 def arch_model_refs(request):
     _check_hf(request.param)
     model = _model(request.param)
     refs = {n: _hf(model, _prompt(n)) for n in PROMPTS}
-    flat = _model(request.param, long=(1.0, 1.1, 1.2, 1.3))     # the same weights, no switch to speak of
+    flat = _model(request.param, switch=False)            # the same weights, no switch to speak of
     moved = max(float((refs[n][1] - _hf(flat, _prompt(n), forced=refs[n][0])[1]).abs().max()) for n in PROMPTS)
     assert moved > 100 * TOL, f"the switch must move HuggingFace's logits here, moved {moved:.1e}"
     return request.param, model, refs
@@ -122,6 +138,7 @@ def arch_model_refs(request):
 
 def test_rope_switch_reads_the_config_and_the_generate_that_recomputes():
     assert rope_switch(_model("phi3")) == (AT, True)       # Phi-3's prepare_inputs_for_generation drops its cache
+    assert rope_switch(_model("phimoe")) == (AT, True)
     assert rope_switch(_model("llama")) == (AT, False)
     torch.manual_seed(0)
     plain = transformers.Phi3ForCausalLM(transformers.Phi3Config(**COMMON))
@@ -130,7 +147,7 @@ def test_rope_switch_reads_the_config_and_the_generate_that_recomputes():
     def bare(rope_parameters):
         return SimpleNamespace(config=SimpleNamespace(rope_parameters=rope_parameters))
 
-    per_type = {t: _rope() for t in ("full_attention", "sliding_attention")}
+    per_type = {t: _rope(True) for t in ("full_attention", "sliding_attention")}
     assert rope_switch(bare(per_type)) == (AT, False)
     per_type["sliding_attention"]["original_max_position_embeddings"] = 2 * AT
     with pytest.raises(ValueError, match=r"^target: expected LongRoPE's original_max_position_embeddings one int >= "
@@ -153,7 +170,7 @@ def test_greedy_logits_equal_huggingface_across_the_switch(arch_model_refs, meth
             assert err < TOL, f"{arch} {method} prompt {n}: logits off by {err:.1e}"
 
 
-@pytest.mark.parametrize("arch", ["phi3", "llama"])
+@pytest.mark.parametrize("arch", ["phi3", "phimoe", "llama"])
 def test_a_left_padded_batch_decodes_each_row_as_alone(arch):
     """Rows on both sides of the switch in one forward (transformers would decide for the whole batch from its
     longest row): each row's logits are HuggingFace's for its prompt alone."""

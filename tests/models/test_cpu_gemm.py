@@ -78,6 +78,27 @@ def test_layers_it_does_not_pack_are_left_alone():
         assert "forward" not in vars(lin16) and "forward" not in vars(conv)
 
 
+class _Router(torch.nn.Linear):
+    """A linear layer with a forward of its own (PhiMoE's and Llama 4's routers return their top-k too)."""
+
+    def forward(self, x):
+        logits = super().forward(x)
+        return logits, logits.topk(2, dim=-1).indices
+
+
+def test_a_linear_subclass_with_its_own_forward_is_left_alone():
+    """Routing such a layer to a packed path replaced its forward by a plain product: PhiMoE's MoE blocks then failed
+    inside transformers (its router's three outputs unpacked from one tensor)."""
+    router, plain = _Router(16, 8), torch.nn.Linear(16, 8)
+    x = torch.randn(3, 16)
+    want = router(x)
+    with cpu_gemm.PackedLinears([torch.nn.Sequential(router, plain)]):
+        assert "forward" not in vars(router) and "forward" in vars(plain)
+        got = router(x)
+    assert isinstance(got, tuple) and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not cpu_gemm.plain_linear(router) and cpu_gemm.plain_linear(plain)
+
+
 def test_cpu_gemm_argument_errors():
     model = torch.nn.Linear(4, 4)
     with pytest.raises(ValueError, match=r"argument 'cpu_gemm' expected 'auto', True, False, 'onednn' or 'rows', "
