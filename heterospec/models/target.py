@@ -112,10 +112,13 @@ class StaticKV(_cache_base()):
         else:
             kv = self.kv.narrow(2, layer_idx, 1)
             k, v = kv[:, 0, 0], kv[:, 1, 0]
-        if key_states.shape[1] != k.shape[1] or key_states.shape[3] != k.shape[3]:
-            raise ValueError(f"target cache: layer {layer_idx} produced keys {tuple(key_states.shape)}, the cache "
-                             f"holds [{k.shape[0]}, {k.shape[1]}, S, {k.shape[3]}] (num_key_value_heads / head_dim "
-                             f"of the config)")
+        if any(t.shape[1] != k.shape[1] or t.shape[3] != k.shape[3] for t in (key_states, value_states)):
+            raise ValueError(f"target cache: expected every layer's keys and values as [batch, "
+                             f"{k.shape[1]}, S, {k.shape[3]}] (num_key_value_heads / head_dim of the config), got "
+                             f"keys {tuple(key_states.shape)} and values {tuple(value_states.shape)} from layer "
+                             f"{layer_idx}: a model whose layers cache other shapes (multi-head latent attention's "
+                             f"latents: DeepSeek-V2/V3, MiniCPM3; per-layer head counts or value sizes) is not "
+                             f"supported")
         write_at(k, self.slots, key_states)
         write_at(v, self.slots, value_states)
         if self.window is not None:
@@ -123,8 +126,9 @@ class StaticKV(_cache_base()):
         return k, v
 
     def get_seq_length(self, layer_idx=0):
-        raise RuntimeError("target cache: the engine passes position_ids and a 4D mask, so the model should "
-                           "never ask the cache for its length")
+        raise ValueError("target cache: expected a model that takes position_ids and a 4D mask as given, got one "
+                         "whose forward asks its cache for a length (XGLM does), which a tree verification has not: "
+                         "the model is not supported")
 
 
 def attention_window(device, used, nodes):
@@ -381,10 +385,16 @@ class _RopeRows:
 
 
 def _kv_shape(config):
+    """(layers, key/value heads, head size) of the static cache: one shape for every layer.  A config whose heads
+    vary per layer (transformers' per-layer configs: Gemma 4) is refused in one line (a ValueError)."""
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = c.num_attention_heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    try:
+        heads = c.num_attention_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    except RuntimeError as e:       # transformers' AmbiguousGlobalPerLayerAttributeError
+        raise ValueError(f"target: expected one key/value head count and head size for every layer (the engine's "
+                         f"static cache), got a config whose attention varies per layer ({type(e).__name__})") from None
     return c.num_hidden_layers, kv_heads, head_dim
 
 
@@ -561,7 +571,20 @@ class TargetAdapter:
     def _taps(self):
         if not self._hooks:
             return None
-        return torch.cat([self._captured[i] for i in self.tap_layers], dim=-1)
+        skipped = [i for i in self.tap_layers if i not in self._captured]
+        if skipped:
+            raise ValueError(f"target: expected the draft's tap layers to run in every forward, got layer "
+                             f"{skipped[0]} skipped (a cross-attention layer on text alone, as Mllama skips them); "
+                             f"a draft tapping other layers is needed")
+        taps = [self._captured[i] for i in self.tap_layers]
+        for i, t in zip(self.tap_layers, taps):
+            if t.dim() != 3 or t.shape[:2] != taps[0].shape[:2]:
+                raise ValueError(f"target: expected the hidden states entering decoder layer {i} as [batch, tokens, "
+                                 f"hidden] for every token of the forward (the EAGLE-3 draft's taps), got "
+                                 f"{tuple(t.shape)} beside {tuple(taps[0].shape)} (several residual streams, as Gemma "
+                                 f"3n's AltUp keeps, or layers that see fewer tokens, as Gemma 4's KV-shared ones, "
+                                 f"cannot feed a draft; autoregressive decoding needs none)")
+        return torch.cat(taps, dim=-1)
 
     def cache_bytes(self, capacity):
         """Bytes of the static key/value cache :meth:`allocate` makes for ``capacity`` positions."""
@@ -635,6 +658,7 @@ class TargetAdapter:
 
     def _run(self, ids, positions, slots, allowed, call, cache, exact, bad, n, **kw):
         """:meth:`_forward` with the rotary embedding in place."""
+        self._captured.clear()          # this forward's taps only (a layer it skips leaves none)
         cache = self.cache if cache is None else cache
         if self.decoder is not None and call in (None, self.model) and cache is self.cache and not exact \
                 and set(kw) <= {"logits_to_keep"} and self.decoder.runs(self._decoder_on):
