@@ -319,10 +319,14 @@ def rope_parameters(config):
     return found
 
 
+def _rope_kind(rp):
+    """A RoPE parameter dict's variant: ``rope_type`` (``type`` in 4.x configs)."""
+    return rp.get("rope_type") or rp.get("type")
+
+
 def rope_types(config):
     """The RoPE variants a model's config names (:func:`rope_parameters`' ``rope_type``)."""
-    return {k for k in ((rp.get("rope_type") or rp.get("type")) for rp in rope_parameters(config))
-            if isinstance(k, str)}
+    return {k for k in map(_rope_kind, rope_parameters(config)) if isinstance(k, str)}
 
 
 def rope_switch(model):
@@ -340,7 +344,7 @@ def rope_switch(model):
     A model with LongRoPE per layer type must switch them all at one position (else a ValueError)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     ats = {rp.get("original_max_position_embeddings", getattr(config, "original_max_position_embeddings", None))
-           for rp in rope_parameters(config) if (rp.get("rope_type") or rp.get("type")) == "longrope"}
+           for rp in rope_parameters(config) if _rope_kind(rp) == "longrope"}
     if not ats:
         return None
     at = ats.pop() if len(ats) == 1 else sorted(ats, key=repr)
@@ -823,8 +827,7 @@ class TargetAdapter:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         cols = self._cols[:n]
         causal = cols.view(1, n) <= cols.view(n, 1)
-        cache = self.cache if self.batch == 1 else StaticKV(self.kv[row:row + 1])
-        self._forward(ids, cols.view(1, n), cols, causal, cache=cache, logits_to_keep=1)
+        self._forward(ids, cols.view(1, n), cols, causal, cache=StaticKV(self.kv[row:row + 1]), logits_to_keep=1)
 
     def commit(self, path, length, *, check=True):
         """Keep the tree slots of ``path`` (tree node indices, ascending from the root, padded with -1 as the
