@@ -47,7 +47,7 @@ class RssStreamer:
 def caches(hs):
     """The static caches' declared size (positions) and their bytes."""
     t = hs.target
-    return {"target_capacity": t.capacity, "target_cache_bytes": t.kv.numel() * t.kv.element_size(),
+    return {"target_capacity": t.capacity, "target_cache_bytes": t.cache_bytes(t.capacity),
             "draft_capacity": getattr(hs.cycle.drafter, "base", 0),
             "recorded_sets": len(hs.cycle._recorded), "batch_cycles": len(hs._batch_cycles)}
 

@@ -96,3 +96,14 @@ def _warp(logits, temperature, top_k, top_p, min_p=None):
         p[p < min_p * p.max()] = 0
         p = p / p.sum()
     return p
+
+
+def left_padded(ps, pad_id=0):
+    """[B, S] left-padded ids and the attention mask, as a HuggingFace tokenizer pads a batch for generation."""
+    S = max(p.shape[1] for p in ps)
+    ids = torch.full((len(ps), S), pad_id, dtype=torch.long, device=DEVICE)
+    mask = torch.zeros((len(ps), S), dtype=torch.long, device=DEVICE)
+    for b, p in enumerate(ps):
+        ids[b, S - p.shape[1]:] = p[0]
+        mask[b, S - p.shape[1]:] = 1
+    return ids, mask

@@ -2,10 +2,12 @@
 
 One forward verifies a whole draft tree: the tree tokens go in with explicit ``position_ids`` (prefix
 length + depth) and a 4D additive mask over the whole cache, in which each node sees the committed prefix
-and exactly its ancestors.  Keys and values live in one preallocated tensor ``[batch, 2, layers, kv_heads,
-capacity, head_dim]``; a forward writes its rows at the slots the engine chose (prefix length + row), and
-commit moves the accepted slots behind the prefix with :func:`heterospec.ops.kv_compact` -- one call, one
-launch on a GPU, with the prefix length a device tensor, so nothing in a cycle needs the host.
+and exactly its ancestors.  Keys and values live in preallocated tensors, one per shape the layers cache
+(:func:`kv_layout`, probed once: a Llama's is one tensor ``[batch, 2, layers, kv_heads, capacity, head_dim]``;
+multi-head latent attention caches two latents, Gemma 4 two head sizes); a forward writes its rows at the slots
+the engine chose (prefix length + row), and commit moves the accepted slots behind the prefix with
+:func:`heterospec.ops.kv_compact` -- one call, one launch on a GPU, with the prefix length a device tensor, so
+nothing in a cycle needs the host.
 
 A batch of B requests is B rows of the same cache, each with its own prefix length: a left-padded prompt
 batch is prefilled in one forward and each row's prompt is then moved to column 0 (``kv_compact``), so a
@@ -81,25 +83,28 @@ def _cache_base():
 class StaticKV(_cache_base()):
     """A transformers ``Cache`` over our own storage: ``update`` writes the new keys/values of layer
     ``layer_idx`` at cache columns ``self.slots`` (set by the caller before each forward) and returns the
-    whole layer, which the caller's 4D mask restricts.  ``Cache.__init__`` is deliberately not called: no
+    whole layer, which the caller's 4D mask restricts.  ``store``: each layer's (keys [B, heads, S, size],
+    values [B, heads, S, size]) views, or None for a layer that writes no cache (Gemma 3n's KV-shared layers);
+    the sizes are each layer's own (:func:`kv_layout`).  ``Cache.__init__`` is deliberately not called: no
     layer objects, no counters."""
 
     is_compileable = False
 
-    def __init__(self, kv):
-        self.kv = kv
+    def __init__(self, store):
+        self.store = store
         self.slots = None
         self.layers = []
         self.layer = None    # a compiled layer's own (keys, values) views, set outside its region (_Regional)
-        self._views = None
 
     window = None   # columns attended to (None: all); set per forward, see TargetAdapter.verify
 
     def views(self):
-        """Each layer's (keys, values): views of the one storage, made once, outside any compiled region."""
-        if self._views is None:
-            self._views = [(self.kv[:, 0, i], self.kv[:, 1, i]) for i in range(self.kv.shape[2])]
-        return self._views
+        """Each layer's (keys, values): views of the storage, made once, outside any compiled region."""
+        return self.store
+
+    def row(self, b):
+        """The same cache restricted to request ``b`` (a batch of one: views, no copy)."""
+        return StaticKV([None if kv is None else (kv[0][b:b + 1], kv[1][b:b + 1]) for kv in self.store])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # A compiled layer gets its own views as inputs (``self.layer``), so inductor writes the new slots in
@@ -107,18 +112,18 @@ class StaticKV(_cache_base()):
         # mutation of a view of a graph input, and inductor wrote the whole input back: every layer's keys and
         # values copied at every layer's call (the default pair on a 2-core CPU: 3.5 tokens/s compiled against
         # 9 eager).
-        if self.layer is not None:
-            k, v = self.layer
-        else:
-            kv = self.kv.narrow(2, layer_idx, 1)
-            k, v = kv[:, 0, 0], kv[:, 1, 0]
-        if any(t.shape[1] != k.shape[1] or t.shape[3] != k.shape[3] for t in (key_states, value_states)):
-            raise ValueError(f"target cache: expected every layer's keys and values as [batch, "
-                             f"{k.shape[1]}, S, {k.shape[3]}] (num_key_value_heads / head_dim of the config), got "
-                             f"keys {tuple(key_states.shape)} and values {tuple(value_states.shape)} from layer "
-                             f"{layer_idx}: a model whose layers cache other shapes (multi-head latent attention's "
-                             f"latents: DeepSeek-V2/V3, MiniCPM3; per-layer head counts or value sizes) is not "
-                             f"supported")
+        kv = self.layer if self.layer is not None else \
+            (self.store[layer_idx] if 0 <= layer_idx < len(self.store) else None)
+        if kv is None:
+            raise ValueError(f"target cache: expected no cache write from layer {layer_idx} (the model's layout, "
+                             f"probed when the engine was made), got one")
+        k, v = kv
+        if any(t.shape[1] != c.shape[1] or t.shape[3] != c.shape[3] for t, c in ((key_states, k), (value_states, v))):
+            raise ValueError(f"target cache: expected layer {layer_idx}'s keys as [batch, {k.shape[1]}, S, "
+                             f"{k.shape[3]}] and values as [batch, {v.shape[1]}, S, {v.shape[3]}] (the shapes the "
+                             f"model wrote when the engine probed it), got keys {tuple(key_states.shape)} and values "
+                             f"{tuple(value_states.shape)}: a model whose cache shapes change between forwards is "
+                             f"not supported")
         write_at(k, self.slots, key_states)
         write_at(v, self.slots, value_states)
         if self.window is not None:
@@ -388,18 +393,41 @@ class _RopeRows:
         return tuple(torch.where(pick, lt[:, :n], st) for st, lt in zip(short, long))
 
 
-def _kv_shape(config):
-    """(layers, key/value heads, head size) of the static cache: one shape for every layer.  A config whose heads
-    vary per layer (transformers' per-layer configs: Gemma 4) is refused in one line (a ValueError)."""
-    c = config.get_text_config() if hasattr(config, "get_text_config") else config
-    try:
-        heads = c.num_attention_heads
-        kv_heads = getattr(c, "num_key_value_heads", None) or heads
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    except RuntimeError as e:       # transformers' AmbiguousGlobalPerLayerAttributeError
-        raise ValueError(f"target: expected one key/value head count and head size for every layer (the engine's "
-                         f"static cache), got a config whose attention varies per layer ({type(e).__name__})") from None
-    return c.num_hidden_layers, kv_heads, head_dim
+class _LayoutProbe(StaticKV):
+    """The cache of :func:`kv_layout`'s forward: records each layer's key and value shapes and attends to the new
+    token alone."""
+
+    def __init__(self):
+        super().__init__([])
+        self.shapes = {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.shapes[layer_idx] = ((key_states.shape[1], key_states.shape[3]),
+                                  (value_states.shape[1], value_states.shape[3]))
+        return key_states, value_states
+
+
+def kv_layout(model, cache_kw, sliding):
+    """What each layer index of ``model``'s cache is written with, as one forward of one token shows: a list with one
+    entry per index, ((key heads, key size), (value heads, value size)), or None for an index nothing writes (a
+    layer reading an earlier layer's: Gemma 3n's KV-shared layers).  An index is usually a decoder layer's (LongCat
+    Flash's layers hold two attentions, two indices each).  Probed rather than read from the config because
+    the shapes are the modeling code's: multi-head latent attention caches its two latents (transformers 5.23:
+    DeepSeek-V2/V3, MiniCPM3, GLM-4.7-Flash: keys [B, 1, S, kv_lora_rank], "values" the rotary part), Gemma 4's
+    full and sliding layers differ in head size, MiMo-V2-Flash's in head count.  ``cache_kw``, ``sliding``: the
+    model's :func:`cache_kwarg` and :func:`sliding_layout`."""
+    p = next(model.parameters())
+    probe = _LayoutProbe()
+    zero = torch.zeros((1, 1, 1, 1), dtype=p.dtype, device=p.device)
+    mask = {"full_attention": zero, "sliding_attention": zero} if sliding is not None and sliding[1] else zero
+    at = torch.zeros((1, 1), dtype=torch.long, device=p.device)
+    with torch.no_grad():     # the decoder alone: no logits
+        layers_owner(model)(input_ids=at, position_ids=at, cache_position=at[0], attention_mask=mask, use_cache=True,
+                            **{cache_kw: probe})
+    if not probe.shapes or min(probe.shapes) < 0:
+        raise ValueError(f"target: expected cache writes at layer indices >= 0 from a forward, got "
+                         f"{sorted(probe.shapes) or 'none'}")
+    return [probe.shapes.get(i) for i in range(max(probe.shapes) + 1)]
 
 
 class _Regional:
@@ -511,18 +539,30 @@ class TargetAdapter:
         self.dtype, self.device = p.dtype, p.device
         self.invariant = bool(invariant)
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        _, kv_heads, head_dim = _kv_shape(model.config)
+        # sliding attention windows: each forward's mask restricted to them as transformers restricts its own
+        self._sliding = sliding_layout(model.config)
+        self._cache_kw = cache_kwarg(model)
+        # what each layer caches (kv_layout); one storage tensor per distinct shape, allocate()
+        self.layout = kv_layout(model, self._cache_kw, self._sliding)
+        shapes = {s for kv in self.layout if kv is not None for s in kv}
+        self._uniform = shapes.pop() if len(shapes) == 1 and None not in self.layout else None
+        try:
+            heads = text.num_attention_heads
+        except (AttributeError, RuntimeError):     # transformers' AmbiguousGlobalPerLayerAttributeError
+            heads = None
         if self.invariant:
             if self.device.type != "cpu" or self.dtype not in INVARIANT_DTYPES:
                 raise ValueError(f"target: row-invariant verification expected a CPU model in one of "
                                  f"{[str(d).replace('torch.', '') for d in INVARIANT_DTYPES]}, got {self.device} "
                                  f"{str(self.dtype).replace('torch.', '')}")
-            if not check_invariant_attention(self.dtype, text.num_attention_heads, kv_heads, head_dim):
+            if self._uniform is None or heads is None:
+                raise ValueError(f"target: row-invariant verification expected every layer to cache keys and values "
+                                 f"of one shape, got {self.layout} ((heads, size) of keys and values per layer); "
+                                 f"use float32 or batch_invariant=False")
+            if not check_invariant_attention(self.dtype, heads, *self._uniform):
                 raise ValueError("target: row-invariant verification: this machine's attention kernel gives a "
                                  "row of a batched call another result than the row alone; use float32 or "
                                  "batch_invariant=False")
-        # sliding attention windows: each forward's mask restricted to them as transformers restricts its own
-        self._sliding = sliding_layout(model.config)
         if self._sliding is not None and self._sliding[1] and self.invariant:
             raise ValueError("target: row-invariant verification (bfloat16 on the CPU) expected one kind of attention "
                              "layer, got sliding and full layers (config.layer_types); use float32")
@@ -537,26 +577,30 @@ class TargetAdapter:
             self._rope = _RopeRows(rotary, self.rope_switch[0])
         self._captured = {}
         self._hooks = []
+        # the first KV-shared layer (Gemma 4: from there on a prefill given an int logits_to_keep runs those positions)
+        self._shared_from = getattr(layers_owner(model), "first_kv_shared_layer_idx", None)
         if capture_taps:
             for i in self.tap_layers:
                 self._hooks.append(layers[i].register_forward_pre_hook(self._make_hook(i), with_kwargs=True))
         self.max_positions = getattr(text, "max_position_embeddings", None)   # a VLM: its text model's
         self.capacity = 0
-        self.kv = None
+        self.kv = None          # the whole cache as one tensor, where every layer caches one shape (allocate)
         self.cache = None
         self.prefix = torch.zeros(batch, dtype=torch.long, device=self.device)
-        self._cache_kw = cache_kwarg(model)
         self._call = model if not compile else _Regional(model, compile, self._cache_kw)
         # our eager CPU forwards attend through gqa_sdpa_attention where the model runs transformers' sdpa with
         # key/value groups (a compiled forward keeps what it was traced with; a GPU keeps its recorded kernels)
         self._gqa = (self.device.type == "cpu" and getattr(model.config, "_attn_implementation", None) == "sdpa"
-                     and kv_heads < text.num_attention_heads)
+                     and (heads is None or any(kv is not None and kv[0][0] < heads for kv in self.layout)))
         if self.invariant or self._gqa:
             _register_attention()
         self.compiled = bool(compile)   # a compiled verify forward: the whole cache attended, so no new widths
         if decoder is not None and (compile or self.invariant or decoder.model is not model):
             raise ValueError("target: argument 'decoder' expected the model's own CpuDecoder, without compile or "
                              "row-invariant verification")
+        if decoder is not None and self._uniform is None:
+            raise ValueError(f"target: argument 'decoder' expected a model whose layers cache keys and values of one "
+                             f"shape, got {self.layout}")
         self.decoder = decoder
         self._decoder_on = None   # the decoder runs this call's forwards (asked at each prefill; None: not yet)
 
@@ -586,27 +630,48 @@ class TargetAdapter:
                 raise ValueError(f"target: expected the hidden states entering decoder layer {i} as [batch, tokens, "
                                  f"hidden] for every token of the forward (the EAGLE-3 draft's taps), got "
                                  f"{tuple(t.shape)} beside {tuple(taps[0].shape)} (several residual streams, as Gemma "
-                                 f"3n's AltUp keeps, or layers that see fewer tokens, as Gemma 4's KV-shared ones, "
+                                 f"3n's AltUp keeps, or layers that see fewer tokens, "
                                  f"cannot feed a draft; autoregressive decoding needs none)")
         return torch.cat(taps, dim=-1)
 
+    def _groups(self):
+        """The storage's entries (layer, 0 = keys / 1 = values, (heads, size)) grouped by shape, keys before values
+        and layers ascending in each: one tensor per group (a model whose every layer caches one shape has one,
+        [B, 2 * layers, heads, S, size], which is also :attr:`kv` [B, 2, layers, heads, S, size])."""
+        entries = [(i, j, kv[j]) for j in (0, 1) for i, kv in enumerate(self.layout) if kv is not None]
+        groups = {}
+        for e in entries:
+            groups.setdefault(e[2], []).append(e)
+        return list(groups.values())
+
     def cache_bytes(self, capacity):
         """Bytes of the static key/value cache :meth:`allocate` makes for ``capacity`` positions."""
-        layers, kv_heads, head_dim = _kv_shape(self.model.config)
-        return self.batch * 2 * layers * kv_heads * capacity * head_dim * torch.empty((), dtype=self.dtype).element_size()
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return self.batch * capacity * size * sum(h * d for kv in self.layout if kv is not None for h, d in kv)
+
+    def _store(self, tensors):
+        """Make ``tensors`` (one [B, entries, heads, S, size] per :meth:`_groups` group) the cache: the per-layer
+        views of :class:`StaticKV`, :attr:`kv` (one group only) and the tensors of ``kv_compact``."""
+        self._storage = tensors
+        store = [[None, None] if kv is not None else None for kv in self.layout]
+        for group, t in zip(self._groups(), tensors):
+            for k, (i, j, _) in enumerate(group):
+                store[i][j] = t[:, k]
+        self.cache = StaticKV([None if kv is None else tuple(kv) for kv in store])
+        B, S = tensors[0].shape[0], tensors[0].shape[3]
+        self.kv = tensors[0].view(B, 2, -1, *tensors[0].shape[2:]) if self._uniform is not None else None
+        # kv_compact's tensors, imported once: [entries * heads, S, size] per group (batch 1), or
+        # [batch, entries * heads, S, size] for the per-row (batched) form
+        self._kv_rows = ops.KVTensors([t.view(B, -1, S, t.shape[-1]) if self.batched else t.view(-1, S, t.shape[-1])
+                                       for t in tensors])
 
     def allocate(self, capacity):
         """Make room for ``capacity`` positions (kept when already large enough; never inside a cycle)."""
         if capacity <= self.capacity:
             return
-        layers, kv_heads, head_dim = _kv_shape(self.model.config)
         B = self.batch
-        self.kv = torch.zeros((B, 2, layers, kv_heads, capacity, head_dim), dtype=self.dtype, device=self.device)
-        self.cache = StaticKV(self.kv)
-        # one tensor for kv_compact, imported once: [2 * layers * kv_heads, capacity, head_dim] (batch 1), or
-        # [batch, 2 * layers * kv_heads, capacity, head_dim] for the per-row (batched) form
-        rows = self.kv.view(B, -1, capacity, head_dim) if self.batched else self.kv.view(-1, capacity, head_dim)
-        self._kv_rows = ops.KVTensors([rows])
+        self._store([torch.zeros((B, len(g), *g[0][2][:1], capacity, g[0][2][1]), dtype=self.dtype,
+                                 device=self.device) for g in self._groups()])
         self._cols = torch.arange(capacity, device=self.device)
         self.capacity = capacity
         self._neg = torch.finfo(self.dtype).min
@@ -629,13 +694,12 @@ class TargetAdapter:
             raise ValueError(f"target: keep_rows expected distinct rows of [0, {self.batch}), each moved one from "
                              f"past the {n} kept, got {order}")
         cols = self.capacity if used is None else max(1, min(int(used), self.capacity))
-        for i, r in moves:
-            self.kv[i, :, :, :, :cols].copy_(self.kv[r, :, :, :, :cols])
-        self.kv = self.kv[:n]
-        self.cache = StaticKV(self.kv)
+        for t in self._storage:
+            for i, r in moves:
+                t[i, :, :, :cols].copy_(t[r, :, :, :cols])
         self.batch = n
         self.batched = True
-        self._kv_rows = ops.KVTensors([self.kv.view(self.batch, -1, self.capacity, self.kv.shape[-1])])
+        self._store([t[:n] for t in self._storage])
         self.prefix = self.prefix.index_select(0, idx)
 
     def _forward(self, ids, positions, slots, allowed, call=None, cache=None, exact=False, bad=None, n=None,
@@ -725,6 +789,14 @@ class TargetAdapter:
         near = kpos.view(B, 1, W) > positions.view(B, n, 1) - self._sliding[0]
         return allowed & (near[0] if allowed.dim() == 2 else near)
 
+    def _last(self, n):
+        """A prefill's ``logits_to_keep`` over ``n`` tokens: the last one's logits.  1, except where a tap layer is
+        one of the KV-shared layers (Gemma 4) that the model runs over the kept positions alone when given an int:
+        then the index as a tensor, so every position reaches the taps."""
+        if self._hooks and self._shared_from is not None and max(self.tap_layers) >= self._shared_from:
+            return torch.tensor([n - 1], device=self.device)
+        return 1
+
     @torch.no_grad()
     def prefill(self, input_ids, attention_mask=None):
         """Run the prompts ``input_ids`` [batch, S] (the cache must hold S positions), left-padded where
@@ -744,7 +816,7 @@ class TargetAdapter:
         if self.invariant and B > 1:
             return self._prefill_each(input_ids, attention_mask, causal)
         if attention_mask is None:
-            out = self._forward(input_ids, rows.expand(B, S), rows, causal, logits_to_keep=1)
+            out = self._forward(input_ids, rows.expand(B, S), rows, causal, logits_to_keep=self._last(S))
             self.prefix.fill_(S)
             taps = self._taps()
         else:
@@ -753,7 +825,7 @@ class TargetAdapter:
             positions = (real.long().cumsum(1) - 1).clamp(min=0)
             # a padding row sees itself only (no empty softmax); a token sees the earlier tokens of its row
             allowed = (causal.unsqueeze(0) & real.unsqueeze(1)) | torch.eye(S, dtype=torch.bool, device=self.device)
-            out = self._forward(input_ids, positions, rows, allowed, logits_to_keep=1)
+            out = self._forward(input_ids, positions, rows, allowed, logits_to_keep=self._last(S))
             # each row's tokens to the front: row pad + i moves to i (kv_compact's per-row form, prefix 0)
             pad = (S - lengths).view(B, 1)
             src = pad + rows.view(1, S)
@@ -776,7 +848,7 @@ class TargetAdapter:
         for b, n in enumerate(lengths):
             rows = self._cols[:n]
             out = self._forward(input_ids[b:b + 1, S - n:], rows.view(1, n), rows, causal[:n, :n],
-                                cache=StaticKV(self.kv[b:b + 1]), logits_to_keep=1)
+                                cache=self.cache.row(b), logits_to_keep=self._last(n))
             logits.append(out.logits[0, -1].float())
             t = self._taps()
             if t is not None:
@@ -827,7 +899,7 @@ class TargetAdapter:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         cols = self._cols[:n]
         causal = cols.view(1, n) <= cols.view(n, 1)
-        self._forward(ids, cols.view(1, n), cols, causal, cache=StaticKV(self.kv[row:row + 1]), logits_to_keep=1)
+        self._forward(ids, cols.view(1, n), cols, causal, cache=self.cache.row(row), logits_to_keep=1)
 
     def commit(self, path, length, *, check=True):
         """Keep the tree slots of ``path`` (tree node indices, ascending from the root, padded with -1 as the

@@ -13,8 +13,8 @@ pytest.importorskip("transformers")
 scipy_stats = pytest.importorskip("scipy.stats")
 
 from _doubles import BatchScriptDraft  # noqa: E402
-from test_batch_target import left_padded  # noqa: E402
-from _models import DEVICE, THRESHOLDS, V, _warp, eagle3_head, prompts, reference_greedy, tiny_target  # noqa: E402
+from _models import (DEVICE, THRESHOLDS, V, _warp, eagle3_head, left_padded, prompts,  # noqa: E402
+                     reference_greedy, tiny_target)
 
 from heterospec import ops  # noqa: E402
 from heterospec.engine import HeteroSpec  # noqa: E402

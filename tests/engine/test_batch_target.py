@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from _models import DEVICE, prompts, reference_greedy, tiny_target  # noqa: E402
+from _models import DEVICE, left_padded, prompts, reference_greedy, tiny_target  # noqa: E402
 
 from heterospec import ops  # noqa: E402
 from heterospec.engine.requests import gap_filled  # noqa: E402
@@ -14,17 +14,6 @@ from heterospec.models.target import TargetAdapter  # noqa: E402
 
 ARCHS = ("llama", "qwen2", "qwen3")
 ATOL = 1e-4
-
-
-def left_padded(ps, pad_id=0):
-    """[B, S] left-padded ids and the attention mask, as a HuggingFace tokenizer pads a batch for generation."""
-    S = max(p.shape[1] for p in ps)
-    ids = torch.full((len(ps), S), pad_id, dtype=torch.long, device=DEVICE)
-    mask = torch.zeros((len(ps), S), dtype=torch.long, device=DEVICE)
-    for b, p in enumerate(ps):
-        ids[b, S - p.shape[1]:] = p[0]
-        mask[b, S - p.shape[1]:] = 1
-    return ids, mask
 
 
 def alone(model, prompt, capacity):
