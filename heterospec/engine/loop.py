@@ -45,8 +45,9 @@ MAX_BATCH_CYCLES = 2
 # a padded node costs its full share of a compute-bound forward, so trees keep their exact size there.
 GPU_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
-# RoPE variants whose forward reads a position on the host to pick or rescale its frequencies (transformers'
-# dynamic_rope_update): a recorded graph would keep the frequencies of the recording
+# RoPE variants whose forward may read a position on the host to pick or rescale its frequencies (transformers'
+# dynamic_rope_update): a recorded graph would keep the frequencies of the recording.  LongRoPE only where the
+# target's rotary does so under the engine's per-row choice (_host_read_rope)
 HOST_READ_ROPE = ("dynamic", "longrope")
 
 
@@ -115,12 +116,38 @@ def _with_stop_strings(criteria, stop_strings, tokenizer):
     return list(criteria or []) + [StopStringCriteria(tokenizer, list(strings))]
 
 
-def _check_graphs(cuda_graphs, device, draft, target=None):
-    """-> False, True (CUDA graphs) or "emulate" (the recorded-step plumbing without graphs, any device)."""
+def _host_read_rope(model, rows=None):
+    """The RoPE variants of ``model``'s config (:data:`HOST_READ_ROPE`) whose frequencies a forward of ours picks by
+    reading a position on the host.  LongRoPE counts only where ``rows`` (the target adapter's per-row choice,
+    ``TargetAdapter.rope_rows``) reads one, as measured here: one call over a row on each side of the switch under
+    :func:`.sync.forbid_host_transfers` (transformers from 5.23 on picks its factors with ``torch.where``; 5.0, and
+    PhiMoE's rotary choosing its scale, with a Python ``if`` on a tensor)."""
+    kinds = rope_types(getattr(model, "config", None)) & set(HOST_READ_ROPE)
+    if "longrope" in kinds and rows is not None:
+        p = next(model.parameters())
+        x = torch.zeros(1, dtype=p.dtype, device=p.device)
+        at = rows.at
+        pos = torch.tensor([[max(at - 2, 0), max(at - 1, 0)], [at, at + 1]], device=p.device)
+        rows.rule = "min"
+        try:
+            with torch.no_grad():
+                rows(x, pos)                      # first: tables transformers makes once, lazily
+                with sync.forbid_host_transfers():
+                    rows(x, pos)
+        except Exception:       # noqa: BLE001 -- a host read (AssertionError) or a call it cannot take: recorded never
+            pass
+        else:
+            kinds.discard("longrope")
+    return sorted(kinds)
+
+
+def _check_graphs(cuda_graphs, device, draft, target=None, rows=None):
+    """-> False, True (CUDA graphs) or "emulate" (the recorded-step plumbing without graphs, any device).  ``rows``:
+    the target's LongRoPE choice (:func:`_host_read_rope`)."""
     if cuda_graphs == "emulate":
         return "emulate"
-    host_read = [(who, rope) for who, m in (("target", target), ("draft", draft)) if m is not None
-                 for rope in sorted(rope_types(getattr(m, "config", None)) & set(HOST_READ_ROPE))]
+    host_read = [(who, rope) for who, m, r in (("target", target, rows), ("draft", draft, None)) if m is not None
+                 for rope in _host_read_rope(m, r)]
     if cuda_graphs == "auto":
         return device.type == "cuda" and not host_read
     if not isinstance(cuda_graphs, bool):
@@ -336,7 +363,7 @@ class HeteroSpec:
             with sync.outside_cycle():
                 d2t = d2t.detach().to(self.device, torch.long) if d2t is not None and bool(torch.any(d2t != 0)) else None
             self._d2t = d2t
-        self.cuda_graphs = _check_graphs(cuda_graphs, self.device, draft, target)
+        self.cuda_graphs = _check_graphs(cuda_graphs, self.device, draft, target, self.target.rope_rows)
         self._graphs_fallback = cuda_graphs == "auto"    # 'auto': a recording that fails falls back to eager
         self._cycle = self._new_cycle(1)      # batch 1: the engine's own adapter and caches, kept between calls
         self._cycles = OrderedDict()          # recorded engine: batch size > 1 -> its Cycle (own adapter, caches)

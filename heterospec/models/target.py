@@ -568,13 +568,13 @@ class TargetAdapter:
                              "layer, got sliding and full layers (config.layer_types); use float32")
         # LongRoPE: the short or long factors per row (rope_switch); the rotary module the model calls once a forward
         self.rope_switch = rope_switch(model)
-        self._rope = None
+        self.rope_rows = None
         if self.rope_switch is not None:
             rotary = getattr(layers_owner(model), "rotary_emb", None)
             if not isinstance(rotary, torch.nn.Module):
                 raise ValueError(f"target: expected the rotary embedding of a LongRoPE model at rotary_emb beside its "
                                  f"decoder layers, got {type(rotary).__name__}")
-            self._rope = _RopeRows(rotary, self.rope_switch[0])
+            self.rope_rows = _RopeRows(rotary, self.rope_switch[0])
         self._captured = {}
         self._hooks = []
         # the first KV-shared layer (Gemma 4: from there on a prefill given an int logits_to_keep runs those positions)
@@ -710,12 +710,12 @@ class TargetAdapter:
         ``exact``: attend with :func:`exact_keys_attention` (row-invariant verification); ``bad``, ``n``:
         :func:`~.finite.mark_nonfinite` (bad, the logits, n), inside the decoder's call where it runs; ``rope``:
         how a LongRoPE row decides its factors (:class:`_RopeRows`' rule: "max" for a sequence, "min" for a tree)."""
-        if self._rope is None:
+        if self.rope_rows is None:
             return self._run(ids, positions, slots, allowed, call, cache, exact, bad, n, **kw)
-        self._rope.rule = rope
-        rotary = self._rope.rotary
+        self.rope_rows.rule = rope
+        rotary = self.rope_rows.rotary
         own = rotary.__dict__.get("forward")
-        rotary.forward = self._rope          # this forward only: the model is the user's
+        rotary.forward = self.rope_rows          # this forward only: the model is the user's
         try:
             return self._run(ids, positions, slots, allowed, call, cache, exact, bad, n, **kw)
         finally:

@@ -384,15 +384,13 @@ def test_a_dynamic_rope_draft_is_not_recorded(setup):
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="CPU argument checks")
 @pytest.mark.parametrize("field", ["rope_parameters", "rope_scaling"])
-@pytest.mark.parametrize("rope", ["dynamic", "longrope"])
-def test_a_host_reading_rope_target_is_not_recorded(field, rope):
-    """The target's RoPE counts as much as the draft's: transformers' dynamic and longrope variants pick their
-    frequencies from a host read of the largest position in every forward (rope_parameters in transformers 5,
-    rope_scaling before; per layer type in some models)."""
+def test_a_host_reading_rope_target_is_not_recorded(field):
+    """The target's RoPE counts as much as the draft's: transformers' dynamic variant picks its frequencies from a
+    host read of the largest position in every forward (rope_parameters in transformers 5, rope_scaling before; per
+    layer type in some models).  LongRoPE, read where the rotary reads it: tests/engine/test_longrope.py."""
     model = tiny_target("llama")
+    rope = "dynamic"
     spec = {"rope_type": rope, "factor": 2.0, "rope_theta": 10000.0}
-    if rope == "longrope":
-        spec.update(original_max_position_embeddings=256, short_factor=[1.0] * 4, long_factor=[2.0] * 4)
     setattr(model.config, field, {"full_attention": spec} if field == "rope_parameters" else spec)
     draft = NoisyDraft(32, V)
     with pytest.raises(ValueError, match=rf"argument 'cuda_graphs' expected False for a target with {rope} RoPE"):

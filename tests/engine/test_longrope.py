@@ -8,6 +8,7 @@ at and past it, autoregressive decoding, EAGLE-3 trees, HeteroSpec's bins, promp
 sampling.  Before, every method
 drifted from HuggingFace's logits once a sequence crossed the switch (by 0.01-0.05 here; the test first checks
 that the switch moves HuggingFace's logits by more than 100 times its tolerance)."""
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +20,7 @@ from _doubles import NoisyDraft, OracleDraft  # noqa: E402
 from _models import DEVICE, THRESHOLDS  # noqa: E402
 
 from heterospec import HeteroSpec, Policy  # noqa: E402
+from heterospec.engine import sync  # noqa: E402
 from heterospec.engine.requests import left_pad  # noqa: E402
 from heterospec.models.target import rope_switch  # noqa: E402
 
@@ -204,3 +206,61 @@ def test_sampled_logits_are_the_models_own_across_the_switch(arch):
             forced, logits = _hf(model, p, forced=tokens)
             assert forced == tokens
             assert float((st.logits - logits).abs().max()) < TOL, f"prompt {n}"
+
+
+def _device_side():
+    """Whether this transformers picks LongRoPE's factors without a host read: from 5.23 on (``torch.where``); 5.0
+    reads the largest position with a Python ``if``.  Releases between are not known here (skipped)."""
+    v = tuple(int(x) for x in transformers.__version__.split(".")[:2])
+    if v == (5, 0) or v >= (5, 23):
+        return v >= (5, 23)
+    pytest.skip(f"transformers {transformers.__version__}: where its LongRoPE reads the host is not known here")
+
+
+@pytest.mark.parametrize("arch", ["phi3", "phimoe", "llama"])
+def test_recorded_steps_where_the_rotary_picks_on_the_device(arch):
+    """A recorded step keeps what its recording computed, so a target whose rotary reads a position on the host to
+    pick its factors is never recorded.  Through the engine's per-row choice, transformers 5.23's Phi-3 and Llama
+    pick them on the device (recorded steps allowed); PhiMoE's rotary picks its scale with a Python ``if`` (refused),
+    as every LongRoPE model in 5.0 does."""
+    _check_hf(arch)
+    model = _model(arch)
+    on_device = arch != "phimoe" and _device_side()
+    draft = OracleDraft(model)
+    if not on_device:
+        with pytest.raises(ValueError, match=r"^HeteroSpec: argument 'cuda_graphs' expected False for a target with "
+                                             r"longrope RoPE scaling \(its frequencies depend on a host read of the "
+                                             r"position\), got True$"):
+            HeteroSpec(model, draft, Policy.static(5, 3, 16), cuda_graphs=True)
+        assert HeteroSpec(model, draft, Policy.static(5, 3, 16), cuda_graphs="auto").cuda_graphs is False
+    elif DEVICE.type == "cuda":
+        assert HeteroSpec(model, draft, Policy.static(5, 3, 16), cuda_graphs="auto").cuda_graphs is True
+    else:
+        with pytest.raises(ValueError, match=r"^HeteroSpec: argument 'cuda_graphs' expected False on cpu"):
+            HeteroSpec(model, draft, Policy.static(5, 3, 16), cuda_graphs=True)
+
+
+@pytest.mark.parametrize("arch", ["phi3", "llama"])
+def test_recorded_steps_equal_huggingface_across_the_switch(arch):
+    """Recorded steps (CUDA graphs on a GPU; on the CPU emulated, under the host-read guard a capture needs, the
+    whole call) on both sides of the switch: HuggingFace's logits, prompts below, at and past it, with HeteroSpec's
+    bins and with prompt lookup."""
+    _check_hf(arch)
+    if not _device_side():
+        pytest.skip(f"transformers {transformers.__version__}: its LongRoPE reads the host (never recorded)")
+    model = _model(arch)
+    mode = True if DEVICE.type == "cuda" else "emulate"
+    cases = (("heterospec", NoisyDraft(32, VOCAB, seed=3).to(DEVICE), Policy.paper(4, 4, 20, THRESHOLDS), {}),
+             ("lookup", None, Policy.autoregressive(), dict(prompt_lookup_num_tokens=4)))
+    for name, draft, policy, kw in cases:
+        with HeteroSpec(model, draft, policy, cuda_graphs=mode) as hs:
+            assert hs.cuda_graphs == mode
+            for n in (10, 23, 24, 30):
+                tokens, logits = _hf(model, _prompt(n))
+                guard = sync.forbid_host_transfers() if mode == "emulate" else contextlib.nullcontext()
+                with guard:
+                    out, st = hs.generate(_prompt(n), max_new_tokens=NEW, eos_token_id=[], output_logits=True, **kw)
+                assert out[0, n:].tolist() == tokens, f"{arch} {name} prompt {n}"
+                err = float((st.logits - logits).abs().max())
+                assert err < TOL, f"{arch} {name} prompt {n}: logits off by {err:.1e}"
+                assert st.captured_steps > 0
