@@ -200,6 +200,9 @@ class Cycle:
         lap("draft_s")
         if T == 1:
             tgt.prefix += (~masked).long()
+        elif tgt.stateful:        # linear-attention states advance over each row's accepted nodes, counted on the host
+            with sync.point("states"):
+                tgt.commit(path, length, check=check)
         else:
             tgt.commit(path, length, check=check)
         st.root.copy_(nxt)

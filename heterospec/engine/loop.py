@@ -163,6 +163,26 @@ def _check_graphs(cuda_graphs, device, draft, target=None, rows=None):
     return cuda_graphs
 
 
+def _check_stateful(tgt, policy, cuda_graphs, compile, lookup_tokens, who="HeteroSpec"):
+    """A target with linear-attention layers (``tgt.stateful``) verifies chains only: its layers' states are a
+    recurrence over a sequence, which a tree's siblings would enter one after another.  So a draft's ``policy`` must
+    keep one candidate a level (top_k 1), prompt lookup goes without a draft, and the eager engine runs it (the
+    states advance over each row's accepted nodes after reading their count on the host).  A one-line ValueError
+    naming the argument otherwise."""
+    what = f"a target with linear-attention layers ({', '.join(sorted({type(m).__name__ for m in tgt.mixers}))})"
+    if policy is not None and policy.top_k != 1:
+        raise ValueError(f"{who}: argument 'policy' expected top_k 1 (a chain of drafts: {what} verifies no tree), "
+                         f"got top_k {policy.top_k}")
+    if policy is not None and lookup_tokens:
+        raise ValueError(f"{who}: argument 'prompt_lookup_num_tokens' expected 0 with a draft for {what} (the "
+                         f"lookup's chain would be a second branch), got {lookup_tokens}")
+    if cuda_graphs is True:
+        raise ValueError(f"{who}: argument 'cuda_graphs' expected False or 'auto' for {what} (its states advance "
+                         f"after a host read of the accepted counts), got True")
+    if compile:
+        raise ValueError(f"{who}: argument 'compile' expected False for {what}, got {compile!r}")
+
+
 def _check_invariant(setting, param):
     """``batch_invariant`` ('auto', True or False) -> whether to try row-invariant verification for a target whose
     first parameter is ``param`` ('auto': a bfloat16 CPU target; True: ValueError for any other)."""
@@ -363,6 +383,10 @@ class HeteroSpec:
             with sync.outside_cycle():
                 d2t = d2t.detach().to(self.device, torch.long) if d2t is not None and bool(torch.any(d2t != 0)) else None
             self._d2t = d2t
+        if self.target.stateful:
+            _check_stateful(self.target, self.policy if self._drafting else None, cuda_graphs, compile,
+                            self.lookup[0])
+            cuda_graphs = False if cuda_graphs == "auto" else cuda_graphs
         self.cuda_graphs = _check_graphs(cuda_graphs, self.device, draft, target, self.target.rope_rows)
         self._graphs_fallback = cuda_graphs == "auto"    # 'auto': a recording that fails falls back to eager
         self._cycle = self._new_cycle(1)      # batch 1: the engine's own adapter and caches, kept between calls
@@ -556,6 +580,9 @@ class HeteroSpec:
             procs = []
         lookup_n = lookup.check(prompt_lookup_num_tokens, max_matching_ngram_size, min_matching_ngram_size,
                                 self.lookup)
+        if self.target.stateful:
+            _check_stateful(self.target, self.policy if self._drafting else None, False, False, lookup_n[0],
+                            who="generate")
         if procs or penalty:   # what each request's processors see before its first new token
             with sync.outside_cycle():
                 contexts = ([[int(t) for t in p] for p in raw_prompts] if as_list else input_ids.tolist())

@@ -3,7 +3,9 @@
 A cycle may wait for the device only here: after the base depth, to read the path entropy that picks the
 entropy bin (``"bin"``, policies with bins only), and after acceptance, to read the accepted tokens for
 streaming, EOS and stopping criteria (``"accepted"``); and in a call with logits processors, around them
-(``"processors"``: they read each tree, and the draft's beams at each level, on the host, :mod:`.processors`).
+(``"processors"``: they read each tree, and the draft's beams at each level, on the host, :mod:`.processors`);
+and with a target whose linear-attention states advance over each row's accepted nodes, at the commit
+(``"states"``: the accepted counts, ``TargetAdapter.commit``; eager only).
 Prompt lookup adds none: its chains are made from the tokens read at "accepted" and grafted on the device
 (:mod:`.lookup`).  Everything between stays on the device.  Tests
 wrap a whole generate call in :func:`forbid_host_transfers` to prove it (tests/engine/test_engine_device.py).

@@ -26,6 +26,13 @@ position q only when k > q - window, as transformers' own masks say; the mask is
 (the Mistral family) or passed per layer type in a dict (``config.layer_types``: Gemma 2/3, Qwen2/3 with
 ``use_sliding_window``, gpt-oss), so the output past the window is still the model's own.
 
+Linear-attention layers (:func:`linear_layers`: Qwen3-Next, Qwen3.5, OLMo hybrid, Granite 4 hybrid, Bamba, Kimi
+Linear, Bailing hybrid) keep a conv and a recurrent state instead of keys and values, in static tensors too
+(:class:`StaticKV` answers transformers' linear-attention cache API).  Their recurrence cannot take a tree, so such
+a target verifies chains only: a chain's forward reads the states and keeps nothing (``staged``), and
+:meth:`TargetAdapter.commit` advances each row's states over its accepted nodes alone by running each layer's mixer
+again on the inputs it had at those nodes (causal, so the same as a forward over the accepted tokens alone).
+
 Tested with transformers 5.x (Llama, Qwen2, Qwen3; sdpa and eager attention; sliding windows on Mistral, Phi-3,
 Qwen2, Gemma 3 and gpt-oss).
 """
@@ -90,13 +97,16 @@ class StaticKV(_cache_base()):
 
     is_compileable = False
 
-    def __init__(self, store):
+    def __init__(self, store, states=None):
         self.store = store
+        self.states = states or {}   # linear-attention layers: (layer, state index) -> (conv [B, C, K], recurrent)
         self.slots = None
         self.layers = []
         self.layer = None    # a compiled layer's own (keys, values) views, set outside its region (_Regional)
 
     window = None   # columns attended to (None: all); set per forward, see TargetAdapter.verify
+    fresh = False   # this forward starts the states from nothing (a prefill)
+    staged = False  # this forward's linear-attention states are not kept (a chain verification: TargetAdapter.commit)
 
     def views(self):
         """Each layer's (keys, values): views of the storage, made once, outside any compiled region."""
@@ -104,7 +114,51 @@ class StaticKV(_cache_base()):
 
     def row(self, b):
         """The same cache restricted to request ``b`` (a batch of one: views, no copy)."""
-        return StaticKV([None if kv is None else (kv[0][b:b + 1], kv[1][b:b + 1]) for kv in self.store])
+        return StaticKV([None if kv is None else (kv[0][b:b + 1], kv[1][b:b + 1]) for kv in self.store],
+                        {k: (c[b:b + 1], r[b:b + 1]) for k, (c, r) in self.states.items()})
+
+    # transformers' linear-attention cache API (5.23: Qwen3-Next, Qwen3.5): the conv and recurrent states of each
+    # linear layer, kept in place as the model's own cache keeps them, except in a staged (chain) forward, which
+    # reads them and leaves them as they were
+    def _state(self, layer_idx, state_idx):
+        st = self.states.get((layer_idx, state_idx))
+        if st is None:
+            raise ValueError(f"target cache: expected no linear-attention state from layer {layer_idx} (the model's "
+                             f"layout, probed when the engine was made), got one")
+        return st
+
+    def get_conv_state(self, layer_idx, state_idx=0):
+        return None if self.fresh else self._state(layer_idx, state_idx)[0]
+
+    def get_recurrent_state(self, layer_idx, state_idx=0):
+        return None if self.fresh else self._state(layer_idx, state_idx)[1]
+
+    def is_recording_past(self, layer_idx):
+        return self.staged
+
+    def get_recurrent_states_to_keep(self, layer_idx=None):   # 5.25: no per-token states (commit re-runs)
+        return 0
+
+    def increase_count(self, layer_idx, state_idx=0):          # 5.25: its token count (none kept here)
+        pass
+
+    def update_conv_state(self, conv_states, layer_idx, state_idx=0, **kwargs):
+        live = self._state(layer_idx, state_idx)[0]
+        K, n = live.shape[-1], conv_states.shape[-1]
+        if self.fresh:
+            full = conv_states if n >= K else torch.nn.functional.pad(conv_states, (K - n, 0))
+        else:
+            full = torch.cat([live, conv_states], dim=-1)
+        if not self.staged:
+            live.copy_(full[..., -K:])
+        return full
+
+    def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
+        live = self._state(layer_idx, state_idx)[1]
+        if self.staged:
+            return recurrent_states
+        live.copy_(recurrent_states)
+        return live
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # A compiled layer gets its own views as inputs (``self.layer``), so inductor writes the new slots in
@@ -291,17 +345,17 @@ def sliding_layout(config):
     (window, typed): ``typed`` when the config names each layer's type (``layer_types`` holding
     "sliding_attention": Gemma 2/3, Qwen2/3 with ``use_sliding_window``, ...), whose forward takes a mask per type
     in a dict; else every layer slides (``sliding_window`` set without layer types: the Mistral family, Phi-3,
-    Mixtral, Starcoder2).  Layer types other than full and sliding attention (chunked, linear) are refused (a
-    ValueError): their masks are not what the engine builds."""
+    Mixtral, Starcoder2).  Linear-attention layers take no mask (:func:`linear_layers`); other layer types (chunked,
+    indexed, ...) are refused (a ValueError): their masks are not what the engine builds."""
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
     window = getattr(c, "sliding_window", None)
     types = getattr(c, "layer_types", None)
     typed = types is not None
     if typed:
-        other = sorted(set(types) - {"full_attention", "sliding_attention"})
+        other = sorted(set(types) - {"full_attention", "sliding_attention", "linear_attention"})
         if other:
-            raise ValueError(f"target: expected layers of full or sliding attention (config.layer_types), got "
-                             f"{other}, whose masks the engine does not build")
+            raise ValueError(f"target: expected layers of full, sliding or linear attention (config.layer_types), "
+                             f"got {other}, whose masks the engine does not build")
         if "sliding_attention" not in types:
             return None
     elif window is None:
@@ -310,6 +364,20 @@ def sliding_layout(config):
         wanted = "an int >= 1 for its sliding_attention layers" if typed else "None or an int >= 1"
         raise ValueError(f"target: expected config.sliding_window {wanted}, got {window!r}")
     return window, typed
+
+
+def linear_layers(config):
+    """The indices of a model's linear-attention layers (``config.layer_types`` "linear_attention": Qwen3-Next,
+    Qwen3.5, ...), whose state is a recurrence rather than keys and values: [] for none."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return [i for i, t in enumerate(getattr(c, "layer_types", None) or ()) if t == "linear_attention"]
+
+
+# the linear-attention mixers whose state the engine keeps and rolls back (tests/models/test_hybrid_targets.py holds
+# each to HuggingFace's generate); another mixer is refused in one line
+STATE_MIXERS = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "OlmoHybridGatedDeltaNet",
+                "GraniteMoeHybridMambaLayer", "BambaMixer", "KimiLinearDeltaAttention", "BailingHybridDeltaAttention")
+# not JambaMambaMixer: transformers 5.23 runs a forward of several tokens as a new prompt whatever its cache holds
 
 
 def rope_parameters(config):
@@ -393,33 +461,69 @@ class _RopeRows:
         return tuple(torch.where(pick, lt[:, :n], st) for st, lt in zip(short, long))
 
 
+def _params(module):
+    """The parameter names of a module's forward (none where they cannot be read)."""
+    import inspect
+
+    try:
+        return set(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
 class _LayoutProbe(StaticKV):
-    """The cache of :func:`kv_layout`'s forward: records each layer's key and value shapes and attends to the new
-    token alone."""
+    """The cache of :func:`kv_layout`'s forward: records each layer's key and value shapes and each linear-attention
+    layer's state shapes, and attends to the new token alone."""
+
+    fresh = True
 
     def __init__(self):
         super().__init__([])
         self.shapes = {}
+        self.state_shapes = {}
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self.shapes[layer_idx] = ((key_states.shape[1], key_states.shape[3]),
                                   (value_states.shape[1], value_states.shape[3]))
         return key_states, value_states
 
+    def update_conv_state(self, conv_states, layer_idx, state_idx=0, conv_kernel_size=None, **kwargs):
+        K = conv_states.shape[-1] if conv_kernel_size is None else conv_kernel_size
+        self.state_shapes.setdefault((layer_idx, state_idx), [None, None])[0] = \
+            ((*conv_states.shape[1:-1], K), conv_states.dtype)
+        n = conv_states.shape[-1]
+        return conv_states if n >= K else torch.nn.functional.pad(conv_states, (K - n, 0))
+
+    def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
+        self.state_shapes.setdefault((layer_idx, state_idx), [None, None])[1] = \
+            (tuple(recurrent_states.shape[1:]), recurrent_states.dtype)
+        return recurrent_states
+
 
 def kv_layout(model, cache_kw, sliding):
-    """What each layer index of ``model``'s cache is written with, as one forward of one token shows: a list with one
-    entry per index, ((key heads, key size), (value heads, value size)), or None for an index nothing writes (a
-    layer reading an earlier layer's: Gemma 3n's KV-shared layers).  An index is usually a decoder layer's (LongCat
+    """What each layer index of ``model``'s cache is written with, as one forward of one token shows -> (a list with
+    one entry per index, ((key heads, key size), (value heads, value size)), or None for an index nothing writes (a
+    layer reading an earlier layer's: Gemma 3n's KV-shared layers, a linear-attention layer); each linear-attention
+    layer's states, {(layer, state index): ((conv shape, dtype), (recurrent shape, dtype))}, shapes without the
+    batch).  An index is usually a decoder layer's (LongCat
     Flash's layers hold two attentions, two indices each).  Probed rather than read from the config because
     the shapes are the modeling code's: multi-head latent attention caches its two latents (transformers 5.23:
     DeepSeek-V2/V3, MiniCPM3, GLM-4.7-Flash: keys [B, 1, S, kv_lora_rank], "values" the rotary part), Gemma 4's
     full and sliding layers differ in head size, MiMo-V2-Flash's in head count.  ``cache_kw``, ``sliding``: the
     model's :func:`cache_kwarg` and :func:`sliding_layout`."""
     p = next(model.parameters())
+    if linear_layers(model.config):
+        import transformers.cache_utils as cache_utils
+
+        if not hasattr(cache_utils, "LinearAttentionCacheLayerMixin"):
+            import transformers
+
+            raise ValueError(f"target: expected a transformers whose caches hold linear-attention states (5.23 or "
+                             f"newer) for a model with linear-attention layers, got {transformers.__version__}")
     probe = _LayoutProbe()
     zero = torch.zeros((1, 1, 1, 1), dtype=p.dtype, device=p.device)
-    mask = {"full_attention": zero, "sliding_attention": zero} if sliding is not None and sliding[1] else zero
+    typed = (sliding is not None and sliding[1]) or linear_layers(model.config)
+    mask = {"full_attention": zero, "sliding_attention": zero, "linear_attention": None} if typed else zero
     at = torch.zeros((1, 1), dtype=torch.long, device=p.device)
     with torch.no_grad():     # the decoder alone: no logits
         layers_owner(model)(input_ids=at, position_ids=at, cache_position=at[0], attention_mask=mask, use_cache=True,
@@ -427,7 +531,12 @@ def kv_layout(model, cache_kw, sliding):
     if not probe.shapes or min(probe.shapes) < 0:
         raise ValueError(f"target: expected cache writes at layer indices >= 0 from a forward, got "
                          f"{sorted(probe.shapes) or 'none'}")
-    return [probe.shapes.get(i) for i in range(max(probe.shapes) + 1)]
+    bad = sorted(k for k, (conv, rec) in probe.state_shapes.items() if conv is None or rec is None)
+    if bad:
+        raise ValueError(f"target: expected a conv and a recurrent state from each linear-attention layer, got "
+                         f"only one from (layer, state) {bad}")
+    return [probe.shapes.get(i) for i in range(max(probe.shapes) + 1)], \
+        {k: tuple(v) for k, v in sorted(probe.state_shapes.items())}
 
 
 class _Regional:
@@ -543,7 +652,23 @@ class TargetAdapter:
         self._sliding = sliding_layout(model.config)
         self._cache_kw = cache_kwarg(model)
         # what each layer caches (kv_layout); one storage tensor per distinct shape, allocate()
-        self.layout = kv_layout(model, self._cache_kw, self._sliding)
+        self.layout, self.state_layout = kv_layout(model, self._cache_kw, self._sliding)
+        # linear-attention layers (Qwen3-Next, Qwen3.5): their mixers, re-run over each row's accepted positions at
+        # a chain's commit (the states are a recurrence: what a rejected node did cannot be taken out)
+        self._mixers = {}
+        linear = linear_layers(model.config)
+        if self.state_layout or linear:
+            found = {m.layer_idx: m for layer in layers for m in layer.modules()
+                     if type(m).__name__ in STATE_MIXERS and isinstance(getattr(m, "layer_idx", None), int)}
+            # a linear layer keeping its state elsewhere than in the cache (RecurrentGemma's own) is missing too
+            missing = sorted(({i for i, _ in self.state_layout} | set(linear)) - set(found))
+            if missing:
+                kinds = sorted({type(m).__name__ for m in layers[missing[0]].modules()
+                                if {"cache_params", "cache"} & _params(m) and m is not layers[missing[0]]
+                                or "recurrent" in type(m).__name__.lower()})
+                raise ValueError(f"target: expected linear-attention layers the engine keeps the state of "
+                                 f"({', '.join(STATE_MIXERS)}), got {kinds or 'none'} in layer {missing[0]}")
+            self._mixers = {i: found[i] for i in sorted({i for i, _ in self.state_layout})}
         shapes = {s for kv in self.layout if kv is not None for s in kv}
         self._uniform = shapes.pop() if len(shapes) == 1 and None not in self.layout else None
         try:
@@ -555,6 +680,9 @@ class TargetAdapter:
                 raise ValueError(f"target: row-invariant verification expected a CPU model in one of "
                                  f"{[str(d).replace('torch.', '') for d in INVARIANT_DTYPES]}, got {self.device} "
                                  f"{str(self.dtype).replace('torch.', '')}")
+            if self.state_layout:
+                raise ValueError("target: row-invariant verification expected attention layers only, got "
+                                 "linear-attention layers; use float32 or batch_invariant=False")
             if self._uniform is None or heads is None:
                 raise ValueError(f"target: row-invariant verification expected every layer to cache keys and values "
                                  f"of one shape, got {self.layout} ((heads, size) of keys and values per layer); "
@@ -582,9 +710,14 @@ class TargetAdapter:
         if capture_taps:
             for i in self.tap_layers:
                 self._hooks.append(layers[i].register_forward_pre_hook(self._make_hook(i), with_kwargs=True))
+        self._mixer_in = {}    # a staged forward's inputs of each linear-attention mixer: layer -> (args, kwargs)
+        self._staged = False   # the last verify was staged: commit re-runs the mixers
+        self._state_hooks = [m.register_forward_pre_hook(self._mixer_hook(i), with_kwargs=True)
+                             for i, m in self._mixers.items()]
         self.max_positions = getattr(text, "max_position_embeddings", None)   # a VLM: its text model's
         self.capacity = 0
         self.kv = None          # the whole cache as one tensor, where every layer caches one shape (allocate)
+        self._states = {}       # linear-attention layers' states: (layer, state index) -> (conv, recurrent) [B, ...]
         self.cache = None
         self.prefix = torch.zeros(batch, dtype=torch.long, device=self.device)
         self._call = model if not compile else _Regional(model, compile, self._cache_kw)
@@ -611,10 +744,28 @@ class TargetAdapter:
         hook.heterospec_tap = True   # ours (CpuDecoder.hooked: a user's hook sends forwards to transformers')
         return hook
 
+    @property
+    def stateful(self):
+        """Whether the target has linear-attention layers (their states advance at a chain's commit)."""
+        return bool(self._mixers)
+
+    @property
+    def mixers(self):
+        """The linear-attention mixer modules whose states the adapter keeps."""
+        return list(self._mixers.values())
+
+    def _mixer_hook(self, i):
+        def hook(module, args, kwargs):
+            cache = kwargs.get("cache_params", kwargs.get("cache"))   # "cache" from transformers 5.25 on
+            if getattr(cache, "staged", False):
+                self._mixer_in[i] = (args, kwargs)
+
+        return hook
+
     def close(self):
-        for h in self._hooks:
+        for h in self._hooks + self._state_hooks:
             h.remove()
-        self._hooks = []
+        self._hooks, self._state_hooks = [], []
 
     def _taps(self):
         if not self._hooks:
@@ -657,7 +808,7 @@ class TargetAdapter:
         for group, t in zip(self._groups(), tensors):
             for k, (i, j, _) in enumerate(group):
                 store[i][j] = t[:, k]
-        self.cache = StaticKV([None if kv is None else tuple(kv) for kv in store])
+        self.cache = StaticKV([None if kv is None else tuple(kv) for kv in store], self._states)
         B, S = tensors[0].shape[0], tensors[0].shape[3]
         self.kv = tensors[0].view(B, 2, -1, *tensors[0].shape[2:]) if self._uniform is not None else None
         # kv_compact's tensors, imported once: [entries * heads, S, size] per group (batch 1), or
@@ -670,6 +821,9 @@ class TargetAdapter:
         if capacity <= self.capacity:
             return
         B = self.batch
+        if not self._states and self.state_layout:
+            self._states = {k: tuple(torch.zeros((B, *shape), dtype=dtype, device=self.device) for shape, dtype in st)
+                            for k, st in self.state_layout.items()}
         self._store([torch.zeros((B, len(g), *g[0][2][:1], capacity, g[0][2][1]), dtype=self.dtype,
                                  device=self.device) for g in self._groups()])
         self._cols = torch.arange(capacity, device=self.device)
@@ -697,6 +851,11 @@ class TargetAdapter:
         for t in self._storage:
             for i, r in moves:
                 t[i, :, :, :cols].copy_(t[r, :, :, :cols])
+        for st in self._states.values():
+            for t in st:
+                for i, r in moves:
+                    t[i].copy_(t[r])
+        self._states = {k: tuple(t[:n] for t in st) for k, st in self._states.items()}
         self.batch = n
         self.batched = True
         self._store([t[:n] for t in self._storage])
@@ -749,9 +908,12 @@ class TargetAdapter:
         cache.window = W if W < self.capacity else None
         if self._sliding is None:
             mask = self._additive(allowed)
+            if self._mixers:          # linear-attention layers take no mask (the model's own is None there too)
+                mask = {"full_attention": mask, "linear_attention": None}
         elif self._sliding[1]:        # a mask per layer type, as the model's forward takes them
             near = self._within_window(allowed, positions, slots)
-            mask = {"full_attention": self._additive(allowed), "sliding_attention": self._additive(near)}
+            mask = {"full_attention": self._additive(allowed), "sliding_attention": self._additive(near),
+                    "linear_attention": None}
         else:                         # every layer slides
             allowed = self._within_window(allowed, positions, slots)
             mask = self._additive(allowed)
@@ -813,8 +975,18 @@ class TargetAdapter:
             self.allocate(S)
         rows = self._cols[:S]
         causal = self._cols[:S].view(1, -1) <= rows.view(-1, 1)    # causal over the prompt (S columns)
-        if self.invariant and B > 1:
+        if (self.invariant and B > 1) or (self._mixers and attention_mask is not None):
+            # one prompt at a time: row-invariant verification; a linear-attention state, which padding would enter
             return self._prefill_each(input_ids, attention_mask, causal)
+        self.cache.fresh = True
+        try:
+            return self._prefill_all(input_ids, attention_mask, rows, causal)
+        finally:
+            self.cache.fresh = False
+
+    def _prefill_all(self, input_ids, attention_mask, rows, causal):
+        """:meth:`prefill` in one forward."""
+        B, S = input_ids.shape
         if attention_mask is None:
             out = self._forward(input_ids, rows.expand(B, S), rows, causal, logits_to_keep=self._last(S))
             self.prefix.fill_(S)
@@ -847,8 +1019,10 @@ class TargetAdapter:
         logits, taps = [], None
         for b, n in enumerate(lengths):
             rows = self._cols[:n]
+            cache = self.cache.row(b)
+            cache.fresh = True
             out = self._forward(input_ids[b:b + 1, S - n:], rows.view(1, n), rows, causal[:n, :n],
-                                cache=self.cache.row(b), logits_to_keep=self._last(n))
+                                cache=cache, logits_to_keep=self._last(n))
             logits.append(out.logits[0, -1].float())
             t = self._taps()
             if t is not None:
@@ -869,6 +1043,16 @@ class TargetAdapter:
         (bad, logits, real).  Returns (logits
         [n, V] / [batch, n, V] float32, taps [batch, n, 3H] or None)."""
         W = self.capacity if window is None else min(window, self.capacity)
+        self._staged = bool(self._mixers) and tree_tokens.shape[-1] > 1
+        self.cache.staged = self._staged
+        self._mixer_in.clear()
+        try:
+            return self._verify(tree_tokens, tree_depths, tree_mask, W, bad, real)
+        finally:
+            self.cache.staged = False
+
+    def _verify(self, tree_tokens, tree_depths, tree_mask, W, bad, real):
+        """:meth:`verify` over the first ``W`` columns."""
         if tree_tokens.dim() == 1:
             n = tree_tokens.shape[0]
             P = self.prefix
@@ -906,4 +1090,29 @@ class TargetAdapter:
         verify ops' device outputs are; [m] with batch 1, [batch, m] per row): move them behind the committed
         prefix in every layer and advance ``prefix`` by ``length`` (a 1-element / [batch] device tensor)."""
         ops.kv_compact(self._kv_rows, self.prefix, path, check=check)
+        if self._staged:
+            self._advance_states(path, length)
         self.prefix += length
+
+    def _advance_states(self, path, length):
+        """After a staged (chain) verification: each linear-attention layer's states advanced over each row's
+        accepted nodes alone, by running its mixer again from the states before the cycle on the inputs it had in
+        the verification at those nodes (causal: the same as a forward over the accepted tokens alone).  Reads the
+        accepted lengths on the host (the engine's "states" sync point)."""
+        self._staged = False
+        paths = path.view(-1, path.shape[-1])
+        for b, a in enumerate(length.view(-1).tolist()):
+            if a <= 0:
+                continue
+            cache = self.cache.row(b)
+            nodes = paths[b, :a]
+            for i, mixer in self._mixers.items():
+                args, kwargs = self._mixer_in[i]
+                kw = dict(kwargs, attention_mask=None)
+                kw["cache" if "cache" in kw else "cache_params"] = cache
+                hidden = kw.pop("hidden_states", None)
+                rest = args
+                if hidden is None:
+                    hidden, rest = args[0], args[1:]
+                mixer(hidden[b:b + 1].index_select(1, nodes), *rest, **kw)
+        self._mixer_in.clear()

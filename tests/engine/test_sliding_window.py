@@ -106,8 +106,8 @@ def test_sliding_layout_reads_the_config_as_transformers_does():
     assert sliding_layout(cfg(sliding_window=4096, layer_types=["full_attention"] * 2)) is None   # Qwen2's default
     assert sliding_layout(_model("qwen2").config) == (WINDOW, True)
     assert sliding_layout(transformers.Qwen2Config(sliding_window=4096)) is None        # use_sliding_window False
-    with pytest.raises(ValueError, match=r"^target: expected layers of full or sliding attention \(config\.layer_types"
-                                         r"\), got \['chunked_attention'\]"):
+    with pytest.raises(ValueError, match=r"^target: expected layers of full, sliding or linear attention "
+                                         r"\(config\.layer_types\), got \['chunked_attention'\]"):
         sliding_layout(cfg(layer_types=["chunked_attention", "full_attention"]))
     with pytest.raises(ValueError, match=r"^target: expected config\.sliding_window None or an int >= 1, got 0"):
         sliding_layout(cfg(sliding_window=0))
