@@ -176,9 +176,9 @@ def _check_stateful(tgt, policy, cuda_graphs, compile, lookup_tokens, who="Heter
     if policy is not None and lookup_tokens:
         raise ValueError(f"{who}: argument 'prompt_lookup_num_tokens' expected 0 with a draft for {what} (the "
                          f"lookup's chain would be a second branch), got {lookup_tokens}")
-    if cuda_graphs is True:
+    if cuda_graphs is True or cuda_graphs == "emulate":
         raise ValueError(f"{who}: argument 'cuda_graphs' expected False or 'auto' for {what} (its states advance "
-                         f"after a host read of the accepted counts), got True")
+                         f"after a host read of the accepted counts), got {cuda_graphs!r}")
     if compile:
         raise ValueError(f"{who}: argument 'compile' expected False for {what}, got {compile!r}")
 

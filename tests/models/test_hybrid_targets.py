@@ -208,10 +208,11 @@ def test_what_cannot_be_exact_is_refused_in_one_line(model, request):
         with pytest.raises(ValueError, match=rf"^generate: argument 'prompt_lookup_num_tokens' expected 0 with a "
                                              rf"draft for {what}"):
             hs.generate(_prompt(8), max_new_tokens=4, prompt_lookup_num_tokens=2)
-    with pytest.raises(ValueError, match=rf"^HeteroSpec: argument 'cuda_graphs' expected False or 'auto' for "
-                                         rf"{what} \(its states advance after a host read of the accepted counts\), "
-                                         r"got True$"):
-        HeteroSpec(model, noisy, Policy.static(4, 1, 5), cuda_graphs=True)
+    for graphs in (True, "emulate"):
+        with pytest.raises(ValueError, match=rf"^HeteroSpec: argument 'cuda_graphs' expected False or 'auto' for "
+                                             rf"{what} \(its states advance after a host read of the accepted "
+                                             rf"counts\), got {graphs!r}$"):
+            HeteroSpec(model, noisy, Policy.static(4, 1, 5), cuda_graphs=graphs)
     with pytest.raises(ValueError, match=rf"^HeteroSpec: argument 'compile' expected False for {what}, got True$"):
         HeteroSpec(model, noisy, Policy.static(4, 1, 5), compile=True)
     half = BUILT[request.node.callspec.params["model"]]().to(torch.bfloat16)
