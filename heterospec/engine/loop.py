@@ -364,6 +364,9 @@ class HeteroSpec:
             self._gemm = gemm.for_models(cpu_gemm, target, routed, traced=bool(compile),
                                          route_target=self._decoder is None)
         self.cpu_gemm = self._gemm.describe()   # which row classes run packed: in every call's stats
+        if policy is None and draft is not None and self.target.stateful:
+            # linear-attention layers take chains only (_check_stateful): the default's depth, one candidate a level
+            self.policy = Policy.static(self.policy.depth, 1, self.policy.depth + 1)
         self._drafting = draft is not None and self.policy.drafts
         if disable_by_batch_size is not None and (not isinstance(disable_by_batch_size, int)
                                                   or isinstance(disable_by_batch_size, bool)

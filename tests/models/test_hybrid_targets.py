@@ -197,6 +197,9 @@ def test_what_cannot_be_exact_is_refused_in_one_line(model, request):
     kind = type(TargetAdapter(model).mixers[0]).__name__
     what = rf"a target with linear-attention layers \({kind}\)"
     noisy = NoisyDraft(32, VOCAB).to(DEVICE)
+    default = Policy.static()
+    with HeteroSpec(model, noisy) as hs:      # no policy given: the default's depth as a chain
+        assert (hs.policy.depth, hs.policy.top_k, hs.policy.total_tokens) == (default.depth, 1, default.depth + 1)
     with pytest.raises(ValueError, match=rf"^HeteroSpec: argument 'policy' expected top_k 1 \(a chain of drafts: "
                                          rf"{what} verifies no tree\), got top_k 4$"):
         HeteroSpec(model, noisy, Policy.static(4, 4, 12))
