@@ -87,6 +87,12 @@ def _cache_base():
     return Cache
 
 
+def _conv_window(conv_states, K):
+    """A prefill's conv input as transformers' cache returns it: left-padded with zeros to the kernel size ``K``."""
+    n = conv_states.shape[-1]
+    return conv_states if n >= K else torch.nn.functional.pad(conv_states, (K - n, 0))
+
+
 class StaticKV(_cache_base()):
     """A transformers ``Cache`` over our own storage: ``update`` writes the new keys/values of layer
     ``layer_idx`` at cache columns ``self.slots`` (set by the caller before each forward) and returns the
@@ -144,9 +150,9 @@ class StaticKV(_cache_base()):
 
     def update_conv_state(self, conv_states, layer_idx, state_idx=0, **kwargs):
         live = self._state(layer_idx, state_idx)[0]
-        K, n = live.shape[-1], conv_states.shape[-1]
+        K = live.shape[-1]
         if self.fresh:
-            full = conv_states if n >= K else torch.nn.functional.pad(conv_states, (K - n, 0))
+            full = _conv_window(conv_states, K)
         else:
             full = torch.cat([live, conv_states], dim=-1)
         if not self.staged:
@@ -491,8 +497,7 @@ class _LayoutProbe(StaticKV):
         K = conv_states.shape[-1] if conv_kernel_size is None else conv_kernel_size
         self.state_shapes.setdefault((layer_idx, state_idx), [None, None])[0] = \
             ((*conv_states.shape[1:-1], K), conv_states.dtype)
-        n = conv_states.shape[-1]
-        return conv_states if n >= K else torch.nn.functional.pad(conv_states, (K - n, 0))
+        return _conv_window(conv_states, K)
 
     def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
         self.state_shapes.setdefault((layer_idx, state_idx), [None, None])[1] = \
@@ -710,8 +715,9 @@ class TargetAdapter:
         if capture_taps:
             for i in self.tap_layers:
                 self._hooks.append(layers[i].register_forward_pre_hook(self._make_hook(i), with_kwargs=True))
-        self._mixer_in = {}    # a staged forward's inputs of each linear-attention mixer: layer -> (args, kwargs)
-        self._staged = False   # the last verify was staged: commit re-runs the mixers
+        # the last staged (chain) forward's inputs of each linear-attention mixer, layer -> (args, kwargs), until the
+        # commit re-runs them (empty: nothing to re-run)
+        self._mixer_in = {}
         self._state_hooks = [m.register_forward_pre_hook(self._mixer_hook(i), with_kwargs=True)
                              for i, m in self._mixers.items()]
         self.max_positions = getattr(text, "max_position_embeddings", None)   # a VLM: its text model's
@@ -1043,8 +1049,7 @@ class TargetAdapter:
         (bad, logits, real).  Returns (logits
         [n, V] / [batch, n, V] float32, taps [batch, n, 3H] or None)."""
         W = self.capacity if window is None else min(window, self.capacity)
-        self._staged = bool(self._mixers) and tree_tokens.shape[-1] > 1
-        self.cache.staged = self._staged
+        self.cache.staged = bool(self._mixers) and tree_tokens.shape[-1] > 1
         self._mixer_in.clear()
         try:
             return self._verify(tree_tokens, tree_depths, tree_mask, W, bad, real)
@@ -1090,7 +1095,7 @@ class TargetAdapter:
         verify ops' device outputs are; [m] with batch 1, [batch, m] per row): move them behind the committed
         prefix in every layer and advance ``prefix`` by ``length`` (a 1-element / [batch] device tensor)."""
         ops.kv_compact(self._kv_rows, self.prefix, path, check=check)
-        if self._staged:
+        if self._mixer_in:
             self._advance_states(path, length)
         self.prefix += length
 
@@ -1099,7 +1104,6 @@ class TargetAdapter:
         accepted nodes alone, by running its mixer again from the states before the cycle on the inputs it had in
         the verification at those nodes (causal: the same as a forward over the accepted tokens alone).  Reads the
         accepted lengths on the host (the engine's "states" sync point)."""
-        self._staged = False
         paths = path.view(-1, path.shape[-1])
         for b, a in enumerate(length.view(-1).tolist()):
             if a <= 0:
