@@ -185,7 +185,8 @@ PHASES = (
              + CHI2_BATCH + "'" + " tests/engine/test_decoding.py tests/engine/test_engine_device.py tests/engine/test_batch_target.py"
              " tests/engine/test_batch_decoding.py tests/engine/test_nonfinite.py tests/engine/test_lookup.py"
              " tests/engine/test_min_p.py tests/engine/test_penalty.py tests/engine/test_sliding_window.py"
-             " tests/engine/test_longrope.py tests/models/test_target_layouts.py tests/models/test_hybrid_targets.py"),
+             " tests/engine/test_longrope.py tests/models/test_target_layouts.py tests/models/test_hybrid_targets.py"
+             " tests/models/test_classic_layouts.py"),
     ), needs=("cuda",), workers=6),
     # The chi-square phases draw their 2,000 seeds a setting as 40 calls of 50 rows on a GPU (test_decoding's
     # CHI2_CASES; each row draws as its prompt alone with its seed): 2,000 single calls took 7.4 minutes in the

@@ -58,6 +58,30 @@ def reference_greedy(model, prompt, new=NEW):
                           min_new_tokens=new, pad_token_id=0, eos_token_id=None).cpu()
 
 
+class ForceTokens:
+    """A logits processor making HuggingFace's greedy generate take the given tokens (its raw logits are then
+    what the model says for that sequence, one step at a time)."""
+
+    def __init__(self, tokens, start):
+        self.tokens, self.start = tokens, start
+
+    def __call__(self, input_ids, scores):
+        out = torch.full_like(scores, float("-inf"))
+        out[:, self.tokens[input_ids.shape[1] - self.start]] = 0.0
+        return out
+
+
+def hf_with_logits(model, prompt, new, forced=None, mask=None, eos=None):
+    """HuggingFace's greedy generate of ``new`` tokens (or of ``forced``, :class:`ForceTokens`; ``eos``: it may stop
+    there) -> (the new tokens [B, new], raw logits [B, new, V] float32)."""
+    kw = {} if forced is None else dict(
+        logits_processor=transformers.LogitsProcessorList([ForceTokens(forced, prompt.shape[1])]))
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt) if mask is None else mask, do_sample=False,
+                         max_new_tokens=new, min_new_tokens=0 if eos is not None else new, pad_token_id=0,
+                         eos_token_id=eos, return_dict_in_generate=True, output_logits=True, **kw)
+    return out.sequences[:, prompt.shape[1]:], torch.stack(out.logits, 1).float()
+
+
 def eagle3_head(model, tmp_dir, vd=60, seed=0):
     """A random EAGLE-3 head for the tiny target, saved and loaded back through from_pretrained (strict,
     checked against the target) so the real module and loader run in the loop."""

@@ -48,37 +48,63 @@ from .finite import mark_nonfinite
 TREE_MASK_ATTN = ("sdpa", "eager")
 
 
+# where a base model keeps its decoder layers: the Llama family and most others (.layers), GPT-2's descendants (.h),
+# MPT and DBRX (.blocks), OPT (.decoder.layers)
+_LAYER_LISTS = ("layers", "h", "blocks", "decoder.layers")
+
+
+def _layer_list(base):
+    for path in _LAYER_LISTS:
+        found = base
+        for name in path.split("."):
+            found = getattr(found, name, None)
+        if isinstance(found, torch.nn.ModuleList):
+            return found
+    return None
+
+
 def layers_owner(model):
-    """The module holding the decoder layers (and the rotary embedding beside them): ``model.model`` (a causal LM),
-    or the text model, ``model.model.language_model`` (a vision-language model that ``AutoModelForCausalLM`` gives
-    for its text generation: Gemma 3; Qwen2.5-VL and others passed directly; its forward on text alone is the text
-    model's)."""
-    base = getattr(model, "model", None)
-    if base is not None and getattr(base, "layers", None) is None:
+    """The base model whose forward runs the decoder layers (and holds the rotary embedding beside them): the causal
+    LM's ``base_model`` (``model.model`` in the Llama family, ``model.transformer`` in GPT-2's, ``model.gpt_neox``
+    in GPT-NeoX), or its text model, ``model.model.language_model`` (a vision-language model that
+    ``AutoModelForCausalLM`` gives for its text generation: Gemma 3; Qwen2.5-VL and others passed directly; its
+    forward on text alone is the text model's)."""
+    base = getattr(model, "base_model", None)
+    if base is model:
+        base = None
+    if base is not None and _layer_list(base) is None:
         base = getattr(base, "language_model", None)
-    if base is None or getattr(base, "layers", None) is None:
+    if base is None or _layer_list(base) is None:
         raise TypeError(
-            f"target: expected a HuggingFace decoder-only LM with model.model.layers (Llama family) or "
-            f"model.model.language_model.layers (a vision-language model's text model), got {type(model).__name__}"
+            f"target: expected a HuggingFace decoder-only LM whose base model holds its decoder layers "
+            f"(model.model.layers as the Llama family, model.transformer.h as GPT-2, model.gpt_neox.layers, "
+            f"model.model.decoder.layers as OPT) or a vision-language model's text model "
+            f"(model.model.language_model.layers), got {type(model).__name__}"
         )
     return base
 
 
 def _decoder_layers(model):
-    """The decoder layers the taps hook (:func:`layers_owner`'s ``layers``)."""
-    return layers_owner(model).layers
+    """The decoder layers the taps hook (:func:`layers_owner`'s list of them)."""
+    return _layer_list(layers_owner(model))
 
 
 def cache_kwarg(model):
     """The keyword a HuggingFace model's forward takes its KV cache by: ``cache`` from transformers 5.24 on (which
-    deprecates ``past_key_values``, to be removed in 5.40), ``past_key_values`` before."""
+    deprecates ``past_key_values``, to be removed in 5.40), ``past_key_values`` before.  A model whose forward and
+    base model's forward name neither (OpenAI GPT: no cache) is refused (ValueError)."""
     import inspect
 
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
+    for owner in (lambda: model, lambda: layers_owner(model)):    # the base model's only where the model names none
+        try:
+            params = inspect.signature(owner().forward).parameters
+        except (TypeError, ValueError):
+            return "past_key_values"
+        for name in ("cache", "past_key_values"):
+            if name in params:
+                return name
+    raise ValueError(f"target: expected a model whose forward takes a KV cache (past_key_values or cache), got "
+                     f"{type(model).__name__}, which takes none: the model is not supported")
 
 
 def _cache_base():
@@ -103,9 +129,10 @@ class StaticKV(_cache_base()):
 
     is_compileable = False
 
-    def __init__(self, store, states=None):
+    def __init__(self, store, states=None, length=None):
         self.store = store
         self.states = states or {}   # linear-attention layers: (layer, state index) -> (conv [B, C, K], recurrent)
+        self.length = length         # get_seq_length's answer (LENGTH_UNUSED's families), else None: refused
         self.slots = None
         self.layers = []
         self.layer = None    # a compiled layer's own (keys, values) views, set outside its region (_Regional)
@@ -121,7 +148,7 @@ class StaticKV(_cache_base()):
     def row(self, b):
         """The same cache restricted to request ``b`` (a batch of one: views, no copy)."""
         return StaticKV([None if kv is None else (kv[0][b:b + 1], kv[1][b:b + 1]) for kv in self.store],
-                        {k: (c[b:b + 1], r[b:b + 1]) for k, (c, r) in self.states.items()})
+                        {k: (c[b:b + 1], r[b:b + 1]) for k, (c, r) in self.states.items()}, self.length)
 
     # transformers' linear-attention cache API (5.23: Qwen3-Next, Qwen3.5): the conv and recurrent states of each
     # linear layer, kept in place as the model's own cache keeps them, except in a staged (chain) forward, which
@@ -191,9 +218,12 @@ class StaticKV(_cache_base()):
         return k, v
 
     def get_seq_length(self, layer_idx=0):
+        if self.length is not None:
+            return self.length
         raise ValueError("target cache: expected a model that takes position_ids and a 4D mask as given, got one "
-                         "whose forward asks its cache for a length (XGLM does), which a tree verification has not: "
-                         "the model is not supported")
+                         "whose forward asks its cache for a length, which a tree verification has not (a model, or "
+                         "a transformers release of it, not known to use the length harmlessly: LENGTH_UNUSED): the "
+                         "model is not supported")
 
 
 def attention_window(device, used, nodes):
@@ -372,6 +402,41 @@ def sliding_layout(config):
     return window, typed
 
 
+# model types whose forward asks its cache for the cached length (get_seq_length) only to infer positions or a 2D mask
+# where none is given (the adapter always passes position_ids and a 4D mask: OPT, BioGPT, CTRL, Falcon without ALiBi),
+# or to size its table of sinusoidal positions (XGLM: the cache's columns, an upper bound, size it), each from the
+# earliest transformers release where its modeling code was read and tested so (CTRL's and XGLM's before 5.23 build
+# their masks from the length); any other model that asks is refused (StaticKV.get_seq_length)
+LENGTH_UNUSED = {"opt": (5, 0), "biogpt": (5, 0), "falcon": (5, 0), "ctrl": (5, 23), "xglm": (5, 23)}
+
+
+def _length_unused(config):
+    """Whether ``config``'s model asks for a cache length it does not use here (:data:`LENGTH_UNUSED`)."""
+    import transformers
+
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    since = LENGTH_UNUSED.get(getattr(c, "model_type", None))
+    return since is not None and tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= since
+
+
+def check_positions(config):
+    """Refuse in one line (ValueError) a model whose attention places its keys in a way a tree verification on a
+    static cache breaks: ALiBi (BLOOM, MPT, Falcon with ``alibi``), whose biases transformers builds from a 2D mask
+    of key positions (a tree's nodes share positions, and the engine passes a 4D mask); GPT-Neo's local layers,
+    whose window the attention places by the number of keys it is given (a static cache has more columns than
+    tokens)."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kind = getattr(c, "model_type", None)
+    if kind in ("bloom", "mpt") or (kind == "falcon" and getattr(c, "alibi", False)):
+        raise ValueError(f"target: expected rotary or learned positions, got ALiBi ({kind}), whose biases "
+                         f"transformers builds from a 2D mask of key positions, which a tree verification replaces "
+                         f"by a 4D mask: the model is not supported")
+    if kind == "gpt_neo" and "local" in (getattr(c, "attention_layers", None) or ()):
+        raise ValueError("target: expected attention windows given by the mask, got GPT-Neo's local layers, whose "
+                         "window the attention places by its number of keys (a static cache has more columns than "
+                         "tokens): the model is not supported")
+
+
 def linear_layers(config):
     """The indices of a model's linear-attention layers (``config.layer_types`` "linear_attention": Qwen3-Next,
     Qwen3.5, ...), whose state is a recurrence rather than keys and values: [] for none."""
@@ -526,6 +591,7 @@ def kv_layout(model, cache_kw, sliding):
             raise ValueError(f"target: expected a transformers whose caches hold linear-attention states (5.23 or "
                              f"newer) for a model with linear-attention layers, got {transformers.__version__}")
     probe = _LayoutProbe()
+    probe.length = 1 if _length_unused(model.config) else None
     zero = torch.zeros((1, 1, 1, 1), dtype=p.dtype, device=p.device)
     typed = (sliding is not None and sliding[1]) or linear_layers(model.config)
     mask = {"full_attention": zero, "sliding_attention": zero, "linear_attention": None} if typed else zero
@@ -653,6 +719,8 @@ class TargetAdapter:
         self.dtype, self.device = p.dtype, p.device
         self.invariant = bool(invariant)
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        check_positions(model.config)
+        self._asks_length = _length_unused(model.config)
         # sliding attention windows: each forward's mask restricted to them as transformers restricts its own
         self._sliding = sliding_layout(model.config)
         self._cache_kw = cache_kwarg(model)
@@ -814,8 +882,9 @@ class TargetAdapter:
         for group, t in zip(self._groups(), tensors):
             for k, (i, j, _) in enumerate(group):
                 store[i][j] = t[:, k]
-        self.cache = StaticKV([None if kv is None else tuple(kv) for kv in store], self._states)
         B, S = tensors[0].shape[0], tensors[0].shape[3]
+        self.cache = StaticKV([None if kv is None else tuple(kv) for kv in store], self._states,
+                              S if self._asks_length else None)
         self.kv = tensors[0].view(B, 2, -1, *tensors[0].shape[2:]) if self._uniform is not None else None
         # kv_compact's tensors, imported once: [entries * heads, S, size] per group (batch 1), or
         # [batch, entries * heads, S, size] for the per-row (batched) form

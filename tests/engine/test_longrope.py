@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from _doubles import NoisyDraft, OracleDraft  # noqa: E402
-from _models import DEVICE, THRESHOLDS  # noqa: E402
+from _models import DEVICE, THRESHOLDS, hf_with_logits  # noqa: E402
 
 from heterospec import HeteroSpec, Policy  # noqa: E402
 from heterospec.engine import sync  # noqa: E402
@@ -66,28 +66,10 @@ def _prompt(n, seed=None):
                          ).to(DEVICE)
 
 
-class _Force:
-    """A logits processor making HuggingFace's greedy generate take the given tokens (its raw logits are then
-    what the model says for that sequence, one step at a time)."""
-
-    def __init__(self, tokens, start):
-        self.tokens, self.start = tokens, start
-
-    def __call__(self, input_ids, scores):
-        t = self.tokens[input_ids.shape[1] - self.start]
-        out = torch.full_like(scores, float("-inf"))
-        out[:, t] = 0.0
-        return out
-
-
 def _hf(model, p, forced=None):
     """HuggingFace's greedy generate of ``NEW`` tokens (or of ``forced``) -> (tokens, raw logits [NEW, V])."""
-    kw = {} if forced is None else dict(logits_processor=transformers.LogitsProcessorList(
-        [_Force(forced, p.shape[1])]))
-    out = model.generate(p, attention_mask=torch.ones_like(p), do_sample=False, max_new_tokens=NEW,
-                         min_new_tokens=NEW, pad_token_id=0, eos_token_id=None, return_dict_in_generate=True,
-                         output_logits=True, **kw)
-    return out.sequences[0, p.shape[1]:].tolist(), torch.stack(out.logits, 1)[0].float()
+    tokens, logits = hf_with_logits(model, p, NEW, forced=forced)
+    return tokens[0].tolist(), logits[0]
 
 
 _FORGETS = {}

@@ -22,7 +22,7 @@ NL = int(os.environ.get("LAYERS", "4"))
 SKIP = set("Bart Bert BigBird BigBirdPegasus Blenderbot BlenderbotSmall Camembert Clvp CpmAnt CsmDepthDecoder "
            "Data2VecText Electra Ernie Git Marian MBart MegatronBert Moshi Musicgen MusicgenMelody Mvp Pegasus PLBart "
            "ProphetNet RemBert RoCBert RoFormer Roberta RobertaPreLayerNorm TrOCR Whisper XLMRoberta XLMRobertaXL Xmod "
-           "AutoModel".split())
+           "AutoModel BlipText FlaubertWith XLMWith XLNet".split())
 OLD = set("Mistral Qwen2 Gemma Gemma2 Gemma3 Phi3 Mixtral Starcoder2 Qwen3 Exaone4 Olmo2 Granite StableLm Cohere Glm "
           "Qwen3Moe SmolLM3 Phi GPTNeoX Olmo Llama4 SeedOss Ernie4_5 HunYuanDenseV1 GptOss".split())
 
@@ -78,6 +78,7 @@ EXTRA = {
                              mamba_n_heads=4, mamba_d_head=16, mamba_chunk_size=16),
     "LongcatFlash": dict(head_dim=4, num_key_value_heads=4, expert_ffn_hidden_size=32, zero_expert_num=2),
     "CodeGen": dict(rotary_dim=4), "GPTJ": dict(rotary_dim=4),
+    "GPTNeo": dict(window_size=16),      # local layers past their window within the probe's 70 positions
     "BailingHybrid": dict(linear_head_dim=8, linear_num_heads=4, num_experts_per_token=2, num_expert_group=1,
                           head_dim=4, qk_head_dim=12, layer_group_size=2),
     "KimiLinear": dict(linear_head_dim=8, linear_num_heads=4, num_experts_per_token=2, num_expert_group=1,
@@ -149,7 +150,7 @@ def overrides(default, drop=()):
 
 
 def build(base):
-    Cls = getattr(transformers, base + "ForCausalLM")
+    Cls = getattr(transformers, base + "ForCausalLM", None) or getattr(transformers, base + "LMHeadModel")
     Cfg = Cls.config_class
     default = Cfg()
     sub = getattr(default, "text_config", None)
@@ -271,6 +272,8 @@ def main():
     names = sys.argv[1:]
     if not names:
         names = [n[: -len("ForCausalLM")] for n in dir(transformers) if n.endswith("ForCausalLM")]
+        names += [n[: -len("LMHeadModel")] for n in dir(transformers) if n.endswith("LMHeadModel")
+                  and not n.endswith("DoubleHeadsModel") and n[: -len("LMHeadModel")] not in names]
         names = [n for n in names if n not in SKIP and n not in OLD]
     for base in names:
         t0 = time.time()
