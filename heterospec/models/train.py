@@ -51,8 +51,26 @@ def build_vocab_maps(token_ids, vocab_size, draft_vocab_size):
 HEAD_OPTIONS = ("fc_norm", "norm_hidden_out")
 
 
+# the RoPE base of families whose config names none: GPT-J and CodeGen rotate with transformers' fixed base; the
+# others place tokens by learned or sinusoidal absolute positions, and the draft's own rotary takes EAGLE's base
+NO_ROPE_BASE = {"gptj": 10000.0, "codegen": 10000.0, "gpt2": 10000.0, "gpt_bigcode": 10000.0, "opt": 10000.0,
+                "biogpt": 10000.0, "xglm": 10000.0, "ctrl": 10000.0, "gpt_neo": 10000.0}
+# the target's MLP width under each family's name for it (GPT-2's n_inner: None means 4 x hidden)
+MLP_WIDTH = ("intermediate_size", "ffn_hidden_size", "ffn_dim", "dff", "n_inner")
+
+
+def _mlp_width(c):
+    for name in MLP_WIDTH:
+        if getattr(c, name, None):
+            return int(getattr(c, name))
+    ffn = getattr(c, "ffn_config", None)       # DBRX
+    width = getattr(ffn, "ffn_hidden_size", None) or (ffn.get("ffn_hidden_size") if isinstance(ffn, dict) else None)
+    return int(width) if width else 4 * c.hidden_size
+
+
 def draft_config_for(target, draft_vocab_size, **overrides):
-    """An EAGLE-3 config shaped after the target (one decoder layer of the target's width)."""
+    """An EAGLE-3 config shaped after the target (one decoder layer of the target's width, its MLP width, heads and
+    RoPE base; :data:`NO_ROPE_BASE` for the families whose config names none)."""
     from .draft.config import _Problems, read_rope
 
     c = target.config
@@ -62,14 +80,16 @@ def draft_config_for(target, draft_vocab_size, **overrides):
     theta, scaling = read_rope(c.to_dict(), c.max_position_embeddings, problems, "target config.", default_theta=None)
     problems.raise_if_any("draft_config_for: the target's RoPE settings")
     if theta is None:
+        theta = NO_ROPE_BASE.get(getattr(c, "model_type", None))
+    if theta is None and "rope_theta" not in overrides:
         raise ValueError("draft_config_for: the target's config has no RoPE base (rope_theta or "
                          "rope_parameters.rope_theta); pass rope_theta= explicitly")
-    d = dict(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-             num_attention_heads=c.num_attention_heads,
-             num_key_value_heads=getattr(c, "num_key_value_heads", c.num_attention_heads),
-             head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-             rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
-             max_position_embeddings=c.max_position_embeddings, vocab_size=c.vocab_size,
+    heads = c.num_attention_heads
+    d = dict(hidden_size=c.hidden_size, intermediate_size=_mlp_width(c), num_attention_heads=heads,
+             num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+             head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+             rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6), rope_theta=None if theta is None else float(theta),
+             rope_scaling=scaling, max_position_embeddings=c.max_position_embeddings, vocab_size=c.vocab_size,
              draft_vocab_size=draft_vocab_size)
     d.update(overrides)
     return Eagle3Config(**d)

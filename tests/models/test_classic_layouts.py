@@ -264,3 +264,54 @@ def test_a_real_eagle3_head_saved_and_loaded_against_the_target(name, tmp_path):
             out, st = hs.generate(_prompt(30), max_new_tokens=NEW, eos_token_id=[])
         assert out[0, 30:].tolist() == tokens[0].tolist(), f"{name} {policy}"
         assert st.cycles < NEW or st.tau >= 1.0
+
+
+# the MLP width each family's config names (GPT-2's family: n_inner None, so 4 x 32), and the RoPE base (GPT-NeoX
+# and Falcon name theirs; GPT-J and CodeGen rotate with a fixed 10000; the rest have absolute positions)
+HEAD_SHAPES = {"gpt2": 128, "gpt-neox": 64, "opt": 64, "gpt-j": 128, "codegen": 128, "gpt-bigcode": 128,
+               "falcon": 128, "biogpt": 64, "xglm": 64, "ctrl": 64, "dbrx": 64}
+
+
+def test_a_heads_config_is_made_for_every_family(family):
+    from heterospec.models.train import draft_config_for
+
+    name, model = family
+    head = draft_config_for(model, 40)
+    assert (head.hidden_size, head.intermediate_size, head.num_attention_heads) == (32, HEAD_SHAPES[name], 4)
+    assert head.rope_theta == 10000.0 and head.head_dim == 8 and head.max_position_embeddings == 512
+
+
+def test_a_config_of_an_unknown_family_without_a_rope_base_is_still_refused():
+    import types
+
+    from heterospec.models.train import draft_config_for
+
+    cfg = types.SimpleNamespace(model_type="mystery", hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
+                                max_position_embeddings=512, to_dict=lambda: {"hidden_size": 32})
+    with pytest.raises(ValueError, match=r"^draft_config_for: the target's config has no RoPE base"):
+        draft_config_for(types.SimpleNamespace(config=cfg), 40)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt-neox"])
+def test_a_head_trained_for_the_family_is_lossless_and_accepts(name, tmp_path):
+    """The recipe a user runs for a Pythia or a GPT-2 (train_draft: the target's answers, then the head): the loss
+    falls, and the head, loaded back against the target, decodes as HuggingFace does and accepts its drafts."""
+    import numpy as np
+
+    from heterospec.models.draft import Eagle3Draft
+    from heterospec.models.train import train_draft
+
+    model = BUILT[name][0](8)
+    ps = [_prompt(n, seed=90 + n) for n in (6, 9, 12, 15)]
+    log = train_draft(model, ps, tmp_path, draft_vocab_size=40, steps=100, lr=3e-3, ttt_steps=3, max_new_tokens=32,
+                      log_every=10)
+    assert np.mean([loss for _, loss, _ in log[-3:]]) < 0.7 * log[0][1], log
+    head = Eagle3Draft.from_pretrained(tmp_path, target=model)
+    taus = []
+    for p in ps[:2]:
+        tokens, _ = _hf(model, p)
+        with HeteroSpec(model, head, Policy.static(4, 4, 16), cuda_graphs=False) as hs:
+            out, st = hs.generate(p, max_new_tokens=NEW, eos_token_id=[])
+        assert out[0, p.shape[1]:].tolist() == tokens[0].tolist()
+        taus.append(st.tau)
+    assert np.mean(taus) > 1.5, taus
