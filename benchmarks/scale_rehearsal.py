@@ -48,6 +48,15 @@ SHAPES = {
         vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
         tie_word_embeddings=False)),
+    # EleutherAI/pythia-160m's config (GPT-NeoX: partial rotary, parallel residual) and openai-community/gpt2's
+    # (learned absolute positions, tied embeddings): research staples whose layers are not at model.model.layers,
+    # with a head of the same width (no official EAGLE-3 heads exist for them; 8,192 draft tokens, as ours)
+    "pythia-160m": dict(arch="gpt_neox", draft_vocab=8192, config=dict(
+        vocab_size=50304, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+        max_position_embeddings=2048, rotary_pct=0.25, rope_theta=10000.0, use_parallel_residual=True,
+        layer_norm_eps=1e-5, tie_word_embeddings=False)),
+    "gpt2": dict(arch="gpt2", draft_vocab=8192, config=dict(
+        vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024)),
     # the same code at a size the CPU test suite runs (Llama-3.1's RoPE: its base and llama3 scaling)
     "tiny": dict(arch="llama", draft_vocab=96, config=dict(
         vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
@@ -67,7 +76,8 @@ def target_config(shape, layers=None):
     import transformers
 
     s = SHAPES[shape]
-    cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[s["arch"]]
+    cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config, "gpt_neox": transformers.GPTNeoXConfig,
+           "gpt2": transformers.GPT2Config}[s["arch"]]
     kw = dict(s["config"], **({"num_hidden_layers": layers} if layers else {}))
     return cls(**kw, attn_implementation="sdpa")
 
@@ -79,7 +89,8 @@ def build_target(shape, device, dtype, seed=0, layers=None):
     import transformers
 
     cfg = target_config(shape, layers)
-    cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[SHAPES[shape]["arch"]]
+    cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+           "gpt_neox": transformers.GPTNeoXForCausalLM, "gpt2": transformers.GPT2LMHeadModel}[SHAPES[shape]["arch"]]
     torch.manual_seed(seed)
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -384,7 +395,8 @@ def main(argv=None):
                   for m in ("eagle3", "heterospec")}
     result = {
         "shape": args.shape, "layers": model.config.num_hidden_layers,
-        "shape_layers": SHAPES[args.shape]["config"]["num_hidden_layers"], "config": SHAPES[args.shape]["config"], "draft_vocab": SHAPES[args.shape]["draft_vocab"],
+        "shape_layers": target_config(args.shape).num_hidden_layers, "config": SHAPES[args.shape]["config"],
+        "draft_vocab": SHAPES[args.shape]["draft_vocab"],
         "device": str(dev), "dtype": args.dtype, "machine": machine_info(args.device), "torch": torch.__version__,
         "build_s": build_s, "loaders": loaders, "prompts": args.prompts, "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "batch": args.batch, "cuda_graphs": cuda,

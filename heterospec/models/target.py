@@ -148,7 +148,8 @@ class StaticKV(_cache_base()):
     def row(self, b):
         """The same cache restricted to request ``b`` (a batch of one: views, no copy)."""
         return StaticKV([None if kv is None else (kv[0][b:b + 1], kv[1][b:b + 1]) for kv in self.store],
-                        {k: (c[b:b + 1], r[b:b + 1]) for k, (c, r) in self.states.items()}, self.length)
+                        {k: tuple(None if t is None else t[b:b + 1] for t in st) for k, st in self.states.items()},
+                        self.length)
 
     # transformers' linear-attention cache API (5.23: Qwen3-Next, Qwen3.5): the conv and recurrent states of each
     # linear layer, kept in place as the model's own cache keeps them, except in a staged (chain) forward, which
@@ -388,7 +389,7 @@ def sliding_layout(config):
     types = getattr(c, "layer_types", None)
     typed = types is not None
     if typed:
-        other = sorted(set(types) - {"full_attention", "sliding_attention", "linear_attention"})
+        other = sorted(set(types) - {"full_attention", "sliding_attention", *STATE_LAYER_TYPES})
         if other:
             raise ValueError(f"target: expected layers of full, sliding or linear attention (config.layer_types), "
                              f"got {other}, whose masks the engine does not build")
@@ -437,17 +438,30 @@ def check_positions(config):
                          "tokens): the model is not supported")
 
 
+# layer types whose state is a recurrence rather than keys and values: linear attention (Qwen3-Next, Qwen3.5, ...),
+# LFM2's short convolutions ("conv": a conv state alone); they take no attention mask
+STATE_LAYER_TYPES = ("linear_attention", "conv")
+
+
 def linear_layers(config):
-    """The indices of a model's linear-attention layers (``config.layer_types`` "linear_attention": Qwen3-Next,
-    Qwen3.5, ...), whose state is a recurrence rather than keys and values: [] for none."""
+    """The indices of a model's linear-attention and short-convolution layers (``config.layer_types`` in
+    :data:`STATE_LAYER_TYPES`), whose state is a recurrence rather than keys and values: [] for none."""
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return [i for i, t in enumerate(getattr(c, "layer_types", None) or ()) if t == "linear_attention"]
+    return [i for i, t in enumerate(getattr(c, "layer_types", None) or ()) if t in STATE_LAYER_TYPES]
 
 
 # the linear-attention mixers whose state the engine keeps and rolls back (tests/models/test_hybrid_targets.py holds
 # each to HuggingFace's generate); another mixer is refused in one line
 STATE_MIXERS = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "OlmoHybridGatedDeltaNet",
-                "GraniteMoeHybridMambaLayer", "BambaMixer", "KimiLinearDeltaAttention", "BailingHybridDeltaAttention")
+                "GraniteMoeHybridMambaLayer", "BambaMixer", "KimiLinearDeltaAttention", "BailingHybridDeltaAttention",
+                "Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
+# the keyword a mixer takes the cache by (transformers 5.25 renames cache_params and past_key_values to cache)
+MIXER_CACHE_KW = ("cache_params", "cache", "past_key_values")
+
+
+def no_masks():
+    """The entries of a per-layer-type mask dict for the layers that take none (:data:`STATE_LAYER_TYPES`)."""
+    return dict.fromkeys(STATE_LAYER_TYPES)
 # not JambaMambaMixer: transformers 5.23 runs a forward of several tokens as a new prompt whatever its cache holds
 
 
@@ -594,7 +608,7 @@ def kv_layout(model, cache_kw, sliding):
     probe.length = 1 if _length_unused(model.config) else None
     zero = torch.zeros((1, 1, 1, 1), dtype=p.dtype, device=p.device)
     typed = (sliding is not None and sliding[1]) or linear_layers(model.config)
-    mask = {"full_attention": zero, "sliding_attention": zero, "linear_attention": None} if typed else zero
+    mask = {"full_attention": zero, "sliding_attention": zero, **no_masks()} if typed else zero
     at = torch.zeros((1, 1), dtype=torch.long, device=p.device)
     with torch.no_grad():     # the decoder alone: no logits
         layers_owner(model)(input_ids=at, position_ids=at, cache_position=at[0], attention_mask=mask, use_cache=True,
@@ -602,10 +616,10 @@ def kv_layout(model, cache_kw, sliding):
     if not probe.shapes or min(probe.shapes) < 0:
         raise ValueError(f"target: expected cache writes at layer indices >= 0 from a forward, got "
                          f"{sorted(probe.shapes) or 'none'}")
-    bad = sorted(k for k, (conv, rec) in probe.state_shapes.items() if conv is None or rec is None)
-    if bad:
-        raise ValueError(f"target: expected a conv and a recurrent state from each linear-attention layer, got "
-                         f"only one from (layer, state) {bad}")
+    bad = sorted(k for k, (conv, rec) in probe.state_shapes.items() if conv is None)
+    if bad:   # a conv state alone is a short convolution's (LFM2); a recurrent state comes with one
+        raise ValueError(f"target: expected a conv state (and a recurrent state, or none for a short convolution) "
+                         f"from each linear-attention layer, got only a recurrent state from (layer, state) {bad}")
     return [probe.shapes.get(i) for i in range(max(probe.shapes) + 1)], \
         {k: tuple(v) for k, v in sorted(probe.state_shapes.items())}
 
@@ -737,7 +751,7 @@ class TargetAdapter:
             missing = sorted(({i for i, _ in self.state_layout} | set(linear)) - set(found))
             if missing:
                 kinds = sorted({type(m).__name__ for m in layers[missing[0]].modules()
-                                if {"cache_params", "cache"} & _params(m) and m is not layers[missing[0]]
+                                if set(MIXER_CACHE_KW) & _params(m) and m is not layers[missing[0]]
                                 or "recurrent" in type(m).__name__.lower()})
                 raise ValueError(f"target: expected linear-attention layers the engine keeps the state of "
                                  f"({', '.join(STATE_MIXERS)}), got {kinds or 'none'} in layer {missing[0]}")
@@ -830,7 +844,7 @@ class TargetAdapter:
 
     def _mixer_hook(self, i):
         def hook(module, args, kwargs):
-            cache = kwargs.get("cache_params", kwargs.get("cache"))   # "cache" from transformers 5.25 on
+            cache = next((kwargs[n] for n in MIXER_CACHE_KW if kwargs.get(n) is not None), None)
             if getattr(cache, "staged", False):
                 self._mixer_in[i] = (args, kwargs)
 
@@ -897,8 +911,8 @@ class TargetAdapter:
             return
         B = self.batch
         if not self._states and self.state_layout:
-            self._states = {k: tuple(torch.zeros((B, *shape), dtype=dtype, device=self.device) for shape, dtype in st)
-                            for k, st in self.state_layout.items()}
+            self._states = {k: tuple(None if s is None else torch.zeros((B, *s[0]), dtype=s[1], device=self.device)
+                                     for s in st) for k, st in self.state_layout.items()}
         self._store([torch.zeros((B, len(g), *g[0][2][:1], capacity, g[0][2][1]), dtype=self.dtype,
                                  device=self.device) for g in self._groups()])
         self._cols = torch.arange(capacity, device=self.device)
@@ -929,8 +943,9 @@ class TargetAdapter:
         for st in self._states.values():
             for t in st:
                 for i, r in moves:
-                    t[i].copy_(t[r])
-        self._states = {k: tuple(t[:n] for t in st) for k, st in self._states.items()}
+                    if t is not None:
+                        t[i].copy_(t[r])
+        self._states = {k: tuple(None if t is None else t[:n] for t in st) for k, st in self._states.items()}
         self.batch = n
         self.batched = True
         self._store([t[:n] for t in self._storage])
@@ -984,11 +999,11 @@ class TargetAdapter:
         if self._sliding is None:
             mask = self._additive(allowed)
             if self._mixers:          # linear-attention layers take no mask (the model's own is None there too)
-                mask = {"full_attention": mask, "linear_attention": None}
+                mask = {"full_attention": mask, **no_masks()}
         elif self._sliding[1]:        # a mask per layer type, as the model's forward takes them
             near = self._within_window(allowed, positions, slots)
             mask = {"full_attention": self._additive(allowed), "sliding_attention": self._additive(near),
-                    "linear_attention": None}
+                    **no_masks()}
         else:                         # every layer slides
             allowed = self._within_window(allowed, positions, slots)
             mask = self._additive(allowed)
@@ -1182,7 +1197,7 @@ class TargetAdapter:
             for i, mixer in self._mixers.items():
                 args, kwargs = self._mixer_in[i]
                 kw = dict(kwargs, attention_mask=None)
-                kw["cache" if "cache" in kw else "cache_params"] = cache
+                kw[next((n for n in MIXER_CACHE_KW if n in kw), "cache_params")] = cache
                 hidden = kw.pop("hidden_states", None)
                 rest = args
                 if hidden is None:

@@ -37,10 +37,10 @@ def _built(cls_name, cfg_name, **kw):
     if v < (5, 23):
         pytest.skip(f"transformers {transformers.__version__}: its linear-attention cache API is not the one the "
                     f"engine keeps (5.23's)")
+    kw = {"layer_types": LAYERS, **SHAPES, **kw}
     cfg = getattr(transformers, cfg_name)(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                          max_position_embeddings=512, pad_token_id=0, layer_types=LAYERS,
-                                          **SHAPES, **kw)
+                                          max_position_embeddings=512, pad_token_id=0, **kw)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = getattr(transformers, cls_name)(cfg).eval().float()
@@ -54,7 +54,12 @@ BUILT = {
     "qwen3-next": lambda: _built("Qwen3NextForCausalLM", "Qwen3NextConfig", num_experts=4, num_experts_per_tok=2,
                                  moe_intermediate_size=32, shared_expert_intermediate_size=32),
     "qwen3.5": lambda: _built("Qwen3_5ForCausalLM", "Qwen3_5TextConfig"),
+    # LFM2's short convolutions: a conv state alone (kernel 3 over the 32 hidden channels), no recurrent state
+    # (untied: the sharpened output layer would scale the embeddings too, and every draft would be accepted)
+    "lfm2": lambda: _built("Lfm2ForCausalLM", "Lfm2Config", tie_word_embeddings=False,
+                           layer_types=[t.replace("linear_attention", "conv") for t in LAYERS]),
 }
+STATES = {"qwen3-next": (CONV, RECURRENT), "qwen3.5": (CONV, RECURRENT), "lfm2": ((32, 3), None)}
 def _other(cls_name, cfg_name, **kw):
     """A tiny model of another family whose mixers keep their state in the cache (the arch probe's configs)."""
     if not hasattr(transformers, cls_name):
@@ -77,7 +82,14 @@ LINEAR4 = ["linear_attention"] * 3 + ["full_attention"]
 MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=8, head_dim=4,
            qk_head_dim=12, num_experts=4, num_experts_per_token=2, moe_intermediate_size=32, pad_token_id=0,
            layer_types=LINEAR4, linear_head_dim=8, linear_num_heads=4)
-OTHERS = {   # mixer: Gated DeltaNet (OLMo hybrid), Mamba 2 (Granite 4, Bamba), Kimi Delta Attention, Bailing's
+OTHERS = {   # mixer: Gated DeltaNet (OLMo hybrid), Mamba 2 (Granite 4, Bamba), Kimi Delta Attention, Bailing's, LFM2's
+    #          short convolutions in LFM2-MoE and LFM3 (LFM3 with sliding layers beside them)
+    "lfm2-moe": lambda: _other("Lfm2MoeForCausalLM", "Lfm2MoeConfig", num_key_value_heads=2, pad_token_id=0,
+                               layer_types=["conv", "full_attention"] * 2, num_dense_layers=1, num_experts=4,
+                               num_experts_per_tok=2, moe_intermediate_size=32, tie_word_embeddings=False),
+    "lfm3": lambda: _other("Lfm3ForCausalLM", "Lfm3Config", num_key_value_heads=2, pad_token_id=0, sliding_window=16,
+                           layer_types=["conv", "full_attention", "conv", "sliding_attention"],
+                           tie_word_embeddings=False),
     "olmo-hybrid": lambda: _other("OlmoHybridForCausalLM", "OlmoHybridConfig", num_key_value_heads=2, pad_token_id=0,
                                   layer_types=LINEAR4, **SHAPES),
     "granite-moe-hybrid": lambda: _other("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig",
@@ -114,7 +126,9 @@ def _hf(model, p, forced=None, new=NEW, eos=None):
 
 @pytest.fixture(scope="module", params=list(BUILT))
 def model(request):
-    return BUILT[request.param]()
+    m = BUILT[request.param]()
+    m.heterospec_test_name = request.param
+    return m
 
 
 def test_the_probe_finds_the_linear_layers_states(model):
@@ -122,8 +136,9 @@ def test_the_probe_finds_the_linear_layers_states(model):
     assert tgt.stateful and len(tgt.mixers) == 4
     lin = [i for i, t in enumerate(LAYERS) if t == "linear_attention"]
     assert sorted(tgt.state_layout) == [(i, 0) for i in lin]
-    for (conv, _), (rec, _) in tgt.state_layout.values():
-        assert conv == CONV and rec == RECURRENT
+    want_conv, want_rec = STATES[model.heterospec_test_name]
+    for (conv, _), rec in tgt.state_layout.values():
+        assert conv == want_conv and (rec if rec is None else rec[0]) == want_rec
     assert [i for i, kv in enumerate(tgt.layout) if kv is not None] == [2, 5]    # keys and values: attention only
 
 

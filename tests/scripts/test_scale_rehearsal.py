@@ -143,3 +143,19 @@ def test_a_run_cut_short_leaves_no_earlier_report_behind(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         scale_rehearsal.main(["--shape", "tiny", "--device", "cpu", "--out", str(out)])
     assert sorted(p.name for p in out.iterdir()) == []
+
+
+@pytest.mark.parametrize("shape", sorted(set(scale_rehearsal.SHAPES) - {"tiny"}))
+def test_every_shape_builds_its_family_and_a_head_config(shape):
+    """Each named shape (on the meta device: no memory) is its family's own class with the shape's layer count, and
+    the head the run makes for it gets the target's width and the shape's draft vocabulary."""
+    from heterospec.models.target import _decoder_layers
+    from heterospec.models.train import draft_config_for
+
+    model = scale_rehearsal.build_target(shape, torch.device("meta"), torch.float32, layers=7)
+    want = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gpt_neox": "GPTNeoXForCausalLM",
+            "gpt2": "GPT2LMHeadModel"}[scale_rehearsal.SHAPES[shape]["arch"]]
+    assert type(model).__name__ == want and len(_decoder_layers(model)) == 7
+    head = draft_config_for(model, scale_rehearsal.SHAPES[shape]["draft_vocab"])
+    assert head.hidden_size == model.config.hidden_size and head.draft_vocab_size == scale_rehearsal.SHAPES[shape][
+        "draft_vocab"]
