@@ -389,7 +389,7 @@ def sliding_layout(config):
     types = getattr(c, "layer_types", None)
     typed = types is not None
     if typed:
-        other = sorted(set(types) - {"full_attention", "sliding_attention", *STATE_LAYER_TYPES})
+        other = sorted(set(types) - {"full_attention", "sliding_attention", *STATE_LAYER_TYPES, *BOTH_LAYER_TYPES})
         if other:
             raise ValueError(f"target: expected layers of full, sliding or linear attention (config.layer_types), "
                              f"got {other}, whose masks the engine does not build")
@@ -441,20 +441,23 @@ def check_positions(config):
 # layer types whose state is a recurrence rather than keys and values: linear attention (Qwen3-Next, Qwen3.5, ...),
 # LFM2's short convolutions ("conv": a conv state alone); they take no attention mask
 STATE_LAYER_TYPES = ("linear_attention", "conv")
+# layer types holding full attention and a state-keeping mixer side by side (Falcon-H1's "hybrid": its attention
+# takes the full mask, its Mamba 2 mixer none); a model whose "hybrid" mixer is not in STATE_MIXERS is refused
+BOTH_LAYER_TYPES = ("hybrid",)
 
 
 def linear_layers(config):
     """The indices of a model's linear-attention and short-convolution layers (``config.layer_types`` in
     :data:`STATE_LAYER_TYPES`), whose state is a recurrence rather than keys and values: [] for none."""
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return [i for i, t in enumerate(getattr(c, "layer_types", None) or ()) if t in STATE_LAYER_TYPES]
+    return [i for i, t in enumerate(getattr(c, "layer_types", None) or ()) if t in STATE_LAYER_TYPES + BOTH_LAYER_TYPES]
 
 
 # the linear-attention mixers whose state the engine keeps and rolls back (tests/models/test_hybrid_targets.py holds
 # each to HuggingFace's generate); another mixer is refused in one line
 STATE_MIXERS = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "OlmoHybridGatedDeltaNet",
                 "GraniteMoeHybridMambaLayer", "BambaMixer", "KimiLinearDeltaAttention", "BailingHybridDeltaAttention",
-                "Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
+                "Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv", "FalconH1Mixer")
 # the keyword a mixer takes the cache by (transformers 5.25 renames cache_params and past_key_values to cache)
 MIXER_CACHE_KW = ("cache_params", "cache", "past_key_values")
 
@@ -520,6 +523,21 @@ def rope_switch(model):
                          f"({config.original_max_position_embeddings}), where generate recomputes the cache, to equal "
                          f"LongRoPE's switch ({at})")
     return at, recompute
+
+
+def _state_mixers(layers, wanted):
+    """{layer: its mixer} of the decoder ``layers`` whose mixers are in :data:`STATE_MIXERS`; a ValueError where a
+    layer of ``wanted`` (indices) has none."""
+    found = {m.layer_idx: m for layer in layers for m in layer.modules()
+             if type(m).__name__ in STATE_MIXERS and isinstance(getattr(m, "layer_idx", None), int)}
+    missing = sorted(set(wanted) - set(found))
+    if missing:
+        kinds = sorted({type(m).__name__ for m in layers[missing[0]].modules()
+                        if set(MIXER_CACHE_KW) & _params(m) and m is not layers[missing[0]]
+                        or "recurrent" in type(m).__name__.lower()})
+        raise ValueError(f"target: expected linear-attention layers the engine keeps the state of "
+                         f"({', '.join(STATE_MIXERS)}), got {kinds or 'none'} in layer {missing[0]}")
+    return found
 
 
 class _RopeRows:
@@ -738,24 +756,16 @@ class TargetAdapter:
         # sliding attention windows: each forward's mask restricted to them as transformers restricts its own
         self._sliding = sliding_layout(model.config)
         self._cache_kw = cache_kwarg(model)
+        # linear-attention layers (Qwen3-Next, Qwen3.5, ...): their mixers, re-run over each row's accepted positions
+        # at a chain's commit (the states are a recurrence: what a rejected node did cannot be taken out); checked
+        # before the layout probe too, whose forward a model with unknown mixers may fail in (Zaya)
+        linear = linear_layers(model.config)
+        found = _state_mixers(layers, linear)
         # what each layer caches (kv_layout); one storage tensor per distinct shape, allocate()
         self.layout, self.state_layout = kv_layout(model, self._cache_kw, self._sliding)
-        # linear-attention layers (Qwen3-Next, Qwen3.5): their mixers, re-run over each row's accepted positions at
-        # a chain's commit (the states are a recurrence: what a rejected node did cannot be taken out)
-        self._mixers = {}
-        linear = linear_layers(model.config)
-        if self.state_layout or linear:
-            found = {m.layer_idx: m for layer in layers for m in layer.modules()
-                     if type(m).__name__ in STATE_MIXERS and isinstance(getattr(m, "layer_idx", None), int)}
-            # a linear layer keeping its state elsewhere than in the cache (RecurrentGemma's own) is missing too
-            missing = sorted(({i for i, _ in self.state_layout} | set(linear)) - set(found))
-            if missing:
-                kinds = sorted({type(m).__name__ for m in layers[missing[0]].modules()
-                                if set(MIXER_CACHE_KW) & _params(m) and m is not layers[missing[0]]
-                                or "recurrent" in type(m).__name__.lower()})
-                raise ValueError(f"target: expected linear-attention layers the engine keeps the state of "
-                                 f"({', '.join(STATE_MIXERS)}), got {kinds or 'none'} in layer {missing[0]}")
-            self._mixers = {i: found[i] for i in sorted({i for i, _ in self.state_layout})}
+        # a linear layer keeping its state elsewhere than in the cache (RecurrentGemma's own) is missing too
+        _state_mixers(layers, {i for i, _ in self.state_layout} | set(linear))
+        self._mixers = {i: found[i] for i in sorted({i for i, _ in self.state_layout})}
         shapes = {s for kv in self.layout if kv is not None for s in kv}
         self._uniform = shapes.pop() if len(shapes) == 1 and None not in self.layout else None
         try:

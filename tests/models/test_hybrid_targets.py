@@ -60,8 +60,11 @@ BUILT = {
                            layer_types=[t.replace("linear_attention", "conv") for t in LAYERS]),
 }
 STATES = {"qwen3-next": (CONV, RECURRENT), "qwen3.5": (CONV, RECURRENT), "lfm2": ((32, 3), None)}
-def _other(cls_name, cfg_name, **kw):
-    """A tiny model of another family whose mixers keep their state in the cache (the arch probe's configs)."""
+def _other(cls_name, cfg_name, weigh_mamba=False, **kw):
+    """A tiny model of another family whose mixers keep their state in the cache (the arch probe's configs).
+    ``weigh_mamba``: its Mamba 2 mixers' input and output layers scaled up (x10, x20), so that their recurrent state
+    shows in the logits: at random initialisation a chain that kept its rejected tokens' states was off by 5e-6 on
+    Bamba, Granite 4 hybrid and Falcon-H1, below the tolerance; weighed up, by 2e-3 to 7e-3."""
     if not hasattr(transformers, cls_name):
         pytest.skip(f"transformers {transformers.__version__} has no {cls_name}")
     if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 23):
@@ -75,6 +78,9 @@ def _other(cls_name, cfg_name, **kw):
     model.generation_config.eos_token_id = None
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(40.0)
+        for name, p in model.named_parameters():
+            if weigh_mamba and name.endswith(("mamba.in_proj.weight", "mamba.out_proj.weight")):
+                p.mul_(10.0 if "in_proj" in name else 20.0)
     return model.to(DEVICE)
 
 
@@ -82,8 +88,13 @@ LINEAR4 = ["linear_attention"] * 3 + ["full_attention"]
 MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=8, head_dim=4,
            qk_head_dim=12, num_experts=4, num_experts_per_token=2, moe_intermediate_size=32, pad_token_id=0,
            layer_types=LINEAR4, linear_head_dim=8, linear_num_heads=4)
-OTHERS = {   # mixer: Gated DeltaNet (OLMo hybrid), Mamba 2 (Granite 4, Bamba), Kimi Delta Attention, Bailing's, LFM2's
-    #          short convolutions in LFM2-MoE and LFM3 (LFM3 with sliding layers beside them)
+# mixer: Gated DeltaNet (OLMo hybrid), Mamba 2 (Granite 4, Bamba, Falcon-H1), Kimi Delta Attention, Bailing's, LFM2's
+# short convolutions in LFM2-MoE and LFM3 (LFM3 with sliding layers beside them)
+OTHERS = {
+    # Falcon-H1: each layer runs attention and a Mamba 2 mixer side by side ("hybrid" layers)
+    "falcon-h1": lambda: _other("FalconH1ForCausalLM", "FalconH1Config", True, num_key_value_heads=2, pad_token_id=0,
+                                mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_chunk_size=16,
+                                mamba_n_groups=1, mamba_d_state=8, tie_word_embeddings=False),
     "lfm2-moe": lambda: _other("Lfm2MoeForCausalLM", "Lfm2MoeConfig", num_key_value_heads=2, pad_token_id=0,
                                layer_types=["conv", "full_attention"] * 2, num_dense_layers=1, num_experts=4,
                                num_experts_per_tok=2, moe_intermediate_size=32, tie_word_embeddings=False),
@@ -92,11 +103,11 @@ OTHERS = {   # mixer: Gated DeltaNet (OLMo hybrid), Mamba 2 (Granite 4, Bamba), 
                            tie_word_embeddings=False),
     "olmo-hybrid": lambda: _other("OlmoHybridForCausalLM", "OlmoHybridConfig", num_key_value_heads=2, pad_token_id=0,
                                   layer_types=LINEAR4, **SHAPES),
-    "granite-moe-hybrid": lambda: _other("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig",
+    "granite-moe-hybrid": lambda: _other("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", True,
                                          num_key_value_heads=2, pad_token_id=0, num_local_experts=4,
                                          layer_types=["linear_attention", "full_attention"] * 2, mamba_n_heads=4,
                                          mamba_d_state=8, mamba_d_head=16, mamba_chunk_size=16),
-    "bamba": lambda: _other("BambaForCausalLM", "BambaConfig", num_key_value_heads=2, attn_layer_indices=[1, 3],
+    "bamba": lambda: _other("BambaForCausalLM", "BambaConfig", True, num_key_value_heads=2, attn_layer_indices=[1, 3],
                             mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16),
     "kimi-linear": lambda: _other("KimiLinearForCausalLM", "KimiLinearConfig", q_lora_rank=16,
                                   mlp_layer_types=["dense", "sparse", "sparse", "sparse"], **MLA),
