@@ -315,3 +315,28 @@ def test_a_head_trained_for_the_family_is_lossless_and_accepts(name, tmp_path):
         assert out[0, p.shape[1]:].tolist() == tokens[0].tolist()
         taus.append(st.tau)
     assert np.mean(taus) > 1.5, taus
+
+
+def test_through_huggingfaces_generate_and_the_clis_loader(tmp_path):
+    """The two other ways in: ``model.generate(custom_generate=heterospec.custom_generate, ...)`` on GPT-2 with a
+    tree policy, and ``--target PATH``'s loader (``load_target``) on a saved GPT-J, which transformers 5.23 gives no
+    sdpa (the loader takes eager by itself); both decode as HuggingFace's own generate."""
+    from heterospec import custom_generate
+    from heterospec.models.default import load_target
+
+    gpt2 = BUILT["gpt2"][0]()
+    p = _prompt(20)
+    tokens, _ = _hf(gpt2, p)
+    out = gpt2.generate(p, attention_mask=torch.ones_like(p), custom_generate=custom_generate,
+                        draft=NoisyDraft(32, VOCAB).to(DEVICE), policy=Policy.static(4, 4, 12), max_new_tokens=NEW,
+                        do_sample=False, pad_token_id=0)
+    assert out[0, 20:].tolist() == tokens[0].tolist()
+    if _old("gpt-j"):
+        return
+    BUILT["gpt-j"][0]().save_pretrained(tmp_path / "gptj")
+    gptj = load_target(tmp_path / "gptj").eval().to(DEVICE)
+    gptj.generation_config.eos_token_id = None
+    tokens, _ = _hf(gptj, p)
+    with HeteroSpec(gptj, OracleDraft(gptj), Policy.static(5, 3, 16), cuda_graphs=False) as hs:
+        out, _ = hs.generate(p, max_new_tokens=NEW, eos_token_id=[])
+    assert out[0, 20:].tolist() == tokens[0].tolist()
