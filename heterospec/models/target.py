@@ -69,12 +69,16 @@ def layers_owner(model):
     in GPT-NeoX), or its text model, ``model.model.language_model`` (a vision-language model that
     ``AutoModelForCausalLM`` gives for its text generation: Gemma 3; Qwen2.5-VL and others passed directly; its
     forward on text alone is the text model's)."""
-    base = getattr(model, "base_model", None)
-    if base is model:
-        base = None
-    if base is not None and _layer_list(base) is None:
-        base = getattr(base, "language_model", None)
-    if base is None or _layer_list(base) is None:
+    found = None
+    # the base model by its prefix, else model.model (Mllama's prefix names no attribute of its causal LM)
+    for base in (getattr(model, "base_model", None), getattr(model, "model", None)):
+        if base is None or base is model:
+            continue
+        for cand in (base, getattr(base, "language_model", None)):
+            if found is None and cand is not None and _layer_list(cand) is not None:
+                found = cand
+    base = found
+    if base is None:
         raise TypeError(
             f"target: expected a HuggingFace decoder-only LM whose base model holds its decoder layers "
             f"(model.model.layers as the Llama family, model.transformer.h as GPT-2, model.gpt_neox.layers, "

@@ -30,7 +30,7 @@ def _built(cls_name, cfg_name, attn="sdpa", since=(5, 0), **kw):
     """A tiny model of the family; skipped before ``since``, where this test's config does not build it."""
     if RELEASE < since:
         pytest.skip(f"transformers {transformers.__version__}: {cfg_name} takes other arguments before {since}")
-    cfg = getattr(transformers, cfg_name)(**SMALL, **kw)
+    cfg = (cfg_name if isinstance(cfg_name, type) else getattr(transformers, cfg_name))(**SMALL, **kw)
     cfg._attn_implementation = attn
     torch.manual_seed(0)
     model = getattr(transformers, cls_name)(cfg).eval().float()
@@ -340,3 +340,21 @@ def test_through_huggingfaces_generate_and_the_clis_loader(tmp_path):
     with HeteroSpec(gptj, OracleDraft(gptj), Policy.static(5, 3, 16), cuda_graphs=False) as hs:
         out, _ = hs.generate(p, max_new_tokens=NEW, eos_token_id=[])
     assert out[0, 20:].tolist() == tokens[0].tolist()
+
+
+def test_a_causal_lm_whose_prefix_names_none_of_its_attributes():
+    """MllamaForCausalLM's ``base_model_prefix`` ("language_model") is no attribute of it, so ``base_model`` is the
+    model itself: its decoder is found at ``model.model`` as before, and text decodes as HuggingFace's does."""
+    from transformers.models.mllama.configuration_mllama import MllamaTextConfig   # (not exported by 5.0)
+
+    model = _built("MllamaForCausalLM", MllamaTextConfig, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, cross_attention_layers=[1, 3],
+                   max_position_embeddings=512)
+    assert model.base_model is model and layers_owner(model) is model.model
+    if RELEASE < (5, 23):
+        return _refused(model, ASKS_LENGTH)      # its forward before 5.23 builds its own mask from the length
+    p = _prompt(20)
+    tokens, logits = _hf(model, p)
+    with HeteroSpec(model, None, Policy.autoregressive(), cuda_graphs=False) as hs:
+        out, st = hs.generate(p, max_new_tokens=NEW, eos_token_id=[], output_logits=True)
+    assert out[0, 20:].tolist() == tokens[0].tolist() and float((st.logits - logits[0]).abs().max()) < TOL
