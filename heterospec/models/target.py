@@ -451,8 +451,8 @@ BOTH_LAYER_TYPES = ("hybrid",)
 
 
 def linear_layers(config):
-    """The indices of a model's linear-attention and short-convolution layers (``config.layer_types`` in
-    :data:`STATE_LAYER_TYPES`), whose state is a recurrence rather than keys and values: [] for none."""
+    """The indices of a model's layers with a state-keeping mixer (``config.layer_types`` in
+    :data:`STATE_LAYER_TYPES` or :data:`BOTH_LAYER_TYPES`), whose state is a recurrence: [] for none."""
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
     return [i for i, t in enumerate(getattr(c, "layer_types", None) or ()) if t in STATE_LAYER_TYPES + BOTH_LAYER_TYPES]
 
@@ -462,14 +462,11 @@ def linear_layers(config):
 STATE_MIXERS = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "OlmoHybridGatedDeltaNet",
                 "GraniteMoeHybridMambaLayer", "BambaMixer", "KimiLinearDeltaAttention", "BailingHybridDeltaAttention",
                 "Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv", "FalconH1Mixer")
+# not JambaMambaMixer: transformers 5.23 runs a forward of several tokens as a new prompt whatever its cache holds
 # the keyword a mixer takes the cache by (transformers 5.25 renames cache_params and past_key_values to cache)
 MIXER_CACHE_KW = ("cache_params", "cache", "past_key_values")
-
-
-def no_masks():
-    """The entries of a per-layer-type mask dict for the layers that take none (:data:`STATE_LAYER_TYPES`)."""
-    return dict.fromkeys(STATE_LAYER_TYPES)
-# not JambaMambaMixer: transformers 5.23 runs a forward of several tokens as a new prompt whatever its cache holds
+# the entries of a per-layer-type mask dict for the layers that take none (STATE_LAYER_TYPES)
+NO_MASKS = dict.fromkeys(STATE_LAYER_TYPES)
 
 
 def rope_parameters(config):
@@ -529,11 +526,14 @@ def rope_switch(model):
     return at, recompute
 
 
-def _state_mixers(layers, wanted):
-    """{layer: its mixer} of the decoder ``layers`` whose mixers are in :data:`STATE_MIXERS`; a ValueError where a
-    layer of ``wanted`` (indices) has none."""
-    found = {m.layer_idx: m for layer in layers for m in layer.modules()
-             if type(m).__name__ in STATE_MIXERS and isinstance(getattr(m, "layer_idx", None), int)}
+def _state_mixers(layers):
+    """{layer: its mixer} of the decoder ``layers`` whose mixers are in :data:`STATE_MIXERS`."""
+    return {m.layer_idx: m for layer in layers for m in layer.modules()
+            if type(m).__name__ in STATE_MIXERS and isinstance(getattr(m, "layer_idx", None), int)}
+
+
+def _require_mixers(layers, found, wanted):
+    """A ValueError where a layer of ``wanted`` (indices) has no mixer in ``found`` (:func:`_state_mixers`)."""
     missing = sorted(set(wanted) - set(found))
     if missing:
         kinds = sorted({type(m).__name__ for m in layers[missing[0]].modules()
@@ -541,7 +541,6 @@ def _state_mixers(layers, wanted):
                         or "recurrent" in type(m).__name__.lower()})
         raise ValueError(f"target: expected linear-attention layers the engine keeps the state of "
                          f"({', '.join(STATE_MIXERS)}), got {kinds or 'none'} in layer {missing[0]}")
-    return found
 
 
 class _RopeRows:
@@ -630,7 +629,7 @@ def kv_layout(model, cache_kw, sliding):
     probe.length = 1 if _length_unused(model.config) else None
     zero = torch.zeros((1, 1, 1, 1), dtype=p.dtype, device=p.device)
     typed = (sliding is not None and sliding[1]) or linear_layers(model.config)
-    mask = {"full_attention": zero, "sliding_attention": zero, **no_masks()} if typed else zero
+    mask = {"full_attention": zero, "sliding_attention": zero, **NO_MASKS} if typed else zero
     at = torch.zeros((1, 1), dtype=torch.long, device=p.device)
     with torch.no_grad():     # the decoder alone: no logits
         layers_owner(model)(input_ids=at, position_ids=at, cache_position=at[0], attention_mask=mask, use_cache=True,
@@ -764,11 +763,12 @@ class TargetAdapter:
         # at a chain's commit (the states are a recurrence: what a rejected node did cannot be taken out); checked
         # before the layout probe too, whose forward a model with unknown mixers may fail in (Zaya)
         linear = linear_layers(model.config)
-        found = _state_mixers(layers, linear)
+        found = _state_mixers(layers)
+        _require_mixers(layers, found, linear)
         # what each layer caches (kv_layout); one storage tensor per distinct shape, allocate()
         self.layout, self.state_layout = kv_layout(model, self._cache_kw, self._sliding)
         # a linear layer keeping its state elsewhere than in the cache (RecurrentGemma's own) is missing too
-        _state_mixers(layers, {i for i, _ in self.state_layout} | set(linear))
+        _require_mixers(layers, found, {i for i, _ in self.state_layout})
         self._mixers = {i: found[i] for i in sorted({i for i, _ in self.state_layout})}
         shapes = {s for kv in self.layout if kv is not None for s in kv}
         self._uniform = shapes.pop() if len(shapes) == 1 and None not in self.layout else None
@@ -1013,11 +1013,11 @@ class TargetAdapter:
         if self._sliding is None:
             mask = self._additive(allowed)
             if self._mixers:          # linear-attention layers take no mask (the model's own is None there too)
-                mask = {"full_attention": mask, **no_masks()}
+                mask = {"full_attention": mask, **NO_MASKS}
         elif self._sliding[1]:        # a mask per layer type, as the model's forward takes them
             near = self._within_window(allowed, positions, slots)
             mask = {"full_attention": self._additive(allowed), "sliding_attention": self._additive(near),
-                    **no_masks()}
+                    **NO_MASKS}
         else:                         # every layer slides
             allowed = self._within_window(allowed, positions, slots)
             mask = self._additive(allowed)
