@@ -289,6 +289,9 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=None,
                     help="decoder layers instead of the shape's, at least 7 (full width: the code path on a "
                          "smaller machine; the timings are then not the shape's)")
+    ap.add_argument("--values", choices=["float16"], default=None,
+                    help="round the random weights to float16 values: a float16 checkpoint (as Pythia's are stored) "
+                         "loaded in --dtype float32")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.layers is not None and args.layers < 7:
@@ -329,6 +332,10 @@ def main(argv=None):
 
     t0 = time.perf_counter()
     model = build_target(args.shape, dev, dtype, args.seed, args.layers)
+    if args.values:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(getattr(torch, args.values)).to(dtype))
     build_s = time.perf_counter() - t0
     stage("build", seconds=round(build_s, 1), layers=model.config.num_hidden_layers,
           weight_bytes=weight_bytes(model))
@@ -397,7 +404,8 @@ def main(argv=None):
         "shape": args.shape, "layers": model.config.num_hidden_layers,
         "shape_layers": target_config(args.shape).num_hidden_layers, "config": SHAPES[args.shape]["config"],
         "draft_vocab": SHAPES[args.shape]["draft_vocab"],
-        "device": str(dev), "dtype": args.dtype, "machine": machine_info(args.device), "torch": torch.__version__,
+        "device": str(dev), "dtype": args.dtype, "values": args.values, "machine": machine_info(args.device),
+        "torch": torch.__version__,
         "build_s": build_s, "loaders": loaders, "prompts": args.prompts, "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "batch": args.batch, "cuda_graphs": cuda,
         "methods": {m: {str(B): {k: v for k, v in r.items() if k != "ids"} for B, r in rows.items()}
@@ -433,7 +441,8 @@ def _size(n):
 
 def markdown(r):
     cut = r["layers"] != r["shape_layers"]
-    lines = [f"# Scale rehearsal: {r['shape']} ({r['dtype']}, {r['device']})", ""]
+    values = f", weights of {r['values']} values" if r.get("values") else ""
+    lines = [f"# Scale rehearsal: {r['shape']} ({r['dtype']}{values}, {r['device']})", ""]
     if cut:
         lines += [f"**{r['layers']} of the shape's {r['shape_layers']} decoder layers** (every width, the vocabulary "
                   f"and the RoPE as the shape has them): this run checks the code path; its timings are not the "
@@ -454,7 +463,10 @@ def markdown(r):
                          f"{'yes' if r['same_as_ar'][m][B] else 'no'} | {x['warmup_s']:.1f} |")
     lines += ["", f"`ar` step {r['ar_step_ms']:.2f} ms against the memory floor {r['memory_floor_ms']:.2f} ms "
                   f"({_size(r['weight_bytes'])} of weights at {r['copy_bandwidth_Bps'] / 1e9:.0f} GB/s copy "
-                  f"bandwidth): {r['ar_over_floor']:.2f}x the floor; `ar` {r['ar_over_hf_static']:.2f}x hf-static.",
+                  f"bandwidth): {r['ar_over_floor']:.2f}x the floor; `ar` {r['ar_over_hf_static']:.2f}x hf-static."
+              + (f" (The floor counts the {r['dtype']} bytes; weights of {r['values']} values are read by our CPU "
+                 f"decoder as {r['values']} codes, half as many bytes: {r['memory_floor_ms'] / 2:.2f} ms.)"
+                 if r.get("values") and r["dtype"] == "float32" else ""),
               f"Verify over 60 tree tokens {r['verify_ms']['60']:.2f} ms = {r['verify_60_over_1']:.2f}x one token "
               f"({r['verify_ms']['1']:.2f} ms; the cost model fitted here).", "",
               "Per cycle (batch 1): | method | cycle ms | verify ms | draft ms | rest (tree ops, host, idle) ms | "

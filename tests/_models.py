@@ -30,18 +30,35 @@ def tiny_target(arch, vocab=V, layers=8, seed=0, sharpen=40.0):
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   attn_implementation="sdpa")
+    if arch in ("gpt_neox", "gpt_neox-serial"):   # Pythia's layout: the parallel residual, gelu; rotary over half a head
+        cfg = transformers.GPTNeoXConfig(
+            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+            max_position_embeddings=512, use_parallel_residual=arch == "gpt_neox",
+            hidden_act="gelu" if arch == "gpt_neox" else "gelu_new",
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+        cfg._attn_implementation = "sdpa"
+        return _sharpened(transformers.GPTNeoXForCausalLM(cfg), sharpen)
+    if arch == "gpt2":   # learned positions, Conv1D weights, gelu's tanh form, a tied output layer
+        cfg = transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=layers, n_head=4, n_positions=512)
+        cfg._attn_implementation = "sdpa"
+        return _sharpened(transformers.GPT2LMHeadModel(cfg), sharpen)
     if arch == "llama":
         cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     elif arch == "qwen2":
         cfg, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
     else:
         cfg, cls = transformers.Qwen3Config(head_dim=16, **common), transformers.Qwen3ForCausalLM
-    model = cls(cfg).eval().float()
+    return _sharpened(cls(cfg), sharpen)
+
+
+def _sharpened(model, sharpen):
+    model = model.eval().float()
     # no EOS: the tests compare fixed-length greedy outputs (reference_greedy decodes `new` tokens whatever comes),
     # and generate() would otherwise stop at the config's default eos id 2, as HF's generate does
     model.generation_config.eos_token_id = None
+    model.generation_config.bos_token_id = None
     with torch.no_grad():
-        model.lm_head.weight.mul_(sharpen)
+        model.get_output_embeddings().weight.mul_(sharpen)
     return model.to(DEVICE)
 
 

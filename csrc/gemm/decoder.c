@@ -241,6 +241,55 @@ float hsd_dot(const float *a, const float *b, int64_t d, int isa) {
     }                                                                                                            \
     ATTR static void scale_rows_##SFX(const float *x, const float *w, float r, float *y, int64_t d) {           \
         for (int64_t i = 0; i < d; i++) y[i] = w[i] * (x[i] * r);                                                \
+    }                                                                                                            \
+    ATTR static void add_##SFX(float *y, const float *b, int64_t d) {                                           \
+        for (int64_t i = 0; i < d; i++) y[i] = y[i] + b[i];                                                      \
+    }                                                                                                            \
+    ATTR static void center_##SFX(const float *x, float mean, float *y, int64_t d) {                            \
+        for (int64_t i = 0; i < d; i++) y[i] = x[i] - mean;                                                      \
+    }                                                                                                            \
+    /* 16 lanes, lane l adding elements l, l+16, ... in order from +0; then reduce16's tree */                   \
+    ATTR static float sum16_##SFX(const float *x, int64_t d) {                                                  \
+        float acc[16] = {0};                                                                                     \
+        int64_t c = 0;                                                                                           \
+        for (; c + 16 <= d; c += 16)                                                                             \
+            for (int l = 0; l < 16; l++) acc[l] = acc[l] + x[c + l];                                             \
+        for (int l = 0; c + l < d; l++) acc[l] = acc[l] + x[c + l];                                              \
+        return reduce16(acc);                                                                                    \
+    }                                                                                                            \
+    /* gelu's tanh form: x * 0.5 * (1 + tanh(u)) = x / (1 + exp(-2u)), u = 0.7978845608 * (x + 0.044715 x^3) */  \
+    ATTR static void gelu_tanh_##SFX(const float *g, float *dst, int64_t n) {                                        \
+        for (int64_t i = 0; i < n; i++) {                                                                        \
+            float x = g[i];                                                                                      \
+            dst[i] = -2.0f * (0.7978845608f * (x + 0.044715f * (x * x * x)));                                        \
+        }                                                                                                        \
+        HSD_EXP_BODY(dst, n)                                                                                         \
+        for (int64_t i = 0; i < n; i++) dst[i] = g[i] / (1.0f + dst[i]);                                             \
+    }                                                                                                            \
+    /* gelu: x * 0.5 * (1 + erf(x / sqrt 2)), with q = erfc(z), z = |x| / sqrt 2, by the Chebyshev fit of Numerical \
+     * Recipes' erfcc (fractional error < 1.2e-7): t = 1 / (1 + z / 2), q = t exp(-z^2 - 1.26551223 + t (1.00002368 \
+     * + t (... + t 0.17087277))); then x * 0.5 * q for x < 0 and x * 0.5 * (2 - q) otherwise (no cancellation) */  \
+    ATTR static void gelu_##SFX(const float *g, float *dst, int64_t n) {                                        \
+        for (int64_t i = 0; i < n; i++) {                                                                        \
+            float z = fabsf(g[i]) * 0.70710678118654752f;                                                        \
+            float t = 1.0f / (1.0f + 0.5f * z);                                                                  \
+            float p = 0.17087277f;                                                                               \
+            p = -0.82215223f + t * p;                                                                            \
+            p = 1.48851587f + t * p;                                                                             \
+            p = -1.13520398f + t * p;                                                                            \
+            p = 0.27886807f + t * p;                                                                             \
+            p = -0.18628806f + t * p;                                                                            \
+            p = 0.09678418f + t * p;                                                                             \
+            p = 0.37409196f + t * p;                                                                             \
+            p = 1.00002368f + t * p;                                                                             \
+            dst[i] = (-(z * z) - 1.26551223f) + t * p;                                                           \
+        }                                                                                                        \
+        HSD_EXP_BODY(dst, n)                                                                                     \
+        for (int64_t i = 0; i < n; i++) {                                                                        \
+            float x = g[i], z = fabsf(x) * 0.70710678118654752f;                                                 \
+            float q = 1.0f / (1.0f + 0.5f * z) * dst[i];                                                         \
+            dst[i] = x < 0.0f ? x * 0.5f * q : x * 0.5f * (2.0f - q);                                            \
+        }                                                                                                        \
     }
 
 HSD_ELEMENTWISE(, portable)
@@ -260,6 +309,20 @@ void hsd_rmsnorm(const float *x, const float *w, float *y, int64_t d, float eps,
     float var = hsd_dot(x, x, d, isa) / (float)d;
     float r = 1.0f / sqrtf(var + eps);
     DISPATCH(scale_rows, isa, x, w, r, y, d);
+}
+
+void hsd_layernorm(const float *x, const float *w, const float *b, float *y, int64_t d, float eps, int isa) {
+    float mean = DISPATCH(sum16, isa, x, d) / (float)d;
+    DISPATCH(center, isa, x, mean, y, d);
+    float var = hsd_dot(y, y, d, isa) / (float)d;
+    float r = 1.0f / sqrtf(var + eps);
+    DISPATCH(scale_rows, isa, y, w, r, y, d);
+    if (b) DISPATCH(add, isa, y, b, d);
+}
+
+void hsd_act(int act, const float *g, float *y, int64_t n, int isa) {
+    if (act == HSD_GELU) DISPATCH(gelu, isa, g, y, n);
+    else DISPATCH(gelu_tanh, isa, g, y, n);
 }
 
 void hsd_attend(const float *q, const float *k, const float *v, int64_t stride, const uint8_t *allowed, int64_t W,
@@ -306,7 +369,7 @@ void hsd_attend(const float *q, const float *k, const float *v, int64_t stride, 
 
 /* x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[d/2:], x[:d/2]): each product rounded, then the sum (as
  * transformers' apply_rotary_pos_emb computes it). */
-static void rotate(float *x, const float *cos, const float *sin, int64_t d, float *tmp) {
+static void rotate(float *x, const float *cos, const float *sin, int64_t d, float *tmp) { /* (the first d of x) */
     int64_t h = d / 2;
     for (int64_t i = 0; i < d; i++) {
         float rh = i < h ? -x[i + h] : x[i - h];
@@ -317,6 +380,24 @@ static void rotate(float *x, const float *cos, const float *sin, int64_t d, floa
 }
 
 #define W_(layer, f) ((const float *)(uintptr_t)m->table[(layer) * HSD_FIELDS + (f)])
+
+/* a layer's norm of one row (HSD_LAYERNORM: LayerNorm with its bias, else rmsnorm) */
+static void norm_row(const hsd_model *m, const float *x, const float *w, const float *b, float *y, int isa) {
+    if (m->arch & HSD_LAYERNORM) hsd_layernorm(x, w, b, y, m->hidden, m->eps, isa);
+    else hsd_rmsnorm(x, w, y, m->hidden, m->eps, isa);
+}
+
+/* the MLP over n rows of x [n][H] into out [n][H]: down(silu(gate(x)) * up(x)), or down(act(up(x))) */
+static void mlp(const hsd_model *m, int64_t L, const float *x, int64_t n, float *gu, float *act, float *out, int isa,
+                int threads) {
+    const int64_t H = m->hidden, I = m->inter, G = m->act == HSD_SILU_GLU ? 2 * I : I;
+    hsg_linear(x, H, W_(L, HSD_GU), W_(L, HSD_GU_B), gu, G, n, G, H, isa, threads);
+    if (m->act == HSD_SILU_GLU)
+        for (int64_t r = 0; r < n; r++) DISPATCH(silu_mul, isa, gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, I);
+    else
+        hsd_act(m->act, gu, act, n * I, isa);
+    hsg_linear(act, I, W_(L, HSD_DOWN), W_(L, HSD_DOWN_B), out, H, n, H, I, isa, threads);
+}
 
 static int nthreads(int threads) { /* the threads of a parallel region here (rows.h's count by default) */
 #ifdef _OPENMP
@@ -345,24 +426,28 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
                 int64_t W, const int64_t *tap_layers, float *const *taps, const int64_t *out_rows, int64_t keep,
                 float *logits, float *hout, int64_t *bad, const int64_t *nreal, int64_t per, int isa, int threads) {
     const int64_t H = m->hidden, D = m->head_dim, NQ = m->heads * D, NK = m->kv_heads * D, I = m->inter;
-    const int64_t QKV = NQ + 2 * NK, group = m->heads / m->kv_heads;
+    const int64_t QKV = NQ + 2 * NK, group = m->heads / m->kv_heads, R = m->rot;
+    const int64_t G = m->act == HSD_SILU_GLU ? 2 * I : I; /* the rows of GU */
     const int64_t XW = m->hidden_norm ? 2 * H : H; /* the attention input's width */
     if (W < 0 || W > c->capacity || keep < 0 || keep > n) return -1;
-    if (m->hidden_norm && (!emb || m->layers != 1)) return -1;
+    if (m->hidden_norm && (!emb || m->layers != 1 || m->arch || m->act != HSD_SILU_GLU)) return -1;
+    if (R < 0 || R > D || R % 2 || m->act < HSD_SILU_GLU || m->act > HSD_GELU_TANH
+        || (m->arch & ~(HSD_LAYERNORM | HSD_PARALLEL)))
+        return -1;
     if (fuse && (!m->fc || m->fc_in <= 0 || m->fc_in % 3)) return -1;
     for (int64_t r = 0; r < n; r++)
         if (req[r] < 0 || req[r] >= c->batch || slot[r] < 0 || slot[r] >= c->capacity) return -1;
     for (int64_t i = 0; out_rows && i < keep; i++)
         if (out_rows[i] < 0 || out_rows[i] >= n) return -1;
     for (int64_t L = 0; L < m->layers; L++)
-        if (hsg_check(W_(L, HSD_QKV), QKV, XW) || hsg_check(W_(L, HSD_O), H, NQ) || hsg_check(W_(L, HSD_GU), 2 * I, H)
+        if (hsg_check(W_(L, HSD_QKV), QKV, XW) || hsg_check(W_(L, HSD_O), H, NQ) || hsg_check(W_(L, HSD_GU), G, H)
             || hsg_check(W_(L, HSD_DOWN), H, I))
             return -3;
     if (keep > 0 && hsg_check(m->head, m->vocab, H)) return -3;
     if (fuse && hsg_check(m->fc, H, m->fc_in)) return -3;
     int T = nthreads(threads);
     const int64_t F = fuse && (m->in_norm || m->fc_norms) ? m->fc_in : 0; /* the normed taps' width (0: none) */
-    size_t floats = (size_t)(n * XW + n * H + n * QKV + n * NQ + n * 2 * I + n * I + D + (int64_t)T * W + n * F);
+    size_t floats = (size_t)(n * XW + 2 * n * H + n * QKV + n * NQ + n * 2 * I + n * I + D + (int64_t)T * W + n * F);
     float *buf = malloc(floats * sizeof(float));
     int64_t *cols = malloc((size_t)(T * (W > 0 ? W : 1)) * sizeof(int64_t));
     if (!buf || !cols) {
@@ -370,7 +455,8 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
         free(cols);
         return -2;
     }
-    float *x = buf, *tmp = x + n * XW, *qkv = tmp + n * H, *att = qkv + n * QKV, *gu = att + n * NQ,
+    float *x = buf, *tmp = x + n * XW, *tmp2 = tmp + n * H, *qkv = tmp2 + n * H, *att = qkv + n * QKV,
+          *gu = att + n * NQ,
           *act = gu + n * 2 * I, *rot = act + n * I, *scores = rot + D, *normed = scores + (int64_t)T * W;
     if (fuse) { /* the draft's fusion: h = fc(the taps, normed where the draft norms them) */
         const int64_t third = m->fc_in / 3;
@@ -388,7 +474,7 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
             if (taps && taps[t] && tap_layers[t] == L) memcpy(taps[t], h, (size_t)(n * H) * sizeof *h);
         for (int64_t r = 0; r < n; r++) {
             if (!m->hidden_norm) {
-                hsd_rmsnorm(h + r * H, W_(L, HSD_LN1), x + r * XW, H, m->eps, isa);
+                norm_row(m, h + r * H, W_(L, HSD_LN1), W_(L, HSD_LN1_B), x + r * XW, isa);
                 continue;
             }
             hsd_rmsnorm(emb + r * H, W_(L, HSD_LN1), x + r * XW, H, m->eps, isa);
@@ -403,7 +489,7 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
                 float *v = row + a * D;
                 const float *nw = a < m->heads ? qn : kn;
                 if (nw) hsd_rmsnorm(v, nw, v, D, m->eps, isa);
-                rotate(v, cos + r * D, sin + r * D, D, rot);
+                if (R) rotate(v, cos + r * R, sin + r * R, R, rot);
             }
             float *base = c->kv + req[r] * c->s_batch + L * c->s_layer + slot[r] * D;
             for (int64_t a = 0; a < m->kv_heads; a++) {
@@ -434,17 +520,21 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
             }
         }
         hsg_linear(att, NQ, W_(L, HSD_O), W_(L, HSD_O_B), tmp, H, n, H, NQ, isa, threads);
+        if (m->arch & HSD_PARALLEL) { /* both from the layer's input: h = (mlp + attention) + h */
+            for (int64_t r = 0; r < n; r++) norm_row(m, h + r * H, W_(L, HSD_LN2), W_(L, HSD_LN2_B), x + r * H, isa);
+            mlp(m, L, x, n, gu, act, tmp2, isa, threads);
+            for (int64_t i = 0; i < n * H; i++) h[i] = (tmp2[i] + tmp[i]) + h[i];
+            continue;
+        }
         for (int64_t i = 0; i < n * H; i++) h[i] = h[i] + tmp[i];
-        for (int64_t r = 0; r < n; r++) hsd_rmsnorm(h + r * H, W_(L, HSD_LN2), x + r * H, H, m->eps, isa);
-        hsg_linear(x, H, W_(L, HSD_GU), W_(L, HSD_GU_B), gu, 2 * I, n, 2 * I, H, isa, threads);
-        for (int64_t r = 0; r < n; r++) DISPATCH(silu_mul, isa, gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, I);
-        hsg_linear(act, I, W_(L, HSD_DOWN), W_(L, HSD_DOWN_B), tmp, H, n, H, I, isa, threads);
+        for (int64_t r = 0; r < n; r++) norm_row(m, h + r * H, W_(L, HSD_LN2), W_(L, HSD_LN2_B), x + r * H, isa);
+        mlp(m, L, x, n, gu, act, tmp, isa, threads);
         for (int64_t i = 0; i < n * H; i++) h[i] = h[i] + tmp[i];
     }
     if (keep > 0) {
         for (int64_t i = 0; i < keep; i++) { /* (x holds n rows; keep <= n) */
             const float *row = h + (out_rows ? out_rows[i] : n - keep + i) * H;
-            hsd_rmsnorm(row, m->final_norm, x + i * H, H, m->eps, isa);
+            norm_row(m, row, m->final_norm, m->final_norm_b, x + i * H, isa);
             if (hout) memcpy(hout + i * H, m->flags & HSD_OUT_NORMED ? x + i * H : row, (size_t)H * sizeof *h);
             if (m->flags & HSD_HEAD_RAW) memcpy(x + i * H, row, (size_t)H * sizeof *h);
         }

@@ -1,5 +1,6 @@
 /*
- * decoder.h -- a Llama-family decoder forward on the CPU in float32 (heterospec._gemm; cpu_decoder in
+ * decoder.h -- a decoder-only transformer's forward on the CPU in float32 (the Llama family; GPT-NeoX and GPT-2
+ * through hsd_model's arch, act and rot) (heterospec._gemm; cpu_decoder in
  * heterospec/models/cpu_decoder.py): every layer of the target in one call, over the rows of a verification
  * tree, a one-token step or a prompt, reading and writing the engine's own key/value cache.
  *
@@ -13,6 +14,11 @@
  *   written to the cache at (request req[r], column slot[r]);  then per head: softmax(q . k_j * scale) over the
  *   columns j that allowed[r] marks, in column order, times v_j;  h += o (+ bias);  x = rmsnorm(h, ln2);
  *   h += down(silu(gate(x)) * up(x)).  At the end the last `keep` rows: rmsnorm(h, final) then the output layer.
+ * The other layouts (hsd_model's arch, act, rot): LayerNorm with its bias in place of every rmsnorm
+ * (HSD_LAYERNORM: y = w * ((x - mean) * (1 / sqrt(var + eps))) + b, mean a 16-lane sum / d, var dot(x - mean) / d);
+ * an MLP of one matrix before the activation, gelu (erf) or gelu's tanh form, instead of silu(gate) * up (act); the
+ * rotation over the first rot dimensions of each head only (0: none, positions learned outside); and GPT-NeoX's
+ * parallel residual (HSD_PARALLEL: h = (mlp(norm2(h)) + attn(norm1(h))) + h, both from the layer's input).
  *
  * Every reduction has one fixed order, the same on AVX-512, AVX2 and the portable loop, and no row's result
  * depends on another row: a dot product of length d is 16 lanes (lane l sums elements l, l+16, ... by fused
@@ -29,8 +35,13 @@
 /* One layer's weights: packed (rows.h, any codec) [q; k; v], o, [gate; up], down, with their biases or NULL; the norms. */
 enum {
     HSD_LN1, HSD_LN2, HSD_QKV, HSD_QKV_B, HSD_Q_NORM, HSD_K_NORM, HSD_O, HSD_O_B, HSD_GU, HSD_GU_B, HSD_DOWN,
-    HSD_DOWN_B, HSD_FIELDS
+    HSD_DOWN_B, HSD_LN1_B, HSD_LN2_B, HSD_FIELDS
 };
+
+/* hsd_model.arch bits and hsd_model.act values (a decoder's layout; the draft's layout is 0 and HSD_SILU_GLU):
+ * GU holds [gate; up] (2 * inter rows) for HSD_SILU_GLU, the one matrix before the activation (inter rows) else. */
+enum { HSD_LAYERNORM = 1, HSD_PARALLEL = 2 };
+enum { HSD_SILU_GLU = 0, HSD_GELU = 1, HSD_GELU_TANH = 2 };
 
 /* The EAGLE-3 draft's layout (hsd_model.hidden_norm set): its one layer's attention input is 2*hidden wide,
  * [rmsnorm(e, ln1); rmsnorm(h, hidden_norm)] (e: the tokens' embeddings, h: the fed-in states), and its residual
@@ -51,6 +62,9 @@ typedef struct {
      * norms before it: in_norm [fc_in] over the whole row, then fc_norms [fc_in] over each third of it */
     const float *fc, *fc_b, *in_norm, *fc_norms;
     int64_t fc_in;
+    const float *final_norm_b;  /* the final LayerNorm's bias or NULL */
+    int arch, act;              /* HSD_LAYERNORM | HSD_PARALLEL; HSD_SILU_GLU, HSD_GELU or HSD_GELU_TANH */
+    int64_t rot;                /* the rotated dimensions of each head (even, <= head_dim; 0: none) */
 } hsd_model;
 
 typedef struct {
@@ -62,7 +76,7 @@ typedef struct {
 /* One forward over n rows.  h: [n][hidden], the embeddings in (the draft: the fed-in states; emb its tokens'
  * embeddings [n][hidden], else NULL), the residual stream out; fuse (the draft with fc only; NULL: h is given):
  * [n][fc_in] the target's taps, h written from them first (the norms in_norm then fc_norms where set, each rows'
- * rmsnorm, then fc, rows.h's kernel); cos/sin: [n][head_dim];
+ * rmsnorm, then fc, rows.h's kernel); cos/sin: [n][rot] (not read with rot 0);
  * req, slot: [n] (the cache row and column each row's keys and values go to); allowed: [n][W] (1: row r attends
  * to column j of its request's cache; W <= capacity); taps: three [n][hidden] buffers or NULLs, filled with h
  * entering layers tap_layers[0..2]; logits: [keep][vocab] for rows out_rows[0..keep) (NULL: the last keep rows;
@@ -83,6 +97,8 @@ int hsd_nonfinite(const float *x, int64_t V); /* 1: x[0..V) holds a NaN or a +in
 float hsd_dot(const float *a, const float *b, int64_t d, int isa);
 void hsd_exp(float *x, int64_t n, int isa);
 void hsd_rmsnorm(const float *x, const float *w, float *y, int64_t d, float eps, int isa);
+void hsd_layernorm(const float *x, const float *w, const float *b, float *y, int64_t d, float eps, int isa);
+void hsd_act(int act, const float *g, float *y, int64_t n, int isa); /* y = gelu(g) or its tanh form (y not g) */
 void hsd_attend(const float *q, const float *k, const float *v, int64_t stride, const uint8_t *allowed, int64_t W,
                 float scale, float *out, int64_t d, float *scores, int64_t *cols, int isa);
 

@@ -119,20 +119,22 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
 /* decoder_forward(model, eps, scale, cache, h, emb, fuse, n, cos, sin, req, slot, allowed, W, tap_layers, taps,
  * out_rows, keep, logits, hout, bad, nreal, per, isa, threads): decoder.h's hsd_forward.  model: (layers, hidden,
  * heads, kv_heads, head_dim, inter, vocab, table, final_norm, head, head_b, hidden_norm, flags, fc, fc_b, fc_in,
- * in_norm, fc_norms); cache: (kv, batch, capacity, s_batch, s_kv, s_layer, s_head); tap_layers, taps: 3 each (a tap
- * address 0: not captured); out_rows 0: the last keep rows; emb, fuse, hidden_norm, fc, fc_b, in_norm, fc_norms,
- * hout, bad, nreal 0: absent (bad int64 [requests], nreal int64 [requests], per > 0 with nreal). */
+ * in_norm, fc_norms, final_norm_b, arch, act, rot); cache: (kv, batch, capacity, s_batch, s_kv, s_layer,
+ * s_head); tap_layers, taps: 3 each (a tap address 0: not captured); cos, sin: not read with rot 0; out_rows 0:
+ * the last keep rows; emb, fuse, hidden_norm, fc, fc_b, in_norm, fc_norms, final_norm_b, hout, bad, nreal 0: absent
+ * (bad int64 [requests], nreal int64 [requests], per > 0 with nreal). */
 static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
     (void)self;
-    long long md[12], fc[5], cc[7], h, emb, fuse, n, cs, sn, req, slot, allowed, W, tl[3], tp[3], out_rows, keep,
-        logits, hout, bad, nreal, per;
+    long long md[12], fc[5], cc[7], fnb, rot, h, emb, fuse, n, cs, sn, req, slot, allowed, W, tl[3], tp[3], out_rows,
+        keep, logits, hout, bad, nreal, per;
     float eps, scale;
-    int flags, isa, threads;
-    if (!PyArg_ParseTuple(args, "(LLLLLLLLLLLLiLLLLL)ff(LLLLLLL)LLLLLLLLLL(LLL)(LLL)LLLLLLLii", &md[0], &md[1], &md[2],
-                          &md[3], &md[4], &md[5], &md[6], &md[7], &md[8], &md[9], &md[10], &md[11], &flags, &fc[0],
-                          &fc[1], &fc[2], &fc[3], &fc[4], &eps, &scale, &cc[0], &cc[1], &cc[2], &cc[3], &cc[4], &cc[5],
-                          &cc[6], &h, &emb, &fuse, &n, &cs, &sn, &req, &slot, &allowed, &W, &tl[0], &tl[1], &tl[2],
-                          &tp[0], &tp[1], &tp[2], &out_rows, &keep, &logits, &hout, &bad, &nreal, &per, &isa, &threads))
+    int flags, arch, act, isa, threads;
+    if (!PyArg_ParseTuple(args, "(LLLLLLLLLLLLiLLLLLLiiL)ff(LLLLLLL)LLLLLLLLLL(LLL)(LLL)LLLLLLLii", &md[0], &md[1],
+                          &md[2], &md[3], &md[4], &md[5], &md[6], &md[7], &md[8], &md[9], &md[10], &md[11], &flags,
+                          &fc[0], &fc[1], &fc[2], &fc[3], &fc[4], &fnb, &arch, &act, &rot, &eps, &scale, &cc[0],
+                          &cc[1], &cc[2], &cc[3], &cc[4], &cc[5], &cc[6], &h, &emb, &fuse, &n, &cs, &sn, &req, &slot,
+                          &allowed, &W, &tl[0], &tl[1], &tl[2], &tp[0], &tp[1], &tp[2], &out_rows, &keep, &logits,
+                          &hout, &bad, &nreal, &per, &isa, &threads))
         return NULL;
     if (fuse && (!fc[0] || fc[2] <= 0 || fc[2] % 3)) {
         PyErr_Format(PyExc_ValueError, "decoder_forward: argument 'fuse' expected a model with fc and fc_in a positive "
@@ -151,13 +153,25 @@ static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
                                           "of kv_heads, an even head_dim) and known flags");
         return NULL;
     }
+    if (rot < 0 || rot > md[4] || rot % 2 || act < HSD_SILU_GLU || act > HSD_GELU_TANH
+        || (arch & ~(HSD_LAYERNORM | HSD_PARALLEL))) {
+        PyErr_Format(PyExc_ValueError, "decoder_forward: argument 'model' expected rot even in [0, head_dim %lld], "
+                     "act 0-2 and arch bits 1|2, got rot %lld, act %d, arch %d", md[4], rot, act, arch);
+        return NULL;
+    }
+    if (md[11] && (arch || act != HSD_SILU_GLU)) {
+        PyErr_SetString(PyExc_ValueError, "decoder_forward: argument 'model' with a hidden_norm (the EAGLE-3 draft's "
+                                          "layout) expected rmsnorm and a SiLU-gated MLP (arch 0, act 0)");
+        return NULL;
+    }
     if (md[11] && (md[0] != 1 || !emb)) {
         PyErr_SetString(PyExc_ValueError, "decoder_forward: argument 'model' with a hidden_norm (the EAGLE-3 draft's "
                                           "layout) expected one layer and the tokens' embeddings (emb)");
         return NULL;
     }
     if (n <= 0) Py_RETURN_NONE;
-    const long long ptrs[] = {md[7], md[8], md[9], cc[0], h, cs, sn, req, slot, allowed, keep > 0 ? logits : 1};
+    const long long ptrs[] = {md[7], md[8], md[9], cc[0], h, rot ? cs : 1, rot ? sn : 1, req, slot, allowed,
+                              keep > 0 ? logits : 1};
     static const char *const names[] = {"table", "final_norm", "head", "kv", "h", "cos", "sin", "req", "slot",
                                         "allowed", "logits"};
     if (addresses(ptrs, names, 11, "decoder_forward") < 0) return NULL;
@@ -174,7 +188,7 @@ static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
                    (const float *)(uintptr_t)md[8], (const float *)(uintptr_t)md[9], (const float *)(uintptr_t)md[10],
                    (const float *)(uintptr_t)md[11], flags, (const float *)(uintptr_t)fc[0],
                    (const float *)(uintptr_t)fc[1], (const float *)(uintptr_t)fc[3], (const float *)(uintptr_t)fc[4],
-                   fc[2]};
+                   fc[2], (const float *)(uintptr_t)fnb, arch, act, rot};
     hsd_cache c = {(float *)(uintptr_t)cc[0], cc[1], cc[2], cc[3], cc[4], cc[5], cc[6]};
     int64_t taps_at[3] = {tl[0], tl[1], tl[2]};
     float *taps[3] = {(float *)(uintptr_t)tp[0], (float *)(uintptr_t)tp[1], (float *)(uintptr_t)tp[2]};
@@ -245,6 +259,44 @@ static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
     static const char *const names[] = {"x", "w", "y"};
     if (d > 0 && addresses(p, names, 3, "rmsnorm") < 0) return NULL;
     hsd_rmsnorm((const float *)(uintptr_t)x, (const float *)(uintptr_t)w, (float *)(uintptr_t)y, d, eps, isa);
+    Py_RETURN_NONE;
+}
+
+/* layernorm(x, w, b, y, d, eps, isa) (b 0: none); act(kind, g, y, n, isa): decoder.h's hsd_layernorm, hsd_act */
+static PyObject *py_layernorm(PyObject *self, PyObject *args) {
+    (void)self;
+    long long x, w, b, y, d;
+    float eps;
+    int isa;
+    if (!PyArg_ParseTuple(args, "LLLLLfi", &x, &w, &b, &y, &d, &eps, &isa) || isa_ok(isa, "layernorm") < 0)
+        return NULL;
+    const long long p[] = {x, w, y};
+    static const char *const names[] = {"x", "w", "y"};
+    if (d > 0 && addresses(p, names, 3, "layernorm") < 0) return NULL;
+    if (d > 0)
+        hsd_layernorm((const float *)(uintptr_t)x, (const float *)(uintptr_t)w, (const float *)(uintptr_t)b,
+                      (float *)(uintptr_t)y, d, eps, isa);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_act(PyObject *self, PyObject *args) {
+    (void)self;
+    long long g, y, n;
+    int kind, isa;
+    if (!PyArg_ParseTuple(args, "iLLLi", &kind, &g, &y, &n, &isa) || isa_ok(isa, "act") < 0) return NULL;
+    if (kind != HSD_GELU && kind != HSD_GELU_TANH) {
+        PyErr_Format(PyExc_ValueError, "act: argument 'kind' expected %d (gelu) or %d (its tanh form), got %d",
+                     HSD_GELU, HSD_GELU_TANH, kind);
+        return NULL;
+    }
+    const long long p[] = {g, y};
+    static const char *const names[] = {"g", "y"};
+    if (n > 0 && addresses(p, names, 2, "act") < 0) return NULL;
+    if (g == y && n > 0) {
+        PyErr_SetString(PyExc_ValueError, "act: argument 'y' expected a buffer other than 'g', got the same address");
+        return NULL;
+    }
+    if (n > 0) hsd_act(kind, (const float *)(uintptr_t)g, (float *)(uintptr_t)y, n, isa);
     Py_RETURN_NONE;
 }
 
@@ -321,6 +373,8 @@ static PyMethodDef methods[] = {
     {"exp", py_exp, METH_VARARGS, "exp(x, n, isa): decoder.h's exp, in place"},
     {"rmsnorm", py_rmsnorm, METH_VARARGS, "rmsnorm(x, w, y, d, eps, isa)"},
     {"attend", py_attend, METH_VARARGS, "attend(q, k, v, stride, allowed, W, scale, out, d, isa)"},
+    {"layernorm", py_layernorm, METH_VARARGS, "layernorm(x, w, b, y, d, eps, isa)"},
+    {"act", py_act, METH_VARARGS, "act(kind, g, y, n, isa)"},
     {"packed_floats", FAST(py_packed_floats), "packed_floats(n, k) -> floats of the packed copy"},
     {"packed_bytes", FAST(py_packed_bytes), "packed_bytes(codec, n, k) -> bytes of the packed copy (-1: cannot)"},
     {"pack_codes", FAST(py_pack_codes), "pack_codes(codec, q, d, m, wp, n, k): a coded weight's packed copy"},

@@ -1,5 +1,6 @@
-"""The target's forward on the CPU in one call of ours (``cpu_decoder``): every decoder layer of a Llama-family
-model in float32 (csrc/gemm/decoder.h), on the engine's own key/value cache, instead of transformers' modules.
+"""The target's forward on the CPU in one call of ours (``cpu_decoder``): every decoder layer of a Llama-family,
+GPT-NeoX (Pythia) or GPT-2 model in float32 (csrc/gemm/decoder.h), on the engine's own key/value cache, instead of
+transformers' modules.
 
 Why: on a 2-core Xeon a one-token forward of SmolLM2-135M through transformers took 52 ms, of which the linear
 layers were 24.5 ms (the few-rows kernel of ``cpu_gemm='rows'``); the rest was about 1,400 small torch
@@ -15,8 +16,10 @@ same way whatever the other rows are (decoder.h), so a tree node's logits equal,
 step of the same engine over the same keys.
 
 Supported: ``llama``, ``mistral`` (without a sliding window), ``qwen2`` and ``qwen3`` (q/k norms) models on the
-CPU in float32 with SiLU MLPs and RMSNorm, any bias layout, any head grouping; :func:`unsupported` says why not
-otherwise.  A model with forward hooks of the user's on any of its modules runs transformers' forward while they
+CPU in float32 with SiLU MLPs and RMSNorm, any bias layout, any head grouping; ``gpt_neox`` (Pythia: LayerNorm,
+gelu, rotary over part of each head, the parallel residual or not; its fused q/k/v reordered head by head when
+packed) and ``gpt2`` (LayerNorm, gelu's tanh form, learned positions added to the embeddings, Conv1D weights read
+transposed); :func:`unsupported` says why not otherwise.  A model with forward hooks of the user's on any of its modules runs transformers' forward while they
 are set (the hooks then run, as they would in the user's own calls).
 
 The EAGLE-3 draft's step and head run on the same C code (:class:`CpuDraft`, decoder.h's draft layout: its one
@@ -32,10 +35,16 @@ import torch
 
 from . import cpu_gemm
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = LLAMA_FAMILIES + ("gpt_neox", "gpt2")
 SETTINGS = ("auto", True, False)
 ISA_NAMES = ("portable", "AVX2", "AVX-512")
 HSD_RESIDUAL_NORMED, HSD_HEAD_RAW, HSD_OUT_NORMED = 1, 2, 4   # decoder.h's flags
+HSD_LAYERNORM, HSD_PARALLEL = 1, 2                            # decoder.h's arch bits
+HSD_SILU_GLU, HSD_GELU, HSD_GELU_TANH = 0, 1, 2               # decoder.h's act
+# transformers' gelu modules (activations.py) by the form the kernel computes: the erf one, or the tanh one
+GELU_MODULES = {"GELUActivation": HSD_GELU, "NewGELUActivation": HSD_GELU_TANH, "GELUTanh": HSD_GELU_TANH,
+                "PytorchGELUTanh": HSD_GELU_TANH, "FastGELUActivation": HSD_GELU_TANH}
 
 
 def _text(model):
@@ -48,20 +57,45 @@ def _is_rmsnorm(m):
         and hasattr(m, "variance_epsilon")
 
 
-def unsupported(model):
-    """Why the decoder cannot run ``model``'s forward (a short phrase), or None when it can."""
-    if not cpu_gemm.rows_available():
-        return "heterospec's kernel extension (heterospec._gemm) is not built in this install"
-    cfg = _text(model)
-    kind = getattr(cfg, "model_type", None)
-    if kind not in FAMILIES:
-        return f"a {kind!r} model (supported: {', '.join(FAMILIES)})"
-    p = next(model.parameters(), None)
-    if p is None or p.device.type != "cpu" or p.dtype != torch.float32:
-        return f"a {getattr(p, 'device', None)} {str(getattr(p, 'dtype', None)).replace('torch.', '')} model " \
-               f"(the decoder runs float32 on the CPU)"
-    if any(q.dtype != torch.float32 or q.device.type != "cpu" for q in model.parameters()):
-        return "parameters of mixed dtypes or devices"
+def _gelu_kind(act):
+    """decoder.h's act for a gelu module of transformers' (or torch's nn.GELU), or None."""
+    if isinstance(act, torch.nn.GELU):
+        return HSD_GELU_TANH if act.approximate == "tanh" else HSD_GELU
+    return GELU_MODULES.get(type(act).__name__)
+
+
+def _gelu_only(mlp):
+    return f"an MLP activation {type(getattr(mlp, 'act', None)).__name__} (the decoder has gelu and its tanh form)"
+
+
+def _is_layernorm(m):
+    return isinstance(m, torch.nn.LayerNorm) and m.weight is not None and len(m.normalized_shape) == 1
+
+
+def _plain_conv1d(m):
+    """transformers' Conv1D (GPT-2's linear layers, weight [in, out]) with its own forward."""
+    if type(m).__name__ != "Conv1D":
+        return False
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(m, Conv1D) and type(m).forward is Conv1D.forward
+
+
+def _pair(m, transposed=False):
+    """A linear layer's (weight [out, in], bias or None)."""
+    return (m.weight.t() if transposed else m.weight), m.bias
+
+
+class _Layout:
+    """What the decoder reads of a supported model, found once: its embeddings (``pos``: learned positions, or
+    None), the rotary module (None: none), the final norm, the output layer, the layers, decoder.h's arch, act and
+    rot, and a function giving a layer's weights as decoder.h packs them (:meth:`parts`)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _llama_layout(model, cfg):
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     head = getattr(model, "lm_head", None)
@@ -73,8 +107,6 @@ def unsupported(model):
         return f"hidden_act {cfg.hidden_act!r} (the decoder has SiLU)"
     if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "attn_logit_softcapping", None):
         return "logit soft-capping"
-    if len(layers) != cfg.num_hidden_layers:
-        return "a layer count other than the config's"
     for layer in layers:
         att, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if att is None or mlp is None or not all(cpu_gemm.plain_linear(getattr(att, n, None))
@@ -91,16 +123,166 @@ def unsupported(model):
             return "a sliding attention window"
         if type(getattr(mlp, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
             return f"an MLP activation {type(getattr(mlp, 'act_fn', None)).__name__} (the decoder has SiLU)"
-    if getattr(cfg, "sliding_window", None) and kind == "mistral":
+    if getattr(cfg, "sliding_window", None) and cfg.model_type == "mistral":
         return "a sliding attention window"
-    return None
+    att0 = layers[0].self_attn
+    return _Layout(embed=base.embed_tokens, pos=None, rotary=base.rotary_emb, final=base.norm, head=head,
+                   layers=list(layers), arch=0, act=HSD_SILU_GLU, rot=att0.head_dim,
+                   eps=float(layers[0].input_layernorm.variance_epsilon), scale=float(att0.scaling),
+                   heads=cfg.num_attention_heads, kv_heads=getattr(cfg, "num_key_value_heads", None)
+                   or cfg.num_attention_heads, head_dim=att0.head_dim, inter=layers[0].mlp.gate_proj.out_features,
+                   parts=_llama_parts)
+
+
+def _llama_parts(layer, ln1=None, ln2=None):
+    a, m = layer.self_attn, layer.mlp
+    ln1, ln2 = ln1 or layer.input_layernorm, ln2 or layer.post_attention_layernorm
+    return {"ln1": (ln1.weight, None), "ln2": (ln2.weight, None),
+            "qkv": [_pair(a.q_proj), _pair(a.k_proj), _pair(a.v_proj)], "o": [_pair(a.o_proj)],
+            "gu": [_pair(m.gate_proj), _pair(m.up_proj)], "down": [_pair(m.down_proj)],
+            "q_norm": getattr(getattr(a, "q_norm", None), "weight", None),
+            "k_norm": getattr(getattr(a, "k_norm", None), "weight", None)}
+
+
+def _layernorm_eps(norms):
+    """The one epsilon of these LayerNorms, or None where they differ (decoder.h takes one per model)."""
+    eps = {float(n.eps) for n in norms}
+    return eps.pop() if len(eps) == 1 else None
+
+
+def _neox_layout(model, cfg):
+    base = getattr(model, "gpt_neox", None)
+    layers = getattr(base, "layers", None)
+    head = model.get_output_embeddings()
+    if layers is None or not isinstance(getattr(base, "embed_in", None), torch.nn.Embedding) \
+            or not _is_layernorm(getattr(base, "final_layer_norm", None)) \
+            or getattr(base, "rotary_emb", None) is None or not cpu_gemm.plain_linear(head):
+        return "a GPT-NeoX model without its layout (gpt_neox.embed_in, .layers, .final_layer_norm, .rotary_emb)"
+    norms = [base.final_layer_norm]
+    for layer in layers:
+        att, mlp = getattr(layer, "attention", None), getattr(layer, "mlp", None)
+        if att is None or mlp is None or not all(cpu_gemm.plain_linear(getattr(att, n, None))
+                                                 for n in ("query_key_value", "dense")) \
+                or not all(cpu_gemm.plain_linear(getattr(mlp, n, None)) for n in ("dense_h_to_4h", "dense_4h_to_h")):
+            return "a GPT-NeoX layer without its query_key_value, dense and MLP linear layers"
+        if not (_is_layernorm(getattr(layer, "input_layernorm", None))
+                and _is_layernorm(getattr(layer, "post_attention_layernorm", None))):
+            return "a GPT-NeoX layer whose norms are not LayerNorm"
+        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        if _gelu_kind(getattr(mlp, "act", None)) is None:
+            return _gelu_only(mlp)
+        if layer.use_parallel_residual != layers[0].use_parallel_residual:
+            return "layers that differ in their residual (parallel or not)"
+    eps = _layernorm_eps(norms)
+    if eps is None:
+        return "LayerNorms of different epsilons"
+    att0 = layers[0].attention
+    D = att0.head_size
+    if att0.rotary_ndims % 2 or not 0 < att0.rotary_ndims <= D:
+        return f"a rotary width of {att0.rotary_ndims} of {D} head dimensions (expected even, > 0)"
+    heads = cfg.num_attention_heads
+
+    def parts(layer):
+        a, m = layer.attention, layer.mlp
+        w, b = a.query_key_value.weight, a.query_key_value.bias
+        H = w.shape[1]
+        # transformers views the fused output as [heads, 3 * D] (q, k, v of each head side by side): decoder.h's
+        # [q of every head; k of every head; v of every head] is the same rows in another order
+        w = w.view(heads, 3, D, H).transpose(0, 1).reshape(3 * heads * D, H)
+        b = None if b is None else b.view(heads, 3, D).transpose(0, 1).reshape(-1)
+        return {"ln1": _pair(layer.input_layernorm), "ln2": _pair(layer.post_attention_layernorm),
+                "qkv": [(w, b)], "o": [_pair(a.dense)], "gu": [_pair(m.dense_h_to_4h)],
+                "down": [_pair(m.dense_4h_to_h)],
+                "q_norm": None, "k_norm": None}
+
+    return _Layout(embed=base.embed_in, pos=None, rotary=base.rotary_emb, final=base.final_layer_norm, head=head,
+                   layers=list(layers), arch=HSD_LAYERNORM | (HSD_PARALLEL if layers[0].use_parallel_residual else 0),
+                   act=_gelu_kind(layers[0].mlp.act), rot=att0.rotary_ndims, eps=eps, scale=float(att0.scaling),
+                   heads=heads, kv_heads=heads, head_dim=D, inter=layers[0].mlp.dense_h_to_4h.out_features,
+                   parts=parts)
+
+
+def _gpt2_layout(model, cfg):
+    base = getattr(model, "transformer", None)
+    layers = getattr(base, "h", None)
+    head = model.get_output_embeddings()
+    if layers is None or not isinstance(getattr(base, "wte", None), torch.nn.Embedding) \
+            or not isinstance(getattr(base, "wpe", None), torch.nn.Embedding) \
+            or not _is_layernorm(getattr(base, "ln_f", None)) or not cpu_gemm.plain_linear(head):
+        return "a GPT-2 model without its layout (transformer.wte, .wpe, .h, .ln_f; lm_head)"
+    if getattr(cfg, "add_cross_attention", False) or getattr(cfg, "scale_attn_by_inverse_layer_idx", False):
+        return "GPT-2 with cross-attention or a scale per layer (scale_attn_by_inverse_layer_idx)"
+    norms = [base.ln_f]
+    for layer in layers:
+        att, mlp = getattr(layer, "attn", None), getattr(layer, "mlp", None)
+        if att is None or mlp is None or not all(_plain_conv1d(getattr(att, n, None)) for n in ("c_attn", "c_proj")) \
+                or not all(_plain_conv1d(getattr(mlp, n, None)) for n in ("c_fc", "c_proj")):
+            return "a GPT-2 layer without its Conv1D layers (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)"
+        if not (_is_layernorm(getattr(layer, "ln_1", None)) and _is_layernorm(getattr(layer, "ln_2", None))):
+            return "a GPT-2 layer whose norms are not LayerNorm"
+        norms += [layer.ln_1, layer.ln_2]
+        if _gelu_kind(getattr(mlp, "act", None)) is None:
+            return _gelu_only(mlp)
+    eps = _layernorm_eps(norms)
+    if eps is None:
+        return "LayerNorms of different epsilons"
+    att0 = layers[0].attn
+    scale = getattr(att0, "scaling", None)   # (transformers < 5.23 has none: 1 / sqrt(head_dim) where scaled)
+    if scale is None:
+        if not getattr(cfg, "scale_attn_weights", True):
+            return "GPT-2 with unscaled attention on a transformers release without the attention's scaling"
+        scale = att0.head_dim ** -0.5
+
+    def parts(layer):
+        a, m = layer.attn, layer.mlp
+        return {"ln1": _pair(layer.ln_1), "ln2": _pair(layer.ln_2), "qkv": [_pair(a.c_attn, True)],
+                "o": [_pair(a.c_proj, True)], "gu": [_pair(m.c_fc, True)], "down": [_pair(m.c_proj, True)],
+                "q_norm": None, "k_norm": None}
+
+    return _Layout(embed=base.wte, pos=base.wpe, rotary=None, final=base.ln_f, head=head, layers=list(layers),
+                   arch=HSD_LAYERNORM, act=_gelu_kind(layers[0].mlp.act), rot=0, eps=eps, scale=float(scale),
+                   heads=att0.num_heads, kv_heads=att0.num_heads, head_dim=att0.head_dim, inter=layers[0].mlp.c_fc.nf,
+                   parts=parts)
+
+
+LAYOUTS = {**{k: _llama_layout for k in LLAMA_FAMILIES}, "gpt_neox": _neox_layout, "gpt2": _gpt2_layout}
+
+
+def layout(model):
+    """The :class:`_Layout` the decoder reads of ``model``, or why it cannot (a short phrase)."""
+    if not cpu_gemm.rows_available():
+        return "heterospec's kernel extension (heterospec._gemm) is not built in this install"
+    cfg = _text(model)
+    kind = getattr(cfg, "model_type", None)
+    if kind not in FAMILIES:
+        return f"a {kind!r} model (supported: {', '.join(FAMILIES)})"
+    p = next(model.parameters(), None)
+    if p is None or p.device.type != "cpu" or p.dtype != torch.float32:
+        return f"a {getattr(p, 'device', None)} {str(getattr(p, 'dtype', None)).replace('torch.', '')} model " \
+               f"(the decoder runs float32 on the CPU)"
+    if any(q.dtype != torch.float32 or q.device.type != "cpu" for q in model.parameters()):
+        return "parameters of mixed dtypes or devices"
+    got = LAYOUTS[kind](model, cfg)
+    if isinstance(got, str):
+        return got
+    if len(got.layers) != cfg.num_hidden_layers:
+        return "a layer count other than the config's"
+    return got
+
+
+def unsupported(model):
+    """Why the decoder cannot run ``model``'s forward (a short phrase), or None when it can."""
+    got = layout(model)
+    return got if isinstance(got, str) else None
 
 
 class _Packed:
     """What the target's decoder and the draft's layer share: a module held weakly, its weights packed once into
     the kernel's panels (repacked when a weight was written since), the user's-hooks rule and the one call of
-    decoder.h.  A subclass says what it packs (:meth:`_layer_rows`, :meth:`_head`) and why a module is not
-    supported (:meth:`_why`)."""
+    decoder.h.  A subclass says what it packs (:meth:`_layer_parts`, :meth:`_head`), its layout (``arch``, ``act``,
+    ``rot``: decoder.h's) and why a module is not supported (:meth:`_why`)."""
+
+    arch, act = 0, HSD_SILU_GLU
 
     def __init__(self, module):
         why = self._why(module)
@@ -166,36 +348,35 @@ class _Packed:
             keep.append(t)
             return t.data_ptr()
 
-        def fused(lins):
-            w = cpu_gemm.pack_rows(torch.cat([lin.weight.detach() for lin in lins]))
+        def fused(pairs):
+            """(weight [out, in], bias or None) pairs as one packed matrix and its bias (zeros where one has none)."""
+            w = cpu_gemm.pack_rows(torch.cat([w.detach() for w, _ in pairs]))
             codec = cpu_gemm.packed_codec(w)
             codecs[codec] = codecs.get(codec, 0) + 1
             b = None
-            if any(lin.bias is not None for lin in lins):
-                b = torch.cat([lin.bias.detach() if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
-                               for lin in lins])
+            if any(b is not None for _, b in pairs):
+                b = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0]) for w, b in pairs])
             return addr(w), addr(b)
 
         rows = []
-        for layer, ln1, ln2 in self._layer_rows():
-            a, m = layer.self_attn, layer.mlp
-            qkv, qkv_b = fused([a.q_proj, a.k_proj, a.v_proj])
-            o, o_b = fused([a.o_proj])
-            gu, gu_b = fused([m.gate_proj, m.up_proj])
-            down, down_b = fused([m.down_proj])
-            qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-            rows.append([addr(ln1.weight), addr(ln2.weight), qkv, qkv_b, addr(None if qn is None else qn.weight),
-                         addr(None if kn is None else kn.weight), o, o_b, gu, gu_b, down, down_b])
+        for P in self._layer_parts():
+            qkv, qkv_b = fused(P["qkv"])
+            o, o_b = fused(P["o"])
+            gu, gu_b = fused(P["gu"])
+            down, down_b = fused(P["down"])
+            rows.append([addr(P["ln1"][0]), addr(P["ln2"][0]), qkv, qkv_b, addr(P["q_norm"]), addr(P["k_norm"]),
+                         o, o_b, gu, gu_b, down, down_b, addr(P["ln1"][1]), addr(P["ln2"][1])])
         self._table = torch.tensor(rows, dtype=torch.int64, device="cpu")
         final, head, hidden_norm, flags = self._head()
-        head, head_b = fused([head])
+        head, head_b = fused([_pair(head)])
         fc, in_norm, fc_norms = self._fusion()
-        fc_w, fc_b = fused([fc]) if fc is not None else (0, 0)
+        fc_w, fc_b = fused([_pair(fc)]) if fc is not None else (0, 0)
         self._desc = (len(rows), self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter, self.vocab,
                       self._table.data_ptr(), addr(final.weight), head, head_b,
                       addr(None if hidden_norm is None else hidden_norm.weight), flags,
                       fc_w, fc_b, 0 if fc is None else fc.in_features, addr(in_norm),
-                      addr(None if fc_norms is None else torch.cat(fc_norms)))
+                      addr(None if fc_norms is None else torch.cat(fc_norms)), addr(getattr(final, "bias", None)),
+                      self.arch, self.act, self.rot)
         self._keep = keep
         self.codecs = codecs
         self._versions = self._state()
@@ -258,29 +439,23 @@ class CpuDecoder(_Packed):
 
     def __init__(self, model):
         super().__init__(model)
-        cfg = _text(model)
-        base = model.model
-        self.layers = list(base.layers)
-        att0 = self.layers[0].self_attn
-        self.hidden = cfg.hidden_size
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
-        self.head_dim = att0.head_dim
-        self.inter = self.layers[0].mlp.gate_proj.out_features
-        self.vocab = model.lm_head.out_features
-        self.eps = float(self.layers[0].input_layernorm.variance_epsilon)
-        self.scale = float(att0.scaling)
-        self.embed = base.embed_tokens
-        self.rotary = base.rotary_emb
+        lay = self._lay = layout(model)
+        self.hidden = _text(model).hidden_size
+        self.heads, self.kv_heads, self.head_dim, self.inter = lay.heads, lay.kv_heads, lay.head_dim, lay.inter
+        self.arch, self.act, self.rot = lay.arch, lay.act, lay.rot
+        self.vocab = lay.head.out_features
+        self.eps, self.scale = lay.eps, lay.scale
+        self.embed, self.pos_embed, self.rotary = lay.embed, lay.pos, lay.rotary
+        self._no_rotation = torch.zeros(1, 1, 1)   # (cos and sin for a model without rotary: never read)
         self._pack()
 
     _why = staticmethod(unsupported)
 
-    def _layer_rows(self):
-        return [(layer, layer.input_layernorm, layer.post_attention_layernorm) for layer in self.layers]
+    def _layer_parts(self):
+        return [self._lay.parts(layer) for layer in self._lay.layers]
 
     def _head(self):
-        return self.model.model.norm, self.model.lm_head, None, 0
+        return self._lay.final, self._lay.head, None, 0
 
     @torch.no_grad()
     def forward(self, ids, positions, slots, allowed, kv, keep=None, taps=None, current=False, bad=None,
@@ -300,11 +475,17 @@ class CpuDecoder(_Packed):
                 or B > kv.shape[0]:
             raise ValueError(f"cpu_decoder: argument 'kv' expected a float32 cache [>= {B}, 2, layers, kv_heads, "
                              f"capacity, {self.head_dim}] with contiguous columns, got {tuple(kv.shape)} {kv.dtype}")
-        h = torch.nn.functional.embedding(ids.reshape(-1), self.embed.weight).contiguous()
-        cos, sin = self.rotary(h.view(B, n, H), positions)
-        if cos.shape[-1] != self.head_dim:
-            raise ValueError(f"cpu_decoder: the model's rotary tables cover {cos.shape[-1]} of {self.head_dim} "
-                             f"head dimensions (partial rotary is not supported)")
+        h = torch.nn.functional.embedding(ids.reshape(-1), self.embed.weight)
+        if self.pos_embed is not None:   # (GPT-2: the tokens' embeddings + the positions', as transformers adds them)
+            h = h + torch.nn.functional.embedding(positions.reshape(-1), self.pos_embed.weight)
+        h = h.contiguous()
+        if self.rotary is None:
+            cos = sin = self._no_rotation
+        else:
+            cos, sin = self.rotary(h.view(B, n, H), positions)
+            if cos.shape[-1] != self.rot:
+                raise ValueError(f"cpu_decoder: the model's rotary tables cover {cos.shape[-1]} head dimensions, "
+                                 f"expected {self.rot} (its attention's)")
         if keep is None:
             out_rows, k = None, B * n
         else:
@@ -350,6 +531,7 @@ class CpuDraft(_Packed):
         self.vocab = draft.lm_head.out_features
         self.eps = float(c.rms_norm_eps)
         self.scale = 1.0 / math.sqrt(c.head_dim)   # (scaled_dot_product_attention's default, as the module's)
+        self.rot = c.head_dim
         self._pack()
 
     _why = staticmethod(draft_unsupported)
@@ -360,9 +542,9 @@ class CpuDraft(_Packed):
         d = self.model
         return any(f in vars(d) for f in ("fuse", "step", "head")) or super().hooked()
 
-    def _layer_rows(self):
+    def _layer_parts(self):
         m = self.model.midlayer
-        return [(m, m.input_layernorm, m.post_attention_layernorm)]
+        return [_llama_parts(m)]
 
     def _head(self):
         d = self.model

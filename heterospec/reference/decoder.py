@@ -1,6 +1,6 @@
 """The pieces of ``cpu_decoder``'s forward (the extension heterospec._gemm, csrc/gemm/decoder.h) in NumPy, bit for
-bit: the 16-lane dot product, exp, RMSNorm, one row's attention, SiLU-times-up, the rotation, the non-finite row
-rule; and a whole decoder forward built from them (:func:`decoder_layers`, with :func:`rows_linear` for the matrix
+bit: the 16-lane dot product and sum, exp, RMSNorm, LayerNorm, one row's attention, SiLU-times-up, gelu and its
+tanh form, the rotation, the non-finite row rule; and a whole decoder forward built from them (:func:`decoder_layers`, with :func:`rows_linear` for the matrix
 products).
 
 Every step is one float32 operation rounded once: NumPy's float32 add, multiply, divide and sqrt round
@@ -25,6 +25,19 @@ def dot16(a, b):
     for c in range(0, d, 16):
         w = min(16, d - c)
         acc[..., :w] = _fma32(a[..., c:c + w], b[..., c:c + w], acc[..., :w])
+    for half in (8, 4, 2, 1):
+        acc = (acc[..., :half] + acc[..., half:2 * half]).astype(f32)
+    return acc[..., 0]
+
+
+def sum16(x):
+    """x [..., d] float32 -> [...]: lane l adds elements l, l+16, ... in order from +0; the lanes then added as
+    :func:`dot16`'s."""
+    x = np.asarray(x, f32)
+    acc = np.zeros(x.shape[:-1] + (16,), f32)
+    for c in range(0, x.shape[-1], 16):
+        w = min(16, x.shape[-1] - c)
+        acc[..., :w] = (acc[..., :w] + x[..., c:c + w]).astype(f32)
     for half in (8, 4, 2, 1):
         acc = (acc[..., :half] + acc[..., half:2 * half]).astype(f32)
     return acc[..., 0]
@@ -65,6 +78,41 @@ def rmsnorm(x, w, eps):
     return (np.asarray(w, f32) * (x * r[..., None]).astype(f32)).astype(f32)
 
 
+def layernorm(x, w, b, eps):
+    """x [..., d] -> w * ((x - mean) * (1 / sqrt(var + eps))) (+ b), mean = sum16(x) / d, var = dot16 of the
+    centred row / d, each step rounded to float32."""
+    x = np.asarray(x, f32)
+    d = f32(x.shape[-1])
+    c = (x - (sum16(x) / d).astype(f32)[..., None]).astype(f32)
+    r = (f32(1.0) / np.sqrt(((dot16(c, c) / d).astype(f32) + f32(eps)).astype(f32))).astype(f32)
+    y = (np.asarray(w, f32) * (c * r[..., None]).astype(f32)).astype(f32)
+    return y if b is None else (y + np.asarray(b, f32)).astype(f32)
+
+
+def gelu(x):
+    """gelu (erf) as the kernel computes it: q = erfc(z), z = |x| / sqrt 2, by Numerical Recipes' erfcc (t = 1 /
+    (1 + z / 2), q = t exp(-z^2 - 1.26551223 + t (1.00002368 + ...)), with :func:`exp`), then x * 0.5 * q for x < 0
+    and x * 0.5 * (2 - q) otherwise."""
+    x = np.asarray(x, f32)
+    z = (np.abs(x) * f32(0.70710678118654752)).astype(f32)
+    t = (f32(1.0) / (f32(1.0) + (f32(0.5) * z).astype(f32))).astype(f32)
+    p = np.full_like(z, f32(0.17087277))
+    for c in (-0.82215223, 1.48851587, -1.13520398, 0.27886807, -0.18628806, 0.09678418, 0.37409196, 1.00002368):
+        p = (f32(c) + (t * p).astype(f32)).astype(f32)
+    e = exp(((-(z * z).astype(f32) - f32(1.26551223)).astype(f32) + (t * p).astype(f32)).astype(f32))
+    q = (t * e).astype(f32)
+    half = (x * f32(0.5)).astype(f32)
+    return np.where(x < 0, (half * q).astype(f32), (half * (f32(2.0) - q).astype(f32)).astype(f32)).astype(f32)
+
+
+def gelu_tanh(x):
+    """gelu's tanh form as the kernel computes it: x / (1 + exp(-2 u)), u = 0.7978845608 (x + 0.044715 x^3)."""
+    x = np.asarray(x, f32)
+    cube = ((x * x).astype(f32) * x).astype(f32)
+    u = (f32(0.7978845608) * (x + (f32(0.044715) * cube).astype(f32)).astype(f32)).astype(f32)
+    return (x / (f32(1.0) + exp((f32(-2.0) * u).astype(f32))).astype(f32)).astype(f32)
+
+
 def attend(q, k, v, allowed, scale):
     """One query row of one head: q [d], k and v [W, d], allowed [W] bool -> [d]: s_j = dot16(q, k_j) * scale over
     the allowed j in order, p = exp(s - max s), out = (sum_j p_j v_j, fused in order of j) / (sum_j p_j in order)."""
@@ -97,9 +145,32 @@ def silu_mul(g, u):
     return ((g / (f32(1.0) + exp(-g)).astype(f32)).astype(f32) * np.asarray(u, f32)).astype(f32)
 
 
-def _layer(L, x, h, eps, scale, heads, kv_heads, cos, sin, cache, slots, allowed):
+ACTS = {"gelu": gelu, "gelu_tanh": gelu_tanh}
+
+
+def _norm(L, name, x, eps):
+    """A layer's norm ``name`` of x: LayerNorm where the layer gives its bias (``name + '_b'``, maybe None), else
+    RMSNorm."""
+    if name + "_b" in L:
+        return layernorm(x, L[name], L[name + "_b"], eps)
+    return rmsnorm(x, L[name], eps)
+
+
+def _mlp(L, x, act):
+    """down(silu(gate(x)) * up(x)), or down(act(up(x))) with ``act`` "gelu" / "gelu_tanh"."""
+    def lin(x, name):
+        return rows_linear(x, L[name], L.get(name + "_b"))
+
+    if act == "silu":
+        return lin(silu_mul(lin(x, "gate"), lin(x, "up")), "down")
+    return lin(ACTS[act](lin(x, "up")), "down")
+
+
+def _layer(L, x, h, eps, scale, heads, kv_heads, cos, sin, cache, slots, allowed, act="silu", parallel=False):
     """One layer after its input norm: attention input ``x`` [n, X], residual stream ``h`` [n, H]; the keys and
-    values written into ``cache`` [2, kv_heads, W', d] at ``slots``.  Returns the new residual stream."""
+    values written into ``cache`` [2, kv_heads, W', d] at ``slots``; the first ``cos.shape[-1]`` dimensions of
+    each head rotated (None: no rotation).  ``parallel``: GPT-NeoX's residual, (mlp(norm2(h)) + attention) + h.
+    Returns the new residual stream."""
     n = x.shape[0]
     d = cache.shape[-1]
     group = heads // kv_heads
@@ -114,31 +185,42 @@ def _layer(L, x, h, eps, scale, heads, kv_heads, cos, sin, cache, slots, allowed
         q = rmsnorm(q, L["q_norm"], eps)
     if L.get("k_norm") is not None:
         k = rmsnorm(k, L["k_norm"], eps)
-    q = rotate(q, cos[:, None, :], sin[:, None, :])
-    k = rotate(k, cos[:, None, :], sin[:, None, :])
+    if cos is not None:
+        R = cos.shape[-1]
+        q[..., :R] = rotate(q[..., :R], cos[:, None, :], sin[:, None, :])
+        k[..., :R] = rotate(k[..., :R], cos[:, None, :], sin[:, None, :])
     for r, s in enumerate(slots):
         cache[0, :, s] = k[r]
         cache[1, :, s] = v[r]
     W = allowed.shape[1]
     att = np.stack([np.concatenate([attend(q[r, a], cache[0, a // group, :W], cache[1, a // group, :W], allowed[r],
                                            scale) for a in range(heads)]) for r in range(n)])
-    h = (h + lin(att, "o")).astype(f32)
-    x = rmsnorm(h, L["ln2"], eps)
-    return (h + lin(silu_mul(lin(x, "gate"), lin(x, "up")), "down")).astype(f32)
+    o = lin(att, "o")
+    if parallel:
+        return ((_mlp(L, _norm(L, "ln2", h, eps), act) + o).astype(f32) + h).astype(f32)
+    h = (h + o).astype(f32)
+    return (h + _mlp(L, _norm(L, "ln2", h, eps), act)).astype(f32)
 
 
-def decoder_layers(layers, final_norm, head, eps, scale, heads, kv_heads, h, cos, sin, cache, slots, allowed):
+def decoder_layers(layers, final_norm, head, eps, scale, heads, kv_heads, h, cos, sin, cache, slots, allowed,
+                   act="silu", parallel=False):
     """The kernel's whole forward for the rows of one request, in NumPy (slow: for the tests' tiny models).
 
     ``layers``: per layer a dict of float32 arrays ``ln1, ln2, q, k, v, o, gate, up, down`` ([out, in] weights) and
-    optionally ``q_b, k_b, v_b, o_b, gate_b, up_b, down_b, q_norm, k_norm``; ``head``: (weight [V, H], bias or
-    None); ``h`` [n, H]: the rows' embeddings; ``cos``/``sin`` [n, d]; ``cache`` [layers, 2, kv_heads, W', d]: the
-    request's keys and values, written in place at columns ``slots`` [n]; ``allowed`` [n, W] bool (W <= W').
+    optionally ``q_b, k_b, v_b, o_b, gate_b, up_b, down_b, q_norm, k_norm``; ``ln1_b`` and ``ln2_b`` (a bias or
+    None) make those norms LayerNorms; ``head``: (weight [V, H], bias or None); ``final_norm``: a weight, or
+    (weight, bias or None) for a LayerNorm; ``h`` [n, H]: the rows' embeddings; ``cos``/``sin`` [n, R]: the
+    rotation of each head's first R dimensions (None: none); ``cache`` [layers, 2, kv_heads, W', d]: the request's
+    keys and values, written in place at columns ``slots`` [n]; ``allowed`` [n, W] bool (W <= W'); ``act``: "silu"
+    (gate and up) or "gelu" / "gelu_tanh" (up alone); ``parallel``: GPT-NeoX's parallel residual.
     Returns logits [n, V] float32."""
     h = np.array(h, f32)
     for i, L in enumerate(layers):
-        h = _layer(L, rmsnorm(h, L["ln1"], eps), h, eps, scale, heads, kv_heads, cos, sin, cache[i], slots, allowed)
-    return rows_linear(rmsnorm(h, final_norm, eps), head[0], head[1])
+        h = _layer(L, _norm(L, "ln1", h, eps), h, eps, scale, heads, kv_heads, cos, sin, cache[i], slots, allowed,
+                   act, parallel)
+    fin = layernorm(h, final_norm[0], final_norm[1], eps) if isinstance(final_norm, tuple) \
+        else rmsnorm(h, final_norm, eps)
+    return rows_linear(fin, head[0], head[1])
 
 
 def fuse(taps, fc, fc_b, eps, in_norm=None, fc_norms=None):

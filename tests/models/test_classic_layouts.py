@@ -7,7 +7,9 @@ XGLM), only where no position_ids or 2D mask is given (the engine gives both) or
 autoregressive decoding and trees (an oracle draft's and a noisy one's), sampled trees with rejections, and
 left-padded batches of learned absolute positions.  What cannot be exact is refused in one line: ALiBi (BLOOM, MPT,
 Falcon with ``alibi``), GPT-Neo's local layers (their window placed by the number of keys: a test below shows the
-logits a static cache would give), a model without a key/value cache (OpenAI GPT)."""
+logits a static cache would give), a model without a key/value cache (OpenAI GPT).  GPT-2 and GPT-NeoX run on
+heterospec's own CPU decoder by default in float32 on the CPU: their tests here run both that and transformers'
+modules."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -107,6 +109,22 @@ def _old(name):
     return name in LENGTH_BUILT_MASK and RELEASE < (5, 23)
 
 
+# families whose float32 CPU forward heterospec's own decoder runs (cpu_decoder "auto"): each test below runs them
+# both ways, ours and transformers' modules (cpu_decoder=False)
+OWN_DECODER = {"gpt2", "gpt-neox"}
+
+
+def _decoders(name):
+    return ("auto", False) if name in OWN_DECODER else ("auto",)
+
+
+def _engine(model, name, draft, policy, setting):
+    hs = HeteroSpec(model, draft, policy, cuda_graphs=False, cpu_decoder=setting)
+    ours = setting == "auto" and name in OWN_DECODER and DEVICE.type == "cpu"
+    assert (hs.cpu_decoder != "off") == ours, (name, setting, hs.cpu_decoder)
+    return hs
+
+
 def test_the_decoder_is_found_under_each_layout(family):
     name, model = family
     _, base, layers = BUILT[name]
@@ -129,15 +147,16 @@ def test_greedy_tokens_and_logits_equal_huggingface(family, method):
     draft, policy = METHODS[method](model)
     if _old(name):
         return _refused(model, ASKS_LENGTH)
-    with HeteroSpec(model, draft, policy, cuda_graphs=False) as hs:
-        for n in (7, 30):
-            tokens, logits = _hf(model, _prompt(n))
-            out, st = hs.generate(_prompt(n), max_new_tokens=NEW, eos_token_id=[], output_logits=True)
-            assert out[0, n:].tolist() == tokens[0].tolist(), f"{name} {method} prompt {n}"
-            err = float((st.logits - logits[0]).abs().max())
-            assert err < TOL, f"{name} {method} prompt {n}: logits off by {err:.1e}"
-            if method == "oracle-tree":
-                assert st.tau > 3.0, st.tau       # deep paths accepted: the commits moved real tree slots
+    for setting in _decoders(name):
+        with _engine(model, name, draft, policy, setting) as hs:
+            for n in (7, 30):
+                tokens, logits = _hf(model, _prompt(n))
+                out, st = hs.generate(_prompt(n), max_new_tokens=NEW, eos_token_id=[], output_logits=True)
+                assert out[0, n:].tolist() == tokens[0].tolist(), f"{name} {method} {setting} prompt {n}"
+                err = float((st.logits - logits[0]).abs().max())
+                assert err < TOL, f"{name} {method} {setting} prompt {n}: logits off by {err:.1e}"
+                if method == "oracle-tree":
+                    assert st.tau > 3.0, st.tau       # deep paths accepted: the commits moved real tree slots
 
 
 @pytest.mark.parametrize("name", ["gpt2", "gpt-neox", "opt"])
@@ -145,15 +164,16 @@ def test_sampled_tree_logits_are_the_models_own(name):
     """Sampling through the oracle's trees (rejections at every depth): each new token's logits are HuggingFace's
     for the same sequence, taken token by token."""
     model = BUILT[name][0]()
-    with HeteroSpec(model, OracleDraft(model), Policy.static(4, 3, 12), cuda_graphs=False) as hs:
-        for n in (12, 20):
-            out, st = hs.generate(_prompt(n), max_new_tokens=NEW, eos_token_id=[], output_logits=True,
-                                  temperature=1.0, seed=7)
-            tokens = out[0, n:].tolist()
-            forced, logits = _hf(model, _prompt(n), forced=tokens)
-            assert forced[0].tolist() == tokens
-            assert float((st.logits - logits[0]).abs().max()) < TOL, f"{name} prompt {n}"
-            assert 1.3 < st.tau, st.tau
+    for setting in _decoders(name):
+        with _engine(model, name, OracleDraft(model), Policy.static(4, 3, 12), setting) as hs:
+            for n in (12, 20):
+                out, st = hs.generate(_prompt(n), max_new_tokens=NEW, eos_token_id=[], output_logits=True,
+                                      temperature=1.0, seed=7)
+                tokens = out[0, n:].tolist()
+                forced, logits = _hf(model, _prompt(n), forced=tokens)
+                assert forced[0].tolist() == tokens
+                assert float((st.logits - logits[0]).abs().max()) < TOL, f"{name} {setting} prompt {n}"
+                assert 1.3 < st.tau, st.tau
 
 
 @pytest.mark.parametrize("name", ["gpt2", "opt", "gpt-neox"])
@@ -164,11 +184,12 @@ def test_a_left_padded_batch_takes_each_rows_own_positions(name):
     ps = [_prompt(n, seed=40 + n) for n in (5, 17, 11)]
     ids, mask = left_padded(ps)
     tokens, _ = _hf(model, ids, mask=mask)
-    with HeteroSpec(model, OracleDraft(model), Policy.static(5, 3, 16), cuda_graphs=False) as hs:
-        out, _ = hs.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=[])
-    for b, p in enumerate(ps):
-        alone, _ = _hf(model, p)
-        assert out[b, ids.shape[1]:].tolist() == alone[0].tolist() == tokens[b].tolist(), f"{name} row {b}"
+    for setting in _decoders(name):
+        with _engine(model, name, OracleDraft(model), Policy.static(5, 3, 16), setting) as hs:
+            out, _ = hs.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=[])
+        for b, p in enumerate(ps):
+            alone, _ = _hf(model, p)
+            assert out[b, ids.shape[1]:].tolist() == alone[0].tolist() == tokens[b].tolist(), f"{name} {setting} {b}"
 
 
 def _refused(model, match):

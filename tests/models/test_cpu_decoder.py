@@ -21,6 +21,10 @@ G = cpu_gemm._rows_module()
 pytestmark = pytest.mark.skipif(G is None, reason="heterospec._gemm was not built here")
 ISAS = range(G.isa_best() + 1) if G is not None else ()
 ARCHS = ["llama", "qwen2", "qwen3"]   # qwen2: q/k/v biases; qwen3: q/k norms, head_dim 16 (the others 8)
+# LayerNorm layouts: GPT-NeoX (Pythia: the parallel residual and gelu; serial with gelu's tanh form; rotary over
+# half of each head, q/k/v fused head by head) and GPT-2 (learned positions, Conv1D weights, gelu's tanh form)
+LN_ARCHS = ["gpt_neox", "gpt_neox-serial", "gpt2"]
+ALL_ARCHS = ARCHS + LN_ARCHS
 
 
 def t(a):
@@ -88,6 +92,46 @@ def test_rmsnorm_and_attention_are_their_twins_bit_for_bit(isa):
     assert out.tolist() == [0.0] * 16
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_layernorm_and_gelu_are_their_twins_bit_for_bit_and_the_math_to_rounding(isa):
+    from math import erfc
+
+    g = np.random.default_rng(1)
+    for d in (1, 8, 17, 32, 100):
+        x, w, b = t(g.standard_normal(d) * 3 + 5), t(g.standard_normal(d)), t(g.standard_normal(d))
+        for bias in (b, None):
+            y = torch.empty(d)
+            G.layernorm(x.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), d, 1e-5, isa)
+            twin = ref.layernorm(x.numpy(), w.numpy(), None if bias is None else bias.numpy(), 1e-5)
+            assert y.numpy().tobytes() == twin.tobytes(), d
+            x64 = x.numpy().astype(np.float64)
+            c = x64 - x64.mean()
+            want = w.numpy() * c / np.sqrt((c ** 2).mean() + 1e-5) + (0 if bias is None else b.numpy())
+            assert np.allclose(twin, want, rtol=1e-5, atol=1e-5)
+    x = t(np.concatenate([np.linspace(-12, 12, 4801), g.standard_normal(999) * 3, [0.0, -0.0, 1e-30, -1e-30, 60.0,
+                                                                                    -60.0, 200.0, -200.0]]))
+    x64 = x.numpy().astype(np.float64)
+    with np.errstate(over="ignore"):
+        exact = {ref.gelu: x64 * 0.5 * np.array([erfc(-v / np.sqrt(2)) for v in x64]),   # (1 + erf: no cancelling)
+                 ref.gelu_tanh: x64 / (1 + np.exp(-2 * np.sqrt(2 / np.pi) * (x64 + 0.044715 * x64 ** 3)))}
+    for kind, fn in ((cpu_decoder.HSD_GELU, ref.gelu), (cpu_decoder.HSD_GELU_TANH, ref.gelu_tanh)):
+        y = torch.empty_like(x)
+        G.act(kind, x.data_ptr(), y.data_ptr(), x.numel(), isa)
+        assert y.numpy().tobytes() == fn(x.numpy()).tobytes()
+        # close to the exact function relative to its value (erfcc: fractional error < 1.2e-7, then float32 steps;
+        # the tail past |x| 9 is below 1e-18), and to torch's own (what transformers computes; its erf form loses
+        # the tail's digits: 1 + erf(-2.8) cancels, so it is held to within 1e-6 only)
+        near = np.abs(x64) < 9
+        assert np.allclose(y.numpy()[near], exact[fn][near], rtol=1e-5, atol=0), fn.__name__
+        assert np.allclose(y.numpy()[~near], exact[fn][~near], rtol=1e-5, atol=1e-18)
+        torch_act = torch.nn.functional.gelu(x, approximate="none" if fn is ref.gelu else "tanh")
+        assert torch.allclose(y, torch_act, rtol=2e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="act: argument 'kind' expected 1 .* or 2 .*, got 0"):
+        G.act(0, x.data_ptr(), y.data_ptr(), 1, isa)
+    with pytest.raises(ValueError, match="act: argument 'y' expected a buffer other than 'g'"):
+        G.act(1, x.data_ptr(), x.data_ptr(), 1, isa)
+
+
 def cpu_model(arch, layers=3, seed=0):
     return tiny_target(arch, layers=layers, seed=seed).cpu()
 
@@ -95,7 +139,8 @@ def cpu_model(arch, layers=3, seed=0):
 def new_cache(model, batch=1, capacity=64):
     c = model.config
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return torch.zeros(batch, 2, c.num_hidden_layers, c.num_key_value_heads, capacity, hd)
+    kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return torch.zeros(batch, 2, c.num_hidden_layers, kv, capacity, hd)
 
 
 def causal(n, W):
@@ -103,7 +148,7 @@ def causal(n, W):
     return cols.view(1, -1) <= torch.arange(n).view(-1, 1)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_the_forward_is_its_twins_and_transformers_to_rounding(arch):
     model = cpu_model(arch)
     dec = cpu_decoder.CpuDecoder(model)
@@ -124,9 +169,50 @@ def test_the_forward_is_its_twins_and_transformers_to_rounding(arch):
     assert np.array_equal(kv[0, :, :, :, :16].permute(1, 0, 2, 3, 4).numpy(), cache)
 
 
-def twin_forward(model, dec, ids, pos, n):
-    """heterospec.reference.decoder's forward of ``ids`` [1, n] from position 0 over a fresh 16-column cache:
-    (logits [n, V], the cache [layers, 2, kv_heads, 16, head_dim])."""
+def _np(d):
+    return {k: None if v is None else v.detach().numpy() for k, v in d.items()}
+
+
+def _twin_layers(model):
+    """The twin's per-layer weights ([out, in]), read from the modules here (not through cpu_decoder), with
+    decoder_layers' keyword arguments: (layers, final norm, head, embeddings [V, H], positions' table or None, the
+    rotary module or None, kwargs)."""
+    kind = model.config.model_type
+    if kind == "gpt_neox":
+        base, heads = model.gpt_neox, model.config.num_attention_heads
+        layers = []
+        for layer in base.layers:
+            a, m = layer.attention, layer.mlp
+            D = a.head_size
+            w = a.query_key_value.weight.view(heads, 3, D, -1)   # transformers: [heads, (q, k, v), D] rows
+            bq = a.query_key_value.bias.view(heads, 3, D)
+            L = {"ln1": layer.input_layernorm.weight, "ln1_b": layer.input_layernorm.bias,
+                 "ln2": layer.post_attention_layernorm.weight, "ln2_b": layer.post_attention_layernorm.bias,
+                 "o": a.dense.weight, "o_b": a.dense.bias, "up": m.dense_h_to_4h.weight, "up_b": m.dense_h_to_4h.bias,
+                 "down": m.dense_4h_to_h.weight, "down_b": m.dense_4h_to_h.bias}
+            for i, name in enumerate("qkv"):
+                L[name], L[name + "_b"] = w[:, i].reshape(heads * D, -1), bq[:, i].reshape(-1)
+            layers.append(_np(L))
+        act = "gelu" if model.config.hidden_act == "gelu" else "gelu_tanh"
+        fin = base.final_layer_norm
+        return (layers, (fin.weight.detach().numpy(), fin.bias.detach().numpy()), model.embed_out.weight
+                if hasattr(model, "embed_out") else model.lm_head.weight, base.embed_in.weight, None,
+                base.rotary_emb, dict(act=act, parallel=model.config.use_parallel_residual))
+    if kind == "gpt2":
+        base = model.transformer
+        layers = []
+        for layer in base.h:
+            a, m = layer.attn, layer.mlp
+            H = a.c_attn.weight.shape[0]
+            qkv, qkv_b = a.c_attn.weight.t(), a.c_attn.bias    # Conv1D: weight [in, out]
+            L = {"ln1": layer.ln_1.weight, "ln1_b": layer.ln_1.bias, "ln2": layer.ln_2.weight, "ln2_b": layer.ln_2.bias,
+                 "o": a.c_proj.weight.t(), "o_b": a.c_proj.bias, "up": m.c_fc.weight.t(), "up_b": m.c_fc.bias,
+                 "down": m.c_proj.weight.t(), "down_b": m.c_proj.bias}
+            for i, name in enumerate("qkv"):
+                L[name], L[name + "_b"] = qkv[i * H:(i + 1) * H], qkv_b[i * H:(i + 1) * H]
+            layers.append(_np(L))
+        return (layers, (base.ln_f.weight.detach().numpy(), base.ln_f.bias.detach().numpy()), model.lm_head.weight,
+                base.wte.weight, base.wpe.weight, None, dict(act="gelu_tanh"))
     base = model.model
     layers = []
     for layer in base.layers:
@@ -140,16 +226,45 @@ def twin_forward(model, dec, ids, pos, n):
         for name in ("q_norm", "k_norm"):
             if getattr(a, name, None) is not None:
                 L[name] = getattr(a, name).weight
-        layers.append({k: v.detach().numpy() for k, v in L.items()})
-    with torch.no_grad():
-        cos, sin = base.rotary_emb(torch.zeros(1, n, 1), pos)
+        layers.append(_np(L))
+    return layers, base.norm.weight.detach().numpy(), model.lm_head.weight, base.embed_tokens.weight, None, \
+        base.rotary_emb, {}
+
+
+def twin_forward(model, dec, ids, pos, n):
+    """heterospec.reference.decoder's forward of ``ids`` [1, n] from position 0 over a fresh 16-column cache:
+    (logits [n, V], the cache [layers, 2, kv_heads, 16, head_dim])."""
+    layers, final, head, embed, wpe, rotary, kw = _twin_layers(model)
+    cos = sin = None
+    if rotary is not None:
+        with torch.no_grad():
+            cos, sin = rotary(torch.zeros(1, n, 1), pos)
+        cos, sin = cos[0].numpy(), sin[0].numpy()
     hd = dec.head_dim
-    cache = np.zeros((len(layers), 2, model.config.num_key_value_heads, 16, hd), np.float32)
-    embedded = base.embed_tokens.weight[ids[0]].detach().numpy()
-    twin = ref.decoder_layers(layers, base.norm.weight.detach().numpy(), (model.lm_head.weight.detach().numpy(), None),
-                              dec.eps, dec.scale, dec.heads, dec.kv_heads, embedded, cos[0].numpy(), sin[0].numpy(),
-                              cache, list(range(n)), causal(n, 16).numpy())
+    cache = np.zeros((len(layers), 2, dec.kv_heads, 16, hd), np.float32)
+    embedded = embed[ids[0]]
+    if wpe is not None:
+        embedded = embedded + wpe[pos[0]]
+    twin = ref.decoder_layers(layers, final, (head.detach().numpy(), None), dec.eps, dec.scale, dec.heads,
+                              dec.kv_heads, embedded.detach().numpy(), cos, sin, cache, list(range(n)),
+                              causal(n, 16).numpy(), **kw)
     return twin, cache
+
+
+def the_twins_bits_on_every_isa(model, dec, seed):
+    """The decoder's logits and cache for 9 random tokens equal the twin's from the float weights, bit for bit, on
+    every instruction set here."""
+    n = 9
+    ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed))
+    pos = torch.arange(n).view(1, n)
+    twin, cache = twin_forward(model, dec, ids, pos, n)
+    for isa in ISAS:
+        dec.isa = isa
+        kv = new_cache(model)
+        logits, _ = dec.forward(ids, pos, torch.arange(n), causal(n, 16), kv)
+        assert logits[0].numpy().tobytes() == twin.tobytes(), f"isa {isa}"
+        assert np.array_equal(kv[0, :, :, :, :16].permute(1, 0, 2, 3, 4).numpy(), cache)
+    dec.isa = G.isa_best()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -161,20 +276,38 @@ def test_a_gguf_quantized_model_is_read_as_its_codes_with_the_same_bits(arch, mo
     model = quantize_like_gguf(cpu_model(arch))
     dec = cpu_decoder.CpuDecoder(model)
     assert dec.codecs == {"Q4": 4 * 3, "Q8": 1}   # q/k/v, o, gate/up, down per layer; the output layer
-    n = 9
-    ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(1))
-    pos = torch.arange(n).view(1, n)
-    twin, cache = twin_forward(model, dec, ids, pos, n)
-    for isa in ISAS:
-        dec.isa = isa
-        kv = new_cache(model)
-        logits, _ = dec.forward(ids, pos, torch.arange(n), causal(n, 16), kv)
-        assert logits[0].numpy().tobytes() == twin.tobytes(), f"isa {isa}"
-        assert np.array_equal(kv[0, :, :, :, :16].permute(1, 0, 2, 3, 4).numpy(), cache)
+    the_twins_bits_on_every_isa(model, dec, seed=1)
     assert cpu_decoder.describe(dec, None).endswith("; weights as codes: Q4 12, Q8 1)")
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+def test_a_float16_checkpoint_of_pythia_is_read_as_its_values_and_what_the_decoder_lacks_is_refused():
+    """Pythia's checkpoints hold float16 values: loaded in float32 every matrix is read as 2 bytes a weight, with the
+    twin's bits from the float weights on every instruction set.  And the layouts' variants the kernel does not
+    compute leave the model on transformers' forward, each with its reason."""
+    model = cpu_model("gpt_neox")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())
+    dec = cpu_decoder.CpuDecoder(model)
+    if G.isa_best() >= 1:
+        assert dec.codecs == {"F16": 4 * 3 + 1}   # q/k/v, dense, the MLP's two per layer; the output layer
+    the_twins_bits_on_every_isa(model, dec, seed=4)
+    gpt2 = cpu_model("gpt2")
+    gpt2.config.scale_attn_by_inverse_layer_idx = True
+    assert "scale per layer" in cpu_decoder.unsupported(gpt2)
+    relu = cpu_model("gpt_neox")
+    relu.gpt_neox.layers[1].mlp.act = torch.nn.ReLU()
+    assert cpu_decoder.unsupported(relu) == "an MLP activation ReLU (the decoder has gelu and its tanh form)"
+    eps = cpu_model("gpt_neox-serial")
+    eps.gpt_neox.layers[2].post_attention_layernorm.eps = 1e-6
+    assert cpu_decoder.unsupported(eps) == "LayerNorms of different epsilons"
+    with HeteroSpec(eps) as hs:   # auto: transformers' forward
+        assert hs.cpu_decoder == "off" and hs.target.decoder is None
+    with pytest.raises(ValueError, match="argument 'cpu_decoder' expected False or 'auto' here .* epsilons"):
+        HeteroSpec(eps, cpu_decoder=True)
+
+
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_a_tree_row_is_a_one_row_step_bit_for_bit_on_every_isa(arch):
     """A tree node's logits (other rows beside it, its ancestors at other columns) equal a one-row step's over the
     same keys once the ancestors are committed: the row-invariance decoder.h promises; and every instruction
@@ -319,7 +452,7 @@ def test_auto_is_on_for_a_supported_float32_model_and_off_otherwise():
         assert hs.cpu_decoder == "off"
 
 
-@pytest.mark.parametrize("arch,gguf", [(a, False) for a in ARCHS] + [("llama", True)])
+@pytest.mark.parametrize("arch,gguf", [(a, False) for a in ALL_ARCHS] + [("llama", True)])
 def test_greedy_decoding_on_the_decoder_equals_transformers_generate(arch, gguf, tmp_path, monkeypatch):
     """The engine's every forward on the decoder (prefill, one-row steps, trees; a batch): the tokens of
     transformers' own greedy generate; ``gguf``: on a model of a GGUF checkpoint's weights, read as their codes."""

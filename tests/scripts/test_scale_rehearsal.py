@@ -122,6 +122,28 @@ def test_fewer_layers_keep_every_width_and_say_so(run):
     assert "7 of the shape's 8 decoder layers" in scale_rehearsal.markdown(dict(r, layers=7))
 
 
+def test_float16_values_are_a_float16_checkpoint_in_float32(tmp_path, monkeypatch):
+    """--values float16 (Pythia's checkpoints hold float16 values): the float32 model's weights are float16 values,
+    every method is still lossless, and the report says the decoder reads half the floor's bytes."""
+    seen = []
+    real = scale_rehearsal.run_methods
+
+    def spy(model, *a, **kw):
+        seen.append(all(torch.equal(p, p.half().float()) and p.dtype == torch.float32 for p in model.parameters()))
+        return real(model, *a, **kw)
+
+    monkeypatch.setattr(scale_rehearsal, "run_methods", spy)
+    rc = scale_rehearsal.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--values", "float16",
+                               "--prompts", "1", "--prompt-len", "16", "--new-tokens", "6", "--batch", "0",
+                               "--cache-check", "0", "--out", str(tmp_path)])
+    assert rc == 0 and seen == [True]
+    with open(tmp_path / "scale.json") as f:
+        r = json.load(f)
+    assert r["values"] == "float16" and all(all(v.values()) for v in r["same_as_ar"].values())
+    md = scale_rehearsal.markdown(r)
+    assert "(float32, weights of float16 values, cpu)" in md and "read by our CPU decoder as float16 codes" in md
+
+
 def test_too_few_layers_is_refused_in_one_line(capsys):
     with pytest.raises(SystemExit) as e:
         scale_rehearsal.main(["--shape", "tiny", "--device", "cpu", "--layers", "3"])
