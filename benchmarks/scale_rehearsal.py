@@ -57,6 +57,10 @@ SHAPES = {
         layer_norm_eps=1e-5, tie_word_embeddings=False)),
     "gpt2": dict(arch="gpt2", draft_vocab=8192, config=dict(
         vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024)),
+    # facebook/opt-125m's config (relu, learned positions, its norms before each block; the checkpoint is float16)
+    "opt-125m": dict(arch="opt", draft_vocab=8192, config=dict(
+        vocab_size=50272, hidden_size=768, num_hidden_layers=12, ffn_dim=3072, num_attention_heads=12,
+        max_position_embeddings=2048, word_embed_proj_dim=768, do_layer_norm_before=True)),
     # the same code at a size the CPU test suite runs (Llama-3.1's RoPE: its base and llama3 scaling)
     "tiny": dict(arch="llama", draft_vocab=96, config=dict(
         vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
@@ -77,7 +81,7 @@ def target_config(shape, layers=None):
 
     s = SHAPES[shape]
     cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config, "gpt_neox": transformers.GPTNeoXConfig,
-           "gpt2": transformers.GPT2Config}[s["arch"]]
+           "gpt2": transformers.GPT2Config, "opt": transformers.OPTConfig}[s["arch"]]
     kw = dict(s["config"], **({"num_hidden_layers": layers} if layers else {}))
     return cls(**kw, attn_implementation="sdpa")
 
@@ -90,7 +94,8 @@ def build_target(shape, device, dtype, seed=0, layers=None):
 
     cfg = target_config(shape, layers)
     cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
-           "gpt_neox": transformers.GPTNeoXForCausalLM, "gpt2": transformers.GPT2LMHeadModel}[SHAPES[shape]["arch"]]
+           "gpt_neox": transformers.GPTNeoXForCausalLM, "gpt2": transformers.GPT2LMHeadModel,
+           "opt": transformers.OPTForCausalLM}[SHAPES[shape]["arch"]]
     torch.manual_seed(seed)
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

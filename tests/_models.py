@@ -38,6 +38,16 @@ def tiny_target(arch, vocab=V, layers=8, seed=0, sharpen=40.0):
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
         cfg._attn_implementation = "sdpa"
         return _sharpened(transformers.GPTNeoXForCausalLM(cfg), sharpen)
+    if arch in ("gpt_bigcode", "gpt_bigcode-mha"):   # StarCoder 1 / SantaCoder: multi-query (or per-head q/k/v)
+        cfg = transformers.GPTBigCodeConfig(vocab_size=vocab, n_embd=32, n_layer=layers, n_head=4, n_positions=512,
+                                            multi_query=arch == "gpt_bigcode")
+        cfg._attn_implementation = "sdpa"
+        return _sharpened(transformers.GPTBigCodeForCausalLM(cfg), sharpen)
+    if arch == "opt":   # relu, learned positions 2 rows into their table, q scaled before the dot products
+        cfg = transformers.OPTConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                                     ffn_dim=64, word_embed_proj_dim=32, max_position_embeddings=512)
+        cfg._attn_implementation = "sdpa"
+        return _sharpened(transformers.OPTForCausalLM(cfg), sharpen)
     if arch == "gpt2":   # learned positions, Conv1D weights, gelu's tanh form, a tied output layer
         cfg = transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=layers, n_head=4, n_positions=512)
         cfg._attn_implementation = "sdpa"

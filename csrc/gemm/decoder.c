@@ -266,6 +266,10 @@ float hsd_dot(const float *a, const float *b, int64_t d, int isa) {
         HSD_EXP_BODY(dst, n)                                                                                         \
         for (int64_t i = 0; i < n; i++) dst[i] = g[i] / (1.0f + dst[i]);                                             \
     }                                                                                                            \
+    /* relu: 0 below 0, else x (a NaN stays) */                                                                      \
+    ATTR static void relu_##SFX(const float *g, float *dst, int64_t n) {                                             \
+        for (int64_t i = 0; i < n; i++) dst[i] = g[i] < 0.0f ? 0.0f : g[i];                                          \
+    }                                                                                                            \
     /* gelu: x * 0.5 * (1 + erf(x / sqrt 2)), with q = erfc(z), z = |x| / sqrt 2, by the Chebyshev fit of Numerical \
      * Recipes' erfcc (fractional error < 1.2e-7): t = 1 / (1 + z / 2), q = t exp(-z^2 - 1.26551223 + t (1.00002368 \
      * + t (... + t 0.17087277))); then x * 0.5 * q for x < 0 and x * 0.5 * (2 - q) otherwise (no cancellation) */  \
@@ -322,6 +326,7 @@ void hsd_layernorm(const float *x, const float *w, const float *b, float *y, int
 
 void hsd_act(int act, const float *g, float *y, int64_t n, int isa) {
     if (act == HSD_GELU) DISPATCH(gelu, isa, g, y, n);
+    else if (act == HSD_RELU) DISPATCH(relu, isa, g, y, n);
     else DISPATCH(gelu_tanh, isa, g, y, n);
 }
 
@@ -431,7 +436,7 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
     const int64_t XW = m->hidden_norm ? 2 * H : H; /* the attention input's width */
     if (W < 0 || W > c->capacity || keep < 0 || keep > n) return -1;
     if (m->hidden_norm && (!emb || m->layers != 1 || m->arch || m->act != HSD_SILU_GLU)) return -1;
-    if (R < 0 || R > D || R % 2 || m->act < HSD_SILU_GLU || m->act > HSD_GELU_TANH
+    if (R < 0 || R > D || R % 2 || m->act < HSD_SILU_GLU || m->act > HSD_RELU
         || (m->arch & ~(HSD_LAYERNORM | HSD_PARALLEL)))
         return -1;
     if (fuse && (!m->fc || m->fc_in <= 0 || m->fc_in % 3)) return -1;

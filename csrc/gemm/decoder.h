@@ -16,9 +16,10 @@
  *   h += down(silu(gate(x)) * up(x)).  At the end the last `keep` rows: rmsnorm(h, final) then the output layer.
  * The other layouts (hsd_model's arch, act, rot): LayerNorm with its bias in place of every rmsnorm
  * (HSD_LAYERNORM: y = w * ((x - mean) * (1 / sqrt(var + eps))) + b, mean a 16-lane sum / d, var dot(x - mean) / d);
- * an MLP of one matrix before the activation, gelu (erf) or gelu's tanh form, instead of silu(gate) * up (act); the
- * rotation over the first rot dimensions of each head only (0: none, positions learned outside); and GPT-NeoX's
- * parallel residual (HSD_PARALLEL: h = (mlp(norm2(h)) + attn(norm1(h))) + h, both from the layer's input).
+ * an MLP of one matrix before the activation, gelu (erf), gelu's tanh form or relu, instead of silu(gate) * up
+ * (act); the rotation over the first rot dimensions of each head only (0: none, positions learned outside); and
+ * GPT-NeoX's parallel residual (HSD_PARALLEL: h = (mlp(norm2(h)) + attn(norm1(h))) + h, both from the layer's
+ * input).
  *
  * Every reduction has one fixed order, the same on AVX-512, AVX2 and the portable loop, and no row's result
  * depends on another row: a dot product of length d is 16 lanes (lane l sums elements l, l+16, ... by fused
@@ -41,7 +42,7 @@ enum {
 /* hsd_model.arch bits and hsd_model.act values (a decoder's layout; the draft's layout is 0 and HSD_SILU_GLU):
  * GU holds [gate; up] (2 * inter rows) for HSD_SILU_GLU, the one matrix before the activation (inter rows) else. */
 enum { HSD_LAYERNORM = 1, HSD_PARALLEL = 2 };
-enum { HSD_SILU_GLU = 0, HSD_GELU = 1, HSD_GELU_TANH = 2 };
+enum { HSD_SILU_GLU = 0, HSD_GELU = 1, HSD_GELU_TANH = 2, HSD_RELU = 3 };
 
 /* The EAGLE-3 draft's layout (hsd_model.hidden_norm set): its one layer's attention input is 2*hidden wide,
  * [rmsnorm(e, ln1); rmsnorm(h, hidden_norm)] (e: the tokens' embeddings, h: the fed-in states), and its residual
@@ -63,7 +64,7 @@ typedef struct {
     const float *fc, *fc_b, *in_norm, *fc_norms;
     int64_t fc_in;
     const float *final_norm_b;  /* the final LayerNorm's bias or NULL */
-    int arch, act;              /* HSD_LAYERNORM | HSD_PARALLEL; HSD_SILU_GLU, HSD_GELU or HSD_GELU_TANH */
+    int arch, act;              /* HSD_LAYERNORM | HSD_PARALLEL; HSD_SILU_GLU, HSD_GELU, HSD_GELU_TANH or HSD_RELU */
     int64_t rot;                /* the rotated dimensions of each head (even, <= head_dim; 0: none) */
 } hsd_model;
 
@@ -98,7 +99,7 @@ float hsd_dot(const float *a, const float *b, int64_t d, int isa);
 void hsd_exp(float *x, int64_t n, int isa);
 void hsd_rmsnorm(const float *x, const float *w, float *y, int64_t d, float eps, int isa);
 void hsd_layernorm(const float *x, const float *w, const float *b, float *y, int64_t d, float eps, int isa);
-void hsd_act(int act, const float *g, float *y, int64_t n, int isa); /* y = gelu(g) or its tanh form (y not g) */
+void hsd_act(int act, const float *g, float *y, int64_t n, int isa); /* y = gelu(g), its tanh form, relu (y not g) */
 void hsd_attend(const float *q, const float *k, const float *v, int64_t stride, const uint8_t *allowed, int64_t W,
                 float scale, float *out, int64_t d, float *scores, int64_t *cols, int isa);
 

@@ -153,10 +153,10 @@ static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
                                           "of kv_heads, an even head_dim) and known flags");
         return NULL;
     }
-    if (rot < 0 || rot > md[4] || rot % 2 || act < HSD_SILU_GLU || act > HSD_GELU_TANH
+    if (rot < 0 || rot > md[4] || rot % 2 || act < HSD_SILU_GLU || act > HSD_RELU
         || (arch & ~(HSD_LAYERNORM | HSD_PARALLEL))) {
         PyErr_Format(PyExc_ValueError, "decoder_forward: argument 'model' expected rot even in [0, head_dim %lld], "
-                     "act 0-2 and arch bits 1|2, got rot %lld, act %d, arch %d", md[4], rot, act, arch);
+                     "act 0-3 and arch bits 1|2, got rot %lld, act %d, arch %d", md[4], rot, act, arch);
         return NULL;
     }
     if (md[11] && (arch || act != HSD_SILU_GLU)) {
@@ -284,9 +284,10 @@ static PyObject *py_act(PyObject *self, PyObject *args) {
     long long g, y, n;
     int kind, isa;
     if (!PyArg_ParseTuple(args, "iLLLi", &kind, &g, &y, &n, &isa) || isa_ok(isa, "act") < 0) return NULL;
-    if (kind != HSD_GELU && kind != HSD_GELU_TANH) {
-        PyErr_Format(PyExc_ValueError, "act: argument 'kind' expected %d (gelu) or %d (its tanh form), got %d",
-                     HSD_GELU, HSD_GELU_TANH, kind);
+    if (kind != HSD_GELU && kind != HSD_GELU_TANH && kind != HSD_RELU) {
+        PyErr_Format(PyExc_ValueError,
+                     "act: argument 'kind' expected %d (gelu), %d (its tanh form) or %d (relu), got %d", HSD_GELU,
+                     HSD_GELU_TANH, HSD_RELU, kind);
         return NULL;
     }
     const long long p[] = {g, y};

@@ -1,6 +1,6 @@
 """The target's forward on the CPU in one call of ours (``cpu_decoder``): every decoder layer of a Llama-family,
-GPT-NeoX (Pythia) or GPT-2 model in float32 (csrc/gemm/decoder.h), on the engine's own key/value cache, instead of
-transformers' modules.
+GPT-NeoX (Pythia), GPT-2, GPTBigCode or OPT model in float32 (csrc/gemm/decoder.h), on the engine's own key/value
+cache, instead of transformers' modules.
 
 Why: on a 2-core Xeon a one-token forward of SmolLM2-135M through transformers took 52 ms, of which the linear
 layers were 24.5 ms (the few-rows kernel of ``cpu_gemm='rows'``); the rest was about 1,400 small torch
@@ -9,8 +9,9 @@ around the same few-rows kernel.
 
 What stays transformers': the weights (read in place, packed once into the kernel's panels: q, k and v as one
 matrix, gate and up as one; as their codes where they are exactly a GGUF checkpoint's Q4_1 / Q8_0 decodings or
-float16 / bfloat16 values, :func:`heterospec.models.cpu_gemm.pack_rows`, same bits), the token embedding and the rotary tables (the model's own ``rotary_emb``, so every
-RoPE variant it has is the one used).  What differs: the order of each sum.  The logits agree with transformers'
+float16 / bfloat16 values, :func:`heterospec.models.cpu_gemm.pack_rows`, same bits), the token embedding (and the
+learned positions' table) and the rotary tables (the model's own ``rotary_emb``, so every RoPE variant it has is
+the one used).  What differs: the order of each sum.  The logits agree with transformers'
 forward to ~1e-5 (the tests hold them to it), as the packed matrix paths do; each row's result is computed the
 same way whatever the other rows are (decoder.h), so a tree node's logits equal, bit for bit, those of a one-row
 step of the same engine over the same keys.
@@ -18,9 +19,11 @@ step of the same engine over the same keys.
 Supported: ``llama``, ``mistral`` (without a sliding window), ``qwen2`` and ``qwen3`` (q/k norms) models on the
 CPU in float32 with SiLU MLPs and RMSNorm, any bias layout, any head grouping; ``gpt_neox`` (Pythia: LayerNorm,
 gelu, rotary over part of each head, the parallel residual or not; its fused q/k/v reordered head by head when
-packed) and ``gpt2`` (LayerNorm, gelu's tanh form, learned positions added to the embeddings, Conv1D weights read
-transposed); :func:`unsupported` says why not otherwise.  A model with forward hooks of the user's on any of its modules runs transformers' forward while they
-are set (the hooks then run, as they would in the user's own calls).
+packed), ``gpt2`` (LayerNorm, gelu's tanh form, learned positions added to the embeddings, Conv1D weights read
+transposed), ``gpt_bigcode`` (StarCoder 1, SantaCoder: as GPT-2 on linear layers, multi-query or q/k/v fused head
+by head) and ``opt`` (relu, learned positions two rows into their table; not OPT-350m's norms after each block and
+projections); :func:`unsupported` says why not otherwise.  A model with forward hooks of the user's on any of its
+modules runs transformers' forward while they are set (the hooks then run, as they would in the user's own calls).
 
 The EAGLE-3 draft's step and head run on the same C code (:class:`CpuDraft`, decoder.h's draft layout: its one
 layer with the 2H-wide attention input, on the draft's own cache, then the output layer over the rows wanted),
@@ -36,15 +39,16 @@ import torch
 from . import cpu_gemm
 
 LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-FAMILIES = LLAMA_FAMILIES + ("gpt_neox", "gpt2")
+FAMILIES = LLAMA_FAMILIES + ("gpt_neox", "gpt2", "gpt_bigcode", "opt")
 SETTINGS = ("auto", True, False)
 ISA_NAMES = ("portable", "AVX2", "AVX-512")
 HSD_RESIDUAL_NORMED, HSD_HEAD_RAW, HSD_OUT_NORMED = 1, 2, 4   # decoder.h's flags
 HSD_LAYERNORM, HSD_PARALLEL = 1, 2                            # decoder.h's arch bits
-HSD_SILU_GLU, HSD_GELU, HSD_GELU_TANH = 0, 1, 2               # decoder.h's act
-# transformers' gelu modules (activations.py) by the form the kernel computes: the erf one, or the tanh one
-GELU_MODULES = {"GELUActivation": HSD_GELU, "NewGELUActivation": HSD_GELU_TANH, "GELUTanh": HSD_GELU_TANH,
-                "PytorchGELUTanh": HSD_GELU_TANH, "FastGELUActivation": HSD_GELU_TANH}
+HSD_SILU_GLU, HSD_GELU, HSD_GELU_TANH, HSD_RELU = 0, 1, 2, 3   # decoder.h's act
+# transformers' activation modules (activations.py) by the form the kernel computes: gelu's erf one or its tanh one,
+# relu
+ACT_MODULES = {"GELUActivation": HSD_GELU, "NewGELUActivation": HSD_GELU_TANH, "GELUTanh": HSD_GELU_TANH,
+               "PytorchGELUTanh": HSD_GELU_TANH, "FastGELUActivation": HSD_GELU_TANH, "ReLU": HSD_RELU}
 
 
 def _text(model):
@@ -57,15 +61,17 @@ def _is_rmsnorm(m):
         and hasattr(m, "variance_epsilon")
 
 
-def _gelu_kind(act):
-    """decoder.h's act for a gelu module of transformers' (or torch's nn.GELU), or None."""
+def _act_kind(act):
+    """decoder.h's act for an activation module of transformers' (or torch's nn.GELU, nn.ReLU), or None."""
     if isinstance(act, torch.nn.GELU):
         return HSD_GELU_TANH if act.approximate == "tanh" else HSD_GELU
-    return GELU_MODULES.get(type(act).__name__)
+    if isinstance(act, torch.nn.ReLU):
+        return HSD_RELU
+    return ACT_MODULES.get(type(act).__name__)
 
 
-def _gelu_only(mlp):
-    return f"an MLP activation {type(getattr(mlp, 'act', None)).__name__} (the decoder has gelu and its tanh form)"
+def _acts_only(act):
+    return f"an MLP activation {type(act).__name__} (the decoder has gelu, its tanh form and relu)"
 
 
 def _is_layernorm(m):
@@ -90,6 +96,8 @@ class _Layout:
     """What the decoder reads of a supported model, found once: its embeddings (``pos``: learned positions, or
     None), the rotary module (None: none), the final norm, the output layer, the layers, decoder.h's arch, act and
     rot, and a function giving a layer's weights as decoder.h packs them (:meth:`parts`)."""
+
+    pos_offset = 0   # OPT's learned positions start at row 2 of their table
 
     def __init__(self, **kw):
         self.__dict__.update(kw)
@@ -150,6 +158,39 @@ def _layernorm_eps(norms):
     return eps.pop() if len(eps) == 1 else None
 
 
+def _checked(family, layers, final, get):
+    """The checks every LayerNorm family shares: ``get(layer)`` -> (ln1, ln2, its linear layers, the MLP's activation
+    module, the linear layers' check); each linear layer plain, each norm a LayerNorm, one known activation and one
+    epsilon for all.  Returns (eps, act) or why not."""
+    norms, acts = [final], set()
+    for layer in layers:
+        try:
+            ln1, ln2, lins, act, plain = get(layer)
+        except AttributeError as e:
+            return f"a {family} layer without its usual modules ({e})"
+        if not all(plain(lin) for lin in lins):
+            return f"a {family} layer whose linear layers are not transformers' own"
+        if not (_is_layernorm(ln1) and _is_layernorm(ln2)):
+            return f"a {family} layer whose norms are not LayerNorm"
+        norms += [ln1, ln2]
+        if _act_kind(act) is None:
+            return _acts_only(act)
+        acts.add(_act_kind(act))
+    if len(acts) != 1:
+        return "layers of different MLP activations"
+    eps = _layernorm_eps(norms)
+    return "LayerNorms of different epsilons" if eps is None else (eps, acts.pop())
+
+
+def _heads_qkv(w, b, heads, D):
+    """A fused q/k/v that transformers views as [heads, 3 * D] (q, k and v of each head side by side: GPT-NeoX,
+    GPTBigCode without multi-query) as decoder.h's [q of every head; k of every head; v of every head]: the same
+    rows in another order."""
+    H = w.shape[1]
+    w = w.view(heads, 3, D, H).transpose(0, 1).reshape(3 * heads * D, H)
+    return w, (None if b is None else b.view(heads, 3, D).transpose(0, 1).reshape(-1))
+
+
 def _neox_layout(model, cfg):
     base = getattr(model, "gpt_neox", None)
     layers = getattr(base, "layers", None)
@@ -158,24 +199,14 @@ def _neox_layout(model, cfg):
             or not _is_layernorm(getattr(base, "final_layer_norm", None)) \
             or getattr(base, "rotary_emb", None) is None or not cpu_gemm.plain_linear(head):
         return "a GPT-NeoX model without its layout (gpt_neox.embed_in, .layers, .final_layer_norm, .rotary_emb)"
-    norms = [base.final_layer_norm]
-    for layer in layers:
-        att, mlp = getattr(layer, "attention", None), getattr(layer, "mlp", None)
-        if att is None or mlp is None or not all(cpu_gemm.plain_linear(getattr(att, n, None))
-                                                 for n in ("query_key_value", "dense")) \
-                or not all(cpu_gemm.plain_linear(getattr(mlp, n, None)) for n in ("dense_h_to_4h", "dense_4h_to_h")):
-            return "a GPT-NeoX layer without its query_key_value, dense and MLP linear layers"
-        if not (_is_layernorm(getattr(layer, "input_layernorm", None))
-                and _is_layernorm(getattr(layer, "post_attention_layernorm", None))):
-            return "a GPT-NeoX layer whose norms are not LayerNorm"
-        norms += [layer.input_layernorm, layer.post_attention_layernorm]
-        if _gelu_kind(getattr(mlp, "act", None)) is None:
-            return _gelu_only(mlp)
-        if layer.use_parallel_residual != layers[0].use_parallel_residual:
-            return "layers that differ in their residual (parallel or not)"
-    eps = _layernorm_eps(norms)
-    if eps is None:
-        return "LayerNorms of different epsilons"
+    got = _checked("GPT-NeoX", layers, base.final_layer_norm, lambda L: (
+        L.input_layernorm, L.post_attention_layernorm, [L.attention.query_key_value, L.attention.dense,
+                                                       L.mlp.dense_h_to_4h, L.mlp.dense_4h_to_h], L.mlp.act,
+        cpu_gemm.plain_linear))
+    if isinstance(got, str):
+        return got
+    if any(layer.use_parallel_residual != layers[0].use_parallel_residual for layer in layers):
+        return "layers that differ in their residual (parallel or not)"
     att0 = layers[0].attention
     D = att0.head_size
     if att0.rotary_ndims % 2 or not 0 < att0.rotary_ndims <= D:
@@ -184,68 +215,96 @@ def _neox_layout(model, cfg):
 
     def parts(layer):
         a, m = layer.attention, layer.mlp
-        w, b = a.query_key_value.weight, a.query_key_value.bias
-        H = w.shape[1]
-        # transformers views the fused output as [heads, 3 * D] (q, k, v of each head side by side): decoder.h's
-        # [q of every head; k of every head; v of every head] is the same rows in another order
-        w = w.view(heads, 3, D, H).transpose(0, 1).reshape(3 * heads * D, H)
-        b = None if b is None else b.view(heads, 3, D).transpose(0, 1).reshape(-1)
         return {"ln1": _pair(layer.input_layernorm), "ln2": _pair(layer.post_attention_layernorm),
-                "qkv": [(w, b)], "o": [_pair(a.dense)], "gu": [_pair(m.dense_h_to_4h)],
-                "down": [_pair(m.dense_4h_to_h)],
+                "qkv": [_heads_qkv(a.query_key_value.weight, a.query_key_value.bias, heads, D)],
+                "o": [_pair(a.dense)], "gu": [_pair(m.dense_h_to_4h)], "down": [_pair(m.dense_4h_to_h)],
                 "q_norm": None, "k_norm": None}
 
     return _Layout(embed=base.embed_in, pos=None, rotary=base.rotary_emb, final=base.final_layer_norm, head=head,
                    layers=list(layers), arch=HSD_LAYERNORM | (HSD_PARALLEL if layers[0].use_parallel_residual else 0),
-                   act=_gelu_kind(layers[0].mlp.act), rot=att0.rotary_ndims, eps=eps, scale=float(att0.scaling),
-                   heads=heads, kv_heads=heads, head_dim=D, inter=layers[0].mlp.dense_h_to_4h.out_features,
-                   parts=parts)
+                   act=got[1], rot=att0.rotary_ndims, eps=got[0], scale=float(att0.scaling), heads=heads,
+                   kv_heads=heads, head_dim=D, inter=layers[0].mlp.dense_h_to_4h.out_features, parts=parts)
 
 
-def _gpt2_layout(model, cfg):
+def _learned_layout(model, cfg, family, conv):
+    """GPT-2 (``conv``: Conv1D weights, [in, out]) and GPTBigCode (linear layers; multi-query or q/k/v side by side
+    per head): transformer.wte + .wpe, .h, .ln_f, sequential LayerNorm layers."""
     base = getattr(model, "transformer", None)
     layers = getattr(base, "h", None)
     head = model.get_output_embeddings()
     if layers is None or not isinstance(getattr(base, "wte", None), torch.nn.Embedding) \
             or not isinstance(getattr(base, "wpe", None), torch.nn.Embedding) \
             or not _is_layernorm(getattr(base, "ln_f", None)) or not cpu_gemm.plain_linear(head):
-        return "a GPT-2 model without its layout (transformer.wte, .wpe, .h, .ln_f; lm_head)"
+        return f"a {family} model without its layout (transformer.wte, .wpe, .h, .ln_f; lm_head)"
     if getattr(cfg, "add_cross_attention", False) or getattr(cfg, "scale_attn_by_inverse_layer_idx", False):
-        return "GPT-2 with cross-attention or a scale per layer (scale_attn_by_inverse_layer_idx)"
-    norms = [base.ln_f]
-    for layer in layers:
-        att, mlp = getattr(layer, "attn", None), getattr(layer, "mlp", None)
-        if att is None or mlp is None or not all(_plain_conv1d(getattr(att, n, None)) for n in ("c_attn", "c_proj")) \
-                or not all(_plain_conv1d(getattr(mlp, n, None)) for n in ("c_fc", "c_proj")):
-            return "a GPT-2 layer without its Conv1D layers (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)"
-        if not (_is_layernorm(getattr(layer, "ln_1", None)) and _is_layernorm(getattr(layer, "ln_2", None))):
-            return "a GPT-2 layer whose norms are not LayerNorm"
-        norms += [layer.ln_1, layer.ln_2]
-        if _gelu_kind(getattr(mlp, "act", None)) is None:
-            return _gelu_only(mlp)
-    eps = _layernorm_eps(norms)
-    if eps is None:
-        return "LayerNorms of different epsilons"
+        return f"{family} with cross-attention or a scale per layer (scale_attn_by_inverse_layer_idx)"
+    got = _checked(family, layers, base.ln_f, lambda L: (
+        L.ln_1, L.ln_2, [L.attn.c_attn, L.attn.c_proj, L.mlp.c_fc, L.mlp.c_proj], L.mlp.act,
+        _plain_conv1d if conv else cpu_gemm.plain_linear))
+    if isinstance(got, str):
+        return got
     att0 = layers[0].attn
-    scale = getattr(att0, "scaling", None)   # (transformers < 5.23 has none: 1 / sqrt(head_dim) where scaled)
+    heads = att0.num_heads
+    D = att0.head_dim
+    kv = 1 if getattr(att0, "multi_query", False) else heads
+    scale = getattr(att0, "scaling", None)   # (GPT-2 on transformers < 5.23 has none: 1 / sqrt(head_dim) where scaled)
     if scale is None:
         if not getattr(cfg, "scale_attn_weights", True):
-            return "GPT-2 with unscaled attention on a transformers release without the attention's scaling"
-        scale = att0.head_dim ** -0.5
+            return f"{family} with unscaled attention on a transformers release without the attention's scaling"
+        scale = D ** -0.5
 
     def parts(layer):
         a, m = layer.attn, layer.mlp
-        return {"ln1": _pair(layer.ln_1), "ln2": _pair(layer.ln_2), "qkv": [_pair(a.c_attn, True)],
-                "o": [_pair(a.c_proj, True)], "gu": [_pair(m.c_fc, True)], "down": [_pair(m.c_proj, True)],
-                "q_norm": None, "k_norm": None}
+        if conv or kv == 1:   # GPT-2's [q; k; v] (read transposed); multi-query's [q; the one k; the one v]
+            qkv = _pair(a.c_attn, conv)
+        else:
+            qkv = _heads_qkv(a.c_attn.weight, a.c_attn.bias, heads, D)
+        return {"ln1": _pair(layer.ln_1), "ln2": _pair(layer.ln_2), "qkv": [qkv], "o": [_pair(a.c_proj, conv)],
+                "gu": [_pair(m.c_fc, conv)], "down": [_pair(m.c_proj, conv)], "q_norm": None, "k_norm": None}
 
+    inter = layers[0].mlp.c_fc.nf if conv else layers[0].mlp.c_fc.out_features
     return _Layout(embed=base.wte, pos=base.wpe, rotary=None, final=base.ln_f, head=head, layers=list(layers),
-                   arch=HSD_LAYERNORM, act=_gelu_kind(layers[0].mlp.act), rot=0, eps=eps, scale=float(scale),
-                   heads=att0.num_heads, kv_heads=att0.num_heads, head_dim=att0.head_dim, inter=layers[0].mlp.c_fc.nf,
-                   parts=parts)
+                   arch=HSD_LAYERNORM, act=got[1], rot=0, eps=got[0], scale=float(scale), heads=heads, kv_heads=kv,
+                   head_dim=D, inter=inter, parts=parts)
 
 
-LAYOUTS = {**{k: _llama_layout for k in LLAMA_FAMILIES}, "gpt_neox": _neox_layout, "gpt2": _gpt2_layout}
+def _opt_layout(model, cfg):
+    """OPT with its norms before each block and no projections in or out (every size but 350m)."""
+    base = getattr(getattr(model, "model", None), "decoder", None)
+    layers = getattr(base, "layers", None)
+    head = model.get_output_embeddings()
+    if layers is None or not isinstance(getattr(base, "embed_tokens", None), torch.nn.Embedding) \
+            or not isinstance(getattr(base, "embed_positions", None), torch.nn.Embedding) \
+            or not cpu_gemm.plain_linear(head):
+        return "an OPT model without its layout (model.decoder.embed_tokens, .embed_positions, .layers; lm_head)"
+    if getattr(base, "project_in", None) is not None or getattr(base, "project_out", None) is not None \
+            or not _is_layernorm(getattr(base, "final_layer_norm", None)) \
+            or not all(getattr(layer, "do_layer_norm_before", False) for layer in layers):
+        return "OPT with its norms after each block or a projection in and out (OPT-350m's layout)"
+    got = _checked("OPT", layers, base.final_layer_norm, lambda L: (
+        L.self_attn_layer_norm, L.final_layer_norm, [L.self_attn.q_proj, L.self_attn.k_proj, L.self_attn.v_proj,
+                                                     L.self_attn.out_proj, L.fc1, L.fc2], L.activation_fn,
+        cpu_gemm.plain_linear))
+    if isinstance(got, str):
+        return got
+    att0 = layers[0].self_attn
+
+    def parts(layer):
+        a = layer.self_attn
+        return {"ln1": _pair(layer.self_attn_layer_norm), "ln2": _pair(layer.final_layer_norm),
+                "qkv": [_pair(a.q_proj), _pair(a.k_proj), _pair(a.v_proj)], "o": [_pair(a.out_proj)],
+                "gu": [_pair(layer.fc1)], "down": [_pair(layer.fc2)], "q_norm": None, "k_norm": None}
+
+    return _Layout(embed=base.embed_tokens, pos=base.embed_positions,
+                   pos_offset=int(getattr(base.embed_positions, "offset", 0)), rotary=None, final=base.final_layer_norm,
+                   head=head, layers=list(layers), arch=HSD_LAYERNORM, act=got[1], rot=0, eps=got[0],
+                   scale=float(att0.scaling), heads=cfg.num_attention_heads, kv_heads=cfg.num_attention_heads,
+                   head_dim=att0.head_dim, inter=layers[0].fc1.out_features, parts=parts)
+
+
+LAYOUTS = {**{k: _llama_layout for k in LLAMA_FAMILIES}, "gpt_neox": _neox_layout,
+           "gpt2": lambda model, cfg: _learned_layout(model, cfg, "GPT-2", conv=True),
+           "gpt_bigcode": lambda model, cfg: _learned_layout(model, cfg, "GPTBigCode", conv=False), "opt": _opt_layout}
 
 
 def layout(model):
@@ -445,7 +504,7 @@ class CpuDecoder(_Packed):
         self.arch, self.act, self.rot = lay.arch, lay.act, lay.rot
         self.vocab = lay.head.out_features
         self.eps, self.scale = lay.eps, lay.scale
-        self.embed, self.pos_embed, self.rotary = lay.embed, lay.pos, lay.rotary
+        self.embed, self.pos_embed, self.rotary, self.pos_offset = lay.embed, lay.pos, lay.rotary, lay.pos_offset
         self._no_rotation = torch.zeros(1, 1, 1)   # (cos and sin for a model without rotary: never read)
         self._pack()
 
@@ -476,8 +535,8 @@ class CpuDecoder(_Packed):
             raise ValueError(f"cpu_decoder: argument 'kv' expected a float32 cache [>= {B}, 2, layers, kv_heads, "
                              f"capacity, {self.head_dim}] with contiguous columns, got {tuple(kv.shape)} {kv.dtype}")
         h = torch.nn.functional.embedding(ids.reshape(-1), self.embed.weight)
-        if self.pos_embed is not None:   # (GPT-2: the tokens' embeddings + the positions', as transformers adds them)
-            h = h + torch.nn.functional.embedding(positions.reshape(-1), self.pos_embed.weight)
+        if self.pos_embed is not None:   # (GPT-2, OPT: the tokens' embeddings + the positions', as transformers adds)
+            h = h + torch.nn.functional.embedding(positions.reshape(-1) + self.pos_offset, self.pos_embed.weight)
         h = h.contiguous()
         if self.rotary is None:
             cos = sin = self._no_rotation

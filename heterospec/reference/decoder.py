@@ -1,7 +1,7 @@
 """The pieces of ``cpu_decoder``'s forward (the extension heterospec._gemm, csrc/gemm/decoder.h) in NumPy, bit for
 bit: the 16-lane dot product and sum, exp, RMSNorm, LayerNorm, one row's attention, SiLU-times-up, gelu and its
-tanh form, the rotation, the non-finite row rule; and a whole decoder forward built from them (:func:`decoder_layers`, with :func:`rows_linear` for the matrix
-products).
+tanh form, relu, the rotation, the non-finite row rule; and a whole decoder forward built from them
+(:func:`decoder_layers`, with :func:`rows_linear` for the matrix products).
 
 Every step is one float32 operation rounded once: NumPy's float32 add, multiply, divide and sqrt round
 correctly, and fused multiply-adds go through the exact :func:`~heterospec.reference.gemm._fma32`.  So this is
@@ -145,7 +145,13 @@ def silu_mul(g, u):
     return ((g / (f32(1.0) + exp(-g)).astype(f32)).astype(f32) * np.asarray(u, f32)).astype(f32)
 
 
-ACTS = {"gelu": gelu, "gelu_tanh": gelu_tanh}
+def relu(x):
+    """0 below 0, else x (a NaN stays)."""
+    x = np.asarray(x, f32)
+    return np.where(x < 0, f32(0.0), x).astype(f32)
+
+
+ACTS = {"gelu": gelu, "gelu_tanh": gelu_tanh, "relu": relu}
 
 
 def _norm(L, name, x, eps):
@@ -157,7 +163,7 @@ def _norm(L, name, x, eps):
 
 
 def _mlp(L, x, act):
-    """down(silu(gate(x)) * up(x)), or down(act(up(x))) with ``act`` "gelu" / "gelu_tanh"."""
+    """down(silu(gate(x)) * up(x)), or down(act(up(x))) with ``act`` "gelu" / "gelu_tanh" / "relu"."""
     def lin(x, name):
         return rows_linear(x, L[name], L.get(name + "_b"))
 
@@ -212,7 +218,7 @@ def decoder_layers(layers, final_norm, head, eps, scale, heads, kv_heads, h, cos
     (weight, bias or None) for a LayerNorm; ``h`` [n, H]: the rows' embeddings; ``cos``/``sin`` [n, R]: the
     rotation of each head's first R dimensions (None: none); ``cache`` [layers, 2, kv_heads, W', d]: the request's
     keys and values, written in place at columns ``slots`` [n]; ``allowed`` [n, W] bool (W <= W'); ``act``: "silu"
-    (gate and up) or "gelu" / "gelu_tanh" (up alone); ``parallel``: GPT-NeoX's parallel residual.
+    (gate and up) or "gelu" / "gelu_tanh" / "relu" (up alone); ``parallel``: GPT-NeoX's parallel residual.
     Returns logits [n, V] float32."""
     h = np.array(h, f32)
     for i, L in enumerate(layers):

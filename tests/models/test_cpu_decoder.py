@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
 
 from heterospec import HeteroSpec, Policy  # noqa: E402
 from heterospec.models import cpu_decoder, cpu_gemm  # noqa: E402
@@ -22,8 +23,9 @@ pytestmark = pytest.mark.skipif(G is None, reason="heterospec._gemm was not buil
 ISAS = range(G.isa_best() + 1) if G is not None else ()
 ARCHS = ["llama", "qwen2", "qwen3"]   # qwen2: q/k/v biases; qwen3: q/k norms, head_dim 16 (the others 8)
 # LayerNorm layouts: GPT-NeoX (Pythia: the parallel residual and gelu; serial with gelu's tanh form; rotary over
-# half of each head, q/k/v fused head by head) and GPT-2 (learned positions, Conv1D weights, gelu's tanh form)
-LN_ARCHS = ["gpt_neox", "gpt_neox-serial", "gpt2"]
+# half of each head, q/k/v fused head by head), GPT-2 (learned positions, Conv1D weights, gelu's tanh form),
+# GPTBigCode (multi-query, or q/k/v fused head by head) and OPT (relu, positions 2 rows into their table)
+LN_ARCHS = ["gpt_neox", "gpt_neox-serial", "gpt2", "gpt_bigcode", "gpt_bigcode-mha", "opt"]
 ALL_ARCHS = ARCHS + LN_ARCHS
 
 
@@ -93,7 +95,7 @@ def test_rmsnorm_and_attention_are_their_twins_bit_for_bit(isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_layernorm_and_gelu_are_their_twins_bit_for_bit_and_the_math_to_rounding(isa):
+def test_layernorm_and_the_activations_are_their_twins_bit_for_bit_and_the_math_to_rounding(isa):
     from math import erfc
 
     g = np.random.default_rng(1)
@@ -113,8 +115,10 @@ def test_layernorm_and_gelu_are_their_twins_bit_for_bit_and_the_math_to_rounding
     x64 = x.numpy().astype(np.float64)
     with np.errstate(over="ignore"):
         exact = {ref.gelu: x64 * 0.5 * np.array([erfc(-v / np.sqrt(2)) for v in x64]),   # (1 + erf: no cancelling)
-                 ref.gelu_tanh: x64 / (1 + np.exp(-2 * np.sqrt(2 / np.pi) * (x64 + 0.044715 * x64 ** 3)))}
-    for kind, fn in ((cpu_decoder.HSD_GELU, ref.gelu), (cpu_decoder.HSD_GELU_TANH, ref.gelu_tanh)):
+                 ref.gelu_tanh: x64 / (1 + np.exp(-2 * np.sqrt(2 / np.pi) * (x64 + 0.044715 * x64 ** 3))),
+                 ref.relu: np.maximum(x64, 0)}
+    for kind, fn in ((cpu_decoder.HSD_GELU, ref.gelu), (cpu_decoder.HSD_GELU_TANH, ref.gelu_tanh),
+                     (cpu_decoder.HSD_RELU, ref.relu)):
         y = torch.empty_like(x)
         G.act(kind, x.data_ptr(), y.data_ptr(), x.numel(), isa)
         assert y.numpy().tobytes() == fn(x.numpy()).tobytes()
@@ -124,9 +128,10 @@ def test_layernorm_and_gelu_are_their_twins_bit_for_bit_and_the_math_to_rounding
         near = np.abs(x64) < 9
         assert np.allclose(y.numpy()[near], exact[fn][near], rtol=1e-5, atol=0), fn.__name__
         assert np.allclose(y.numpy()[~near], exact[fn][~near], rtol=1e-5, atol=1e-18)
-        torch_act = torch.nn.functional.gelu(x, approximate="none" if fn is ref.gelu else "tanh")
+        torch_act = torch.relu(x) if fn is ref.relu else \
+            torch.nn.functional.gelu(x, approximate="none" if fn is ref.gelu else "tanh")
         assert torch.allclose(y, torch_act, rtol=2e-6, atol=1e-6)
-    with pytest.raises(ValueError, match="act: argument 'kind' expected 1 .* or 2 .*, got 0"):
+    with pytest.raises(ValueError, match=r"act: argument 'kind' expected 1 \(gelu\), 2 .* or 3 \(relu\), got 0"):
         G.act(0, x.data_ptr(), y.data_ptr(), 1, isa)
     with pytest.raises(ValueError, match="act: argument 'y' expected a buffer other than 'g'"):
         G.act(1, x.data_ptr(), x.data_ptr(), 1, isa)
@@ -139,7 +144,7 @@ def cpu_model(arch, layers=3, seed=0):
 def new_cache(model, batch=1, capacity=64):
     c = model.config
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    kv = 1 if getattr(c, "multi_query", False) else getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     return torch.zeros(batch, 2, c.num_hidden_layers, kv, capacity, hd)
 
 
@@ -198,21 +203,47 @@ def _twin_layers(model):
         return (layers, (fin.weight.detach().numpy(), fin.bias.detach().numpy()), model.embed_out.weight
                 if hasattr(model, "embed_out") else model.lm_head.weight, base.embed_in.weight, None,
                 base.rotary_emb, dict(act=act, parallel=model.config.use_parallel_residual))
-    if kind == "gpt2":
-        base = model.transformer
+    if kind in ("gpt2", "gpt_bigcode"):
+        base, heads = model.transformer, model.config.num_attention_heads
         layers = []
         for layer in base.h:
             a, m = layer.attn, layer.mlp
-            H = a.c_attn.weight.shape[0]
-            qkv, qkv_b = a.c_attn.weight.t(), a.c_attn.bias    # Conv1D: weight [in, out]
+            conv = kind == "gpt2"   # Conv1D: weight [in, out]
+            H = a.c_attn.weight.shape[0 if conv else 1]
+            D = H // heads
+
+            def w(lin):
+                return lin.weight.t() if conv else lin.weight
+
+            qkv, qkv_b = w(a.c_attn), a.c_attn.bias
             L = {"ln1": layer.ln_1.weight, "ln1_b": layer.ln_1.bias, "ln2": layer.ln_2.weight, "ln2_b": layer.ln_2.bias,
-                 "o": a.c_proj.weight.t(), "o_b": a.c_proj.bias, "up": m.c_fc.weight.t(), "up_b": m.c_fc.bias,
-                 "down": m.c_proj.weight.t(), "down_b": m.c_proj.bias}
-            for i, name in enumerate("qkv"):
-                L[name], L[name + "_b"] = qkv[i * H:(i + 1) * H], qkv_b[i * H:(i + 1) * H]
+                 "o": w(a.c_proj), "o_b": a.c_proj.bias, "up": w(m.c_fc), "up_b": m.c_fc.bias,
+                 "down": w(m.c_proj), "down_b": m.c_proj.bias}
+            if conv or model.config.multi_query:   # rows [q of every head; k; v] (multi-query: one k and one v head)
+                for name, lo, hi in (("q", 0, H), ("k", H, H + qkv.shape[0] // 3 if conv else H + D),
+                                     ("v", H + qkv.shape[0] // 3 if conv else H + D, qkv.shape[0])):
+                    L[name], L[name + "_b"] = qkv[lo:hi], qkv_b[lo:hi]
+            else:                                  # transformers: [heads, (q, k, v), D] rows
+                for i, name in enumerate("qkv"):
+                    L[name] = qkv.view(heads, 3, D, -1)[:, i].reshape(heads * D, -1)
+                    L[name + "_b"] = qkv_b.view(heads, 3, D)[:, i].reshape(-1)
             layers.append(_np(L))
         return (layers, (base.ln_f.weight.detach().numpy(), base.ln_f.bias.detach().numpy()), model.lm_head.weight,
                 base.wte.weight, base.wpe.weight, None, dict(act="gelu_tanh"))
+    if kind == "opt":
+        base = model.model.decoder
+        layers = []
+        for layer in base.layers:
+            a = layer.self_attn
+            L = {"ln1": layer.self_attn_layer_norm.weight, "ln1_b": layer.self_attn_layer_norm.bias,
+                 "ln2": layer.final_layer_norm.weight, "ln2_b": layer.final_layer_norm.bias}
+            for name, lin in (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("o", a.out_proj), ("up", layer.fc1),
+                              ("down", layer.fc2)):
+                L[name], L[name + "_b"] = lin.weight, lin.bias
+            layers.append(_np(L))
+        fin = base.final_layer_norm
+        return (layers, (fin.weight.detach().numpy(), fin.bias.detach().numpy()), model.lm_head.weight,
+                base.embed_tokens.weight, base.embed_positions.weight[2:], None, dict(act="relu"))
     base = model.model
     layers = []
     for layer in base.layers:
@@ -295,12 +326,20 @@ def test_a_float16_checkpoint_of_pythia_is_read_as_its_values_and_what_the_decod
     gpt2 = cpu_model("gpt2")
     gpt2.config.scale_attn_by_inverse_layer_idx = True
     assert "scale per layer" in cpu_decoder.unsupported(gpt2)
-    relu = cpu_model("gpt_neox")
-    relu.gpt_neox.layers[1].mlp.act = torch.nn.ReLU()
-    assert cpu_decoder.unsupported(relu) == "an MLP activation ReLU (the decoder has gelu and its tanh form)"
+    mixed = cpu_model("gpt_neox")
+    mixed.gpt_neox.layers[1].mlp.act = torch.nn.ReLU()
+    assert cpu_decoder.unsupported(mixed) == "layers of different MLP activations"
+    for layer in mixed.gpt_neox.layers:
+        layer.mlp.act = torch.nn.SiLU()
+    assert cpu_decoder.unsupported(mixed) == "an MLP activation SiLU (the decoder has gelu, its tanh form and relu)"
     eps = cpu_model("gpt_neox-serial")
     eps.gpt_neox.layers[2].post_attention_layernorm.eps = 1e-6
     assert cpu_decoder.unsupported(eps) == "LayerNorms of different epsilons"
+    opt350 = transformers.OPTForCausalLM(transformers.OPTConfig(   # OPT-350m: norms after each block, projections
+        vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64, word_embed_proj_dim=16,
+        do_layer_norm_before=False, max_position_embeddings=64))
+    assert cpu_decoder.unsupported(opt350) == "OPT with its norms after each block or a projection in and out " \
+                                             "(OPT-350m's layout)"
     with HeteroSpec(eps) as hs:   # auto: transformers' forward
         assert hs.cpu_decoder == "off" and hs.target.decoder is None
     with pytest.raises(ValueError, match="argument 'cpu_decoder' expected False or 'auto' here .* epsilons"):
