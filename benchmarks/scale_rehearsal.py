@@ -61,6 +61,15 @@ SHAPES = {
     "opt-125m": dict(arch="opt", draft_vocab=8192, config=dict(
         vocab_size=50272, hidden_size=768, num_hidden_layers=12, ffn_dim=3072, num_attention_heads=12,
         max_position_embeddings=2048, word_embed_proj_dim=768, do_layer_norm_before=True)),
+    # microsoft/phi-1_5's config (one LayerNorm a layer, attention and MLP side by side; the checkpoint is float16)
+    "phi-1.5": dict(arch="phi", draft_vocab=8192, config=dict(
+        vocab_size=51200, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
+        max_position_embeddings=2048, layer_norm_eps=1e-5, hidden_act="gelu_new", pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    # Salesforce/codegen-350M-mono's config (GPT-J's layout, q/k/v in CodeGen's blocks; the checkpoint is float16)
+    "codegen-350m": dict(arch="codegen", draft_vocab=8192, config=dict(
+        vocab_size=51200, n_embd=1024, n_layer=20, n_head=16, rotary_dim=32, n_positions=2048, n_ctx=2048,
+        activation_function="gelu_new")),
     # the same code at a size the CPU test suite runs (Llama-3.1's RoPE: its base and llama3 scaling)
     "tiny": dict(arch="llama", draft_vocab=96, config=dict(
         vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
@@ -81,9 +90,11 @@ def target_config(shape, layers=None):
 
     s = SHAPES[shape]
     cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config, "gpt_neox": transformers.GPTNeoXConfig,
-           "gpt2": transformers.GPT2Config, "opt": transformers.OPTConfig}[s["arch"]]
+           "gpt2": transformers.GPT2Config, "opt": transformers.OPTConfig, "phi": transformers.PhiConfig,
+           "codegen": transformers.CodeGenConfig}[s["arch"]]
     kw = dict(s["config"], **({"num_hidden_layers": layers} if layers else {}))
-    return cls(**kw, attn_implementation="sdpa")
+    # (transformers gives CodeGen no sdpa)
+    return cls(**kw, attn_implementation="eager" if s["arch"] == "codegen" else "sdpa")
 
 
 def build_target(shape, device, dtype, seed=0, layers=None):
@@ -95,7 +106,8 @@ def build_target(shape, device, dtype, seed=0, layers=None):
     cfg = target_config(shape, layers)
     cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
            "gpt_neox": transformers.GPTNeoXForCausalLM, "gpt2": transformers.GPT2LMHeadModel,
-           "opt": transformers.OPTForCausalLM}[SHAPES[shape]["arch"]]
+           "opt": transformers.OPTForCausalLM, "phi": transformers.PhiForCausalLM,
+           "codegen": transformers.CodeGenForCausalLM}[SHAPES[shape]["arch"]]
     torch.manual_seed(seed)
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

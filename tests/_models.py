@@ -48,6 +48,19 @@ def tiny_target(arch, vocab=V, layers=8, seed=0, sharpen=40.0):
                                      ffn_dim=64, word_embed_proj_dim=32, max_position_embeddings=512)
         cfg._attn_implementation = "sdpa"
         return _sharpened(transformers.OPTForCausalLM(cfg), sharpen)
+    if arch == "phi":   # one LayerNorm feeding attention and MLP side by side; rotary over half a head; head bias
+        cfg = transformers.PhiConfig(
+            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+            max_position_embeddings=512, pad_token_id=0,   # (transformers 5.0's Phi reads it)
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+        cfg._attn_implementation = "sdpa"
+        return _sharpened(transformers.PhiForCausalLM(cfg), sharpen)
+    if arch in ("gptj", "codegen"):   # as Phi, with the rotation of neighbouring pairs; CodeGen's q/k/v in blocks
+        kw = dict(vocab_size=vocab, n_embd=32, n_layer=layers, n_head=4, rotary_dim=4, n_positions=512)
+        cfg = transformers.GPTJConfig(**kw) if arch == "gptj" else transformers.CodeGenConfig(n_ctx=512, **kw)
+        cfg._attn_implementation = "eager"   # (transformers gives them no sdpa)
+        cls = transformers.GPTJForCausalLM if arch == "gptj" else transformers.CodeGenForCausalLM
+        return _sharpened(cls(cfg), sharpen)
     if arch == "gpt2":   # learned positions, Conv1D weights, gelu's tanh form, a tied output layer
         cfg = transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=layers, n_head=4, n_positions=512)
         cfg._attn_implementation = "sdpa"

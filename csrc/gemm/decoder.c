@@ -374,10 +374,10 @@ void hsd_attend(const float *q, const float *k, const float *v, int64_t stride, 
 
 /* x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[d/2:], x[:d/2]): each product rounded, then the sum (as
  * transformers' apply_rotary_pos_emb computes it). */
-static void rotate(float *x, const float *cos, const float *sin, int64_t d, float *tmp) { /* (the first d of x) */
-    int64_t h = d / 2;
+static void rotate(float *x, const float *cos, const float *sin, int64_t d, int pairs, float *tmp) {
+    int64_t h = d / 2; /* (the first d of x; pairs: rotate_every_two's neighbours in place of rotate_half's halves) */
     for (int64_t i = 0; i < d; i++) {
-        float rh = i < h ? -x[i + h] : x[i - h];
+        float rh = pairs ? (i % 2 ? x[i - 1] : -x[i + 1]) : i < h ? -x[i + h] : x[i - h];
         float a = x[i] * cos[i], b = rh * sin[i];
         tmp[i] = a + b;
     }
@@ -437,7 +437,8 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
     if (W < 0 || W > c->capacity || keep < 0 || keep > n) return -1;
     if (m->hidden_norm && (!emb || m->layers != 1 || m->arch || m->act != HSD_SILU_GLU)) return -1;
     if (R < 0 || R > D || R % 2 || m->act < HSD_SILU_GLU || m->act > HSD_RELU
-        || (m->arch & ~(HSD_LAYERNORM | HSD_PARALLEL)))
+        || (m->arch & ~(HSD_LAYERNORM | HSD_PARALLEL | HSD_SHARED_NORM | HSD_ROT_PAIRS))
+        || ((m->arch & HSD_SHARED_NORM) && !(m->arch & HSD_PARALLEL)))
         return -1;
     if (fuse && (!m->fc || m->fc_in <= 0 || m->fc_in % 3)) return -1;
     for (int64_t r = 0; r < n; r++)
@@ -494,7 +495,7 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
                 float *v = row + a * D;
                 const float *nw = a < m->heads ? qn : kn;
                 if (nw) hsd_rmsnorm(v, nw, v, D, m->eps, isa);
-                if (R) rotate(v, cos + r * R, sin + r * R, R, rot);
+                if (R) rotate(v, cos + r * R, sin + r * R, R, (m->arch & HSD_ROT_PAIRS) != 0, rot);
             }
             float *base = c->kv + req[r] * c->s_batch + L * c->s_layer + slot[r] * D;
             for (int64_t a = 0; a < m->kv_heads; a++) {
@@ -525,8 +526,9 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
             }
         }
         hsg_linear(att, NQ, W_(L, HSD_O), W_(L, HSD_O_B), tmp, H, n, H, NQ, isa, threads);
-        if (m->arch & HSD_PARALLEL) { /* both from the layer's input: h = (mlp + attention) + h */
-            for (int64_t r = 0; r < n; r++) norm_row(m, h + r * H, W_(L, HSD_LN2), W_(L, HSD_LN2_B), x + r * H, isa);
+        if (m->arch & HSD_PARALLEL) { /* both from the layer's input: h = (mlp + attention) + h (x: norm1's rows) */
+            for (int64_t r = 0; !(m->arch & HSD_SHARED_NORM) && r < n; r++)
+                norm_row(m, h + r * H, W_(L, HSD_LN2), W_(L, HSD_LN2_B), x + r * H, isa);
             mlp(m, L, x, n, gu, act, tmp2, isa, threads);
             for (int64_t i = 0; i < n * H; i++) h[i] = (tmp2[i] + tmp[i]) + h[i];
             continue;

@@ -17,9 +17,11 @@
  * The other layouts (hsd_model's arch, act, rot): LayerNorm with its bias in place of every rmsnorm
  * (HSD_LAYERNORM: y = w * ((x - mean) * (1 / sqrt(var + eps))) + b, mean a 16-lane sum / d, var dot(x - mean) / d);
  * an MLP of one matrix before the activation, gelu (erf), gelu's tanh form or relu, instead of silu(gate) * up
- * (act); the rotation over the first rot dimensions of each head only (0: none, positions learned outside); and
- * GPT-NeoX's parallel residual (HSD_PARALLEL: h = (mlp(norm2(h)) + attn(norm1(h))) + h, both from the layer's
- * input).
+ * (act); the rotation over the first rot dimensions of each head only (0: none, positions learned outside), of
+ * pairs of neighbours with HSD_ROT_PAIRS (GPT-J: x * cos + rotate_every_two(x) * sin, rotate_every_two(x) = (-x1,
+ * x0, -x3, x2, ...), cos and sin repeated per pair); and GPT-NeoX's parallel residual (HSD_PARALLEL: h = (mlp(norm2(h))
+ * + attn(norm1(h))) + h, both from the layer's input; with HSD_SHARED_NORM the MLP reads norm1's rows too, Phi and
+ * GPT-J have one norm a layer).
  *
  * Every reduction has one fixed order, the same on AVX-512, AVX2 and the portable loop, and no row's result
  * depends on another row: a dot product of length d is 16 lanes (lane l sums elements l, l+16, ... by fused
@@ -41,7 +43,7 @@ enum {
 
 /* hsd_model.arch bits and hsd_model.act values (a decoder's layout; the draft's layout is 0 and HSD_SILU_GLU):
  * GU holds [gate; up] (2 * inter rows) for HSD_SILU_GLU, the one matrix before the activation (inter rows) else. */
-enum { HSD_LAYERNORM = 1, HSD_PARALLEL = 2 };
+enum { HSD_LAYERNORM = 1, HSD_PARALLEL = 2, HSD_SHARED_NORM = 4, HSD_ROT_PAIRS = 8 };
 enum { HSD_SILU_GLU = 0, HSD_GELU = 1, HSD_GELU_TANH = 2, HSD_RELU = 3 };
 
 /* The EAGLE-3 draft's layout (hsd_model.hidden_norm set): its one layer's attention input is 2*hidden wide,
@@ -64,7 +66,8 @@ typedef struct {
     const float *fc, *fc_b, *in_norm, *fc_norms;
     int64_t fc_in;
     const float *final_norm_b;  /* the final LayerNorm's bias or NULL */
-    int arch, act;              /* HSD_LAYERNORM | HSD_PARALLEL; HSD_SILU_GLU, HSD_GELU, HSD_GELU_TANH or HSD_RELU */
+    int arch, act;              /* HSD_LAYERNORM | HSD_PARALLEL | HSD_SHARED_NORM | HSD_ROT_PAIRS; HSD_SILU_GLU,
+                                 * HSD_GELU, HSD_GELU_TANH or HSD_RELU */
     int64_t rot;                /* the rotated dimensions of each head (even, <= head_dim; 0: none) */
 } hsd_model;
 

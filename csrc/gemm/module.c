@@ -154,9 +154,10 @@ static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
         return NULL;
     }
     if (rot < 0 || rot > md[4] || rot % 2 || act < HSD_SILU_GLU || act > HSD_RELU
-        || (arch & ~(HSD_LAYERNORM | HSD_PARALLEL))) {
+        || (arch & ~(HSD_LAYERNORM | HSD_PARALLEL | HSD_SHARED_NORM | HSD_ROT_PAIRS))
+        || ((arch & HSD_SHARED_NORM) && !(arch & HSD_PARALLEL))) {
         PyErr_Format(PyExc_ValueError, "decoder_forward: argument 'model' expected rot even in [0, head_dim %lld], "
-                     "act 0-3 and arch bits 1|2, got rot %lld, act %d, arch %d", md[4], rot, act, arch);
+                     "act 0-3 and arch bits 1|2|4|8 (4 with 2), got rot %lld, act %d, arch %d", md[4], rot, act, arch);
         return NULL;
     }
     if (md[11] && (arch || act != HSD_SILU_GLU)) {
@@ -176,9 +177,10 @@ static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
                                         "allowed", "logits"};
     if (addresses(ptrs, names, 11, "decoder_forward") < 0) return NULL;
     const int64_t *table = (const int64_t *)(uintptr_t)md[7];
-    static const int need[] = {HSD_LN1, HSD_LN2, HSD_QKV, HSD_O, HSD_GU, HSD_DOWN};
+    static const int need[] = {HSD_LN1, HSD_QKV, HSD_O, HSD_GU, HSD_DOWN, HSD_LN2}; /* (LN2 not with one norm) */
+    const size_t needed = sizeof need / sizeof *need - ((arch & HSD_SHARED_NORM) ? 1 : 0);
     for (long long L = 0; L < md[0]; L++)
-        for (size_t i = 0; i < sizeof need / sizeof *need; i++)
+        for (size_t i = 0; i < needed; i++)
             if (table[L * HSD_FIELDS + need[i]] == 0) {
                 PyErr_Format(PyExc_ValueError, "decoder_forward: argument 'model' expected the address of every "
                              "layer's weights, got 0 for layer %lld field %d", L, need[i]);

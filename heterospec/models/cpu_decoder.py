@@ -21,8 +21,10 @@ CPU in float32 with SiLU MLPs and RMSNorm, any bias layout, any head grouping; `
 gelu, rotary over part of each head, the parallel residual or not; its fused q/k/v reordered head by head when
 packed), ``gpt2`` (LayerNorm, gelu's tanh form, learned positions added to the embeddings, Conv1D weights read
 transposed), ``gpt_bigcode`` (StarCoder 1, SantaCoder: as GPT-2 on linear layers, multi-query or q/k/v fused head
-by head) and ``opt`` (relu, learned positions two rows into their table; not OPT-350m's norms after each block and
-projections); :func:`unsupported` says why not otherwise.  A model with forward hooks of the user's on any of its
+by head), ``opt`` (relu, learned positions two rows into their table; not OPT-350m's norms after each block and
+projections), ``phi`` (one LayerNorm a layer feeding attention and MLP side by side), ``gptj`` and ``codegen`` (the
+same, with the rotation of neighbouring pairs from their own sinusoid tables; CodeGen's q/k/v blocks reordered);
+:func:`unsupported` says why not otherwise.  A model with forward hooks of the user's on any of its
 modules runs transformers' forward while they are set (the hooks then run, as they would in the user's own calls).
 
 The EAGLE-3 draft's step and head run on the same C code (:class:`CpuDraft`, decoder.h's draft layout: its one
@@ -39,11 +41,11 @@ import torch
 from . import cpu_gemm
 
 LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-FAMILIES = LLAMA_FAMILIES + ("gpt_neox", "gpt2", "gpt_bigcode", "opt")
+FAMILIES = LLAMA_FAMILIES + ("gpt_neox", "gpt2", "gpt_bigcode", "opt", "phi", "gptj", "codegen")
 SETTINGS = ("auto", True, False)
 ISA_NAMES = ("portable", "AVX2", "AVX-512")
 HSD_RESIDUAL_NORMED, HSD_HEAD_RAW, HSD_OUT_NORMED = 1, 2, 4   # decoder.h's flags
-HSD_LAYERNORM, HSD_PARALLEL = 1, 2                            # decoder.h's arch bits
+HSD_LAYERNORM, HSD_PARALLEL, HSD_SHARED_NORM, HSD_ROT_PAIRS = 1, 2, 4, 8   # decoder.h's arch bits
 HSD_SILU_GLU, HSD_GELU, HSD_GELU_TANH, HSD_RELU = 0, 1, 2, 3   # decoder.h's act
 # transformers' activation modules (activations.py) by the form the kernel computes: gelu's erf one or its tanh one,
 # relu
@@ -302,9 +304,103 @@ def _opt_layout(model, cfg):
                    head_dim=att0.head_dim, inter=layers[0].fc1.out_features, parts=parts)
 
 
+def _phi_layout(model, cfg):
+    """Phi (1, 1.5, 2): one LayerNorm a layer feeding attention and MLP side by side, rotary over part of a head."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    head = model.get_output_embeddings()
+    if layers is None or not isinstance(getattr(base, "embed_tokens", None), torch.nn.Embedding) \
+            or not _is_layernorm(getattr(base, "final_layernorm", None)) \
+            or getattr(base, "rotary_emb", None) is None or not cpu_gemm.plain_linear(head):
+        return "a Phi model without its layout (model.embed_tokens, .layers, .final_layernorm, .rotary_emb; lm_head)"
+    if getattr(cfg, "qk_layernorm", False):
+        return "Phi with LayerNorms on its queries and keys (qk_layernorm)"
+    got = _checked("Phi", layers, base.final_layernorm, lambda L: (
+        L.input_layernorm, L.input_layernorm, [L.self_attn.q_proj, L.self_attn.k_proj, L.self_attn.v_proj,
+                                               L.self_attn.dense, L.mlp.fc1, L.mlp.fc2], L.mlp.activation_fn,
+        cpu_gemm.plain_linear))
+    if isinstance(got, str):
+        return got
+    att0 = layers[0].self_attn
+    D, rot = att0.head_dim, att0.rotary_ndims
+    if rot % 2 or not 0 < rot <= D:
+        return f"a rotary width of {rot} of {D} head dimensions (expected even, > 0)"
+
+    def parts(layer):
+        a = layer.self_attn
+        return {"ln1": _pair(layer.input_layernorm), "ln2": (None, None),
+                "qkv": [_pair(a.q_proj), _pair(a.k_proj), _pair(a.v_proj)], "o": [_pair(a.dense)],
+                "gu": [_pair(layer.mlp.fc1)], "down": [_pair(layer.mlp.fc2)], "q_norm": None, "k_norm": None}
+
+    return _Layout(embed=base.embed_tokens, pos=None, rotary=base.rotary_emb, final=base.final_layernorm, head=head,
+                   layers=list(layers), arch=HSD_LAYERNORM | HSD_PARALLEL | HSD_SHARED_NORM, act=got[1], rot=rot,
+                   eps=got[0], scale=float(att0.scaling), heads=cfg.num_attention_heads,
+                   kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim=D,
+                   inter=layers[0].mlp.fc1.out_features, parts=parts)
+
+
+def _pair_tables(owner):
+    """GPT-J's and CodeGen's rotation tables from the model's own sinusoid buffer (``embed_positions``: sin then cos
+    for each position; the attention's before transformers 5.25, the base model's ``rotary_emb`` since): (cos, sin)
+    [B, n, rotary_dim], each value repeated for its pair of dimensions, as their apply_rotary_pos_emb repeats them."""
+    def tables(h, positions):
+        sincos = owner.embed_positions[positions].to(h.dtype)
+        sin, cos = torch.split(sincos, sincos.shape[-1] // 2, dim=-1)
+        return cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+
+    return tables
+
+
+def _gptj_layout(model, cfg, family):
+    """GPT-J and CodeGen: transformer.wte, .h, .ln_f; one LayerNorm a layer (ln_1) feeding attention and MLP side by
+    side, the rotation of neighbouring pairs over rotary_dim dimensions; CodeGen's q/k/v one matrix of its own
+    order (four blocks of q, v, k)."""
+    base = getattr(model, "transformer", None)
+    layers = getattr(base, "h", None)
+    head = model.get_output_embeddings()
+    if layers is None or not isinstance(getattr(base, "wte", None), torch.nn.Embedding) \
+            or not _is_layernorm(getattr(base, "ln_f", None)) or not cpu_gemm.plain_linear(head):
+        return f"a {family} model without its layout (transformer.wte, .h, .ln_f; lm_head)"
+    codegen = family == "CodeGen"
+    got = _checked(family, layers, base.ln_f, lambda L: (
+        L.ln_1, L.ln_1, ([L.attn.qkv_proj] if codegen else [L.attn.q_proj, L.attn.k_proj, L.attn.v_proj])
+        + [L.attn.out_proj, L.mlp.fc_in, L.mlp.fc_out], L.mlp.act, cpu_gemm.plain_linear))
+    if isinstance(got, str):
+        return got
+    att0 = layers[0].attn
+    heads = cfg.num_attention_heads
+    D = cfg.hidden_size // heads
+    rot = getattr(att0, "rotary_dim", None)
+    if rot is None or rot % 2 or not 0 < rot <= D:
+        return f"a rotary_dim of {rot} with {D} head dimensions (expected even, > 0)"
+    if codegen and (heads % 4 or att0.qkv_proj.bias is not None):
+        return f"CodeGen with {heads} heads or a bias on its q/k/v (expected 4 blocks of heads, no bias)"
+
+    def parts(layer):
+        a = layer.attn
+        if codegen:   # rows [4 blocks][q, v, k][heads / 4][D] -> [q; k; v], heads in the same order
+            w = a.qkv_proj.weight.view(4, 3, heads // 4, D, -1)[:, [0, 2, 1]].transpose(0, 1)
+            qkv = [(w.reshape(3 * heads * D, -1), None)]
+        else:
+            qkv = [_pair(a.q_proj), _pair(a.k_proj), _pair(a.v_proj)]
+        return {"ln1": _pair(layer.ln_1), "ln2": (None, None), "qkv": qkv, "o": [_pair(a.out_proj)],
+                "gu": [_pair(layer.mlp.fc_in)], "down": [_pair(layer.mlp.fc_out)], "q_norm": None, "k_norm": None}
+
+    owner = getattr(base, "rotary_emb", None)
+    owner = owner if isinstance(getattr(owner, "embed_positions", None), torch.Tensor) else att0
+    if not isinstance(getattr(owner, "embed_positions", None), torch.Tensor):
+        return f"a {family} model without its sinusoid table (embed_positions)"
+    return _Layout(embed=base.wte, pos=None, rotary=_pair_tables(owner), final=base.ln_f, head=head,
+                   layers=list(layers), arch=HSD_LAYERNORM | HSD_PARALLEL | HSD_SHARED_NORM | HSD_ROT_PAIRS,
+                   act=got[1], rot=rot, eps=got[0], scale=float(D ** -0.5), heads=heads, kv_heads=heads, head_dim=D,
+                   inter=layers[0].mlp.fc_in.out_features, parts=parts)
+
+
 LAYOUTS = {**{k: _llama_layout for k in LLAMA_FAMILIES}, "gpt_neox": _neox_layout,
            "gpt2": lambda model, cfg: _learned_layout(model, cfg, "GPT-2", conv=True),
-           "gpt_bigcode": lambda model, cfg: _learned_layout(model, cfg, "GPTBigCode", conv=False), "opt": _opt_layout}
+           "gpt_bigcode": lambda model, cfg: _learned_layout(model, cfg, "GPTBigCode", conv=False), "opt": _opt_layout,
+           "phi": _phi_layout, "gptj": lambda model, cfg: _gptj_layout(model, cfg, "GPT-J"),
+           "codegen": lambda model, cfg: _gptj_layout(model, cfg, "CodeGen")}
 
 
 def layout(model):

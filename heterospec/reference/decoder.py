@@ -131,11 +131,15 @@ def attend(q, k, v, allowed, scale):
     return (out / total).astype(f32)
 
 
-def rotate(x, cos, sin):
-    """transformers' rotation, one rounding per operation: x * cos + rotate_half(x) * sin."""
+def rotate(x, cos, sin, pairs=False):
+    """transformers' rotation, one rounding per operation: x * cos + rotate_half(x) * sin; ``pairs``: GPT-J's
+    rotate_every_two(x) = (-x1, x0, -x3, x2, ...) in place of rotate_half (cos and sin repeated per pair)."""
     x = np.asarray(x, f32)
     h = x.shape[-1] // 2
-    rh = np.concatenate([-x[..., h:], x[..., :h]], -1)
+    if pairs:
+        rh = np.stack([-x[..., 1::2], x[..., 0::2]], -1).reshape(x.shape)
+    else:
+        rh = np.concatenate([-x[..., h:], x[..., :h]], -1)
     return ((x * np.asarray(cos, f32)).astype(f32) + (rh * np.asarray(sin, f32)).astype(f32)).astype(f32)
 
 
@@ -172,10 +176,12 @@ def _mlp(L, x, act):
     return lin(ACTS[act](lin(x, "up")), "down")
 
 
-def _layer(L, x, h, eps, scale, heads, kv_heads, cos, sin, cache, slots, allowed, act="silu", parallel=False):
+def _layer(L, x, h, eps, scale, heads, kv_heads, cos, sin, cache, slots, allowed, act="silu", parallel=False,
+           pairs=False):
     """One layer after its input norm: attention input ``x`` [n, X], residual stream ``h`` [n, H]; the keys and
     values written into ``cache`` [2, kv_heads, W', d] at ``slots``; the first ``cos.shape[-1]`` dimensions of
-    each head rotated (None: no rotation).  ``parallel``: GPT-NeoX's residual, (mlp(norm2(h)) + attention) + h.
+    each head rotated (None: no rotation; ``pairs``: :func:`rotate`'s).  ``parallel``: GPT-NeoX's residual,
+    (mlp(norm2(h)) + attention) + h, or (mlp(x) + attention) + h where the layer has no ``ln2`` (Phi, GPT-J).
     Returns the new residual stream."""
     n = x.shape[0]
     d = cache.shape[-1]
@@ -193,8 +199,8 @@ def _layer(L, x, h, eps, scale, heads, kv_heads, cos, sin, cache, slots, allowed
         k = rmsnorm(k, L["k_norm"], eps)
     if cos is not None:
         R = cos.shape[-1]
-        q[..., :R] = rotate(q[..., :R], cos[:, None, :], sin[:, None, :])
-        k[..., :R] = rotate(k[..., :R], cos[:, None, :], sin[:, None, :])
+        q[..., :R] = rotate(q[..., :R], cos[:, None, :], sin[:, None, :], pairs)
+        k[..., :R] = rotate(k[..., :R], cos[:, None, :], sin[:, None, :], pairs)
     for r, s in enumerate(slots):
         cache[0, :, s] = k[r]
         cache[1, :, s] = v[r]
@@ -203,13 +209,13 @@ def _layer(L, x, h, eps, scale, heads, kv_heads, cos, sin, cache, slots, allowed
                                            scale) for a in range(heads)]) for r in range(n)])
     o = lin(att, "o")
     if parallel:
-        return ((_mlp(L, _norm(L, "ln2", h, eps), act) + o).astype(f32) + h).astype(f32)
+        return ((_mlp(L, _norm(L, "ln2", h, eps) if "ln2" in L else x, act) + o).astype(f32) + h).astype(f32)
     h = (h + o).astype(f32)
     return (h + _mlp(L, _norm(L, "ln2", h, eps), act)).astype(f32)
 
 
 def decoder_layers(layers, final_norm, head, eps, scale, heads, kv_heads, h, cos, sin, cache, slots, allowed,
-                   act="silu", parallel=False):
+                   act="silu", parallel=False, pairs=False):
     """The kernel's whole forward for the rows of one request, in NumPy (slow: for the tests' tiny models).
 
     ``layers``: per layer a dict of float32 arrays ``ln1, ln2, q, k, v, o, gate, up, down`` ([out, in] weights) and
@@ -218,12 +224,13 @@ def decoder_layers(layers, final_norm, head, eps, scale, heads, kv_heads, h, cos
     (weight, bias or None) for a LayerNorm; ``h`` [n, H]: the rows' embeddings; ``cos``/``sin`` [n, R]: the
     rotation of each head's first R dimensions (None: none); ``cache`` [layers, 2, kv_heads, W', d]: the request's
     keys and values, written in place at columns ``slots`` [n]; ``allowed`` [n, W] bool (W <= W'); ``act``: "silu"
-    (gate and up) or "gelu" / "gelu_tanh" / "relu" (up alone); ``parallel``: GPT-NeoX's parallel residual.
+    (gate and up) or "gelu" / "gelu_tanh" / "relu" (up alone); ``parallel``: GPT-NeoX's parallel residual (a layer
+    without ``ln2``: its MLP reads ``ln1``'s rows, Phi, GPT-J); ``pairs``: GPT-J's rotation of neighbours.
     Returns logits [n, V] float32."""
     h = np.array(h, f32)
     for i, L in enumerate(layers):
         h = _layer(L, _norm(L, "ln1", h, eps), h, eps, scale, heads, kv_heads, cos, sin, cache[i], slots, allowed,
-                   act, parallel)
+                   act, parallel, pairs)
     fin = layernorm(h, final_norm[0], final_norm[1], eps) if isinstance(final_norm, tuple) \
         else rmsnorm(h, final_norm, eps)
     return rows_linear(fin, head[0], head[1])

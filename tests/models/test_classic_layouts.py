@@ -7,9 +7,9 @@ XGLM), only where no position_ids or 2D mask is given (the engine gives both) or
 autoregressive decoding and trees (an oracle draft's and a noisy one's), sampled trees with rejections, and
 left-padded batches of learned absolute positions.  What cannot be exact is refused in one line: ALiBi (BLOOM, MPT,
 Falcon with ``alibi``), GPT-Neo's local layers (their window placed by the number of keys: a test below shows the
-logits a static cache would give), a model without a key/value cache (OpenAI GPT).  GPT-2, GPT-NeoX, GPTBigCode and
-OPT run on heterospec's own CPU decoder by default in float32 on the CPU: their tests here run both that and
-transformers' modules."""
+logits a static cache would give), a model without a key/value cache (OpenAI GPT).  GPT-2, GPT-NeoX, GPTBigCode,
+OPT, GPT-J and CodeGen run on heterospec's own CPU decoder by default in float32 on the CPU: their tests here run
+both that and transformers' modules."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -111,7 +111,7 @@ def _old(name):
 
 # families whose float32 CPU forward heterospec's own decoder runs (cpu_decoder "auto"): each test below runs them
 # both ways, ours and transformers' modules (cpu_decoder=False)
-OWN_DECODER = {"gpt2", "gpt-neox", "gpt-bigcode", "opt"}
+OWN_DECODER = {"gpt2", "gpt-neox", "gpt-bigcode", "opt", "gpt-j", "codegen"}
 
 
 def _decoders(name):

@@ -24,8 +24,9 @@ ISAS = range(G.isa_best() + 1) if G is not None else ()
 ARCHS = ["llama", "qwen2", "qwen3"]   # qwen2: q/k/v biases; qwen3: q/k norms, head_dim 16 (the others 8)
 # LayerNorm layouts: GPT-NeoX (Pythia: the parallel residual and gelu; serial with gelu's tanh form; rotary over
 # half of each head, q/k/v fused head by head), GPT-2 (learned positions, Conv1D weights, gelu's tanh form),
-# GPTBigCode (multi-query, or q/k/v fused head by head) and OPT (relu, positions 2 rows into their table)
-LN_ARCHS = ["gpt_neox", "gpt_neox-serial", "gpt2", "gpt_bigcode", "gpt_bigcode-mha", "opt"]
+# GPTBigCode (multi-query, or q/k/v fused head by head), OPT (relu, positions 2 rows into their table), Phi (one norm
+# a layer, attention and MLP side by side), GPT-J and CodeGen (as Phi, rotating neighbouring pairs)
+LN_ARCHS = ["gpt_neox", "gpt_neox-serial", "gpt2", "gpt_bigcode", "gpt_bigcode-mha", "opt", "phi", "gptj", "codegen"]
 ALL_ARCHS = ARCHS + LN_ARCHS
 
 
@@ -244,6 +245,43 @@ def _twin_layers(model):
         fin = base.final_layer_norm
         return (layers, (fin.weight.detach().numpy(), fin.bias.detach().numpy()), model.lm_head.weight,
                 base.embed_tokens.weight, base.embed_positions.weight[2:], None, dict(act="relu"))
+    if kind == "phi":
+        base = model.model
+        layers = []
+        for layer in base.layers:
+            a, ln = layer.self_attn, layer.input_layernorm
+            L = {"ln1": ln.weight, "ln1_b": ln.bias}   # no ln2: the MLP reads ln1's rows
+            for name, lin in (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("o", a.dense), ("up", layer.mlp.fc1),
+                              ("down", layer.mlp.fc2)):
+                L[name], L[name + "_b"] = lin.weight, lin.bias
+            layers.append(_np(L))
+        fin = base.final_layernorm
+        return (layers, (fin.weight.detach().numpy(), fin.bias.detach().numpy()), model.lm_head,
+                base.embed_tokens.weight, None, base.rotary_emb, dict(act="gelu_tanh", parallel=True))
+    if kind in ("gptj", "codegen"):
+        base, heads = model.transformer, model.config.num_attention_heads
+        layers = []
+        for layer in base.h:
+            a, ln = layer.attn, layer.ln_1
+            L = {"ln1": ln.weight, "ln1_b": ln.bias, "o": a.out_proj.weight, "up": layer.mlp.fc_in.weight,
+                 "up_b": layer.mlp.fc_in.bias, "down": layer.mlp.fc_out.weight, "down_b": layer.mlp.fc_out.bias}
+            if kind == "gptj":
+                L.update(q=a.q_proj.weight, k=a.k_proj.weight, v=a.v_proj.weight)
+            else:   # CodeGen: 4 blocks of rows, each [q, v, k] of a quarter of the heads
+                blocks = a.qkv_proj.weight.view(4, 3, -1, model.config.hidden_size)
+                L.update(q=blocks[:, 0].reshape(-1, model.config.hidden_size),
+                         v=blocks[:, 1].reshape(-1, model.config.hidden_size),
+                         k=blocks[:, 2].reshape(-1, model.config.hidden_size))
+            layers.append(_np(L))
+        fin = base.ln_f
+
+        def pair_tables(_, pos):   # the model's own sinusoids (sin then cos), each repeated for its pair
+            owner = getattr(base, "rotary_emb", None) or base.h[0].attn   # (the attention's before transformers 5.25)
+            sin, cos = owner.embed_positions[pos].chunk(2, -1)
+            return cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+
+        return (layers, (fin.weight.detach().numpy(), fin.bias.detach().numpy()), model.lm_head,
+                base.wte.weight, None, pair_tables, dict(act="gelu_tanh", parallel=True, pairs=True))
     base = model.model
     layers = []
     for layer in base.layers:
@@ -276,7 +314,9 @@ def twin_forward(model, dec, ids, pos, n):
     embedded = embed[ids[0]]
     if wpe is not None:
         embedded = embedded + wpe[pos[0]]
-    twin = ref.decoder_layers(layers, final, (head.detach().numpy(), None), dec.eps, dec.scale, dec.heads,
+    head = (head.weight, head.bias) if isinstance(head, torch.nn.Module) else (head, None)   # (Phi, GPT-J: a bias)
+    head = tuple(None if t is None else t.detach().numpy() for t in head)
+    twin = ref.decoder_layers(layers, final, head, dec.eps, dec.scale, dec.heads,
                               dec.kv_heads, embedded.detach().numpy(), cos, sin, cache, list(range(n)),
                               causal(n, 16).numpy(), **kw)
     return twin, cache
@@ -340,6 +380,12 @@ def test_a_float16_checkpoint_of_pythia_is_read_as_its_values_and_what_the_decod
         do_layer_norm_before=False, max_position_embeddings=64))
     assert cpu_decoder.unsupported(opt350) == "OPT with its norms after each block or a projection in and out " \
                                              "(OPT-350m's layout)"
+    phi = cpu_model("phi")
+    phi.config.qk_layernorm = True
+    assert cpu_decoder.unsupported(phi) == "Phi with LayerNorms on its queries and keys (qk_layernorm)"
+    gptj = cpu_model("gptj")
+    gptj.transformer.h[0].attn.rotary_dim = None   # (rotary over the whole width: transformers' own shapes fail)
+    assert cpu_decoder.unsupported(gptj) == "a rotary_dim of None with 8 head dimensions (expected even, > 0)"
     with HeteroSpec(eps) as hs:   # auto: transformers' forward
         assert hs.cpu_decoder == "off" and hs.target.decoder is None
     with pytest.raises(ValueError, match="argument 'cpu_decoder' expected False or 'auto' here .* epsilons"):
@@ -495,6 +541,9 @@ def test_auto_is_on_for_a_supported_float32_model_and_off_otherwise():
 def test_greedy_decoding_on_the_decoder_equals_transformers_generate(arch, gguf, tmp_path, monkeypatch):
     """The engine's every forward on the decoder (prefill, one-row steps, trees; a batch): the tokens of
     transformers' own greedy generate; ``gguf``: on a model of a GGUF checkpoint's weights, read as their codes."""
+    if arch in ("gptj", "codegen") and tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 23):
+        pytest.skip(f"transformers {transformers.__version__}: {arch}'s forward builds its masks from the cache's "
+                    f"length, which the engine refuses (tests/models/test_classic_layouts.py)")
     model = tiny_target(arch).cpu()
     if gguf:
         monkeypatch.setattr(cpu_gemm, "pack_rows", functools.partial(cpu_gemm.pack_rows, coded=True))
