@@ -1,6 +1,6 @@
 """The target's forward on the CPU in one call of ours (``cpu_decoder``): every decoder layer of a Llama-family,
-GPT-NeoX (Pythia), GPT-2, GPTBigCode or OPT model in float32 (csrc/gemm/decoder.h), on the engine's own key/value
-cache, instead of transformers' modules.
+GPT-NeoX (Pythia), GPT-2, GPTBigCode, OPT, Phi, GPT-J or CodeGen model in float32 (csrc/gemm/decoder.h), on the
+engine's own key/value cache, instead of transformers' modules.
 
 Why: on a 2-core Xeon a one-token forward of SmolLM2-135M through transformers took 52 ms, of which the linear
 layers were 24.5 ms (the few-rows kernel of ``cpu_gemm='rows'``); the rest was about 1,400 small torch
