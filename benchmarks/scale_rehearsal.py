@@ -205,20 +205,24 @@ def random_prompts(vocab, n, length, seed):
     return [torch.randint(0, vocab, (1, length), generator=g) for _ in range(n)]
 
 
-def run_methods(model, head, prompts, new_tokens, graphs, batch, thresholds, progress=None):
+def run_methods(model, head, prompts, new_tokens, graphs, batch, thresholds, progress=None, hf_compiled=False):
     """{method: {batch: row}}: tokens/s, cycles, tau, the greedy ids; batch 1 over ``prompts`` one by one, then
     one batched call over ``batch`` prompts (0: none).  ``progress(name, rows)`` hears of each method when it is
-    done (its rows hold the warm-up's seconds too: capture, and transformers' compile for hf-static)."""
+    done (its rows hold the warm-up's seconds too: capture, and transformers' compile for hf-static).
+    ``hf_compiled``: transformers' compiled static-cache generate too (bench's ``hf-compiled``: compiled on every
+    device, the fastest generate a CPU user has; minutes of compilation)."""
     import torch
 
     import heterospec
     from heterospec.tools.bench.baselines import HFGenerate
+    from heterospec.tools.bench.methods import HF_BASELINES
 
     dev = next(model.parameters()).device
     d, k, n = EAGLE3
     methods = {
-        "hf": heterospec.HFMethod("hf"),
-        "hf-static": heterospec.HFMethod("hf-static", cache_implementation="static"),
+        "hf": HF_BASELINES["hf"],
+        "hf-static": HF_BASELINES["hf-static"],
+        **({"hf-compiled": HF_BASELINES["hf-compiled"]} if hf_compiled else {}),
         "ar": heterospec.Policy.autoregressive(),
         "eagle3": heterospec.Policy.static(d, k, n),
         "heterospec": heterospec.Policy.paper(d, k, n, thresholds),
@@ -309,6 +313,9 @@ def main(argv=None):
     ap.add_argument("--values", choices=["float16"], default=None,
                     help="round the random weights to float16 values: a float16 checkpoint (as Pythia's are stored) "
                          "loaded in --dtype float32")
+    ap.add_argument("--hf-compiled", action="store_true",
+                    help="time transformers' compiled static-cache generate too (bench's hf-compiled; minutes of "
+                         "compilation)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.layers is not None and args.layers < 7:
@@ -367,7 +374,7 @@ def main(argv=None):
         torch.cuda.reset_peak_memory_stats(dev)
     stage("bandwidth", copy_bandwidth_Bps=bandwidth)
     runs = run_methods(model, head, prompts, args.new_tokens, cuda, args.batch, thresholds,
-                       progress=lambda name, rows: stage(name, rows=rows))
+                       hf_compiled=args.hf_compiled, progress=lambda name, rows: stage(name, rows=rows))
     peak = torch.cuda.max_memory_allocated(dev) if cuda else None
     # the cost model the calibration fits, here: verify over n tree tokens, the draft's levels
     ctx = args.prompt_len + args.new_tokens // 2
@@ -433,6 +440,8 @@ def main(argv=None):
         "weight_bytes": wbytes, "copy_bandwidth_Bps": bandwidth, "memory_floor_ms": 1e3 * floor,
         "ar_step_ms": 1e3 * ar_step, "ar_over_floor": ar_step / floor,
         "ar_over_hf_static": runs["ar"][1]["tokens_per_s"] / hf_static,
+        "ar_over_hf_compiled": (runs["ar"][1]["tokens_per_s"] / runs["hf-compiled"][1]["tokens_per_s"]
+                                if "hf-compiled" in runs else None),
         "peak_memory_bytes": peak, "caches": caches, "per_cycle": per_cycle,
         "projection": projection, "projection_note": "PROJECTED, not measured: tau / the measured cycle time, "
                                                      "random weights (tau ~ 1 measured)"
@@ -480,7 +489,8 @@ def markdown(r):
                          f"{'yes' if r['same_as_ar'][m][B] else 'no'} | {x['warmup_s']:.1f} |")
     lines += ["", f"`ar` step {r['ar_step_ms']:.2f} ms against the memory floor {r['memory_floor_ms']:.2f} ms "
                   f"({_size(r['weight_bytes'])} of weights at {r['copy_bandwidth_Bps'] / 1e9:.0f} GB/s copy "
-                  f"bandwidth): {r['ar_over_floor']:.2f}x the floor; `ar` {r['ar_over_hf_static']:.2f}x hf-static."
+                  f"bandwidth): {r['ar_over_floor']:.2f}x the floor; `ar` {r['ar_over_hf_static']:.2f}x hf-static"
+              + (f", {r['ar_over_hf_compiled']:.2f}x hf-compiled." if r.get("ar_over_hf_compiled") else ".")
               + (f" (The floor counts the {r['dtype']} bytes; weights of {r['values']} values are read by our CPU "
                  f"decoder as {r['values']} codes, half as many bytes: {r['memory_floor_ms'] / 2:.2f} ms.)"
                  if r.get("values") and r["dtype"] == "float32" else ""),

@@ -120,6 +120,8 @@ def test_fewer_layers_keep_every_width_and_say_so(run):
     _, r, md = run
     assert r["layers"] == r["shape_layers"] == 8 and "decoder layers**" not in md
     assert "7 of the shape's 8 decoder layers" in scale_rehearsal.markdown(dict(r, layers=7))
+    assert r["ar_over_hf_compiled"] is None and "hf-compiled" not in md   # (--hf-compiled not given)
+    assert "x hf-static, 2.50x hf-compiled." in scale_rehearsal.markdown(dict(r, ar_over_hf_compiled=2.5))
 
 
 def test_float16_values_are_a_float16_checkpoint_in_float32(tmp_path, monkeypatch):
