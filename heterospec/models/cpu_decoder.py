@@ -96,8 +96,9 @@ def _pair(m, transposed=False):
 
 class _Layout:
     """What the decoder reads of a supported model, found once: its embeddings (``pos``: learned positions, or
-    None), the rotary module (None: none), the final norm, the output layer, the layers, decoder.h's arch, act and
-    rot, and a function giving a layer's weights as decoder.h packs them (:meth:`parts`)."""
+    None; ``pos_offset``: the table's first row), the rotation's tables (``rotary(h, positions) -> (cos, sin)``: the
+    model's rotary module, or GPT-J's table lookup; None: no rotation), the final norm, the output layer, the
+    layers, decoder.h's arch, act and rot, and ``parts(layer)``: a layer's weights as decoder.h packs them."""
 
     pos_offset = 0   # OPT's learned positions start at row 2 of their table
 
