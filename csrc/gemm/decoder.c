@@ -231,25 +231,25 @@ float hsd_dot(const float *a, const float *b, int64_t d, int isa) {
         (v)[i] = x < -87.0f ? 0.0f : x == x ? y : x;                                                            \
     }
 
-#define HSD_ELEMENTWISE(ATTR, SFX)                                                                                \
-    ATTR static void exp_##SFX(float *v, int64_t n) { HSD_EXP_BODY(v, n) }                                      \
+#define HSD_ELEMENTWISE(ATTR, SFX)                                                                               \
+    ATTR static void exp_##SFX(float *v, int64_t n) { HSD_EXP_BODY(v, n) }                                       \
     /* act = silu(g) * u = g / (1 + exp(-g)) * u */                                                              \
     ATTR static void silu_mul_##SFX(const float *g, const float *u, float *act, int64_t n) {                     \
         for (int64_t i = 0; i < n; i++) act[i] = -g[i];                                                          \
         HSD_EXP_BODY(act, n)                                                                                     \
         for (int64_t i = 0; i < n; i++) act[i] = g[i] / (1.0f + act[i]) * u[i];                                  \
     }                                                                                                            \
-    ATTR static void scale_rows_##SFX(const float *x, const float *w, float r, float *y, int64_t d) {           \
+    ATTR static void scale_rows_##SFX(const float *x, const float *w, float r, float *y, int64_t d) {            \
         for (int64_t i = 0; i < d; i++) y[i] = w[i] * (x[i] * r);                                                \
     }                                                                                                            \
-    ATTR static void add_##SFX(float *y, const float *b, int64_t d) {                                           \
+    ATTR static void add_##SFX(float *y, const float *b, int64_t d) {                                            \
         for (int64_t i = 0; i < d; i++) y[i] = y[i] + b[i];                                                      \
     }                                                                                                            \
-    ATTR static void center_##SFX(const float *x, float mean, float *y, int64_t d) {                            \
+    ATTR static void center_##SFX(const float *x, float mean, float *y, int64_t d) {                             \
         for (int64_t i = 0; i < d; i++) y[i] = x[i] - mean;                                                      \
     }                                                                                                            \
     /* 16 lanes, lane l adding elements l, l+16, ... in order from +0; then reduce16's tree */                   \
-    ATTR static float sum16_##SFX(const float *x, int64_t d) {                                                  \
+    ATTR static float sum16_##SFX(const float *x, int64_t d) {                                                   \
         float acc[16] = {0};                                                                                     \
         int64_t c = 0;                                                                                           \
         for (; c + 16 <= d; c += 16)                                                                             \
@@ -258,22 +258,22 @@ float hsd_dot(const float *a, const float *b, int64_t d, int isa) {
         return reduce16(acc);                                                                                    \
     }                                                                                                            \
     /* gelu's tanh form: x * 0.5 * (1 + tanh(u)) = x / (1 + exp(-2u)), u = 0.7978845608 * (x + 0.044715 x^3) */  \
-    ATTR static void gelu_tanh_##SFX(const float *g, float *dst, int64_t n) {                                        \
+    ATTR static void gelu_tanh_##SFX(const float *g, float *dst, int64_t n) {                                    \
         for (int64_t i = 0; i < n; i++) {                                                                        \
             float x = g[i];                                                                                      \
-            dst[i] = -2.0f * (0.7978845608f * (x + 0.044715f * (x * x * x)));                                        \
+            dst[i] = -2.0f * (0.7978845608f * (x + 0.044715f * (x * x * x)));                                    \
         }                                                                                                        \
-        HSD_EXP_BODY(dst, n)                                                                                         \
-        for (int64_t i = 0; i < n; i++) dst[i] = g[i] / (1.0f + dst[i]);                                             \
+        HSD_EXP_BODY(dst, n)                                                                                     \
+        for (int64_t i = 0; i < n; i++) dst[i] = g[i] / (1.0f + dst[i]);                                         \
     }                                                                                                            \
-    /* relu: 0 below 0, else x (a NaN stays) */                                                                      \
-    ATTR static void relu_##SFX(const float *g, float *dst, int64_t n) {                                             \
-        for (int64_t i = 0; i < n; i++) dst[i] = g[i] < 0.0f ? 0.0f : g[i];                                          \
+    /* relu: 0 below 0, else x (a NaN stays) */                                                                  \
+    ATTR static void relu_##SFX(const float *g, float *dst, int64_t n) {                                         \
+        for (int64_t i = 0; i < n; i++) dst[i] = g[i] < 0.0f ? 0.0f : g[i];                                      \
     }                                                                                                            \
-    /* gelu: x * 0.5 * (1 + erf(x / sqrt 2)), with q = erfc(z), z = |x| / sqrt 2, by the Chebyshev fit of Numerical \
-     * Recipes' erfcc (fractional error < 1.2e-7): t = 1 / (1 + z / 2), q = t exp(-z^2 - 1.26551223 + t (1.00002368 \
-     * + t (... + t 0.17087277))); then x * 0.5 * q for x < 0 and x * 0.5 * (2 - q) otherwise (no cancellation) */  \
-    ATTR static void gelu_##SFX(const float *g, float *dst, int64_t n) {                                        \
+    /* gelu: x * 0.5 * (1 + erf(x / sqrt 2)), with q = erfc(z), z = |x| / sqrt 2, by the Chebyshev fit of Numerical  \
+     * Recipes' erfcc (fractional error < 1.2e-7): t = 1 / (1 + z / 2), q = t exp(-z^2 - 1.26551223 + t (1.00002368  \
+     * + t (... + t 0.17087277))); then x * 0.5 * q for x < 0 and x * 0.5 * (2 - q) otherwise (no cancellation) */   \
+    ATTR static void gelu_##SFX(const float *g, float *dst, int64_t n) {                                         \
         for (int64_t i = 0; i < n; i++) {                                                                        \
             float z = fabsf(g[i]) * 0.70710678118654752f;                                                        \
             float t = 1.0f / (1.0f + 0.5f * z);                                                                  \

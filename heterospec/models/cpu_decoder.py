@@ -145,10 +145,9 @@ def _llama_layout(model, cfg):
                    parts=_llama_parts)
 
 
-def _llama_parts(layer, ln1=None, ln2=None):
+def _llama_parts(layer):
     a, m = layer.self_attn, layer.mlp
-    ln1, ln2 = ln1 or layer.input_layernorm, ln2 or layer.post_attention_layernorm
-    return {"ln1": (ln1.weight, None), "ln2": (ln2.weight, None),
+    return {"ln1": (layer.input_layernorm.weight, None), "ln2": (layer.post_attention_layernorm.weight, None),
             "qkv": [_pair(a.q_proj), _pair(a.k_proj), _pair(a.v_proj)], "o": [_pair(a.o_proj)],
             "gu": [_pair(m.gate_proj), _pair(m.up_proj)], "down": [_pair(m.down_proj)],
             "q_norm": getattr(getattr(a, "q_norm", None), "weight", None),
@@ -159,6 +158,15 @@ def _layernorm_eps(norms):
     """The one epsilon of these LayerNorms, or None where they differ (decoder.h takes one per model)."""
     eps = {float(n.eps) for n in norms}
     return eps.pop() if len(eps) == 1 else None
+
+
+def _missing(family, where, layers, head, embeds=(), norms=(), present=()):
+    """Why a family's model lacks what the decoder reads beside its layers' insides (``where`` names it), or None:
+    a layer list, ``head`` a plain linear layer, ``embeds`` embeddings, ``norms`` LayerNorms, ``present`` not None."""
+    if layers is None or not cpu_gemm.plain_linear(head) or not all(isinstance(e, torch.nn.Embedding) for e in embeds) \
+            or not all(_is_layernorm(n) for n in norms) or any(m is None for m in present):
+        return f"{family} without its layout ({where})"
+    return None
 
 
 def _checked(family, layers, final, get):
@@ -176,9 +184,10 @@ def _checked(family, layers, final, get):
         if not (_is_layernorm(ln1) and _is_layernorm(ln2)):
             return f"a {family} layer whose norms are not LayerNorm"
         norms += [ln1, ln2]
-        if _act_kind(act) is None:
+        kind = _act_kind(act)
+        if kind is None:
             return _acts_only(act)
-        acts.add(_act_kind(act))
+        acts.add(kind)
     if len(acts) != 1:
         return "layers of different MLP activations"
     eps = _layernorm_eps(norms)
@@ -198,10 +207,11 @@ def _neox_layout(model, cfg):
     base = getattr(model, "gpt_neox", None)
     layers = getattr(base, "layers", None)
     head = model.get_output_embeddings()
-    if layers is None or not isinstance(getattr(base, "embed_in", None), torch.nn.Embedding) \
-            or not _is_layernorm(getattr(base, "final_layer_norm", None)) \
-            or getattr(base, "rotary_emb", None) is None or not cpu_gemm.plain_linear(head):
-        return "a GPT-NeoX model without its layout (gpt_neox.embed_in, .layers, .final_layer_norm, .rotary_emb)"
+    why = _missing("GPT-NeoX", "gpt_neox.embed_in, .layers, .final_layer_norm, .rotary_emb; the output layer",
+                   layers, head, [getattr(base, "embed_in", None)], [getattr(base, "final_layer_norm", None)],
+                   [getattr(base, "rotary_emb", None)])
+    if why:
+        return why
     got = _checked("GPT-NeoX", layers, base.final_layer_norm, lambda L: (
         L.input_layernorm, L.post_attention_layernorm, [L.attention.query_key_value, L.attention.dense,
                                                        L.mlp.dense_h_to_4h, L.mlp.dense_4h_to_h], L.mlp.act,
@@ -235,10 +245,10 @@ def _learned_layout(model, cfg, family, conv):
     base = getattr(model, "transformer", None)
     layers = getattr(base, "h", None)
     head = model.get_output_embeddings()
-    if layers is None or not isinstance(getattr(base, "wte", None), torch.nn.Embedding) \
-            or not isinstance(getattr(base, "wpe", None), torch.nn.Embedding) \
-            or not _is_layernorm(getattr(base, "ln_f", None)) or not cpu_gemm.plain_linear(head):
-        return f"a {family} model without its layout (transformer.wte, .wpe, .h, .ln_f; lm_head)"
+    why = _missing(family, "transformer.wte, .wpe, .h, .ln_f; lm_head", layers, head,
+                   [getattr(base, "wte", None), getattr(base, "wpe", None)], [getattr(base, "ln_f", None)])
+    if why:
+        return why
     if getattr(cfg, "add_cross_attention", False) or getattr(cfg, "scale_attn_by_inverse_layer_idx", False):
         return f"{family} with cross-attention or a scale per layer (scale_attn_by_inverse_layer_idx)"
     got = _checked(family, layers, base.ln_f, lambda L: (
@@ -276,10 +286,10 @@ def _opt_layout(model, cfg):
     base = getattr(getattr(model, "model", None), "decoder", None)
     layers = getattr(base, "layers", None)
     head = model.get_output_embeddings()
-    if layers is None or not isinstance(getattr(base, "embed_tokens", None), torch.nn.Embedding) \
-            or not isinstance(getattr(base, "embed_positions", None), torch.nn.Embedding) \
-            or not cpu_gemm.plain_linear(head):
-        return "an OPT model without its layout (model.decoder.embed_tokens, .embed_positions, .layers; lm_head)"
+    why = _missing("OPT", "model.decoder.embed_tokens, .embed_positions, .layers; lm_head", layers, head,
+                   [getattr(base, "embed_tokens", None), getattr(base, "embed_positions", None)])
+    if why:
+        return why
     if getattr(base, "project_in", None) is not None or getattr(base, "project_out", None) is not None \
             or not _is_layernorm(getattr(base, "final_layer_norm", None)) \
             or not all(getattr(layer, "do_layer_norm_before", False) for layer in layers):
@@ -310,10 +320,11 @@ def _phi_layout(model, cfg):
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     head = model.get_output_embeddings()
-    if layers is None or not isinstance(getattr(base, "embed_tokens", None), torch.nn.Embedding) \
-            or not _is_layernorm(getattr(base, "final_layernorm", None)) \
-            or getattr(base, "rotary_emb", None) is None or not cpu_gemm.plain_linear(head):
-        return "a Phi model without its layout (model.embed_tokens, .layers, .final_layernorm, .rotary_emb; lm_head)"
+    why = _missing("Phi", "model.embed_tokens, .layers, .final_layernorm, .rotary_emb; lm_head", layers, head,
+                   [getattr(base, "embed_tokens", None)], [getattr(base, "final_layernorm", None)],
+                   [getattr(base, "rotary_emb", None)])
+    if why:
+        return why
     if getattr(cfg, "qk_layernorm", False):
         return "Phi with LayerNorms on its queries and keys (qk_layernorm)"
     got = _checked("Phi", layers, base.final_layernorm, lambda L: (
@@ -359,9 +370,10 @@ def _gptj_layout(model, cfg, family):
     base = getattr(model, "transformer", None)
     layers = getattr(base, "h", None)
     head = model.get_output_embeddings()
-    if layers is None or not isinstance(getattr(base, "wte", None), torch.nn.Embedding) \
-            or not _is_layernorm(getattr(base, "ln_f", None)) or not cpu_gemm.plain_linear(head):
-        return f"a {family} model without its layout (transformer.wte, .h, .ln_f; lm_head)"
+    why = _missing(family, "transformer.wte, .h, .ln_f; lm_head", layers, head, [getattr(base, "wte", None)],
+                   [getattr(base, "ln_f", None)])
+    if why:
+        return why
     codegen = family == "CodeGen"
     got = _checked(family, layers, base.ln_f, lambda L: (
         L.ln_1, L.ln_1, ([L.attn.qkv_proj] if codegen else [L.attn.q_proj, L.attn.k_proj, L.attn.v_proj])
