@@ -261,22 +261,27 @@ class HeteroSpec:
     row count, every call in blocks of 8 rows), so that speculative output equals this engine's autoregressive
     output in bfloat16 too, where the sums of a forward over many rows otherwise round differently from one
     row's.
-    'auto' (default): on for a bfloat16 target on the CPU when both properties hold on this machine (checked
-    when the engine is made; off with a warning where they do not); True insists (ValueError where it cannot);
-    False: off.  In float32 it is never needed for the greedy output to match (and is not offered).
+    'auto' (default): on for a bfloat16 target on the CPU that our decoder does not run (``cpu_decoder``: it is
+    row-invariant by construction) when both properties hold on this machine (checked when the engine is made; off
+    with a warning where they do not); True insists (ValueError where it cannot), on transformers' bfloat16
+    arithmetic (our decoder then stays off); False: off.  In float32 it is never needed for the greedy output to
+    match (and is not offered).
 
-    ``cpu_decoder``: run the target's forwards (prefill and verify) through heterospec's own float32 decoder on
-    the CPU (:mod:`heterospec.models.cpu_decoder`: every layer in one call of C, the linear layers on the few-rows
+    ``cpu_decoder``: run the target's forwards (prefill and verify) through heterospec's own decoder on the CPU
+    (:mod:`heterospec.models.cpu_decoder`: every layer in one call of C, the linear layers on the few-rows
     kernel, on this engine's cache) instead of transformers' modules, whose ~1,400 small operations per forward
-    cost the default pair about as much as its matrix products.  'auto' (default): on for a float32 CPU target of
-    the Llama, Mistral, Qwen2 or Qwen3 family, not compiled, where the kernel has AVX2 or AVX-512 tiles; True
-    insists (ValueError naming why not); False: transformers' forward.  The logits agree with transformers' to
-    ~1e-5; every tree node's logits are bit for bit a one-row step's of the same engine, so speculative output
-    equals this engine's autoregressive output by construction.  The same setting runs an EAGLE-3 draft's step and
-    head (its one layer, 2H wide, and its output layer) in one call of the same code where the draft is
-    heterospec's float32 ``Eagle3Draft`` on the CPU (True insists on the target's decoder only; any other draft
-    keeps its own step); the draft's output is not the lossless part, so its ~1e-6 differences to the torch
-    modules only move which tokens are proposed.  ``self.cpu_decoder`` and every call's stats say which ran
+    cost the default pair about as much as its matrix products.  'auto' (default): on for a CPU target of a family
+    it has (Llama, Mistral, Qwen2/3, GPT-NeoX, GPT-2, GPTBigCode, OPT, Phi, GPT-J, CodeGen), not compiled, where the
+    kernel has AVX2 or AVX-512 tiles; True insists (ValueError naming why not); False: transformers' forward.  It
+    computes in float32: a bfloat16 or float16 model's weights are read as their 16-bit values and its cache is
+    float32, so its output is that of the same weights in float32 (``model.float()``), not transformers' half
+    arithmetic.  The logits agree with transformers' float32 forward to ~1e-5; every tree node's logits are bit
+    for bit a one-row step's of the same engine, so speculative output equals this engine's autoregressive output
+    by construction.  The same setting runs an EAGLE-3 draft's step and head (its one layer, 2H wide, and its
+    output layer) in one call of the same code where the draft is heterospec's ``Eagle3Draft`` on the CPU (float32,
+    bfloat16 or float16; True insists on the target's decoder only; any other draft keeps its own step); the
+    draft's output is not the lossless part, so its ~1e-6 differences to the torch modules only move which tokens
+    are proposed.  ``self.cpu_decoder`` and every call's stats say which ran
     ("target and draft (AVX-512)", ...); ``cpu_gemm`` then routes what is left on torch's layers (the draft's
     ``fc``, or all of it).
 
@@ -341,8 +346,11 @@ class HeteroSpec:
                 raise ValueError(f"HeteroSpec: argument 'cpu_gemm' expected False or 'auto' with compile=True "
                                  f"(inductor compiles the linear layers itself), got {cpu_gemm!r}")
             cpu_gemm = False
-        self.batch_invariant = _check_invariant(batch_invariant, p)
-        self._decoder = decoder_mod.for_target(cpu_decoder, target, compile=bool(compile))
+        # our decoder computes a half model in float32, each row on its own (so row-invariant by construction):
+        # batch_invariant's transformers path is for the targets it leaves alone, or where True insists on it
+        self._decoder = decoder_mod.for_target(cpu_decoder, target, compile=bool(compile),
+                                               transformers=batch_invariant is True)
+        self.batch_invariant = _check_invariant(batch_invariant, p) and self._decoder is None
         self._fast_draft = decoder_mod.for_draft(cpu_decoder, draft)
         self.cpu_decoder = decoder_mod.describe(self._decoder, self._fast_draft)
         routed = decoder_mod.gemm_modules(draft, self._fast_draft)

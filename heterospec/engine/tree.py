@@ -52,7 +52,9 @@ class DraftState:
             return
         B, K, R = self.batch, self.K, self.K * self.max_levels
         self.base = capacity
-        self.cache = self.draft.new_cache(capacity + R, B)
+        # (the C layer's cache is float32 whatever the draft's dtype: it computes in float32, cpu_decoder)
+        self.cache = self.draft.new_cache(capacity + R, B) if self.fast is None else \
+            self.draft.new_cache(capacity + R, B, dtype=torch.float32)
         self.cols = torch.arange(capacity + R, device=device)
         self.anc = torch.zeros((B, max(R, 1), max(R, 1)), dtype=torch.bool, device=device)  # scratch ancestry
         hidden_size = self.draft.config.hidden_size if hasattr(self.draft, "config") else self.draft.hidden_size
@@ -64,7 +66,8 @@ class DraftState:
         self.bad = torch.zeros(B, dtype=torch.long, device=device)
 
     def draft_dtype(self):
-        return getattr(self.draft, "dtype", torch.float32)
+        """The states' dtype: the draft's own, or float32 where the C layer runs it (it computes in float32)."""
+        return torch.float32 if self.fast is not None else getattr(self.draft, "dtype", torch.float32)
 
     def keep_rows(self, idx):
         """Keep the requests ``idx`` (a [b'] int64 tensor of row numbers; row ``idx[i]`` becomes row i) and drop

@@ -1,6 +1,13 @@
 """The target's forward on the CPU in one call of ours (``cpu_decoder``): every decoder layer of a Llama-family,
-GPT-NeoX (Pythia), GPT-2, GPTBigCode, OPT, Phi, GPT-J or CodeGen model in float32 (csrc/gemm/decoder.h), on the
-engine's own key/value cache, instead of transformers' modules.
+GPT-NeoX (Pythia), GPT-2, GPTBigCode, OPT, Phi, GPT-J or CodeGen model in float32 arithmetic (csrc/gemm/decoder.h),
+on the engine's own key/value cache, instead of transformers' modules.
+
+A bfloat16 or float16 model (what transformers 5 loads from such a checkpoint by default, ``dtype="auto"``) runs
+too: its weights are read as the 16-bit values they are (2 bytes each), its norms, biases, embeddings and rotary
+tables are taken at their float32 values, and every sum is float32, the cache too.  So its output is, bit for bit,
+that of the same weights loaded in float32 (``model.float()``), which equals transformers' float32 ``generate`` to
+float32 rounding -- not transformers' bfloat16 arithmetic, whose rounding changes with the call's row count and
+the machine's kernels anyway (``cpu_decoder=False`` keeps it).
 
 Why: on a 2-core Xeon a one-token forward of SmolLM2-135M through transformers took 52 ms, of which the linear
 layers were 24.5 ms (the few-rows kernel of ``cpu_gemm='rows'``); the rest was about 1,400 small torch
@@ -17,9 +24,9 @@ same way whatever the other rows are (decoder.h), so a tree node's logits equal,
 step of the same engine over the same keys.
 
 Supported: ``llama``, ``mistral`` (without a sliding window), ``qwen2`` and ``qwen3`` (q/k norms) models on the
-CPU in float32 with SiLU MLPs and RMSNorm, any bias layout, any head grouping; ``gpt_neox`` (Pythia: LayerNorm,
-gelu, rotary over part of each head, the parallel residual or not; its fused q/k/v reordered head by head when
-packed), ``gpt2`` (LayerNorm, gelu's tanh form, learned positions added to the embeddings, Conv1D weights read
+CPU in float32, bfloat16 or float16 with SiLU MLPs and RMSNorm, any bias layout, any head grouping; ``gpt_neox``
+(Pythia: LayerNorm, gelu, rotary over part of each head, the parallel residual or not; its fused q/k/v reordered
+head by head when packed), ``gpt2`` (LayerNorm, gelu's tanh form, learned positions added to the embeddings, Conv1D weights read
 transposed), ``gpt_bigcode`` (StarCoder 1, SantaCoder: as GPT-2 on linear layers, multi-query or q/k/v fused head
 by head), ``opt`` (relu, learned positions two rows into their table; not OPT-350m's norms after each block and
 projections), ``phi`` (one LayerNorm a layer feeding attention and MLP side by side), ``gptj`` and ``codegen`` (the
@@ -43,6 +50,8 @@ from . import cpu_gemm
 LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 FAMILIES = LLAMA_FAMILIES + ("gpt_neox", "gpt2", "gpt_bigcode", "opt", "phi", "gptj", "codegen")
 SETTINGS = ("auto", True, False)
+# the models' dtypes the decoder runs: every weight read as it is stored (16-bit values as such), every sum in float32
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ISA_NAMES = ("portable", "AVX2", "AVX-512")
 HSD_RESIDUAL_NORMED, HSD_HEAD_RAW, HSD_OUT_NORMED = 1, 2, 4   # decoder.h's flags
 HSD_LAYERNORM, HSD_PARALLEL, HSD_SHARED_NORM, HSD_ROT_PAIRS = 1, 2, 4, 8   # decoder.h's arch bits
@@ -425,11 +434,11 @@ def layout(model):
     if kind not in FAMILIES:
         return f"a {kind!r} model (supported: {', '.join(FAMILIES)})"
     p = next(model.parameters(), None)
-    if p is None or p.device.type != "cpu" or p.dtype != torch.float32:
+    if p is None or p.device.type != "cpu" or p.dtype not in DTYPES:
         return f"a {getattr(p, 'device', None)} {str(getattr(p, 'dtype', None)).replace('torch.', '')} model " \
-               f"(the decoder runs float32 on the CPU)"
-    if any(q.dtype != torch.float32 or q.device.type != "cpu" for q in model.parameters()):
-        return "parameters of mixed dtypes or devices"
+               f"(the decoder runs float32, bfloat16 or float16 models on the CPU)"
+    if any(q.dtype not in DTYPES or q.device.type != "cpu" for q in model.parameters()):
+        return "parameters on other devices or of other dtypes than float32, bfloat16 and float16"
     got = LAYOUTS[kind](model, cfg)
     if isinstance(got, str):
         return got
@@ -455,7 +464,7 @@ class _Packed:
     def __init__(self, module):
         why = self._why(module)
         if why is not None:
-            raise ValueError(f"HeteroSpec: argument 'cpu_decoder' expected a supported float32 CPU model, got {why}")
+            raise ValueError(f"HeteroSpec: argument 'cpu_decoder' expected a supported CPU model, got {why}")
         self._model = weakref.ref(module)
         self._g = cpu_gemm._rows_module()
         self.isa = self._g.isa_best()
@@ -512,7 +521,10 @@ class _Packed:
         def addr(t):
             if t is None:
                 return 0
-            t = t.detach().contiguous()
+            t = t.detach()
+            if t.dtype in cpu_gemm.HALF_CODECS:   # a half model's norms and biases: their float32 values
+                t = t.to(torch.float32)
+            t = t.contiguous()
             keep.append(t)
             return t.data_ptr()
 
@@ -601,8 +613,8 @@ class _Packed:
 
 
 class CpuDecoder(_Packed):
-    """The decoder of one float32 CPU model: its weights packed once (repacked when a weight was written since),
-    and :meth:`forward` over any rows of the engine's cache.  Get it with :func:`for_target` (one per model,
+    """The decoder of one CPU model (float32, bfloat16 or float16): its weights packed once (repacked when a weight
+    was written since), and :meth:`forward` over any rows of the engine's cache.  Get it with :func:`for_target` (one per model,
     shared by every engine on it).  It holds the model weakly: the model's lifetime stays the user's."""
 
     def __init__(self, model):
@@ -643,9 +655,10 @@ class CpuDecoder(_Packed):
                 or B > kv.shape[0]:
             raise ValueError(f"cpu_decoder: argument 'kv' expected a float32 cache [>= {B}, 2, layers, kv_heads, "
                              f"capacity, {self.head_dim}] with contiguous columns, got {tuple(kv.shape)} {kv.dtype}")
-        h = torch.nn.functional.embedding(ids.reshape(-1), self.embed.weight)
+        h = torch.nn.functional.embedding(ids.reshape(-1), self.embed.weight).to(torch.float32)
         if self.pos_embed is not None:   # (GPT-2, OPT: the tokens' embeddings + the positions', as transformers adds)
-            h = h + torch.nn.functional.embedding(positions.reshape(-1) + self.pos_offset, self.pos_embed.weight)
+            h = h + torch.nn.functional.embedding(positions.reshape(-1) + self.pos_offset,
+                                                  self.pos_embed.weight).to(torch.float32)
         h = h.contiguous()
         if self.rotary is None:
             cos = sin = self._no_rotation
@@ -676,8 +689,8 @@ def draft_unsupported(draft):
         return "heterospec's kernel extension (heterospec._gemm) is not built in this install"
     if not isinstance(draft, Eagle3Draft):
         return f"a draft of type {type(draft).__name__} (the C layer runs heterospec's Eagle3Draft)"
-    if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in draft.parameters()):
-        return "a draft not in float32 on the CPU"
+    if any(p.dtype not in DTYPES or p.device.type != "cpu" for p in draft.parameters()):
+        return "a draft not in float32, bfloat16 or float16 on the CPU"
     if any(getattr(type(draft), f) is not getattr(Eagle3Draft, f) for f in ("fuse", "step", "head")):
         return "a draft whose fuse, step or head is its own"
     return None
@@ -755,7 +768,7 @@ class CpuDraft(_Packed):
         if cache.dim() != 5 or cache.dtype != torch.float32 or not cache.is_contiguous() or cache.shape[1] < B:
             raise ValueError(f"cpu_decoder: argument 'cache' expected the draft's float32 cache [2, >= {B}, kv_heads, "
                              f"capacity, {self.head_dim}], got {tuple(cache.shape)} {cache.dtype}")
-        emb = torch.nn.functional.embedding(input_ids.reshape(-1), d.embed_tokens.weight).contiguous()
+        emb = torch.nn.functional.embedding(input_ids.reshape(-1), d.embed_tokens.weight).to(torch.float32).contiguous()
         cos, sin = d.rope_tables(position_ids.reshape(-1, n).expand(B, n), torch.device("cpu"), torch.float32)
         if last is None:
             out_rows, k = None, B * n
@@ -769,17 +782,24 @@ class CpuDraft(_Packed):
         return logits.view(B, -1, self.vocab), states.view(B, -1, H)
 
 
-def why_off(setting, model, *, compile=False, draft=False):
+def why_off(setting, model, *, compile=False, draft=False, transformers=False):
     """Why a ``cpu_decoder`` setting leaves ``model`` (``draft``: a draft) on torch's forward (a phrase; 'off' for
-    False), or None when ours runs it (:func:`for_target`'s and :func:`for_draft`'s rule, packing nothing)."""
+    False), or None when ours runs it (:func:`for_target`'s and :func:`for_draft`'s rule, packing nothing).
+    ``transformers``: the engine insists on transformers' own arithmetic for a half-precision target
+    (``batch_invariant=True``)."""
     if not cpu_gemm.one_of(setting, SETTINGS):
         raise ValueError(f"HeteroSpec: argument 'cpu_decoder' expected 'auto', True or False, got {setting!r}")
     if setting is False:
         return "off"
     if draft:
         why = draft_unsupported(model)
+    elif compile:
+        why = "a compiled target (compile=...)"
     else:
-        why = "a compiled target (compile=...)" if compile else unsupported(model)
+        why = unsupported(model)
+        p = next(model.parameters(), None)
+        if why is None and transformers and p is not None and p.dtype != torch.float32:
+            why = f"batch_invariant=True (transformers' {str(p.dtype).replace('torch.', '')} arithmetic)"
     if why is None and setting == "auto" and cpu_gemm._rows_module().isa_best() == 0:
         why = "only the kernel's portable loop on this CPU"
     return why
@@ -795,17 +815,18 @@ def _shared(module, kind):
     return got
 
 
-def for_target(setting, model, *, compile=False):
+def for_target(setting, model, *, compile=False, transformers=False):
     """The decoder a ``cpu_decoder`` setting gives ``model`` (None: transformers' forward).  'auto': on where the
     model is supported (:func:`unsupported`), not compiled, and the kernel has AVX2 or AVX-512 tiles here (its
-    portable loop is ~8x slower than AVX2); True insists (ValueError naming why not); False: off."""
-    why = why_off(setting, model, compile=compile)
+    portable loop is ~8x slower than AVX2); True insists (ValueError naming why not); False: off.
+    ``transformers``: :func:`why_off`'s."""
+    why = why_off(setting, model, compile=compile, transformers=transformers)
     if setting is False:
         return None
     if why is not None:
         if setting is True:
             raise ValueError(f"HeteroSpec: argument 'cpu_decoder' expected False or 'auto' here (True needs a "
-                             f"supported float32 CPU model, no compile, and heterospec._gemm), got True for {why}")
+                             f"supported CPU model, no compile, and heterospec._gemm), got True for {why}")
         return None
     return _shared(model, CpuDecoder)
 

@@ -219,12 +219,15 @@ def _q8(b, bits, n, k):
     return None
 
 
+HALF_CODECS = {torch.float16: 3, torch.bfloat16: 4}   # rows.h's 16-bit codecs
+
+
 def half_codes(w):
     """Whether every value of a float32 weight is a float16 (else a bfloat16) value, as a float16 EAGLE-3 head's or
     a bfloat16 checkpoint's loaded in float32 are: (codec, the 16-bit patterns [N, K] int16), or None."""
     if w.dtype != torch.float32 or not torch.isfinite(w).all():
         return None
-    for codec, dtype in ((3, torch.float16), (4, torch.bfloat16)):
+    for dtype, codec in HALF_CODECS.items():
         h = w.to(dtype)
         if torch.equal(_bits(h.float()), _bits(w)):
             return codec, h.view(torch.int16).contiguous()
@@ -236,12 +239,18 @@ def pack_rows(w, coded=None):
     weight is exactly their decoding and the kernel decodes them with AVX2 or AVX-512 (``coded`` None), always
     (True) or never (False) -- block codes (:func:`block_codes`: a GGUF checkpoint's Q4_1 / Q8_0 tensors, 0.75 or 1.125
     bytes a weight), else 16-bit values (:func:`half_codes`: 2 bytes); else float32 panels (4 bytes).  The kernel
-    computes the same bits from any of them."""
+    computes the same bits from any of them.  A float16 or bfloat16 weight (a half-precision model's) is its own
+    16-bit values where codes are read, else its float32 values: the same floats either way."""
     g = _rows_module()
     w = w.detach().contiguous()
     n, k = w.shape
     if coded is None:
         coded = g.isa_best() >= 1   # the portable loop decodes one weight at a time: floats are faster there
+    if w.dtype in HALF_CODECS and coded:
+        wp = torch.empty(g.packed_bytes(HALF_CODECS[w.dtype], n, k), dtype=torch.uint8, device="cpu")
+        g.pack_half(HALF_CODECS[w.dtype], w.view(torch.int16).data_ptr(), wp.data_ptr(), n, k)
+        return wp
+    w = w.to(torch.float32)
     found = block_codes(w) if coded else None
     if found is not None:
         codec, q, d, m = found

@@ -219,7 +219,9 @@ class StaticKV(_cache_base()):
         write_at(k, self.slots, key_states)
         write_at(v, self.slots, value_states)
         if self.window is not None:
-            return k[:, :, :self.window], v[:, :, :self.window]
+            k, v = k[:, :, :self.window], v[:, :, :self.window]
+        if k.dtype != key_states.dtype:   # a half model's forward on the float32 cache kept for cpu_decoder
+            k, v = k.to(key_states.dtype), v.to(value_states.dtype)
         return k, v
 
     def get_seq_length(self, layer_idx=0):
@@ -837,6 +839,9 @@ class TargetAdapter:
             raise ValueError(f"target: argument 'decoder' expected a model whose layers cache keys and values of one "
                              f"shape, got {self.layout}")
         self.decoder = decoder
+        # the cache's dtype: the model's, or float32 where our decoder runs it (it computes in float32 whatever the
+        # weights' dtype; transformers' forward of a half model, while a hook of the user's is set, reads it converted)
+        self.cache_dtype = self.dtype if decoder is None else torch.float32
         self._decoder_on = None   # the decoder runs this call's forwards (asked at each prefill; None: not yet)
 
     def _make_hook(self, i):
@@ -899,7 +904,7 @@ class TargetAdapter:
 
     def cache_bytes(self, capacity):
         """Bytes of the static key/value cache :meth:`allocate` makes for ``capacity`` positions."""
-        size = torch.empty((), dtype=self.dtype).element_size()
+        size = torch.empty((), dtype=self.cache_dtype).element_size()
         return self.batch * capacity * size * sum(h * d for kv in self.layout if kv is not None for h, d in kv)
 
     def _store(self, tensors):
@@ -927,7 +932,7 @@ class TargetAdapter:
         if not self._states and self.state_layout:
             self._states = {k: tuple(None if s is None else torch.zeros((B, *s[0]), dtype=s[1], device=self.device)
                                      for s in st) for k, st in self.state_layout.items()}
-        self._store([torch.zeros((B, len(g), *g[0][2][:1], capacity, g[0][2][1]), dtype=self.dtype,
+        self._store([torch.zeros((B, len(g), *g[0][2][:1], capacity, g[0][2][1]), dtype=self.cache_dtype,
                                  device=self.device) for g in self._groups()])
         self._cols = torch.arange(capacity, device=self.device)
         self.capacity = capacity

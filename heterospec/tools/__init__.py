@@ -7,8 +7,9 @@ import sys
 
 
 # the help of every command's --cpu-decoder (demo, generate, calibrate, bench)
-CPU_DECODER_HELP = ("our engines' forwards on heterospec's own float32 CPU code, the target's decoder and the EAGLE-3 "
-                    "draft's layer (auto: where supported; on: insist on the target's; off: torch's modules)")
+CPU_DECODER_HELP = ("our engines' forwards on heterospec's own CPU code (float32 arithmetic, bfloat16/float16 weights "
+                    "read as stored), the target's decoder and the EAGLE-3 draft's layer (auto: where supported; on: "
+                    "insist on the target's; off: torch's modules)")
 
 
 def _isatty(stream):

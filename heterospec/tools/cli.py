@@ -287,10 +287,9 @@ def main(argv=None):
         args.graphs = graphs == "on" or (graphs == "auto" and on_cuda)
     decoder = getattr(args, "cpu_decoder", None)
     if decoder is not None:
-        if decoder == "on" and (str(args.device) != "cpu" or getattr(args, "dtype", "float32") != "float32"):
+        if decoder == "on" and str(args.device) != "cpu":
             parser.exit(2, f"heterospec {args.cmd}: error: argument --cpu-decoder: expected off or auto with --device "
-                           f"{args.device} --dtype {getattr(args, 'dtype', 'float32')} (the decoder runs float32 on "
-                           f"the CPU), got on\n")
+                           f"{args.device} (the decoder runs on the CPU), got on\n")
         args.decoder = {"auto": "auto", "on": True, "off": False}[decoder]
     args.argv = list(sys.argv[1:] if argv is None else argv)[1:]
     try:

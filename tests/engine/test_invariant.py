@@ -4,6 +4,7 @@ over the same tokens, and speculative output would drift from the model's own.  
 row attends to exactly its keys (``exact_keys_attention``) and every linear layer of the target runs one path
 for every row count (every call in blocks of 8 rows): a node's logits are then bit for bit the one-row step's.
 
+This is transformers' bf16 forward (``cpu_decoder=False``; our own decoder computes a bf16 model in float32).
 The models here are random, in bfloat16, with the default target's layer shapes, so that the matrix kernels' row-count paths
 really differ; every comparison is exact (``torch.equal``), never a tolerance."""
 import copy
@@ -25,6 +26,9 @@ from heterospec.models import target as target_mod  # noqa: E402
 from heterospec.models.target import TargetAdapter, attention_window, key_groups  # noqa: E402
 
 V = 512
+# transformers' bf16 forward, what these tests are about: our own decoder (cpu_decoder='auto') computes a bf16 model
+# in float32, each row on its own, and needs none of this (tests/models/test_cpu_decoder.py)
+TRANSFORMERS = dict(cpu_decoder=False)
 
 
 def bf16_target(arch="llama", seed=0):
@@ -149,14 +153,14 @@ def _ids(outs):
 def test_speculative_bf16_output_equals_the_engines_own_bf16_ar(tmp_path):
     model = bf16_target()
     prompts = [_prompt(n, s) for n, s in ((9, 3), (23, 4), (40, 5), (5, 6))]
-    with HeteroSpec(model, None, Policy.autoregressive()) as ar:
+    with HeteroSpec(model, None, Policy.autoregressive(), **TRANSFORMERS) as ar:
         assert ar.batch_invariant
         refs = [ar.generate(p, max_new_tokens=48)[0] for p in prompts]
     # the oracle proposes from a float32 copy: it re-reads every node's whole context each level, which in bf16
     # on a CPU without bf16 matrix units took 55 s a prompt (4.5 times float32); its proposals only have to be
     # the target's picks mostly (long accepted paths), the output is checked against bf16 ar exactly
     oracle = OracleDraft(copy.deepcopy(model).float())
-    with HeteroSpec(model, oracle, Policy.static(5, 3, 12)) as hs:
+    with HeteroSpec(model, oracle, Policy.static(5, 3, 12), **TRANSFORMERS) as hs:
         assert hs.batch_invariant and "row-invariant" in hs.cpu_gemm
         outs = []
         for p in prompts:
@@ -169,7 +173,7 @@ def test_speculative_bf16_output_equals_the_engines_own_bf16_ar(tmp_path):
     # alone, every row equal to its prompt decoded alone
     draft = eagle3_head(model.float(), tmp_path).to(torch.bfloat16)
     model.to(torch.bfloat16)
-    with HeteroSpec(model, draft, Policy.static(4, 4, 16)) as hs:
+    with HeteroSpec(model, draft, Policy.static(4, 4, 16), **TRANSFORMERS) as hs:
         rows, _ = hs.generate([p[0] for p in prompts], max_new_tokens=48)
     assert [r.tolist() for r in rows] == [r[0].tolist() for r in refs]
 
@@ -195,7 +199,7 @@ def test_auto_turns_off_with_a_warning_where_the_kernel_is_not_invariant(monkeyp
         HeteroSpec(model, batch_invariant=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with HeteroSpec(model) as hs:
+        with HeteroSpec(model, **TRANSFORMERS) as hs:
             assert hs.batch_invariant is False
     assert any("batch_invariant='auto' is off here" in str(w.message) for w in caught)
     layers = target_mod._decoder_layers(model)

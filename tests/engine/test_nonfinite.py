@@ -7,6 +7,8 @@ ops only record the refusal (check=False) and the flags, read with the accepted 
 second path is run here too, by letting the acceptance op see the logits with the non-finite values replaced
 (as a GPU's deferred check would let it): the error must still come, before that cycle's tokens are streamed.
 .ci/gpu's ``engine`` phase runs this file on a GPU."""
+import copy
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -24,6 +26,7 @@ from _models import (
 
 from heterospec import HeteroSpec, NonFiniteLogitsError, Policy, ops
 from heterospec.engine import cycle as cycle_mod
+from heterospec.models import cpu_decoder
 
 NEW = 24
 GRAPHS = [False, "emulate"] + ([True] if DEVICE.type == "cuda" else [])   # True: real CUDA graphs
@@ -189,13 +192,18 @@ def test_draft_nan_is_a_clear_error_naming_the_draft(pair, name, value):
 
 
 def test_float16_overflow_says_so(pair):
-    """A real overflow: the target in float16 with its lm_head scaled past 65504."""
+    """A real overflow: the target in float16 with its lm_head scaled past 65504, on transformers' float16 forward
+    (our CPU decoder computes a float16 model in float32: there the same logits are finite, its float32 copy's)."""
     model = tiny_target("llama").half().to(DEVICE)
     with torch.no_grad():
         model.lm_head.weight.mul_(1e4)   # the largest logit about 1.5e5: inf in float16
-    with HeteroSpec(model, None, Policy.autoregressive(), cuda_graphs=False) as hs:
+    with HeteroSpec(model, None, Policy.autoregressive(), cuda_graphs=False, cpu_decoder=False) as hs:
         with pytest.raises(NonFiniteLogitsError, match=r"LlamaForCausalLM \(float16\).*float16 overflows at 65504"):
             hs.generate(prompts(1)[0], max_new_tokens=8)
+    if DEVICE.type == "cpu" and cpu_decoder.why_off("auto", model) is None:
+        with HeteroSpec(model, None, Policy.autoregressive()) as hs:
+            out, _ = hs.generate(prompts(1)[0], max_new_tokens=8)
+        assert out.tolist() == reference_greedy(copy.deepcopy(model).float(), prompts(1)[0].view(1, -1), 8).tolist()
 
 
 @pytest.mark.parametrize("graphs", GRAPHS)

@@ -4,6 +4,7 @@ Its pieces against their NumPy twins (heterospec.reference.decoder) bit for bit 
 has, and the twins against float64 math; the whole forward against the twin's forward bit for bit and against
 transformers' own forward to float32 rounding; a tree row against a one-row step bit for bit; batches; errors;
 and the engine that runs on it against transformers' generate."""
+import copy
 import functools
 
 import numpy as np
@@ -497,8 +498,14 @@ def test_a_weight_written_in_place_is_packed_again():
     after, _ = dec.forward(ids, torch.arange(3).view(1, 3), torch.arange(3), causal(3, 3), new_cache(model))
     assert not torch.equal(before, after)
     assert torch.allclose(after, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
-    model.to(torch.bfloat16)   # a model converted under the decoder is refused, never read as float32
-    with pytest.raises(ValueError, match="cpu_decoder: the model changed .* bfloat16"):
+    model.to(torch.bfloat16)   # converted under the decoder: packed again, as its 16-bit values
+    half, _ = dec.forward(ids, torch.arange(3).view(1, 3), torch.arange(3), causal(3, 3), new_cache(model))
+    full = copy.deepcopy(model).float()
+    want, _ = cpu_decoder.CpuDecoder(full).forward(ids, torch.arange(3).view(1, 3), torch.arange(3), causal(3, 3),
+                                                   new_cache(full))
+    assert torch.equal(half, want) and not torch.equal(half, after)
+    model.to(torch.float64)   # to a dtype it does not run: refused, never read as float32
+    with pytest.raises(ValueError, match="cpu_decoder: the model changed .* float64"):
         dec.forward(ids, torch.arange(3).view(1, 3), torch.arange(3), causal(3, 3), new_cache(model))
 
 
@@ -516,12 +523,13 @@ def test_bad_input_gets_a_clear_error():
         G.dot(ids.data_ptr(), ids.data_ptr(), 1, 7)
     with pytest.raises(ValueError, match="argument 'cpu_decoder' expected 'auto', True or False, got 'yes'"):
         HeteroSpec(model, cpu_decoder="yes")
-    half = cpu_model("llama").to(torch.bfloat16)
-    with pytest.raises(ValueError, match="argument 'cpu_decoder' expected False or 'auto' here .* bfloat16"):
-        HeteroSpec(half, cpu_decoder=True)
+    wide = cpu_model("llama").to(torch.float64)
+    with pytest.raises(ValueError, match="argument 'cpu_decoder' expected False or 'auto' here .* float64"):
+        HeteroSpec(wide, cpu_decoder=True)
     with pytest.raises(ValueError, match="argument 'cpu_decoder' .* compiled"):
         HeteroSpec(model, cpu_decoder=True, compile="eager")
-    assert cpu_decoder.unsupported(half) is not None and cpu_decoder.unsupported(model) is None
+    assert cpu_decoder.unsupported(wide) is not None and cpu_decoder.unsupported(model) is None
+    assert cpu_decoder.unsupported(model.to(torch.bfloat16)) is None
 
 
 def test_auto_is_on_for_a_supported_float32_model_and_off_otherwise():
@@ -533,8 +541,15 @@ def test_auto_is_on_for_a_supported_float32_model_and_off_otherwise():
         assert a.target.decoder is b.target.decoder
     with HeteroSpec(model, cpu_decoder=False) as hs:
         assert hs.cpu_decoder == "off" and hs.target.decoder is None
-    with HeteroSpec(cpu_model("llama").to(torch.bfloat16)) as hs:
+    with HeteroSpec(cpu_model("llama").to(torch.bfloat16)) as hs:   # a half model: ours, row-invariant by itself
+        assert hs.cpu_decoder.startswith("target (") and "BF16" in hs.cpu_decoder and not hs.batch_invariant
+    with HeteroSpec(cpu_model("llama").to(torch.bfloat16), batch_invariant=True) as hs:   # transformers' bf16
+        assert hs.cpu_decoder == "off" and hs.batch_invariant
+    with pytest.raises(ValueError, match="cpu_decoder.*batch_invariant=True"):
+        HeteroSpec(cpu_model("llama").to(torch.bfloat16), cpu_decoder=True, batch_invariant=True)
+    with HeteroSpec(cpu_model("llama").to(torch.float64)) as hs:
         assert hs.cpu_decoder == "off"
+    assert "float64" in cpu_decoder.unsupported(cpu_model("llama").to(torch.float64))
 
 
 @pytest.mark.parametrize("arch,gguf", [(a, False) for a in ALL_ARCHS] + [("llama", True)])
@@ -560,6 +575,83 @@ def test_greedy_decoding_on_the_decoder_equals_transformers_generate(arch, gguf,
             outs, _ = hs.generate([p[0] for p in ps], max_new_tokens=refs[0].shape[1] - ps[0].shape[1])
             for p, want, got in zip(ps, refs, outs):
                 assert got[:want.shape[1]].tolist() == want[0].tolist()
+
+
+HALF = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+def test_a_half_precision_model_is_its_float32_copy_bit_for_bit_its_weights_read_as_stored(arch, dtype):
+    """A bfloat16 / float16 model (what transformers 5 loads by default from such a checkpoint): every weight read
+    as its 16-bit values, every sum in float32, so the logits are bit for bit those of the same weights loaded in
+    float32 -- and so, to float32 rounding, transformers' float32 forward of them."""
+    half = cpu_model(arch).to(dtype)
+    full = copy.deepcopy(half).float()
+    dh, df = cpu_decoder.CpuDecoder(half), cpu_decoder.CpuDecoder(full)
+    name = {torch.bfloat16: "BF16", torch.float16: "F16"}[dtype]
+    if G.isa_best() >= 1:
+        assert set(dh.codecs) == {name}, dh.codecs    # 2 bytes a weight (float32 panels on the portable loop)
+    ids = prompts(1)[0].cpu()[:, :12]
+    n = ids.shape[1]
+    pos = torch.arange(n).view(1, n)
+    outs = []
+    for dec, model in ((dh, half), (df, full)):
+        kv = new_cache(model)
+        logits, taps = dec.forward(ids, pos, torch.arange(n), causal(n, 16), kv, taps=[0, 1, 2])
+        outs.append((logits, taps, kv))
+    (lh, th, kh), (lf, tf, kf) = outs
+    assert lh.dtype == torch.float32 and torch.equal(lh, lf) and torch.equal(kh, kf)
+    assert all(torch.equal(a, b) for a, b in zip(th, tf))
+    with torch.no_grad():
+        want = full(ids).logits
+    assert torch.allclose(lh, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt_neox", "gpt2", "phi"])
+def test_greedy_decoding_of_a_half_model_and_its_half_draft_equals_transformers_generate_of_its_float32_copy(
+        arch, dtype, tmp_path):
+    """The engine on a half model (its draft in the same dtype, on the C layer too): autoregressive and tree
+    decoding, alone and batched, give the tokens of transformers' greedy generate on the same weights in float32;
+    the cache is float32 and no row-invariant machinery runs (a row of ours never depends on the others)."""
+    half = tiny_target(arch).cpu().to(dtype)
+    full = copy.deepcopy(half).float()
+    draft = eagle3_head(full, tmp_path / "draft").to(dtype)
+    ps = [p.cpu() for p in prompts(3)]
+    refs = [reference_greedy(full, p) for p in ps]
+    for pol, d in ((Policy.autoregressive(), None), (Policy.static(3, 3, 10), draft)):
+        with HeteroSpec(half, d, pol) as hs:
+            assert hs.cpu_decoder.startswith("target and draft (" if d is not None else "target (")
+            assert hs.target.decoder is not None and not hs.batch_invariant
+            for p, want in zip(ps, refs):
+                out, _ = hs.generate(p, max_new_tokens=want.shape[1] - p.shape[1])
+                assert out.tolist() == want.tolist()
+            assert hs.target.kv.dtype == torch.float32
+            outs, _ = hs.generate([p[0] for p in ps], max_new_tokens=refs[0].shape[1] - ps[0].shape[1])
+            for want, got in zip(refs, outs):
+                assert got[:want.shape[1]].tolist() == want[0].tolist()
+
+
+def test_a_users_hook_on_a_half_model_and_its_draft_runs_their_modules_on_the_float32_caches(tmp_path):
+    """While a hook of the user's is set, transformers' bfloat16 forward (and the draft's modules) run, reading the
+    float32 caches our C code keeps for them converted to bfloat16; the hooks run and the call completes."""
+    full = tiny_target("llama").cpu()
+    draft = eagle3_head(full, tmp_path / "draft").to(torch.bfloat16)
+    half = full.to(torch.bfloat16)
+    p = prompts(1)[0].cpu()
+    calls = []
+    with HeteroSpec(half, draft, Policy.static(3, 3, 10)) as hs:
+        assert hs.cycle.drafter.fast is not None
+        handles = [m.register_forward_hook(lambda m, a, out: calls.append(out.dtype)) for m in (half.lm_head,
+                                                                                                draft.lm_head)]
+        try:
+            out, st = hs.generate(p, max_new_tokens=6)
+        finally:
+            for h in handles:
+                h.remove()
+        assert out.shape[1] == p.shape[1] + 6 and calls and set(calls) == {torch.bfloat16}
+        assert hs.target.kv.dtype == torch.float32 and hs.cycle.drafter.cache.dtype == torch.float32
 
 
 def test_a_users_forward_hook_sends_the_forwards_to_transformers_and_runs():
@@ -726,8 +818,9 @@ def test_the_draft_step_refuses_a_wrong_cache_and_is_off_for_other_drafts():
     with pytest.raises(ValueError, match=r"argument 'taps' expected \[B, rows, 96\].*got \(1, 2, 32\)"):
         fast.step_head(None, ids, pos, cache, torch.arange(2), causal(2, 8), taps=x)
     assert cpu_decoder.draft_unsupported(draft) is None
-    assert "bfloat16" not in str(cpu_decoder.draft_unsupported(random_draft().to(torch.bfloat16)))
-    assert cpu_decoder.draft_unsupported(random_draft().to(torch.bfloat16)) is not None
+    assert cpu_decoder.draft_unsupported(random_draft().to(torch.bfloat16)) is None   # read as stored, float32 sums
+    assert "a draft not in float32, bfloat16 or float16" in cpu_decoder.draft_unsupported(
+        random_draft().to(torch.float64))
     assert "a draft of type Linear" in cpu_decoder.draft_unsupported(torch.nn.Linear(2, 2))
     assert cpu_decoder.for_draft(False, draft) is None and cpu_decoder.for_draft("auto", draft) is not None
 

@@ -360,12 +360,12 @@ class Eagle3Draft(nn.Module):
         logits = self.lm_head(normed if c.norm_output else h2).float()
         return logits, (normed if c.norm_hidden_out else h2)
 
-    def new_cache(self, capacity, batch=1):
-        """A static key/value cache for :meth:`step`: one [2, batch, nkv, capacity, hd] tensor in the draft's
-        dtype on its device."""
+    def new_cache(self, capacity, batch=1, dtype=None):
+        """A static key/value cache for :meth:`step`: one [2, batch, nkv, capacity, hd] tensor in ``dtype`` (default:
+        the draft's) on its device."""
         c = self.config
-        return torch.zeros((2, batch, c.num_key_value_heads, capacity, c.head_dim), dtype=self.dtype,
-                           device=self.device)
+        return torch.zeros((2, batch, c.num_key_value_heads, capacity, c.head_dim),
+                           dtype=self.dtype if dtype is None else dtype, device=self.device)
 
     def step(self, hidden, input_ids, position_ids, cache, slots, attn_mask):
         """One draft step on a static cache (the engine's path; no shape depends on the sequence length).
@@ -379,7 +379,9 @@ class Eagle3Draft(nn.Module):
         write_at(cache[0], slots, k)
         write_at(cache[1], slots, v)
         mask = attn_mask if attn_mask.dim() == 2 else attn_mask.unsqueeze(1)
-        return self._attend(q, cache[0], cache[1], mask, h, hn)
+        # (a half draft on the float32 cache of cpu_decoder's C layer, while a hook of the user's sends it here)
+        keys, values = (cache[0], cache[1]) if cache.dtype == q.dtype else (cache[0].to(q.dtype), cache[1].to(q.dtype))
+        return self._attend(q, keys, values, mask, h, hn)
 
     def map_tokens(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids -> target ids: ``ids + d2t[ids]`` (int64, on ``d2t``'s device)."""

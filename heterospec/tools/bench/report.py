@@ -103,8 +103,8 @@ def markdown(result):
         for n, v in (run.get("cpu_decoder") or {}).items():
             decoders.setdefault(v, []).append(n)
         if set(decoders) - {"off"}:
-            lines.append("Which forwards of our engines ran on heterospec's own float32 CPU code (`cpu_decoder`: the "
-                         "target's decoder, the draft's layer and head; torch's modules where off): "
+            lines.append("Which forwards of our engines ran on heterospec's own CPU code (`cpu_decoder`, float32 "
+                         "arithmetic: the target's decoder, the draft's layer and head; torch's modules where off): "
                          + "; ".join(f"{', '.join(ns)}: {v}" for v, ns in decoders.items()) + ".")
             lines.append("")
         if set(paths) - {"off"}:
