@@ -18,8 +18,9 @@ What one run does, in one process (``--shape tiny`` is the same code at a size t
    the draft levels) and reports per cycle: target verify, draft levels, and the rest (tree ops, host, idle);
    the ``ar`` step against the memory floor (weight bytes / the copy bandwidth measured in the same run); peak
    memory and the caches' sizes (4,096 positions at batch 8 allocated for real);
-4. checks that every method's greedy output equals ``ar``'s (enforced in float32, and in bfloat16 on the CPU where
-   verification is row-invariant; reported elsewhere, where a tree forward may round differently);
+4. checks that every method's greedy output equals ``ar``'s (enforced in float32, in bfloat16 on the CPU where
+   verification is row-invariant, and in any dtype our CPU decoder runs; reported elsewhere, where a tree forward
+   may round differently);
 5. projects tokens/s at tau = 2..7 from the measured cycle times, the paper's tau marked.
 
     python -m benchmarks.scale_rehearsal --shape llama-3.1-8b --device cuda --out scale
@@ -70,6 +71,17 @@ SHAPES = {
     "codegen-350m": dict(arch="codegen", draft_vocab=8192, config=dict(
         vocab_size=51200, n_embd=1024, n_layer=20, n_head=16, rotary_dim=32, n_positions=2048, n_ctx=2048,
         activation_function="gelu_new")),
+    # the small checkpoints CPU users load today, stored in bfloat16 (transformers 5 loads them so by default):
+    # Qwen/Qwen2.5-0.5B-Instruct's config (q/k/v biases, tied embeddings) and meta-llama/Llama-3.2-1B-Instruct's
+    "qwen2.5-0.5b": dict(arch="qwen2", draft_vocab=32000, config=dict(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        tie_word_embeddings=True)),
+    "llama-3.2-1b": dict(arch="llama", draft_vocab=32000, config=dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192}, tie_word_embeddings=True)),
     # the same code at a size the CPU test suite runs (Llama-3.1's RoPE: its base and llama3 scaling)
     "tiny": dict(arch="llama", draft_vocab=96, config=dict(
         vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
@@ -89,7 +101,8 @@ def target_config(shape, layers=None):
     import transformers
 
     s = SHAPES[shape]
-    cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config, "gpt_neox": transformers.GPTNeoXConfig,
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "gpt_neox": transformers.GPTNeoXConfig,
            "gpt2": transformers.GPT2Config, "opt": transformers.OPTConfig, "phi": transformers.PhiConfig,
            "codegen": transformers.CodeGenConfig}[s["arch"]]
     kw = dict(s["config"], **({"num_hidden_layers": layers} if layers else {}))
@@ -104,7 +117,8 @@ def build_target(shape, device, dtype, seed=0, layers=None):
     import transformers
 
     cfg = target_config(shape, layers)
-    cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+    cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+           "qwen3": transformers.Qwen3ForCausalLM,
            "gpt_neox": transformers.GPTNeoXForCausalLM, "gpt2": transformers.GPT2LMHeadModel,
            "opt": transformers.OPTForCausalLM, "phi": transformers.PhiForCausalLM,
            "codegen": transformers.CodeGenForCausalLM}[SHAPES[shape]["arch"]]
@@ -403,8 +417,12 @@ def main(argv=None):
                   "device_total_bytes": total}
         del adapter, dcache
 
-    # lossless: every method's greedy ids against ar's (enforced where the engine is bitwise: fp32, CPU bf16)
-    enforced = dtype == torch.float32 or (dev.type == "cpu" and dtype == torch.bfloat16)
+    # lossless: every method's greedy ids against ar's (enforced where the engine is bitwise: fp32, CPU bf16, and
+    # any dtype our CPU decoder runs, in float32 arithmetic)
+    from heterospec.models import cpu_decoder
+
+    enforced = dtype == torch.float32 or (dev.type == "cpu" and (dtype == torch.bfloat16
+                                                                 or cpu_decoder.why_off("auto", model) is None))
     same = {m: {B: r["ids"] == runs["ar"][B]["ids"] for B, r in rows.items()} for m, rows in runs.items()}
     ours_same = all(v for m, by in same.items() if not m.startswith("hf") for v in by.values())
     ar_step = runs["ar"][1]["cycle_ms"] / 1e3
