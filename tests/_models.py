@@ -69,6 +69,10 @@ def tiny_target(arch, vocab=V, layers=8, seed=0, sharpen=40.0):
         cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     elif arch == "qwen2":
         cfg, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    elif arch == "phi3":   # q/k/v and gate/up fused; half of each head rotated (Phi-4-mini: three quarters)
+        cfg = transformers.Phi3Config(**common, partial_rotary_factor=0.5, pad_token_id=0, bos_token_id=1,
+                                      eos_token_id=2)
+        cls = transformers.Phi3ForCausalLM
     else:
         cfg, cls = transformers.Qwen3Config(head_dim=16, **common), transformers.Qwen3ForCausalLM
     return _sharpened(cls(cfg), sharpen)

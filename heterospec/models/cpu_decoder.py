@@ -23,12 +23,14 @@ forward to ~1e-5 (the tests hold them to it), as the packed matrix paths do; eac
 same way whatever the other rows are (decoder.h), so a tree node's logits equal, bit for bit, those of a one-row
 step of the same engine over the same keys.
 
-Supported: ``llama``, ``mistral`` (without a sliding window), ``qwen2`` and ``qwen3`` (q/k norms) models on the
-CPU in float32, bfloat16 or float16 with SiLU MLPs and RMSNorm, any bias layout, any head grouping; ``gpt_neox``
-(Pythia: LayerNorm, gelu, rotary over part of each head, the parallel residual or not; its fused q/k/v reordered
-head by head when packed), ``gpt2`` (LayerNorm, gelu's tanh form, learned positions added to the embeddings, Conv1D weights read
-transposed), ``gpt_bigcode`` (StarCoder 1, SantaCoder: as GPT-2 on linear layers, multi-query or q/k/v fused head
-by head), ``opt`` (relu, learned positions two rows into their table; not OPT-350m's norms after each block and
+Supported: ``llama``, ``mistral``, ``qwen2``, ``qwen3`` (q/k norms) and ``phi3`` (q/k/v and gate/up fused; part
+of each head rotated in Phi-4-mini; LongRoPE through its own rotary module) models on the CPU in float32, bfloat16
+or float16 with SiLU MLPs and RMSNorm, any bias layout, any head grouping, a sliding window where every layer slides
+(Mistral, Phi-3: the engine restricts each row's columns to it); ``gpt_neox`` (Pythia: LayerNorm, gelu, rotary over
+part of each head, the parallel residual or not; its fused q/k/v reordered head by head when packed), ``gpt2``
+(LayerNorm, gelu's tanh form, learned positions added to the embeddings, Conv1D weights read transposed),
+``gpt_bigcode`` (StarCoder 1, SantaCoder: as GPT-2 on linear layers, multi-query or q/k/v fused head by head),
+``opt`` (relu, learned positions two rows into their table; not OPT-350m's norms after each block and
 projections), ``phi`` (one LayerNorm a layer feeding attention and MLP side by side), ``gptj`` and ``codegen`` (the
 same, with the rotation of neighbouring pairs from their own sinusoid tables; CodeGen's q/k/v blocks reordered);
 :func:`unsupported` says why not otherwise.  A model with forward hooks of the user's on any of its
@@ -46,8 +48,9 @@ import weakref
 import torch
 
 from . import cpu_gemm
+from .target import sliding_layout
 
-LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 FAMILIES = LLAMA_FAMILIES + ("gpt_neox", "gpt2", "gpt_bigcode", "opt", "phi", "gptj", "codegen")
 SETTINGS = ("auto", True, False)
 # the models' dtypes the decoder runs: every weight read as it is stored (16-bit values as such), every sum in float32
@@ -130,35 +133,46 @@ def _llama_layout(model, cfg):
     for layer in layers:
         att, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if att is None or mlp is None or not all(cpu_gemm.plain_linear(getattr(att, n, None))
-                                                 for n in ("q_proj", "k_proj", "v_proj", "o_proj")) \
-                or not all(cpu_gemm.plain_linear(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")):
-            return "a layer without q/k/v/o and gate/up/down linear layers"
+                                                 for n in _llama_names(att, QKV_NAMES) + ("o_proj",)) \
+                or not all(cpu_gemm.plain_linear(getattr(mlp, n, None))
+                           for n in _llama_names(mlp, GU_NAMES) + ("down_proj",)):
+            return "a layer without q/k/v (or qkv_proj), o and gate/up (or gate_up_proj), down linear layers"
         if not (_is_rmsnorm(getattr(layer, "input_layernorm", None))
                 and _is_rmsnorm(getattr(layer, "post_attention_layernorm", None))):
             return "a layer whose norms are not RMSNorm"
         for n in ("q_norm", "k_norm"):
             if getattr(att, n, None) is not None and not _is_rmsnorm(getattr(att, n)):
                 return f"a {n} that is not RMSNorm"
-        if getattr(att, "sliding_window", None):
-            return "a sliding attention window"
-        if type(getattr(mlp, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
-            return f"an MLP activation {type(getattr(mlp, 'act_fn', None)).__name__} (the decoder has SiLU)"
-    if getattr(cfg, "sliding_window", None) and cfg.model_type == "mistral":
-        return "a sliding attention window"
-    att0 = layers[0].self_attn
+        act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)   # (Phi-3's name)
+        if type(act).__name__ not in ("SiLU", "SiLUActivation"):
+            return f"an MLP activation {type(act).__name__} (the decoder has SiLU)"
+    att0, mlp0 = layers[0].self_attn, layers[0].mlp
+    inter = mlp0.gate_proj.out_features if hasattr(mlp0, "gate_proj") else mlp0.gate_up_proj.out_features // 2
+    # the rotated dimensions: the width of the model's own tables (Phi-3 / Phi-4-mini rotate part of each head)
+    with torch.no_grad():
+        rot = base.rotary_emb(torch.zeros(1, 1, cfg.hidden_size), torch.zeros(1, 1, dtype=torch.long))[0].shape[-1]
     return _Layout(embed=base.embed_tokens, pos=None, rotary=base.rotary_emb, final=base.norm, head=head,
-                   layers=list(layers), arch=0, act=HSD_SILU_GLU, rot=att0.head_dim,
+                   layers=list(layers), arch=0, act=HSD_SILU_GLU, rot=rot,
                    eps=float(layers[0].input_layernorm.variance_epsilon), scale=float(att0.scaling),
                    heads=cfg.num_attention_heads, kv_heads=getattr(cfg, "num_key_value_heads", None)
-                   or cfg.num_attention_heads, head_dim=att0.head_dim, inter=layers[0].mlp.gate_proj.out_features,
-                   parts=_llama_parts)
+                   or cfg.num_attention_heads, head_dim=att0.head_dim, inter=inter, parts=_llama_parts)
+
+
+# a Llama-family layer's linear layers, apart or fused (Phi-3: qkv_proj, [q; k; v]; gate_up_proj, [gate; up]: the
+# rows decoder.h packs, in its order)
+QKV_NAMES, GU_NAMES = (("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")
+
+
+def _llama_names(module, names):
+    apart, fused = names
+    return (fused,) if hasattr(module, fused) and not hasattr(module, apart[0]) else apart
 
 
 def _llama_parts(layer):
     a, m = layer.self_attn, layer.mlp
     return {"ln1": (layer.input_layernorm.weight, None), "ln2": (layer.post_attention_layernorm.weight, None),
-            "qkv": [_pair(a.q_proj), _pair(a.k_proj), _pair(a.v_proj)], "o": [_pair(a.o_proj)],
-            "gu": [_pair(m.gate_proj), _pair(m.up_proj)], "down": [_pair(m.down_proj)],
+            "qkv": [_pair(getattr(a, n)) for n in _llama_names(a, QKV_NAMES)], "o": [_pair(a.o_proj)],
+            "gu": [_pair(getattr(m, n)) for n in _llama_names(m, GU_NAMES)], "down": [_pair(m.down_proj)],
             "q_norm": getattr(getattr(a, "q_norm", None), "weight", None),
             "k_norm": getattr(getattr(a, "k_norm", None), "weight", None)}
 
@@ -433,6 +447,12 @@ def layout(model):
     kind = getattr(cfg, "model_type", None)
     if kind not in FAMILIES:
         return f"a {kind!r} model (supported: {', '.join(FAMILIES)})"
+    try:
+        sliding = sliding_layout(model.config)
+    except ValueError as e:
+        return str(e).removeprefix("target: ")
+    if sliding is not None and sliding[1]:   # (one window for every layer the engine restricts the rows to)
+        return "sliding and full attention layers (config.layer_types)"
     p = next(model.parameters(), None)
     if p is None or p.device.type != "cpu" or p.dtype not in DTYPES:
         return f"a {getattr(p, 'device', None)} {str(getattr(p, 'dtype', None)).replace('torch.', '')} model " \

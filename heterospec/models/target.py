@@ -998,6 +998,8 @@ class TargetAdapter:
         cache = self.cache if cache is None else cache
         if self.decoder is not None and call in (None, self.model) and cache is self.cache and not exact \
                 and set(kw) <= {"logits_to_keep"} and self.decoder.runs(self._decoder_on):
+            if self._sliding is not None:   # every layer slides (the decoder refuses typed layers): one window
+                allowed = self._within_window(allowed, positions, slots)
             logits, taps = self.decoder.forward(ids, positions, slots, allowed, self.kv, keep=kw.get("logits_to_keep"),
                                                 taps=self.tap_layers if self._hooks else None,
                                                 current=self._decoder_on is not None,

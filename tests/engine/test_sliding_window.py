@@ -16,9 +16,11 @@ from _models import DEVICE, THRESHOLDS  # noqa: E402
 
 from heterospec import HeteroSpec, Policy  # noqa: E402
 from heterospec.engine.requests import left_pad  # noqa: E402
+from heterospec.models import cpu_decoder, cpu_gemm  # noqa: E402
 from heterospec.models.target import sliding_layout  # noqa: E402
 
 VOCAB, WINDOW, PROMPT, NEW = 64, 12, 30, 32
+OUR_DECODER = cpu_gemm.rows_available() and cpu_gemm._rows_module().isa_best() >= 1   # cpu_decoder='auto' runs
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, attn_implementation="sdpa")
 # arch -> (config class, model class, extra config, lm_head scale: Gemma's logits stay unsharpened, as its soft
@@ -76,6 +78,8 @@ def test_greedy_equals_huggingface_past_the_window(arch_model_refs, method):
         "heterospec-noisy": lambda: (NoisyDraft(32, VOCAB, seed=3).to(DEVICE), Policy.paper(4, 4, 20, THRESHOLDS)),
     }[method]()
     with HeteroSpec(model, draft, policy, cuda_graphs=False) as hs:
+        if DEVICE.type == "cpu" and OUR_DECODER:   # every layer sliding: our CPU decoder, the window in its rows
+            assert (hs.target.decoder is not None) == (arch in ("mistral", "phi3")), hs.cpu_decoder
         for p, ref in zip(ps, refs):
             out, _ = hs.generate(p, max_new_tokens=NEW, eos_token_id=[])
             assert out[0, p.shape[1]:].tolist() == ref, f"{arch} {method}"
@@ -113,6 +117,9 @@ def test_sliding_layout_reads_the_config_as_transformers_does():
         sliding_layout(cfg(sliding_window=0))
     with pytest.raises(ValueError, match=r"^target: expected config\.sliding_window an int >= 1 for its "):
         sliding_layout(cfg(sliding_window=None, layer_types=["sliding_attention"]))
+    if cpu_gemm.rows_available():   # our CPU decoder takes one window for every layer: typed layers stay on theirs
+        assert cpu_decoder.unsupported(_model("qwen2")) == "sliding and full attention layers (config.layer_types)"
+        assert cpu_decoder.unsupported(_model("mistral").cpu()) is None
 
 
 def _gemma3_vlm():

@@ -22,7 +22,9 @@ from tests._models import eagle3_head, prompts, reference_greedy, tiny_target  #
 G = cpu_gemm._rows_module()
 pytestmark = pytest.mark.skipif(G is None, reason="heterospec._gemm was not built here")
 ISAS = range(G.isa_best() + 1) if G is not None else ()
-ARCHS = ["llama", "qwen2", "qwen3"]   # qwen2: q/k/v biases; qwen3: q/k norms, head_dim 16 (the others 8)
+# qwen2: q/k/v biases; qwen3: q/k norms, head_dim 16 (the others 8); phi3: q/k/v and gate/up fused, half of each
+# head rotated (as Phi-4-mini rotates three quarters)
+ARCHS = ["llama", "qwen2", "qwen3", "phi3"]
 # LayerNorm layouts: GPT-NeoX (Pythia: the parallel residual and gelu; serial with gelu's tanh form; rotary over
 # half of each head, q/k/v fused head by head), GPT-2 (learned positions, Conv1D weights, gelu's tanh form),
 # GPTBigCode (multi-query, or q/k/v fused head by head), OPT (relu, positions 2 rows into their table), Phi (one norm
@@ -288,8 +290,15 @@ def _twin_layers(model):
     for layer in base.layers:
         a, m = layer.self_attn, layer.mlp
         L = {"ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight}
-        for name, lin in (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("o", a.o_proj), ("gate", m.gate_proj),
-                          ("up", m.up_proj), ("down", m.down_proj)):
+        if hasattr(a, "qkv_proj"):   # Phi-3: q/k/v and gate/up fused (rows [q; k; v] and [gate; up]), no biases
+            nq, nk = model.config.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+            w, g = a.qkv_proj.weight, m.gate_up_proj.weight
+            L.update(q=w[:nq], k=w[nq:nq + nk], v=w[nq + nk:], gate=g[:g.shape[0] // 2], up=g[g.shape[0] // 2:])
+            lins = (("o", a.o_proj), ("down", m.down_proj))
+        else:
+            lins = (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("o", a.o_proj), ("gate", m.gate_proj),
+                    ("up", m.up_proj), ("down", m.down_proj))
+        for name, lin in lins:
             L[name] = lin.weight
             if lin.bias is not None:
                 L[name + "_b"] = lin.bias
