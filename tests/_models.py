@@ -73,6 +73,11 @@ def tiny_target(arch, vocab=V, layers=8, seed=0, sharpen=40.0):
         cfg = transformers.Phi3Config(**common, partial_rotary_factor=0.5, pad_token_id=0, bos_token_id=1,
                                       eos_token_id=2)
         cls = transformers.Phi3ForCausalLM
+    elif arch == "smollm3":   # Llama's layout, some layers rotating nothing (NoPE: every second here, every fourth
+        # in SmolLM3-3B, so that a 3-layer model has one)
+        cfg = transformers.SmolLM3Config(**common, no_rope_layer_interval=2, pad_token_id=0, bos_token_id=1,
+                                         eos_token_id=2)
+        cls = transformers.SmolLM3ForCausalLM
     else:
         cfg, cls = transformers.Qwen3Config(head_dim=16, **common), transformers.Qwen3ForCausalLM
     return _sharpened(cls(cfg), sharpen)

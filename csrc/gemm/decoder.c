@@ -489,13 +489,14 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
         }
         hsg_linear(x, XW, W_(L, HSD_QKV), W_(L, HSD_QKV_B), qkv, QKV, n, QKV, XW, isa, threads);
         const float *qn = W_(L, HSD_Q_NORM), *kn = W_(L, HSD_K_NORM);
+        const int64_t RL = m->table[L * HSD_FIELDS + HSD_NO_ROT] ? 0 : R; /* this layer's rotated dimensions */
         for (int64_t r = 0; r < n; r++) {
             float *row = qkv + r * QKV;
             for (int64_t a = 0; a < m->heads + m->kv_heads; a++) {
                 float *v = row + a * D;
                 const float *nw = a < m->heads ? qn : kn;
                 if (nw) hsd_rmsnorm(v, nw, v, D, m->eps, isa);
-                if (R) rotate(v, cos + r * R, sin + r * R, R, (m->arch & HSD_ROT_PAIRS) != 0, rot);
+                if (RL) rotate(v, cos + r * R, sin + r * R, R, (m->arch & HSD_ROT_PAIRS) != 0, rot);
             }
             float *base = c->kv + req[r] * c->s_batch + L * c->s_layer + slot[r] * D;
             for (int64_t a = 0; a < m->kv_heads; a++) {

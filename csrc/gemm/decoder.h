@@ -35,10 +35,11 @@
 
 #include <stdint.h>
 
-/* One layer's weights: packed (rows.h, any codec) [q; k; v], o, [gate; up], down, with their biases or NULL; the norms. */
+/* One layer's weights: packed (rows.h, any codec) [q; k; v], o, [gate; up], down, with their biases or NULL; the norms;
+ * and HSD_NO_ROT, a flag, not an address: nonzero where the layer does not rotate q and k (SmolLM3's NoPE layers). */
 enum {
     HSD_LN1, HSD_LN2, HSD_QKV, HSD_QKV_B, HSD_Q_NORM, HSD_K_NORM, HSD_O, HSD_O_B, HSD_GU, HSD_GU_B, HSD_DOWN,
-    HSD_DOWN_B, HSD_LN1_B, HSD_LN2_B, HSD_FIELDS
+    HSD_DOWN_B, HSD_LN1_B, HSD_LN2_B, HSD_NO_ROT, HSD_FIELDS
 };
 
 /* hsd_model.arch bits and hsd_model.act values (a decoder's layout; the draft's layout is 0 and HSD_SILU_GLU):

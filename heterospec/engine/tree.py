@@ -100,6 +100,8 @@ class DraftState:
                                        current=self.fast_on is not None, bad=self.bad, taps=taps)
         if taps is not None:
             hidden = self.draft.fuse(taps)
+        elif hidden.dtype != getattr(self.draft, "dtype", hidden.dtype):   # (float32 states of a half draft's C layer)
+            hidden = hidden.to(self.draft.dtype)
         h2 = self.draft.step(hidden, ids, pos, self.cache, slots, allowed)
         if last is not None:
             h2 = h2.gather(1, last.view(-1, 1, 1).expand(-1, 1, h2.shape[-1]))

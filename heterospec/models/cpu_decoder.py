@@ -23,8 +23,8 @@ forward to ~1e-5 (the tests hold them to it), as the packed matrix paths do; eac
 same way whatever the other rows are (decoder.h), so a tree node's logits equal, bit for bit, those of a one-row
 step of the same engine over the same keys.
 
-Supported: ``llama``, ``mistral``, ``qwen2``, ``qwen3`` (q/k norms) and ``phi3`` (q/k/v and gate/up fused; part
-of each head rotated in Phi-4-mini; LongRoPE through its own rotary module) models on the CPU in float32, bfloat16
+Supported: ``llama``, ``mistral``, ``qwen2``, ``qwen3`` (q/k norms), ``phi3`` (q/k/v and gate/up fused; part of
+each head rotated in Phi-4-mini; LongRoPE through its own rotary module) and ``smollm3`` (its NoPE layers) models on the CPU in float32, bfloat16
 or float16 with SiLU MLPs and RMSNorm, any bias layout, any head grouping, a sliding window where every layer slides
 (Mistral, Phi-3: the engine restricts each row's columns to it); ``gpt_neox`` (Pythia: LayerNorm, gelu, rotary over
 part of each head, the parallel residual or not; its fused q/k/v reordered head by head when packed), ``gpt2``
@@ -50,7 +50,7 @@ import torch
 from . import cpu_gemm
 from .target import sliding_layout
 
-LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 FAMILIES = LLAMA_FAMILIES + ("gpt_neox", "gpt2", "gpt_bigcode", "opt", "phi", "gptj", "codegen")
 SETTINGS = ("auto", True, False)
 # the models' dtypes the decoder runs: every weight read as it is stored (16-bit values as such), every sum in float32
@@ -173,6 +173,7 @@ def _llama_parts(layer):
     return {"ln1": (layer.input_layernorm.weight, None), "ln2": (layer.post_attention_layernorm.weight, None),
             "qkv": [_pair(getattr(a, n)) for n in _llama_names(a, QKV_NAMES)], "o": [_pair(a.o_proj)],
             "gu": [_pair(getattr(m, n)) for n in _llama_names(m, GU_NAMES)], "down": [_pair(m.down_proj)],
+            "no_rot": not getattr(a, "use_rope", True),   # (SmolLM3: every few layers rotate nothing, NoPE)
             "q_norm": getattr(getattr(a, "q_norm", None), "weight", None),
             "k_norm": getattr(getattr(a, "k_norm", None), "weight", None)}
 
@@ -565,7 +566,8 @@ class _Packed:
             gu, gu_b = fused(P["gu"])
             down, down_b = fused(P["down"])
             rows.append([addr(P["ln1"][0]), addr(P["ln2"][0]), qkv, qkv_b, addr(P["q_norm"]), addr(P["k_norm"]),
-                         o, o_b, gu, gu_b, down, down_b, addr(P["ln1"][1]), addr(P["ln2"][1])])
+                         o, o_b, gu, gu_b, down, down_b, addr(P["ln1"][1]), addr(P["ln2"][1]),
+                         int(bool(P.get("no_rot")))])   # (HSD_NO_ROT: a flag)
         self._table = torch.tensor(rows, dtype=torch.int64, device="cpu")
         final, head, hidden_norm, flags = self._head()
         head, head_b = fused([_pair(head)])

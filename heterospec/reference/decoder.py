@@ -197,7 +197,7 @@ def _layer(L, x, h, eps, scale, heads, kv_heads, cos, sin, cache, slots, allowed
         q = rmsnorm(q, L["q_norm"], eps)
     if L.get("k_norm") is not None:
         k = rmsnorm(k, L["k_norm"], eps)
-    if cos is not None:
+    if cos is not None and not L.get("no_rot"):   # (SmolLM3's NoPE layers: no rotation)
         R = cos.shape[-1]
         q[..., :R] = rotate(q[..., :R], cos[:, None, :], sin[:, None, :], pairs)
         k[..., :R] = rotate(k[..., :R], cos[:, None, :], sin[:, None, :], pairs)
@@ -219,8 +219,8 @@ def decoder_layers(layers, final_norm, head, eps, scale, heads, kv_heads, h, cos
     """The kernel's whole forward for the rows of one request, in NumPy (slow: for the tests' tiny models).
 
     ``layers``: per layer a dict of float32 arrays ``ln1, ln2, q, k, v, o, gate, up, down`` ([out, in] weights) and
-    optionally ``q_b, k_b, v_b, o_b, gate_b, up_b, down_b, q_norm, k_norm``; ``ln1_b`` and ``ln2_b`` (a bias or
-    None) make those norms LayerNorms; ``head``: (weight [V, H], bias or None); ``final_norm``: a weight, or
+    optionally ``q_b, k_b, v_b, o_b, gate_b, up_b, down_b, q_norm, k_norm``, and ``no_rot`` (True: the layer
+    rotates nothing); ``ln1_b`` and ``ln2_b`` (a bias or None) make those norms LayerNorms; ``head``: (weight [V, H], bias or None); ``final_norm``: a weight, or
     (weight, bias or None) for a LayerNorm; ``h`` [n, H]: the rows' embeddings; ``cos``/``sin`` [n, R]: the
     rotation of each head's first R dimensions (None: none); ``cache`` [layers, 2, kv_heads, W', d]: the request's
     keys and values, written in place at columns ``slots`` [n]; ``allowed`` [n, W] bool (W <= W'); ``act``: "silu"

@@ -23,8 +23,8 @@ G = cpu_gemm._rows_module()
 pytestmark = pytest.mark.skipif(G is None, reason="heterospec._gemm was not built here")
 ISAS = range(G.isa_best() + 1) if G is not None else ()
 # qwen2: q/k/v biases; qwen3: q/k norms, head_dim 16 (the others 8); phi3: q/k/v and gate/up fused, half of each
-# head rotated (as Phi-4-mini rotates three quarters)
-ARCHS = ["llama", "qwen2", "qwen3", "phi3"]
+# head rotated (as Phi-4-mini rotates three quarters); smollm3: every second layer without rotation (NoPE)
+ARCHS = ["llama", "qwen2", "qwen3", "phi3", "smollm3"]
 # LayerNorm layouts: GPT-NeoX (Pythia: the parallel residual and gelu; serial with gelu's tanh form; rotary over
 # half of each head, q/k/v fused head by head), GPT-2 (learned positions, Conv1D weights, gelu's tanh form),
 # GPTBigCode (multi-query, or q/k/v fused head by head), OPT (relu, positions 2 rows into their table), Phi (one norm
@@ -305,7 +305,7 @@ def _twin_layers(model):
         for name in ("q_norm", "k_norm"):
             if getattr(a, name, None) is not None:
                 L[name] = getattr(a, name).weight
-        layers.append(_np(L))
+        layers.append(dict(_np(L), no_rot=not getattr(a, "use_rope", True)))   # (SmolLM3's NoPE layers)
     return layers, base.norm.weight.detach().numpy(), model.lm_head.weight, base.embed_tokens.weight, None, \
         base.rotary_emb, {}
 

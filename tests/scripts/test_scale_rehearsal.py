@@ -177,7 +177,8 @@ def test_every_shape_builds_its_family_and_a_head_config(shape):
     from heterospec.models.train import draft_config_for
 
     model = scale_rehearsal.build_target(shape, torch.device("meta"), torch.float32, layers=7)
-    want = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gpt_neox": "GPTNeoXForCausalLM",
+    want = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "gpt_neox": "GPTNeoXForCausalLM",
             "gpt2": "GPT2LMHeadModel", "opt": "OPTForCausalLM", "phi": "PhiForCausalLM",
             "codegen": "CodeGenForCausalLM"}[scale_rehearsal.SHAPES[shape]["arch"]]
     assert type(model).__name__ == want and len(_decoder_layers(model)) == 7
