@@ -150,7 +150,8 @@ def _llama_layout(model, cfg):
     inter = mlp0.gate_proj.out_features if hasattr(mlp0, "gate_proj") else mlp0.gate_up_proj.out_features // 2
     # the rotated dimensions: the width of the model's own tables (Phi-3 / Phi-4-mini rotate part of each head)
     with torch.no_grad():
-        rot = base.rotary_emb(torch.zeros(1, 1, cfg.hidden_size), torch.zeros(1, 1, dtype=torch.long))[0].shape[-1]
+        rot = base.rotary_emb(torch.zeros(1, 1, cfg.hidden_size, device="cpu"),   # (never the default device)
+                              torch.zeros(1, 1, dtype=torch.long, device="cpu"))[0].shape[-1]
     return _Layout(embed=base.embed_tokens, pos=None, rotary=base.rotary_emb, final=base.norm, head=head,
                    layers=list(layers), arch=0, act=HSD_SILU_GLU, rot=rot,
                    eps=float(layers[0].input_layernorm.variance_epsilon), scale=float(att0.scaling),
@@ -648,7 +649,7 @@ class CpuDecoder(_Packed):
         self.vocab = lay.head.out_features
         self.eps, self.scale = lay.eps, lay.scale
         self.embed, self.pos_embed, self.rotary, self.pos_offset = lay.embed, lay.pos, lay.rotary, lay.pos_offset
-        self._no_rotation = torch.zeros(1, 1, 1)   # (cos and sin for a model without rotary: never read)
+        self._no_rotation = torch.zeros(1, 1, 1, device="cpu")   # (cos and sin without rotary: never read)
         self._pack()
 
     _why = staticmethod(unsupported)
