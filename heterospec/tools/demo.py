@@ -249,13 +249,9 @@ def run(args, out=None):
         first = results[shown].sequences[0]
         print(f"[{shown}] >>> {texts[0]}\n", file=out)
         print(tokenizer.decode(first[0, ids[0].shape[1]:], skip_special_tokens=True), file=out)
-    bad = results.mismatches()
     print(file=out)
-    if bad:
-        for name, i, pos in bad:
-            print(f"MISMATCH: {name} differs from ar on prompt {i} at new token {pos - ids[i].shape[1]}", file=out)
-    else:
-        print(f"identical greedy outputs across {', '.join(results)} on all {len(texts)} prompts", file=out)
+    bad = greedy_check(results.mismatches(), list(results), args.dtype, results.cpu_decoder,
+                       [x.shape[1] for x in ids], len(texts), out)
     if results.cpu_decoder not in (None, "off"):
         print(f"our engines' forwards: cpu_decoder {results.cpu_decoder}", file=out)
     print(file=out)
@@ -266,6 +262,26 @@ def run(args, out=None):
     if busy:
         print(busy, file=out)
     return 1 if bad else 0
+
+
+def greedy_check(bad, names, dtype, decoder, starts, prompts, out):
+    """Print the demo's greedy check: ``bad`` (method, prompt, position) from :meth:`Comparison.mismatches`,
+    ``starts`` each prompt's length; returns the mismatches that fail the demo.  A half-precision model on our CPU
+    decoder (``decoder`` not 'off') is computed in float32, its output its float32 copy's: transformers' own half
+    arithmetic ("hf") is another computation, so its differences are printed as notes, not failures."""
+    other = dtype != "float32" and decoder not in (None, "off")
+    theirs = [b for b in bad if other and b[0] == "hf"]
+    bad = [b for b in bad if b not in theirs]
+    for name, i, pos in theirs:
+        print(f"note: {name} ({dtype} arithmetic) differs from ar on prompt {i} at new token {pos - starts[i]}; our "
+              f"engines compute the {dtype} weights in float32 (ar equals transformers' float32 generate of them)",
+              file=out)
+    for name, i, pos in bad:
+        print(f"MISMATCH: {name} differs from ar on prompt {i} at new token {pos - starts[i]}", file=out)
+    if not bad:
+        same = [n for n in names if not any(n == b[0] for b in theirs)]
+        print(f"identical greedy outputs across {', '.join(same)} on all {prompts} prompts", file=out)
+    return bad
 
 
 # ---- heterospec demo --synthetic: one cycle of the C core, no model ----------------------------------------

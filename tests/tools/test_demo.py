@@ -83,6 +83,28 @@ def test_mismatch_check_fires_on_a_broken_method(tmp_path):
     assert res.mismatches() == [("eagle3", 1, pos)]
 
 
+def test_the_greedy_check_notes_transformers_half_arithmetic_and_fails_on_ours():
+    """A bf16 model on our CPU decoder is computed in float32 (its float32 copy's output): transformers' own bf16
+    generate ("hf") differing from ar is a note, not a failure; any method of ours differing fails, and in float32
+    (or with our decoder off) "hf" differing fails too."""
+    import io
+
+    bad = [("hf", 0, 9), ("eagle3", 1, 12)]
+    out = io.StringIO()
+    assert demo.greedy_check(bad, ["ar", "hf", "eagle3"], "bfloat16", "target (AVX-512)", [4, 5], 2, out) == \
+        [("eagle3", 1, 12)]
+    text = out.getvalue()
+    assert "note: hf (bfloat16 arithmetic) differs from ar on prompt 0 at new token 5" in text
+    assert "MISMATCH: eagle3 differs from ar on prompt 1 at new token 7" in text and "identical" not in text
+    out = io.StringIO()
+    assert demo.greedy_check(bad[:1], ["ar", "hf", "eagle3"], "bfloat16", "target (AVX-512)", [4, 5], 2, out) == []
+    assert "identical greedy outputs across ar, eagle3 on all 2 prompts" in out.getvalue()
+    for dtype, decoder in (("float32", "target (AVX-512)"), ("bfloat16", "off"), ("bfloat16", None)):
+        out = io.StringIO()
+        assert demo.greedy_check(bad[:1], ["ar", "hf"], dtype, decoder, [4, 5], 2, out) == bad[:1]
+        assert "MISMATCH: hf differs from ar on prompt 0 at new token 5" in out.getvalue()
+
+
 def test_demo_prompts_are_not_benchmark_prompts():
     texts = demo.demo_prompts()
     assert len(texts) >= 4 and all(isinstance(t, str) and t for t in texts)
