@@ -271,7 +271,7 @@ class HeteroSpec:
     (:mod:`heterospec.models.cpu_decoder`: every layer in one call of C, the linear layers on the few-rows
     kernel, on this engine's cache) instead of transformers' modules, whose ~1,400 small operations per forward
     cost the default pair about as much as its matrix products.  'auto' (default): on for a CPU target of a family
-    it has (Llama, Mistral, Qwen2/3, GPT-NeoX, GPT-2, GPTBigCode, OPT, Phi, GPT-J, CodeGen), not compiled, where the
+    it has (:data:`heterospec.models.cpu_decoder.FAMILIES`), not compiled, where the
     kernel has AVX2 or AVX-512 tiles; True insists (ValueError naming why not); False: transformers' forward.  It
     computes in float32: a bfloat16 or float16 model's weights are read as their 16-bit values and its cache is
     float32, so its output is that of the same weights in float32 (``model.float()``), not transformers' half
