@@ -268,13 +268,14 @@ def greedy_check(bad, names, dtype, decoder, starts, prompts, out):
     """Print the demo's greedy check: ``bad`` (method, prompt, position) from :meth:`Comparison.mismatches`,
     ``starts`` each prompt's length; returns the mismatches that fail the demo.  A half-precision model on our CPU
     decoder (``decoder`` not 'off') is computed in float32, its output its float32 copy's: transformers' own half
-    arithmetic ("hf") is another computation, so its differences are printed as notes, not failures."""
-    other = dtype != "float32" and decoder not in (None, "off")
-    theirs = [b for b in bad if other and b[0] == "hf"]
+    arithmetic ("hf") is another computation, so its differences are printed as notes, not failures
+    (:func:`.bench.methods.other_arithmetic`, the rule bench shares)."""
+    from .bench.methods import arithmetic_note, other_arithmetic
+
+    theirs = [b for b in bad if other_arithmetic((b[0], names[0]), dtype, decoder)]
     bad = [b for b in bad if b not in theirs]
     for name, i, pos in theirs:
-        print(f"note: {name} ({dtype} arithmetic) differs from ar on prompt {i} at new token {pos - starts[i]}; our "
-              f"engines compute the {dtype} weights in float32 (ar equals transformers' float32 generate of them)",
+        print(f"note: {name} differs from ar on prompt {i} at new token {pos - starts[i]}: {arithmetic_note(dtype)}",
               file=out)
     for name, i, pos in bad:
         print(f"MISMATCH: {name} differs from ar on prompt {i} at new token {pos - starts[i]}", file=out)

@@ -94,7 +94,7 @@ def test_the_greedy_check_notes_transformers_half_arithmetic_and_fails_on_ours()
     assert demo.greedy_check(bad, ["ar", "hf", "eagle3"], "bfloat16", "target (AVX-512)", [4, 5], 2, out) == \
         [("eagle3", 1, 12)]
     text = out.getvalue()
-    assert "note: hf (bfloat16 arithmetic) differs from ar on prompt 0 at new token 5" in text
+    assert "note: hf differs from ar on prompt 0 at new token 5: transformers' generate rounds in bfloat16" in text
     assert "MISMATCH: eagle3 differs from ar on prompt 1 at new token 7" in text and "identical" not in text
     out = io.StringIO()
     assert demo.greedy_check(bad[:1], ["ar", "hf", "eagle3"], "bfloat16", "target (AVX-512)", [4, 5], 2, out) == []

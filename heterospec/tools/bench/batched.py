@@ -18,7 +18,7 @@ import statistics
 from ...measure import DeviceTimer
 from ..prompts import encode_turn
 from .baselines import HFGenerate, eos_list
-from .methods import HFMethod, engine_options, static_hf
+from .methods import HFMethod, arithmetic_note, engine_options, split_mismatches, static_hf
 from .metrics import first_diff
 
 
@@ -44,9 +44,10 @@ def batch_prompts(tokenizer, questions, chat, count):
 
 def run_batch_bench(target, tokenizer, draft, methods, prompts, batch_sizes, *, max_new_tokens, device="cpu",
                     eos_token_id=None, warmup_tokens=16, progress=None, cuda_graphs=False, cpu_decoder="auto"):
-    """{"batch_sizes", "results": {B: {method: row}}, "mismatches": [...], "stops_beating_ar": {method: B or
-    None}, "cuda_graphs"}; a row: tokens_per_s, latency_mean_s, latency_p90_s, tau, verified_per_call,
-    verified_per_token, new_tokens, seconds, groups.  ``cuda_graphs``: passed to our engines, sized once for
+    """{"batch_sizes", "results": {B: {method: row}}, "mismatches": [...], "other_arithmetic": [...] (not
+    failures: :func:`.methods.split_mismatches`), "stops_beating_ar": {method: B or None}, "cuda_graphs"}; a
+    row: tokens_per_s, latency_mean_s, latency_p90_s, tau, verified_per_call, verified_per_token, new_tokens,
+    seconds, groups.  ``cuda_graphs``: passed to our engines, sized once for
     the longest prompt (each batch size is recorded in its untimed warm-up, the last, smaller group's too);
     ``cpu_decoder``: our engines' setting."""
     import torch
@@ -110,7 +111,10 @@ def run_batch_bench(target, tokenizer, draft, methods, prompts, batch_sizes, *, 
             for n in names:
                 for i, (x, ref) in enumerate(zip(tokens[B][n], tokens[B]["ar"])):
                     if x != ref:
-                        mism.append({"batch_size": B, "method": n, "prompt": i, "first_diff": first_diff(x, ref)})
+                        mism.append({"batch_size": B, "method": n, "reference": "ar", "prompt": i,
+                                     "first_diff": first_diff(x, ref)})
+    mism, notes = split_mismatches(mism, target.dtype,
+                                   [e.cpu_decoder for e in engines.values() if isinstance(e, HeteroSpec)])
     stops = {}
     if "ar" in names:
         for n in names:
@@ -119,7 +123,8 @@ def run_batch_bench(target, tokenizer, draft, methods, prompts, batch_sizes, *, 
             stops[n] = next((B for B in batch_sizes
                              if results[B][n]["tokens_per_s"] < results[B]["ar"]["tokens_per_s"]), None)
     return {"batch_sizes": list(batch_sizes), "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-            "results": results, "mismatches": mism, "stops_beating_ar": stops, "cuda_graphs": cuda_graphs}
+            "results": results, "mismatches": mism, "other_arithmetic": notes, "stops_beating_ar": stops,
+            "cuda_graphs": cuda_graphs}
 
 
 def _decode(engine, group, max_new_tokens, eos_token_id, pad, device, left_pad, torch, **hf_kw):
@@ -170,6 +175,9 @@ def batch_markdown(r, header=""):
         lines += ["", "Batch size at which a speculative method stops beating ar: " + "; ".join(
             f"{n}: {B if B is not None else f'none up to {sizes[-1]}'}" for n, B in r["stops_beating_ar"].items())]
     lines += ["", f"Greedy outputs differing from ar's: {len(r['mismatches'])}"]
+    if r.get("other_arithmetic"):
+        lines.append(f"Not counted there, {len(r['other_arithmetic'])} outputs of transformers' generate: "
+                     f"{arithmetic_note(r.get('dtype', 'float32'))}.")
     return "\n".join(lines)
 
 

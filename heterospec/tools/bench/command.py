@@ -11,7 +11,7 @@ import time
 from ...measure import DeviceTimer, load_warning, machine_info
 from .. import CPU_DECODER_HELP, ProgressBar
 from ..prompts import encode_turn, read_prompts
-from .methods import DEFAULT_METHODS, HF_METHODS, METHODS, build_methods, check_method_names, method_dict, parse_tree
+from .methods import DEFAULT_METHODS, HF_METHODS, METHODS, arithmetic_note, build_methods, check_method_names, method_dict, parse_tree
 from .questions import REPO, default_question_files, load_questions, question_paths
 from .report import SCHEMA, markdown, report, write_outputs
 from .batched import batch_markdown, batch_plot, batch_prompts, parse_batch_sizes, run_batch_bench
@@ -149,6 +149,9 @@ def main(args, out=None):
     print(markdown(result), file=out)
     status = 0
     for run in runs:
+        for m in run.get("other_arithmetic", []):
+            print(f"note: {m['method']} differs from {m['reference']} on {m['bench']} question {m['question_id']} "
+                  f"turn {m['turn'] + 1} at new token {m['first_diff']}: {arithmetic_note(args.dtype)}", file=out)
         for m in run["mismatches"]:
             status = 1
             print(f"MISMATCH at temperature 0: {m['method']} differs from {m['reference']} on {m['bench']} question "
@@ -194,6 +197,9 @@ def _batched(args, names, sizes, questions, tokenizer, target, draft, profile, p
     if not args.no_plots:
         paths.append(batch_plot(r, os.path.join(args.out, "batch.png")))
     print(md, file=out)
+    for x in r["other_arithmetic"]:
+        print(f"note: {x['method']} differs from ar at batch size {x['batch_size']} on prompt {x['prompt']} at new "
+              f"token {x['first_diff']}: {arithmetic_note(args.dtype)}", file=out)
     for x in r["mismatches"]:
         print(f"MISMATCH at temperature 0: {x['method']} differs from ar at batch size {x['batch_size']} on prompt "
               f"{x['prompt']} at new token {x['first_diff']}", file=out)

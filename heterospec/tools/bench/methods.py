@@ -93,6 +93,31 @@ HF_BASELINES = {"hf": HFMethod("hf"), "hf-static": HFMethod("hf-static", cache_i
                 "hf-lookup": HFMethod("hf-lookup", prompt_lookup_num_tokens=10)}
 
 
+def other_arithmetic(pair, dtype, decoder):
+    """Whether a greedy difference between the methods named in ``pair`` is one of arithmetic, not a failure:
+    a half-precision model (``dtype`` bfloat16 or float16) that our engines compute in float32 on our CPU decoder
+    (``decoder``: their ``HeteroSpec.cpu_decoder``, not None or 'off'; its output is the model's float32 copy's)
+    against one of transformers' own ``generate`` baselines (:data:`HF_BASELINES`), which rounds as the half
+    dtype does.  Every other difference at temperature 0 is a failure (the demo's and bench's one rule)."""
+    half = str(dtype).removeprefix("torch.") in ("bfloat16", "float16")
+    return half and decoder not in (None, "off") and any(n in HF_BASELINES for n in pair)
+
+
+def split_mismatches(mismatches, dtype, decoders):
+    """(failures, notes) of a run's greedy ``mismatches`` ([{"method", "reference", ...}]): notes are the
+    differences :func:`other_arithmetic` calls arithmetic.  ``decoders``: our engines' ``cpu_decoder`` values."""
+    decoder = next((d for d in decoders if d not in (None, "off")), "off")
+    notes = [m for m in mismatches if other_arithmetic((m["method"], m["reference"]), dtype, decoder)]
+    return [m for m in mismatches if m not in notes], notes
+
+
+def arithmetic_note(dtype):
+    """Why a difference :func:`other_arithmetic` names is no failure, in words (the demo and bench print it)."""
+    dtype = str(dtype).removeprefix("torch.")
+    return (f"transformers' generate rounds in {dtype}; our engines compute the {dtype} weights in float32 "
+            f"(ar equals transformers' float32 generate of them)")
+
+
 def build_methods(names, *, draft=None, profile=None, tuned=None, tuned_profile=None):
     """[(name, Policy or HFMethod)] for ``names`` (a subset of :data:`METHODS`, in the given order).
     ``profile``: the calibrated Policy (for ``heterospec``, and the bins of ``heterospec-paper``); ``tuned``:

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from .methods import HF_METHODS
+from .methods import HF_METHODS, arithmetic_note
 from .metrics import pooled_bins
 from .questions import LABELS
 
@@ -136,8 +136,14 @@ def markdown(result):
                          "tau, verification calls and the time split do not apply (–).")
             lines.append("")
         if run["temperature"] == 0:
+            theirs = run.get("other_arithmetic") or []
             if run["mismatches"]:
                 lines.append(f"**MISMATCH: {len(run['mismatches'])} outputs differ from {run['mismatches'][0]['reference']}'s.**")
+            elif theirs:
+                apart = [n for n in names if any(m["method"] == n for m in theirs)]
+                lines.append(f"Identical greedy outputs across {', '.join(n for n in names if n not in apart)} on "
+                             f"every question and turn; {len(theirs)} outputs of {', '.join(apart)} differ from "
+                             f"{theirs[0]['reference']}'s: {arithmetic_note(result['settings']['dtype'])}.")
             else:
                 lines.append(f"Identical greedy outputs across {', '.join(names)} on every question and turn.")
             lines.append("")

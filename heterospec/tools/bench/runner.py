@@ -11,7 +11,7 @@ from __future__ import annotations
 from ...measure import DeviceTimer
 from ..prompts import encode_turn
 from .baselines import HFGenerate, eos_list
-from .methods import HFMethod, engine_options, static_hf
+from .methods import HFMethod, engine_options, split_mismatches, static_hf
 from .metrics import add_speedup_over_hf, file_row, mean_row, mismatch_report
 
 
@@ -20,6 +20,8 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
               cpu_decoder="auto"):
     """Answer every question with every method (questions outer, methods inner).  Returns
     {"temperature", "files": {bench: {method: metrics}}, "mean": {method: metrics}, "mismatches": [...],
+    "other_arithmetic": [...] (greedy differences of transformers' half arithmetic from ours, not failures:
+    :func:`.methods.split_mismatches`),
     "warmup_s": {method: seconds}, "cpu_gemm": {our method: its CPU matrix path (HeteroSpec.cpu_gemm)},
     "cpu_decoder": {our method: which forwards ran on heterospec's CPU code (HeteroSpec.cpu_decoder)},
     "strongest_hf": name or None, "hf_static": {...} (with hf-static), "hf_compiled": {...} (with hf-compiled),
@@ -107,10 +109,12 @@ def run_bench(target, tokenizer, draft, methods, questions, *, max_new_tokens=51
              for b in questions}
     mean = {n: mean_row([files[b][n] for b in questions]) for n in names}
     strongest = add_speedup_over_hf(files, mean)
-    mism = mismatch_report(per_q, names) if temperature == 0 else []
     gemm = {n: e.cpu_gemm for n, e in engines.items() if isinstance(e, HeteroSpec)}
     decoder = {n: e.cpu_decoder for n, e in engines.items() if isinstance(e, HeteroSpec)}
-    out = {"temperature": temperature, "files": files, "mean": mean, "mismatches": mism, "warmup_s": warmup_s,
+    mism, notes = split_mismatches(mismatch_report(per_q, names) if temperature == 0 else [], target.dtype,
+                                   decoder.values())
+    out = {"temperature": temperature, "files": files, "mean": mean, "mismatches": mism, "other_arithmetic": notes,
+           "warmup_s": warmup_s,
            "strongest_hf": strongest, "cuda_graphs": cuda_graphs, "capture_s": capture_s, "cpu_gemm": gemm,
            "cpu_decoder": decoder}
     for n, pol in methods:
