@@ -82,6 +82,21 @@ SHAPES = {
         num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 8192}, tie_word_embeddings=True)),
+    # google/gemma-3-270m-it's and gemma-3-1b-it's configs (Gemma3ForCausalLM, bfloat16 checkpoints): five sliding
+    # layers (a 512-token window, RoPE base 10,000) to each full one (base 1,000,000), one kv head of 256 dimensions,
+    # a 262,144-token vocabulary; no official EAGLE-3 heads (32,000 draft tokens, as the 8B heads')
+    "gemma-3-270m": dict(arch="gemma3", draft_vocab=32000, config=dict(
+        vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    "gemma-3-1b": dict(arch="gemma3", draft_vocab=32000, config=dict(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
     # the same code at a size the CPU test suite runs (Llama-3.1's RoPE: its base and llama3 scaling)
     "tiny": dict(arch="llama", draft_vocab=96, config=dict(
         vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
@@ -104,7 +119,7 @@ def target_config(shape, layers=None):
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
            "gpt_neox": transformers.GPTNeoXConfig,
            "gpt2": transformers.GPT2Config, "opt": transformers.OPTConfig, "phi": transformers.PhiConfig,
-           "codegen": transformers.CodeGenConfig}[s["arch"]]
+           "codegen": transformers.CodeGenConfig, "gemma3": transformers.Gemma3TextConfig}[s["arch"]]
     kw = dict(s["config"], **({"num_hidden_layers": layers} if layers else {}))
     # (transformers gives CodeGen no sdpa)
     return cls(**kw, attn_implementation="eager" if s["arch"] == "codegen" else "sdpa")
@@ -121,7 +136,7 @@ def build_target(shape, device, dtype, seed=0, layers=None):
            "qwen3": transformers.Qwen3ForCausalLM,
            "gpt_neox": transformers.GPTNeoXForCausalLM, "gpt2": transformers.GPT2LMHeadModel,
            "opt": transformers.OPTForCausalLM, "phi": transformers.PhiForCausalLM,
-           "codegen": transformers.CodeGenForCausalLM}[SHAPES[shape]["arch"]]
+           "codegen": transformers.CodeGenForCausalLM, "gemma3": transformers.Gemma3ForCausalLM}[SHAPES[shape]["arch"]]
     torch.manual_seed(seed)
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

@@ -65,6 +65,27 @@ def tiny_target(arch, vocab=V, layers=8, seed=0, sharpen=40.0):
         cfg = transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=layers, n_head=4, n_positions=512)
         cfg._attn_implementation = "sdpa"
         return _sharpened(transformers.GPT2LMHeadModel(cfg), sharpen)
+    if arch in ("gemma", "gemma2", "gemma3"):   # 1 + w norms, scaled embeddings, GeGLU; 2 and 3: the sandwich of
+        # norms and sliding layers among full ones (a window of 6, so decoding goes past it); 2: soft-capping; 3: q/k
+        # norms and a rotation of its own on the sliding layers
+        kw = dict(common, head_dim=8, query_pre_attn_scalar=8, tie_word_embeddings=False, pad_token_id=0,
+                  bos_token_id=1, eos_token_id=2)
+        if arch == "gemma":
+            cfg, cls = transformers.GemmaConfig(**kw), transformers.GemmaForCausalLM
+        else:
+            kw.update(sliding_window=6, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+                      + ["sliding_attention"] * (layers % 2))
+            if arch == "gemma2":
+                kw["attn_implementation"] = "eager"   # (transformers gives Gemma 2 no sdpa: its soft-capping)
+                cfg, cls = transformers.Gemma2Config(**kw), transformers.Gemma2ForCausalLM
+            else:
+                cfg, cls = transformers.Gemma3TextConfig(**kw), transformers.Gemma3ForCausalLM
+        model = cls(cfg)
+        with torch.no_grad():   # (their norms start at 0, read as 1 + w: random ones tell each norm from another)
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0.0, 0.3)
+        return _sharpened(model, sharpen)
     if arch == "llama":
         cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     elif arch == "qwen2":

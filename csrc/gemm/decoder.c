@@ -245,6 +245,15 @@ float hsd_dot(const float *a, const float *b, int64_t d, int isa) {
     ATTR static void add_##SFX(float *y, const float *b, int64_t d) {                                            \
         for (int64_t i = 0; i < d; i++) y[i] = y[i] + b[i];                                                      \
     }                                                                                                            \
+    ATTR static void mul_##SFX(float *y, const float *b, int64_t d) {                                            \
+        for (int64_t i = 0; i < d; i++) y[i] = y[i] * b[i];                                                      \
+    }                                                                                                            \
+    /* x = cap * tanh(x / cap), tanh(y) = 2 / (1 + exp(-2 y)) - 1 (exp's clamp gives +-1 far out) */             \
+    ATTR static void softcap_##SFX(float *z, int64_t n, float cap) {                                             \
+        for (int64_t i = 0; i < n; i++) z[i] = -2.0f * (z[i] / cap);                                             \
+        HSD_EXP_BODY(z, n)                                                                                       \
+        for (int64_t i = 0; i < n; i++) z[i] = (2.0f / (1.0f + z[i]) - 1.0f) * cap;                              \
+    }                                                                                                            \
     ATTR static void center_##SFX(const float *x, float mean, float *y, int64_t d) {                             \
         for (int64_t i = 0; i < d; i++) y[i] = x[i] - mean;                                                      \
     }                                                                                                            \
@@ -330,8 +339,10 @@ void hsd_act(int act, const float *g, float *y, int64_t n, int isa) {
     else DISPATCH(gelu_tanh, isa, g, y, n);
 }
 
+void hsd_softcap(float *x, int64_t n, float cap, int isa) { DISPATCH(softcap, isa, x, n, cap); }
+
 void hsd_attend(const float *q, const float *k, const float *v, int64_t stride, const uint8_t *allowed, int64_t W,
-                float scale, float *out, int64_t d, float *scores, int64_t *cols, int isa) {
+                float scale, float cap, float *out, int64_t d, float *scores, int64_t *cols, int isa) {
     int64_t cnt = 0;
     for (int64_t j = 0; j < W; j++) { /* (no branch: a causal row's columns would mispredict once per row) */
         cols[cnt] = j;
@@ -352,6 +363,11 @@ void hsd_attend(const float *q, const float *k, const float *v, int64_t stride, 
             scores[c] = hsd_dot(q, k + cols[c] * stride, d, isa) * scale;
             mx = scores[c] > mx ? scores[c] : mx;
         }
+    if (cap != 0.0f) { /* soft-capped scores, their maximum taken again (NaNs passed over) */
+        hsd_softcap(scores, cnt, cap, isa);
+        mx = -INFINITY;
+        for (int64_t c = 0; c < cnt; c++) mx = scores[c] > mx ? scores[c] : mx;
+    }
     for (int64_t c = 0; c < cnt; c++) scores[c] = scores[c] - mx;
     hsd_exp(scores, cnt, isa);
 #ifdef HSD_X86
@@ -392,13 +408,19 @@ static void norm_row(const hsd_model *m, const float *x, const float *w, const f
     else hsd_rmsnorm(x, w, y, m->hidden, m->eps, isa);
 }
 
-/* the MLP over n rows of x [n][H] into out [n][H]: down(silu(gate(x)) * up(x)), or down(act(up(x))) */
+/* the MLP over n rows of x [n][H] into out [n][H]: down(silu(gate(x)) * up(x)), down(gelu_tanh(gate(x)) * up(x)),
+ * or down(act(up(x))) */
 static void mlp(const hsd_model *m, int64_t L, const float *x, int64_t n, float *gu, float *act, float *out, int isa,
                 int threads) {
-    const int64_t H = m->hidden, I = m->inter, G = m->act == HSD_SILU_GLU ? 2 * I : I;
+    const int64_t H = m->hidden, I = m->inter, G = HSD_GATED(m->act) ? 2 * I : I;
     hsg_linear(x, H, W_(L, HSD_GU), W_(L, HSD_GU_B), gu, G, n, G, H, isa, threads);
     if (m->act == HSD_SILU_GLU)
         for (int64_t r = 0; r < n; r++) DISPATCH(silu_mul, isa, gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, I);
+    else if (m->act == HSD_GELU_TANH_GLU)
+        for (int64_t r = 0; r < n; r++) {
+            DISPATCH(gelu_tanh, isa, gu + r * 2 * I, act + r * I, I);
+            DISPATCH(mul, isa, act + r * I, gu + r * 2 * I + I, I);
+        }
     else
         hsd_act(m->act, gu, act, n * I, isa);
     hsg_linear(act, I, W_(L, HSD_DOWN), W_(L, HSD_DOWN_B), out, H, n, H, I, isa, threads);
@@ -428,15 +450,16 @@ int hsd_nonfinite(const float *x, int64_t V) {
 
 int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *emb, const float *fuse, int64_t n,
                 const float *cos, const float *sin, const int64_t *req, const int64_t *slot, const uint8_t *allowed,
-                int64_t W, const int64_t *tap_layers, float *const *taps, const int64_t *out_rows, int64_t keep,
-                float *logits, float *hout, int64_t *bad, const int64_t *nreal, int64_t per, int isa, int threads) {
+                int64_t W, const hsd_local *local, const int64_t *tap_layers, float *const *taps,
+                const int64_t *out_rows, int64_t keep, float *logits, float *hout, int64_t *bad, const int64_t *nreal,
+                int64_t per, int isa, int threads) {
     const int64_t H = m->hidden, D = m->head_dim, NQ = m->heads * D, NK = m->kv_heads * D, I = m->inter;
     const int64_t QKV = NQ + 2 * NK, group = m->heads / m->kv_heads, R = m->rot;
-    const int64_t G = m->act == HSD_SILU_GLU ? 2 * I : I; /* the rows of GU */
+    const int64_t G = HSD_GATED(m->act) ? 2 * I : I; /* the rows of GU */
     const int64_t XW = m->hidden_norm ? 2 * H : H; /* the attention input's width */
     if (W < 0 || W > c->capacity || keep < 0 || keep > n) return -1;
     if (m->hidden_norm && (!emb || m->layers != 1 || m->arch || m->act != HSD_SILU_GLU)) return -1;
-    if (R < 0 || R > D || R % 2 || m->act < HSD_SILU_GLU || m->act > HSD_RELU
+    if (R < 0 || R > D || R % 2 || m->act < HSD_SILU_GLU || m->act > HSD_GELU_TANH_GLU
         || (m->arch & ~(HSD_LAYERNORM | HSD_PARALLEL | HSD_SHARED_NORM | HSD_ROT_PAIRS))
         || ((m->arch & HSD_SHARED_NORM) && !(m->arch & HSD_PARALLEL)))
         return -1;
@@ -445,6 +468,10 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
         if (req[r] < 0 || req[r] >= c->batch || slot[r] < 0 || slot[r] >= c->capacity) return -1;
     for (int64_t i = 0; out_rows && i < keep; i++)
         if (out_rows[i] < 0 || out_rows[i] >= n) return -1;
+    for (int64_t L = 0; L < m->layers; L++) /* a local layer needs the local rows; post norms a sequential layer */
+        if ((m->table[L * HSD_FIELDS + HSD_LOCAL] && (!local || !local->allowed))
+            || ((W_(L, HSD_POST_ATTN) || W_(L, HSD_POST_MLP)) && (m->arch & HSD_PARALLEL)))
+            return -1;
     for (int64_t L = 0; L < m->layers; L++)
         if (hsg_check(W_(L, HSD_QKV), QKV, XW) || hsg_check(W_(L, HSD_O), H, NQ) || hsg_check(W_(L, HSD_GU), G, H)
             || hsg_check(W_(L, HSD_DOWN), H, I))
@@ -490,13 +517,16 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
         hsg_linear(x, XW, W_(L, HSD_QKV), W_(L, HSD_QKV_B), qkv, QKV, n, QKV, XW, isa, threads);
         const float *qn = W_(L, HSD_Q_NORM), *kn = W_(L, HSD_K_NORM);
         const int64_t RL = m->table[L * HSD_FIELDS + HSD_NO_ROT] ? 0 : R; /* this layer's rotated dimensions */
+        const int near = m->table[L * HSD_FIELDS + HSD_LOCAL] != 0;     /* this layer reads the local rows */
+        const uint8_t *sees = near ? local->allowed : allowed;
+        const float *lc = near && local->cos ? local->cos : cos, *ls = near && local->sin ? local->sin : sin;
         for (int64_t r = 0; r < n; r++) {
             float *row = qkv + r * QKV;
             for (int64_t a = 0; a < m->heads + m->kv_heads; a++) {
                 float *v = row + a * D;
                 const float *nw = a < m->heads ? qn : kn;
                 if (nw) hsd_rmsnorm(v, nw, v, D, m->eps, isa);
-                if (RL) rotate(v, cos + r * R, sin + r * R, R, (m->arch & HSD_ROT_PAIRS) != 0, rot);
+                if (RL) rotate(v, lc + r * R, ls + r * R, R, (m->arch & HSD_ROT_PAIRS) != 0, rot);
             }
             float *base = c->kv + req[r] * c->s_batch + L * c->s_layer + slot[r] * D;
             for (int64_t a = 0; a < m->kv_heads; a++) {
@@ -522,7 +552,7 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
             for (int64_t p = p0; p < p1; p += alternate ? nt : 1) {
                 const int64_t a = p / n, r = p % n;
                 const float *kb = c->kv + req[r] * c->s_batch + L * c->s_layer + (a / group) * c->s_head;
-                hsd_attend(qkv + r * QKV + a * D, kb, kb + c->s_kv, D, allowed + r * W, W, m->scale,
+                hsd_attend(qkv + r * QKV + a * D, kb, kb + c->s_kv, D, sees + r * W, W, m->scale, m->attn_cap,
                            att + r * NQ + a * D, D, scores + id * W, cols + id * W, isa);
             }
         }
@@ -534,9 +564,12 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
             for (int64_t i = 0; i < n * H; i++) h[i] = (tmp2[i] + tmp[i]) + h[i];
             continue;
         }
+        const float *pa = W_(L, HSD_POST_ATTN), *pm = W_(L, HSD_POST_MLP);
+        for (int64_t r = 0; pa && r < n; r++) norm_row(m, tmp + r * H, pa, NULL, tmp + r * H, isa);
         for (int64_t i = 0; i < n * H; i++) h[i] = h[i] + tmp[i];
         for (int64_t r = 0; r < n; r++) norm_row(m, h + r * H, W_(L, HSD_LN2), W_(L, HSD_LN2_B), x + r * H, isa);
         mlp(m, L, x, n, gu, act, tmp, isa, threads);
+        for (int64_t r = 0; pm && r < n; r++) norm_row(m, tmp + r * H, pm, NULL, tmp + r * H, isa);
         for (int64_t i = 0; i < n * H; i++) h[i] = h[i] + tmp[i];
     }
     if (keep > 0) {
@@ -547,6 +580,7 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
             if (m->flags & HSD_HEAD_RAW) memcpy(x + i * H, row, (size_t)H * sizeof *h);
         }
         hsg_linear(x, H, m->head, m->head_b, logits, m->vocab, keep, m->vocab, H, isa, threads);
+        if (m->final_cap != 0.0f) hsd_softcap(logits, keep * m->vocab, m->final_cap, isa);
         /* the engine's non-finite flags while the rows are in cache (torch's amax over them after the call cost
          * 5 % of a one-token step on a 2-core CPU) */
         for (int64_t i = 0; bad && i < keep; i++) {

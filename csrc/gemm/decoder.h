@@ -21,7 +21,10 @@
  * pairs of neighbours with HSD_ROT_PAIRS (GPT-J: x * cos + rotate_every_two(x) * sin, rotate_every_two(x) = (-x1,
  * x0, -x3, x2, ...), cos and sin repeated per pair); and GPT-NeoX's parallel residual (HSD_PARALLEL: h = (mlp(norm2(h))
  * + attn(norm1(h))) + h, both from the layer's input; with HSD_SHARED_NORM the MLP reads norm1's rows too, Phi and
- * GPT-J have one norm a layer).
+ * GPT-J have one norm a layer).  Gemma's: gelu's tanh form of the gate times up (HSD_GELU_TANH_GLU), norms of the
+ * attention's and the MLP's outputs before each residual add (HSD_POST_ATTN, HSD_POST_MLP), sliding layers among
+ * full ones reading their own columns and rotation (HSD_LOCAL, hsd_local), soft-capped scores and logits
+ * (attn_cap, final_cap); its norms' 1 + w and its embeddings' factor are the caller's.
  *
  * Every reduction has one fixed order, the same on AVX-512, AVX2 and the portable loop, and no row's result
  * depends on another row: a dot product of length d is 16 lanes (lane l sums elements l, l+16, ... by fused
@@ -36,16 +39,22 @@
 #include <stdint.h>
 
 /* One layer's weights: packed (rows.h, any codec) [q; k; v], o, [gate; up], down, with their biases or NULL; the norms;
- * and HSD_NO_ROT, a flag, not an address: nonzero where the layer does not rotate q and k (SmolLM3's NoPE layers). */
+ * HSD_NO_ROT, a flag, not an address: nonzero where the layer does not rotate q and k (SmolLM3's NoPE layers);
+ * HSD_POST_ATTN and HSD_POST_MLP: norms (the layer's kind, no bias) of the attention's and the MLP's outputs before
+ * each is added to the residual stream, or 0 (Gemma 2 and 3's sandwich: h += norm(o); h += norm(mlp(norm2(h))));
+ * HSD_LOCAL, a flag: nonzero where the layer reads the call's local rows (hsd_local: a sliding window's columns and
+ * its own rotation tables; Gemma 2 and 3's sliding layers). */
 enum {
     HSD_LN1, HSD_LN2, HSD_QKV, HSD_QKV_B, HSD_Q_NORM, HSD_K_NORM, HSD_O, HSD_O_B, HSD_GU, HSD_GU_B, HSD_DOWN,
-    HSD_DOWN_B, HSD_LN1_B, HSD_LN2_B, HSD_NO_ROT, HSD_FIELDS
+    HSD_DOWN_B, HSD_LN1_B, HSD_LN2_B, HSD_NO_ROT, HSD_POST_ATTN, HSD_POST_MLP, HSD_LOCAL, HSD_FIELDS
 };
 
 /* hsd_model.arch bits and hsd_model.act values (a decoder's layout; the draft's layout is 0 and HSD_SILU_GLU):
- * GU holds [gate; up] (2 * inter rows) for HSD_SILU_GLU, the one matrix before the activation (inter rows) else. */
+ * GU holds [gate; up] (2 * inter rows) for HSD_SILU_GLU and HSD_GELU_TANH_GLU (gelu's tanh form of the gate times up:
+ * Gemma's GeGLU), the one matrix before the activation (inter rows) else. */
 enum { HSD_LAYERNORM = 1, HSD_PARALLEL = 2, HSD_SHARED_NORM = 4, HSD_ROT_PAIRS = 8 };
-enum { HSD_SILU_GLU = 0, HSD_GELU = 1, HSD_GELU_TANH = 2, HSD_RELU = 3 };
+enum { HSD_SILU_GLU = 0, HSD_GELU = 1, HSD_GELU_TANH = 2, HSD_RELU = 3, HSD_GELU_TANH_GLU = 4 };
+#define HSD_GATED(act) ((act) == HSD_SILU_GLU || (act) == HSD_GELU_TANH_GLU)
 
 /* The EAGLE-3 draft's layout (hsd_model.hidden_norm set): its one layer's attention input is 2*hidden wide,
  * [rmsnorm(e, ln1); rmsnorm(h, hidden_norm)] (e: the tokens' embeddings, h: the fed-in states), and its residual
@@ -70,7 +79,17 @@ typedef struct {
     int arch, act;              /* HSD_LAYERNORM | HSD_PARALLEL | HSD_SHARED_NORM | HSD_ROT_PAIRS; HSD_SILU_GLU,
                                  * HSD_GELU, HSD_GELU_TANH or HSD_RELU */
     int64_t rot;                /* the rotated dimensions of each head (even, <= head_dim; 0: none) */
+    /* soft-capping (Gemma 2), 0: none: each attention score s (after the scale) and each logit of the output layer
+     * becomes cap * tanh(s / cap), tanh(y) = 2 / (1 + exp(-2 y)) - 1 (hsd_softcap) */
+    float attn_cap, final_cap;
 } hsd_model;
+
+/* A call's rows for the layers marked HSD_LOCAL: allowed [n][W] (the columns each row sees there: a sliding
+ * window's) and the rotation tables cos, sin [n][rot] (NULL: the call's own). */
+typedef struct {
+    const uint8_t *allowed;
+    const float *cos, *sin;
+} hsd_local;
 
 typedef struct {
     float *kv;                       /* the cache: [B][2][layers][kv_heads][capacity][head_dim] */
@@ -78,8 +97,8 @@ typedef struct {
     int64_t s_batch, s_kv, s_layer, s_head; /* strides in floats (a column is head_dim floats) */
 } hsd_cache;
 
-/* One forward over n rows.  h: [n][hidden], the embeddings in (the draft: the fed-in states; emb its tokens'
- * embeddings [n][hidden], else NULL), the residual stream out; fuse (the draft with fc only; NULL: h is given):
+/* One forward over n rows (local: the rows of the HSD_LOCAL layers, NULL where no layer is one).  h: [n][hidden],
+ * the embeddings in (the draft: the fed-in states; emb its tokens' embeddings [n][hidden], else NULL), the residual stream out; fuse (the draft with fc only; NULL: h is given):
  * [n][fc_in] the target's taps, h written from them first (the norms in_norm then fc_norms where set, each rows'
  * rmsnorm, then fc, rows.h's kernel); cos/sin: [n][rot] (not read with rot 0);
  * req, slot: [n] (the cache row and column each row's keys and values go to); allowed: [n][W] (1: row r attends
@@ -94,8 +113,9 @@ typedef struct {
  * is not of its shape (nothing written either). */
 int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *emb, const float *fuse, int64_t n,
                 const float *cos, const float *sin, const int64_t *req, const int64_t *slot, const uint8_t *allowed,
-                int64_t W, const int64_t *tap_layers, float *const *taps, const int64_t *out_rows, int64_t keep,
-                float *logits, float *hout, int64_t *bad, const int64_t *nreal, int64_t per, int isa, int threads);
+                int64_t W, const hsd_local *local, const int64_t *tap_layers, float *const *taps,
+                const int64_t *out_rows, int64_t keep, float *logits, float *hout, int64_t *bad, const int64_t *nreal,
+                int64_t per, int isa, int threads);
 
 /* The pieces, exposed for the tests (heterospec.reference.decoder holds each to a NumPy twin). */
 int hsd_nonfinite(const float *x, int64_t V); /* 1: x[0..V) holds a NaN or a +inf, or is all -inf */
@@ -104,7 +124,8 @@ void hsd_exp(float *x, int64_t n, int isa);
 void hsd_rmsnorm(const float *x, const float *w, float *y, int64_t d, float eps, int isa);
 void hsd_layernorm(const float *x, const float *w, const float *b, float *y, int64_t d, float eps, int isa);
 void hsd_act(int act, const float *g, float *y, int64_t n, int isa); /* y = gelu(g), its tanh form, relu (y not g) */
+void hsd_softcap(float *x, int64_t n, float cap, int isa);          /* x = cap * tanh(x / cap) in place */
 void hsd_attend(const float *q, const float *k, const float *v, int64_t stride, const uint8_t *allowed, int64_t W,
-                float scale, float *out, int64_t d, float *scores, int64_t *cols, int isa);
+                float scale, float cap, float *out, int64_t d, float *scores, int64_t *cols, int isa);
 
 #endif

@@ -11,6 +11,8 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "decoder.h"
@@ -116,25 +118,27 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
-/* decoder_forward(model, eps, scale, cache, h, emb, fuse, n, cos, sin, req, slot, allowed, W, tap_layers, taps,
- * out_rows, keep, logits, hout, bad, nreal, per, isa, threads): decoder.h's hsd_forward.  model: (layers, hidden,
- * heads, kv_heads, head_dim, inter, vocab, table, final_norm, head, head_b, hidden_norm, flags, fc, fc_b, fc_in,
- * in_norm, fc_norms, final_norm_b, arch, act, rot); cache: (kv, batch, capacity, s_batch, s_kv, s_layer,
+/* decoder_forward(model, eps, scale, cache, h, emb, fuse, n, cos, sin, req, slot, allowed, W, local, tap_layers,
+ * taps, out_rows, keep, logits, hout, bad, nreal, per, isa, threads): decoder.h's hsd_forward.  model: (layers,
+ * hidden, heads, kv_heads, head_dim, inter, vocab, table, final_norm, head, head_b, hidden_norm, flags, fc, fc_b,
+ * fc_in, in_norm, fc_norms, final_norm_b, arch, act, rot, attn_cap, final_cap); local: (allowed, cos, sin) of the
+ * HSD_LOCAL layers (allowed 0: none; cos, sin 0: the call's own); cache: (kv, batch, capacity, s_batch, s_kv, s_layer,
  * s_head); tap_layers, taps: 3 each (a tap address 0: not captured); cos, sin: not read with rot 0; out_rows 0:
  * the last keep rows; emb, fuse, hidden_norm, fc, fc_b, in_norm, fc_norms, final_norm_b, hout, bad, nreal 0: absent
  * (bad int64 [requests], nreal int64 [requests], per > 0 with nreal). */
 static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
     (void)self;
-    long long md[12], fc[5], cc[7], fnb, rot, h, emb, fuse, n, cs, sn, req, slot, allowed, W, tl[3], tp[3], out_rows,
-        keep, logits, hout, bad, nreal, per;
-    float eps, scale;
+    long long md[12], fc[5], cc[7], fnb, rot, h, emb, fuse, n, cs, sn, req, slot, allowed, W, lo[3], tl[3], tp[3],
+        out_rows, keep, logits, hout, bad, nreal, per;
+    float eps, scale, attn_cap, final_cap;
     int flags, arch, act, isa, threads;
-    if (!PyArg_ParseTuple(args, "(LLLLLLLLLLLLiLLLLLLiiL)ff(LLLLLLL)LLLLLLLLLL(LLL)(LLL)LLLLLLLii", &md[0], &md[1],
-                          &md[2], &md[3], &md[4], &md[5], &md[6], &md[7], &md[8], &md[9], &md[10], &md[11], &flags,
-                          &fc[0], &fc[1], &fc[2], &fc[3], &fc[4], &fnb, &arch, &act, &rot, &eps, &scale, &cc[0],
-                          &cc[1], &cc[2], &cc[3], &cc[4], &cc[5], &cc[6], &h, &emb, &fuse, &n, &cs, &sn, &req, &slot,
-                          &allowed, &W, &tl[0], &tl[1], &tl[2], &tp[0], &tp[1], &tp[2], &out_rows, &keep, &logits,
-                          &hout, &bad, &nreal, &per, &isa, &threads))
+    if (!PyArg_ParseTuple(args, "(LLLLLLLLLLLLiLLLLLLiiLff)ff(LLLLLLL)LLLLLLLLLL(LLL)(LLL)(LLL)LLLLLLLii", &md[0],
+                          &md[1], &md[2], &md[3], &md[4], &md[5], &md[6], &md[7], &md[8], &md[9], &md[10], &md[11],
+                          &flags, &fc[0], &fc[1], &fc[2], &fc[3], &fc[4], &fnb, &arch, &act, &rot, &attn_cap,
+                          &final_cap, &eps, &scale, &cc[0], &cc[1], &cc[2], &cc[3], &cc[4], &cc[5], &cc[6], &h, &emb,
+                          &fuse, &n, &cs, &sn, &req, &slot, &allowed, &W, &lo[0], &lo[1], &lo[2], &tl[0], &tl[1],
+                          &tl[2], &tp[0], &tp[1], &tp[2], &out_rows, &keep, &logits, &hout, &bad, &nreal, &per, &isa,
+                          &threads))
         return NULL;
     if (fuse && (!fc[0] || fc[2] <= 0 || fc[2] % 3)) {
         PyErr_Format(PyExc_ValueError, "decoder_forward: argument 'fuse' expected a model with fc and fc_in a positive "
@@ -153,11 +157,15 @@ static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
                                           "of kv_heads, an even head_dim) and known flags");
         return NULL;
     }
-    if (rot < 0 || rot > md[4] || rot % 2 || act < HSD_SILU_GLU || act > HSD_RELU
+    if (rot < 0 || rot > md[4] || rot % 2 || act < HSD_SILU_GLU || act > HSD_GELU_TANH_GLU
         || (arch & ~(HSD_LAYERNORM | HSD_PARALLEL | HSD_SHARED_NORM | HSD_ROT_PAIRS))
-        || ((arch & HSD_SHARED_NORM) && !(arch & HSD_PARALLEL))) {
-        PyErr_Format(PyExc_ValueError, "decoder_forward: argument 'model' expected rot even in [0, head_dim %lld], "
-                     "act 0-3 and arch bits 1|2|4|8 (4 with 2), got rot %lld, act %d, arch %d", md[4], rot, act, arch);
+        || ((arch & HSD_SHARED_NORM) && !(arch & HSD_PARALLEL)) || !(attn_cap >= 0.0f) || !(final_cap >= 0.0f)
+        || isinf(attn_cap) || isinf(final_cap)) {
+        char msg[256]; /* (PyErr_Format has no %g) */
+        snprintf(msg, sizeof msg, "decoder_forward: argument 'model' expected rot even in [0, head_dim %lld], act "
+                 "0-4, arch bits 1|2|4|8 (4 with 2) and finite caps >= 0, got rot %lld, act %d, arch %d, caps %g and "
+                 "%g", md[4], rot, act, arch, (double)attn_cap, (double)final_cap);
+        PyErr_SetString(PyExc_ValueError, msg);
         return NULL;
     }
     if (md[11] && (arch || act != HSD_SILU_GLU)) {
@@ -177,6 +185,12 @@ static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
                                         "allowed", "logits"};
     if (addresses(ptrs, names, 11, "decoder_forward") < 0) return NULL;
     const int64_t *table = (const int64_t *)(uintptr_t)md[7];
+    for (long long L = 0; L < md[0]; L++)
+        if (table[L * HSD_FIELDS + HSD_LOCAL] && !lo[0]) {
+            PyErr_Format(PyExc_ValueError, "decoder_forward: argument 'local' expected the local rows' columns "
+                         "(allowed) for layer %lld, a local layer, got 0", L);
+            return NULL;
+        }
     static const int need[] = {HSD_LN1, HSD_QKV, HSD_O, HSD_GU, HSD_DOWN, HSD_LN2}; /* (LN2 not with one norm) */
     const size_t needed = sizeof need / sizeof *need - ((arch & HSD_SHARED_NORM) ? 1 : 0);
     for (long long L = 0; L < md[0]; L++)
@@ -190,7 +204,9 @@ static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
                    (const float *)(uintptr_t)md[8], (const float *)(uintptr_t)md[9], (const float *)(uintptr_t)md[10],
                    (const float *)(uintptr_t)md[11], flags, (const float *)(uintptr_t)fc[0],
                    (const float *)(uintptr_t)fc[1], (const float *)(uintptr_t)fc[3], (const float *)(uintptr_t)fc[4],
-                   fc[2], (const float *)(uintptr_t)fnb, arch, act, rot};
+                   fc[2], (const float *)(uintptr_t)fnb, arch, act, rot, attn_cap, final_cap};
+    const hsd_local local = {(const uint8_t *)(uintptr_t)lo[0], (const float *)(uintptr_t)lo[1],
+                             (const float *)(uintptr_t)lo[2]};
     hsd_cache c = {(float *)(uintptr_t)cc[0], cc[1], cc[2], cc[3], cc[4], cc[5], cc[6]};
     int64_t taps_at[3] = {tl[0], tl[1], tl[2]};
     float *taps[3] = {(float *)(uintptr_t)tp[0], (float *)(uintptr_t)tp[1], (float *)(uintptr_t)tp[2]};
@@ -199,7 +215,8 @@ static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
                                             (const float *)(uintptr_t)fuse, n,
                                             (const float *)(uintptr_t)cs, (const float *)(uintptr_t)sn,
                                             (const int64_t *)(uintptr_t)req, (const int64_t *)(uintptr_t)slot,
-                                            (const uint8_t *)(uintptr_t)allowed, W, taps_at, taps,
+                                            (const uint8_t *)(uintptr_t)allowed, W, lo[0] ? &local : NULL, taps_at,
+                                            taps,
                                             (const int64_t *)(uintptr_t)out_rows, keep, (float *)(uintptr_t)logits,
                                             (float *)(uintptr_t)hout, (int64_t *)(uintptr_t)bad,
                                             (const int64_t *)(uintptr_t)nreal, per, isa, threads);
@@ -303,12 +320,31 @@ static PyObject *py_act(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* softcap(x, n, cap, isa): decoder.h's hsd_softcap in place (cap > 0 and finite) */
+static PyObject *py_softcap(PyObject *self, PyObject *args) {
+    (void)self;
+    long long x, n;
+    float cap;
+    int isa;
+    if (!PyArg_ParseTuple(args, "LLfi", &x, &n, &cap, &isa) || isa_ok(isa, "softcap") < 0) return NULL;
+    if (!(cap > 0.0f) || isinf(cap)) {
+        char msg[96]; /* (PyErr_Format has no %g) */
+        snprintf(msg, sizeof msg, "softcap: argument 'cap' expected a finite value > 0, got %g", (double)cap);
+        PyErr_SetString(PyExc_ValueError, msg);
+        return NULL;
+    }
+    static const char *const names[] = {"x"};
+    if (n > 0 && addresses(&x, names, 1, "softcap") < 0) return NULL;
+    if (n > 0) hsd_softcap((float *)(uintptr_t)x, n, cap, isa);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_attend(PyObject *self, PyObject *args) {
     (void)self;
     long long q, k, v, stride, allowed, W, out, d;
-    float scale;
+    float scale, cap = 0.0f;
     int isa;
-    if (!PyArg_ParseTuple(args, "LLLLLLfLLi", &q, &k, &v, &stride, &allowed, &W, &scale, &out, &d, &isa)
+    if (!PyArg_ParseTuple(args, "LLLLLLfLLi|f", &q, &k, &v, &stride, &allowed, &W, &scale, &out, &d, &isa, &cap)
         || isa_ok(isa, "attend") < 0)
         return NULL;
     const long long p[] = {q, k, v, allowed, out};
@@ -322,7 +358,7 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
         return PyErr_NoMemory();
     }
     hsd_attend((const float *)(uintptr_t)q, (const float *)(uintptr_t)k, (const float *)(uintptr_t)v, stride,
-               (const uint8_t *)(uintptr_t)allowed, W, scale, (float *)(uintptr_t)out, d, scores, cols, isa);
+               (const uint8_t *)(uintptr_t)allowed, W, scale, cap, (float *)(uintptr_t)out, d, scores, cols, isa);
     free(scores);
     free(cols);
     Py_RETURN_NONE;
@@ -370,12 +406,14 @@ static PyMethodDef methods[] = {
     {"pack", FAST(py_pack), "pack(w, ldw, wp, n, k)"},
     {"linear", FAST(py_linear), "linear(x, ldx, wp, bias, y, ldy, m, n, k, isa, threads)"},
     {"decoder_forward", py_decoder_forward, METH_VARARGS, "decoder_forward(model, eps, scale, cache, h, emb, fuse, n, "
-     "cos, sin, req, slot, allowed, W, tap_layers, taps, out_rows, keep, logits, hout, bad, nreal, per, isa, threads)"},
+     "cos, sin, req, slot, allowed, W, local, tap_layers, taps, out_rows, keep, logits, hout, bad, nreal, per, isa, "
+     "threads)"},
     {"nonfinite", py_nonfinite, METH_VARARGS, "nonfinite(x, n) -> whether x[0..n) holds a NaN or +inf or is all -inf"},
     {"dot", py_dot, METH_VARARGS, "dot(a, b, d, isa) -> the 16-lane dot product of decoder.h"},
     {"exp", py_exp, METH_VARARGS, "exp(x, n, isa): decoder.h's exp, in place"},
     {"rmsnorm", py_rmsnorm, METH_VARARGS, "rmsnorm(x, w, y, d, eps, isa)"},
-    {"attend", py_attend, METH_VARARGS, "attend(q, k, v, stride, allowed, W, scale, out, d, isa)"},
+    {"attend", py_attend, METH_VARARGS, "attend(q, k, v, stride, allowed, W, scale, out, d, isa[, cap])"},
+    {"softcap", py_softcap, METH_VARARGS, "softcap(x, n, cap, isa): x = cap * tanh(x / cap) in place"},
     {"layernorm", py_layernorm, METH_VARARGS, "layernorm(x, w, b, y, d, eps, isa)"},
     {"act", py_act, METH_VARARGS, "act(kind, g, y, n, isa)"},
     {"packed_floats", FAST(py_packed_floats), "packed_floats(n, k) -> floats of the packed copy"},

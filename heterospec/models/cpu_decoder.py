@@ -1,5 +1,5 @@
 """The target's forward on the CPU in one call of ours (``cpu_decoder``): every decoder layer of a Llama-family,
-GPT-NeoX (Pythia), GPT-2, GPTBigCode, OPT, Phi, GPT-J or CodeGen model in float32 arithmetic (csrc/gemm/decoder.h),
+Gemma, GPT-NeoX (Pythia), GPT-2, GPTBigCode, OPT, Phi, GPT-J or CodeGen model in float32 arithmetic (csrc/gemm/decoder.h),
 on the engine's own key/value cache, instead of transformers' modules.
 
 A bfloat16 or float16 model (what transformers 5 loads from such a checkpoint by default, ``dtype="auto"``) runs
@@ -26,7 +26,11 @@ step of the same engine over the same keys.
 Supported: ``llama``, ``mistral``, ``qwen2``, ``qwen3`` (q/k norms), ``phi3`` (q/k/v and gate/up fused; part of
 each head rotated in Phi-4-mini; LongRoPE through its own rotary module) and ``smollm3`` (its NoPE layers) models on the CPU in float32, bfloat16
 or float16 with SiLU MLPs and RMSNorm, any bias layout, any head grouping, a sliding window where every layer slides
-(Mistral, Phi-3: the engine restricts each row's columns to it); ``gpt_neox`` (Pythia: LayerNorm, gelu, rotary over
+(Mistral, Phi-3: the engine restricts each row's columns to it) or sliding layers among full ones (Qwen2/3 with
+``use_sliding_window``: those layers read the rows the engine restricts, decoder.h's local layers); ``gemma``,
+``gemma2`` and ``gemma3_text`` (Gemma 1, 2 and 3, and Gemma 3's vision-language class on text: norms of 1 + w, scaled
+embeddings, GeGLU with gelu's tanh form, the sandwich of norms around attention and MLP, sliding layers with their own
+rotation, Gemma 2's soft-capped scores and logits); ``gpt_neox`` (Pythia: LayerNorm, gelu, rotary over
 part of each head, the parallel residual or not; its fused q/k/v reordered head by head when packed), ``gpt2``
 (LayerNorm, gelu's tanh form, learned positions added to the embeddings, Conv1D weights read transposed),
 ``gpt_bigcode`` (StarCoder 1, SantaCoder: as GPT-2 on linear layers, multi-query or q/k/v fused head by head),
@@ -51,14 +55,15 @@ from . import cpu_gemm
 from .target import sliding_layout
 
 LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
-FAMILIES = LLAMA_FAMILIES + ("gpt_neox", "gpt2", "gpt_bigcode", "opt", "phi", "gptj", "codegen")
+GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
+FAMILIES = LLAMA_FAMILIES + GEMMA_FAMILIES + ("gpt_neox", "gpt2", "gpt_bigcode", "opt", "phi", "gptj", "codegen")
 SETTINGS = ("auto", True, False)
 # the models' dtypes the decoder runs: every weight read as it is stored (16-bit values as such), every sum in float32
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ISA_NAMES = ("portable", "AVX2", "AVX-512")
 HSD_RESIDUAL_NORMED, HSD_HEAD_RAW, HSD_OUT_NORMED = 1, 2, 4   # decoder.h's flags
 HSD_LAYERNORM, HSD_PARALLEL, HSD_SHARED_NORM, HSD_ROT_PAIRS = 1, 2, 4, 8   # decoder.h's arch bits
-HSD_SILU_GLU, HSD_GELU, HSD_GELU_TANH, HSD_RELU = 0, 1, 2, 3   # decoder.h's act
+HSD_SILU_GLU, HSD_GELU, HSD_GELU_TANH, HSD_RELU, HSD_GELU_TANH_GLU = 0, 1, 2, 3, 4   # decoder.h's act
 # transformers' activation modules (activations.py) by the form the kernel computes: gelu's erf one or its tanh one,
 # relu
 ACT_MODULES = {"GELUActivation": HSD_GELU, "NewGELUActivation": HSD_GELU_TANH, "GELUTanh": HSD_GELU_TANH,
@@ -110,9 +115,13 @@ class _Layout:
     """What the decoder reads of a supported model, found once: its embeddings (``pos``: learned positions, or
     None; ``pos_offset``: the table's first row), the rotation's tables (``rotary(h, positions) -> (cos, sin)``: the
     model's rotary module, or GPT-J's table lookup; None: no rotation), the final norm, the output layer, the
-    layers, decoder.h's arch, act and rot, and ``parts(layer)``: a layer's weights as decoder.h packs them."""
+    layers, decoder.h's arch, act and rot, and ``parts(layer)``: a layer's weights as decoder.h packs them.  Gemma's
+    besides: the embeddings' factor, the sliding layers' own rotation, the final norm's weight as read (1 + w) and
+    the soft-caps; ``local`` (set by :func:`layout`): which layers slide where others do not, or None."""
 
     pos_offset = 0   # OPT's learned positions start at row 2 of their table
+    embed_scale = local_rotary = final_weight = local = None
+    attn_cap = final_cap = 0.0
 
     def __init__(self, **kw):
         self.__dict__.update(kw)
@@ -177,6 +186,111 @@ def _llama_parts(layer):
             "no_rot": not getattr(a, "use_rope", True),   # (SmolLM3: every few layers rotate nothing, NoPE)
             "q_norm": getattr(getattr(a, "q_norm", None), "weight", None),
             "k_norm": getattr(getattr(a, "k_norm", None), "weight", None)}
+
+
+def _gemma_norm(m):
+    """Gemma's RMSNorm (GemmaRMSNorm, Gemma2RMSNorm, Gemma3RMSNorm): x * rsqrt(mean(x^2) + eps) * (1 + weight)."""
+    return type(m).__name__ in ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm") \
+        and getattr(m, "weight", None) is not None and isinstance(getattr(m, "eps", None), float)
+
+
+def _one_plus(norm):
+    """A Gemma norm's weight as decoder.h's RMSNorm reads it: 1 + weight, in float32 (as its forward computes it)."""
+    return None if norm is None else 1.0 + norm.weight.detach().to(torch.float32)
+
+
+def _gemma_layout(model, cfg):
+    """Gemma (1), Gemma 2 and Gemma 3's text model (Gemma3ForCausalLM): RMSNorms of 1 + weight, embeddings scaled by
+    their own factor, gelu's tanh form of the gate times up; Gemma 2 and 3 norm the attention's and the MLP's outputs
+    too (the sandwich), slide their windows on some layers (decoder.h's local layers), and Gemma 2 soft-caps the
+    attention scores and the logits; Gemma 3 norms q and k and rotates its sliding layers by their own tables.  Gemma
+    3's vision-language class (Gemma3ForConditionalGeneration, what ``AutoModelForCausalLM`` gives for its larger
+    checkpoints) decodes text through its language model's layers, read the same way."""
+    base = getattr(model, "model", None)
+    base = getattr(base, "language_model", None) or base
+    layers = getattr(base, "layers", None)
+    head = getattr(model, "lm_head", None)
+    embed = getattr(base, "embed_tokens", None)
+    if layers is None or not isinstance(embed, torch.nn.Embedding) \
+            or not isinstance(getattr(embed, "embed_scale", None), torch.Tensor) \
+            or not _gemma_norm(getattr(base, "norm", None)) or getattr(base, "rotary_emb", None) is None \
+            or not cpu_gemm.plain_linear(head):
+        return "a Gemma model without its layout (model.embed_tokens scaled, .layers, .norm, .rotary_emb; lm_head)"
+    if getattr(cfg, "use_bidirectional_attention", False):
+        return "bidirectional attention (use_bidirectional_attention: an embedding model)"
+    sandwich = hasattr(layers[0], "pre_feedforward_layernorm")
+    norms, eps = [base.norm], set()
+    for layer in layers:
+        att, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if att is None or mlp is None or not all(cpu_gemm.plain_linear(getattr(att, n, None))
+                                                 for n in ("q_proj", "k_proj", "v_proj", "o_proj")) \
+                or not all(cpu_gemm.plain_linear(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")):
+            return "a Gemma layer without q/k/v, o, gate, up and down linear layers"
+        names = ["input_layernorm", "post_attention_layernorm"] \
+            + (["pre_feedforward_layernorm", "post_feedforward_layernorm"] if sandwich else [])
+        mine = [getattr(layer, n, None) for n in names] + [m for m in (getattr(att, "q_norm", None),
+                                                                      getattr(att, "k_norm", None)) if m is not None]
+        if not all(_gemma_norm(m) for m in mine):
+            return "a Gemma layer whose norms are not Gemma's RMSNorm"
+        norms += mine
+        act = getattr(mlp, "act_fn", None)
+        if _act_kind(act) != HSD_GELU_TANH:
+            return f"a Gemma MLP activation {type(act).__name__} (the decoder has gelu's tanh form there)"
+    eps = {float(m.eps) for m in norms}
+    if len(eps) != 1:
+        return "norms of different epsilons"
+    att0 = layers[0].self_attn
+    types = getattr(cfg, "layer_types", None)
+    rotary = base.rotary_emb
+    local_rotary = None
+    if "layer_type" in _parameters(rotary.forward):   # Gemma 3: a table per layer type
+        kinds = sorted(set(types or ()))
+        rotary = _typed_rotary(base.rotary_emb, "full_attention" if "full_attention" in kinds else kinds[0])
+        if "sliding_attention" in kinds:
+            local_rotary = _typed_rotary(base.rotary_emb, "sliding_attention")
+    with torch.no_grad():
+        rot = rotary(torch.zeros(1, 1, cfg.hidden_size, device="cpu"),   # (never the default device)
+                     torch.zeros(1, 1, dtype=torch.long, device="cpu"))[0].shape[-1]
+    return _Layout(embed=embed, embed_scale=embed.embed_scale, pos=None, rotary=rotary, local_rotary=local_rotary,
+                   final=base.norm, final_weight=_one_plus(base.norm), head=head, layers=list(layers), arch=0,
+                   act=HSD_GELU_TANH_GLU, rot=rot, eps=eps.pop(), scale=float(att0.scaling),
+                   heads=cfg.num_attention_heads, kv_heads=getattr(cfg, "num_key_value_heads", None)
+                   or cfg.num_attention_heads, head_dim=att0.head_dim, inter=layers[0].mlp.gate_proj.out_features,
+                   attn_cap=float(getattr(cfg, "attn_logit_softcapping", None) or 0.0),
+                   final_cap=float(getattr(cfg, "final_logit_softcapping", None) or 0.0),
+                   parts=lambda layer: _gemma_parts(layer, sandwich))
+
+
+def _parameters(fn):
+    import inspect
+
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+
+
+def _typed_rotary(rotary, kind):
+    """Gemma 3's rotary module for one layer type, as decoder.h's tables: (h, positions) -> (cos, sin)."""
+    def tables(h, positions):
+        return rotary(h, positions, kind)
+
+    return tables
+
+
+def _gemma_parts(layer, sandwich):
+    a, m = layer.self_attn, layer.mlp
+    parts = {"qkv": [_pair(a.q_proj), _pair(a.k_proj), _pair(a.v_proj)], "o": [_pair(a.o_proj)],
+             "gu": [_pair(m.gate_proj), _pair(m.up_proj)], "down": [_pair(m.down_proj)],
+             "ln1": (_one_plus(layer.input_layernorm), None),
+             "q_norm": _one_plus(getattr(a, "q_norm", None)), "k_norm": _one_plus(getattr(a, "k_norm", None))}
+    if sandwich:   # (Gemma 2 and 3: post_attention_layernorm norms the attention's output)
+        parts.update(ln2=(_one_plus(layer.pre_feedforward_layernorm), None),
+                     post_attn=_one_plus(layer.post_attention_layernorm),
+                     post_mlp=_one_plus(layer.post_feedforward_layernorm))
+    else:
+        parts["ln2"] = (_one_plus(layer.post_attention_layernorm), None)
+    return parts
 
 
 def _layernorm_eps(norms):
@@ -434,7 +548,8 @@ def _gptj_layout(model, cfg, family):
                    inter=layers[0].mlp.fc_in.out_features, parts=parts)
 
 
-LAYOUTS = {**{k: _llama_layout for k in LLAMA_FAMILIES}, "gpt_neox": _neox_layout,
+LAYOUTS = {**{k: _llama_layout for k in LLAMA_FAMILIES}, **{k: _gemma_layout for k in GEMMA_FAMILIES},
+           "gpt_neox": _neox_layout,
            "gpt2": lambda model, cfg: _learned_layout(model, cfg, "GPT-2", conv=True),
            "gpt_bigcode": lambda model, cfg: _learned_layout(model, cfg, "GPTBigCode", conv=False), "opt": _opt_layout,
            "phi": _phi_layout, "gptj": lambda model, cfg: _gptj_layout(model, cfg, "GPT-J"),
@@ -453,8 +568,6 @@ def layout(model):
         sliding = sliding_layout(model.config)
     except ValueError as e:
         return str(e).removeprefix("target: ")
-    if sliding is not None and sliding[1]:   # (one window for every layer the engine restricts the rows to)
-        return "sliding and full attention layers (config.layer_types)"
     p = next(model.parameters(), None)
     if p is None or p.device.type != "cpu" or p.dtype not in DTYPES:
         return f"a {getattr(p, 'device', None)} {str(getattr(p, 'dtype', None)).replace('torch.', '')} model " \
@@ -466,6 +579,11 @@ def layout(model):
         return got
     if len(got.layers) != cfg.num_hidden_layers:
         return "a layer count other than the config's"
+    got.local = None   # sliding and full layers (config.layer_types): decoder.h's local layers are the sliding ones
+    if sliding is not None and sliding[1]:
+        if got.arch & HSD_PARALLEL:
+            return "sliding and full attention layers in a parallel-residual model"
+        got.local = [t == "sliding_attention" for t in cfg.layer_types[:len(got.layers)]]
     return got
 
 
@@ -482,6 +600,8 @@ class _Packed:
     ``rot``: decoder.h's) and why a module is not supported (:meth:`_why`)."""
 
     arch, act = 0, HSD_SILU_GLU
+    attn_cap = final_cap = 0.0
+    local = None   # [layers] bool: decoder.h's HSD_LOCAL layers (the target's sliding ones among full ones), or None
 
     def __init__(self, module):
         why = self._why(module)
@@ -568,18 +688,21 @@ class _Packed:
             down, down_b = fused(P["down"])
             rows.append([addr(P["ln1"][0]), addr(P["ln2"][0]), qkv, qkv_b, addr(P["q_norm"]), addr(P["k_norm"]),
                          o, o_b, gu, gu_b, down, down_b, addr(P["ln1"][1]), addr(P["ln2"][1]),
-                         int(bool(P.get("no_rot")))])   # (HSD_NO_ROT: a flag)
+                         int(bool(P.get("no_rot"))),   # (HSD_NO_ROT, a flag)
+                         addr(P.get("post_attn")), addr(P.get("post_mlp")),
+                         int(bool(self.local and self.local[len(rows)]))])   # (HSD_LOCAL, a flag)
         self._table = torch.tensor(rows, dtype=torch.int64, device="cpu")
         final, head, hidden_norm, flags = self._head()
+        final_w = getattr(self, "_final_weight", None)   # (Gemma: 1 + w)
         head, head_b = fused([_pair(head)])
         fc, in_norm, fc_norms = self._fusion()
         fc_w, fc_b = fused([_pair(fc)]) if fc is not None else (0, 0)
         self._desc = (len(rows), self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter, self.vocab,
-                      self._table.data_ptr(), addr(final.weight), head, head_b,
+                      self._table.data_ptr(), addr(final.weight if final_w is None else final_w), head, head_b,
                       addr(None if hidden_norm is None else hidden_norm.weight), flags,
                       fc_w, fc_b, 0 if fc is None else fc.in_features, addr(in_norm),
                       addr(None if fc_norms is None else torch.cat(fc_norms)), addr(getattr(final, "bias", None)),
-                      self.arch, self.act, self.rot)
+                      self.arch, self.act, self.rot, self.attn_cap, self.final_cap)
         self._keep = keep
         self.codecs = codecs
         self._versions = self._state()
@@ -599,14 +722,15 @@ class _Packed:
         return None, None, None
 
     def _run(self, h, emb, cos, sin, B, n, slots, allowed, cache, out_rows, k, taps=None, hout=False, bad=None,
-             nreal=None, fuse=None):
+             nreal=None, fuse=None, local=None):
         """decoder.h's forward over B requests x n rows: ``h`` [B*n, H] in (the residual stream out; written from
         ``fuse`` [B*n, 3T], the target's taps, by the draft's fusion when given), ``emb`` the draft's embeddings or
         None, ``cos``/``sin`` [B, n, d], ``slots`` [n] or [B, n], ``allowed`` [n, W] or
         [B, n, W], ``cache``: (tensor, batch, capacity, strides of a request, of keys/values, of a layer, of a kv
         head); logits for the rows ``out_rows`` (None: all), ``k`` of them; ``bad`` (int64 [B]) |= a kept row of
         that request has non-finite logits (:func:`~.finite.mark_nonfinite`'s rule), counting only each request's
-        first ``nreal[b]`` rows when given (int64 [B]).  Returns (logits [k, V], the taps' inputs or None, the kept
+        first ``nreal[b]`` rows when given (int64 [B]); ``local``: (allowed, cos, sin) of decoder.h's local layers,
+        shaped as those (cos, sin None: the call's own).  Returns (logits [k, V], the taps' inputs or None, the kept
         rows' states [k, H] or None)."""
         for name, t in (("bad", bad), ("nreal", nreal)):
             if t is not None and (t.dtype != torch.int64 or t.device.type != "cpu" or not t.is_contiguous()
@@ -620,6 +744,11 @@ class _Packed:
         slot = slots.expand(B, n).reshape(-1).contiguous()
         W = allowed.shape[-1]
         allowed = allowed.expand(B, n, W).reshape(rows, W).contiguous()
+        keep_local = []
+        if local is not None:
+            keep_local = [local[0].expand(B, n, W).reshape(rows, W).contiguous()] + [
+                None if t is None else t.expand(B, n, -1).contiguous() for t in local[1:]]
+        local_at = tuple(0 if t is None else t.data_ptr() for t in keep_local) or (0, 0, 0)
         logits = torch.empty(k, self.vocab, device="cpu")   # (never the default device)
         bufs = [torch.empty(rows, H, device="cpu") for _ in taps] if taps else []
         tap_at = list(taps or []) + [-1] * (3 - len(bufs))
@@ -628,7 +757,7 @@ class _Packed:
         self._g.decoder_forward(self._desc, self.eps, self.scale, cache, h.data_ptr(),
                                 0 if emb is None else emb.data_ptr(), 0 if fuse is None else fuse.data_ptr(), rows,
                                 cos.data_ptr(), sin.data_ptr(), req.data_ptr(), slot.data_ptr(), allowed.data_ptr(), W,
-                                tuple(tap_at), tuple(addrs),
+                                local_at, tuple(tap_at), tuple(addrs),
                                 0 if out_rows is None else out_rows.data_ptr(), k, logits.data_ptr(),
                                 0 if states is None else states.data_ptr(), 0 if bad is None else bad.data_ptr(),
                                 0 if nreal is None else nreal.data_ptr(), n, self.isa, 0)
@@ -649,6 +778,8 @@ class CpuDecoder(_Packed):
         self.vocab = lay.head.out_features
         self.eps, self.scale = lay.eps, lay.scale
         self.embed, self.pos_embed, self.rotary, self.pos_offset = lay.embed, lay.pos, lay.rotary, lay.pos_offset
+        self.embed_scale, self.local_rotary, self._final_weight = lay.embed_scale, lay.local_rotary, lay.final_weight
+        self.attn_cap, self.final_cap, self.local = lay.attn_cap, lay.final_cap, lay.local
         self._no_rotation = torch.zeros(1, 1, 1, device="cpu")   # (cos and sin without rotary: never read)
         self._pack()
 
@@ -662,10 +793,12 @@ class CpuDecoder(_Packed):
 
     @torch.no_grad()
     def forward(self, ids, positions, slots, allowed, kv, keep=None, taps=None, current=False, bad=None,
-                nreal=None):
+                nreal=None, local=None):
         """One forward of ``ids`` [B, n] at ``positions`` [B, n], written to cache columns ``slots`` ([n] for
         every row, or [B, n]) of ``kv`` (the engine's cache [B', 2, layers, kv_heads, capacity, head_dim],
-        request b in its row b), each row attending to the columns ``allowed`` [n, W] / [B, n, W] marks.
+        request b in its row b), each row attending to the columns ``allowed`` [n, W] / [B, n, W] marks, or in the
+        sliding layers of a model with sliding and full ones (:attr:`local`), those ``local`` marks (the same
+        shape: ``allowed`` within the window; None: ``allowed`` itself, right while no row reaches past it).
         ``keep``: logits for every row (None) or for each request's last ``keep`` rows; ``taps``: the layers whose
         input to return; ``current``: :meth:`usable` was asked in this call (else the weights are checked here);
         ``bad``, ``nreal``: :func:`~.finite.mark_nonfinite` (bad, the kept logits, nreal) inside the call.
@@ -679,6 +812,8 @@ class CpuDecoder(_Packed):
             raise ValueError(f"cpu_decoder: argument 'kv' expected a float32 cache [>= {B}, 2, layers, kv_heads, "
                              f"capacity, {self.head_dim}] with contiguous columns, got {tuple(kv.shape)} {kv.dtype}")
         h = torch.nn.functional.embedding(ids.reshape(-1), self.embed.weight).to(torch.float32)
+        if self.embed_scale is not None:   # (Gemma: its embeddings times their factor, as its module multiplies)
+            h = h * self.embed_scale.to(torch.float32)
         if self.pos_embed is not None:   # (GPT-2, OPT: the tokens' embeddings + the positions', as transformers adds)
             h = h + torch.nn.functional.embedding(positions.reshape(-1) + self.pos_offset,
                                                   self.pos_embed.weight).to(torch.float32)
@@ -697,10 +832,14 @@ class CpuDecoder(_Packed):
             out_rows = (torch.arange(B, device="cpu").view(B, 1) * n
                         + torch.arange(n - k, n, device="cpu").view(1, k)).reshape(-1)
             k = B * k
+        rows = None
+        if self.local is not None and any(self.local):   # the sliding layers' columns, and their own rotation
+            lc, ls = self.local_rotary(h.view(B, n, H), positions) if self.local_rotary is not None else (None, None)
+            rows = (allowed if local is None else local, lc, ls)
         s = kv.stride()
         logits, bufs, _ = self._run(h, None, cos, sin, B, n, slots, allowed,
                                     (kv.data_ptr(), kv.shape[0], kv.shape[4], s[0], s[1], s[2], s[3]), out_rows, k,
-                                    taps=taps, bad=bad, nreal=nreal)
+                                    taps=taps, bad=bad, nreal=nreal, local=rows)
         return logits.view(B, -1, self.vocab), ([b.view(B, n, H) for b in bufs] if taps else None)
 
 

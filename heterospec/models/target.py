@@ -998,12 +998,14 @@ class TargetAdapter:
         cache = self.cache if cache is None else cache
         if self.decoder is not None and call in (None, self.model) and cache is self.cache and not exact \
                 and set(kw) <= {"logits_to_keep"} and self.decoder.runs(self._decoder_on):
-            if self._sliding is not None:   # every layer slides (the decoder refuses typed layers): one window
-                allowed = self._within_window(allowed, positions, slots)
+            local = None
+            if self._sliding is not None:   # the window: every layer's, or the sliding layers' among full ones
+                near = self._within_window(allowed, positions, slots)
+                local, allowed = (near, allowed) if self._sliding[1] else (None, near)
             logits, taps = self.decoder.forward(ids, positions, slots, allowed, self.kv, keep=kw.get("logits_to_keep"),
                                                 taps=self.tap_layers if self._hooks else None,
                                                 current=self._decoder_on is not None,
-                                                bad=bad, nreal=n)
+                                                bad=bad, nreal=n, local=local)
             for i, t in zip(self.tap_layers, taps or ()):
                 self._captured[i] = t
             return _Logits(logits)

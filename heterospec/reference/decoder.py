@@ -1,6 +1,7 @@
 """The pieces of ``cpu_decoder``'s forward (the extension heterospec._gemm, csrc/gemm/decoder.h) in NumPy, bit for
-bit: the 16-lane dot product and sum, exp, RMSNorm, LayerNorm, one row's attention, SiLU-times-up, gelu and its
-tanh form, relu, the rotation, the non-finite row rule; and a whole decoder forward built from them
+bit: the 16-lane dot product and sum, exp, RMSNorm, LayerNorm, one row's attention (soft-capped or not),
+SiLU-times-up, gelu and its tanh form (alone or times up), relu, soft-capping, the rotation, the non-finite row
+rule; and a whole decoder forward built from them
 (:func:`decoder_layers`, with :func:`rows_linear` for the matrix products).
 
 Every step is one float32 operation rounded once: NumPy's float32 add, multiply, divide and sqrt round
@@ -113,15 +114,25 @@ def gelu_tanh(x):
     return (x / (f32(1.0) + exp((f32(-2.0) * u).astype(f32))).astype(f32)).astype(f32)
 
 
-def attend(q, k, v, allowed, scale):
+def softcap(x, cap):
+    """cap * tanh(x / cap) as the kernel computes it: tanh(y) = 2 / (1 + exp(-2 y)) - 1 with :func:`exp`."""
+    x = np.asarray(x, f32)
+    e = exp((f32(-2.0) * (x / f32(cap)).astype(f32)).astype(f32))
+    return (((f32(2.0) / (f32(1.0) + e).astype(f32)).astype(f32) - f32(1.0)).astype(f32) * f32(cap)).astype(f32)
+
+
+def attend(q, k, v, allowed, scale, cap=0.0):
     """One query row of one head: q [d], k and v [W, d], allowed [W] bool -> [d]: s_j = dot16(q, k_j) * scale over
-    the allowed j in order, p = exp(s - max s), out = (sum_j p_j v_j, fused in order of j) / (sum_j p_j in order)."""
+    the allowed j in order (soft-capped where ``cap``: :func:`softcap`), p = exp(s - max s), out = (sum_j p_j v_j,
+    fused in order of j) / (sum_j p_j in order)."""
     q = np.asarray(q, f32)
     cols = np.nonzero(np.asarray(allowed, bool))[0]
     out = np.zeros(q.shape[-1], f32)
     if len(cols) == 0:
         return out
     s = (dot16(q[None, :], np.asarray(k, f32)[cols]) * f32(scale)).astype(f32)
+    if cap:
+        s = softcap(s, cap)
     p = exp((s - s.max()).astype(f32))
     total = f32(0.0)
     for pj in p:
@@ -167,22 +178,26 @@ def _norm(L, name, x, eps):
 
 
 def _mlp(L, x, act):
-    """down(silu(gate(x)) * up(x)), or down(act(up(x))) with ``act`` "gelu" / "gelu_tanh" / "relu"."""
+    """down(silu(gate(x)) * up(x)), down(gelu_tanh(gate(x)) * up(x)) (``act`` "gelu_tanh_glu", Gemma's), or
+    down(act(up(x))) with ``act`` "gelu" / "gelu_tanh" / "relu"."""
     def lin(x, name):
         return rows_linear(x, L[name], L.get(name + "_b"))
 
     if act == "silu":
         return lin(silu_mul(lin(x, "gate"), lin(x, "up")), "down")
+    if act == "gelu_tanh_glu":
+        return lin((gelu_tanh(lin(x, "gate")) * lin(x, "up")).astype(f32), "down")
     return lin(ACTS[act](lin(x, "up")), "down")
 
 
 def _layer(L, x, h, eps, scale, heads, kv_heads, cos, sin, cache, slots, allowed, act="silu", parallel=False,
-           pairs=False):
+           pairs=False, attn_cap=0.0):
     """One layer after its input norm: attention input ``x`` [n, X], residual stream ``h`` [n, H]; the keys and
     values written into ``cache`` [2, kv_heads, W', d] at ``slots``; the first ``cos.shape[-1]`` dimensions of
     each head rotated (None: no rotation; ``pairs``: :func:`rotate`'s).  ``parallel``: GPT-NeoX's residual,
     (mlp(norm2(h)) + attention) + h, or (mlp(x) + attention) + h where the layer has no ``ln2`` (Phi, GPT-J).
-    Returns the new residual stream."""
+    ``post_attn`` / ``post_mlp`` in ``L`` (Gemma 2 and 3): RMSNorms of the attention's and the MLP's outputs before
+    each is added.  ``attn_cap``: the scores' soft-capping (0: none).  Returns the new residual stream."""
     n = x.shape[0]
     d = cache.shape[-1]
     group = heads // kv_heads
@@ -206,16 +221,21 @@ def _layer(L, x, h, eps, scale, heads, kv_heads, cos, sin, cache, slots, allowed
         cache[1, :, s] = v[r]
     W = allowed.shape[1]
     att = np.stack([np.concatenate([attend(q[r, a], cache[0, a // group, :W], cache[1, a // group, :W], allowed[r],
-                                           scale) for a in range(heads)]) for r in range(n)])
+                                           scale, attn_cap) for a in range(heads)]) for r in range(n)])
     o = lin(att, "o")
     if parallel:
         return ((_mlp(L, _norm(L, "ln2", h, eps) if "ln2" in L else x, act) + o).astype(f32) + h).astype(f32)
+    if L.get("post_attn") is not None:
+        o = rmsnorm(o, L["post_attn"], eps)
     h = (h + o).astype(f32)
-    return (h + _mlp(L, _norm(L, "ln2", h, eps), act)).astype(f32)
+    m = _mlp(L, _norm(L, "ln2", h, eps), act)
+    if L.get("post_mlp") is not None:
+        m = rmsnorm(m, L["post_mlp"], eps)
+    return (h + m).astype(f32)
 
 
 def decoder_layers(layers, final_norm, head, eps, scale, heads, kv_heads, h, cos, sin, cache, slots, allowed,
-                   act="silu", parallel=False, pairs=False):
+                   act="silu", parallel=False, pairs=False, local=None, attn_cap=0.0, final_cap=0.0):
     """The kernel's whole forward for the rows of one request, in NumPy (slow: for the tests' tiny models).
 
     ``layers``: per layer a dict of float32 arrays ``ln1, ln2, q, k, v, o, gate, up, down`` ([out, in] weights) and
@@ -224,16 +244,21 @@ def decoder_layers(layers, final_norm, head, eps, scale, heads, kv_heads, h, cos
     (weight, bias or None) for a LayerNorm; ``h`` [n, H]: the rows' embeddings; ``cos``/``sin`` [n, R]: the
     rotation of each head's first R dimensions (None: none); ``cache`` [layers, 2, kv_heads, W', d]: the request's
     keys and values, written in place at columns ``slots`` [n]; ``allowed`` [n, W] bool (W <= W'); ``act``: "silu"
-    (gate and up) or "gelu" / "gelu_tanh" / "relu" (up alone); ``parallel``: GPT-NeoX's parallel residual (a layer
-    without ``ln2``: its MLP reads ``ln1``'s rows, Phi, GPT-J); ``pairs``: GPT-J's rotation of neighbours.
-    Returns logits [n, V] float32."""
+    (gate and up), "gelu_tanh_glu" (Gemma's, gate and up) or "gelu" / "gelu_tanh" / "relu" (up alone); ``parallel``:
+    GPT-NeoX's parallel residual (a layer without ``ln2``: its MLP reads ``ln1``'s rows, Phi, GPT-J); ``pairs``:
+    GPT-J's rotation of neighbours; ``local``: (allowed, cos, sin) for the layers with ``local`` set in their dict
+    (a sliding window's columns, and its own rotation or None for the call's); ``attn_cap``, ``final_cap``: the
+    scores' and the logits' soft-capping (0: none).  Returns logits [n, V] float32."""
     h = np.array(h, f32)
     for i, L in enumerate(layers):
-        h = _layer(L, _norm(L, "ln1", h, eps), h, eps, scale, heads, kv_heads, cos, sin, cache[i], slots, allowed,
-                   act, parallel, pairs)
+        sees, c, s = (local[0], local[1] if local[1] is not None else cos, local[2] if local[2] is not None else sin) \
+            if L.get("local") else (allowed, cos, sin)
+        h = _layer(L, _norm(L, "ln1", h, eps), h, eps, scale, heads, kv_heads, c, s, cache[i], slots, sees,
+                   act, parallel, pairs, attn_cap)
     fin = layernorm(h, final_norm[0], final_norm[1], eps) if isinstance(final_norm, tuple) \
         else rmsnorm(h, final_norm, eps)
-    return rows_linear(fin, head[0], head[1])
+    logits = rows_linear(fin, head[0], head[1])
+    return softcap(logits, final_cap) if final_cap else logits
 
 
 def fuse(taps, fc, fc_b, eps, in_norm=None, fc_norms=None):

@@ -6,6 +6,7 @@ transformers' own forward to float32 rounding; a tree row against a one-row step
 and the engine that runs on it against transformers' generate."""
 import copy
 import functools
+import inspect
 
 import numpy as np
 import pytest
@@ -24,7 +25,9 @@ pytestmark = pytest.mark.skipif(G is None, reason="heterospec._gemm was not buil
 ISAS = range(G.isa_best() + 1) if G is not None else ()
 # qwen2: q/k/v biases; qwen3: q/k norms, head_dim 16 (the others 8); phi3: q/k/v and gate/up fused, half of each
 # head rotated (as Phi-4-mini rotates three quarters); smollm3: every second layer without rotation (NoPE)
-ARCHS = ["llama", "qwen2", "qwen3", "phi3", "smollm3"]
+# gemma: 1 + w norms, scaled embeddings, GeGLU; gemma2: + the sandwich of norms, sliding layers among full ones (a
+# window of 6), soft-capped scores and logits; gemma3: + q/k norms and the sliding layers' own rotation
+ARCHS = ["llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma", "gemma2", "gemma3"]
 # LayerNorm layouts: GPT-NeoX (Pythia: the parallel residual and gelu; serial with gelu's tanh form; rotary over
 # half of each head, q/k/v fused head by head), GPT-2 (learned positions, Conv1D weights, gelu's tanh form),
 # GPTBigCode (multi-query, or q/k/v fused head by head), OPT (relu, positions 2 rows into their table), Phi (one norm
@@ -61,6 +64,41 @@ def test_exp_is_its_twins_bit_for_bit_and_within_2_ulp(isa):
     ulps = np.abs(twin[ok.numpy()].view(np.int32).astype(np.int64) - exact.view(np.int32).astype(np.int64))
     assert ulps.max() <= 2
     assert twin[x.numpy() < -87].tolist() == [0.0] * int((x < -87).sum()) and np.isnan(twin[-2])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_softcapping_and_softcapped_attention_are_their_twins_bit_for_bit_and_tanh_to_rounding(isa):
+    """Gemma 2's soft-capping, cap * tanh(x / cap), as decoder.h computes it (2 / (1 + exp(-2 y)) - 1): its twin's
+    bits on every instruction set, math.tanh to a few float32 ulps of the cap, +-cap far out, NaN kept; and the
+    soft-capped attention of one row, its twin's bits and float64's softmax of the capped scores."""
+    g = np.random.default_rng(5)
+    x = np.concatenate([g.standard_normal(997) * 40, [0.0, -0.0, 1e-6, -1e-6, 1e4, -1e4, np.inf, -np.inf, np.nan]])
+    for cap in (50.0, 30.0, 1.5):
+        y = t(x.copy())
+        G.softcap(y.data_ptr(), y.numel(), cap, isa)
+        twin = ref.softcap(x.astype(np.float32), cap)
+        assert y.numpy().tobytes() == twin.tobytes()
+        want = cap * np.tanh(x.astype(np.float64) / cap)
+        ok = np.isfinite(want)
+        assert np.allclose(twin[ok], want[ok], rtol=0, atol=4e-7 * cap)
+        assert twin[-3] == cap and twin[-2] == -cap and np.isnan(twin[-1])
+    with pytest.raises(ValueError, match="softcap: argument 'cap' expected a finite value > 0, got 0"):
+        G.softcap(y.data_ptr(), 1, 0.0, isa)
+    for d, W in ((8, 37), (64, 130), (100, 29)):
+        q = t(g.standard_normal(d) * 4)
+        k, v = t(g.standard_normal((W, d)) * 4), t(g.standard_normal((W, d)))
+        allowed = torch.from_numpy(g.random(W) < 0.7)
+        allowed[0] = True
+        out = torch.empty(d)
+        G.attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), d, allowed.data_ptr(), W, 1.0, out.data_ptr(), d, isa, 5.0)
+        twin = ref.attend(q.numpy(), k.numpy(), v.numpy(), allowed.numpy(), 1.0, 5.0)
+        assert out.numpy().tobytes() == twin.tobytes(), (d, W)
+        s = 5.0 * np.tanh((k.numpy().astype(np.float64) @ q.numpy()) / 5.0)
+        s[~allowed.numpy()] = -np.inf
+        p = np.exp(s - s.max())
+        assert np.allclose(twin, (p / p.sum()) @ v.numpy(), rtol=1e-5, atol=1e-5)
+        plain = ref.attend(q.numpy(), k.numpy(), v.numpy(), allowed.numpy(), 1.0)
+        assert not np.allclose(plain, twin, atol=1e-3)   # (the cap is felt: scores of up to ~100 against 5)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -157,6 +195,16 @@ def causal(n, W):
     return cols.view(1, -1) <= torch.arange(n).view(-1, 1)
 
 
+def window(model, allowed):
+    """The sliding layers' columns of a model with sliding and full layers (Gemma 2 and 3 here), for rows at
+    positions 0.. in columns 0..: ``allowed`` [n, W] within config.sliding_window; None for other models."""
+    c = model.config
+    if "sliding_attention" not in (getattr(c, "layer_types", None) or ()):
+        return None
+    n, W = allowed.shape
+    return allowed & (torch.arange(W).view(1, -1) > torch.arange(n).view(-1, 1) - c.sliding_window)
+
+
 @pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_the_forward_is_its_twins_and_transformers_to_rounding(arch):
     model = cpu_model(arch)
@@ -165,7 +213,8 @@ def test_the_forward_is_its_twins_and_transformers_to_rounding(arch):
     ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(n).view(1, n)
     kv = new_cache(model)
-    logits, taps = dec.forward(ids, pos, torch.arange(n), causal(n, 16), kv, taps=[0, 1, 2])
+    logits, taps = dec.forward(ids, pos, torch.arange(n), causal(n, 16), kv, taps=[0, 1, 2],
+                               local=window(model, causal(n, 16)))
     with torch.no_grad():
         out = model(ids, output_hidden_states=True)
     assert torch.allclose(logits[0], out.logits[0], rtol=1e-4, atol=1e-4 * out.logits.abs().max().item())
@@ -285,6 +334,8 @@ def _twin_layers(model):
 
         return (layers, (fin.weight.detach().numpy(), fin.bias.detach().numpy()), model.lm_head,
                 base.wte.weight, None, pair_tables, dict(act="gelu_tanh", parallel=True, pairs=True))
+    if kind in ("gemma", "gemma2", "gemma3_text"):
+        return _gemma_twin_layers(model)
     base = model.model
     layers = []
     for layer in base.layers:
@@ -310,6 +361,41 @@ def _twin_layers(model):
         base.rotary_emb, {}
 
 
+def _gemma_twin_layers(model):
+    """Gemma's layers for the twin: every norm's weight read as 1 + w (Gemma's RMSNorm), the embeddings times their
+    factor, the sandwich's norms (Gemma 2, 3), the sliding layers marked local with their own rotation (Gemma 3)
+    and the soft-caps (Gemma 2)."""
+    base, c = model.model, model.config
+    types = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
+
+    def one(norm):
+        return 1.0 + norm.weight.detach().float()
+
+    layers = []
+    for layer, kind in zip(base.layers, types):
+        a, m = layer.self_attn, layer.mlp
+        L = {"ln1": one(layer.input_layernorm)}
+        if hasattr(layer, "pre_feedforward_layernorm"):   # post_attention_layernorm norms the attention's output
+            L.update(ln2=one(layer.pre_feedforward_layernorm), post_attn=one(layer.post_attention_layernorm),
+                     post_mlp=one(layer.post_feedforward_layernorm))
+        else:
+            L["ln2"] = one(layer.post_attention_layernorm)
+        for name, lin in (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("o", a.o_proj), ("gate", m.gate_proj),
+                          ("up", m.up_proj), ("down", m.down_proj)):
+            L[name] = lin.weight
+        if getattr(a, "q_norm", None) is not None:
+            L.update(q_norm=one(a.q_norm), k_norm=one(a.k_norm))
+        layers.append(dict(_np(L), local=kind == "sliding_attention"))
+    rotary, local_rotary = base.rotary_emb, None
+    if "layer_type" in inspect.signature(rotary.forward).parameters:   # Gemma 3: a table per layer type
+        local_rotary = functools.partial(base.rotary_emb, layer_type="sliding_attention")
+        rotary = functools.partial(base.rotary_emb, layer_type="full_attention")
+    kw = dict(act="gelu_tanh_glu", attn_cap=getattr(c, "attn_logit_softcapping", None) or 0.0,
+              final_cap=getattr(c, "final_logit_softcapping", None) or 0.0, local_rotary=local_rotary)
+    return layers, one(base.norm).numpy(), model.lm_head.weight, \
+        base.embed_tokens.weight * base.embed_tokens.embed_scale, None, rotary, kw
+
+
 def twin_forward(model, dec, ids, pos, n):
     """heterospec.reference.decoder's forward of ``ids`` [1, n] from position 0 over a fresh 16-column cache:
     (logits [n, V], the cache [layers, 2, kv_heads, 16, head_dim])."""
@@ -319,6 +405,14 @@ def twin_forward(model, dec, ids, pos, n):
         with torch.no_grad():
             cos, sin = rotary(torch.zeros(1, n, 1), pos)
         cos, sin = cos[0].numpy(), sin[0].numpy()
+    local_rotary = kw.pop("local_rotary", None)
+    near = window(model, causal(n, 16))
+    if near is not None:   # the sliding layers: their columns, and their own rotation where they have one
+        lcos = lsin = None
+        if local_rotary is not None:
+            with torch.no_grad():
+                lcos, lsin = (t[0].numpy() for t in local_rotary(torch.zeros(1, n, 1), pos))
+        kw["local"] = (near.numpy(), lcos, lsin)
     hd = dec.head_dim
     cache = np.zeros((len(layers), 2, dec.kv_heads, 16, hd), np.float32)
     embedded = embed[ids[0]]
@@ -342,7 +436,7 @@ def the_twins_bits_on_every_isa(model, dec, seed):
     for isa in ISAS:
         dec.isa = isa
         kv = new_cache(model)
-        logits, _ = dec.forward(ids, pos, torch.arange(n), causal(n, 16), kv)
+        logits, _ = dec.forward(ids, pos, torch.arange(n), causal(n, 16), kv, local=window(model, causal(n, 16)))
         assert logits[0].numpy().tobytes() == twin.tobytes(), f"isa {isa}"
         assert np.array_equal(kv[0, :, :, :, :16].permute(1, 0, 2, 3, 4).numpy(), cache)
     dec.isa = G.isa_best()
@@ -541,6 +635,31 @@ def test_bad_input_gets_a_clear_error():
     assert cpu_decoder.unsupported(model.to(torch.bfloat16)) is None
 
 
+def test_what_the_decoder_lacks_of_gemma_is_refused_and_a_local_layer_needs_its_rows():
+    """Gemma's variants the kernel does not compute leave the model on transformers' forward, each with its reason;
+    and a forward whose sliding layers get no rows of their own is a clear error from C, nothing written."""
+    erf = cpu_model("gemma")
+    for layer in erf.model.layers:
+        layer.mlp.act_fn = transformers.activations.GELUActivation()
+    assert cpu_decoder.unsupported(erf) == "a Gemma MLP activation GELUActivation (the decoder has gelu's tanh " \
+                                           "form there)"
+    eps = cpu_model("gemma3")
+    eps.model.layers[1].self_attn.k_norm.eps = 1e-5
+    assert cpu_decoder.unsupported(eps) == "norms of different epsilons"
+    both = cpu_model("gemma3")
+    both.config.use_bidirectional_attention = True
+    assert cpu_decoder.unsupported(both) == "bidirectional attention (use_bidirectional_attention: an embedding model)"
+    model = cpu_model("gemma2")
+    dec = cpu_decoder.CpuDecoder(model)
+    assert dec.local == [True, False, True] and dec.attn_cap == 50.0 and dec.final_cap == 30.0
+    dec.local = None   # (the table still marks layers 0 and 2 local: the call then gives them nothing)
+    kv = new_cache(model)
+    with pytest.raises(ValueError, match="decoder_forward: argument 'local' expected the local rows' columns "
+                                         r"\(allowed\) for layer 0, a local layer, got 0"):
+        dec.forward(torch.tensor([[1, 2]]), torch.arange(2).view(1, 2), torch.arange(2), causal(2, 4), kv)
+    assert not kv.any()
+
+
 def test_auto_is_on_for_a_supported_float32_model_and_off_otherwise():
     model = cpu_model("llama")
     with HeteroSpec(model) as hs:
@@ -607,7 +726,8 @@ def test_a_half_precision_model_is_its_float32_copy_bit_for_bit_its_weights_read
     outs = []
     for dec, model in ((dh, half), (df, full)):
         kv = new_cache(model)
-        logits, taps = dec.forward(ids, pos, torch.arange(n), causal(n, 16), kv, taps=[0, 1, 2])
+        logits, taps = dec.forward(ids, pos, torch.arange(n), causal(n, 16), kv, taps=[0, 1, 2],
+                                   local=window(model, causal(n, 16)))
         outs.append((logits, taps, kv))
     (lh, th, kh), (lf, tf, kf) = outs
     assert lh.dtype == torch.float32 and torch.equal(lh, lf) and torch.equal(kh, kf)
