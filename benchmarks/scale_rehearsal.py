@@ -37,6 +37,8 @@ import sys
 import tempfile
 import time
 
+GEMMA3_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
 SHAPES = {
     # meta-llama/Llama-3.1-8B-Instruct's config, and yuhuili/EAGLE3-LLaMA3.1-Instruct-8B's head (32,000 draft tokens)
     "llama-3.1-8b": dict(arch="llama", draft_vocab=32000, config=dict(
@@ -89,14 +91,12 @@ SHAPES = {
         vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
         num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
         max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+        rope_parameters=GEMMA3_ROPE)),
     "gemma-3-1b": dict(arch="gemma3", draft_vocab=32000, config=dict(
         vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
         num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
         max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+        rope_parameters=GEMMA3_ROPE)),
     # the same code at a size the CPU test suite runs (Llama-3.1's RoPE: its base and llama3 scaling)
     "tiny": dict(arch="llama", draft_vocab=96, config=dict(
         vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,

@@ -212,10 +212,14 @@ def _gemma_layout(model, cfg):
     head = getattr(model, "lm_head", None)
     embed = getattr(base, "embed_tokens", None)
     if layers is None or not isinstance(embed, torch.nn.Embedding) \
-            or not isinstance(getattr(embed, "embed_scale", None), torch.Tensor) \
             or not _gemma_norm(getattr(base, "norm", None)) or getattr(base, "rotary_emb", None) is None \
             or not cpu_gemm.plain_linear(head):
-        return "a Gemma model without its layout (model.embed_tokens scaled, .layers, .norm, .rotary_emb; lm_head)"
+        return "a Gemma model without its layout (model.embed_tokens, .layers, .norm, .rotary_emb; lm_head)"
+    # the embeddings' factor: the module's own buffer (transformers >= 5.x's scaled embedding), or the forward's
+    # sqrt(hidden) (Gemma 1 and 2 before it: in the model's dtype, so float32 in its float32 copy)
+    scale = getattr(embed, "embed_scale", None)
+    if not isinstance(scale, torch.Tensor):
+        scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.float32)
     if getattr(cfg, "use_bidirectional_attention", False):
         return "bidirectional attention (use_bidirectional_attention: an embedding model)"
     sandwich = hasattr(layers[0], "pre_feedforward_layernorm")
@@ -251,7 +255,7 @@ def _gemma_layout(model, cfg):
     with torch.no_grad():
         rot = rotary(torch.zeros(1, 1, cfg.hidden_size, device="cpu"),   # (never the default device)
                      torch.zeros(1, 1, dtype=torch.long, device="cpu"))[0].shape[-1]
-    return _Layout(embed=embed, embed_scale=embed.embed_scale, pos=None, rotary=rotary, local_rotary=local_rotary,
+    return _Layout(embed=embed, embed_scale=scale, pos=None, rotary=rotary, local_rotary=local_rotary,
                    final=base.norm, final_weight=_one_plus(base.norm), head=head, layers=list(layers), arch=0,
                    act=HSD_GELU_TANH_GLU, rot=rot, eps=eps.pop(), scale=float(att0.scaling),
                    heads=cfg.num_attention_heads, kv_heads=getattr(cfg, "num_key_value_heads", None)

@@ -77,7 +77,12 @@ def draft_config_for(target, draft_vocab_size, **overrides):
     # the RoPE base and scaling as the loader reads them, under every transformers release (5.x keeps them in
     # rope_parameters: a getattr(c, "rope_theta", 10000) silently took 10000 for a 100000 target, issue 19)
     problems = _Problems()
-    theta, scaling = read_rope(c.to_dict(), c.max_position_embeddings, problems, "target config.", default_theta=None)
+    src = c.to_dict()
+    per_type = src.get("rope_parameters")
+    if isinstance(per_type, dict) and isinstance(per_type.get("full_attention"), dict):
+        # Gemma 3: a RoPE per layer type; the draft's one layer sees every column, as the target's full layers do
+        src = dict(src, rope_parameters=per_type["full_attention"], rope_scaling=None)
+    theta, scaling = read_rope(src, c.max_position_embeddings, problems, "target config.", default_theta=None)
     problems.raise_if_any("draft_config_for: the target's RoPE settings")
     if theta is None:
         theta = NO_ROPE_BASE.get(getattr(c, "model_type", None))

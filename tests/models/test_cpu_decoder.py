@@ -392,8 +392,9 @@ def _gemma_twin_layers(model):
         rotary = functools.partial(base.rotary_emb, layer_type="full_attention")
     kw = dict(act="gelu_tanh_glu", attn_cap=getattr(c, "attn_logit_softcapping", None) or 0.0,
               final_cap=getattr(c, "final_logit_softcapping", None) or 0.0, local_rotary=local_rotary)
-    return layers, one(base.norm).numpy(), model.lm_head.weight, \
-        base.embed_tokens.weight * base.embed_tokens.embed_scale, None, rotary, kw
+    scale = getattr(base.embed_tokens, "embed_scale", None)   # (Gemma 1, 2 before transformers 5.x: the forward's)
+    scale = torch.tensor(c.hidden_size ** 0.5) if scale is None else scale
+    return layers, one(base.norm).numpy(), model.lm_head.weight, base.embed_tokens.weight * scale, None, rotary, kw
 
 
 def twin_forward(model, dec, ids, pos, n):

@@ -148,6 +148,21 @@ def test_a_heads_config_takes_the_targets_rope_and_layer_settings(arch, rope):
     assert head.head_dim == (16 if arch == "qwen3" else 8) and head.draft_vocab_size == 40
 
 
+def test_the_heads_config_takes_the_full_layers_rope_of_a_target_with_one_per_layer_type():
+    """Gemma 3 keeps a RoPE per layer type (rope_parameters["full_attention"], ["sliding_attention"]): the head's one
+    layer, which sees every column, takes the full layers' base (it failed before: no rope_type at the top)."""
+    import transformers
+    from heterospec.models.train import draft_config_for
+
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=8, max_position_embeddings=512,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    head = draft_config_for(types.SimpleNamespace(config=cfg), 40)
+    assert head.rope_theta == 1000000.0 and head.rope_scaling is None and head.head_dim == 8
+
+
 def test_validation_split_keeps_the_best_head_and_stops_early(tmp_path):
     """Issue 19.2: held-out sequences are validated every eval_every steps; the head on disk is the one with the
     lowest validation loss; patience stops a run whose validation loss no longer falls; both curves are in
