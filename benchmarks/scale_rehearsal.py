@@ -97,6 +97,13 @@ SHAPES = {
         num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
         max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
         rope_parameters=GEMMA3_ROPE)),
+    # google/gemma-2-2b-it's config (Gemma2ForCausalLM, a bfloat16 checkpoint): sliding (4,096-token window) and full
+    # layers alternating, attention scores soft-capped at 50 and logits at 30 (transformers gives it eager attention)
+    "gemma-2-2b": dict(arch="gemma2", draft_vocab=32000, config=dict(
+        vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, max_position_embeddings=8192, rms_norm_eps=1e-6,
+        rope_theta=10000.0, tie_word_embeddings=True)),
     # the same code at a size the CPU test suite runs (Llama-3.1's RoPE: its base and llama3 scaling)
     "tiny": dict(arch="llama", draft_vocab=96, config=dict(
         vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
@@ -119,10 +126,11 @@ def target_config(shape, layers=None):
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
            "gpt_neox": transformers.GPTNeoXConfig,
            "gpt2": transformers.GPT2Config, "opt": transformers.OPTConfig, "phi": transformers.PhiConfig,
-           "codegen": transformers.CodeGenConfig, "gemma3": transformers.Gemma3TextConfig}[s["arch"]]
+           "codegen": transformers.CodeGenConfig, "gemma3": transformers.Gemma3TextConfig,
+           "gemma2": transformers.Gemma2Config}[s["arch"]]
     kw = dict(s["config"], **({"num_hidden_layers": layers} if layers else {}))
-    # (transformers gives CodeGen no sdpa)
-    return cls(**kw, attn_implementation="eager" if s["arch"] == "codegen" else "sdpa")
+    # (transformers gives CodeGen no sdpa, nor Gemma 2: its soft-capping)
+    return cls(**kw, attn_implementation="eager" if s["arch"] in ("codegen", "gemma2") else "sdpa")
 
 
 def build_target(shape, device, dtype, seed=0, layers=None):
@@ -136,7 +144,8 @@ def build_target(shape, device, dtype, seed=0, layers=None):
            "qwen3": transformers.Qwen3ForCausalLM,
            "gpt_neox": transformers.GPTNeoXForCausalLM, "gpt2": transformers.GPT2LMHeadModel,
            "opt": transformers.OPTForCausalLM, "phi": transformers.PhiForCausalLM,
-           "codegen": transformers.CodeGenForCausalLM, "gemma3": transformers.Gemma3ForCausalLM}[SHAPES[shape]["arch"]]
+           "codegen": transformers.CodeGenForCausalLM, "gemma3": transformers.Gemma3ForCausalLM,
+           "gemma2": transformers.Gemma2ForCausalLM}[SHAPES[shape]["arch"]]
     torch.manual_seed(seed)
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
