@@ -104,6 +104,12 @@ SHAPES = {
         num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
         attn_logit_softcapping=50.0, final_logit_softcapping=30.0, max_position_embeddings=8192, rms_norm_eps=1e-6,
         rope_theta=10000.0, tie_word_embeddings=True)),
+    # allenai/OLMo-2-0425-1B-Instruct's config (no norm before attention or MLP, one after each; q/k normed over all
+    # heads); no official EAGLE-3 head (32,000 draft tokens)
+    "olmo-2-1b": dict(arch="olmo2", draft_vocab=32000, config=dict(
+        vocab_size=100352, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=500000.0,
+        tie_word_embeddings=False)),
     # the same code at a size the CPU test suite runs (Llama-3.1's RoPE: its base and llama3 scaling)
     "tiny": dict(arch="llama", draft_vocab=96, config=dict(
         vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
@@ -127,7 +133,7 @@ def target_config(shape, layers=None):
            "gpt_neox": transformers.GPTNeoXConfig,
            "gpt2": transformers.GPT2Config, "opt": transformers.OPTConfig, "phi": transformers.PhiConfig,
            "codegen": transformers.CodeGenConfig, "gemma3": transformers.Gemma3TextConfig,
-           "gemma2": transformers.Gemma2Config}[s["arch"]]
+           "gemma2": transformers.Gemma2Config, "olmo2": transformers.Olmo2Config}[s["arch"]]
     kw = dict(s["config"], **({"num_hidden_layers": layers} if layers else {}))
     # (transformers gives CodeGen no sdpa, nor Gemma 2: its soft-capping)
     return cls(**kw, attn_implementation="eager" if s["arch"] in ("codegen", "gemma2") else "sdpa")
@@ -145,7 +151,7 @@ def build_target(shape, device, dtype, seed=0, layers=None):
            "gpt_neox": transformers.GPTNeoXForCausalLM, "gpt2": transformers.GPT2LMHeadModel,
            "opt": transformers.OPTForCausalLM, "phi": transformers.PhiForCausalLM,
            "codegen": transformers.CodeGenForCausalLM, "gemma3": transformers.Gemma3ForCausalLM,
-           "gemma2": transformers.Gemma2ForCausalLM}[SHAPES[shape]["arch"]]
+           "gemma2": transformers.Gemma2ForCausalLM, "olmo2": transformers.Olmo2ForCausalLM}[SHAPES[shape]["arch"]]
     torch.manual_seed(seed)
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

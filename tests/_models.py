@@ -86,6 +86,21 @@ def tiny_target(arch, vocab=V, layers=8, seed=0, sharpen=40.0):
                 if "norm" in name:
                     p.normal_(0.0, 0.3)
         return _sharpened(model, sharpen)
+    if arch in ("olmo2", "olmo3"):   # no norm before attention or MLP, norms of their outputs, q/k normed over all
+        # heads; olmo3: sliding layers (a window of 6) among full ones, each kind with its own rotation
+        kw = dict(common, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        if arch == "olmo2":
+            cfg, cls = transformers.Olmo2Config(**kw), transformers.Olmo2ForCausalLM
+        else:
+            kw.update(sliding_window=6, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+                      + ["sliding_attention"] * (layers % 2))
+            cfg, cls = transformers.Olmo3Config(**kw), transformers.Olmo3ForCausalLM
+        model = cls(cfg)
+        with torch.no_grad():   # (their norms start at 1: random ones tell each norm from another)
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(1.0, 0.3)
+        return _sharpened(model, sharpen)
     if arch == "llama":
         cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     elif arch == "qwen2":

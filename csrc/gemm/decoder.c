@@ -460,8 +460,10 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
     if (W < 0 || W > c->capacity || keep < 0 || keep > n) return -1;
     if (m->hidden_norm && (!emb || m->layers != 1 || m->arch || m->act != HSD_SILU_GLU)) return -1;
     if (R < 0 || R > D || R % 2 || m->act < HSD_SILU_GLU || m->act > HSD_GELU_TANH_GLU
-        || (m->arch & ~(HSD_LAYERNORM | HSD_PARALLEL | HSD_SHARED_NORM | HSD_ROT_PAIRS))
-        || ((m->arch & HSD_SHARED_NORM) && !(m->arch & HSD_PARALLEL)))
+        || (m->arch & ~(HSD_LAYERNORM | HSD_PARALLEL | HSD_SHARED_NORM | HSD_ROT_PAIRS | HSD_POST_ONLY
+                        | HSD_QK_NORM_ALL))
+        || ((m->arch & HSD_SHARED_NORM) && !(m->arch & HSD_PARALLEL))
+        || ((m->arch & HSD_POST_ONLY) && (m->arch & HSD_PARALLEL)))
         return -1;
     if (fuse && (!m->fc || m->fc_in <= 0 || m->fc_in % 3)) return -1;
     for (int64_t r = 0; r < n; r++)
@@ -507,7 +509,8 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
             if (taps && taps[t] && tap_layers[t] == L) memcpy(taps[t], h, (size_t)(n * H) * sizeof *h);
         for (int64_t r = 0; r < n; r++) {
             if (!m->hidden_norm) {
-                norm_row(m, h + r * H, W_(L, HSD_LN1), W_(L, HSD_LN1_B), x + r * XW, isa);
+                if (m->arch & HSD_POST_ONLY) memcpy(x + r * XW, h + r * H, (size_t)H * sizeof *h);
+                else norm_row(m, h + r * H, W_(L, HSD_LN1), W_(L, HSD_LN1_B), x + r * XW, isa);
                 continue;
             }
             hsd_rmsnorm(emb + r * H, W_(L, HSD_LN1), x + r * XW, H, m->eps, isa);
@@ -520,11 +523,14 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
         const int near = m->table[L * HSD_FIELDS + HSD_LOCAL] != 0;     /* this layer reads the local rows */
         const uint8_t *sees = near ? local->allowed : allowed;
         const float *lc = near && local->cos ? local->cos : cos, *ls = near && local->sin ? local->sin : sin;
+        const int wide = (m->arch & HSD_QK_NORM_ALL) != 0; /* q and k normed whole, not head by head */
         for (int64_t r = 0; r < n; r++) {
             float *row = qkv + r * QKV;
+            if (wide && qn) hsd_rmsnorm(row, qn, row, NQ, m->eps, isa);
+            if (wide && kn) hsd_rmsnorm(row + NQ, kn, row + NQ, NK, m->eps, isa);
             for (int64_t a = 0; a < m->heads + m->kv_heads; a++) {
                 float *v = row + a * D;
-                const float *nw = a < m->heads ? qn : kn;
+                const float *nw = wide ? NULL : a < m->heads ? qn : kn;
                 if (nw) hsd_rmsnorm(v, nw, v, D, m->eps, isa);
                 if (RL) rotate(v, lc + r * R, ls + r * R, R, (m->arch & HSD_ROT_PAIRS) != 0, rot);
             }
@@ -567,7 +573,9 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
         const float *pa = W_(L, HSD_POST_ATTN), *pm = W_(L, HSD_POST_MLP);
         for (int64_t r = 0; pa && r < n; r++) norm_row(m, tmp + r * H, pa, NULL, tmp + r * H, isa);
         for (int64_t i = 0; i < n * H; i++) h[i] = h[i] + tmp[i];
-        for (int64_t r = 0; r < n; r++) norm_row(m, h + r * H, W_(L, HSD_LN2), W_(L, HSD_LN2_B), x + r * H, isa);
+        for (int64_t r = 0; r < n; r++)
+            if (m->arch & HSD_POST_ONLY) memcpy(x + r * H, h + r * H, (size_t)H * sizeof *h);
+            else norm_row(m, h + r * H, W_(L, HSD_LN2), W_(L, HSD_LN2_B), x + r * H, isa);
         mlp(m, L, x, n, gu, act, tmp, isa, threads);
         for (int64_t r = 0; pm && r < n; r++) norm_row(m, tmp + r * H, pm, NULL, tmp + r * H, isa);
         for (int64_t i = 0; i < n * H; i++) h[i] = h[i] + tmp[i];

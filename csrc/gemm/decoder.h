@@ -24,7 +24,10 @@
  * GPT-J have one norm a layer).  Gemma's: gelu's tanh form of the gate times up (HSD_GELU_TANH_GLU), norms of the
  * attention's and the MLP's outputs before each residual add (HSD_POST_ATTN, HSD_POST_MLP), sliding layers among
  * full ones reading their own columns and rotation (HSD_LOCAL, hsd_local), soft-capped scores and logits
- * (attn_cap, final_cap); its norms' 1 + w and its embeddings' factor are the caller's.
+ * (attn_cap, final_cap); its norms' 1 + w and its embeddings' factor are the caller's.  OLMo 2's and 3's: no
+ * norm before attention or MLP (HSD_POST_ONLY: they read h itself; the post norms do the norming), and q_norm and
+ * k_norm over all heads of q and of k at once (HSD_QK_NORM_ALL: widths heads * head_dim and kv_heads * head_dim),
+ * before the rotation.
  *
  * Every reduction has one fixed order, the same on AVX-512, AVX2 and the portable loop, and no row's result
  * depends on another row: a dot product of length d is 16 lanes (lane l sums elements l, l+16, ... by fused
@@ -52,7 +55,8 @@ enum {
 /* hsd_model.arch bits and hsd_model.act values (a decoder's layout; the draft's layout is 0 and HSD_SILU_GLU):
  * GU holds [gate; up] (2 * inter rows) for HSD_SILU_GLU and HSD_GELU_TANH_GLU (gelu's tanh form of the gate times up:
  * Gemma's GeGLU), the one matrix before the activation (inter rows) else. */
-enum { HSD_LAYERNORM = 1, HSD_PARALLEL = 2, HSD_SHARED_NORM = 4, HSD_ROT_PAIRS = 8 };
+enum { HSD_LAYERNORM = 1, HSD_PARALLEL = 2, HSD_SHARED_NORM = 4, HSD_ROT_PAIRS = 8, HSD_POST_ONLY = 16,
+       HSD_QK_NORM_ALL = 32 };
 enum { HSD_SILU_GLU = 0, HSD_GELU = 1, HSD_GELU_TANH = 2, HSD_RELU = 3, HSD_GELU_TANH_GLU = 4 };
 #define HSD_GATED(act) ((act) == HSD_SILU_GLU || (act) == HSD_GELU_TANH_GLU)
 
@@ -76,7 +80,8 @@ typedef struct {
     const float *fc, *fc_b, *in_norm, *fc_norms;
     int64_t fc_in;
     const float *final_norm_b;  /* the final LayerNorm's bias or NULL */
-    int arch, act;              /* HSD_LAYERNORM | HSD_PARALLEL | HSD_SHARED_NORM | HSD_ROT_PAIRS; HSD_SILU_GLU,
+    int arch, act;              /* HSD_LAYERNORM | HSD_PARALLEL | HSD_SHARED_NORM | HSD_ROT_PAIRS | HSD_POST_ONLY |
+                                 * HSD_QK_NORM_ALL; HSD_SILU_GLU,
                                  * HSD_GELU, HSD_GELU_TANH or HSD_RELU */
     int64_t rot;                /* the rotated dimensions of each head (even, <= head_dim; 0: none) */
     /* soft-capping (Gemma 2), 0: none: each attention score s (after the scale) and each logit of the output layer
@@ -98,7 +103,8 @@ typedef struct {
 } hsd_cache;
 
 /* One forward over n rows (local: the rows of the HSD_LOCAL layers, NULL where no layer is one).  h: [n][hidden],
- * the embeddings in (the draft: the fed-in states; emb its tokens' embeddings [n][hidden], else NULL), the residual stream out; fuse (the draft with fc only; NULL: h is given):
+ * the embeddings in (the draft: the fed-in states; emb its tokens' embeddings [n][hidden], else NULL), the residual
+ * stream out; fuse (the draft with fc only; NULL: h is given):
  * [n][fc_in] the target's taps, h written from them first (the norms in_norm then fc_norms where set, each rows'
  * rmsnorm, then fc, rows.h's kernel); cos/sin: [n][rot] (not read with rot 0);
  * req, slot: [n] (the cache row and column each row's keys and values go to); allowed: [n][W] (1: row r attends

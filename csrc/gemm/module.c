@@ -158,13 +158,14 @@ static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
         return NULL;
     }
     if (rot < 0 || rot > md[4] || rot % 2 || act < HSD_SILU_GLU || act > HSD_GELU_TANH_GLU
-        || (arch & ~(HSD_LAYERNORM | HSD_PARALLEL | HSD_SHARED_NORM | HSD_ROT_PAIRS))
-        || ((arch & HSD_SHARED_NORM) && !(arch & HSD_PARALLEL)) || !(attn_cap >= 0.0f) || !(final_cap >= 0.0f)
+        || (arch & ~(HSD_LAYERNORM | HSD_PARALLEL | HSD_SHARED_NORM | HSD_ROT_PAIRS | HSD_POST_ONLY | HSD_QK_NORM_ALL))
+        || ((arch & HSD_SHARED_NORM) && !(arch & HSD_PARALLEL)) || ((arch & HSD_POST_ONLY) && (arch & HSD_PARALLEL))
+        || !(attn_cap >= 0.0f) || !(final_cap >= 0.0f)
         || isinf(attn_cap) || isinf(final_cap)) {
         char msg[256]; /* (PyErr_Format has no %g) */
         snprintf(msg, sizeof msg, "decoder_forward: argument 'model' expected rot even in [0, head_dim %lld], act "
-                 "0-4, arch bits 1|2|4|8 (4 with 2) and finite caps >= 0, got rot %lld, act %d, arch %d, caps %g and "
-                 "%g", md[4], rot, act, arch, (double)attn_cap, (double)final_cap);
+                 "0-4, arch bits 1|2|4|8|16|32 (4 with 2, 16 without 2) and finite caps >= 0, got rot %lld, act %d, "
+                 "arch %d, caps %g and %g", md[4], rot, act, arch, (double)attn_cap, (double)final_cap);
         PyErr_SetString(PyExc_ValueError, msg);
         return NULL;
     }
@@ -191,8 +192,9 @@ static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
                          "(allowed) for layer %lld, a local layer, got 0", L);
             return NULL;
         }
-    static const int need[] = {HSD_LN1, HSD_QKV, HSD_O, HSD_GU, HSD_DOWN, HSD_LN2}; /* (LN2 not with one norm) */
-    const size_t needed = sizeof need / sizeof *need - ((arch & HSD_SHARED_NORM) ? 1 : 0);
+    /* (LN2 not with one norm; neither LN1 nor LN2 without norms before the blocks) */
+    static const int need[] = {HSD_QKV, HSD_O, HSD_GU, HSD_DOWN, HSD_LN1, HSD_LN2};
+    const size_t needed = sizeof need / sizeof *need - ((arch & HSD_POST_ONLY) ? 2 : (arch & HSD_SHARED_NORM) ? 1 : 0);
     for (long long L = 0; L < md[0]; L++)
         for (size_t i = 0; i < needed; i++)
             if (table[L * HSD_FIELDS + need[i]] == 0) {

@@ -1,6 +1,6 @@
 """The target's forward on the CPU in one call of ours (``cpu_decoder``): every decoder layer of a Llama-family,
-Gemma, GPT-NeoX (Pythia), GPT-2, GPTBigCode, OPT, Phi, GPT-J or CodeGen model in float32 arithmetic (csrc/gemm/decoder.h),
-on the engine's own key/value cache, instead of transformers' modules.
+Gemma, OLMo 2/3, GPT-NeoX (Pythia), GPT-2, GPTBigCode, OPT, Phi, GPT-J or CodeGen model in float32 arithmetic
+(csrc/gemm/decoder.h), on the engine's own key/value cache, instead of transformers' modules.
 
 A bfloat16 or float16 model (what transformers 5 loads from such a checkpoint by default, ``dtype="auto"``) runs
 too: its weights are read as the 16-bit values they are (2 bytes each), its norms, biases, embeddings and rotary
@@ -30,7 +30,8 @@ or float16 with SiLU MLPs and RMSNorm, any bias layout, any head grouping, a sli
 ``use_sliding_window``: those layers read the rows the engine restricts, decoder.h's local layers); ``gemma``,
 ``gemma2`` and ``gemma3_text`` (Gemma 1, 2 and 3, and Gemma 3's vision-language class on text: norms of 1 + w, scaled
 embeddings, GeGLU with gelu's tanh form, the sandwich of norms around attention and MLP, sliding layers with their own
-rotation, Gemma 2's soft-capped scores and logits); ``gpt_neox`` (Pythia: LayerNorm, gelu, rotary over
+rotation, Gemma 2's soft-capped scores and logits); ``olmo2`` and ``olmo3`` (no norm before attention or MLP, one
+after each, q and k normed over all their heads; OLMo 3's sliding layers); ``gpt_neox`` (Pythia: LayerNorm, gelu, rotary over
 part of each head, the parallel residual or not; its fused q/k/v reordered head by head when packed), ``gpt2``
 (LayerNorm, gelu's tanh form, learned positions added to the embeddings, Conv1D weights read transposed),
 ``gpt_bigcode`` (StarCoder 1, SantaCoder: as GPT-2 on linear layers, multi-query or q/k/v fused head by head),
@@ -47,6 +48,7 @@ where :func:`draft_unsupported` allows; the drafter takes it in ``DraftState._st
 from __future__ import annotations
 
 import math
+import types
 import weakref
 
 import torch
@@ -56,13 +58,15 @@ from .target import sliding_layout
 
 LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
-FAMILIES = LLAMA_FAMILIES + GEMMA_FAMILIES + ("gpt_neox", "gpt2", "gpt_bigcode", "opt", "phi", "gptj", "codegen")
+OLMO_FAMILIES = ("olmo2", "olmo3")
+FAMILIES = LLAMA_FAMILIES + GEMMA_FAMILIES + OLMO_FAMILIES + ("gpt_neox", "gpt2", "gpt_bigcode", "opt", "phi", "gptj", "codegen")
 SETTINGS = ("auto", True, False)
 # the models' dtypes the decoder runs: every weight read as it is stored (16-bit values as such), every sum in float32
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ISA_NAMES = ("portable", "AVX2", "AVX-512")
 HSD_RESIDUAL_NORMED, HSD_HEAD_RAW, HSD_OUT_NORMED = 1, 2, 4   # decoder.h's flags
-HSD_LAYERNORM, HSD_PARALLEL, HSD_SHARED_NORM, HSD_ROT_PAIRS = 1, 2, 4, 8   # decoder.h's arch bits
+HSD_LAYERNORM, HSD_PARALLEL, HSD_SHARED_NORM, HSD_ROT_PAIRS, HSD_POST_ONLY, HSD_QK_NORM_ALL = 1, 2, 4, 8, 16, 32
+# (decoder.h's arch bits)
 HSD_SILU_GLU, HSD_GELU, HSD_GELU_TANH, HSD_RELU, HSD_GELU_TANH_GLU = 0, 1, 2, 3, 4   # decoder.h's act
 # transformers' activation modules (activations.py) by the form the kernel computes: gelu's erf one or its tanh one,
 # relu
@@ -127,14 +131,32 @@ class _Layout:
         self.__dict__.update(kw)
 
 
-def _llama_layout(model, cfg):
+def _rms_base(model, family, norm=None):
+    """(the base model, its layers, the output layer) of a model laid out as Llama is (model.embed_tokens, .layers,
+    .norm, .rotary_emb; lm_head; ``norm(final norm)``: whether it is the family's norm, RMSNorm by default), or why
+    not (naming ``family``)."""
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     head = getattr(model, "lm_head", None)
     if layers is None or not isinstance(getattr(base, "embed_tokens", None), torch.nn.Embedding) \
-            or not _is_rmsnorm(getattr(base, "norm", None)) or getattr(base, "rotary_emb", None) is None \
+            or not (norm or _is_rmsnorm)(getattr(base, "norm", None)) or getattr(base, "rotary_emb", None) is None \
             or not cpu_gemm.plain_linear(head):
-        return "a model without the Llama layout (model.embed_tokens, .layers, .norm, .rotary_emb; lm_head)"
+        return f"{family} without its layout (model.embed_tokens, .layers, .norm, .rotary_emb; lm_head)"
+    return base, layers, head
+
+
+def _plain_blocks(att, mlp):
+    """Whether a layer's attention has q/k/v/o and its MLP gate/up/down, each a plain linear layer."""
+    return att is not None and mlp is not None \
+        and all(cpu_gemm.plain_linear(getattr(att, n, None)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) \
+        and all(cpu_gemm.plain_linear(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj"))
+
+
+def _llama_layout(model, cfg):
+    got = _rms_base(model, "a model of the Llama family")
+    if isinstance(got, str):
+        return got
+    base, layers, head = got
     if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
         return f"hidden_act {cfg.hidden_act!r} (the decoder has SiLU)"
     if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "attn_logit_softcapping", None):
@@ -206,15 +228,13 @@ def _gemma_layout(model, cfg):
     attention scores and the logits; Gemma 3 norms q and k and rotates its sliding layers by their own tables.  Gemma
     3's vision-language class (Gemma3ForConditionalGeneration, what ``AutoModelForCausalLM`` gives for its larger
     checkpoints) decodes text through its language model's layers, read the same way."""
-    base = getattr(model, "model", None)
-    base = getattr(base, "language_model", None) or base
-    layers = getattr(base, "layers", None)
-    head = getattr(model, "lm_head", None)
-    embed = getattr(base, "embed_tokens", None)
-    if layers is None or not isinstance(embed, torch.nn.Embedding) \
-            or not _gemma_norm(getattr(base, "norm", None)) or getattr(base, "rotary_emb", None) is None \
-            or not cpu_gemm.plain_linear(head):
-        return "a Gemma model without its layout (model.embed_tokens, .layers, .norm, .rotary_emb; lm_head)"
+    language = getattr(getattr(model, "model", None), "language_model", None)
+    outer = model if language is None else types.SimpleNamespace(model=language, lm_head=getattr(model, "lm_head", None))
+    got = _rms_base(outer, "a Gemma model", _gemma_norm)
+    if isinstance(got, str):
+        return got
+    base, layers, head = got
+    embed = base.embed_tokens
     # the embeddings' factor: the module's own buffer (transformers >= 5.x's scaled embedding), or the forward's
     # sqrt(hidden) (Gemma 1 and 2 before it: in the model's dtype, so float32 in its float32 copy)
     scale = getattr(embed, "embed_scale", None)
@@ -226,9 +246,7 @@ def _gemma_layout(model, cfg):
     norms, eps = [base.norm], set()
     for layer in layers:
         att, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if att is None or mlp is None or not all(cpu_gemm.plain_linear(getattr(att, n, None))
-                                                 for n in ("q_proj", "k_proj", "v_proj", "o_proj")) \
-                or not all(cpu_gemm.plain_linear(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")):
+        if not _plain_blocks(att, mlp):
             return "a Gemma layer without q/k/v, o, gate, up and down linear layers"
         names = ["input_layernorm", "post_attention_layernorm"] \
             + (["pre_feedforward_layernorm", "post_feedforward_layernorm"] if sandwich else [])
@@ -240,24 +258,14 @@ def _gemma_layout(model, cfg):
         act = getattr(mlp, "act_fn", None)
         if _act_kind(act) != HSD_GELU_TANH:
             return f"a Gemma MLP activation {type(act).__name__} (the decoder has gelu's tanh form there)"
-    eps = {float(m.eps) for m in norms}
-    if len(eps) != 1:
+    eps = _one_eps(norms)
+    if eps is None:
         return "norms of different epsilons"
     att0 = layers[0].self_attn
-    types = getattr(cfg, "layer_types", None)
-    rotary = base.rotary_emb
-    local_rotary = None
-    if "layer_type" in _parameters(rotary.forward):   # Gemma 3: a table per layer type
-        kinds = sorted(set(types or ()))
-        rotary = _typed_rotary(base.rotary_emb, "full_attention" if "full_attention" in kinds else kinds[0])
-        if "sliding_attention" in kinds:
-            local_rotary = _typed_rotary(base.rotary_emb, "sliding_attention")
-    with torch.no_grad():
-        rot = rotary(torch.zeros(1, 1, cfg.hidden_size, device="cpu"),   # (never the default device)
-                     torch.zeros(1, 1, dtype=torch.long, device="cpu"))[0].shape[-1]
+    rotary, local_rotary, rot = _rotaries(base.rotary_emb, cfg)
     return _Layout(embed=embed, embed_scale=scale, pos=None, rotary=rotary, local_rotary=local_rotary,
                    final=base.norm, final_weight=_one_plus(base.norm), head=head, layers=list(layers), arch=0,
-                   act=HSD_GELU_TANH_GLU, rot=rot, eps=eps.pop(), scale=float(att0.scaling),
+                   act=HSD_GELU_TANH_GLU, rot=rot, eps=eps, scale=float(att0.scaling),
                    heads=cfg.num_attention_heads, kv_heads=getattr(cfg, "num_key_value_heads", None)
                    or cfg.num_attention_heads, head_dim=att0.head_dim, inter=layers[0].mlp.gate_proj.out_features,
                    attn_cap=float(getattr(cfg, "attn_logit_softcapping", None) or 0.0),
@@ -275,11 +283,68 @@ def _parameters(fn):
 
 
 def _typed_rotary(rotary, kind):
-    """Gemma 3's rotary module for one layer type, as decoder.h's tables: (h, positions) -> (cos, sin)."""
+    """A rotary module with a table per layer type (Gemma 3, OLMo 3), for one type, as decoder.h's tables:
+    (h, positions) -> (cos, sin)."""
     def tables(h, positions):
         return rotary(h, positions, kind)
 
     return tables
+
+
+def _rotaries(module, cfg):
+    """(the full layers' rotation, the sliding layers' own or None, the rotated width) of a model's rotary module:
+    one table for every layer, or one per layer type (Gemma 3, OLMo 3: a ``layer_type`` argument)."""
+    rotary, local = module, None
+    if "layer_type" in _parameters(module.forward):
+        kinds = sorted(set(getattr(cfg, "layer_types", None) or ()))
+        rotary = _typed_rotary(module, "full_attention" if "full_attention" in kinds or not kinds else kinds[0])
+        if "sliding_attention" in kinds:
+            local = _typed_rotary(module, "sliding_attention")
+    with torch.no_grad():
+        rot = rotary(torch.zeros(1, 1, cfg.hidden_size, device="cpu"),   # (never the default device)
+                     torch.zeros(1, 1, dtype=torch.long, device="cpu"))[0].shape[-1]
+    return rotary, local, rot
+
+
+def _olmo_layout(model, cfg):
+    """OLMo 2 and 3: no norm before attention or MLP, a norm of each one's output before its residual add (decoder.h's
+    HSD_POST_ONLY with the post norms), q_norm and k_norm over all heads of q and of k at once (HSD_QK_NORM_ALL);
+    OLMo 3's sliding layers among full ones with their own rotation."""
+    got = _rms_base(model, "an OLMo model")
+    if isinstance(got, str):
+        return got
+    base, layers, head = got
+    norms = [base.norm]
+    for layer in layers:
+        att, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if not _plain_blocks(att, mlp):
+            return "an OLMo layer without q/k/v, o, gate, up and down linear layers"
+        mine = [getattr(layer, "post_attention_layernorm", None), getattr(layer, "post_feedforward_layernorm", None),
+                getattr(att, "q_norm", None), getattr(att, "k_norm", None)]
+        if getattr(layer, "input_layernorm", None) is not None or not all(_is_rmsnorm(m) for m in mine):
+            return "an OLMo layer whose norms are not OLMo 2's (RMSNorms after attention and MLP, on all of q and k)"
+        norms += mine
+        act = getattr(mlp, "act_fn", None)
+        if type(act).__name__ not in ("SiLU", "SiLUActivation"):
+            return f"an MLP activation {type(act).__name__} (the decoder has SiLU)"
+    eps = _one_eps(norms, "variance_epsilon")
+    if eps is None:
+        return "norms of different epsilons"
+    att0 = layers[0].self_attn
+    rotary, local_rotary, rot = _rotaries(base.rotary_emb, cfg)
+
+    def parts(layer):
+        a, m = layer.self_attn, layer.mlp
+        return {"qkv": [_pair(a.q_proj), _pair(a.k_proj), _pair(a.v_proj)], "o": [_pair(a.o_proj)],
+                "gu": [_pair(m.gate_proj), _pair(m.up_proj)], "down": [_pair(m.down_proj)],
+                "ln1": (None, None), "ln2": (None, None), "q_norm": a.q_norm.weight, "k_norm": a.k_norm.weight,
+                "post_attn": layer.post_attention_layernorm.weight, "post_mlp": layer.post_feedforward_layernorm.weight}
+
+    return _Layout(embed=base.embed_tokens, pos=None, rotary=rotary, local_rotary=local_rotary, final=base.norm,
+                   head=head, layers=list(layers), arch=HSD_POST_ONLY | HSD_QK_NORM_ALL, act=HSD_SILU_GLU, rot=rot,
+                   eps=eps, scale=float(att0.scaling), heads=cfg.num_attention_heads,
+                   kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+                   head_dim=att0.head_dim, inter=layers[0].mlp.gate_proj.out_features, parts=parts)
 
 
 def _gemma_parts(layer, sandwich):
@@ -297,9 +362,10 @@ def _gemma_parts(layer, sandwich):
     return parts
 
 
-def _layernorm_eps(norms):
-    """The one epsilon of these LayerNorms, or None where they differ (decoder.h takes one per model)."""
-    eps = {float(n.eps) for n in norms}
+def _one_eps(norms, attr="eps"):
+    """The one epsilon (``attr``: its attribute's name) of these norms, or None where they differ (decoder.h takes
+    one per model)."""
+    eps = {float(getattr(n, attr)) for n in norms}
     return eps.pop() if len(eps) == 1 else None
 
 
@@ -333,7 +399,7 @@ def _checked(family, layers, final, get):
         acts.add(kind)
     if len(acts) != 1:
         return "layers of different MLP activations"
-    eps = _layernorm_eps(norms)
+    eps = _one_eps(norms)
     return "LayerNorms of different epsilons" if eps is None else (eps, acts.pop())
 
 
@@ -553,6 +619,7 @@ def _gptj_layout(model, cfg, family):
 
 
 LAYOUTS = {**{k: _llama_layout for k in LLAMA_FAMILIES}, **{k: _gemma_layout for k in GEMMA_FAMILIES},
+           **{k: _olmo_layout for k in OLMO_FAMILIES},
            "gpt_neox": _neox_layout,
            "gpt2": lambda model, cfg: _learned_layout(model, cfg, "GPT-2", conv=True),
            "gpt_bigcode": lambda model, cfg: _learned_layout(model, cfg, "GPTBigCode", conv=False), "opt": _opt_layout,

@@ -171,7 +171,9 @@ ACTS = {"gelu": gelu, "gelu_tanh": gelu_tanh, "relu": relu}
 
 def _norm(L, name, x, eps):
     """A layer's norm ``name`` of x: LayerNorm where the layer gives its bias (``name + '_b'``, maybe None), else
-    RMSNorm."""
+    RMSNorm; x itself where the layer has no such norm (OLMo 2: none before attention and MLP)."""
+    if name not in L:
+        return np.asarray(x, f32)
     if name + "_b" in L:
         return layernorm(x, L[name], L[name + "_b"], eps)
     return rmsnorm(x, L[name], eps)
@@ -205,12 +207,16 @@ def _layer(L, x, h, eps, scale, heads, kv_heads, cos, sin, cache, slots, allowed
     def lin(x, name):
         return rows_linear(x, L[name], L.get(name + "_b"))
 
-    q = lin(x, "q").reshape(n, heads, d)
-    k = lin(x, "k").reshape(n, kv_heads, d)
+    q, k = lin(x, "q"), lin(x, "k")
+    if L.get("qk_all"):   # (OLMo 2: q and k normed over all their heads at once)
+        q = rmsnorm(q, L["q_norm"], eps) if L.get("q_norm") is not None else q
+        k = rmsnorm(k, L["k_norm"], eps) if L.get("k_norm") is not None else k
+    q = q.reshape(n, heads, d)
+    k = k.reshape(n, kv_heads, d)
     v = lin(x, "v").reshape(n, kv_heads, d)
-    if L.get("q_norm") is not None:
+    if L.get("q_norm") is not None and not L.get("qk_all"):
         q = rmsnorm(q, L["q_norm"], eps)
-    if L.get("k_norm") is not None:
+    if L.get("k_norm") is not None and not L.get("qk_all"):
         k = rmsnorm(k, L["k_norm"], eps)
     if cos is not None and not L.get("no_rot"):   # (SmolLM3's NoPE layers: no rotation)
         R = cos.shape[-1]
@@ -239,8 +245,10 @@ def decoder_layers(layers, final_norm, head, eps, scale, heads, kv_heads, h, cos
     """The kernel's whole forward for the rows of one request, in NumPy (slow: for the tests' tiny models).
 
     ``layers``: per layer a dict of float32 arrays ``ln1, ln2, q, k, v, o, gate, up, down`` ([out, in] weights) and
-    optionally ``q_b, k_b, v_b, o_b, gate_b, up_b, down_b, q_norm, k_norm``, and ``no_rot`` (True: the layer
-    rotates nothing); ``ln1_b`` and ``ln2_b`` (a bias or None) make those norms LayerNorms; ``head``: (weight [V, H], bias or None); ``final_norm``: a weight, or
+    optionally ``q_b, k_b, v_b, o_b, gate_b, up_b, down_b, q_norm, k_norm`` (per head; over all heads with
+    ``qk_all``), ``post_attn, post_mlp``, ``no_rot`` (True: the layer rotates nothing) and ``local``; without ``ln1``
+    and ``ln2`` the blocks read h itself (OLMo 2); ``ln1_b`` and ``ln2_b`` (a bias or None) make those norms
+    LayerNorms; ``head``: (weight [V, H], bias or None); ``final_norm``: a weight, or
     (weight, bias or None) for a LayerNorm; ``h`` [n, H]: the rows' embeddings; ``cos``/``sin`` [n, R]: the
     rotation of each head's first R dimensions (None: none); ``cache`` [layers, 2, kv_heads, W', d]: the request's
     keys and values, written in place at columns ``slots`` [n]; ``allowed`` [n, W] bool (W <= W'); ``act``: "silu"

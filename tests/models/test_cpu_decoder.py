@@ -27,7 +27,9 @@ ISAS = range(G.isa_best() + 1) if G is not None else ()
 # head rotated (as Phi-4-mini rotates three quarters); smollm3: every second layer without rotation (NoPE)
 # gemma: 1 + w norms, scaled embeddings, GeGLU; gemma2: + the sandwich of norms, sliding layers among full ones (a
 # window of 6), soft-capped scores and logits; gemma3: + q/k norms and the sliding layers' own rotation
-ARCHS = ["llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma", "gemma2", "gemma3"]
+# olmo2: no norms before the blocks, norms after them, q/k normed over all heads; olmo3: + sliding layers among full
+# ones with their own rotation
+ARCHS = ["llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma", "gemma2", "gemma3", "olmo2", "olmo3"]
 # LayerNorm layouts: GPT-NeoX (Pythia: the parallel residual and gelu; serial with gelu's tanh form; rotary over
 # half of each head, q/k/v fused head by head), GPT-2 (learned positions, Conv1D weights, gelu's tanh form),
 # GPTBigCode (multi-query, or q/k/v fused head by head), OPT (relu, positions 2 rows into their table), Phi (one norm
@@ -336,6 +338,8 @@ def _twin_layers(model):
                 base.wte.weight, None, pair_tables, dict(act="gelu_tanh", parallel=True, pairs=True))
     if kind in ("gemma", "gemma2", "gemma3_text"):
         return _gemma_twin_layers(model)
+    if kind in ("olmo2", "olmo3"):
+        return _olmo_twin_layers(model)
     base = model.model
     layers = []
     for layer in base.layers:
@@ -395,6 +399,28 @@ def _gemma_twin_layers(model):
     scale = getattr(base.embed_tokens, "embed_scale", None)   # (Gemma 1, 2 before transformers 5.x: the forward's)
     scale = torch.tensor(c.hidden_size ** 0.5) if scale is None else scale
     return layers, one(base.norm).numpy(), model.lm_head.weight, base.embed_tokens.weight * scale, None, rotary, kw
+
+
+def _olmo_twin_layers(model):
+    """OLMo 2 and 3's layers for the twin: no ln1 and ln2 (the blocks read h), the post norms, q/k norms over all
+    heads (``qk_all``); OLMo 3's sliding layers marked local, with their own rotation."""
+    base, c = model.model, model.config
+    types = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
+    layers = []
+    for layer, kind in zip(base.layers, types):
+        a, m = layer.self_attn, layer.mlp
+        L = {"post_attn": layer.post_attention_layernorm.weight, "post_mlp": layer.post_feedforward_layernorm.weight,
+             "q_norm": a.q_norm.weight, "k_norm": a.k_norm.weight}
+        for name, lin in (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("o", a.o_proj), ("gate", m.gate_proj),
+                          ("up", m.up_proj), ("down", m.down_proj)):
+            L[name] = lin.weight
+        layers.append(dict(_np(L), qk_all=True, local=kind == "sliding_attention"))
+    rotary, local_rotary = base.rotary_emb, None
+    if "layer_type" in inspect.signature(rotary.forward).parameters:   # OLMo 3: a table per layer type
+        local_rotary = functools.partial(base.rotary_emb, layer_type="sliding_attention")
+        rotary = functools.partial(base.rotary_emb, layer_type="full_attention")
+    return layers, base.norm.weight.detach().numpy(), model.lm_head.weight, base.embed_tokens.weight, None, rotary, \
+        dict(local_rotary=local_rotary)
 
 
 def twin_forward(model, dec, ids, pos, n):
@@ -637,7 +663,7 @@ def test_bad_input_gets_a_clear_error():
 
 
 def test_what_the_decoder_lacks_of_gemma_is_refused_and_a_local_layer_needs_its_rows():
-    """Gemma's variants the kernel does not compute leave the model on transformers' forward, each with its reason;
+    """Gemma's (and an OLMo's) variants the kernel does not compute leave the model on transformers' forward, each with its reason;
     and a forward whose sliding layers get no rows of their own is a clear error from C, nothing written."""
     erf = cpu_model("gemma")
     for layer in erf.model.layers:
@@ -647,6 +673,9 @@ def test_what_the_decoder_lacks_of_gemma_is_refused_and_a_local_layer_needs_its_
     eps = cpu_model("gemma3")
     eps.model.layers[1].self_attn.k_norm.eps = 1e-5
     assert cpu_decoder.unsupported(eps) == "norms of different epsilons"
+    olmo = cpu_model("olmo2")
+    olmo.model.layers[2].self_attn.q_norm.variance_epsilon = 1e-3
+    assert cpu_decoder.unsupported(olmo) == "norms of different epsilons"
     both = cpu_model("gemma3")
     both.config.use_bidirectional_attention = True
     assert cpu_decoder.unsupported(both) == "bidirectional attention (use_bidirectional_attention: an embedding model)"
