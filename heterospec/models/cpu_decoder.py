@@ -31,9 +31,9 @@ or float16 with SiLU MLPs and RMSNorm, any bias layout, any head grouping, a sli
 ``gemma2`` and ``gemma3_text`` (Gemma 1, 2 and 3, and Gemma 3's vision-language class on text: norms of 1 + w, scaled
 embeddings, GeGLU with gelu's tanh form, the sandwich of norms around attention and MLP, sliding layers with their own
 rotation, Gemma 2's soft-capped scores and logits); ``olmo2`` and ``olmo3`` (no norm before attention or MLP, one
-after each, q and k normed over all their heads; OLMo 3's sliding layers); ``gpt_neox`` (Pythia: LayerNorm, gelu, rotary over
-part of each head, the parallel residual or not; its fused q/k/v reordered head by head when packed), ``gpt2``
-(LayerNorm, gelu's tanh form, learned positions added to the embeddings, Conv1D weights read transposed),
+after each, q and k normed over all their heads; OLMo 3's sliding layers); ``gpt_neox`` (Pythia: LayerNorm, gelu,
+rotary over part of each head, the parallel residual or not; its fused q/k/v reordered head by head when packed),
+``gpt2`` (LayerNorm, gelu's tanh form, learned positions added to the embeddings, Conv1D weights read transposed),
 ``gpt_bigcode`` (StarCoder 1, SantaCoder: as GPT-2 on linear layers, multi-query or q/k/v fused head by head),
 ``opt`` (relu, learned positions two rows into their table; not OPT-350m's norms after each block and
 projections), ``phi`` (one LayerNorm a layer feeding attention and MLP side by side), ``gptj`` and ``codegen`` (the
@@ -59,7 +59,8 @@ from .target import sliding_layout
 LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
 OLMO_FAMILIES = ("olmo2", "olmo3")
-FAMILIES = LLAMA_FAMILIES + GEMMA_FAMILIES + OLMO_FAMILIES + ("gpt_neox", "gpt2", "gpt_bigcode", "opt", "phi", "gptj", "codegen")
+FAMILIES = LLAMA_FAMILIES + GEMMA_FAMILIES + OLMO_FAMILIES + ("gpt_neox", "gpt2", "gpt_bigcode", "opt", "phi", "gptj",
+                                                              "codegen")
 SETTINGS = ("auto", True, False)
 # the models' dtypes the decoder runs: every weight read as it is stored (16-bit values as such), every sum in float32
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -180,10 +181,8 @@ def _llama_layout(model, cfg):
     att0, mlp0 = layers[0].self_attn, layers[0].mlp
     inter = mlp0.gate_proj.out_features if hasattr(mlp0, "gate_proj") else mlp0.gate_up_proj.out_features // 2
     # the rotated dimensions: the width of the model's own tables (Phi-3 / Phi-4-mini rotate part of each head)
-    with torch.no_grad():
-        rot = base.rotary_emb(torch.zeros(1, 1, cfg.hidden_size, device="cpu"),   # (never the default device)
-                              torch.zeros(1, 1, dtype=torch.long, device="cpu"))[0].shape[-1]
-    return _Layout(embed=base.embed_tokens, pos=None, rotary=base.rotary_emb, final=base.norm, head=head,
+    rotary, _, rot = _rotaries(base.rotary_emb, cfg)
+    return _Layout(embed=base.embed_tokens, pos=None, rotary=rotary, final=base.norm, head=head,
                    layers=list(layers), arch=0, act=HSD_SILU_GLU, rot=rot,
                    eps=float(layers[0].input_layernorm.variance_epsilon), scale=float(att0.scaling),
                    heads=cfg.num_attention_heads, kv_heads=getattr(cfg, "num_key_value_heads", None)
@@ -229,7 +228,8 @@ def _gemma_layout(model, cfg):
     3's vision-language class (Gemma3ForConditionalGeneration, what ``AutoModelForCausalLM`` gives for its larger
     checkpoints) decodes text through its language model's layers, read the same way."""
     language = getattr(getattr(model, "model", None), "language_model", None)
-    outer = model if language is None else types.SimpleNamespace(model=language, lm_head=getattr(model, "lm_head", None))
+    outer = model if language is None else types.SimpleNamespace(model=language,
+                                                                  lm_head=getattr(model, "lm_head", None))
     got = _rms_base(outer, "a Gemma model", _gemma_norm)
     if isinstance(got, str):
         return got
@@ -243,7 +243,7 @@ def _gemma_layout(model, cfg):
     if getattr(cfg, "use_bidirectional_attention", False):
         return "bidirectional attention (use_bidirectional_attention: an embedding model)"
     sandwich = hasattr(layers[0], "pre_feedforward_layernorm")
-    norms, eps = [base.norm], set()
+    norms = [base.norm]
     for layer in layers:
         att, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if not _plain_blocks(att, mlp):
@@ -650,8 +650,7 @@ def layout(model):
         return got
     if len(got.layers) != cfg.num_hidden_layers:
         return "a layer count other than the config's"
-    got.local = None   # sliding and full layers (config.layer_types): decoder.h's local layers are the sliding ones
-    if sliding is not None and sliding[1]:
+    if sliding is not None and sliding[1]:   # sliding and full layers: decoder.h's local layers are the sliding ones
         if got.arch & HSD_PARALLEL:
             return "sliding and full attention layers in a parallel-residual model"
         got.local = [t == "sliding_attention" for t in cfg.layer_types[:len(got.layers)]]
@@ -673,6 +672,7 @@ class _Packed:
     arch, act = 0, HSD_SILU_GLU
     attn_cap = final_cap = 0.0
     local = None   # [layers] bool: decoder.h's HSD_LOCAL layers (the target's sliding ones among full ones), or None
+    _final_weight = None   # the final norm's weight as decoder.h reads it where not its own (Gemma: 1 + w)
 
     def __init__(self, module):
         why = self._why(module)
@@ -764,7 +764,7 @@ class _Packed:
                          int(bool(self.local and self.local[len(rows)]))])   # (HSD_LOCAL, a flag)
         self._table = torch.tensor(rows, dtype=torch.int64, device="cpu")
         final, head, hidden_norm, flags = self._head()
-        final_w = getattr(self, "_final_weight", None)   # (Gemma: 1 + w)
+        final_w = self._final_weight
         head, head_b = fused([_pair(head)])
         fc, in_norm, fc_norms = self._fusion()
         fc_w, fc_b = fused([_pair(fc)]) if fc is not None else (0, 0)
@@ -814,11 +814,11 @@ class _Packed:
         req = torch.arange(B, device="cpu").repeat_interleave(n)
         slot = slots.expand(B, n).reshape(-1).contiguous()
         W = allowed.shape[-1]
-        allowed = allowed.expand(B, n, W).reshape(rows, W).contiguous()
+        given, allowed = allowed, allowed.expand(B, n, W).reshape(rows, W).contiguous()
         keep_local = []
-        if local is not None:
-            keep_local = [local[0].expand(B, n, W).reshape(rows, W).contiguous()] + [
-                None if t is None else t.expand(B, n, -1).contiguous() for t in local[1:]]
+        if local is not None:   # (the same rows as allowed's where given them: no second copy)
+            near = allowed if local[0] is given else local[0].expand(B, n, W).reshape(rows, W).contiguous()
+            keep_local = [near] + [None if t is None else t.expand(B, n, -1).contiguous() for t in local[1:]]
         local_at = tuple(0 if t is None else t.data_ptr() for t in keep_local) or (0, 0, 0)
         logits = torch.empty(k, self.vocab, device="cpu")   # (never the default device)
         bufs = [torch.empty(rows, H, device="cpu") for _ in taps] if taps else []

@@ -11,7 +11,8 @@ import time
 from ...measure import DeviceTimer, load_warning, machine_info
 from .. import CPU_DECODER_HELP, ProgressBar
 from ..prompts import encode_turn, read_prompts
-from .methods import DEFAULT_METHODS, HF_METHODS, METHODS, arithmetic_note, build_methods, check_method_names, method_dict, parse_tree
+from .methods import (DEFAULT_METHODS, HF_METHODS, METHODS, arithmetic_note, build_methods, check_method_names,
+                      method_dict, parse_tree)
 from .questions import REPO, default_question_files, load_questions, question_paths
 from .report import SCHEMA, markdown, report, write_outputs
 from .batched import batch_markdown, batch_plot, batch_prompts, parse_batch_sizes, run_batch_bench
