@@ -110,6 +110,24 @@ SHAPES = {
         vocab_size=100352, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
         num_key_value_heads=16, max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=500000.0,
         tie_word_embeddings=False)),
+    # ibm-granite/granite-3.3-2b-instruct's config (Llama's layout with multipliers: embeddings x 12, attention scale
+    # 1/64, each residual add's output x 0.22, logits / 8; a bfloat16 checkpoint)
+    "granite-3.3-2b": dict(arch="granite", draft_vocab=32000, config=dict(
+        vocab_size=49159, hidden_size=2048, intermediate_size=8192, num_hidden_layers=40, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=10000000.0,
+        embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0,
+        tie_word_embeddings=True)),
+    # stabilityai/stablelm-2-1_6b's config (LayerNorms, q/k/v biases, a quarter of each head rotated; float16)
+    "stablelm-2-1.6b": dict(arch="stablelm", draft_vocab=32000, config=dict(
+        vocab_size=100352, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24, num_attention_heads=32,
+        num_key_value_heads=32, max_position_embeddings=4096, layer_norm_eps=1e-5, use_qkv_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        tie_word_embeddings=False)),
+    # bigcode/starcoder2-3b's config (LayerNorms, gelu's tanh form, biases, a 4,096-token window on every layer)
+    "starcoder2-3b": dict(arch="starcoder2", draft_vocab=32000, config=dict(
+        vocab_size=49152, hidden_size=3072, intermediate_size=12288, num_hidden_layers=30, num_attention_heads=24,
+        num_key_value_heads=2, max_position_embeddings=16384, norm_epsilon=1e-5, rope_theta=999999.4420358813,
+        sliding_window=4096, use_bias=True, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)),
     # the same code at a size the CPU test suite runs (Llama-3.1's RoPE: its base and llama3 scaling)
     "tiny": dict(arch="llama", draft_vocab=96, config=dict(
         vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
@@ -117,6 +135,15 @@ SHAPES = {
         rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 256}, tie_word_embeddings=False)),
 }
+# a shape's arch -> transformers' (config class, causal LM class)
+ARCH_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
+                "gpt2": ("GPT2Config", "GPT2LMHeadModel"), "opt": ("OPTConfig", "OPTForCausalLM"),
+                "phi": ("PhiConfig", "PhiForCausalLM"), "codegen": ("CodeGenConfig", "CodeGenForCausalLM"),
+                "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+                "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"), "granite": ("GraniteConfig", "GraniteForCausalLM"),
+                "stablelm": ("StableLmConfig", "StableLmForCausalLM"),
+                "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM")}
 PAPER_TAU = {"HeteroSpec (paper, L3.1-8B)": 6.57, "EAGLE-3 (paper, L3.1-8B)": 6.31}
 PROJECTED_TAUS = (2, 3, 4, 5, 6, 7)
 EAGLE3 = (7, 10, 60)
@@ -129,11 +156,7 @@ def target_config(shape, layers=None):
     import transformers
 
     s = SHAPES[shape]
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
-           "gpt_neox": transformers.GPTNeoXConfig,
-           "gpt2": transformers.GPT2Config, "opt": transformers.OPTConfig, "phi": transformers.PhiConfig,
-           "codegen": transformers.CodeGenConfig, "gemma3": transformers.Gemma3TextConfig,
-           "gemma2": transformers.Gemma2Config, "olmo2": transformers.Olmo2Config}[s["arch"]]
+    cls = getattr(transformers, ARCH_CLASSES[s["arch"]][0])
     kw = dict(s["config"], **({"num_hidden_layers": layers} if layers else {}))
     # (transformers gives CodeGen no sdpa, nor Gemma 2: its soft-capping)
     return cls(**kw, attn_implementation="eager" if s["arch"] in ("codegen", "gemma2") else "sdpa")
@@ -146,12 +169,7 @@ def build_target(shape, device, dtype, seed=0, layers=None):
     import transformers
 
     cfg = target_config(shape, layers)
-    cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-           "qwen3": transformers.Qwen3ForCausalLM,
-           "gpt_neox": transformers.GPTNeoXForCausalLM, "gpt2": transformers.GPT2LMHeadModel,
-           "opt": transformers.OPTForCausalLM, "phi": transformers.PhiForCausalLM,
-           "codegen": transformers.CodeGenForCausalLM, "gemma3": transformers.Gemma3ForCausalLM,
-           "gemma2": transformers.Gemma2ForCausalLM, "olmo2": transformers.Olmo2ForCausalLM}[SHAPES[shape]["arch"]]
+    cls = getattr(transformers, ARCH_CLASSES[SHAPES[shape]["arch"]][1])
     torch.manual_seed(seed)
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

@@ -101,8 +101,25 @@ def tiny_target(arch, vocab=V, layers=8, seed=0, sharpen=40.0):
                 if "norm" in name:
                     p.normal_(1.0, 0.3)
         return _sharpened(model, sharpen)
+    if arch == "stablelm":   # LayerNorms, a SiLU-gated MLP, q/k/v biases, half of each head rotated (StableLM 2: a
+        # quarter)
+        cfg = transformers.StableLmConfig(**common, use_qkv_bias=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                           "partial_rotary_factor": 0.5})
+        return _sharpened(_random_norms(transformers.StableLmForCausalLM(cfg)), sharpen)
+    if arch == "starcoder2":   # LayerNorms, gelu's tanh form of one matrix, biases everywhere (its window: in
+        # tests/engine/test_sliding_window.py)
+        cfg = transformers.Starcoder2Config(**common, sliding_window=None, pad_token_id=0, bos_token_id=1,
+                                            eos_token_id=2)
+        return _sharpened(_random_norms(transformers.Starcoder2ForCausalLM(cfg)), sharpen)
     if arch == "llama":
         cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    elif arch == "granite":   # Llama's layout with multipliers: embeddings x 12, attention scale 0.2 (not 1/sqrt(8)),
+        # each residual add's output x 0.5, logits / 4 (Granite 3.x checkpoints: 12, 1/64, 0.22, 8)
+        cfg = transformers.GraniteConfig(**common, embedding_multiplier=12.0, attention_multiplier=0.2,
+                                         residual_multiplier=0.5, logits_scaling=4.0, pad_token_id=0, bos_token_id=1,
+                                         eos_token_id=2)
+        return _sharpened(_random_norms(transformers.GraniteForCausalLM(cfg)), sharpen)
     elif arch == "qwen2":
         cfg, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
     elif arch == "phi3":   # q/k/v and gate/up fused; half of each head rotated (Phi-4-mini: three quarters)
@@ -117,6 +134,16 @@ def tiny_target(arch, vocab=V, layers=8, seed=0, sharpen=40.0):
     else:
         cfg, cls = transformers.Qwen3Config(head_dim=16, **common), transformers.Qwen3ForCausalLM
     return _sharpened(cls(cfg), sharpen)
+
+
+def _random_norms(model):
+    """The norms' weights around 1 and their biases around 0 (they start at exactly 1 and 0: random ones tell each norm
+    from another and a bias from none)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
+    return model
 
 
 def _sharpened(model, sharpen):

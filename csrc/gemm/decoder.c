@@ -426,6 +426,19 @@ static void mlp(const hsd_model *m, int64_t L, const float *x, int64_t n, float 
     hsg_linear(act, I, W_(L, HSD_DOWN), W_(L, HSD_DOWN_B), out, H, n, H, I, isa, threads);
 }
 
+/* h += t over n floats, or h + (t * mult), the product rounded before the add (Granite's residual_multiplier: its
+ * `residual + hidden_states * multiplier`; a separate statement, so no compiler contracts it into one fma) */
+static void residual(float *h, const float *t, int64_t n, float mult) {
+    if (mult == 1.0f) {
+        for (int64_t i = 0; i < n; i++) h[i] = h[i] + t[i];
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const float p = t[i] * mult;
+        h[i] = h[i] + p;
+    }
+}
+
 static int nthreads(int threads) { /* the threads of a parallel region here (rows.h's count by default) */
 #ifdef _OPENMP
     return threads > 0 ? threads : hsg_threads();
@@ -463,7 +476,8 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
         || (m->arch & ~(HSD_LAYERNORM | HSD_PARALLEL | HSD_SHARED_NORM | HSD_ROT_PAIRS | HSD_POST_ONLY
                         | HSD_QK_NORM_ALL))
         || ((m->arch & HSD_SHARED_NORM) && !(m->arch & HSD_PARALLEL))
-        || ((m->arch & HSD_POST_ONLY) && (m->arch & HSD_PARALLEL)))
+        || ((m->arch & HSD_POST_ONLY) && (m->arch & HSD_PARALLEL)) || !isfinite(m->res_mult)
+        || !isfinite(m->logit_div) || m->logit_div == 0.0f || (m->res_mult != 1.0f && (m->arch & HSD_PARALLEL)))
         return -1;
     if (fuse && (!m->fc || m->fc_in <= 0 || m->fc_in % 3)) return -1;
     for (int64_t r = 0; r < n; r++)
@@ -572,13 +586,13 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
         }
         const float *pa = W_(L, HSD_POST_ATTN), *pm = W_(L, HSD_POST_MLP);
         for (int64_t r = 0; pa && r < n; r++) norm_row(m, tmp + r * H, pa, NULL, tmp + r * H, isa);
-        for (int64_t i = 0; i < n * H; i++) h[i] = h[i] + tmp[i];
+        residual(h, tmp, n * H, m->res_mult);
         for (int64_t r = 0; r < n; r++)
             if (m->arch & HSD_POST_ONLY) memcpy(x + r * H, h + r * H, (size_t)H * sizeof *h);
             else norm_row(m, h + r * H, W_(L, HSD_LN2), W_(L, HSD_LN2_B), x + r * H, isa);
         mlp(m, L, x, n, gu, act, tmp, isa, threads);
         for (int64_t r = 0; pm && r < n; r++) norm_row(m, tmp + r * H, pm, NULL, tmp + r * H, isa);
-        for (int64_t i = 0; i < n * H; i++) h[i] = h[i] + tmp[i];
+        residual(h, tmp, n * H, m->res_mult);
     }
     if (keep > 0) {
         for (int64_t i = 0; i < keep; i++) { /* (x holds n rows; keep <= n) */
@@ -588,6 +602,8 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
             if (m->flags & HSD_HEAD_RAW) memcpy(x + i * H, row, (size_t)H * sizeof *h);
         }
         hsg_linear(x, H, m->head, m->head_b, logits, m->vocab, keep, m->vocab, H, isa, threads);
+        if (m->logit_div != 1.0f)
+            for (int64_t i = 0; i < keep * m->vocab; i++) logits[i] = logits[i] / m->logit_div;
         if (m->final_cap != 0.0f) hsd_softcap(logits, keep * m->vocab, m->final_cap, isa);
         /* the engine's non-finite flags while the rows are in cache (torch's amax over them after the call cost
          * 5 % of a one-token step on a 2-core CPU) */

@@ -27,7 +27,8 @@
  * (attn_cap, final_cap); its norms' 1 + w and its embeddings' factor are the caller's.  OLMo 2's and 3's: no
  * norm before attention or MLP (HSD_POST_ONLY: they read h itself; the post norms do the norming), and q_norm and
  * k_norm over all heads of q and of k at once (HSD_QK_NORM_ALL: widths heads * head_dim and kv_heads * head_dim),
- * before the rotation.
+ * before the rotation.  Granite's: each residual add scaled (h + o * res_mult) and the logits divided (logit_div); its
+ * embeddings' multiplier and attention_multiplier (the scale) are the caller's.
  *
  * Every reduction has one fixed order, the same on AVX-512, AVX2 and the portable loop, and no row's result
  * depends on another row: a dot product of length d is 16 lanes (lane l sums elements l, l+16, ... by fused
@@ -87,6 +88,9 @@ typedef struct {
     /* soft-capping (Gemma 2), 0: none: each attention score s (after the scale) and each logit of the output layer
      * becomes cap * tanh(s / cap), tanh(y) = 2 / (1 + exp(-2 y)) - 1 (hsd_softcap) */
     float attn_cap, final_cap;
+    /* Granite's multipliers (1: none): each residual add is h + (out * res_mult), the product rounded first (sequential
+     * layers only), and each logit of the output layer is divided by logit_div before any soft-capping */
+    float res_mult, logit_div;
 } hsd_model;
 
 /* A call's rows for the layers marked HSD_LOCAL: allowed [n][W] (the columns each row sees there: a sliding

@@ -1,5 +1,6 @@
 """The target's forward on the CPU in one call of ours (``cpu_decoder``): every decoder layer of a Llama-family,
-Gemma, OLMo 2/3, GPT-NeoX (Pythia), GPT-2, GPTBigCode, OPT, Phi, GPT-J or CodeGen model in float32 arithmetic
+Gemma, OLMo 2/3, Granite, StableLM, StarCoder2, GPT-NeoX (Pythia), GPT-2, GPTBigCode, OPT, Phi, GPT-J or CodeGen model
+in float32 arithmetic
 (csrc/gemm/decoder.h), on the engine's own key/value cache, instead of transformers' modules.
 
 A bfloat16 or float16 model (what transformers 5 loads from such a checkpoint by default, ``dtype="auto"``) runs
@@ -24,7 +25,8 @@ same way whatever the other rows are (decoder.h), so a tree node's logits equal,
 step of the same engine over the same keys.
 
 Supported: ``llama``, ``mistral``, ``qwen2``, ``qwen3`` (q/k norms), ``phi3`` (q/k/v and gate/up fused; part of
-each head rotated in Phi-4-mini; LongRoPE through its own rotary module) and ``smollm3`` (its NoPE layers) models on the CPU in float32, bfloat16
+each head rotated in Phi-4-mini; LongRoPE through its own rotary module), ``smollm3`` (its NoPE layers) and ``granite``
+(Granite 3: its embeddings', residual adds' and logits' multipliers) models on the CPU in float32, bfloat16
 or float16 with SiLU MLPs and RMSNorm, any bias layout, any head grouping, a sliding window where every layer slides
 (Mistral, Phi-3: the engine restricts each row's columns to it) or sliding layers among full ones (Qwen2/3 with
 ``use_sliding_window``: those layers read the rows the engine restricts, decoder.h's local layers); ``gemma``,
@@ -37,7 +39,9 @@ rotary over part of each head, the parallel residual or not; its fused q/k/v reo
 ``gpt_bigcode`` (StarCoder 1, SantaCoder: as GPT-2 on linear layers, multi-query or q/k/v fused head by head),
 ``opt`` (relu, learned positions two rows into their table; not OPT-350m's norms after each block and
 projections), ``phi`` (one LayerNorm a layer feeding attention and MLP side by side), ``gptj`` and ``codegen`` (the
-same, with the rotation of neighbouring pairs from their own sinusoid tables; CodeGen's q/k/v blocks reordered);
+same, with the rotation of neighbouring pairs from their own sinusoid tables; CodeGen's q/k/v blocks reordered),
+``stablelm`` (LayerNorms, SiLU-gated MLP, a quarter of each head rotated; not its parallel residual or q/k norms) and
+``starcoder2`` (LayerNorms, gelu's tanh form, biases, its sliding window);
 :func:`unsupported` says why not otherwise.  A model with forward hooks of the user's on any of its
 modules runs transformers' forward while they are set (the hooks then run, as they would in the user's own calls).
 
@@ -56,11 +60,11 @@ import torch
 from . import cpu_gemm
 from .target import sliding_layout
 
-LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
+LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
 OLMO_FAMILIES = ("olmo2", "olmo3")
 FAMILIES = LLAMA_FAMILIES + GEMMA_FAMILIES + OLMO_FAMILIES + ("gpt_neox", "gpt2", "gpt_bigcode", "opt", "phi", "gptj",
-                                                              "codegen")
+                                                              "codegen", "stablelm", "starcoder2")
 SETTINGS = ("auto", True, False)
 # the models' dtypes the decoder runs: every weight read as it is stored (16-bit values as such), every sum in float32
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -92,6 +96,11 @@ def _act_kind(act):
     if isinstance(act, torch.nn.ReLU):
         return HSD_RELU
     return ACT_MODULES.get(type(act).__name__)
+
+
+def _silu_kind(act):
+    """HSD_SILU_GLU for a SiLU module (the gate's activation of a gated MLP), else None."""
+    return HSD_SILU_GLU if type(act).__name__ in ("SiLU", "SiLUActivation") else None
 
 
 def _acts_only(act):
@@ -127,6 +136,7 @@ class _Layout:
     pos_offset = 0   # OPT's learned positions start at row 2 of their table
     embed_scale = local_rotary = final_weight = local = None
     attn_cap = final_cap = 0.0
+    res_mult = logit_div = 1.0   # Granite's residual_multiplier and logits_scaling
 
     def __init__(self, **kw):
         self.__dict__.update(kw)
@@ -176,17 +186,26 @@ def _llama_layout(model, cfg):
             if getattr(att, n, None) is not None and not _is_rmsnorm(getattr(att, n)):
                 return f"a {n} that is not RMSNorm"
         act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)   # (Phi-3's name)
-        if type(act).__name__ not in ("SiLU", "SiLUActivation"):
+        if _silu_kind(act) is None:
             return f"an MLP activation {type(act).__name__} (the decoder has SiLU)"
     att0, mlp0 = layers[0].self_attn, layers[0].mlp
     inter = mlp0.gate_proj.out_features if hasattr(mlp0, "gate_proj") else mlp0.gate_up_proj.out_features // 2
     # the rotated dimensions: the width of the model's own tables (Phi-3 / Phi-4-mini rotate part of each head)
     rotary, _, rot = _rotaries(base.rotary_emb, cfg)
-    return _Layout(embed=base.embed_tokens, pos=None, rotary=rotary, final=base.norm, head=head,
-                   layers=list(layers), arch=0, act=HSD_SILU_GLU, rot=rot,
-                   eps=float(layers[0].input_layernorm.variance_epsilon), scale=float(att0.scaling),
-                   heads=cfg.num_attention_heads, kv_heads=getattr(cfg, "num_key_value_heads", None)
-                   or cfg.num_attention_heads, head_dim=att0.head_dim, inter=inter, parts=_llama_parts)
+    got = _Layout(embed=base.embed_tokens, pos=None, rotary=rotary, final=base.norm, head=head,
+                  layers=list(layers), arch=0, act=HSD_SILU_GLU, rot=rot,
+                  eps=float(layers[0].input_layernorm.variance_epsilon), scale=float(att0.scaling),
+                  heads=cfg.num_attention_heads, kv_heads=getattr(cfg, "num_key_value_heads", None)
+                  or cfg.num_attention_heads, head_dim=att0.head_dim, inter=inter, parts=_llama_parts)
+    if cfg.model_type == "granite":   # its multipliers: the embeddings', each residual add's, the logits' divisor
+        mults = {float(getattr(layer, "residual_multiplier", "nan")) for layer in layers}
+        div = float(getattr(cfg, "logits_scaling", 1.0))
+        if len(mults) != 1 or not all(map(math.isfinite, mults | {div})) or div == 0.0:
+            return f"Granite with residual multipliers {sorted(mults)} and logits_scaling {div} (expected one " \
+                   f"finite multiplier for every layer and a finite nonzero scaling)"
+        got.embed_scale = torch.tensor(float(cfg.embedding_multiplier), dtype=torch.float32)
+        got.res_mult, got.logit_div = mults.pop(), div
+    return got
 
 
 # a Llama-family layer's linear layers, apart or fused (Phi-3: qkv_proj, [q; k; v]; gate_up_proj, [gate; up]: the
@@ -325,7 +344,7 @@ def _olmo_layout(model, cfg):
             return "an OLMo layer whose norms are not OLMo 2's (RMSNorms after attention and MLP, on all of q and k)"
         norms += mine
         act = getattr(mlp, "act_fn", None)
-        if type(act).__name__ not in ("SiLU", "SiLUActivation"):
+        if _silu_kind(act) is None:
             return f"an MLP activation {type(act).__name__} (the decoder has SiLU)"
     eps = _one_eps(norms, "variance_epsilon")
     if eps is None:
@@ -378,10 +397,12 @@ def _missing(family, where, layers, head, embeds=(), norms=(), present=()):
     return None
 
 
-def _checked(family, layers, final, get):
+def _checked(family, layers, final, get, kind=None):
     """The checks every LayerNorm family shares: ``get(layer)`` -> (ln1, ln2, its linear layers, the MLP's activation
-    module, the linear layers' check); each linear layer plain, each norm a LayerNorm, one known activation and one
-    epsilon for all.  Returns (eps, act) or why not."""
+    module, the linear layers' check); each linear layer plain, each norm a LayerNorm, one known activation (``kind``:
+    decoder.h's act for a module, or None; :func:`_act_kind` by default) and one epsilon for all.  Returns (eps, act)
+    or why not."""
+    kind_of = kind or _act_kind
     norms, acts = [final], set()
     for layer in layers:
         try:
@@ -393,10 +414,11 @@ def _checked(family, layers, final, get):
         if not (_is_layernorm(ln1) and _is_layernorm(ln2)):
             return f"a {family} layer whose norms are not LayerNorm"
         norms += [ln1, ln2]
-        kind = _act_kind(act)
-        if kind is None:
-            return _acts_only(act)
-        acts.add(kind)
+        got = kind_of(act)
+        if got is None:
+            return _acts_only(act) if kind_of is _act_kind else f"an MLP activation {type(act).__name__} (the " \
+                f"decoder has SiLU there)"
+        acts.add(got)
     if len(acts) != 1:
         return "layers of different MLP activations"
     eps = _one_eps(norms)
@@ -618,13 +640,52 @@ def _gptj_layout(model, cfg, family):
                    inter=layers[0].mlp.fc_in.out_features, parts=parts)
 
 
+def _ln_names_layout(model, cfg, family, gated):
+    """StableLM (``gated``: SiLU of the gate times up; q/k/v biases where the config has them) and StarCoder2 (one
+    matrix c_fc before gelu's tanh form, c_proj; biases): Llama's names (model.embed_tokens, .layers, .norm,
+    .rotary_emb; lm_head) with LayerNorms, sequential residuals, the rotation over the first dimensions its tables
+    cover (StableLM: a quarter of each head)."""
+    got = _rms_base(model, family, _is_layernorm)
+    if isinstance(got, str):
+        return got
+    base, layers, head = got
+    if getattr(cfg, "qk_layernorm", False):
+        return f"{family} with LayerNorms on its queries and keys (qk_layernorm)"
+    if getattr(cfg, "use_parallel_residual", False):   # (its sum, (h + attention) + mlp, is not decoder.h's order)
+        return f"{family} with the parallel residual (use_parallel_residual)"
+    mlp_names = ("gate_proj", "up_proj", "down_proj") if gated else ("c_fc", "c_proj")
+    got = _checked(family, layers, base.norm, lambda L: (
+        L.input_layernorm, L.post_attention_layernorm, [L.self_attn.q_proj, L.self_attn.k_proj, L.self_attn.v_proj,
+                                                        L.self_attn.o_proj] + [getattr(L.mlp, n) for n in mlp_names],
+        L.mlp.act_fn if gated else L.mlp.act, cpu_gemm.plain_linear), _silu_kind if gated else _act_kind)
+    if isinstance(got, str):
+        return got
+    att0 = layers[0].self_attn
+    rotary, _, rot = _rotaries(base.rotary_emb, cfg)
+
+    def parts(layer):
+        a, m = layer.self_attn, layer.mlp
+        return {"ln1": _pair(layer.input_layernorm), "ln2": _pair(layer.post_attention_layernorm),
+                "qkv": [_pair(a.q_proj), _pair(a.k_proj), _pair(a.v_proj)], "o": [_pair(a.o_proj)],
+                "gu": [_pair(m.gate_proj), _pair(m.up_proj)] if gated else [_pair(m.c_fc)],
+                "down": [_pair(m.down_proj if gated else m.c_proj)], "q_norm": None, "k_norm": None}
+
+    return _Layout(embed=base.embed_tokens, pos=None, rotary=rotary, final=base.norm, head=head, layers=list(layers),
+                   arch=HSD_LAYERNORM, act=got[1], rot=rot, eps=got[0], scale=float(att0.scaling),
+                   heads=cfg.num_attention_heads, kv_heads=getattr(cfg, "num_key_value_heads", None)
+                   or cfg.num_attention_heads, head_dim=att0.head_dim,
+                   inter=(layers[0].mlp.gate_proj if gated else layers[0].mlp.c_fc).out_features, parts=parts)
+
+
 LAYOUTS = {**{k: _llama_layout for k in LLAMA_FAMILIES}, **{k: _gemma_layout for k in GEMMA_FAMILIES},
            **{k: _olmo_layout for k in OLMO_FAMILIES},
            "gpt_neox": _neox_layout,
            "gpt2": lambda model, cfg: _learned_layout(model, cfg, "GPT-2", conv=True),
            "gpt_bigcode": lambda model, cfg: _learned_layout(model, cfg, "GPTBigCode", conv=False), "opt": _opt_layout,
            "phi": _phi_layout, "gptj": lambda model, cfg: _gptj_layout(model, cfg, "GPT-J"),
-           "codegen": lambda model, cfg: _gptj_layout(model, cfg, "CodeGen")}
+           "codegen": lambda model, cfg: _gptj_layout(model, cfg, "CodeGen"),
+           "stablelm": lambda model, cfg: _ln_names_layout(model, cfg, "StableLM", gated=True),
+           "starcoder2": lambda model, cfg: _ln_names_layout(model, cfg, "StarCoder2", gated=False)}
 
 
 def layout(model):
@@ -671,6 +732,7 @@ class _Packed:
 
     arch, act = 0, HSD_SILU_GLU
     attn_cap = final_cap = 0.0
+    res_mult = logit_div = 1.0   # Granite's residual_multiplier and logits_scaling (1: none)
     local = None   # [layers] bool: decoder.h's HSD_LOCAL layers (the target's sliding ones among full ones), or None
     _final_weight = None   # the final norm's weight as decoder.h reads it where not its own (Gemma: 1 + w)
 
@@ -773,7 +835,7 @@ class _Packed:
                       addr(None if hidden_norm is None else hidden_norm.weight), flags,
                       fc_w, fc_b, 0 if fc is None else fc.in_features, addr(in_norm),
                       addr(None if fc_norms is None else torch.cat(fc_norms)), addr(getattr(final, "bias", None)),
-                      self.arch, self.act, self.rot, self.attn_cap, self.final_cap)
+                      self.arch, self.act, self.rot, self.attn_cap, self.final_cap, self.res_mult, self.logit_div)
         self._keep = keep
         self.codecs = codecs
         self._versions = self._state()
@@ -851,6 +913,7 @@ class CpuDecoder(_Packed):
         self.embed, self.pos_embed, self.rotary, self.pos_offset = lay.embed, lay.pos, lay.rotary, lay.pos_offset
         self.embed_scale, self.local_rotary, self._final_weight = lay.embed_scale, lay.local_rotary, lay.final_weight
         self.attn_cap, self.final_cap, self.local = lay.attn_cap, lay.final_cap, lay.local
+        self.res_mult, self.logit_div = lay.res_mult, lay.logit_div
         self._no_rotation = torch.zeros(1, 1, 1, device="cpu")   # (cos and sin without rotary: never read)
         self._pack()
 

@@ -1,4 +1,4 @@
-"""Targets whose attention slides (Mistral, Phi-3, Mixtral: every layer; Gemma 2/3, Qwen2/3 with
+"""Targets whose attention slides (Mistral, Phi-3, StarCoder2, Mixtral: every layer; Gemma 2/3, Qwen2/3 with
 ``use_sliding_window``, gpt-oss: some layers, by ``config.layer_types``): the engine restricts each forward's mask to
 the window as transformers does, so greedy output equals HuggingFace's own generate -- for prompts and generations
 longer than the window, where the window changes HuggingFace's output (checked first: a test that could not fail
@@ -28,6 +28,8 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden
 ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=WINDOW), 40.0),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=WINDOW, pad_token_id=0), 40.0),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(sliding_window=WINDOW, initializer_range=0.2),
+                   4.0),   # (its default init, 0.018, leaves the attention too flat for the window to show)
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
               dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2), 40.0),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=8, sliding_window=WINDOW), 1.0),

@@ -29,12 +29,15 @@ ISAS = range(G.isa_best() + 1) if G is not None else ()
 # window of 6), soft-capped scores and logits; gemma3: + q/k norms and the sliding layers' own rotation
 # olmo2: no norms before the blocks, norms after them, q/k normed over all heads; olmo3: + sliding layers among full
 # ones with their own rotation
-ARCHS = ["llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma", "gemma2", "gemma3", "olmo2", "olmo3"]
+# granite: Llama's layout with its multipliers (embeddings, attention scale, each residual add, the logits' divisor)
+ARCHS = ["llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma", "gemma2", "gemma3", "olmo2", "olmo3", "granite"]
 # LayerNorm layouts: GPT-NeoX (Pythia: the parallel residual and gelu; serial with gelu's tanh form; rotary over
 # half of each head, q/k/v fused head by head), GPT-2 (learned positions, Conv1D weights, gelu's tanh form),
 # GPTBigCode (multi-query, or q/k/v fused head by head), OPT (relu, positions 2 rows into their table), Phi (one norm
-# a layer, attention and MLP side by side), GPT-J and CodeGen (as Phi, rotating neighbouring pairs)
-LN_ARCHS = ["gpt_neox", "gpt_neox-serial", "gpt2", "gpt_bigcode", "gpt_bigcode-mha", "opt", "phi", "gptj", "codegen"]
+# a layer, attention and MLP side by side), GPT-J and CodeGen (as Phi, rotating neighbouring pairs), StableLM (a
+# SiLU-gated MLP, q/k/v biases, half of each head rotated) and StarCoder2 (gelu's tanh form, biases)
+LN_ARCHS = ["gpt_neox", "gpt_neox-serial", "gpt2", "gpt_bigcode", "gpt_bigcode-mha", "opt", "phi", "gptj", "codegen",
+            "stablelm", "starcoder2"]
 ALL_ARCHS = ARCHS + LN_ARCHS
 
 
@@ -340,6 +343,8 @@ def _twin_layers(model):
         return _gemma_twin_layers(model)
     if kind in ("olmo2", "olmo3"):
         return _olmo_twin_layers(model)
+    if kind in ("stablelm", "starcoder2"):
+        return _ln_names_twin_layers(model)
     base = model.model
     layers = []
     for layer in base.layers:
@@ -361,8 +366,33 @@ def _twin_layers(model):
             if getattr(a, name, None) is not None:
                 L[name] = getattr(a, name).weight
         layers.append(dict(_np(L), no_rot=not getattr(a, "use_rope", True)))   # (SmolLM3's NoPE layers)
+    c = model.config
+    if kind == "granite":   # its multipliers, from the config (the embeddings' as the module multiplies: float32)
+        embed = base.embed_tokens.weight * torch.tensor(c.embedding_multiplier, dtype=torch.float32)
+        return layers, base.norm.weight.detach().numpy(), model.lm_head.weight, embed, None, base.rotary_emb, \
+            dict(res_mult=c.residual_multiplier, logit_div=c.logits_scaling)
     return layers, base.norm.weight.detach().numpy(), model.lm_head.weight, base.embed_tokens.weight, None, \
         base.rotary_emb, {}
+
+
+def _ln_names_twin_layers(model):
+    """StableLM's and StarCoder2's layers for the twin: LayerNorms with their biases, q/k/v/o with theirs; StableLM's
+    gate and up, StarCoder2's one matrix c_fc before gelu's tanh form."""
+    base = model.model
+    layers = []
+    for layer in base.layers:
+        a, m = layer.self_attn, layer.mlp
+        L = {"ln1": layer.input_layernorm.weight, "ln1_b": layer.input_layernorm.bias,
+             "ln2": layer.post_attention_layernorm.weight, "ln2_b": layer.post_attention_layernorm.bias}
+        mlp = (("gate", m.gate_proj), ("up", m.up_proj), ("down", m.down_proj)) if hasattr(m, "gate_proj") \
+            else (("up", m.c_fc), ("down", m.c_proj))
+        for name, lin in (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("o", a.o_proj)) + mlp:
+            L[name], L[name + "_b"] = lin.weight, lin.bias
+        layers.append(_np(L))
+    fin = base.norm
+    return (layers, (fin.weight.detach().numpy(), fin.bias.detach().numpy()), model.lm_head.weight,
+            base.embed_tokens.weight, None, base.rotary_emb,
+            dict(act="silu" if hasattr(base.layers[0].mlp, "gate_proj") else "gelu_tanh"))
 
 
 def _gemma_twin_layers(model):
@@ -690,6 +720,42 @@ def test_what_the_decoder_lacks_of_gemma_is_refused_and_a_local_layer_needs_its_
     assert not kv.any()
 
 
+def test_what_the_decoder_lacks_of_granite_stablelm_and_starcoder2_is_refused_and_c_checks_the_multipliers():
+    """Granite's multipliers are read (and refused where a layer's differs), StableLM's parallel residual and q/k
+    LayerNorms and StarCoder2's silu are refused, each with its reason; and decoder.h refuses a residual multiplier
+    on a parallel layout and a zero or non-finite logit divisor in one line, nothing written."""
+    granite = cpu_model("granite")
+    dec = cpu_decoder.CpuDecoder(granite)
+    assert (dec.res_mult, dec.logit_div, float(dec.embed_scale)) == (0.5, 4.0, 12.0) and dec.scale == 0.2
+    granite.model.layers[1].residual_multiplier = 0.25
+    assert cpu_decoder.unsupported(granite) == "Granite with residual multipliers [0.25, 0.5] and logits_scaling 4.0 " \
+                                               "(expected one finite multiplier for every layer and a finite nonzero " \
+                                               "scaling)"
+    stable = cpu_model("stablelm")
+    stable.config.use_parallel_residual = True
+    assert cpu_decoder.unsupported(stable) == "StableLM with the parallel residual (use_parallel_residual)"
+    stable.config.use_parallel_residual, stable.config.qk_layernorm = False, True
+    assert cpu_decoder.unsupported(stable) == "StableLM with LayerNorms on its queries and keys (qk_layernorm)"
+    coder = cpu_model("starcoder2")
+    for layer in coder.model.layers:
+        layer.mlp.act = torch.nn.SiLU()
+    assert cpu_decoder.unsupported(coder) == "an MLP activation SiLU (the decoder has gelu, its tanh form and relu)"
+    stable = cpu_model("stablelm")
+    for layer in stable.model.layers:
+        layer.mlp.act_fn = torch.nn.GELU()
+    assert cpu_decoder.unsupported(stable) == "an MLP activation GELU (the decoder has SiLU there)"
+    pythia = cpu_model("gpt_neox")   # (the parallel residual)
+    neox = cpu_decoder.CpuDecoder(pythia)
+    kv = new_cache(pythia)
+    for res_mult, logit_div in ((0.5, 1.0), (1.0, 0.0), (1.0, float("inf")), (float("nan"), 1.0)):
+        neox.res_mult, neox.logit_div = res_mult, logit_div
+        neox._pack()
+        with pytest.raises(ValueError, match=r"decoder_forward: argument 'model' expected .* a finite res_mult \(1 "
+                                             r"with 2\) and a finite nonzero logit_div, got .* res_mult "):
+            neox.forward(torch.tensor([[1, 2]]), torch.arange(2).view(1, 2), torch.arange(2), causal(2, 4), kv)
+    assert not kv.any()
+
+
 def test_auto_is_on_for_a_supported_float32_model_and_off_otherwise():
     model = cpu_model("llama")
     with HeteroSpec(model) as hs:
@@ -714,7 +780,8 @@ def test_auto_is_on_for_a_supported_float32_model_and_off_otherwise():
 def test_greedy_decoding_on_the_decoder_equals_transformers_generate(arch, gguf, tmp_path, monkeypatch):
     """The engine's every forward on the decoder (prefill, one-row steps, trees; a batch): the tokens of
     transformers' own greedy generate; ``gguf``: on a model of a GGUF checkpoint's weights, read as their codes."""
-    if arch in ("gptj", "codegen") and tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 23):
+    if arch in ("gptj", "codegen", "stablelm") and tuple(int(x) for x in transformers.__version__.split(".")[:2]) \
+            < (5, 23):   # (5.0's StableLM too: its own causal mask from the cache's length)
         pytest.skip(f"transformers {transformers.__version__}: {arch}'s forward builds its masks from the cache's "
                     f"length, which the engine refuses (tests/models/test_classic_layouts.py)")
     model = tiny_target(arch).cpu()
