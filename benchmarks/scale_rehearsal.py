@@ -128,6 +128,24 @@ SHAPES = {
         vocab_size=49152, hidden_size=3072, intermediate_size=12288, num_hidden_layers=30, num_attention_heads=24,
         num_key_value_heads=2, max_position_embeddings=16384, norm_epsilon=1e-5, rope_theta=999999.4420358813,
         sliding_window=4096, use_bias=True, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    # CohereLabs/aya-expanse-8b's config (one LayerNorm without bias a layer, attention and MLP side by side, pairs
+    # rotated, logits x 0.125) and CohereLabs/c4ai-command-r7b-12-2024's (Cohere 2: three sliding layers, a 4,096-token
+    # window, to each full one, which rotates nothing; logits x 0.25); bfloat16 checkpoints
+    "aya-expanse-8b": dict(arch="cohere", draft_vocab=32000, config=dict(
+        vocab_size=256000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=8192, layer_norm_eps=1e-5, rope_theta=10000.0,
+        logit_scale=0.125, use_qk_norm=False, tie_word_embeddings=True)),
+    "command-r7b": dict(arch="cohere2", draft_vocab=32000, config=dict(
+        vocab_size=256000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=8192, layer_norm_eps=1e-5, rope_theta=50000.0,
+        logit_scale=0.25, sliding_window=4096, tie_word_embeddings=True)),
+    # LGAI-EXAONE/EXAONE-4.0-1.2B's config (OLMo 2's layout, q/k norms head by head, no window; a bfloat16 checkpoint)
+    "exaone-4.0-1.2b": dict(arch="exaone4", draft_vocab=32000, config=dict(
+        vocab_size=102400, hidden_size=2048, intermediate_size=4096, num_hidden_layers=30, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, max_position_embeddings=65536, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 1000000.0, "factor": 16.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        sliding_window=None, layer_types=["full_attention"] * 30, tie_word_embeddings=True)),
     # the same code at a size the CPU test suite runs (Llama-3.1's RoPE: its base and llama3 scaling)
     "tiny": dict(arch="llama", draft_vocab=96, config=dict(
         vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
@@ -143,7 +161,9 @@ ARCH_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Co
                 "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
                 "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"), "granite": ("GraniteConfig", "GraniteForCausalLM"),
                 "stablelm": ("StableLmConfig", "StableLmForCausalLM"),
-                "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM")}
+                "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM"),
+                "cohere": ("CohereConfig", "CohereForCausalLM"), "cohere2": ("Cohere2Config", "Cohere2ForCausalLM"),
+                "exaone4": ("Exaone4Config", "Exaone4ForCausalLM")}
 PAPER_TAU = {"HeteroSpec (paper, L3.1-8B)": 6.57, "EAGLE-3 (paper, L3.1-8B)": 6.31}
 PROJECTED_TAUS = (2, 3, 4, 5, 6, 7)
 EAGLE3 = (7, 10, 60)
@@ -158,6 +178,8 @@ def target_config(shape, layers=None):
     s = SHAPES[shape]
     cls = getattr(transformers, ARCH_CLASSES[s["arch"]][0])
     kw = dict(s["config"], **({"num_hidden_layers": layers} if layers else {}))
+    if layers and "layer_types" in kw:   # (a shape that lists its layers' types: the first ``layers`` of them)
+        kw["layer_types"] = kw["layer_types"][:layers]
     # (transformers gives CodeGen no sdpa, nor Gemma 2: its soft-capping)
     return cls(**kw, attn_implementation="eager" if s["arch"] in ("codegen", "gemma2") else "sdpa")
 

@@ -86,11 +86,15 @@ def tiny_target(arch, vocab=V, layers=8, seed=0, sharpen=40.0):
                 if "norm" in name:
                     p.normal_(0.0, 0.3)
         return _sharpened(model, sharpen)
-    if arch in ("olmo2", "olmo3"):   # no norm before attention or MLP, norms of their outputs, q/k normed over all
-        # heads; olmo3: sliding layers (a window of 6) among full ones, each kind with its own rotation
+    if arch in ("olmo2", "olmo3", "exaone4"):   # no norm before attention or MLP, norms of their outputs, q/k normed
+        # over all heads; olmo3: sliding layers (a window of 6) among full ones, each kind with its own rotation;
+        # exaone4: q/k normed head by head, no window (EXAONE-4.0-1.2B's layout; its window: test_sliding_window.py)
         kw = dict(common, pad_token_id=0, bos_token_id=1, eos_token_id=2)
         if arch == "olmo2":
             cfg, cls = transformers.Olmo2Config(**kw), transformers.Olmo2ForCausalLM
+        elif arch == "exaone4":
+            cfg = transformers.Exaone4Config(**kw, sliding_window=None, layer_types=["full_attention"] * layers)
+            cls = transformers.Exaone4ForCausalLM
         else:
             kw.update(sliding_window=6, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
                       + ["sliding_attention"] * (layers % 2))
@@ -112,6 +116,17 @@ def tiny_target(arch, vocab=V, layers=8, seed=0, sharpen=40.0):
         cfg = transformers.Starcoder2Config(**common, sliding_window=None, pad_token_id=0, bos_token_id=1,
                                             eos_token_id=2)
         return _sharpened(_random_norms(transformers.Starcoder2ForCausalLM(cfg)), sharpen)
+    if arch in ("cohere", "cohere2"):   # one LayerNorm without bias a layer, attention and a SiLU-gated MLP side by
+        # side summed from the residual, neighbouring pairs rotated, logits x 0.5; cohere2: sliding layers (a window
+        # of 6) among full ones, which rotate nothing
+        kw = dict(common, logit_scale=0.5, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        if arch == "cohere":
+            cfg, cls = transformers.CohereConfig(**kw), transformers.CohereForCausalLM
+        else:
+            kw.update(sliding_window=6, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+                      + ["sliding_attention"] * (layers % 2))
+            cfg, cls = transformers.Cohere2Config(**kw), transformers.Cohere2ForCausalLM
+        return _sharpened(_random_norms(cls(cfg)), sharpen)
     if arch == "llama":
         cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     elif arch == "granite":   # Llama's layout with multipliers: embeddings x 12, attention scale 0.2 (not 1/sqrt(8)),

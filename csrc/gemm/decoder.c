@@ -474,7 +474,8 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
     if (m->hidden_norm && (!emb || m->layers != 1 || m->arch || m->act != HSD_SILU_GLU)) return -1;
     if (R < 0 || R > D || R % 2 || m->act < HSD_SILU_GLU || m->act > HSD_GELU_TANH_GLU
         || (m->arch & ~(HSD_LAYERNORM | HSD_PARALLEL | HSD_SHARED_NORM | HSD_ROT_PAIRS | HSD_POST_ONLY
-                        | HSD_QK_NORM_ALL))
+                        | HSD_QK_NORM_ALL | HSD_H_FIRST))
+        || ((m->arch & HSD_H_FIRST) && !(m->arch & HSD_PARALLEL)) || !isfinite(m->logit_mult)
         || ((m->arch & HSD_SHARED_NORM) && !(m->arch & HSD_PARALLEL))
         || ((m->arch & HSD_POST_ONLY) && (m->arch & HSD_PARALLEL)) || !isfinite(m->res_mult)
         || !isfinite(m->logit_div) || m->logit_div == 0.0f || (m->res_mult != 1.0f && (m->arch & HSD_PARALLEL)))
@@ -581,7 +582,10 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
             for (int64_t r = 0; !(m->arch & HSD_SHARED_NORM) && r < n; r++)
                 norm_row(m, h + r * H, W_(L, HSD_LN2), W_(L, HSD_LN2_B), x + r * H, isa);
             mlp(m, L, x, n, gu, act, tmp2, isa, threads);
-            for (int64_t i = 0; i < n * H; i++) h[i] = (tmp2[i] + tmp[i]) + h[i];
+            if (m->arch & HSD_H_FIRST)
+                for (int64_t i = 0; i < n * H; i++) h[i] = (h[i] + tmp[i]) + tmp2[i];
+            else
+                for (int64_t i = 0; i < n * H; i++) h[i] = (tmp2[i] + tmp[i]) + h[i];
             continue;
         }
         const float *pa = W_(L, HSD_POST_ATTN), *pm = W_(L, HSD_POST_MLP);
@@ -602,6 +606,8 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
             if (m->flags & HSD_HEAD_RAW) memcpy(x + i * H, row, (size_t)H * sizeof *h);
         }
         hsg_linear(x, H, m->head, m->head_b, logits, m->vocab, keep, m->vocab, H, isa, threads);
+        if (m->logit_mult != 1.0f)
+            for (int64_t i = 0; i < keep * m->vocab; i++) logits[i] = logits[i] * m->logit_mult;
         if (m->logit_div != 1.0f)
             for (int64_t i = 0; i < keep * m->vocab; i++) logits[i] = logits[i] / m->logit_div;
         if (m->final_cap != 0.0f) hsd_softcap(logits, keep * m->vocab, m->final_cap, isa);

@@ -28,7 +28,9 @@
  * norm before attention or MLP (HSD_POST_ONLY: they read h itself; the post norms do the norming), and q_norm and
  * k_norm over all heads of q and of k at once (HSD_QK_NORM_ALL: widths heads * head_dim and kv_heads * head_dim),
  * before the rotation.  Granite's: each residual add scaled (h + o * res_mult) and the logits divided (logit_div); its
- * embeddings' multiplier and attention_multiplier (the scale) are the caller's.
+ * embeddings' multiplier and attention_multiplier (the scale) are the caller's.  Cohere's: the parallel residual summed
+ * from h (HSD_H_FIRST with HSD_PARALLEL: h = (h + attn) + mlp, its order), LayerNorms without bias, the logits
+ * multiplied (logit_mult).
  *
  * Every reduction has one fixed order, the same on AVX-512, AVX2 and the portable loop, and no row's result
  * depends on another row: a dot product of length d is 16 lanes (lane l sums elements l, l+16, ... by fused
@@ -57,7 +59,7 @@ enum {
  * GU holds [gate; up] (2 * inter rows) for HSD_SILU_GLU and HSD_GELU_TANH_GLU (gelu's tanh form of the gate times up:
  * Gemma's GeGLU), the one matrix before the activation (inter rows) else. */
 enum { HSD_LAYERNORM = 1, HSD_PARALLEL = 2, HSD_SHARED_NORM = 4, HSD_ROT_PAIRS = 8, HSD_POST_ONLY = 16,
-       HSD_QK_NORM_ALL = 32 };
+       HSD_QK_NORM_ALL = 32, HSD_H_FIRST = 64 };
 enum { HSD_SILU_GLU = 0, HSD_GELU = 1, HSD_GELU_TANH = 2, HSD_RELU = 3, HSD_GELU_TANH_GLU = 4 };
 #define HSD_GATED(act) ((act) == HSD_SILU_GLU || (act) == HSD_GELU_TANH_GLU)
 
@@ -82,15 +84,16 @@ typedef struct {
     int64_t fc_in;
     const float *final_norm_b;  /* the final LayerNorm's bias or NULL */
     int arch, act;              /* HSD_LAYERNORM | HSD_PARALLEL | HSD_SHARED_NORM | HSD_ROT_PAIRS | HSD_POST_ONLY |
-                                 * HSD_QK_NORM_ALL; HSD_SILU_GLU,
+                                 * HSD_QK_NORM_ALL | HSD_H_FIRST; HSD_SILU_GLU,
                                  * HSD_GELU, HSD_GELU_TANH or HSD_RELU */
     int64_t rot;                /* the rotated dimensions of each head (even, <= head_dim; 0: none) */
     /* soft-capping (Gemma 2), 0: none: each attention score s (after the scale) and each logit of the output layer
      * becomes cap * tanh(s / cap), tanh(y) = 2 / (1 + exp(-2 y)) - 1 (hsd_softcap) */
     float attn_cap, final_cap;
     /* Granite's multipliers (1: none): each residual add is h + (out * res_mult), the product rounded first (sequential
-     * layers only), and each logit of the output layer is divided by logit_div before any soft-capping */
-    float res_mult, logit_div;
+     * layers only), and each logit of the output layer is divided by logit_div before any soft-capping; Cohere's:
+     * each logit multiplied by logit_mult (before the division) */
+    float res_mult, logit_div, logit_mult;
 } hsd_model;
 
 /* A call's rows for the layers marked HSD_LOCAL: allowed [n][W] (the columns each row sees there: a sliding

@@ -121,7 +121,8 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
 /* decoder_forward(model, eps, scale, cache, h, emb, fuse, n, cos, sin, req, slot, allowed, W, local, tap_layers,
  * taps, out_rows, keep, logits, hout, bad, nreal, per, isa, threads): decoder.h's hsd_forward.  model: (layers,
  * hidden, heads, kv_heads, head_dim, inter, vocab, table, final_norm, head, head_b, hidden_norm, flags, fc, fc_b,
- * fc_in, in_norm, fc_norms, final_norm_b, arch, act, rot, attn_cap, final_cap, res_mult, logit_div); local:
+ * fc_in, in_norm, fc_norms, final_norm_b, arch, act, rot, attn_cap, final_cap, res_mult, logit_div,
+ * logit_mult); local:
  * (allowed, cos, sin) of the
  * HSD_LOCAL layers (allowed 0: none; cos, sin 0: the call's own); cache: (kv, batch, capacity, s_batch, s_kv, s_layer,
  * s_head); tap_layers, taps: 3 each (a tap address 0: not captured); cos, sin: not read with rot 0; out_rows 0:
@@ -131,13 +132,13 @@ static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
     (void)self;
     long long md[12], fc[5], cc[7], fnb, rot, h, emb, fuse, n, cs, sn, req, slot, allowed, W, lo[3], tl[3], tp[3],
         out_rows, keep, logits, hout, bad, nreal, per;
-    float eps, scale, attn_cap, final_cap, res_mult, logit_div;
+    float eps, scale, attn_cap, final_cap, res_mult, logit_div, logit_mult;
     int flags, arch, act, isa, threads;
-    if (!PyArg_ParseTuple(args, "(LLLLLLLLLLLLiLLLLLLiiLffff)ff(LLLLLLL)LLLLLLLLLL(LLL)(LLL)(LLL)LLLLLLLii", &md[0],
+    if (!PyArg_ParseTuple(args, "(LLLLLLLLLLLLiLLLLLLiiLfffff)ff(LLLLLLL)LLLLLLLLLL(LLL)(LLL)(LLL)LLLLLLLii", &md[0],
                           &md[1], &md[2], &md[3], &md[4], &md[5], &md[6], &md[7], &md[8], &md[9], &md[10], &md[11],
                           &flags, &fc[0], &fc[1], &fc[2], &fc[3], &fc[4], &fnb, &arch, &act, &rot, &attn_cap,
-                          &final_cap, &res_mult, &logit_div, &eps, &scale, &cc[0], &cc[1], &cc[2], &cc[3], &cc[4],
-                          &cc[5], &cc[6], &h, &emb,
+                          &final_cap, &res_mult, &logit_div, &logit_mult, &eps, &scale, &cc[0], &cc[1], &cc[2],
+                          &cc[3], &cc[4], &cc[5], &cc[6], &h, &emb,
                           &fuse, &n, &cs, &sn, &req, &slot, &allowed, &W, &lo[0], &lo[1], &lo[2], &tl[0], &tl[1],
                           &tl[2], &tp[0], &tp[1], &tp[2], &out_rows, &keep, &logits, &hout, &bad, &nreal, &per, &isa,
                           &threads))
@@ -160,17 +161,18 @@ static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
         return NULL;
     }
     if (rot < 0 || rot > md[4] || rot % 2 || act < HSD_SILU_GLU || act > HSD_GELU_TANH_GLU
-        || (arch & ~(HSD_LAYERNORM | HSD_PARALLEL | HSD_SHARED_NORM | HSD_ROT_PAIRS | HSD_POST_ONLY | HSD_QK_NORM_ALL))
+        || (arch & ~(HSD_LAYERNORM | HSD_PARALLEL | HSD_SHARED_NORM | HSD_ROT_PAIRS | HSD_POST_ONLY | HSD_QK_NORM_ALL
+                     | HSD_H_FIRST)) || ((arch & HSD_H_FIRST) && !(arch & HSD_PARALLEL))
         || ((arch & HSD_SHARED_NORM) && !(arch & HSD_PARALLEL)) || ((arch & HSD_POST_ONLY) && (arch & HSD_PARALLEL))
         || !(attn_cap >= 0.0f) || !(final_cap >= 0.0f)
         || isinf(attn_cap) || isinf(final_cap) || !isfinite(res_mult) || !isfinite(logit_div) || logit_div == 0.0f
-        || (res_mult != 1.0f && (arch & HSD_PARALLEL))) {
+        || (res_mult != 1.0f && (arch & HSD_PARALLEL)) || !isfinite(logit_mult)) {
         char msg[512]; /* (PyErr_Format has no %g) */
         snprintf(msg, sizeof msg, "decoder_forward: argument 'model' expected rot even in [0, head_dim %lld], act "
-                 "0-4, arch bits 1|2|4|8|16|32 (4 with 2, 16 without 2), finite caps >= 0, a finite res_mult (1 with "
-                 "2) and a finite nonzero logit_div, got rot %lld, act %d, arch %d, caps %g and %g, res_mult %g, "
-                 "logit_div %g", md[4], rot, act, arch, (double)attn_cap, (double)final_cap, (double)res_mult,
-                 (double)logit_div);
+                 "0-4, arch bits 1|2|4|8|16|32|64 (4 and 64 with 2, 16 without 2), finite caps >= 0, a finite "
+                 "res_mult (1 with 2), a finite nonzero logit_div and a finite logit_mult, got rot %lld, act %d, "
+                 "arch %d, caps %g and %g, res_mult %g, logit_div %g, logit_mult %g", md[4], rot, act, arch,
+                 (double)attn_cap, (double)final_cap, (double)res_mult, (double)logit_div, (double)logit_mult);
         PyErr_SetString(PyExc_ValueError, msg);
         return NULL;
     }
@@ -211,7 +213,8 @@ static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
                    (const float *)(uintptr_t)md[8], (const float *)(uintptr_t)md[9], (const float *)(uintptr_t)md[10],
                    (const float *)(uintptr_t)md[11], flags, (const float *)(uintptr_t)fc[0],
                    (const float *)(uintptr_t)fc[1], (const float *)(uintptr_t)fc[3], (const float *)(uintptr_t)fc[4],
-                   fc[2], (const float *)(uintptr_t)fnb, arch, act, rot, attn_cap, final_cap, res_mult, logit_div};
+                   fc[2], (const float *)(uintptr_t)fnb, arch, act, rot, attn_cap, final_cap, res_mult, logit_div,
+                   logit_mult};
     const hsd_local local = {(const uint8_t *)(uintptr_t)lo[0], (const float *)(uintptr_t)lo[1],
                              (const float *)(uintptr_t)lo[2]};
     hsd_cache c = {(float *)(uintptr_t)cc[0], cc[1], cc[2], cc[3], cc[4], cc[5], cc[6]};

@@ -1,6 +1,6 @@
 """The target's forward on the CPU in one call of ours (``cpu_decoder``): every decoder layer of a Llama-family,
-Gemma, OLMo 2/3, Granite, StableLM, StarCoder2, GPT-NeoX (Pythia), GPT-2, GPTBigCode, OPT, Phi, GPT-J or CodeGen model
-in float32 arithmetic
+Gemma, OLMo 2/3, EXAONE 4, Granite, StableLM, StarCoder2, Cohere 1/2, GPT-NeoX (Pythia), GPT-2, GPTBigCode, OPT, Phi,
+GPT-J or CodeGen model in float32 arithmetic
 (csrc/gemm/decoder.h), on the engine's own key/value cache, instead of transformers' modules.
 
 A bfloat16 or float16 model (what transformers 5 loads from such a checkpoint by default, ``dtype="auto"``) runs
@@ -33,7 +33,8 @@ or float16 with SiLU MLPs and RMSNorm, any bias layout, any head grouping, a sli
 ``gemma2`` and ``gemma3_text`` (Gemma 1, 2 and 3, and Gemma 3's vision-language class on text: norms of 1 + w, scaled
 embeddings, GeGLU with gelu's tanh form, the sandwich of norms around attention and MLP, sliding layers with their own
 rotation, Gemma 2's soft-capped scores and logits); ``olmo2`` and ``olmo3`` (no norm before attention or MLP, one
-after each, q and k normed over all their heads; OLMo 3's sliding layers); ``gpt_neox`` (Pythia: LayerNorm, gelu,
+after each, q and k normed over all their heads; OLMo 3's sliding layers) and ``exaone4`` (EXAONE 4: the same with q/k
+norms head by head, its full layers without rotation where it has a window); ``gpt_neox`` (Pythia: LayerNorm, gelu,
 rotary over part of each head, the parallel residual or not; its fused q/k/v reordered head by head when packed),
 ``gpt2`` (LayerNorm, gelu's tanh form, learned positions added to the embeddings, Conv1D weights read transposed),
 ``gpt_bigcode`` (StarCoder 1, SantaCoder: as GPT-2 on linear layers, multi-query or q/k/v fused head by head),
@@ -41,7 +42,9 @@ rotary over part of each head, the parallel residual or not; its fused q/k/v reo
 projections), ``phi`` (one LayerNorm a layer feeding attention and MLP side by side), ``gptj`` and ``codegen`` (the
 same, with the rotation of neighbouring pairs from their own sinusoid tables; CodeGen's q/k/v blocks reordered),
 ``stablelm`` (LayerNorms, SiLU-gated MLP, a quarter of each head rotated; not its parallel residual or q/k norms) and
-``starcoder2`` (LayerNorms, gelu's tanh form, biases, its sliding window);
+``starcoder2`` (LayerNorms, gelu's tanh form, biases, its sliding window), ``cohere`` and ``cohere2`` (one LayerNorm
+without bias a layer feeding attention and a SiLU-gated MLP side by side, summed from the residual; neighbouring pairs
+rotated; the logits scaled; Cohere 2's sliding layers among full ones that rotate nothing; not its q/k norms);
 :func:`unsupported` says why not otherwise.  A model with forward hooks of the user's on any of its
 modules runs transformers' forward while they are set (the hooks then run, as they would in the user's own calls).
 
@@ -62,16 +65,16 @@ from .target import sliding_layout
 
 LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
-OLMO_FAMILIES = ("olmo2", "olmo3")
+OLMO_FAMILIES = ("olmo2", "olmo3", "exaone4")   # (EXAONE 4: OLMo 2's layout with q/k norms per head)
 FAMILIES = LLAMA_FAMILIES + GEMMA_FAMILIES + OLMO_FAMILIES + ("gpt_neox", "gpt2", "gpt_bigcode", "opt", "phi", "gptj",
-                                                              "codegen", "stablelm", "starcoder2")
+                                                              "codegen", "stablelm", "starcoder2", "cohere", "cohere2")
 SETTINGS = ("auto", True, False)
 # the models' dtypes the decoder runs: every weight read as it is stored (16-bit values as such), every sum in float32
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ISA_NAMES = ("portable", "AVX2", "AVX-512")
 HSD_RESIDUAL_NORMED, HSD_HEAD_RAW, HSD_OUT_NORMED = 1, 2, 4   # decoder.h's flags
-HSD_LAYERNORM, HSD_PARALLEL, HSD_SHARED_NORM, HSD_ROT_PAIRS, HSD_POST_ONLY, HSD_QK_NORM_ALL = 1, 2, 4, 8, 16, 32
-# (decoder.h's arch bits)
+HSD_LAYERNORM, HSD_PARALLEL, HSD_SHARED_NORM, HSD_ROT_PAIRS, HSD_POST_ONLY, HSD_QK_NORM_ALL, HSD_H_FIRST = \
+    1, 2, 4, 8, 16, 32, 64   # (decoder.h's arch bits)
 HSD_SILU_GLU, HSD_GELU, HSD_GELU_TANH, HSD_RELU, HSD_GELU_TANH_GLU = 0, 1, 2, 3, 4   # decoder.h's act
 # transformers' activation modules (activations.py) by the form the kernel computes: gelu's erf one or its tanh one,
 # relu
@@ -136,7 +139,7 @@ class _Layout:
     pos_offset = 0   # OPT's learned positions start at row 2 of their table
     embed_scale = local_rotary = final_weight = local = None
     attn_cap = final_cap = 0.0
-    res_mult = logit_div = 1.0   # Granite's residual_multiplier and logits_scaling
+    res_mult = logit_div = logit_mult = 1.0   # Granite's residual_multiplier and logits_scaling; Cohere's logit_scale
 
     def __init__(self, **kw):
         self.__dict__.update(kw)
@@ -328,8 +331,11 @@ def _rotaries(module, cfg):
 def _olmo_layout(model, cfg):
     """OLMo 2 and 3: no norm before attention or MLP, a norm of each one's output before its residual add (decoder.h's
     HSD_POST_ONLY with the post norms), q_norm and k_norm over all heads of q and of k at once (HSD_QK_NORM_ALL);
-    OLMo 3's sliding layers among full ones with their own rotation."""
-    got = _rms_base(model, "an OLMo model")
+    OLMo 3's sliding layers among full ones with their own rotation.  EXAONE 4: the same layout with q_norm and k_norm
+    head by head; where it has a window, its sliding layers among full ones that rotate nothing (NoPE)."""
+    exaone = cfg.model_type == "exaone4"
+    family = "an EXAONE 4" if exaone else "an OLMo"
+    got = _rms_base(model, f"{family} model")
     if isinstance(got, str):
         return got
     base, layers, head = got
@@ -337,11 +343,11 @@ def _olmo_layout(model, cfg):
     for layer in layers:
         att, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if not _plain_blocks(att, mlp):
-            return "an OLMo layer without q/k/v, o, gate, up and down linear layers"
+            return f"{family} layer without q/k/v, o, gate, up and down linear layers"
         mine = [getattr(layer, "post_attention_layernorm", None), getattr(layer, "post_feedforward_layernorm", None),
                 getattr(att, "q_norm", None), getattr(att, "k_norm", None)]
         if getattr(layer, "input_layernorm", None) is not None or not all(_is_rmsnorm(m) for m in mine):
-            return "an OLMo layer whose norms are not OLMo 2's (RMSNorms after attention and MLP, on all of q and k)"
+            return f"{family} layer whose norms are not OLMo 2's (RMSNorms after attention and MLP, on q and k)"
         norms += mine
         act = getattr(mlp, "act_fn", None)
         if _silu_kind(act) is None:
@@ -357,10 +363,14 @@ def _olmo_layout(model, cfg):
         return {"qkv": [_pair(a.q_proj), _pair(a.k_proj), _pair(a.v_proj)], "o": [_pair(a.o_proj)],
                 "gu": [_pair(m.gate_proj), _pair(m.up_proj)], "down": [_pair(m.down_proj)],
                 "ln1": (None, None), "ln2": (None, None), "q_norm": a.q_norm.weight, "k_norm": a.k_norm.weight,
-                "post_attn": layer.post_attention_layernorm.weight, "post_mlp": layer.post_feedforward_layernorm.weight}
+                "post_attn": layer.post_attention_layernorm.weight, "post_mlp": layer.post_feedforward_layernorm.weight,
+                # (EXAONE 4 with a window: its full layers rotate nothing, as its attention rotates only where it
+                # slides or where the model has no window)
+                "no_rot": exaone and a.sliding_window is not None and not a.is_sliding}
 
     return _Layout(embed=base.embed_tokens, pos=None, rotary=rotary, local_rotary=local_rotary, final=base.norm,
-                   head=head, layers=list(layers), arch=HSD_POST_ONLY | HSD_QK_NORM_ALL, act=HSD_SILU_GLU, rot=rot,
+                   head=head, layers=list(layers), arch=HSD_POST_ONLY | (0 if exaone else HSD_QK_NORM_ALL),
+                   act=HSD_SILU_GLU, rot=rot,
                    eps=eps, scale=float(att0.scaling), heads=cfg.num_attention_heads,
                    kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
                    head_dim=att0.head_dim, inter=layers[0].mlp.gate_proj.out_features, parts=parts)
@@ -677,6 +687,60 @@ def _ln_names_layout(model, cfg, family, gated):
                    inter=(layers[0].mlp.gate_proj if gated else layers[0].mlp.c_fc).out_features, parts=parts)
 
 
+def _cohere_norm(m):
+    """Cohere's LayerNorm (CohereLayerNorm, Cohere2LayerNorm): x - mean over the row, times rsqrt(variance + eps),
+    times its weight; no bias."""
+    return type(m).__name__ in ("CohereLayerNorm", "Cohere2LayerNorm") and getattr(m, "weight", None) is not None \
+        and m.weight.dim() == 1 and isinstance(getattr(m, "variance_epsilon", None), float)
+
+
+def _cohere_layout(model, cfg):
+    """Cohere (Command R, Aya) and Cohere 2 (Command R7B, Aya Expanse's successors): one LayerNorm without bias a
+    layer feeding attention and a SiLU-gated MLP side by side, summed from the residual, (h + attention) + mlp
+    (HSD_H_FIRST); the rotation of neighbouring pairs (its tables repeat each value for its pair); the logits times
+    logit_scale.  Cohere 2: sliding layers among full ones, the full ones without rotation (NoPE)."""
+    got = _rms_base(model, "a Cohere model", _cohere_norm)
+    if isinstance(got, str):
+        return got
+    base, layers, head = got
+    if getattr(cfg, "use_qk_norm", False):
+        return "Cohere with norms on its queries and keys (use_qk_norm)"
+    norms = [base.norm]
+    for layer in layers:
+        att, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if not _plain_blocks(att, mlp):
+            return "a Cohere layer without q/k/v, o, gate, up and down linear layers"
+        if not _cohere_norm(getattr(layer, "input_layernorm", None)):
+            return "a Cohere layer whose norm is not Cohere's LayerNorm"
+        norms.append(layer.input_layernorm)
+        if _silu_kind(getattr(mlp, "act_fn", None)) is None:
+            return f"an MLP activation {type(getattr(mlp, 'act_fn', None)).__name__} (the decoder has SiLU)"
+    eps = _one_eps(norms, "variance_epsilon")
+    if eps is None:
+        return "norms of different epsilons"
+    scale = float(getattr(cfg, "logit_scale", 1.0))
+    if not math.isfinite(scale):
+        return f"Cohere with logit_scale {scale} (expected finite)"
+    att0 = layers[0].self_attn
+    rotary, _, rot = _rotaries(base.rotary_emb, cfg)
+    types = getattr(cfg, "layer_types", None)
+
+    def parts(layer):
+        a, m = layer.self_attn, layer.mlp
+        # (Cohere 2's full layers rotate nothing: its attention rotates where it slides)
+        nope = types is not None and getattr(a, "sliding_window", 0) is None
+        return {"ln1": (layer.input_layernorm.weight, None), "ln2": (None, None),
+                "qkv": [_pair(a.q_proj), _pair(a.k_proj), _pair(a.v_proj)], "o": [_pair(a.o_proj)],
+                "gu": [_pair(m.gate_proj), _pair(m.up_proj)], "down": [_pair(m.down_proj)],
+                "q_norm": None, "k_norm": None, "no_rot": nope}
+
+    return _Layout(embed=base.embed_tokens, pos=None, rotary=rotary, final=base.norm, head=head, layers=list(layers),
+                   arch=HSD_LAYERNORM | HSD_PARALLEL | HSD_SHARED_NORM | HSD_ROT_PAIRS | HSD_H_FIRST,
+                   act=HSD_SILU_GLU, rot=rot, eps=eps, scale=float(att0.scaling), heads=cfg.num_attention_heads,
+                   kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+                   head_dim=att0.head_dim, inter=layers[0].mlp.gate_proj.out_features, logit_mult=scale, parts=parts)
+
+
 LAYOUTS = {**{k: _llama_layout for k in LLAMA_FAMILIES}, **{k: _gemma_layout for k in GEMMA_FAMILIES},
            **{k: _olmo_layout for k in OLMO_FAMILIES},
            "gpt_neox": _neox_layout,
@@ -685,7 +749,8 @@ LAYOUTS = {**{k: _llama_layout for k in LLAMA_FAMILIES}, **{k: _gemma_layout for
            "phi": _phi_layout, "gptj": lambda model, cfg: _gptj_layout(model, cfg, "GPT-J"),
            "codegen": lambda model, cfg: _gptj_layout(model, cfg, "CodeGen"),
            "stablelm": lambda model, cfg: _ln_names_layout(model, cfg, "StableLM", gated=True),
-           "starcoder2": lambda model, cfg: _ln_names_layout(model, cfg, "StarCoder2", gated=False)}
+           "starcoder2": lambda model, cfg: _ln_names_layout(model, cfg, "StarCoder2", gated=False),
+           "cohere": _cohere_layout, "cohere2": _cohere_layout}
 
 
 def layout(model):
@@ -712,8 +777,6 @@ def layout(model):
     if len(got.layers) != cfg.num_hidden_layers:
         return "a layer count other than the config's"
     if sliding is not None and sliding[1]:   # sliding and full layers: decoder.h's local layers are the sliding ones
-        if got.arch & HSD_PARALLEL:
-            return "sliding and full attention layers in a parallel-residual model"
         got.local = [t == "sliding_attention" for t in cfg.layer_types[:len(got.layers)]]
     return got
 
@@ -732,7 +795,7 @@ class _Packed:
 
     arch, act = 0, HSD_SILU_GLU
     attn_cap = final_cap = 0.0
-    res_mult = logit_div = 1.0   # Granite's residual_multiplier and logits_scaling (1: none)
+    res_mult = logit_div = logit_mult = 1.0   # Granite's residual_multiplier and logits_scaling, Cohere's logit_scale
     local = None   # [layers] bool: decoder.h's HSD_LOCAL layers (the target's sliding ones among full ones), or None
     _final_weight = None   # the final norm's weight as decoder.h reads it where not its own (Gemma: 1 + w)
 
@@ -835,7 +898,8 @@ class _Packed:
                       addr(None if hidden_norm is None else hidden_norm.weight), flags,
                       fc_w, fc_b, 0 if fc is None else fc.in_features, addr(in_norm),
                       addr(None if fc_norms is None else torch.cat(fc_norms)), addr(getattr(final, "bias", None)),
-                      self.arch, self.act, self.rot, self.attn_cap, self.final_cap, self.res_mult, self.logit_div)
+                      self.arch, self.act, self.rot, self.attn_cap, self.final_cap, self.res_mult, self.logit_div,
+                      self.logit_mult)
         self._keep = keep
         self.codecs = codecs
         self._versions = self._state()
@@ -913,7 +977,7 @@ class CpuDecoder(_Packed):
         self.embed, self.pos_embed, self.rotary, self.pos_offset = lay.embed, lay.pos, lay.rotary, lay.pos_offset
         self.embed_scale, self.local_rotary, self._final_weight = lay.embed_scale, lay.local_rotary, lay.final_weight
         self.attn_cap, self.final_cap, self.local = lay.attn_cap, lay.final_cap, lay.local
-        self.res_mult, self.logit_div = lay.res_mult, lay.logit_div
+        self.res_mult, self.logit_div, self.logit_mult = lay.res_mult, lay.logit_div, lay.logit_mult
         self._no_rotation = torch.zeros(1, 1, 1, device="cpu")   # (cos and sin without rotary: never read)
         self._pack()
 

@@ -193,14 +193,15 @@ def _mlp(L, x, act):
 
 
 def _layer(L, x, h, eps, scale, heads, kv_heads, cos, sin, cache, slots, allowed, act="silu", parallel=False,
-           pairs=False, attn_cap=0.0, res_mult=1.0):
+           pairs=False, attn_cap=0.0, res_mult=1.0, h_first=False):
     """One layer after its input norm: attention input ``x`` [n, X], residual stream ``h`` [n, H]; the keys and
     values written into ``cache`` [2, kv_heads, W', d] at ``slots``; the first ``cos.shape[-1]`` dimensions of
     each head rotated (None: no rotation; ``pairs``: :func:`rotate`'s).  ``parallel``: GPT-NeoX's residual,
     (mlp(norm2(h)) + attention) + h, or (mlp(x) + attention) + h where the layer has no ``ln2`` (Phi, GPT-J).
     ``post_attn`` / ``post_mlp`` in ``L`` (Gemma 2 and 3): RMSNorms of the attention's and the MLP's outputs before
     each is added.  ``attn_cap``: the scores' soft-capping (0: none); ``res_mult``: Granite's residual multiplier,
-    h + (out * res_mult) at each add of a sequential layer.  Returns the new residual stream."""
+    h + (out * res_mult) at each add of a sequential layer; ``h_first``: the parallel residual summed as Cohere's,
+    (h + attention) + mlp.  Returns the new residual stream."""
     n = x.shape[0]
     d = cache.shape[-1]
     group = heads // kv_heads
@@ -231,7 +232,8 @@ def _layer(L, x, h, eps, scale, heads, kv_heads, cos, sin, cache, slots, allowed
                                            scale, attn_cap) for a in range(heads)]) for r in range(n)])
     o = lin(att, "o")
     if parallel:
-        return ((_mlp(L, _norm(L, "ln2", h, eps) if "ln2" in L else x, act) + o).astype(f32) + h).astype(f32)
+        m = _mlp(L, _norm(L, "ln2", h, eps) if "ln2" in L else x, act)
+        return ((h + o).astype(f32) + m).astype(f32) if h_first else ((m + o).astype(f32) + h).astype(f32)
     if L.get("post_attn") is not None:
         o = rmsnorm(o, L["post_attn"], eps)
     rm = f32(res_mult)
@@ -244,7 +246,7 @@ def _layer(L, x, h, eps, scale, heads, kv_heads, cos, sin, cache, slots, allowed
 
 def decoder_layers(layers, final_norm, head, eps, scale, heads, kv_heads, h, cos, sin, cache, slots, allowed,
                    act="silu", parallel=False, pairs=False, local=None, attn_cap=0.0, final_cap=0.0, res_mult=1.0,
-                   logit_div=1.0):
+                   logit_div=1.0, logit_mult=1.0, h_first=False):
     """The kernel's whole forward for the rows of one request, in NumPy (slow: for the tests' tiny models).
 
     ``layers``: per layer a dict of float32 arrays ``ln1, ln2, q, k, v, o, gate, up, down`` ([out, in] weights) and
@@ -260,16 +262,19 @@ def decoder_layers(layers, final_norm, head, eps, scale, heads, kv_heads, h, cos
     GPT-J's rotation of neighbours; ``local``: (allowed, cos, sin) for the layers with ``local`` set in their dict
     (a sliding window's columns, and its own rotation or None for the call's); ``attn_cap``, ``final_cap``: the
     scores' and the logits' soft-capping (0: none); ``res_mult``, ``logit_div``: Granite's residual multiplier
-    (:func:`_layer`) and the logits' divisor (before any soft-capping).  Returns logits [n, V] float32."""
+    (:func:`_layer`) and the logits' divisor (before any soft-capping); ``logit_mult``: Cohere's logit scale (before
+    the division); ``h_first``: :func:`_layer`'s.  Returns logits [n, V] float32."""
     h = np.array(h, f32)
     for i, L in enumerate(layers):
         sees, c, s = (local[0], local[1] if local[1] is not None else cos, local[2] if local[2] is not None else sin) \
             if L.get("local") else (allowed, cos, sin)
         h = _layer(L, _norm(L, "ln1", h, eps), h, eps, scale, heads, kv_heads, c, s, cache[i], slots, sees,
-                   act, parallel, pairs, attn_cap, res_mult)
+                   act, parallel, pairs, attn_cap, res_mult, h_first)
     fin = layernorm(h, final_norm[0], final_norm[1], eps) if isinstance(final_norm, tuple) \
         else rmsnorm(h, final_norm, eps)
     logits = rows_linear(fin, head[0], head[1])
+    if logit_mult != 1.0:
+        logits = (logits * f32(logit_mult)).astype(f32)
     if logit_div != 1.0:
         logits = (logits / f32(logit_div)).astype(f32)
     return softcap(logits, final_cap) if final_cap else logits

@@ -1,11 +1,12 @@
 """Targets whose attention slides (Mistral, Phi-3, StarCoder2, Mixtral: every layer; Gemma 2/3, Qwen2/3 with
-``use_sliding_window``, gpt-oss: some layers, by ``config.layer_types``): the engine restricts each forward's mask to
-the window as transformers does, so greedy output equals HuggingFace's own generate -- for prompts and generations
-longer than the window, where the window changes HuggingFace's output (checked first: a test that could not fail
-otherwise), with autoregressive decoding, EAGLE-3 trees and HeteroSpec's bins, one prompt or a left-padded batch.
-Before the engine knew the window, every such model drifted from HuggingFace's output past the window.  Also
-the vision-language class ``AutoModelForCausalLM`` gives for Gemma 3 (its decoder under ``model.language_model``):
-its text generation equals HuggingFace's, and ``custom_generate`` refuses an image in one line."""
+``use_sliding_window``, Cohere 2, EXAONE 4, gpt-oss: some layers, by ``config.layer_types``): the engine restricts each
+forward's mask to the window as transformers does, so greedy output equals HuggingFace's own generate -- for prompts
+and generations longer than the window, where the window changes HuggingFace's output (checked first: a test that
+could not fail otherwise), with autoregressive decoding, EAGLE-3 trees and HeteroSpec's bins, one prompt or a
+left-padded batch.  Before the engine knew the window, every such model drifted from HuggingFace's output past the
+window.  Also the vision-language class ``AutoModelForCausalLM`` gives for Gemma 3 (its decoder under
+``model.language_model``): its text generation equals HuggingFace's, and ``custom_generate`` refuses an image in one
+line."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -33,6 +34,10 @@ ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
               dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2), 40.0),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=8, sliding_window=WINDOW), 1.0),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(sliding_window=WINDOW, initializer_range=0.2), 4.0),
+    # (three sliding layers to a full one; a wider init, as StarCoder2)
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(sliding_window=WINDOW, pad_token_id=0), 40.0),   # (its
+    # pattern: three sliding layers to a full one, which rotates nothing)
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
                 dict(head_dim=8, num_local_experts=4, sliding_window=WINDOW, attn_implementation="eager"), 40.0),
 }

@@ -29,15 +29,19 @@ ISAS = range(G.isa_best() + 1) if G is not None else ()
 # window of 6), soft-capped scores and logits; gemma3: + q/k norms and the sliding layers' own rotation
 # olmo2: no norms before the blocks, norms after them, q/k normed over all heads; olmo3: + sliding layers among full
 # ones with their own rotation
-# granite: Llama's layout with its multipliers (embeddings, attention scale, each residual add, the logits' divisor)
-ARCHS = ["llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma", "gemma2", "gemma3", "olmo2", "olmo3", "granite"]
+# granite: Llama's layout with its multipliers (embeddings, attention scale, each residual add, the logits' divisor);
+# exaone4: OLMo 2's layout with q/k norms head by head
+ARCHS = ["llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma", "gemma2", "gemma3", "olmo2", "olmo3", "granite",
+         "exaone4"]
 # LayerNorm layouts: GPT-NeoX (Pythia: the parallel residual and gelu; serial with gelu's tanh form; rotary over
 # half of each head, q/k/v fused head by head), GPT-2 (learned positions, Conv1D weights, gelu's tanh form),
 # GPTBigCode (multi-query, or q/k/v fused head by head), OPT (relu, positions 2 rows into their table), Phi (one norm
 # a layer, attention and MLP side by side), GPT-J and CodeGen (as Phi, rotating neighbouring pairs), StableLM (a
-# SiLU-gated MLP, q/k/v biases, half of each head rotated) and StarCoder2 (gelu's tanh form, biases)
+# SiLU-gated MLP, q/k/v biases, half of each head rotated), StarCoder2 (gelu's tanh form, biases), Cohere (one norm
+# without bias a layer, attention and a gated MLP side by side summed from the residual, pairs rotated, logits scaled)
+# and Cohere 2 (+ sliding layers among full ones that rotate nothing)
 LN_ARCHS = ["gpt_neox", "gpt_neox-serial", "gpt2", "gpt_bigcode", "gpt_bigcode-mha", "opt", "phi", "gptj", "codegen",
-            "stablelm", "starcoder2"]
+            "stablelm", "starcoder2", "cohere", "cohere2"]
 ALL_ARCHS = ARCHS + LN_ARCHS
 
 
@@ -341,10 +345,12 @@ def _twin_layers(model):
                 base.wte.weight, None, pair_tables, dict(act="gelu_tanh", parallel=True, pairs=True))
     if kind in ("gemma", "gemma2", "gemma3_text"):
         return _gemma_twin_layers(model)
-    if kind in ("olmo2", "olmo3"):
+    if kind in ("olmo2", "olmo3", "exaone4"):
         return _olmo_twin_layers(model)
     if kind in ("stablelm", "starcoder2"):
         return _ln_names_twin_layers(model)
+    if kind in ("cohere", "cohere2"):
+        return _cohere_twin_layers(model)
     base = model.model
     layers = []
     for layer in base.layers:
@@ -373,6 +379,25 @@ def _twin_layers(model):
             dict(res_mult=c.residual_multiplier, logit_div=c.logits_scaling)
     return layers, base.norm.weight.detach().numpy(), model.lm_head.weight, base.embed_tokens.weight, None, \
         base.rotary_emb, {}
+
+
+def _cohere_twin_layers(model):
+    """Cohere's layers for the twin: one LayerNorm without bias a layer (the MLP reads its rows), summed from the
+    residual (``h_first``), pairs rotated, the logits times logit_scale; Cohere 2's sliding layers marked local and
+    its full layers rotating nothing."""
+    base, c = model.model, model.config
+    types = getattr(c, "layer_types", None)
+    layers = []
+    for i, layer in enumerate(base.layers):
+        a, m = layer.self_attn, layer.mlp
+        L = {"ln1": layer.input_layernorm.weight, "ln1_b": None}
+        for name, lin in (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("o", a.o_proj), ("gate", m.gate_proj),
+                          ("up", m.up_proj), ("down", m.down_proj)):
+            L[name] = lin.weight
+        slides = types is not None and types[i] == "sliding_attention"
+        layers.append(dict(_np(L), local=slides, no_rot=types is not None and not slides))
+    return (layers, (base.norm.weight.detach().numpy(), None), model.lm_head.weight, base.embed_tokens.weight, None,
+            base.rotary_emb, dict(parallel=True, pairs=True, h_first=True, logit_mult=c.logit_scale))
 
 
 def _ln_names_twin_layers(model):
@@ -433,7 +458,8 @@ def _gemma_twin_layers(model):
 
 def _olmo_twin_layers(model):
     """OLMo 2 and 3's layers for the twin: no ln1 and ln2 (the blocks read h), the post norms, q/k norms over all
-    heads (``qk_all``); OLMo 3's sliding layers marked local, with their own rotation."""
+    heads (``qk_all``); OLMo 3's sliding layers marked local, with their own rotation.  EXAONE 4's: q/k norms head by
+    head; with a window, its full layers rotate nothing."""
     base, c = model.model, model.config
     types = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
     layers = []
@@ -444,7 +470,9 @@ def _olmo_twin_layers(model):
         for name, lin in (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("o", a.o_proj), ("gate", m.gate_proj),
                           ("up", m.up_proj), ("down", m.down_proj)):
             L[name] = lin.weight
-        layers.append(dict(_np(L), qk_all=True, local=kind == "sliding_attention"))
+        exaone = c.model_type == "exaone4"
+        nope = exaone and c.sliding_window is not None and kind != "sliding_attention"
+        layers.append(dict(_np(L), qk_all=not exaone, local=kind == "sliding_attention", no_rot=nope))
     rotary, local_rotary = base.rotary_emb, None
     if "layer_type" in inspect.signature(rotary.forward).parameters:   # OLMo 3: a table per layer type
         local_rotary = functools.partial(base.rotary_emb, layer_type="sliding_attention")
@@ -723,7 +751,8 @@ def test_what_the_decoder_lacks_of_gemma_is_refused_and_a_local_layer_needs_its_
 def test_what_the_decoder_lacks_of_granite_stablelm_and_starcoder2_is_refused_and_c_checks_the_multipliers():
     """Granite's multipliers are read (and refused where a layer's differs), StableLM's parallel residual and q/k
     LayerNorms and StarCoder2's silu are refused, each with its reason; and decoder.h refuses a residual multiplier
-    on a parallel layout and a zero or non-finite logit divisor in one line, nothing written."""
+    on a parallel layout, a zero or non-finite logit divisor, a non-finite logit multiplier and Cohere's residual
+    order without the parallel residual in one line, nothing written."""
     granite = cpu_model("granite")
     dec = cpu_decoder.CpuDecoder(granite)
     assert (dec.res_mult, dec.logit_div, float(dec.embed_scale)) == (0.5, 4.0, 12.0) and dec.scale == 0.2
@@ -747,12 +776,20 @@ def test_what_the_decoder_lacks_of_granite_stablelm_and_starcoder2_is_refused_an
     pythia = cpu_model("gpt_neox")   # (the parallel residual)
     neox = cpu_decoder.CpuDecoder(pythia)
     kv = new_cache(pythia)
-    for res_mult, logit_div in ((0.5, 1.0), (1.0, 0.0), (1.0, float("inf")), (float("nan"), 1.0)):
-        neox.res_mult, neox.logit_div = res_mult, logit_div
+    for res_mult, logit_div, logit_mult in ((0.5, 1.0, 1.0), (1.0, 0.0, 1.0), (1.0, float("inf"), 1.0),
+                                            (float("nan"), 1.0, 1.0), (1.0, 1.0, float("nan"))):
+        neox.res_mult, neox.logit_div, neox.logit_mult = res_mult, logit_div, logit_mult
         neox._pack()
         with pytest.raises(ValueError, match=r"decoder_forward: argument 'model' expected .* a finite res_mult \(1 "
-                                             r"with 2\) and a finite nonzero logit_div, got .* res_mult "):
+                                             r"with 2\), a finite nonzero logit_div and a finite logit_mult, got .* "
+                                             r"res_mult "):
             neox.forward(torch.tensor([[1, 2]]), torch.arange(2).view(1, 2), torch.arange(2), causal(2, 4), kv)
+    neox.res_mult = neox.logit_div = neox.logit_mult = 1.0
+    neox.arch = cpu_decoder.HSD_LAYERNORM | cpu_decoder.HSD_H_FIRST   # (Cohere's order without the parallel residual)
+    neox._pack()
+    with pytest.raises(ValueError, match=r"arch bits 1\|2\|4\|8\|16\|32\|64 \(4 and 64 with 2, 16 without 2\)"
+                                         r".*arch 65"):
+        neox.forward(torch.tensor([[1, 2]]), torch.arange(2).view(1, 2), torch.arange(2), causal(2, 4), kv)
     assert not kv.any()
 
 
