@@ -99,12 +99,7 @@ def tiny_target(arch, vocab=V, layers=8, seed=0, sharpen=40.0):
             kw.update(sliding_window=6, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
                       + ["sliding_attention"] * (layers % 2))
             cfg, cls = transformers.Olmo3Config(**kw), transformers.Olmo3ForCausalLM
-        model = cls(cfg)
-        with torch.no_grad():   # (their norms start at 1: random ones tell each norm from another)
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.normal_(1.0, 0.3)
-        return _sharpened(model, sharpen)
+        return _sharpened(_random_norms(cls(cfg)), sharpen)
     if arch == "stablelm":   # LayerNorms, a SiLU-gated MLP, q/k/v biases, half of each head rotated (StableLM 2: a
         # quarter)
         cfg = transformers.StableLmConfig(**common, use_qkv_bias=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,

@@ -106,6 +106,11 @@ def _silu_kind(act):
     return HSD_SILU_GLU if type(act).__name__ in ("SiLU", "SiLUActivation") else None
 
 
+def _silu_only(act):
+    """Why a gated MLP's activation module is refused, or None for SiLU (decoder.h's gate)."""
+    return None if _silu_kind(act) is not None else f"an MLP activation {type(act).__name__} (the decoder has SiLU)"
+
+
 def _acts_only(act):
     return f"an MLP activation {type(act).__name__} (the decoder has gelu, its tanh form and relu)"
 
@@ -188,9 +193,9 @@ def _llama_layout(model, cfg):
         for n in ("q_norm", "k_norm"):
             if getattr(att, n, None) is not None and not _is_rmsnorm(getattr(att, n)):
                 return f"a {n} that is not RMSNorm"
-        act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)   # (Phi-3's name)
-        if _silu_kind(act) is None:
-            return f"an MLP activation {type(act).__name__} (the decoder has SiLU)"
+        why = _silu_only(getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None))   # (Phi-3's name)
+        if why:
+            return why
     att0, mlp0 = layers[0].self_attn, layers[0].mlp
     inter = mlp0.gate_proj.out_features if hasattr(mlp0, "gate_proj") else mlp0.gate_up_proj.out_features // 2
     # the rotated dimensions: the width of the model's own tables (Phi-3 / Phi-4-mini rotate part of each head)
@@ -349,9 +354,9 @@ def _olmo_layout(model, cfg):
         if getattr(layer, "input_layernorm", None) is not None or not all(_is_rmsnorm(m) for m in mine):
             return f"{family} layer whose norms are not OLMo 2's (RMSNorms after attention and MLP, on q and k)"
         norms += mine
-        act = getattr(mlp, "act_fn", None)
-        if _silu_kind(act) is None:
-            return f"an MLP activation {type(act).__name__} (the decoder has SiLU)"
+        why = _silu_only(getattr(mlp, "act_fn", None))
+        if why:
+            return why
     eps = _one_eps(norms, "variance_epsilon")
     if eps is None:
         return "norms of different epsilons"
@@ -407,12 +412,11 @@ def _missing(family, where, layers, head, embeds=(), norms=(), present=()):
     return None
 
 
-def _checked(family, layers, final, get, kind=None):
+def _checked(family, layers, final, get, gated=False):
     """The checks every LayerNorm family shares: ``get(layer)`` -> (ln1, ln2, its linear layers, the MLP's activation
-    module, the linear layers' check); each linear layer plain, each norm a LayerNorm, one known activation (``kind``:
-    decoder.h's act for a module, or None; :func:`_act_kind` by default) and one epsilon for all.  Returns (eps, act)
-    or why not."""
-    kind_of = kind or _act_kind
+    module, the linear layers' check); each linear layer plain, each norm a LayerNorm, one known activation (``gated``:
+    SiLU, the gate's; else gelu, its tanh form or relu) and one epsilon for all.  Returns (eps, act) or why not."""
+    kind_of, why = (_silu_kind, _silu_only) if gated else (_act_kind, _acts_only)
     norms, acts = [final], set()
     for layer in layers:
         try:
@@ -426,8 +430,7 @@ def _checked(family, layers, final, get, kind=None):
         norms += [ln1, ln2]
         got = kind_of(act)
         if got is None:
-            return _acts_only(act) if kind_of is _act_kind else f"an MLP activation {type(act).__name__} (the " \
-                f"decoder has SiLU there)"
+            return why(act)
         acts.add(got)
     if len(acts) != 1:
         return "layers of different MLP activations"
@@ -667,7 +670,7 @@ def _ln_names_layout(model, cfg, family, gated):
     got = _checked(family, layers, base.norm, lambda L: (
         L.input_layernorm, L.post_attention_layernorm, [L.self_attn.q_proj, L.self_attn.k_proj, L.self_attn.v_proj,
                                                         L.self_attn.o_proj] + [getattr(L.mlp, n) for n in mlp_names],
-        L.mlp.act_fn if gated else L.mlp.act, cpu_gemm.plain_linear), _silu_kind if gated else _act_kind)
+        L.mlp.act_fn if gated else L.mlp.act, cpu_gemm.plain_linear), gated)
     if isinstance(got, str):
         return got
     att0 = layers[0].self_attn
@@ -713,8 +716,9 @@ def _cohere_layout(model, cfg):
         if not _cohere_norm(getattr(layer, "input_layernorm", None)):
             return "a Cohere layer whose norm is not Cohere's LayerNorm"
         norms.append(layer.input_layernorm)
-        if _silu_kind(getattr(mlp, "act_fn", None)) is None:
-            return f"an MLP activation {type(getattr(mlp, 'act_fn', None)).__name__} (the decoder has SiLU)"
+        why = _silu_only(getattr(mlp, "act_fn", None))
+        if why:
+            return why
     eps = _one_eps(norms, "variance_epsilon")
     if eps is None:
         return "norms of different epsilons"

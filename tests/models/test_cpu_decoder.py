@@ -772,7 +772,7 @@ def test_what_the_decoder_lacks_of_granite_stablelm_and_starcoder2_is_refused_an
     stable = cpu_model("stablelm")
     for layer in stable.model.layers:
         layer.mlp.act_fn = torch.nn.GELU()
-    assert cpu_decoder.unsupported(stable) == "an MLP activation GELU (the decoder has SiLU there)"
+    assert cpu_decoder.unsupported(stable) == "an MLP activation GELU (the decoder has SiLU)"
     pythia = cpu_model("gpt_neox")   # (the parallel residual)
     neox = cpu_decoder.CpuDecoder(pythia)
     kv = new_cache(pythia)
