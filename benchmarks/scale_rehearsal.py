@@ -146,6 +146,24 @@ SHAPES = {
         rope_parameters={"rope_type": "llama3", "rope_theta": 1000000.0, "factor": 16.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
         sliding_window=None, layer_types=["full_attention"] * 30, tie_word_embeddings=True)),
+    # mixtures of experts: ibm-granite/granite-3.1-3b-a800m-instruct's config (Granite's multipliers; 40 experts of
+    # 512, 8 a token, weighted by the softmax of the chosen logits; a bfloat16 checkpoint), allenai/OLMoE-1B-7B-0924-
+    # Instruct's (64 experts of 1,024, 8 a token; q/k normed over all heads) and Qwen/Qwen3-30B-A3B's (128 experts of
+    # 768, 8 a token, renormalised; q/k norms per head) -- 3.3B, 6.9B and 30.5B parameters, 0.8B, 1.3B and 3.3B a token
+    "granite-3.1-3b-a800m": dict(arch="granitemoe", draft_vocab=32000, config=dict(
+        vocab_size=49155, hidden_size=1536, intermediate_size=512, num_hidden_layers=32, num_attention_heads=24,
+        num_key_value_heads=8, num_local_experts=40, num_experts_per_tok=8, max_position_embeddings=131072,
+        rms_norm_eps=1e-6, rope_theta=10000000.0, embedding_multiplier=12.0, attention_multiplier=0.015625,
+        residual_multiplier=0.22, logits_scaling=6.0, tie_word_embeddings=True)),
+    "olmoe-1b-7b": dict(arch="olmoe", draft_vocab=32000, config=dict(
+        vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False, clip_qkv=None,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)),
+    "qwen3-30b-a3b": dict(arch="qwen3_moe", draft_vocab=32000, config=dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False)),
     # the same code at a size the CPU test suite runs (Llama-3.1's RoPE: its base and llama3 scaling)
     "tiny": dict(arch="llama", draft_vocab=96, config=dict(
         vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
@@ -163,7 +181,10 @@ ARCH_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Co
                 "stablelm": ("StableLmConfig", "StableLmForCausalLM"),
                 "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM"),
                 "cohere": ("CohereConfig", "CohereForCausalLM"), "cohere2": ("Cohere2Config", "Cohere2ForCausalLM"),
-                "exaone4": ("Exaone4Config", "Exaone4ForCausalLM")}
+                "exaone4": ("Exaone4Config", "Exaone4ForCausalLM"),
+                "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
+                "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+                "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 PAPER_TAU = {"HeteroSpec (paper, L3.1-8B)": 6.57, "EAGLE-3 (paper, L3.1-8B)": 6.31}
 PROJECTED_TAUS = (2, 3, 4, 5, 6, 7)
 EAGLE3 = (7, 10, 60)

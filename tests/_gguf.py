@@ -30,14 +30,16 @@ def q8_0(w):
 
 
 def quantize_like_gguf(model):
-    """Every linear weight of a transformers model (rows of a multiple of 32) as Q4_1 decodings and the input
-    embedding and output layer as Q8_0 decodings, in place, as a Q4_1 GGUF checkpoint loads (SmolLM2's)."""
+    """Every linear weight of a transformers model (rows of a multiple of 32; a mixture's experts, [E, N, K], each
+    expert's) as Q4_1 decodings and the input embedding and output layer as Q8_0 decodings, in place, as a Q4_1 GGUF
+    checkpoint loads (SmolLM2's)."""
     import torch
 
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() != 2 or p.shape[1] % 32:
+            if p.dim() not in (2, 3) or p.shape[-1] % 32:
                 continue
             codes = q8_0 if ("embed" in name or "lm_head" in name) else q4_1
-            p.copy_(torch.from_numpy(codes(p.detach().cpu().numpy())))
+            w = p.detach().cpu().numpy().reshape(-1, p.shape[-1])
+            p.copy_(torch.from_numpy(codes(w).reshape(p.shape)))
     return model

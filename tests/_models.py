@@ -23,9 +23,9 @@ NEW = 64
 THRESHOLDS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0)
 
 
-def tiny_target(arch, vocab=V, layers=8, seed=0, sharpen=40.0):
+def tiny_target(arch, vocab=V, layers=8, seed=0, sharpen=40.0, **moe):
     """A tiny random model, its lm_head scaled up so that sampled distributions are not nearly uniform
-    (the chi-square tests need that to have power)."""
+    (the chi-square tests need that to have power); ``moe``: a mixture of experts' config fields over :data:`MOE`'s."""
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -122,6 +122,17 @@ def tiny_target(arch, vocab=V, layers=8, seed=0, sharpen=40.0):
                       + ["sliding_attention"] * (layers % 2))
             cfg, cls = transformers.Cohere2Config(**kw), transformers.Cohere2ForCausalLM
         return _sharpened(_random_norms(cls(cfg)), sharpen)
+    if arch in MOE:   # mixtures of 4 experts, 2 a row (Qwen2-MoE: a dense layer and shared experts; Qwen3-MoE:
+        # every second layer dense; OLMoE: q/k normed over all heads; Granite MoE: its multipliers, its routing)
+        cls_name, kw = MOE[arch]
+        kw = {**kw, **moe}
+        cfg = getattr(transformers, cls_name + "Config")(**common, **kw, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        model = _random_norms(getattr(transformers, cls_name + "ForCausalLM")(cfg))
+        with torch.no_grad():   # routers 20x their init: weights far from uniform, so each expert's weight matters
+            for name, p in model.named_parameters():
+                if name.endswith(("mlp.gate.weight", "router.weight", "router.layer.weight")):
+                    p.mul_(20.0)
+        return _sharpened(model, sharpen)
     if arch == "llama":
         cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     elif arch == "granite":   # Llama's layout with multipliers: embeddings x 12, attention scale 0.2 (not 1/sqrt(8)),
@@ -144,6 +155,16 @@ def tiny_target(arch, vocab=V, layers=8, seed=0, sharpen=40.0):
     else:
         cfg, cls = transformers.Qwen3Config(head_dim=16, **common), transformers.Qwen3ForCausalLM
     return _sharpened(cls(cfg), sharpen)
+
+
+MOE = {"mixtral": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+       "qwen2_moe": ("Qwen2Moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=64, mlp_only_layers=[1], norm_topk_prob=False)),
+       "qwen3_moe": ("Qwen3Moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
+                                      decoder_sparse_step=2, norm_topk_prob=True)),
+       "olmoe": ("Olmoe", dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=False)),
+       "granitemoe": ("GraniteMoe", dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=12.0,
+                                         attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=4.0))}
 
 
 def _random_norms(model):

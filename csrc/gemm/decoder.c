@@ -426,6 +426,102 @@ static void mlp(const hsd_model *m, int64_t L, const float *x, int64_t n, float 
     hsg_linear(act, I, W_(L, HSD_DOWN), W_(L, HSD_DOWN_B), out, H, n, H, I, isa, threads);
 }
 
+/* A mixture-of-experts layer's scratch (hsd_forward allocates it once for the call's n rows): the router's logits
+ * [n][E], the chosen experts and their weights [n][K], an expert's rows (their indices and weights) [n], its inputs,
+ * [gate; up], activations and outputs [n][H | 2MI | MI | H], and a taken flag per expert [E]. */
+typedef struct {
+    float *logits, *w, *rw, *xs, *gu, *act, *y;
+    int64_t *sel, *rows;
+    uint8_t *taken;
+} moe_scratch;
+
+/* One row's routing (decoder.h): the top_k of the E logits lg (descending, ties to the lower index; a NaN is never
+ * chosen over a number) into sel, their weights into w; lg is overwritten. */
+static void route(const hsd_model *m, float *lg, int64_t *sel, float *w, uint8_t *taken, int isa) {
+    const int64_t E = m->experts, K = m->top_k;
+    memset(taken, 0, (size_t)E);
+    for (int64_t i = 0; i < K; i++) {
+        int64_t best = -1;
+        for (int64_t j = 0; j < E; j++)
+            if (!taken[j] && (best < 0 || lg[j] > lg[best] || (isnan(lg[best]) && !isnan(lg[j])))) best = j;
+        sel[i] = best;
+        taken[best] = 1;
+    }
+    float t = 0.0f;
+    if (m->moe & HSD_MOE_TOPK_SOFTMAX) { /* softmax over the chosen logits (the first is their maximum) */
+        const float mx = lg[sel[0]];
+        for (int64_t i = 0; i < K; i++) w[i] = lg[sel[i]] - mx;
+        hsd_exp(w, K, isa);
+        for (int64_t i = 0; i < K; i++) t += w[i];
+        for (int64_t i = 0; i < K; i++) w[i] = w[i] / t;
+        return;
+    }
+    float mx = -INFINITY; /* softmax over all E (NaNs passed over in the maximum), read at the chosen */
+    for (int64_t j = 0; j < E; j++) mx = lg[j] > mx ? lg[j] : mx;
+    for (int64_t j = 0; j < E; j++) lg[j] = lg[j] - mx;
+    hsd_exp(lg, E, isa);
+    for (int64_t j = 0; j < E; j++) t += lg[j];
+    for (int64_t i = 0; i < K; i++) w[i] = lg[sel[i]] / t;
+    if (!(m->moe & HSD_MOE_NORM)) return;
+    float s = 0.0f;
+    for (int64_t i = 0; i < K; i++) s += w[i];
+    for (int64_t i = 0; i < K; i++) w[i] = w[i] / s;
+}
+
+/* out [n][H] = the mixture of experts of layer L over the rows x [n][H] (decoder.h), its shared expert added where
+ * the layer has one (the dense MLP's buffers gu, act) */
+static void moe(const hsd_model *m, int64_t L, const float *x, int64_t n, float *gu, float *act, float *out,
+                const moe_scratch *s, int isa, int threads) {
+    const int64_t H = m->hidden, E = m->experts, K = m->top_k, MI = m->moe_inter;
+    const int64_t *ex = (const int64_t *)(uintptr_t)m->table[L * HSD_FIELDS + HSD_EXPERTS];
+    hsg_linear(x, H, W_(L, HSD_ROUTER), NULL, s->logits, E, n, E, H, isa, threads);
+    for (int64_t r = 0; r < n; r++) route(m, s->logits + r * E, s->sel + r * K, s->w + r * K, s->taken, isa);
+    memset(out, 0, (size_t)(n * H) * sizeof *out);
+    for (int64_t e = 0; e < E; e++) {
+        int64_t cnt = 0;
+        for (int64_t r = 0; r < n; r++)
+            for (int64_t i = 0; i < K; i++)
+                if (s->sel[r * K + i] == e) {
+                    s->rows[cnt] = r;
+                    s->rw[cnt++] = s->w[r * K + i];
+                }
+        if (!cnt) continue;
+        for (int64_t c = 0; c < cnt; c++) memcpy(s->xs + c * H, x + s->rows[c] * H, (size_t)H * sizeof *x);
+        hsg_linear(s->xs, H, (const float *)(uintptr_t)ex[2 * e], NULL, s->gu, 2 * MI, cnt, 2 * MI, H, isa, threads);
+        for (int64_t c = 0; c < cnt; c++)
+            DISPATCH(silu_mul, isa, s->gu + c * 2 * MI, s->gu + c * 2 * MI + MI, s->act + c * MI, MI);
+        hsg_linear(s->act, MI, (const float *)(uintptr_t)ex[2 * e + 1], NULL, s->y, H, cnt, H, MI, isa, threads);
+        for (int64_t c = 0; c < cnt; c++) {
+            float *o = out + s->rows[c] * H;
+            const float *y = s->y + c * H, wt = s->rw[c];
+            for (int64_t i = 0; i < H; i++) {
+                const float p = y[i] * wt;
+                o[i] = o[i] + p;
+            }
+        }
+    }
+    if (!W_(L, HSD_GU)) return;
+    mlp(m, L, x, n, gu, act, s->y, isa, threads); /* the shared expert, gated by sigmoid(x . g) */
+    hsg_linear(x, H, W_(L, HSD_SHARED_GATE), NULL, s->logits, 1, n, 1, H, isa, threads);
+    for (int64_t r = 0; r < n; r++) {
+        float t = -s->logits[r];
+        hsd_exp(&t, 1, isa);
+        const float g = 1.0f / (1.0f + t), *y = s->y + r * H;
+        float *o = out + r * H;
+        for (int64_t i = 0; i < H; i++) {
+            const float p = g * y[i];
+            o[i] = o[i] + p;
+        }
+    }
+}
+
+/* the layer's MLP: a mixture of experts where it has a router, else the dense MLP */
+static void ffn(const hsd_model *m, int64_t L, const float *x, int64_t n, float *gu, float *act, float *out,
+                const moe_scratch *s, int isa, int threads) {
+    if (W_(L, HSD_ROUTER)) moe(m, L, x, n, gu, act, out, s, isa, threads);
+    else mlp(m, L, x, n, gu, act, out, isa, threads);
+}
+
 /* h += t over n floats, or h + (t * mult), the product rounded before the add (Granite's residual_multiplier: its
  * `residual + hidden_states * multiplier`; a separate statement, so no compiler contracts it into one fma) */
 static void residual(float *h, const float *t, int64_t n, float mult) {
@@ -489,10 +585,33 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
         if ((m->table[L * HSD_FIELDS + HSD_LOCAL] && (!local || !local->allowed))
             || ((W_(L, HSD_POST_ATTN) || W_(L, HSD_POST_MLP)) && (m->arch & HSD_PARALLEL)))
             return -1;
-    for (int64_t L = 0; L < m->layers; L++)
-        if (hsg_check(W_(L, HSD_QKV), QKV, XW) || hsg_check(W_(L, HSD_O), H, NQ) || hsg_check(W_(L, HSD_GU), G, H)
-            || hsg_check(W_(L, HSD_DOWN), H, I))
+    int experts = 0; /* a layer with a router: the model's mixture-of-experts sizes, SiLU-gated experts, their table; a
+                      * shared expert with its gate */
+    for (int64_t L = 0; L < m->layers; L++) {
+        if (!W_(L, HSD_ROUTER)) {
+            if (W_(L, HSD_EXPERTS) || W_(L, HSD_SHARED_GATE)) return -1;
+            continue;
+        }
+        experts = 1;
+        if (m->experts <= 0 || m->top_k < 1 || m->top_k > m->experts || m->moe_inter <= 0
+            || (m->moe & ~(HSD_MOE_NORM | HSD_MOE_TOPK_SOFTMAX)) || m->act != HSD_SILU_GLU || !W_(L, HSD_EXPERTS)
+            || (W_(L, HSD_GU) != 0) != (W_(L, HSD_SHARED_GATE) != 0) || (W_(L, HSD_GU) != 0) != (W_(L, HSD_DOWN) != 0))
+            return -1;
+    }
+    for (int64_t L = 0; L < m->layers; L++) {
+        const int dense = !W_(L, HSD_ROUTER) || W_(L, HSD_GU);
+        if (hsg_check(W_(L, HSD_QKV), QKV, XW) || hsg_check(W_(L, HSD_O), H, NQ)
+            || (dense && (hsg_check(W_(L, HSD_GU), G, H) || hsg_check(W_(L, HSD_DOWN), H, I))))
             return -3;
+        if (!W_(L, HSD_ROUTER)) continue;
+        const int64_t *ex = (const int64_t *)(uintptr_t)m->table[L * HSD_FIELDS + HSD_EXPERTS];
+        if (hsg_check(W_(L, HSD_ROUTER), m->experts, H) || (W_(L, HSD_GU) && hsg_check(W_(L, HSD_SHARED_GATE), 1, H)))
+            return -3;
+        for (int64_t e = 0; e < m->experts; e++)
+            if (hsg_check((const void *)(uintptr_t)ex[2 * e], 2 * m->moe_inter, H)
+                || hsg_check((const void *)(uintptr_t)ex[2 * e + 1], H, m->moe_inter))
+                return -3;
+    }
     if (keep > 0 && hsg_check(m->head, m->vocab, H)) return -3;
     if (fuse && hsg_check(m->fc, H, m->fc_in)) return -3;
     int T = nthreads(threads);
@@ -504,6 +623,24 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
         free(buf);
         free(cols);
         return -2;
+    }
+    moe_scratch ms = {0};
+    float *mbuf = NULL;
+    int64_t *mint = NULL;
+    if (experts) {
+        const int64_t E = m->experts, K = m->top_k, MI = m->moe_inter;
+        mbuf = malloc((size_t)(n * E + n * K + n + 2 * n * H + 3 * n * MI) * sizeof(float) + (size_t)E);
+        mint = malloc((size_t)(n * K + n) * sizeof(int64_t));
+        if (!mbuf || !mint) {
+            free(buf);
+            free(cols);
+            free(mbuf);
+            free(mint);
+            return -2;
+        }
+        ms.logits = mbuf, ms.w = ms.logits + n * E, ms.rw = ms.w + n * K, ms.xs = ms.rw + n, ms.gu = ms.xs + n * H;
+        ms.act = ms.gu + 2 * n * MI, ms.y = ms.act + n * MI, ms.taken = (uint8_t *)(ms.y + n * H);
+        ms.sel = mint, ms.rows = mint + n * K;
     }
     float *x = buf, *tmp = x + n * XW, *tmp2 = tmp + n * H, *qkv = tmp2 + n * H, *att = qkv + n * QKV,
           *gu = att + n * NQ,
@@ -581,7 +718,7 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
         if (m->arch & HSD_PARALLEL) { /* both from the layer's input: h = (mlp + attention) + h (x: norm1's rows) */
             for (int64_t r = 0; !(m->arch & HSD_SHARED_NORM) && r < n; r++)
                 norm_row(m, h + r * H, W_(L, HSD_LN2), W_(L, HSD_LN2_B), x + r * H, isa);
-            mlp(m, L, x, n, gu, act, tmp2, isa, threads);
+            ffn(m, L, x, n, gu, act, tmp2, &ms, isa, threads);
             if (m->arch & HSD_H_FIRST)
                 for (int64_t i = 0; i < n * H; i++) h[i] = (h[i] + tmp[i]) + tmp2[i];
             else
@@ -594,7 +731,7 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
         for (int64_t r = 0; r < n; r++)
             if (m->arch & HSD_POST_ONLY) memcpy(x + r * H, h + r * H, (size_t)H * sizeof *h);
             else norm_row(m, h + r * H, W_(L, HSD_LN2), W_(L, HSD_LN2_B), x + r * H, isa);
-        mlp(m, L, x, n, gu, act, tmp, isa, threads);
+        ffn(m, L, x, n, gu, act, tmp, &ms, isa, threads);
         for (int64_t r = 0; pm && r < n; r++) norm_row(m, tmp + r * H, pm, NULL, tmp + r * H, isa);
         residual(h, tmp, n * H, m->res_mult);
     }
@@ -620,5 +757,7 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
     }
     free(buf);
     free(cols);
+    free(mbuf);
+    free(mint);
     return 0;
 }

@@ -30,7 +30,12 @@
  * before the rotation.  Granite's: each residual add scaled (h + o * res_mult) and the logits divided (logit_div); its
  * embeddings' multiplier and attention_multiplier (the scale) are the caller's.  Cohere's: the parallel residual summed
  * from h (HSD_H_FIRST with HSD_PARALLEL: h = (h + attn) + mlp, its order), LayerNorms without bias, the logits
- * multiplied (logit_mult).
+ * multiplied (logit_mult).  Mixture-of-experts layers (HSD_ROUTER: Mixtral, Qwen2/3-MoE, OLMoE, Granite MoE): the
+ * MLP's rows go to the top_k experts of a router (x R^T, E logits; ties to the lower index), weighted by the softmax
+ * of all E logits at those experts (divided by their sum with HSD_MOE_NORM), or by the softmax of the top_k logits
+ * alone (HSD_MOE_TOPK_SOFTMAX, Granite's); each expert a SiLU-gated MLP of moe_inter; out = 0, then out + (y_e * w_e)
+ * for each chosen expert e in ascending order (transformers' index_add_ in its loop over experts), then, where the
+ * layer has a dense MLP too (Qwen2-MoE's shared expert), out + (sigmoid(x . g) * mlp(x)) (g: HSD_SHARED_GATE).
  *
  * Every reduction has one fixed order, the same on AVX-512, AVX2 and the portable loop, and no row's result
  * depends on another row: a dot product of length d is 16 lanes (lane l sums elements l, l+16, ... by fused
@@ -49,10 +54,14 @@
  * HSD_POST_ATTN and HSD_POST_MLP: norms (the layer's kind, no bias) of the attention's and the MLP's outputs before
  * each is added to the residual stream, or 0 (Gemma 2 and 3's sandwich: h += norm(o); h += norm(mlp(norm2(h))));
  * HSD_LOCAL, a flag: nonzero where the layer reads the call's local rows (hsd_local: a sliding window's columns and
- * its own rotation tables; Gemma 2 and 3's sliding layers). */
+ * its own rotation tables; Gemma 2 and 3's sliding layers).  A mixture-of-experts layer: HSD_ROUTER the packed
+ * router [experts x hidden] (0: a dense layer), HSD_EXPERTS the address of int64 [experts][2]: each expert's packed
+ * [gate; up] [2 * moe_inter x hidden] and down [hidden x moe_inter]; GU and DOWN then 0, or a shared expert (of
+ * inter) with HSD_SHARED_GATE its packed gate [1 x hidden]. */
 enum {
     HSD_LN1, HSD_LN2, HSD_QKV, HSD_QKV_B, HSD_Q_NORM, HSD_K_NORM, HSD_O, HSD_O_B, HSD_GU, HSD_GU_B, HSD_DOWN,
-    HSD_DOWN_B, HSD_LN1_B, HSD_LN2_B, HSD_NO_ROT, HSD_POST_ATTN, HSD_POST_MLP, HSD_LOCAL, HSD_FIELDS
+    HSD_DOWN_B, HSD_LN1_B, HSD_LN2_B, HSD_NO_ROT, HSD_POST_ATTN, HSD_POST_MLP, HSD_LOCAL, HSD_ROUTER, HSD_EXPERTS,
+    HSD_SHARED_GATE, HSD_FIELDS
 };
 
 /* hsd_model.arch bits and hsd_model.act values (a decoder's layout; the draft's layout is 0 and HSD_SILU_GLU):
@@ -60,6 +69,8 @@ enum {
  * Gemma's GeGLU), the one matrix before the activation (inter rows) else. */
 enum { HSD_LAYERNORM = 1, HSD_PARALLEL = 2, HSD_SHARED_NORM = 4, HSD_ROT_PAIRS = 8, HSD_POST_ONLY = 16,
        HSD_QK_NORM_ALL = 32, HSD_H_FIRST = 64 };
+/* hsd_model.moe bits: the routing weights renormalised over the chosen experts; the softmax of the chosen logits */
+enum { HSD_MOE_NORM = 1, HSD_MOE_TOPK_SOFTMAX = 2 };
 enum { HSD_SILU_GLU = 0, HSD_GELU = 1, HSD_GELU_TANH = 2, HSD_RELU = 3, HSD_GELU_TANH_GLU = 4 };
 #define HSD_GATED(act) ((act) == HSD_SILU_GLU || (act) == HSD_GELU_TANH_GLU)
 
@@ -94,6 +105,10 @@ typedef struct {
      * layers only), and each logit of the output layer is divided by logit_div before any soft-capping; Cohere's:
      * each logit multiplied by logit_mult (before the division) */
     float res_mult, logit_div, logit_mult;
+    /* mixture of experts (0 experts: none; the layers with HSD_ROUTER): experts, chosen per row, their MLPs' width,
+     * HSD_MOE_NORM | HSD_MOE_TOPK_SOFTMAX; the experts' MLPs are SiLU-gated (act HSD_SILU_GLU) */
+    int64_t experts, top_k, moe_inter;
+    int moe;
 } hsd_model;
 
 /* A call's rows for the layers marked HSD_LOCAL: allowed [n][W] (the columns each row sees there: a sliding
@@ -122,8 +137,8 @@ typedef struct {
  * hsd_nonfinite), counting only the rows with r % per < nreal[req[r]] when nreal is given (the rows of each
  * request one after another, per of them: each request's first nreal rows are real, the rest padding).  Returns 0, or
  * -1 for a req, slot, out_rows entry or W out of range, the draft's layout without emb or with layers != 1, or
- * fuse without fc (nothing written then), -2 for an allocation failure, -3 for a weight whose packed copy (rows.h)
- * is not of its shape (nothing written either). */
+ * fuse without fc, a mixture-of-experts layout it cannot take (nothing written then), -2 for an allocation failure, -3
+ * for a weight whose packed copy (rows.h) is not of its shape (nothing written either). */
 int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *emb, const float *fuse, int64_t n,
                 const float *cos, const float *sin, const int64_t *req, const int64_t *slot, const uint8_t *allowed,
                 int64_t W, const hsd_local *local, const int64_t *tap_layers, float *const *taps,

@@ -122,7 +122,7 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
  * taps, out_rows, keep, logits, hout, bad, nreal, per, isa, threads): decoder.h's hsd_forward.  model: (layers,
  * hidden, heads, kv_heads, head_dim, inter, vocab, table, final_norm, head, head_b, hidden_norm, flags, fc, fc_b,
  * fc_in, in_norm, fc_norms, final_norm_b, arch, act, rot, attn_cap, final_cap, res_mult, logit_div,
- * logit_mult); local:
+ * logit_mult, experts, top_k, moe_inter, moe); local:
  * (allowed, cos, sin) of the
  * HSD_LOCAL layers (allowed 0: none; cos, sin 0: the call's own); cache: (kv, batch, capacity, s_batch, s_kv, s_layer,
  * s_head); tap_layers, taps: 3 each (a tap address 0: not captured); cos, sin: not read with rot 0; out_rows 0:
@@ -130,14 +130,17 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
  * (bad int64 [requests], nreal int64 [requests], per > 0 with nreal). */
 static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
     (void)self;
-    long long md[12], fc[5], cc[7], fnb, rot, h, emb, fuse, n, cs, sn, req, slot, allowed, W, lo[3], tl[3], tp[3],
+    long long md[12], fc[5], cc[7], fnb, rot, moe_sizes[3];
+    long long h, emb, fuse, n, cs, sn, req, slot, allowed, W, lo[3], tl[3], tp[3],
         out_rows, keep, logits, hout, bad, nreal, per;
     float eps, scale, attn_cap, final_cap, res_mult, logit_div, logit_mult;
-    int flags, arch, act, isa, threads;
-    if (!PyArg_ParseTuple(args, "(LLLLLLLLLLLLiLLLLLLiiLfffff)ff(LLLLLLL)LLLLLLLLLL(LLL)(LLL)(LLL)LLLLLLLii", &md[0],
+    int flags, arch, act, isa, threads, moe;
+    if (!PyArg_ParseTuple(args, "(LLLLLLLLLLLLiLLLLLLiiLfffffLLLi)ff(LLLLLLL)LLLLLLLLLL(LLL)(LLL)(LLL)LLLLLLLii",
+                          &md[0],
                           &md[1], &md[2], &md[3], &md[4], &md[5], &md[6], &md[7], &md[8], &md[9], &md[10], &md[11],
                           &flags, &fc[0], &fc[1], &fc[2], &fc[3], &fc[4], &fnb, &arch, &act, &rot, &attn_cap,
-                          &final_cap, &res_mult, &logit_div, &logit_mult, &eps, &scale, &cc[0], &cc[1], &cc[2],
+                          &final_cap, &res_mult, &logit_div, &logit_mult, &moe_sizes[0], &moe_sizes[1],
+                          &moe_sizes[2], &moe, &eps, &scale, &cc[0], &cc[1], &cc[2],
                           &cc[3], &cc[4], &cc[5], &cc[6], &h, &emb,
                           &fuse, &n, &cs, &sn, &req, &slot, &allowed, &W, &lo[0], &lo[1], &lo[2], &tl[0], &tl[1],
                           &tl[2], &tp[0], &tp[1], &tp[2], &out_rows, &keep, &logits, &hout, &bad, &nreal, &per, &isa,
@@ -186,6 +189,14 @@ static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
                                           "layout) expected one layer and the tokens' embeddings (emb)");
         return NULL;
     }
+    if (moe_sizes[0] < 0 || (moe_sizes[0] > 0 && (moe_sizes[1] < 1 || moe_sizes[1] > moe_sizes[0] || moe_sizes[2] <= 0
+                                                   || (moe & ~(HSD_MOE_NORM | HSD_MOE_TOPK_SOFTMAX))
+                                                   || act != HSD_SILU_GLU))) {
+        PyErr_Format(PyExc_ValueError, "decoder_forward: argument 'model' expected experts >= 0 and, with experts, "
+                     "top_k in [1, experts], moe_inter > 0, moe bits 1|2 and act 0 (SiLU-gated), got experts %lld, "
+                     "top_k %lld, moe_inter %lld, moe %d, act %d", moe_sizes[0], moe_sizes[1], moe_sizes[2], moe, act);
+        return NULL;
+    }
     if (n <= 0) Py_RETURN_NONE;
     const long long ptrs[] = {md[7], md[8], md[9], cc[0], h, rot ? cs : 1, rot ? sn : 1, req, slot, allowed,
                               keep > 0 ? logits : 1};
@@ -202,9 +213,25 @@ static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
     /* (LN2 not with one norm; neither LN1 nor LN2 without norms before the blocks) */
     static const int need[] = {HSD_QKV, HSD_O, HSD_GU, HSD_DOWN, HSD_LN1, HSD_LN2};
     const size_t needed = sizeof need / sizeof *need - ((arch & HSD_POST_ONLY) ? 2 : (arch & HSD_SHARED_NORM) ? 1 : 0);
+    for (long long L = 0; L < md[0]; L++) { /* a mixture-of-experts layer: its experts; GU, DOWN and the shared gate
+                                             * together or not at all */
+        const int64_t *row = table + L * HSD_FIELDS;
+        if (!row[HSD_ROUTER] && !row[HSD_EXPERTS] && !row[HSD_SHARED_GATE]) continue;
+        if (!row[HSD_ROUTER] || !row[HSD_EXPERTS] || !moe_sizes[0] || (row[HSD_GU] != 0) != (row[HSD_DOWN] != 0)
+            || (row[HSD_GU] != 0) != (row[HSD_SHARED_GATE] != 0)) {
+            PyErr_Format(PyExc_ValueError, "decoder_forward: argument 'model' expected layer %lld, a mixture of "
+                         "experts, to have its router and experts (and the model experts > 0), and a shared expert's "
+                         "gate/up, down and gate all or none, got router %s, experts %s (model %lld), gate/up %s, down "
+                         "%s, gate %s", L, row[HSD_ROUTER] ? "given" : "0", row[HSD_EXPERTS] ? "given" : "0",
+                         moe_sizes[0], row[HSD_GU] ? "given" : "0", row[HSD_DOWN] ? "given" : "0",
+                         row[HSD_SHARED_GATE] ? "given" : "0");
+            return NULL;
+        }
+    }
     for (long long L = 0; L < md[0]; L++)
         for (size_t i = 0; i < needed; i++)
-            if (table[L * HSD_FIELDS + need[i]] == 0) {
+            if (table[L * HSD_FIELDS + need[i]] == 0
+                && !(table[L * HSD_FIELDS + HSD_ROUTER] && (need[i] == HSD_GU || need[i] == HSD_DOWN))) {
                 PyErr_Format(PyExc_ValueError, "decoder_forward: argument 'model' expected the address of every "
                              "layer's weights, got 0 for layer %lld field %d", L, need[i]);
                 return NULL;
@@ -214,7 +241,7 @@ static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
                    (const float *)(uintptr_t)md[11], flags, (const float *)(uintptr_t)fc[0],
                    (const float *)(uintptr_t)fc[1], (const float *)(uintptr_t)fc[3], (const float *)(uintptr_t)fc[4],
                    fc[2], (const float *)(uintptr_t)fnb, arch, act, rot, attn_cap, final_cap, res_mult, logit_div,
-                   logit_mult};
+                   logit_mult, moe_sizes[0], moe_sizes[1], moe_sizes[2], moe};
     const hsd_local local = {(const uint8_t *)(uintptr_t)lo[0], (const float *)(uintptr_t)lo[1],
                              (const float *)(uintptr_t)lo[2]};
     hsd_cache c = {(float *)(uintptr_t)cc[0], cc[1], cc[2], cc[3], cc[4], cc[5], cc[6]};

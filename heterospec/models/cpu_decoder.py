@@ -63,7 +63,8 @@ import torch
 from . import cpu_gemm
 from .target import sliding_layout
 
-LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
+LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "mixtral", "qwen2_moe",
+                  "qwen3_moe", "olmoe", "granitemoe")   # (the last five: mixtures of experts, MOE_FAMILIES)
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
 OLMO_FAMILIES = ("olmo2", "olmo3", "exaone4")   # (EXAONE 4: OLMo 2's layout with q/k norms per head)
 FAMILIES = LLAMA_FAMILIES + GEMMA_FAMILIES + OLMO_FAMILIES + ("gpt_neox", "gpt2", "gpt_bigcode", "opt", "phi", "gptj",
@@ -76,6 +77,8 @@ HSD_RESIDUAL_NORMED, HSD_HEAD_RAW, HSD_OUT_NORMED = 1, 2, 4   # decoder.h's flag
 HSD_LAYERNORM, HSD_PARALLEL, HSD_SHARED_NORM, HSD_ROT_PAIRS, HSD_POST_ONLY, HSD_QK_NORM_ALL, HSD_H_FIRST = \
     1, 2, 4, 8, 16, 32, 64   # (decoder.h's arch bits)
 HSD_SILU_GLU, HSD_GELU, HSD_GELU_TANH, HSD_RELU, HSD_GELU_TANH_GLU = 0, 1, 2, 3, 4   # decoder.h's act
+HSD_MOE_NORM, HSD_MOE_TOPK_SOFTMAX = 1, 2   # decoder.h's moe bits
+HSD_FIELD_ROUTER, HSD_FIELD_EXPERTS, HSD_FIELD_SHARED_GATE = 18, 19, 20   # decoder.h's table columns of a mixture
 # transformers' activation modules (activations.py) by the form the kernel computes: gelu's erf one or its tanh one,
 # relu
 ACT_MODULES = {"GELUActivation": HSD_GELU, "NewGELUActivation": HSD_GELU_TANH, "GELUTanh": HSD_GELU_TANH,
@@ -145,6 +148,7 @@ class _Layout:
     embed_scale = local_rotary = final_weight = local = None
     attn_cap = final_cap = 0.0
     res_mult = logit_div = logit_mult = 1.0   # Granite's residual_multiplier and logits_scaling; Cohere's logit_scale
+    experts = top_k = moe_inter = moe = 0     # a mixture of experts' sizes and decoder.h's moe bits (0 experts: none)
 
     def __init__(self, **kw):
         self.__dict__.update(kw)
@@ -180,12 +184,16 @@ def _llama_layout(model, cfg):
         return f"hidden_act {cfg.hidden_act!r} (the decoder has SiLU)"
     if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "attn_logit_softcapping", None):
         return "logit soft-capping"
+    moe = _moe_layout(cfg, layers) if cfg.model_type in MOE_FAMILIES else None
+    if isinstance(moe, str):
+        return moe
     for layer in layers:
-        att, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if att is None or mlp is None or not all(cpu_gemm.plain_linear(getattr(att, n, None))
-                                                 for n in _llama_names(att, QKV_NAMES) + ("o_proj",)) \
-                or not all(cpu_gemm.plain_linear(getattr(mlp, n, None))
-                           for n in _llama_names(mlp, GU_NAMES) + ("down_proj",)):
+        att, mlp = getattr(layer, "self_attn", None), _dense_mlp(layer)
+        if att is None or not all(cpu_gemm.plain_linear(getattr(att, n, None))
+                                  for n in _llama_names(att, QKV_NAMES) + ("o_proj",)) \
+                or (mlp is None and _moe_block(layer) is None) \
+                or (mlp is not None and not all(cpu_gemm.plain_linear(getattr(mlp, n, None))
+                                                for n in _llama_names(mlp, GU_NAMES) + ("down_proj",))):
             return "a layer without q/k/v (or qkv_proj), o and gate/up (or gate_up_proj), down linear layers"
         if not (_is_rmsnorm(getattr(layer, "input_layernorm", None))
                 and _is_rmsnorm(getattr(layer, "post_attention_layernorm", None))):
@@ -193,11 +201,15 @@ def _llama_layout(model, cfg):
         for n in ("q_norm", "k_norm"):
             if getattr(att, n, None) is not None and not _is_rmsnorm(getattr(att, n)):
                 return f"a {n} that is not RMSNorm"
-        why = _silu_only(getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None))   # (Phi-3's name)
-        if why:
+        why = mlp is not None and _silu_only(getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None))
+        if why:   # (activation_fn: Phi-3's name)
             return why
-    att0, mlp0 = layers[0].self_attn, layers[0].mlp
-    inter = mlp0.gate_proj.out_features if hasattr(mlp0, "gate_proj") else mlp0.gate_up_proj.out_features // 2
+    att0 = layers[0].self_attn
+    dense = [m for m in map(_dense_mlp, layers) if m is not None]
+    widths = {m.gate_proj.out_features if hasattr(m, "gate_proj") else m.gate_up_proj.out_features // 2 for m in dense}
+    if len(widths) > 1:   # (Qwen2-MoE with dense layers besides its shared experts, of another width)
+        return f"dense MLPs of different widths {sorted(widths)} (the decoder has one)"
+    inter = widths.pop() if widths else moe.moe_inter
     # the rotated dimensions: the width of the model's own tables (Phi-3 / Phi-4-mini rotate part of each head)
     rotary, _, rot = _rotaries(base.rotary_emb, cfg)
     got = _Layout(embed=base.embed_tokens, pos=None, rotary=rotary, final=base.norm, head=head,
@@ -205,7 +217,11 @@ def _llama_layout(model, cfg):
                   eps=float(layers[0].input_layernorm.variance_epsilon), scale=float(att0.scaling),
                   heads=cfg.num_attention_heads, kv_heads=getattr(cfg, "num_key_value_heads", None)
                   or cfg.num_attention_heads, head_dim=att0.head_dim, inter=inter, parts=_llama_parts)
-    if cfg.model_type == "granite":   # its multipliers: the embeddings', each residual add's, the logits' divisor
+    if moe is not None:
+        got.__dict__.update(moe.__dict__)
+    if cfg.model_type == "olmoe":   # q and k normed over all heads at once (OLMo 2's q_norm and k_norm)
+        got.arch = HSD_QK_NORM_ALL
+    if cfg.model_type in ("granite", "granitemoe"):   # multipliers: the embeddings', each residual add's, the logits'
         mults = {float(getattr(layer, "residual_multiplier", "nan")) for layer in layers}
         div = float(getattr(cfg, "logits_scaling", 1.0))
         if len(mults) != 1 or not all(map(math.isfinite, mults | {div})) or div == 0.0:
@@ -227,13 +243,93 @@ def _llama_names(module, names):
 
 
 def _llama_parts(layer):
-    a, m = layer.self_attn, layer.mlp
-    return {"ln1": (layer.input_layernorm.weight, None), "ln2": (layer.post_attention_layernorm.weight, None),
-            "qkv": [_pair(getattr(a, n)) for n in _llama_names(a, QKV_NAMES)], "o": [_pair(a.o_proj)],
-            "gu": [_pair(getattr(m, n)) for n in _llama_names(m, GU_NAMES)], "down": [_pair(m.down_proj)],
-            "no_rot": not getattr(a, "use_rope", True),   # (SmolLM3: every few layers rotate nothing, NoPE)
-            "q_norm": getattr(getattr(a, "q_norm", None), "weight", None),
-            "k_norm": getattr(getattr(a, "k_norm", None), "weight", None)}
+    a, m, blk = layer.self_attn, _dense_mlp(layer), _moe_block(layer)
+    parts = {"ln1": (layer.input_layernorm.weight, None), "ln2": (layer.post_attention_layernorm.weight, None),
+             "qkv": [_pair(getattr(a, n)) for n in _llama_names(a, QKV_NAMES)], "o": [_pair(a.o_proj)],
+             "gu": [] if m is None else [_pair(getattr(m, n)) for n in _llama_names(m, GU_NAMES)],
+             "down": [] if m is None else [_pair(m.down_proj)],
+             "no_rot": not getattr(a, "use_rope", True),   # (SmolLM3: every few layers rotate nothing, NoPE)
+             "q_norm": getattr(getattr(a, "q_norm", None), "weight", None),
+             "k_norm": getattr(getattr(a, "k_norm", None), "weight", None)}
+    if blk is not None:
+        router, gu, down = _moe_weights(blk)
+        gate = getattr(blk, "shared_expert_gate", None)
+        parts.update(router=router, experts=[(gu[e], down[e]) for e in range(gu.shape[0])],
+                     shared_gate=None if gate is None else gate.weight)
+    return parts
+
+
+# mixture-of-experts families: the Llama family's attention, the MLP a router and SiLU-gated experts (decoder.h's)
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
+
+
+def _moe_block(layer):
+    """A layer's mixture-of-experts block (Mixtral, Qwen2/3-MoE, OLMoE: its mlp; Granite MoE: block_sparse_moe), or
+    None for a dense layer."""
+    blk = getattr(layer, "block_sparse_moe", None)
+    blk = getattr(layer, "mlp", None) if blk is None else blk
+    return blk if hasattr(blk, "experts") or hasattr(blk, "input_linear") else None
+
+
+def _dense_mlp(layer):
+    """A layer's dense MLP: its mlp, its mixture's shared expert (Qwen2-MoE), or None (a mixture without one)."""
+    blk = _moe_block(layer)
+    return getattr(layer, "mlp", None) if blk is None else getattr(blk, "shared_expert", None)
+
+
+def _moe_weights(blk):
+    """(router [E, H], each expert's [gate; up] [E, 2 MI, H], down [E, H, MI]) of a mixture-of-experts block:
+    transformers 5's experts as 3D parameters; Granite MoE's before 5.2 (router.layer, input_linear, output_linear)."""
+    router = getattr(blk, "gate", None) if hasattr(blk, "gate") else getattr(blk, "router", None)
+    w = getattr(router, "weight", None)
+    w = getattr(getattr(router, "layer", None), "weight", None) if w is None else w
+    ex = getattr(blk, "experts", None)
+    if ex is not None:
+        return w, getattr(ex, "gate_up_proj", None), getattr(ex, "down_proj", None)
+    return w, getattr(getattr(blk, "input_linear", None), "weight", None), \
+        getattr(getattr(blk, "output_linear", None), "weight", None)
+
+
+def _moe_layout(cfg, layers):
+    """The mixture-of-experts fields of a MoE family's layout (experts, top_k, moe_inter, decoder.h's moe bits), or
+    why the decoder cannot run its mixtures."""
+    kind = cfg.model_type
+    E = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    K = getattr(cfg, "num_experts_per_tok", None)
+    if getattr(cfg, "clip_qkv", None) is not None:   # (OLMoE's option: q, k and v clamped)
+        return f"clip_qkv {cfg.clip_qkv} (q, k and v clamped: the decoder does not clamp)"
+    MI, H = None, cfg.hidden_size
+    for layer in layers:
+        blk = _moe_block(layer)
+        if blk is None:
+            continue
+        router, gu, down = _moe_weights(blk)
+        ex = getattr(blk, "experts", None)
+        if any(getattr(ex, n, None) is not None for n in ("gate_up_proj_bias", "down_proj_bias")) \
+                or getattr(ex, "has_bias", False):
+            return "experts with biases"
+        if router is None or gu is None or down is None or router.dim() != 2 or gu.dim() != 3 or down.dim() != 3:
+            return "a mixture of experts without its router and experts' weights (gate_up_proj, down_proj)"
+        MI = gu.shape[1] // 2
+        if tuple(router.shape) != (E, H) or tuple(gu.shape) != (E, 2 * MI, H) or tuple(down.shape) != (E, H, MI) \
+                or not isinstance(K, int) or not 1 <= K <= E:
+            return f"a mixture of experts of router {tuple(router.shape)}, experts {tuple(gu.shape)} and " \
+                   f"{tuple(down.shape)}, top {K} (expected {E} experts of hidden {H}, 1 <= top <= experts)"
+        act = getattr(ex, "act_fn", None) or getattr(blk, "activation", None)
+        why = _silu_only(act)
+        if why:
+            return why
+        gate = getattr(blk, "shared_expert_gate", None)
+        if (getattr(blk, "shared_expert", None) is None) != (gate is None) \
+                or (gate is not None and (not cpu_gemm.plain_linear(gate) or gate.out_features != 1)):
+            return "a shared expert without its one-output gate (or a gate without a shared expert)"
+    if MI is None:
+        return f"a {kind} model without a mixture of experts"
+    if kind == "granitemoe":
+        bits = HSD_MOE_TOPK_SOFTMAX
+    else:
+        bits = HSD_MOE_NORM if kind == "mixtral" or getattr(cfg, "norm_topk_prob", False) else 0
+    return _Layout(experts=E, top_k=K, moe_inter=MI, moe=bits)
 
 
 def _gemma_norm(m):
@@ -800,6 +896,7 @@ class _Packed:
     arch, act = 0, HSD_SILU_GLU
     attn_cap = final_cap = 0.0
     res_mult = logit_div = logit_mult = 1.0   # Granite's residual_multiplier and logits_scaling, Cohere's logit_scale
+    experts = top_k = moe_inter = moe = 0     # a mixture of experts' sizes and decoder.h's moe bits (0 experts: none)
     local = None   # [layers] bool: decoder.h's HSD_LOCAL layers (the target's sliding ones among full ones), or None
     _final_weight = None   # the final norm's weight as decoder.h reads it where not its own (Gemma: 1 + w)
 
@@ -871,7 +968,10 @@ class _Packed:
             return t.data_ptr()
 
         def fused(pairs):
-            """(weight [out, in], bias or None) pairs as one packed matrix and its bias (zeros where one has none)."""
+            """(weight [out, in], bias or None) pairs as one packed matrix and its bias (zeros where one has none);
+            (0, 0) for none."""
+            if not pairs:
+                return 0, 0
             w = cpu_gemm.pack_rows(torch.cat([w.detach() for w, _ in pairs]))
             codec = cpu_gemm.packed_codec(w)
             codecs[codec] = codecs.get(codec, 0) + 1
@@ -879,6 +979,11 @@ class _Packed:
             if any(b is not None for _, b in pairs):
                 b = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0]) for w, b in pairs])
             return addr(w), addr(b)
+
+        def experts(pairs):
+            """A mixture's experts ([gate; up], down) as decoder.h's table: int64 [E, 2] of their packed copies."""
+            return torch.tensor([[fused([(gu, None)])[0], fused([(down, None)])[0]] for gu, down in pairs],
+                                dtype=torch.int64)
 
         rows = []
         for P in self._layer_parts():
@@ -890,7 +995,10 @@ class _Packed:
                          o, o_b, gu, gu_b, down, down_b, addr(P["ln1"][1]), addr(P["ln2"][1]),
                          int(bool(P.get("no_rot"))),   # (HSD_NO_ROT, a flag)
                          addr(P.get("post_attn")), addr(P.get("post_mlp")),
-                         int(bool(self.local and self.local[len(rows)]))])   # (HSD_LOCAL, a flag)
+                         int(bool(self.local and self.local[len(rows)])),   # (HSD_LOCAL, a flag)
+                         fused([(P["router"], None)])[0] if P.get("router") is not None else 0,
+                         addr(experts(P["experts"])) if P.get("experts") else 0,
+                         fused([(P["shared_gate"], None)])[0] if P.get("shared_gate") is not None else 0])
         self._table = torch.tensor(rows, dtype=torch.int64, device="cpu")
         final, head, hidden_norm, flags = self._head()
         final_w = self._final_weight
@@ -903,7 +1011,7 @@ class _Packed:
                       fc_w, fc_b, 0 if fc is None else fc.in_features, addr(in_norm),
                       addr(None if fc_norms is None else torch.cat(fc_norms)), addr(getattr(final, "bias", None)),
                       self.arch, self.act, self.rot, self.attn_cap, self.final_cap, self.res_mult, self.logit_div,
-                      self.logit_mult)
+                      self.logit_mult, self.experts, self.top_k, self.moe_inter, self.moe)
         self._keep = keep
         self.codecs = codecs
         self._versions = self._state()
@@ -982,6 +1090,7 @@ class CpuDecoder(_Packed):
         self.embed_scale, self.local_rotary, self._final_weight = lay.embed_scale, lay.local_rotary, lay.final_weight
         self.attn_cap, self.final_cap, self.local = lay.attn_cap, lay.final_cap, lay.local
         self.res_mult, self.logit_div, self.logit_mult = lay.res_mult, lay.logit_div, lay.logit_mult
+        self.experts, self.top_k, self.moe_inter, self.moe = lay.experts, lay.top_k, lay.moe_inter, lay.moe
         self._no_rotation = torch.zeros(1, 1, 1, device="cpu")   # (cos and sin without rotary: never read)
         self._pack()
 

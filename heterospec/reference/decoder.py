@@ -179,12 +179,74 @@ def _norm(L, name, x, eps):
     return rmsnorm(x, L[name], eps)
 
 
+MOE_NORM, MOE_TOPK_SOFTMAX = 1, 2   # decoder.h's moe bits
+
+
+def route(logits, top_k, bits=0):
+    """One row's routing as the kernel computes it: ``logits`` [E] -> (the top_k experts, descending, ties to the lower
+    index, a NaN never chosen over a number; their weights [top_k] float32): the softmax of all E (max subtracted,
+    :func:`exp`, summed in order) read at them, divided by their sum (in order) with ``MOE_NORM`` in ``bits``; with
+    ``MOE_TOPK_SOFTMAX`` the softmax of the chosen logits alone (Granite MoE's)."""
+    lg = np.asarray(logits, f32)
+    sel = []
+    for _ in range(top_k):
+        best = -1
+        for j in range(len(lg)):
+            if j not in sel and (best < 0 or lg[j] > lg[best] or (np.isnan(lg[best]) and not np.isnan(lg[j]))):
+                best = j
+        sel.append(best)
+
+    def total(v):
+        t = f32(0.0)
+        for x in v:
+            t = f32(t + x)
+        return t
+
+    if bits & MOE_TOPK_SOFTMAX:
+        w = exp((lg[sel] - lg[sel[0]]).astype(f32))
+        return sel, (w / total(w)).astype(f32)
+    mx = f32(-np.inf)
+    for x in lg:
+        mx = x if x > mx else mx
+    p = exp((lg - mx).astype(f32))
+    w = (p[sel] / total(p)).astype(f32)
+    return sel, ((w / total(w)).astype(f32) if bits & MOE_NORM else w)
+
+
+def _moe(L, x):
+    """A mixture-of-experts MLP (``L``: ``router`` [E, H], ``experts`` [(gate, up, down)] per expert, ``top_k``,
+    ``moe`` bits for :func:`route`; a shared expert's ``gate``, ``up``, ``down`` and ``shared_gate`` [1, H] where
+    it has one): each row's chosen experts' SiLU-gated MLPs, out = 0 then out + (y * w) in ascending expert order,
+    then + sigmoid(x . shared_gate) * the shared expert's MLP."""
+    x = np.asarray(x, f32)
+    logits = rows_linear(x, L["router"], None)
+    chosen = [route(row, L["top_k"], L.get("moe", 0)) for row in logits]
+    out = np.zeros_like(x)
+    for e, (gate, up, down) in enumerate(L["experts"]):
+        rows = [(r, w[list(sel).index(e)]) for r, (sel, w) in enumerate(chosen) if e in sel]
+        if not rows:
+            continue
+        xs = x[[r for r, _ in rows]]
+        y = rows_linear(silu_mul(rows_linear(xs, gate, None), rows_linear(xs, up, None)), down, None)
+        for (r, w), yr in zip(rows, y):
+            out[r] = (out[r] + (yr * w).astype(f32)).astype(f32)
+    if "gate" in L:
+        shared = _mlp({k: L[k] for k in ("gate", "up", "down")}, x, "silu")
+        g = rows_linear(x, L["shared_gate"], None)
+        sg = (f32(1.0) / (f32(1.0) + exp(-g)).astype(f32)).astype(f32)
+        out = (out + (sg * shared).astype(f32)).astype(f32)
+    return out
+
+
 def _mlp(L, x, act):
     """down(silu(gate(x)) * up(x)), down(gelu_tanh(gate(x)) * up(x)) (``act`` "gelu_tanh_glu", Gemma's), or
-    down(act(up(x))) with ``act`` "gelu" / "gelu_tanh" / "relu"."""
+    down(act(up(x))) with ``act`` "gelu" / "gelu_tanh" / "relu"; a mixture of experts where ``L`` has a ``router``
+    (:func:`_moe`)."""
     def lin(x, name):
         return rows_linear(x, L[name], L.get(name + "_b"))
 
+    if "router" in L:
+        return _moe(L, x)
     if act == "silu":
         return lin(silu_mul(lin(x, "gate"), lin(x, "up")), "down")
     if act == "gelu_tanh_glu":
@@ -251,7 +313,9 @@ def decoder_layers(layers, final_norm, head, eps, scale, heads, kv_heads, h, cos
 
     ``layers``: per layer a dict of float32 arrays ``ln1, ln2, q, k, v, o, gate, up, down`` ([out, in] weights) and
     optionally ``q_b, k_b, v_b, o_b, gate_b, up_b, down_b, q_norm, k_norm`` (per head; over all heads with
-    ``qk_all``), ``post_attn, post_mlp``, ``no_rot`` (True: the layer rotates nothing) and ``local``; without ``ln1``
+    ``qk_all``), ``post_attn, post_mlp``, ``no_rot`` (True: the layer rotates nothing) and ``local``; a mixture of
+    experts' ``router``, ``experts``, ``top_k``, ``moe`` and ``shared_gate`` in place of ``gate``, ``up``, ``down``
+    (or with them: Qwen2-MoE's shared expert; :func:`_moe`); without ``ln1``
     and ``ln2`` the blocks read h itself (OLMo 2); ``ln1_b`` and ``ln2_b`` (a bias or None) make those norms
     LayerNorms; ``head``: (weight [V, H], bias or None); ``final_norm``: a weight, or
     (weight, bias or None) for a LayerNorm; ``h`` [n, H]: the rows' embeddings; ``cos``/``sin`` [n, R]: the

@@ -1,5 +1,5 @@
-"""Targets whose attention slides (Mistral, Phi-3, StarCoder2, Mixtral: every layer; Gemma 2/3, Qwen2/3 with
-``use_sliding_window``, Cohere 2, EXAONE 4, gpt-oss: some layers, by ``config.layer_types``): the engine restricts each
+"""Targets whose attention slides (Mistral, Phi-3, StarCoder2, Mixtral: every layer; Gemma 2/3, Qwen2/3 and
+Qwen2-MoE with ``use_sliding_window``, Cohere 2, EXAONE 4, gpt-oss: some layers, by ``config.layer_types``): the engine restricts each
 forward's mask to the window as transformers does, so greedy output equals HuggingFace's own generate -- for prompts
 and generations longer than the window, where the window changes HuggingFace's output (checked first: a test that
 could not fail otherwise), with autoregressive decoding, EAGLE-3 trees and HeteroSpec's bins, one prompt or a
@@ -38,6 +38,11 @@ ARCHS = {
     # (three sliding layers to a full one; a wider init, as StarCoder2)
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(sliding_window=WINDOW, pad_token_id=0), 40.0),   # (its
     # pattern: three sliding layers to a full one, which rotates nothing)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(sliding_window=WINDOW, num_local_experts=4,
+                                                             num_experts_per_tok=2), 40.0),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",   # (its sliding and full layers, shared experts)
+                  dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64), 40.0),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
                 dict(head_dim=8, num_local_experts=4, sliding_window=WINDOW, attn_implementation="eager"), 40.0),
 }
@@ -86,7 +91,7 @@ def test_greedy_equals_huggingface_past_the_window(arch_model_refs, method):
     }[method]()
     with HeteroSpec(model, draft, policy, cuda_graphs=False) as hs:
         if DEVICE.type == "cpu" and OUR_DECODER:   # our CPU decoder, the window in its rows (every layer's, or the
-            # sliding layers' among full ones); gpt-oss (experts) on transformers'
+            # sliding layers' among full ones); gpt-oss (experts with biases) on transformers'
             assert (hs.target.decoder is not None) == (arch != "gpt_oss"), hs.cpu_decoder
         for p, ref in zip(ps, refs):
             out, _ = hs.generate(p, max_new_tokens=NEW, eos_token_id=[])

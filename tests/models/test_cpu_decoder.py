@@ -31,8 +31,11 @@ ISAS = range(G.isa_best() + 1) if G is not None else ()
 # ones with their own rotation
 # granite: Llama's layout with its multipliers (embeddings, attention scale, each residual add, the logits' divisor);
 # exaone4: OLMo 2's layout with q/k norms head by head
+# mixtures of experts (4 experts, 2 a row): mixtral (renormalised weights), qwen2_moe (shared experts, a dense layer,
+# weights not renormalised), qwen3_moe (every second layer dense), olmoe (q/k normed over all heads), granitemoe (the
+# softmax of the chosen logits, Granite's multipliers)
 ARCHS = ["llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma", "gemma2", "gemma3", "olmo2", "olmo3", "granite",
-         "exaone4"]
+         "exaone4", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"]
 # LayerNorm layouts: GPT-NeoX (Pythia: the parallel residual and gelu; serial with gelu's tanh form; rotary over
 # half of each head, q/k/v fused head by head), GPT-2 (learned positions, Conv1D weights, gelu's tanh form),
 # GPTBigCode (multi-query, or q/k/v fused head by head), OPT (relu, positions 2 rows into their table), Phi (one norm
@@ -354,7 +357,9 @@ def _twin_layers(model):
     base = model.model
     layers = []
     for layer in base.layers:
-        a, m = layer.self_attn, layer.mlp
+        a, blk = layer.self_attn, getattr(layer, "block_sparse_moe", None)   # (Granite MoE's mixture)
+        blk = layer.mlp if blk is None and hasattr(layer.mlp, "experts") else blk
+        m = layer.mlp if blk is None else getattr(blk, "shared_expert", None)   # (Qwen2-MoE's shared expert)
         L = {"ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight}
         if hasattr(a, "qkv_proj"):   # Phi-3: q/k/v and gate/up fused (rows [q; k; v] and [gate; up]), no biases
             nq, nk = model.config.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
@@ -362,8 +367,9 @@ def _twin_layers(model):
             L.update(q=w[:nq], k=w[nq:nq + nk], v=w[nq + nk:], gate=g[:g.shape[0] // 2], up=g[g.shape[0] // 2:])
             lins = (("o", a.o_proj), ("down", m.down_proj))
         else:
-            lins = (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("o", a.o_proj), ("gate", m.gate_proj),
-                    ("up", m.up_proj), ("down", m.down_proj))
+            lins = (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("o", a.o_proj))
+            if m is not None:
+                lins += (("gate", m.gate_proj), ("up", m.up_proj), ("down", m.down_proj))
         for name, lin in lins:
             L[name] = lin.weight
             if lin.bias is not None:
@@ -371,14 +377,36 @@ def _twin_layers(model):
         for name in ("q_norm", "k_norm"):
             if getattr(a, name, None) is not None:
                 L[name] = getattr(a, name).weight
-        layers.append(dict(_np(L), no_rot=not getattr(a, "use_rope", True)))   # (SmolLM3's NoPE layers)
+        layers.append(dict(_np(L), no_rot=not getattr(a, "use_rope", True),   # (SmolLM3's NoPE layers)
+                           qk_all=kind == "olmoe", **(_moe_twin(blk, model.config) if blk is not None else {})))
     c = model.config
-    if kind == "granite":   # its multipliers, from the config (the embeddings' as the module multiplies: float32)
+    if kind in ("granite", "granitemoe"):   # multipliers, from the config (the embeddings' as the module multiplies: float32)
         embed = base.embed_tokens.weight * torch.tensor(c.embedding_multiplier, dtype=torch.float32)
         return layers, base.norm.weight.detach().numpy(), model.lm_head.weight, embed, None, base.rotary_emb, \
             dict(res_mult=c.residual_multiplier, logit_div=c.logits_scaling)
     return layers, base.norm.weight.detach().numpy(), model.lm_head.weight, base.embed_tokens.weight, None, \
         base.rotary_emb, {}
+
+
+def _moe_twin(blk, c):
+    """A mixture of experts' entries of a twin layer, read from the block here: the router, each expert's gate, up
+    and down (transformers 5's 3D parameters; Granite MoE on 5.0: input_linear / output_linear), top_k, the routing
+    bits (Mixtral's renormalised, Qwen's and OLMoE's by norm_topk_prob, Granite's the softmax of the chosen), and
+    Qwen2-MoE's shared expert gate."""
+    router = blk.router if c.model_type == "granitemoe" else blk.gate
+    router = router.layer.weight if hasattr(router, "layer") else router.weight
+    if hasattr(blk, "experts"):
+        gu, down = blk.experts.gate_up_proj, blk.experts.down_proj
+    else:
+        gu, down = blk.input_linear.weight, blk.output_linear.weight
+    MI = gu.shape[1] // 2
+    bits = ref.MOE_TOPK_SOFTMAX if c.model_type == "granitemoe" else \
+        ref.MOE_NORM if c.model_type == "mixtral" or c.norm_topk_prob else 0
+    out = dict(router=router.detach().numpy(), top_k=c.num_experts_per_tok, moe=bits,
+               experts=[tuple(t.detach().numpy() for t in (gu[e, :MI], gu[e, MI:], down[e])) for e in range(len(gu))])
+    if getattr(blk, "shared_expert_gate", None) is not None:
+        out["shared_gate"] = blk.shared_expert_gate.weight.detach().numpy()
+    return out
 
 
 def _cohere_twin_layers(model):
@@ -535,9 +563,17 @@ def test_a_gguf_quantized_model_is_read_as_its_codes_with_the_same_bits(arch, mo
     monkeypatch.setattr(cpu_gemm, "pack_rows", functools.partial(cpu_gemm.pack_rows, coded=True))
     model = quantize_like_gguf(cpu_model(arch))
     dec = cpu_decoder.CpuDecoder(model)
-    assert dec.codecs == {"Q4": 4 * 3, "Q8": 1}   # q/k/v, o, gate/up, down per layer; the output layer
+    q4 = Q4_MATRICES.get(arch, 4 * 3)
+    assert dec.codecs == {"Q4": q4, "Q8": 1}   # q/k/v, o, gate/up, down per layer; the output layer
     the_twins_bits_on_every_isa(model, dec, seed=1)
-    assert cpu_decoder.describe(dec, None).endswith("; weights as codes: Q4 12, Q8 1)")
+    assert cpu_decoder.describe(dec, None).endswith(f"; weights as codes: Q4 {q4}, Q8 1)")
+
+
+# the 3 layers' matrices of the mixtures (4 experts: their [gate; up] and down, 8 a mixture): q/k/v, o, router and
+# experts per mixture; Qwen2-MoE's 2 mixtures also a shared expert's gate/up, down and gate, its dense layer 4;
+# Qwen3-MoE's mixture is its middle layer, the other 2 dense (4 each)
+Q4_MATRICES = {"mixtral": 3 * 11, "olmoe": 3 * 11, "granitemoe": 3 * 11, "qwen2_moe": 2 * 14 + 4,
+               "qwen3_moe": 11 + 2 * 4}
 
 
 def test_a_float16_checkpoint_of_pythia_is_read_as_its_values_and_what_the_decoder_lacks_is_refused():
@@ -791,6 +827,66 @@ def test_what_the_decoder_lacks_of_granite_stablelm_and_starcoder2_is_refused_an
                                          r".*arch 65"):
         neox.forward(torch.tensor([[1, 2]]), torch.arange(2).view(1, 2), torch.arange(2), causal(2, 4), kv)
     assert not kv.any()
+
+
+def test_what_the_decoder_lacks_of_the_mixtures_of_experts_is_refused_and_c_checks_their_layout():
+    """OLMoE's clamped q/k/v, a mixture of another activation, a Qwen2-MoE whose dense layers and shared experts
+    differ in width, a shared expert without its gate: each refused with its reason.  And decoder_forward refuses
+    sizes of experts it cannot take, a router without experts (or experts without a router) and a shared expert
+    without its gate in one line, nothing written."""
+    olmoe = cpu_model("olmoe")
+    olmoe.config.clip_qkv = 8.0
+    assert cpu_decoder.unsupported(olmoe) == "clip_qkv 8.0 (q, k and v clamped: the decoder does not clamp)"
+    mixtral = cpu_model("mixtral")
+    mixtral.model.layers[2].mlp.experts.act_fn = torch.nn.GELU()
+    assert cpu_decoder.unsupported(mixtral) == "an MLP activation GELU (the decoder has SiLU)"
+    qwen = tiny_target("qwen2_moe", layers=3, shared_expert_intermediate_size=32).cpu()
+    assert cpu_decoder.unsupported(qwen) == "dense MLPs of different widths [32, 64] (the decoder has one)"
+    qwen = cpu_model("qwen2_moe")
+    qwen.model.layers[0].mlp.shared_expert_gate = None
+    assert cpu_decoder.unsupported(qwen) == "a shared expert without its one-output gate (or a gate without a " \
+                                           "shared expert)"
+    model = cpu_model("qwen3_moe")   # (a dense layer, a mixture, a dense layer)
+    dec = cpu_decoder.CpuDecoder(model)
+    assert (dec.experts, dec.top_k, dec.moe_inter, dec.moe) == (4, 2, 32, cpu_decoder.HSD_MOE_NORM)
+    kv = new_cache(model)
+
+    def forward():
+        dec.forward(torch.tensor([[1, 2]]), torch.arange(2).view(1, 2), torch.arange(2), causal(2, 4), kv)
+
+    for experts, top_k, moe_inter, moe, act in ((-1, 2, 32, 1, 0), (4, 5, 32, 1, 0), (4, 0, 32, 1, 0),
+                                                 (4, 2, 0, 1, 0), (4, 2, 32, 4, 0), (4, 2, 32, 1, 1)):
+        dec.experts, dec.top_k, dec.moe_inter, dec.moe, dec.act = experts, top_k, moe_inter, moe, act
+        dec._pack()
+        with pytest.raises(ValueError, match=r"^decoder_forward: argument 'model' expected experts >= 0 and, with "
+                                             r"experts, top_k in \[1, experts\], moe_inter > 0, moe bits 1\|2 and "
+                                             rf"act 0 \(SiLU-gated\), got experts {experts}, top_k {top_k}, "
+                                             rf"moe_inter {moe_inter}, moe {moe}, act {act}$"):
+            forward()
+    dec.experts, dec.top_k, dec.moe_inter, dec.moe, dec.act = 0, 0, 0, 0, cpu_decoder.HSD_SILU_GLU
+    dec._pack()
+    with pytest.raises(ValueError, match=r"expected layer 1, a mixture of experts, to have its router and experts "
+                                         r"\(and the model experts > 0\).* got router given, experts given "
+                                         r"\(model 0\)"):
+        forward()
+    dec.experts, dec.top_k, dec.moe_inter, dec.moe = 4, 2, 32, cpu_decoder.HSD_MOE_NORM
+    dec._pack()
+    table = dec._table.clone()
+    for field, value in ((cpu_decoder.HSD_FIELD_EXPERTS, 0), (cpu_decoder.HSD_FIELD_SHARED_GATE, 64)):
+        dec._table.copy_(table)
+        dec._table[1, field] = value   # (a gate without a shared expert: its address never read)
+        with pytest.raises(ValueError, match=r"expected layer 1, a mixture of experts, .* a shared expert's gate/up, "
+                                             r"down and gate all or none"):
+            forward()
+    dec._table.copy_(table)
+    dec._table[0, cpu_decoder.HSD_FIELD_ROUTER] = 0   # (a dense layer's fields are there: its MLP runs)
+    dec._table[0, cpu_decoder.HSD_FIELD_EXPERTS] = table[1, cpu_decoder.HSD_FIELD_EXPERTS]
+    with pytest.raises(ValueError, match=r"expected layer 0, a mixture of experts, to have its router"):
+        forward()
+    assert not kv.any()
+    dec._table.copy_(table)
+    forward()
+    assert kv.any()
 
 
 def test_auto_is_on_for_a_supported_float32_model_and_off_otherwise():
