@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import math
 import types
+import warnings
 import weakref
 
 import torch
@@ -1275,7 +1276,36 @@ def why_off(setting, model, *, compile=False, draft=False, transformers=False):
             why = f"batch_invariant=True (transformers' {str(p.dtype).replace('torch.', '')} arithmetic)"
     if why is None and setting == "auto" and cpu_gemm._rows_module().isa_best() == 0:
         why = "only the kernel's portable loop on this CPU"
+    if why is None and setting == "auto" and model not in _SHARED:   # (packed already: no new memory)
+        need, free = packed_bytes(model), available_memory()
+        if free is not None and need > free:
+            why = f"a packed copy of its weights (up to {need / 2**30:.1f} GiB) that the memory available " \
+                  f"({free / 2**30:.1f} GiB) would not hold"
+            warnings.warn(f"heterospec: cpu_decoder='auto' leaves the model on transformers' forward: {why} "
+                          f"(cpu_decoder=True packs it anyway)", stacklevel=3)
     return why
+
+
+def packed_bytes(module):
+    """An upper bound on the bytes the packed copies of ``module`` take: its matrices (and a mixture's experts) at
+    their own width, the input embedding apart (read by torch; counted where the output layer shares it).  Codes
+    take less where a float32 checkpoint is a GGUF's decodings (a quarter for Q4_1)."""
+    emb = getattr(module, "get_input_embeddings", lambda: None)()
+    head = getattr(module, "get_output_embeddings", lambda: None)()
+    skip = emb.weight if emb is not None and (head is None or head.weight is not emb.weight) else None
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.dim() >= 2 and p is not skip)
+
+
+def available_memory():
+    """The bytes of memory the system can give without swapping (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 _SHARED = weakref.WeakKeyDictionary()   # module -> its CpuDecoder / CpuDraft: one packed copy for every engine

@@ -909,6 +909,29 @@ def test_auto_is_on_for_a_supported_float32_model_and_off_otherwise():
     assert "float64" in cpu_decoder.unsupported(cpu_model("llama").to(torch.float64))
 
 
+def test_auto_leaves_a_model_whose_packed_copy_the_memory_would_not_hold_on_transformers(monkeypatch):
+    """'auto' counts the packed copy it would make (every matrix and expert at its own width, the input embedding
+    apart) against the memory available and stays off, saying so, where it would not fit; a model packed already
+    costs nothing new; True still insists."""
+    model = cpu_model("mixtral")
+    c = model.config
+    H, I, E, V = c.hidden_size, c.intermediate_size, c.num_local_experts, c.vocab_size
+    per_layer = 2 * H * H + 2 * H * (H // 2) + E * H + E * 3 * H * I   # q, o; k, v (2 of 4 heads); router; experts
+    assert cpu_decoder.packed_bytes(model) == 4 * (3 * per_layer + V * H)   # and the output layer, float32
+    assert cpu_decoder.available_memory() is None or cpu_decoder.available_memory() > 2**20
+    assert cpu_decoder.why_off("auto", model) is None
+    monkeypatch.setattr(cpu_decoder, "available_memory", lambda: 4 * 3 * per_layer)   # (the head's bytes short)
+    with pytest.warns(UserWarning, match="cpu_decoder='auto' leaves the model on transformers' forward: a packed"):
+        why = cpu_decoder.why_off("auto", model)
+    assert why == f"a packed copy of its weights (up to {4 * (3 * per_layer + V * H) / 2**30:.1f} GiB) that the " \
+                  f"memory available (0.0 GiB) would not hold"
+    with pytest.warns(UserWarning, match="cpu_decoder='auto'"), HeteroSpec(model) as hs:
+        assert hs.cpu_decoder == "off" and hs.target.decoder is None
+    with HeteroSpec(model, cpu_decoder=True) as hs:   # (insisting packs it; then 'auto' finds it packed)
+        assert hs.target.decoder is not None
+        assert cpu_decoder.why_off("auto", model) is None
+
+
 @pytest.mark.parametrize("arch,gguf", [(a, False) for a in ALL_ARCHS] + [("llama", True)])
 def test_greedy_decoding_on_the_decoder_equals_transformers_generate(arch, gguf, tmp_path, monkeypatch):
     """The engine's every forward on the decoder (prefill, one-row steps, trees; a batch): the tokens of
