@@ -4,7 +4,8 @@
   synchronised at both ends (what calibration and the benchmarks time);
 * :class:`PhaseClock` splits a decoding call into phases without adding host syncs (what the engine
   reports): CUDA events on a GPU, ``perf_counter`` stamps elsewhere, read after the cycle's own sync;
-* :func:`machine_info` is what every result file says about the machine (processor, cores, versions).
+* :func:`machine_info` is what every result file says about the machine (processor, cores, versions), and
+  :func:`available_bytes` the memory a new allocation can take there.
 
 Torch is imported lazily, so importing this module needs only the standard library.
 """
@@ -189,3 +190,21 @@ def load_warning(load=None, cores=None):
     return (f"warning: the machine's load ({load:.1f}) exceeded its {cores} cores during this run, so these timings "
             "are unreliable (torch's threads compete with the other work); run again when it is idle, or with fewer "
             "intra-op threads (OMP_NUM_THREADS) when cores are shared")
+
+
+def available_bytes(device):
+    """Memory a new allocation can take on ``device``: free GPU memory, or the host's MemAvailable; None when
+    it cannot be told."""
+    if getattr(device, "type", device) == "cuda":   # free memory, and what torch's caching allocator holds unused
+        import torch
+
+        return (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+                - torch.cuda.memory_allocated(device))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

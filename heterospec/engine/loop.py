@@ -26,7 +26,7 @@ from collections import OrderedDict
 
 import torch
 
-from .. import ops
+from .. import measure, ops
 from ..growth import candidate_count
 from ..measure import PhaseClock
 from ..models import cpu_decoder as decoder_mod
@@ -649,7 +649,7 @@ class HeteroSpec:
         # the target's cache twice, as before its finished rows moved in place (TargetAdapter.keep_rows): room for
         # the draft's cache and its copies at a drop, and for the forwards' activations beside the caches
         nbytes = cyc.target.cache_bytes(need) * 2
-        free = requests.available_bytes(dev)
+        free = measure.available_bytes(dev)
         error = None
         if free is not None and nbytes > free:
             error = (f"generate: argument 'input_ids' expected a batch whose static caches fit the {dev} memory "

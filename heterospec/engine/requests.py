@@ -72,22 +72,6 @@ def check_mask(input_ids, attention_mask):
     return lengths
 
 
-def available_bytes(device):
-    """Memory a new allocation can take on ``device``: free GPU memory, or the host's MemAvailable; None when
-    it cannot be told."""
-    if device.type == "cuda":   # free memory, and what torch's caching allocator holds without using it
-        return (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
-                - torch.cuda.memory_allocated(device))
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def to_device(values, device, dtype=torch.long):
     """A host list as a tensor on ``device``.  On a GPU through pinned memory with a non-blocking copy:
     ``torch.tensor(values, device="cuda")`` synchronises the stream, which inside a cycle would wait for the

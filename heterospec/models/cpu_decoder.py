@@ -61,6 +61,7 @@ import weakref
 
 import torch
 
+from .. import measure
 from . import cpu_gemm
 from .target import sliding_layout
 
@@ -1277,7 +1278,7 @@ def why_off(setting, model, *, compile=False, draft=False, transformers=False):
     if why is None and setting == "auto" and cpu_gemm._rows_module().isa_best() == 0:
         why = "only the kernel's portable loop on this CPU"
     if why is None and setting == "auto" and model not in _SHARED:   # (packed already: no new memory)
-        need, free = packed_bytes(model), available_memory()
+        need, free = packed_bytes(model), measure.available_bytes(torch.device("cpu"))
         if free is not None and need > free:
             why = f"a packed copy of its weights (up to {need / 2**30:.1f} GiB) that the memory available " \
                   f"({free / 2**30:.1f} GiB) would not hold"
@@ -1294,18 +1295,6 @@ def packed_bytes(module):
     head = getattr(module, "get_output_embeddings", lambda: None)()
     skip = emb.weight if emb is not None and (head is None or head.weight is not emb.weight) else None
     return sum(p.numel() * p.element_size() for p in module.parameters() if p.dim() >= 2 and p is not skip)
-
-
-def available_memory():
-    """The bytes of memory the system can give without swapping (Linux's MemAvailable), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 _SHARED = weakref.WeakKeyDictionary()   # module -> its CpuDecoder / CpuDraft: one packed copy for every engine

@@ -335,19 +335,19 @@ def test_a_batch_reads_the_host_twice_per_cycle_at_most(name, tmp_path):
 
 
 def test_a_batch_too_large_for_memory_is_refused_before_decoding(monkeypatch):
-    from heterospec.engine import requests as requests_mod
+    from heterospec import measure
 
     model = tiny_target("llama")
     ids, mask = left_padded(prompts(3))
     hs = HeteroSpec(model, cuda_graphs=False)
-    monkeypatch.setattr(requests_mod, "available_bytes", lambda device: 1000)
+    monkeypatch.setattr(measure, "available_bytes", lambda device: 1000)
     where = re.escape(str(ids.device))            # a tensor's device has its index: cuda:0
     with pytest.raises(ValueError, match=r"^generate: argument 'input_ids' expected a batch whose static caches fit "
                                          r"the " + where + r" memory available \(0.00 GiB\), got 3 prompts "
                                          r"needing about [0-9.]+ GiB \(\d+ positions per row\)$"):
         hs.generate(ids, attention_mask=mask, max_new_tokens=8)
     assert all(not layer._forward_pre_hooks for layer in model.model.layers)   # nothing left on the model
-    monkeypatch.setattr(requests_mod, "available_bytes", lambda device: None)     # unknown: decoding goes on
+    monkeypatch.setattr(measure, "available_bytes", lambda device: None)     # unknown: decoding goes on
     out, _ = hs.generate(ids, attention_mask=mask, max_new_tokens=8)
     assert out.shape[0] == 3
 

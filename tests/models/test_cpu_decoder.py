@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from heterospec import HeteroSpec, Policy  # noqa: E402
+from heterospec import HeteroSpec, Policy, measure  # noqa: E402
 from heterospec.models import cpu_decoder, cpu_gemm  # noqa: E402
 from heterospec.reference import decoder as ref  # noqa: E402
 from tests._gguf import quantize_like_gguf  # noqa: E402
@@ -918,9 +918,8 @@ def test_auto_leaves_a_model_whose_packed_copy_the_memory_would_not_hold_on_tran
     H, I, E, V = c.hidden_size, c.intermediate_size, c.num_local_experts, c.vocab_size
     per_layer = 2 * H * H + 2 * H * (H // 2) + E * H + E * 3 * H * I   # q, o; k, v (2 of 4 heads); router; experts
     assert cpu_decoder.packed_bytes(model) == 4 * (3 * per_layer + V * H)   # and the output layer, float32
-    assert cpu_decoder.available_memory() is None or cpu_decoder.available_memory() > 2**20
     assert cpu_decoder.why_off("auto", model) is None
-    monkeypatch.setattr(cpu_decoder, "available_memory", lambda: 4 * 3 * per_layer)   # (the head's bytes short)
+    monkeypatch.setattr(measure, "available_bytes", lambda device: 4 * 3 * per_layer)   # (the head's bytes short)
     with pytest.warns(UserWarning, match="cpu_decoder='auto' leaves the model on transformers' forward: a packed"):
         why = cpu_decoder.why_off("auto", model)
     assert why == f"a packed copy of its weights (up to {4 * (3 * per_layer + V * H) / 2**30:.1f} GiB) that the " \
