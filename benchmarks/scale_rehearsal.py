@@ -146,6 +146,21 @@ SHAPES = {
         rope_parameters={"rope_type": "llama3", "rope_theta": 1000000.0, "factor": 16.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
         sliding_window=None, layer_types=["full_attention"] * 30, tie_word_embeddings=True)),
+    # ibm-granite/granite-4.0-1b's and granite-4.0-micro's configs (GraniteMoeHybrid with attention layers only:
+    # Granite's multipliers, a shared MLP; bfloat16 checkpoints; their rope_theta is not in what we read: transformers'
+    # default)
+    "granite-4.0-1b": dict(arch="granitemoehybrid", draft_vocab=32000, config=dict(
+        vocab_size=100352, hidden_size=2048, intermediate_size=4096, shared_intermediate_size=4096,
+        num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=4, num_local_experts=0, num_experts_per_tok=0,
+        layer_types=["attention"] * 40, position_embedding_type="rope", max_position_embeddings=131072,
+        embedding_multiplier=12.0, attention_multiplier=0.0078125, residual_multiplier=0.22, logits_scaling=8.0,
+        tie_word_embeddings=True)),
+    "granite-4.0-micro": dict(arch="granitemoehybrid", draft_vocab=32000, config=dict(
+        vocab_size=100352, hidden_size=2560, intermediate_size=8192, shared_intermediate_size=8192,
+        num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8, num_local_experts=0, num_experts_per_tok=0,
+        layer_types=["attention"] * 40, position_embedding_type="rope", max_position_embeddings=131072,
+        embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=10.0,
+        tie_word_embeddings=True)),
     # mixtures of experts: ibm-granite/granite-3.1-3b-a800m-instruct's config (Granite's multipliers; 40 experts of
     # 512, 8 a token, weighted by the softmax of the chosen logits; a bfloat16 checkpoint), allenai/OLMoE-1B-7B-0924-
     # Instruct's (64 experts of 1,024, 8 a token; q/k normed over all heads) and Qwen/Qwen3-30B-A3B's (128 experts of
@@ -183,6 +198,7 @@ ARCH_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Co
                 "cohere": ("CohereConfig", "CohereForCausalLM"), "cohere2": ("Cohere2Config", "Cohere2ForCausalLM"),
                 "exaone4": ("Exaone4Config", "Exaone4ForCausalLM"),
                 "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
+                "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
                 "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
                 "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 PAPER_TAU = {"HeteroSpec (paper, L3.1-8B)": 6.57, "EAGLE-3 (paper, L3.1-8B)": 6.31}

@@ -133,6 +133,19 @@ def tiny_target(arch, vocab=V, layers=8, seed=0, sharpen=40.0, **moe):
                 if name.endswith(("mlp.gate.weight", "router.weight", "router.layer.weight")):
                     p.mul_(20.0)
         return _sharpened(model, sharpen)
+    if arch in ("granitemoehybrid", "granitemoehybrid-nope"):   # Granite 4.0's dense models (350M, 1B, Micro):
+        # Granite's multipliers, attention layers only, a shared MLP of input_linear [gate; up] and output_linear;
+        # rotary, or none (position_embedding_type None: NoPE, as its hybrid models)
+        cfg = transformers.GraniteMoeHybridConfig(
+            **common, layer_types=["attention"] * layers, num_local_experts=0, shared_intermediate_size=64,
+            mamba_n_heads=4,
+            position_embedding_type="rope" if arch == "granitemoehybrid" else None, embedding_multiplier=12.0,
+            attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=4.0, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2)
+        if "attention" in cfg.layer_types:
+            pytest.skip(f"transformers {transformers.__version__} names Granite 4.0's layers 'attention' (the engine "
+                        f"reads full_attention, sliding_attention and linear_attention)")
+        return _sharpened(_random_norms(transformers.GraniteMoeHybridForCausalLM(cfg)), sharpen)
     if arch == "llama":
         cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     elif arch == "granite":   # Llama's layout with multipliers: embeddings x 12, attention scale 0.2 (not 1/sqrt(8)),

@@ -65,8 +65,10 @@ from .. import measure
 from . import cpu_gemm
 from .target import sliding_layout
 
-LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "mixtral", "qwen2_moe",
-                  "qwen3_moe", "olmoe", "granitemoe")   # (the last five: mixtures of experts, MOE_FAMILIES)
+# (granitemoehybrid: Granite 4.0's dense models, attention layers only; the last five: mixtures of experts,
+# MOE_FAMILIES)
+LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "granitemoehybrid", "mixtral",
+                  "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
 OLMO_FAMILIES = ("olmo2", "olmo3", "exaone4")   # (EXAONE 4: OLMo 2's layout with q/k norms per head)
 FAMILIES = LLAMA_FAMILIES + GEMMA_FAMILIES + OLMO_FAMILIES + ("gpt_neox", "gpt2", "gpt_bigcode", "opt", "phi", "gptj",
@@ -156,16 +158,16 @@ class _Layout:
         self.__dict__.update(kw)
 
 
-def _rms_base(model, family, norm=None):
+def _rms_base(model, family, norm=None, rotary=True):
     """(the base model, its layers, the output layer) of a model laid out as Llama is (model.embed_tokens, .layers,
-    .norm, .rotary_emb; lm_head; ``norm(final norm)``: whether it is the family's norm, RMSNorm by default), or why
-    not (naming ``family``)."""
+    .norm, .rotary_emb; lm_head; ``norm(final norm)``: whether it is the family's norm, RMSNorm by default;
+    ``rotary`` False: a model that may rotate nothing, rotary_emb None), or why not (naming ``family``)."""
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     head = getattr(model, "lm_head", None)
     if layers is None or not isinstance(getattr(base, "embed_tokens", None), torch.nn.Embedding) \
-            or not (norm or _is_rmsnorm)(getattr(base, "norm", None)) or getattr(base, "rotary_emb", None) is None \
-            or not cpu_gemm.plain_linear(head):
+            or not (norm or _is_rmsnorm)(getattr(base, "norm", None)) \
+            or (rotary and getattr(base, "rotary_emb", None) is None) or not cpu_gemm.plain_linear(head):
         return f"{family} without its layout (model.embed_tokens, .layers, .norm, .rotary_emb; lm_head)"
     return base, layers, head
 
@@ -178,10 +180,16 @@ def _plain_blocks(att, mlp):
 
 
 def _llama_layout(model, cfg):
-    got = _rms_base(model, "a model of the Llama family")
+    hybrid = cfg.model_type == "granitemoehybrid"   # (Granite 4.0: NoPE where position_embedding_type is not rope)
+    got = _rms_base(model, "a model of the Llama family", rotary=not hybrid)
     if isinstance(got, str):
         return got
     base, layers, head = got
+    if hybrid and any(getattr(layer, "self_attn", None) is None for layer in layers):
+        return "Mamba 2 layers among its attention layers (Granite 4.0's hybrid models: transformers' forward runs " \
+               "them)"
+    if hybrid and getattr(cfg, "num_local_experts", 0):
+        return "experts beside its shared MLP (Granite 4.0's mixtures add the shared MLP without a gate)"
     if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
         return f"hidden_act {cfg.hidden_act!r} (the decoder has SiLU)"
     if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "attn_logit_softcapping", None):
@@ -195,7 +203,7 @@ def _llama_layout(model, cfg):
                                   for n in _llama_names(att, QKV_NAMES) + ("o_proj",)) \
                 or (mlp is None and _moe_block(layer) is None) \
                 or (mlp is not None and not all(cpu_gemm.plain_linear(getattr(mlp, n, None))
-                                                for n in _llama_names(mlp, GU_NAMES) + ("down_proj",))):
+                                                for n in sum(_mlp_names(mlp), ()))):
             return "a layer without q/k/v (or qkv_proj), o and gate/up (or gate_up_proj), down linear layers"
         if not (_is_rmsnorm(getattr(layer, "input_layernorm", None))
                 and _is_rmsnorm(getattr(layer, "post_attention_layernorm", None))):
@@ -203,17 +211,19 @@ def _llama_layout(model, cfg):
         for n in ("q_norm", "k_norm"):
             if getattr(att, n, None) is not None and not _is_rmsnorm(getattr(att, n)):
                 return f"a {n} that is not RMSNorm"
-        why = mlp is not None and _silu_only(getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None))
-        if why:   # (activation_fn: Phi-3's name)
+        why = mlp is not None and _silu_only(getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
+                                             or getattr(mlp, "activation", None))
+        if why:   # (activation_fn: Phi-3's name; activation: Granite 4.0's)
             return why
     att0 = layers[0].self_attn
     dense = [m for m in map(_dense_mlp, layers) if m is not None]
-    widths = {m.gate_proj.out_features if hasattr(m, "gate_proj") else m.gate_up_proj.out_features // 2 for m in dense}
+    widths = {m.gate_proj.out_features if hasattr(m, "gate_proj") else getattr(m, _mlp_names(m)[0][0]).out_features // 2
+              for m in dense}
     if len(widths) > 1:   # (Qwen2-MoE with dense layers besides its shared experts, of another width)
         return f"dense MLPs of different widths {sorted(widths)} (the decoder has one)"
     inter = widths.pop() if widths else moe.moe_inter
     # the rotated dimensions: the width of the model's own tables (Phi-3 / Phi-4-mini rotate part of each head)
-    rotary, _, rot = _rotaries(base.rotary_emb, cfg)
+    rotary, _, rot = _rotaries(base.rotary_emb, cfg) if base.rotary_emb is not None else (None, None, 0)
     got = _Layout(embed=base.embed_tokens, pos=None, rotary=rotary, final=base.norm, head=head,
                   layers=list(layers), arch=0, act=HSD_SILU_GLU, rot=rot,
                   eps=float(layers[0].input_layernorm.variance_epsilon), scale=float(att0.scaling),
@@ -223,7 +233,8 @@ def _llama_layout(model, cfg):
         got.__dict__.update(moe.__dict__)
     if cfg.model_type == "olmoe":   # q and k normed over all heads at once (OLMo 2's q_norm and k_norm)
         got.arch = HSD_QK_NORM_ALL
-    if cfg.model_type in ("granite", "granitemoe"):   # multipliers: the embeddings', each residual add's, the logits'
+    if cfg.model_type in ("granite", "granitemoe", "granitemoehybrid"):   # multipliers: the embeddings', each
+        # residual add's, the logits'
         mults = {float(getattr(layer, "residual_multiplier", "nan")) for layer in layers}
         div = float(getattr(cfg, "logits_scaling", 1.0))
         if len(mults) != 1 or not all(map(math.isfinite, mults | {div})) or div == 0.0:
@@ -244,12 +255,20 @@ def _llama_names(module, names):
     return (fused,) if hasattr(module, fused) and not hasattr(module, apart[0]) else apart
 
 
+def _mlp_names(mlp):
+    """A Llama-family MLP's (gate/up linear layers, (down,)): gate_proj and up_proj or Phi-3's gate_up_proj, and
+    down_proj; Granite 4.0's shared MLP: input_linear ([gate; up]) and output_linear."""
+    if hasattr(mlp, "input_linear") and not hasattr(mlp, "gate_proj"):
+        return ("input_linear",), ("output_linear",)
+    return _llama_names(mlp, GU_NAMES), ("down_proj",)
+
+
 def _llama_parts(layer):
     a, m, blk = layer.self_attn, _dense_mlp(layer), _moe_block(layer)
     parts = {"ln1": (layer.input_layernorm.weight, None), "ln2": (layer.post_attention_layernorm.weight, None),
              "qkv": [_pair(getattr(a, n)) for n in _llama_names(a, QKV_NAMES)], "o": [_pair(a.o_proj)],
-             "gu": [] if m is None else [_pair(getattr(m, n)) for n in _llama_names(m, GU_NAMES)],
-             "down": [] if m is None else [_pair(m.down_proj)],
+             "gu": [] if m is None else [_pair(getattr(m, n)) for n in _mlp_names(m)[0]],
+             "down": [] if m is None else [_pair(getattr(m, _mlp_names(m)[1][0]))],
              "no_rot": not getattr(a, "use_rope", True),   # (SmolLM3: every few layers rotate nothing, NoPE)
              "q_norm": getattr(getattr(a, "q_norm", None), "weight", None),
              "k_norm": getattr(getattr(a, "k_norm", None), "weight", None)}
@@ -274,9 +293,13 @@ def _moe_block(layer):
 
 
 def _dense_mlp(layer):
-    """A layer's dense MLP: its mlp, its mixture's shared expert (Qwen2-MoE), or None (a mixture without one)."""
+    """A layer's dense MLP: its mlp (Granite 4.0's shared_mlp), its mixture's shared expert (Qwen2-MoE), or None (a
+    mixture without one)."""
     blk = _moe_block(layer)
-    return getattr(layer, "mlp", None) if blk is None else getattr(blk, "shared_expert", None)
+    if blk is not None:
+        return getattr(blk, "shared_expert", None)
+    mlp = getattr(layer, "mlp", None)
+    return getattr(layer, "shared_mlp", None) if mlp is None else mlp
 
 
 def _moe_weights(blk):

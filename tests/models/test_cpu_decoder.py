@@ -31,11 +31,14 @@ ISAS = range(G.isa_best() + 1) if G is not None else ()
 # ones with their own rotation
 # granite: Llama's layout with its multipliers (embeddings, attention scale, each residual add, the logits' divisor);
 # exaone4: OLMo 2's layout with q/k norms head by head
+# granitemoehybrid: Granite 4.0's dense models (Granite's multipliers, a shared MLP of input_linear and output_linear),
+# with rotary, or without (-nope)
 # mixtures of experts (4 experts, 2 a row): mixtral (renormalised weights), qwen2_moe (shared experts, a dense layer,
 # weights not renormalised), qwen3_moe (every second layer dense), olmoe (q/k normed over all heads), granitemoe (the
 # softmax of the chosen logits, Granite's multipliers)
 ARCHS = ["llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma", "gemma2", "gemma3", "olmo2", "olmo3", "granite",
-         "exaone4", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"]
+         "exaone4", "granitemoehybrid", "granitemoehybrid-nope", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+         "granitemoe"]
 # LayerNorm layouts: GPT-NeoX (Pythia: the parallel residual and gelu; serial with gelu's tanh form; rotary over
 # half of each head, q/k/v fused head by head), GPT-2 (learned positions, Conv1D weights, gelu's tanh form),
 # GPTBigCode (multi-query, or q/k/v fused head by head), OPT (relu, positions 2 rows into their table), Phi (one norm
@@ -358,10 +361,15 @@ def _twin_layers(model):
     layers = []
     for layer in base.layers:
         a, blk = layer.self_attn, getattr(layer, "block_sparse_moe", None)   # (Granite MoE's mixture)
-        blk = layer.mlp if blk is None and hasattr(layer.mlp, "experts") else blk
-        m = layer.mlp if blk is None else getattr(blk, "shared_expert", None)   # (Qwen2-MoE's shared expert)
+        blk = layer.mlp if blk is None and hasattr(getattr(layer, "mlp", None), "experts") else blk
+        m = getattr(layer, "mlp", None) or getattr(layer, "shared_mlp", None) if blk is None \
+            else getattr(blk, "shared_expert", None)   # (Granite 4.0's shared MLP; Qwen2-MoE's shared expert)
         L = {"ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight}
-        if hasattr(a, "qkv_proj"):   # Phi-3: q/k/v and gate/up fused (rows [q; k; v] and [gate; up]), no biases
+        if hasattr(m, "input_linear"):   # Granite 4.0: [gate; up] in one matrix, output_linear the down
+            g = m.input_linear.weight
+            L.update(gate=g[:g.shape[0] // 2], up=g[g.shape[0] // 2:])
+            lins = (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("o", a.o_proj), ("down", m.output_linear))
+        elif hasattr(a, "qkv_proj"):   # Phi-3: q/k/v and gate/up fused (rows [q; k; v] and [gate; up]), no biases
             nq, nk = model.config.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
             w, g = a.qkv_proj.weight, m.gate_up_proj.weight
             L.update(q=w[:nq], k=w[nq:nq + nk], v=w[nq + nk:], gate=g[:g.shape[0] // 2], up=g[g.shape[0] // 2:])
@@ -380,7 +388,8 @@ def _twin_layers(model):
         layers.append(dict(_np(L), no_rot=not getattr(a, "use_rope", True),   # (SmolLM3's NoPE layers)
                            qk_all=kind == "olmoe", **(_moe_twin(blk, model.config) if blk is not None else {})))
     c = model.config
-    if kind in ("granite", "granitemoe"):   # multipliers, from the config (the embeddings' as the module multiplies: float32)
+    if kind in ("granite", "granitemoe", "granitemoehybrid"):   # multipliers, from the config (the embeddings' as
+        # the module multiplies: float32)
         embed = base.embed_tokens.weight * torch.tensor(c.embedding_multiplier, dtype=torch.float32)
         return layers, base.norm.weight.detach().numpy(), model.lm_head.weight, embed, None, base.rotary_emb, \
             dict(res_mult=c.residual_multiplier, logit_div=c.logits_scaling)
@@ -907,6 +916,17 @@ def test_auto_is_on_for_a_supported_float32_model_and_off_otherwise():
     with HeteroSpec(cpu_model("llama").to(torch.float64)) as hs:
         assert hs.cpu_decoder == "off"
     assert "float64" in cpu_decoder.unsupported(cpu_model("llama").to(torch.float64))
+
+
+def test_granite_4_with_experts_or_mamba_layers_is_refused():
+    granite4 = cpu_model("granitemoehybrid")
+    granite4.config.num_local_experts = 4
+    assert cpu_decoder.unsupported(granite4) == "experts beside its shared MLP (Granite 4.0's mixtures add the " \
+                                               "shared MLP without a gate)"
+    granite4 = cpu_model("granitemoehybrid-nope")
+    granite4.model.layers[1].self_attn = None   # (a Mamba 2 layer's place: Granite 4.0-H)
+    assert cpu_decoder.unsupported(granite4) == "Mamba 2 layers among its attention layers (Granite 4.0's hybrid " \
+                                               "models: transformers' forward runs them)"
 
 
 def test_auto_leaves_a_model_whose_packed_copy_the_memory_would_not_hold_on_transformers(monkeypatch):

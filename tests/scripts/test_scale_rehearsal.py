@@ -184,7 +184,8 @@ def test_every_shape_builds_its_family_and_a_head_config(shape):
             "gemma2": "Gemma2ForCausalLM", "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM",
             "stablelm": "StableLmForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "cohere": "CohereForCausalLM",
             "cohere2": "Cohere2ForCausalLM", "exaone4": "Exaone4ForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
-            "olmoe": "OlmoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[scale_rehearsal.SHAPES[shape]["arch"]]
+            "olmoe": "OlmoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+            "granitemoehybrid": "GraniteMoeHybridForCausalLM"}[scale_rehearsal.SHAPES[shape]["arch"]]
     assert type(model).__name__ == want and len(_decoder_layers(model)) == 7
     head = draft_config_for(model, scale_rehearsal.SHAPES[shape]["draft_vocab"])
     assert head.hidden_size == model.config.hidden_size and head.draft_vocab_size == scale_rehearsal.SHAPES[shape][
