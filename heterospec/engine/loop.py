@@ -282,7 +282,8 @@ class HeteroSpec:
     bfloat16 or float16; True insists on the target's decoder only; any other draft keeps its own step); the
     draft's output is not the lossless part, so its ~1e-6 differences to the torch modules only move which tokens
     are proposed.  ``self.cpu_decoder`` and every call's stats say which ran
-    ("target and draft (AVX-512)", ...); ``cpu_gemm`` then routes what is left on torch's layers (the draft's
+    ("target and draft (AVX-512)", ...), and ``self.cpu_decoder_why`` why the target's forwards stay on
+    transformers' (a phrase: "off", the model's family, the memory, ...; None where ours runs them); ``cpu_gemm`` then routes what is left on torch's layers (the draft's
     ``fc``, or all of it).
 
     ``disable_by_batch_size``: a ``generate`` call of more requests than this decodes autoregressively (vLLM's
@@ -348,8 +349,10 @@ class HeteroSpec:
             cpu_gemm = False
         # our decoder computes a half model in float32, each row on its own (so row-invariant by construction):
         # batch_invariant's transformers path is for the targets it leaves alone, or where True insists on it
+        why = []
         self._decoder = decoder_mod.for_target(cpu_decoder, target, compile=bool(compile),
-                                               transformers=batch_invariant is True)
+                                               transformers=batch_invariant is True, why=why)
+        self.cpu_decoder_why = why[0]
         self.batch_invariant = _check_invariant(batch_invariant, p) and self._decoder is None
         self._fast_draft = decoder_mod.for_draft(cpu_decoder, draft)
         self.cpu_decoder = decoder_mod.describe(self._decoder, self._fast_draft)

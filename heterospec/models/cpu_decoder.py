@@ -1330,18 +1330,21 @@ def _shared(module, kind):
     return got
 
 
-def for_target(setting, model, *, compile=False, transformers=False):
+def for_target(setting, model, *, compile=False, transformers=False, why=None):
     """The decoder a ``cpu_decoder`` setting gives ``model`` (None: transformers' forward).  'auto': on where the
     model is supported (:func:`unsupported`), not compiled, and the kernel has AVX2 or AVX-512 tiles here (its
     portable loop is ~8x slower than AVX2); True insists (ValueError naming why not); False: off.
-    ``transformers``: :func:`why_off`'s."""
-    why = why_off(setting, model, compile=compile, transformers=transformers)
+    ``transformers``: :func:`why_off`'s.  ``why``: a list that gets :func:`why_off`'s phrase (None where ours
+    runs), for a caller that says why."""
+    reason = why_off(setting, model, compile=compile, transformers=transformers)
+    if why is not None:
+        why.append(reason)
     if setting is False:
         return None
-    if why is not None:
+    if reason is not None:
         if setting is True:
             raise ValueError(f"HeteroSpec: argument 'cpu_decoder' expected False or 'auto' here (True needs a "
-                             f"supported CPU model, no compile, and heterospec._gemm), got True for {why}")
+                             f"supported CPU model, no compile, and heterospec._gemm), got True for {reason}")
         return None
     return _shared(model, CpuDecoder)
 

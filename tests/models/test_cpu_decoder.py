@@ -901,12 +901,12 @@ def test_what_the_decoder_lacks_of_the_mixtures_of_experts_is_refused_and_c_chec
 def test_auto_is_on_for_a_supported_float32_model_and_off_otherwise():
     model = cpu_model("llama")
     with HeteroSpec(model) as hs:
-        assert hs.cpu_decoder.startswith("target (") and hs.target.decoder is not None
+        assert hs.cpu_decoder.startswith("target (") and hs.target.decoder is not None and hs.cpu_decoder_why is None
         assert hs.generate(prompts(1)[0].cpu(), max_new_tokens=2)[1].cpu_decoder == hs.cpu_decoder
     with HeteroSpec(model) as a, HeteroSpec(model, cpu_decoder=True) as b:   # one packed copy per model
         assert a.target.decoder is b.target.decoder
     with HeteroSpec(model, cpu_decoder=False) as hs:
-        assert hs.cpu_decoder == "off" and hs.target.decoder is None
+        assert hs.cpu_decoder == "off" and hs.target.decoder is None and hs.cpu_decoder_why == "off"
     with HeteroSpec(cpu_model("llama").to(torch.bfloat16)) as hs:   # a half model: ours, row-invariant by itself
         assert hs.cpu_decoder.startswith("target (") and "BF16" in hs.cpu_decoder and not hs.batch_invariant
     with HeteroSpec(cpu_model("llama").to(torch.bfloat16), batch_invariant=True) as hs:   # transformers' bf16
@@ -914,7 +914,7 @@ def test_auto_is_on_for_a_supported_float32_model_and_off_otherwise():
     with pytest.raises(ValueError, match="cpu_decoder.*batch_invariant=True"):
         HeteroSpec(cpu_model("llama").to(torch.bfloat16), cpu_decoder=True, batch_invariant=True)
     with HeteroSpec(cpu_model("llama").to(torch.float64)) as hs:
-        assert hs.cpu_decoder == "off"
+        assert hs.cpu_decoder == "off" and "float64" in hs.cpu_decoder_why
     assert "float64" in cpu_decoder.unsupported(cpu_model("llama").to(torch.float64))
 
 
@@ -945,7 +945,7 @@ def test_auto_leaves_a_model_whose_packed_copy_the_memory_would_not_hold_on_tran
     assert why == f"a packed copy of its weights (up to {4 * (3 * per_layer + V * H) / 2**30:.1f} GiB) that the " \
                   f"memory available (0.0 GiB) would not hold"
     with pytest.warns(UserWarning, match="cpu_decoder='auto'"), HeteroSpec(model) as hs:
-        assert hs.cpu_decoder == "off" and hs.target.decoder is None
+        assert hs.cpu_decoder == "off" and hs.target.decoder is None and hs.cpu_decoder_why == why
     with HeteroSpec(model, cpu_decoder=True) as hs:   # (insisting packs it; then 'auto' finds it packed)
         assert hs.target.decoder is not None
         assert cpu_decoder.why_off("auto", model) is None
