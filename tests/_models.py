@@ -146,6 +146,15 @@ def tiny_target(arch, vocab=V, layers=8, seed=0, sharpen=40.0, **moe):
             pytest.skip(f"transformers {transformers.__version__} names Granite 4.0's layers 'attention' (the engine "
                         f"reads full_attention, sliding_attention and linear_attention)")
         return _sharpened(_random_norms(transformers.GraniteMoeHybridForCausalLM(cfg)), sharpen)
+    if arch in PAIRS:   # Llama's layout rotating neighbouring pairs (ERNIE 4.5 with biases; GLM with q/k/v biases,
+        # gate/up fused, half of each head rotated); Ministral's layers all full here (its window:
+        # tests/engine/test_sliding_window.py)
+        name, kw = PAIRS[arch]
+        if arch == "ministral":
+            kw = dict(kw, layer_types=["full_attention"] * layers)
+        cfg = getattr(transformers, name + "Config")(**common, **kw, head_dim=8, pad_token_id=0, bos_token_id=1,
+                                                      eos_token_id=2)
+        return _sharpened(_random_norms(getattr(transformers, name + "ForCausalLM")(cfg)), sharpen)
     if arch == "llama":
         cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     elif arch == "granite":   # Llama's layout with multipliers: embeddings x 12, attention scale 0.2 (not 1/sqrt(8)),
@@ -170,6 +179,8 @@ def tiny_target(arch, vocab=V, layers=8, seed=0, sharpen=40.0, **moe):
     return _sharpened(cls(cfg), sharpen)
 
 
+PAIRS = {"ernie4_5": ("Ernie4_5", dict(use_bias=True, tie_word_embeddings=False)), "helium": ("Helium", {}),
+         "glm": ("Glm", {}), "ministral": ("Ministral", {})}
 MOE = {"mixtral": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
        "qwen2_moe": ("Qwen2Moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                       shared_expert_intermediate_size=64, mlp_only_layers=[1], norm_topk_prob=False)),

@@ -67,8 +67,10 @@ from .target import sliding_layout
 
 # (granitemoehybrid: Granite 4.0's dense models, attention layers only; the last five: mixtures of experts,
 # MOE_FAMILIES)
-LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "granitemoehybrid", "mixtral",
-                  "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
+LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "granitemoehybrid", "ministral",
+                  "ernie4_5", "helium", "glm", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
+# Llama's layout with GPT-J's rotation of neighbouring pairs (ERNIE 4.5, Helium, GLM: their rotate_half interleaves)
+PAIR_FAMILIES = ("ernie4_5", "helium", "glm")
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
 OLMO_FAMILIES = ("olmo2", "olmo3", "exaone4")   # (EXAONE 4: OLMo 2's layout with q/k norms per head)
 FAMILIES = LLAMA_FAMILIES + GEMMA_FAMILIES + OLMO_FAMILIES + ("gpt_neox", "gpt2", "gpt_bigcode", "opt", "phi", "gptj",
@@ -224,8 +226,11 @@ def _llama_layout(model, cfg):
     inter = widths.pop() if widths else moe.moe_inter
     # the rotated dimensions: the width of the model's own tables (Phi-3 / Phi-4-mini rotate part of each head)
     rotary, _, rot = _rotaries(base.rotary_emb, cfg) if base.rotary_emb is not None else (None, None, 0)
+    pairs = cfg.model_type in PAIR_FAMILIES
+    if pairs:   # the first half of the module's tables, each value repeated for its pair, as their rotation reads them
+        rotary = _interleaved(rotary)
     got = _Layout(embed=base.embed_tokens, pos=None, rotary=rotary, final=base.norm, head=head,
-                  layers=list(layers), arch=0, act=HSD_SILU_GLU, rot=rot,
+                  layers=list(layers), arch=HSD_ROT_PAIRS if pairs else 0, act=HSD_SILU_GLU, rot=rot,
                   eps=float(layers[0].input_layernorm.variance_epsilon), scale=float(att0.scaling),
                   heads=cfg.num_attention_heads, kv_heads=getattr(cfg, "num_key_value_heads", None)
                   or cfg.num_attention_heads, head_dim=att0.head_dim, inter=inter, parts=_llama_parts)
@@ -714,6 +719,17 @@ def _phi_layout(model, cfg):
                    eps=got[0], scale=float(att0.scaling), heads=cfg.num_attention_heads,
                    kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim=D,
                    inter=layers[0].mlp.fc1.out_features, parts=parts)
+
+
+def _interleaved(rotary):
+    """A rotary module's tables (cos, sin [B, n, 2f]: the f frequencies twice) as ERNIE 4.5, Helium and GLM rotate
+    neighbouring pairs with them: the first f values, each repeated for its pair."""
+    def tables(h, positions):
+        cos, sin = rotary(h, positions)
+        f = cos.shape[-1] // 2
+        return cos[..., :f].repeat_interleave(2, -1), sin[..., :f].repeat_interleave(2, -1)
+
+    return tables
 
 
 def _pair_tables(owner):

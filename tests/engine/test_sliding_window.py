@@ -1,5 +1,5 @@
 """Targets whose attention slides (Mistral, Phi-3, StarCoder2, Mixtral: every layer; Gemma 2/3, Qwen2/3 and
-Qwen2-MoE with ``use_sliding_window``, Cohere 2, EXAONE 4, gpt-oss: some layers, by ``config.layer_types``): the engine restricts each
+Qwen2-MoE with ``use_sliding_window``, Ministral, Cohere 2, EXAONE 4, gpt-oss: some layers, by ``config.layer_types``): the engine restricts each
 forward's mask to the window as transformers does, so greedy output equals HuggingFace's own generate -- for prompts
 and generations longer than the window, where the window changes HuggingFace's output (checked first: a test that
 could not fail otherwise), with autoregressive decoding, EAGLE-3 trees and HeteroSpec's bins, one prompt or a
@@ -38,6 +38,9 @@ ARCHS = {
     # (three sliding layers to a full one; a wider init, as StarCoder2)
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(sliding_window=WINDOW, pad_token_id=0), 40.0),   # (its
     # pattern: three sliding layers to a full one, which rotates nothing)
+    "ministral": ("MinistralConfig", "MinistralForCausalLM",   # (Ministral-8B's sliding and full layers)
+                  dict(sliding_window=WINDOW, head_dim=8, layer_types=["sliding_attention", "full_attention"] * 3),
+                  40.0),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(sliding_window=WINDOW, num_local_experts=4,
                                                              num_experts_per_tok=2), 40.0),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",   # (its sliding and full layers, shared experts)

@@ -32,12 +32,13 @@ ISAS = range(G.isa_best() + 1) if G is not None else ()
 # granite: Llama's layout with its multipliers (embeddings, attention scale, each residual add, the logits' divisor);
 # exaone4: OLMo 2's layout with q/k norms head by head
 # granitemoehybrid: Granite 4.0's dense models (Granite's multipliers, a shared MLP of input_linear and output_linear),
-# with rotary, or without (-nope)
+# with rotary, or without (-nope); ministral: Llama's layout (its window: test_sliding_window.py); ernie4_5, helium,
+# glm: neighbouring pairs rotated (ERNIE with biases; GLM with q/k/v biases, gate/up fused, half of each head rotated)
 # mixtures of experts (4 experts, 2 a row): mixtral (renormalised weights), qwen2_moe (shared experts, a dense layer,
 # weights not renormalised), qwen3_moe (every second layer dense), olmoe (q/k normed over all heads), granitemoe (the
 # softmax of the chosen logits, Granite's multipliers)
 ARCHS = ["llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma", "gemma2", "gemma3", "olmo2", "olmo3", "granite",
-         "exaone4", "granitemoehybrid", "granitemoehybrid-nope", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+         "exaone4", "granitemoehybrid", "granitemoehybrid-nope", "ministral", "ernie4_5", "helium", "glm", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
          "granitemoe"]
 # LayerNorm layouts: GPT-NeoX (Pythia: the parallel residual and gelu; serial with gelu's tanh form; rotary over
 # half of each head, q/k/v fused head by head), GPT-2 (learned positions, Conv1D weights, gelu's tanh form),
@@ -369,6 +370,10 @@ def _twin_layers(model):
             g = m.input_linear.weight
             L.update(gate=g[:g.shape[0] // 2], up=g[g.shape[0] // 2:])
             lins = (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("o", a.o_proj), ("down", m.output_linear))
+        elif hasattr(m, "gate_up_proj") and not hasattr(a, "qkv_proj"):   # GLM: gate/up fused, q/k/v apart
+            g = m.gate_up_proj.weight
+            L.update(gate=g[:g.shape[0] // 2], up=g[g.shape[0] // 2:])
+            lins = (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("o", a.o_proj), ("down", m.down_proj))
         elif hasattr(a, "qkv_proj"):   # Phi-3: q/k/v and gate/up fused (rows [q; k; v] and [gate; up]), no biases
             nq, nk = model.config.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
             w, g = a.qkv_proj.weight, m.gate_up_proj.weight
@@ -393,6 +398,14 @@ def _twin_layers(model):
         embed = base.embed_tokens.weight * torch.tensor(c.embedding_multiplier, dtype=torch.float32)
         return layers, base.norm.weight.detach().numpy(), model.lm_head.weight, embed, None, base.rotary_emb, \
             dict(res_mult=c.residual_multiplier, logit_div=c.logits_scaling)
+    if kind in ("ernie4_5", "helium", "glm"):   # neighbouring pairs: the tables' first half, each value for its pair
+
+        def pair_tables(h, pos):
+            cos, sin = base.rotary_emb(h, pos)
+            return (t[..., :t.shape[-1] // 2].repeat_interleave(2, -1) for t in (cos, sin))
+
+        return layers, base.norm.weight.detach().numpy(), model.lm_head.weight, base.embed_tokens.weight, None, \
+            pair_tables, dict(pairs=True)
     return layers, base.norm.weight.detach().numpy(), model.lm_head.weight, base.embed_tokens.weight, None, \
         base.rotary_emb, {}
 
