@@ -180,7 +180,7 @@ def tiny_target(arch, vocab=V, layers=8, seed=0, sharpen=40.0, **moe):
 
 
 PAIRS = {"ernie4_5": ("Ernie4_5", dict(use_bias=True, tie_word_embeddings=False)), "helium": ("Helium", {}),
-         "glm": ("Glm", {}), "ministral": ("Ministral", {})}
+         "glm": ("Glm", {}), "glm4": ("Glm4", {}), "ministral": ("Ministral", {})}
 MOE = {"mixtral": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
        "qwen2_moe": ("Qwen2Moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                       shared_expert_intermediate_size=64, mlp_only_layers=[1], norm_topk_prob=False)),

@@ -68,9 +68,10 @@ from .target import sliding_layout
 # (granitemoehybrid: Granite 4.0's dense models, attention layers only; the last five: mixtures of experts,
 # MOE_FAMILIES)
 LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "granitemoehybrid", "ministral",
-                  "ernie4_5", "helium", "glm", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
-# Llama's layout with GPT-J's rotation of neighbouring pairs (ERNIE 4.5, Helium, GLM: their rotate_half interleaves)
-PAIR_FAMILIES = ("ernie4_5", "helium", "glm")
+                  "ernie4_5", "helium", "glm", "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
+# Llama's layout with GPT-J's rotation of neighbouring pairs (ERNIE 4.5, Helium, GLM: their rotate_half interleaves;
+# GLM-4's layers besides norm the attention's and the MLP's outputs, as Gemma 2's sandwich)
+PAIR_FAMILIES = ("ernie4_5", "helium", "glm", "glm4")
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
 OLMO_FAMILIES = ("olmo2", "olmo3", "exaone4")   # (EXAONE 4: OLMo 2's layout with q/k norms per head)
 FAMILIES = LLAMA_FAMILIES + GEMMA_FAMILIES + OLMO_FAMILIES + ("gpt_neox", "gpt2", "gpt_bigcode", "opt", "phi", "gptj",
@@ -208,7 +209,9 @@ def _llama_layout(model, cfg):
                                                 for n in sum(_mlp_names(mlp), ()))):
             return "a layer without q/k/v (or qkv_proj), o and gate/up (or gate_up_proj), down linear layers"
         if not (_is_rmsnorm(getattr(layer, "input_layernorm", None))
-                and _is_rmsnorm(getattr(layer, "post_attention_layernorm", None))):
+                and _is_rmsnorm(getattr(layer, "post_attention_layernorm", None))) \
+                or not all(_is_rmsnorm(getattr(layer, n)) for n in ("post_self_attn_layernorm", "post_mlp_layernorm")
+                           if getattr(layer, n, None) is not None):   # (GLM-4's)
             return "a layer whose norms are not RMSNorm"
         for n in ("q_norm", "k_norm"):
             if getattr(att, n, None) is not None and not _is_rmsnorm(getattr(att, n)):
@@ -276,7 +279,10 @@ def _llama_parts(layer):
              "down": [] if m is None else [_pair(getattr(m, _mlp_names(m)[1][0]))],
              "no_rot": not getattr(a, "use_rope", True),   # (SmolLM3: every few layers rotate nothing, NoPE)
              "q_norm": getattr(getattr(a, "q_norm", None), "weight", None),
-             "k_norm": getattr(getattr(a, "k_norm", None), "weight", None)}
+             "k_norm": getattr(getattr(a, "k_norm", None), "weight", None),
+             # (GLM-4's norms of the attention's and the MLP's outputs)
+             "post_attn": getattr(getattr(layer, "post_self_attn_layernorm", None), "weight", None),
+             "post_mlp": getattr(getattr(layer, "post_mlp_layernorm", None), "weight", None)}
     if blk is not None:
         router, gu, down = _moe_weights(blk)
         gate = getattr(blk, "shared_expert_gate", None)

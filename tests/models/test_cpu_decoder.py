@@ -33,12 +33,14 @@ ISAS = range(G.isa_best() + 1) if G is not None else ()
 # exaone4: OLMo 2's layout with q/k norms head by head
 # granitemoehybrid: Granite 4.0's dense models (Granite's multipliers, a shared MLP of input_linear and output_linear),
 # with rotary, or without (-nope); ministral: Llama's layout (its window: test_sliding_window.py); ernie4_5, helium,
-# glm: neighbouring pairs rotated (ERNIE with biases; GLM with q/k/v biases, gate/up fused, half of each head rotated)
+# glm: neighbouring pairs rotated (ERNIE with biases; GLM with q/k/v biases, gate/up fused, half of each head rotated);
+# glm4: GLM's with norms of the attention's and the MLP's outputs
 # mixtures of experts (4 experts, 2 a row): mixtral (renormalised weights), qwen2_moe (shared experts, a dense layer,
 # weights not renormalised), qwen3_moe (every second layer dense), olmoe (q/k normed over all heads), granitemoe (the
 # softmax of the chosen logits, Granite's multipliers)
 ARCHS = ["llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma", "gemma2", "gemma3", "olmo2", "olmo3", "granite",
-         "exaone4", "granitemoehybrid", "granitemoehybrid-nope", "ministral", "ernie4_5", "helium", "glm", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+         "exaone4", "granitemoehybrid", "granitemoehybrid-nope", "ministral", "ernie4_5", "helium", "glm", "glm4",
+         "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
          "granitemoe"]
 # LayerNorm layouts: GPT-NeoX (Pythia: the parallel residual and gelu; serial with gelu's tanh form; rotary over
 # half of each head, q/k/v fused head by head), GPT-2 (learned positions, Conv1D weights, gelu's tanh form),
@@ -390,6 +392,8 @@ def _twin_layers(model):
         for name in ("q_norm", "k_norm"):
             if getattr(a, name, None) is not None:
                 L[name] = getattr(a, name).weight
+        if hasattr(layer, "post_self_attn_layernorm"):   # GLM-4: the attention's and the MLP's outputs normed
+            L.update(post_attn=layer.post_self_attn_layernorm.weight, post_mlp=layer.post_mlp_layernorm.weight)
         layers.append(dict(_np(L), no_rot=not getattr(a, "use_rope", True),   # (SmolLM3's NoPE layers)
                            qk_all=kind == "olmoe", **(_moe_twin(blk, model.config) if blk is not None else {})))
     c = model.config
@@ -398,7 +402,7 @@ def _twin_layers(model):
         embed = base.embed_tokens.weight * torch.tensor(c.embedding_multiplier, dtype=torch.float32)
         return layers, base.norm.weight.detach().numpy(), model.lm_head.weight, embed, None, base.rotary_emb, \
             dict(res_mult=c.residual_multiplier, logit_div=c.logits_scaling)
-    if kind in ("ernie4_5", "helium", "glm"):   # neighbouring pairs: the tables' first half, each value for its pair
+    if kind in ("ernie4_5", "helium", "glm", "glm4"):   # neighbouring pairs: the tables' first half, per pair
 
         def pair_tables(h, pos):
             cos, sin = base.rotary_emb(h, pos)
