@@ -315,7 +315,8 @@ def _dense_mlp(layer):
 
 def _moe_weights(blk):
     """(router [E, H], each expert's [gate; up] [E, 2 MI, H], down [E, H, MI]) of a mixture-of-experts block:
-    transformers 5's experts as 3D parameters; Granite MoE's before 5.2 (router.layer, input_linear, output_linear)."""
+    transformers 5's experts as 3D parameters; Granite MoE's on transformers 5.0 (router.layer, input_linear,
+    output_linear; 5.23 has the 3D parameters)."""
     router = getattr(blk, "gate", None) if hasattr(blk, "gate") else getattr(blk, "router", None)
     w = getattr(router, "weight", None)
     w = getattr(getattr(router, "layer", None), "weight", None) if w is None else w
