@@ -146,10 +146,10 @@ def tiny_target(arch, vocab=V, layers=8, seed=0, sharpen=40.0, **moe):
             pytest.skip(f"transformers {transformers.__version__} names Granite 4.0's layers 'attention' (the engine "
                         f"reads full_attention, sliding_attention and linear_attention)")
         return _sharpened(_random_norms(transformers.GraniteMoeHybridForCausalLM(cfg)), sharpen)
-    if arch in PAIRS:   # Llama's layout rotating neighbouring pairs (ERNIE 4.5 with biases; GLM with q/k/v biases,
-        # gate/up fused, half of each head rotated); Ministral's layers all full here (its window:
-        # tests/engine/test_sliding_window.py)
-        name, kw = PAIRS[arch]
+    if arch in LLAMA_LIKE:   # Llama's layout rotating neighbouring pairs (ERNIE 4.5 with biases; GLM with q/k/v biases,
+        # gate/up fused, half of each head rotated; GLM-4 with post norms); Ministral's layers all full here (its
+        # window: tests/engine/test_sliding_window.py); HunYuan's q/k norms after the rotation
+        name, kw = LLAMA_LIKE[arch]
         if arch == "ministral":
             kw = dict(kw, layer_types=["full_attention"] * layers)
         cfg = getattr(transformers, name + "Config")(**common, **kw, head_dim=8, pad_token_id=0, bos_token_id=1,
@@ -179,8 +179,9 @@ def tiny_target(arch, vocab=V, layers=8, seed=0, sharpen=40.0, **moe):
     return _sharpened(cls(cfg), sharpen)
 
 
-PAIRS = {"ernie4_5": ("Ernie4_5", dict(use_bias=True, tie_word_embeddings=False)), "helium": ("Helium", {}),
-         "glm": ("Glm", {}), "glm4": ("Glm4", {}), "ministral": ("Ministral", {})}
+LLAMA_LIKE = {"ernie4_5": ("Ernie4_5", dict(use_bias=True, tie_word_embeddings=False)), "helium": ("Helium", {}),
+              "glm": ("Glm", {}), "glm4": ("Glm4", {}), "ministral": ("Ministral", {}),
+              "hunyuan_v1_dense": ("HunYuanDenseV1", {})}
 MOE = {"mixtral": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
        "qwen2_moe": ("Qwen2Moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                       shared_expert_intermediate_size=64, mlp_only_layers=[1], norm_topk_prob=False)),

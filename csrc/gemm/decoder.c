@@ -570,7 +570,7 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
     if (m->hidden_norm && (!emb || m->layers != 1 || m->arch || m->act != HSD_SILU_GLU)) return -1;
     if (R < 0 || R > D || R % 2 || m->act < HSD_SILU_GLU || m->act > HSD_GELU_TANH_GLU
         || (m->arch & ~(HSD_LAYERNORM | HSD_PARALLEL | HSD_SHARED_NORM | HSD_ROT_PAIRS | HSD_POST_ONLY
-                        | HSD_QK_NORM_ALL | HSD_H_FIRST))
+                        | HSD_QK_NORM_ALL | HSD_H_FIRST | HSD_QK_NORM_AFTER))
         || ((m->arch & HSD_H_FIRST) && !(m->arch & HSD_PARALLEL)) || !isfinite(m->logit_mult)
         || ((m->arch & HSD_SHARED_NORM) && !(m->arch & HSD_PARALLEL))
         || ((m->arch & HSD_POST_ONLY) && (m->arch & HSD_PARALLEL)) || !isfinite(m->res_mult)
@@ -676,16 +676,20 @@ int hsd_forward(const hsd_model *m, const hsd_cache *c, float *h, const float *e
         const uint8_t *sees = near ? local->allowed : allowed;
         const float *lc = near && local->cos ? local->cos : cos, *ls = near && local->sin ? local->sin : sin;
         const int wide = (m->arch & HSD_QK_NORM_ALL) != 0; /* q and k normed whole, not head by head */
+        const int after = (m->arch & HSD_QK_NORM_AFTER) != 0; /* ... after the rotation (HunYuan), not before */
         for (int64_t r = 0; r < n; r++) {
             float *row = qkv + r * QKV;
-            if (wide && qn) hsd_rmsnorm(row, qn, row, NQ, m->eps, isa);
-            if (wide && kn) hsd_rmsnorm(row + NQ, kn, row + NQ, NK, m->eps, isa);
+            if (wide && qn && !after) hsd_rmsnorm(row, qn, row, NQ, m->eps, isa);
+            if (wide && kn && !after) hsd_rmsnorm(row + NQ, kn, row + NQ, NK, m->eps, isa);
             for (int64_t a = 0; a < m->heads + m->kv_heads; a++) {
                 float *v = row + a * D;
                 const float *nw = wide ? NULL : a < m->heads ? qn : kn;
-                if (nw) hsd_rmsnorm(v, nw, v, D, m->eps, isa);
+                if (nw && !after) hsd_rmsnorm(v, nw, v, D, m->eps, isa);
                 if (RL) rotate(v, lc + r * R, ls + r * R, R, (m->arch & HSD_ROT_PAIRS) != 0, rot);
+                if (nw && after) hsd_rmsnorm(v, nw, v, D, m->eps, isa);
             }
+            if (wide && qn && after) hsd_rmsnorm(row, qn, row, NQ, m->eps, isa);
+            if (wide && kn && after) hsd_rmsnorm(row + NQ, kn, row + NQ, NK, m->eps, isa);
             float *base = c->kv + req[r] * c->s_batch + L * c->s_layer + slot[r] * D;
             for (int64_t a = 0; a < m->kv_heads; a++) {
                 memcpy(base + a * c->s_head, row + NQ + a * D, (size_t)D * sizeof(float));

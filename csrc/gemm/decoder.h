@@ -30,7 +30,8 @@
  * before the rotation.  Granite's: each residual add scaled (h + o * res_mult) and the logits divided (logit_div); its
  * embeddings' multiplier and attention_multiplier (the scale) are the caller's.  Cohere's: the parallel residual summed
  * from h (HSD_H_FIRST with HSD_PARALLEL: h = (h + attn) + mlp, its order), LayerNorms without bias, the logits
- * multiplied (logit_mult).  Mixture-of-experts layers (HSD_ROUTER: Mixtral, Qwen2/3-MoE, OLMoE, Granite MoE): the
+ * multiplied (logit_mult).  HunYuan's: q_norm and k_norm after the rotation (HSD_QK_NORM_AFTER).
+ * Mixture-of-experts layers (HSD_ROUTER: Mixtral, Qwen2/3-MoE, OLMoE, Granite MoE): the
  * MLP's rows go to the top_k experts of a router (x R^T, E logits; ties to the lower index), weighted by the softmax
  * of all E logits at those experts (divided by their sum with HSD_MOE_NORM), or by the softmax of the top_k logits
  * alone (HSD_MOE_TOPK_SOFTMAX, Granite's); each expert a SiLU-gated MLP of moe_inter; out = 0, then out + (y_e * w_e)
@@ -68,7 +69,7 @@ enum {
  * GU holds [gate; up] (2 * inter rows) for HSD_SILU_GLU and HSD_GELU_TANH_GLU (gelu's tanh form of the gate times up:
  * Gemma's GeGLU), the one matrix before the activation (inter rows) else. */
 enum { HSD_LAYERNORM = 1, HSD_PARALLEL = 2, HSD_SHARED_NORM = 4, HSD_ROT_PAIRS = 8, HSD_POST_ONLY = 16,
-       HSD_QK_NORM_ALL = 32, HSD_H_FIRST = 64 };
+       HSD_QK_NORM_ALL = 32, HSD_H_FIRST = 64, HSD_QK_NORM_AFTER = 128 };
 /* hsd_model.moe bits: the routing weights renormalised over the chosen experts; the softmax of the chosen logits */
 enum { HSD_MOE_NORM = 1, HSD_MOE_TOPK_SOFTMAX = 2 };
 enum { HSD_SILU_GLU = 0, HSD_GELU = 1, HSD_GELU_TANH = 2, HSD_RELU = 3, HSD_GELU_TANH_GLU = 4 };
@@ -95,7 +96,7 @@ typedef struct {
     int64_t fc_in;
     const float *final_norm_b;  /* the final LayerNorm's bias or NULL */
     int arch, act;              /* HSD_LAYERNORM | HSD_PARALLEL | HSD_SHARED_NORM | HSD_ROT_PAIRS | HSD_POST_ONLY |
-                                 * HSD_QK_NORM_ALL | HSD_H_FIRST; HSD_SILU_GLU,
+                                 * HSD_QK_NORM_ALL | HSD_H_FIRST | HSD_QK_NORM_AFTER; HSD_SILU_GLU,
                                  * HSD_GELU, HSD_GELU_TANH or HSD_RELU */
     int64_t rot;                /* the rotated dimensions of each head (even, <= head_dim; 0: none) */
     /* soft-capping (Gemma 2), 0: none: each attention score s (after the scale) and each logit of the output layer

@@ -165,14 +165,14 @@ static PyObject *py_decoder_forward(PyObject *self, PyObject *args) {
     }
     if (rot < 0 || rot > md[4] || rot % 2 || act < HSD_SILU_GLU || act > HSD_GELU_TANH_GLU
         || (arch & ~(HSD_LAYERNORM | HSD_PARALLEL | HSD_SHARED_NORM | HSD_ROT_PAIRS | HSD_POST_ONLY | HSD_QK_NORM_ALL
-                     | HSD_H_FIRST)) || ((arch & HSD_H_FIRST) && !(arch & HSD_PARALLEL))
+                     | HSD_H_FIRST | HSD_QK_NORM_AFTER)) || ((arch & HSD_H_FIRST) && !(arch & HSD_PARALLEL))
         || ((arch & HSD_SHARED_NORM) && !(arch & HSD_PARALLEL)) || ((arch & HSD_POST_ONLY) && (arch & HSD_PARALLEL))
         || !(attn_cap >= 0.0f) || !(final_cap >= 0.0f)
         || isinf(attn_cap) || isinf(final_cap) || !isfinite(res_mult) || !isfinite(logit_div) || logit_div == 0.0f
         || (res_mult != 1.0f && (arch & HSD_PARALLEL)) || !isfinite(logit_mult)) {
         char msg[512]; /* (PyErr_Format has no %g) */
         snprintf(msg, sizeof msg, "decoder_forward: argument 'model' expected rot even in [0, head_dim %lld], act "
-                 "0-4, arch bits 1|2|4|8|16|32|64 (4 and 64 with 2, 16 without 2), finite caps >= 0, a finite "
+                 "0-4, arch bits 1|2|4|8|16|32|64|128 (4 and 64 with 2, 16 without 2), finite caps >= 0, a finite "
                  "res_mult (1 with 2), a finite nonzero logit_div and a finite logit_mult, got rot %lld, act %d, "
                  "arch %d, caps %g and %g, res_mult %g, logit_div %g, logit_mult %g", md[4], rot, act, arch,
                  (double)attn_cap, (double)final_cap, (double)res_mult, (double)logit_div, (double)logit_mult);

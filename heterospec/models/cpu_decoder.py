@@ -68,7 +68,8 @@ from .target import sliding_layout
 # (granitemoehybrid: Granite 4.0's dense models, attention layers only; the last five: mixtures of experts,
 # MOE_FAMILIES)
 LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite", "granitemoehybrid", "ministral",
-                  "ernie4_5", "helium", "glm", "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
+                  "ernie4_5", "helium", "glm", "glm4", "hunyuan_v1_dense", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+                  "granitemoe")
 # Llama's layout with GPT-J's rotation of neighbouring pairs (ERNIE 4.5, Helium, GLM: their rotate_half interleaves;
 # GLM-4's layers besides norm the attention's and the MLP's outputs, as Gemma 2's sandwich)
 PAIR_FAMILIES = ("ernie4_5", "helium", "glm", "glm4")
@@ -83,6 +84,8 @@ ISA_NAMES = ("portable", "AVX2", "AVX-512")
 HSD_RESIDUAL_NORMED, HSD_HEAD_RAW, HSD_OUT_NORMED = 1, 2, 4   # decoder.h's flags
 HSD_LAYERNORM, HSD_PARALLEL, HSD_SHARED_NORM, HSD_ROT_PAIRS, HSD_POST_ONLY, HSD_QK_NORM_ALL, HSD_H_FIRST = \
     1, 2, 4, 8, 16, 32, 64   # (decoder.h's arch bits)
+HSD_QK_NORM_AFTER = 128   # (decoder.h's: q/k norms after the rotation, HunYuan's)
+QK_NORMS = (("q_norm", "k_norm"), ("query_layernorm", "key_layernorm"))   # (HunYuan's names: after the rotation)
 HSD_SILU_GLU, HSD_GELU, HSD_GELU_TANH, HSD_RELU, HSD_GELU_TANH_GLU = 0, 1, 2, 3, 4   # decoder.h's act
 HSD_MOE_NORM, HSD_MOE_TOPK_SOFTMAX = 1, 2   # decoder.h's moe bits
 HSD_FIELD_ROUTER, HSD_FIELD_EXPERTS, HSD_FIELD_SHARED_GATE = 18, 19, 20   # decoder.h's table columns of a mixture
@@ -213,7 +216,7 @@ def _llama_layout(model, cfg):
                 or not all(_is_rmsnorm(getattr(layer, n)) for n in ("post_self_attn_layernorm", "post_mlp_layernorm")
                            if getattr(layer, n, None) is not None):   # (GLM-4's)
             return "a layer whose norms are not RMSNorm"
-        for n in ("q_norm", "k_norm"):
+        for n in sum(QK_NORMS, ()):
             if getattr(att, n, None) is not None and not _is_rmsnorm(getattr(att, n)):
                 return f"a {n} that is not RMSNorm"
         why = mlp is not None and _silu_only(getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
@@ -241,6 +244,8 @@ def _llama_layout(model, cfg):
         got.__dict__.update(moe.__dict__)
     if cfg.model_type == "olmoe":   # q and k normed over all heads at once (OLMo 2's q_norm and k_norm)
         got.arch = HSD_QK_NORM_ALL
+    if getattr(att0, QK_NORMS[1][0], None) is not None:   # (HunYuan: q and k normed after the rotation)
+        got.arch |= HSD_QK_NORM_AFTER
     if cfg.model_type in ("granite", "granitemoe", "granitemoehybrid"):   # multipliers: the embeddings', each
         # residual add's, the logits'
         mults = {float(getattr(layer, "residual_multiplier", "nan")) for layer in layers}
@@ -278,8 +283,9 @@ def _llama_parts(layer):
              "gu": [] if m is None else [_pair(getattr(m, n)) for n in _mlp_names(m)[0]],
              "down": [] if m is None else [_pair(getattr(m, _mlp_names(m)[1][0]))],
              "no_rot": not getattr(a, "use_rope", True),   # (SmolLM3: every few layers rotate nothing, NoPE)
-             "q_norm": getattr(getattr(a, "q_norm", None), "weight", None),
-             "k_norm": getattr(getattr(a, "k_norm", None), "weight", None),
+             # (HunYuan's after the rotation, HSD_QK_NORM_AFTER)
+             "q_norm": getattr(getattr(a, "q_norm", None) or getattr(a, "query_layernorm", None), "weight", None),
+             "k_norm": getattr(getattr(a, "k_norm", None) or getattr(a, "key_layernorm", None), "weight", None),
              # (GLM-4's norms of the attention's and the MLP's outputs)
              "post_attn": getattr(getattr(layer, "post_self_attn_layernorm", None), "weight", None),
              "post_mlp": getattr(getattr(layer, "post_mlp_layernorm", None), "weight", None)}

@@ -272,20 +272,27 @@ def _layer(L, x, h, eps, scale, heads, kv_heads, cos, sin, cache, slots, allowed
         return rows_linear(x, L[name], L.get(name + "_b"))
 
     q, k = lin(x, "q"), lin(x, "k")
-    if L.get("qk_all"):   # (OLMo 2: q and k normed over all their heads at once)
+    after = L.get("qk_after", False)   # (HunYuan: the q/k norms after the rotation)
+    if L.get("qk_all") and not after:   # (OLMo 2: q and k normed over all their heads at once)
         q = rmsnorm(q, L["q_norm"], eps) if L.get("q_norm") is not None else q
         k = rmsnorm(k, L["k_norm"], eps) if L.get("k_norm") is not None else k
     q = q.reshape(n, heads, d)
     k = k.reshape(n, kv_heads, d)
     v = lin(x, "v").reshape(n, kv_heads, d)
-    if L.get("q_norm") is not None and not L.get("qk_all"):
+    if L.get("q_norm") is not None and not L.get("qk_all") and not after:
         q = rmsnorm(q, L["q_norm"], eps)
-    if L.get("k_norm") is not None and not L.get("qk_all"):
+    if L.get("k_norm") is not None and not L.get("qk_all") and not after:
         k = rmsnorm(k, L["k_norm"], eps)
     if cos is not None and not L.get("no_rot"):   # (SmolLM3's NoPE layers: no rotation)
         R = cos.shape[-1]
         q[..., :R] = rotate(q[..., :R], cos[:, None, :], sin[:, None, :], pairs)
         k[..., :R] = rotate(k[..., :R], cos[:, None, :], sin[:, None, :], pairs)
+    if after:
+        shape_q, shape_k = q.shape, k.shape
+        if L.get("qk_all"):
+            q, k = q.reshape(n, -1), k.reshape(n, -1)
+        q = rmsnorm(q, L["q_norm"], eps).reshape(shape_q) if L.get("q_norm") is not None else q
+        k = rmsnorm(k, L["k_norm"], eps).reshape(shape_k) if L.get("k_norm") is not None else k
     for r, s in enumerate(slots):
         cache[0, :, s] = k[r]
         cache[1, :, s] = v[r]
@@ -313,7 +320,8 @@ def decoder_layers(layers, final_norm, head, eps, scale, heads, kv_heads, h, cos
 
     ``layers``: per layer a dict of float32 arrays ``ln1, ln2, q, k, v, o, gate, up, down`` ([out, in] weights) and
     optionally ``q_b, k_b, v_b, o_b, gate_b, up_b, down_b, q_norm, k_norm`` (per head; over all heads with
-    ``qk_all``), ``post_attn, post_mlp``, ``no_rot`` (True: the layer rotates nothing) and ``local``; a mixture of
+    ``qk_all``; after the rotation with ``qk_after``), ``post_attn, post_mlp``, ``no_rot`` (True: the layer rotates
+    nothing) and ``local``; a mixture of
     experts' ``router``, ``experts``, ``top_k``, ``moe`` and ``shared_gate`` in place of ``gate``, ``up``, ``down``
     (or with them: Qwen2-MoE's shared expert; :func:`_moe`); without ``ln1``
     and ``ln2`` the blocks read h itself (OLMo 2); ``ln1_b`` and ``ln2_b`` (a bias or None) make those norms

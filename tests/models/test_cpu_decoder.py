@@ -34,13 +34,13 @@ ISAS = range(G.isa_best() + 1) if G is not None else ()
 # granitemoehybrid: Granite 4.0's dense models (Granite's multipliers, a shared MLP of input_linear and output_linear),
 # with rotary, or without (-nope); ministral: Llama's layout (its window: test_sliding_window.py); ernie4_5, helium,
 # glm: neighbouring pairs rotated (ERNIE with biases; GLM with q/k/v biases, gate/up fused, half of each head rotated);
-# glm4: GLM's with norms of the attention's and the MLP's outputs
+# glm4: GLM's with norms of the attention's and the MLP's outputs; hunyuan_v1_dense: q/k norms after the rotation
 # mixtures of experts (4 experts, 2 a row): mixtral (renormalised weights), qwen2_moe (shared experts, a dense layer,
 # weights not renormalised), qwen3_moe (every second layer dense), olmoe (q/k normed over all heads), granitemoe (the
 # softmax of the chosen logits, Granite's multipliers)
 ARCHS = ["llama", "qwen2", "qwen3", "phi3", "smollm3", "gemma", "gemma2", "gemma3", "olmo2", "olmo3", "granite",
          "exaone4", "granitemoehybrid", "granitemoehybrid-nope", "ministral", "ernie4_5", "helium", "glm", "glm4",
-         "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+         "hunyuan_v1_dense", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
          "granitemoe"]
 # LayerNorm layouts: GPT-NeoX (Pythia: the parallel residual and gelu; serial with gelu's tanh form; rotary over
 # half of each head, q/k/v fused head by head), GPT-2 (learned positions, Conv1D weights, gelu's tanh form),
@@ -392,10 +392,13 @@ def _twin_layers(model):
         for name in ("q_norm", "k_norm"):
             if getattr(a, name, None) is not None:
                 L[name] = getattr(a, name).weight
+        if hasattr(a, "query_layernorm"):   # HunYuan: q/k norms per head, after the rotation
+            L.update(q_norm=a.query_layernorm.weight, k_norm=a.key_layernorm.weight)
         if hasattr(layer, "post_self_attn_layernorm"):   # GLM-4: the attention's and the MLP's outputs normed
             L.update(post_attn=layer.post_self_attn_layernorm.weight, post_mlp=layer.post_mlp_layernorm.weight)
         layers.append(dict(_np(L), no_rot=not getattr(a, "use_rope", True),   # (SmolLM3's NoPE layers)
-                           qk_all=kind == "olmoe", **(_moe_twin(blk, model.config) if blk is not None else {})))
+                           qk_all=kind == "olmoe", qk_after=hasattr(a, "query_layernorm"),
+                           **(_moe_twin(blk, model.config) if blk is not None else {})))
     c = model.config
     if kind in ("granite", "granitemoe", "granitemoehybrid"):   # multipliers, from the config (the embeddings' as
         # the module multiplies: float32)
@@ -849,7 +852,7 @@ def test_what_the_decoder_lacks_of_granite_stablelm_and_starcoder2_is_refused_an
     neox.res_mult = neox.logit_div = neox.logit_mult = 1.0
     neox.arch = cpu_decoder.HSD_LAYERNORM | cpu_decoder.HSD_H_FIRST   # (Cohere's order without the parallel residual)
     neox._pack()
-    with pytest.raises(ValueError, match=r"arch bits 1\|2\|4\|8\|16\|32\|64 \(4 and 64 with 2, 16 without 2\)"
+    with pytest.raises(ValueError, match=r"arch bits 1\|2\|4\|8\|16\|32\|64\|128 \(4 and 64 with 2, 16 without 2\)"
                                          r".*arch 65"):
         neox.forward(torch.tensor([[1, 2]]), torch.arange(2).view(1, 2), torch.arange(2), causal(2, 4), kv)
     assert not kv.any()
