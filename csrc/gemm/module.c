@@ -72,9 +72,10 @@ static PyObject *py_pack_codes(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_BEGIN_ALLOW_THREADS rc = hsg_pack_codes((int)a[0], (const int8_t *)(uintptr_t)a[1], (const float *)(uintptr_t)a[2],
                                                (const float *)(uintptr_t)a[3], (void *)(uintptr_t)a[4], a[5], a[6]);
     Py_END_ALLOW_THREADS if (rc) {
-        PyErr_Format(PyExc_ValueError, "pack_codes: arguments 'codec', 'q', 'd' and 'm' expected codec 1 (Q8) or 2 "
-                     "(Q4, with m, codes 0..15 and scales of at most 20 significant bits) and k a multiple of %d, "
-                     "got codec %lld, k %lld or codes out of range", HSG_BLOCK, a[0], a[6]);
+        PyErr_Format(PyExc_ValueError, "pack_codes: arguments 'codec', 'q', 'd' and 'm' expected codec 1 (Q8), 2 "
+                     "(Q4, with m, codes 0..15 and scales of at most 20 significant bits) or 5 (Q8X, with m, scales "
+                     "and offsets per 16, every product of a code and its scale exact) and k a multiple of %d, "
+                     "got codec %lld, k %lld, codes out of range or an inexact product", HSG_BLOCK, a[0], a[6]);
         return NULL;
     }
     Py_RETURN_NONE;

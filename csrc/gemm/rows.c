@@ -24,7 +24,10 @@
 #define HSG_GROUP 8 /* panels per group: a multiple of every tile's width */
 
 static int64_t block_bytes(int codec) { /* bytes of one panel's block of HSG_BLOCK k (0: no blocks) */
-    return codec == HSG_Q8 ? 64 + HSG_BLOCK * HSG_PANEL : codec == HSG_Q4 ? 128 + HSG_BLOCK * HSG_PANEL / 2 : 0;
+    return codec == HSG_Q8    ? 64 + HSG_BLOCK * HSG_PANEL
+           : codec == HSG_Q4  ? 128 + HSG_BLOCK * HSG_PANEL / 2
+           : codec == HSG_Q8X ? 256 + HSG_BLOCK * HSG_PANEL
+                              : 0;
 }
 
 static int half_codec(int codec) { return codec == HSG_F16 || codec == HSG_BF16; }
@@ -66,8 +69,43 @@ void hsg_pack(const float *w, int64_t ldw, float *wp, int64_t n, int64_t k) {
     }
 }
 
+/* HSG_Q8X's packing: d and m per 16 weights, every product d * q checked exact (rows.h). */
+static int pack_q8x(const int8_t *q, const float *d, const float *m, uint8_t *body, int64_t n, int64_t k) {
+    const int64_t nh = k / HSG_HALF, nb = k / HSG_BLOCK, bb = block_bytes(HSG_Q8X);
+    for (int64_t i = 0; i < n * k; i++) {
+        float s = d[i / k * nh + i % k / HSG_HALF], p = (float)q[i] * s;
+        if ((double)p != (double)q[i] * (double)s) return -1;
+    }
+    int64_t panels = (n + HSG_PANEL - 1) / HSG_PANEL;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *blk = body + (p * nb + b) * bb;
+            float dm[2][2][HSG_PANEL]; /* [d or m][half][column] */
+            memset(blk, 0, (size_t)bb);
+            for (int j = 0; j < HSG_PANEL; j++) {
+                int64_t col = p * HSG_PANEL + j;
+                for (int h = 0; h < 2; h++) {
+                    dm[0][h][j] = col < n ? d[col * nh + 2 * b + h] : 0.0f;
+                    dm[1][h][j] = col < n ? m[col * nh + 2 * b + h] : 0.0f;
+                }
+                for (int r = 0; r < HSG_BLOCK && col < n; r++)
+                    blk[256 + r * HSG_PANEL + j] = (uint8_t)q[col * k + b * HSG_BLOCK + r];
+            }
+            memcpy(blk, dm, sizeof dm);
+        }
+    return 0;
+}
+
 int hsg_pack_codes(int codec, const int8_t *q, const float *d, const float *m, void *wp, int64_t n, int64_t k) {
-    if ((codec != HSG_Q8 && codec != HSG_Q4) || hsg_packed_bytes(codec, n, k) < 0 || (codec == HSG_Q4 && !m)) return -1;
+    if ((codec != HSG_Q8 && codec != HSG_Q4 && codec != HSG_Q8X) || hsg_packed_bytes(codec, n, k) < 0
+        || (codec != HSG_Q8 && !m))
+        return -1;
+    if (codec == HSG_Q8X) {
+        header(wp, codec, n, k);
+        if (pack_q8x(q, d, m, (uint8_t *)wp + HSG_HEADER, n, k) == 0) return 0;
+        memset(wp, 0, HSG_HEADER); /* no valid header on a refused copy */
+        return -1;
+    }
     int64_t nb = k / HSG_BLOCK, bb = block_bytes(codec);
     for (int64_t i = 0; i < n * k; i++)
         if (codec == HSG_Q4 && (q[i] < 0 || q[i] > 15)) return -1;
@@ -145,6 +183,11 @@ static inline float coded(const uint8_t *panel, int codec, int64_t kk, int j) {
     memcpy(&d, blk + 4 * j, 4);
     if (codec == HSG_Q8) return (float)(int8_t)blk[64 + r * HSG_PANEL + j] * d;
     float m;
+    if (codec == HSG_Q8X) {
+        memcpy(&d, blk + 64 * (r / HSG_HALF) + 4 * j, 4);
+        memcpy(&m, blk + 128 + 64 * (r / HSG_HALF) + 4 * j, 4);
+        return fmaf((float)(int8_t)blk[256 + r * HSG_PANEL + j], d, m);
+    }
     memcpy(&m, blk + 64 + 4 * j, 4);
     return fmaf((float)((blk[128 + (r / 2) * HSG_PANEL + j] >> (4 * (r % 2))) & 15), d, m);
 }
@@ -231,6 +274,18 @@ static inline __attribute__((always_inline)) T512 __m512 q8_512(const uint8_t *b
     return _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_loadu_ps((const float *)blk));
 }
 
+static inline __attribute__((always_inline)) T512 __m512 q8x_512(const uint8_t *blk, int r) { /* row r */
+    const int h = r / HSG_HALF;
+    __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 256 + r * HSG_PANEL)));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_loadu_ps((const float *)(blk + 64 * h)),
+                           _mm512_loadu_ps((const float *)(blk + 128 + 64 * h)));
+}
+
+/* Row r of a one-k-a-step block (HSG_Q8, HSG_Q8X). */
+static inline __attribute__((always_inline)) T512 __m512 row512(const uint8_t *blk, int r, int codec) {
+    return codec == HSG_Q8 ? q8_512(blk, r) : q8x_512(blk, r);
+}
+
 static inline __attribute__((always_inline)) T512 void q4_512(const uint8_t *blk, int t, __m512 *w0, __m512 *w1) {
     /* rows 2t and 2t + 1 of a block */
     const __m512 d = _mm512_loadu_ps((const float *)blk), m = _mm512_loadu_ps((const float *)(blk + 64));
@@ -274,11 +329,11 @@ static inline __attribute__((always_inline)) T512 void tile512(const float *x, i
             const uint8_t *blk = wp + kb * bb;
             prefetch_blocks(blk, kb, blocks, nb, ps, bb);
             const float *xk = x + kb * HSG_BLOCK;
-            if (codec == HSG_Q8) {
+            if (codec != HSG_Q4) {
                 for (int r = 0; r < HSG_BLOCK; r++) {
                     __m512 wv[8];
                     UNROLL
-                    for (int a = 0; a < nb; a++) wv[a] = q8_512(blk + a * ps, r);
+                    for (int a = 0; a < nb; a++) wv[a] = row512(blk + a * ps, r, codec);
                     UNROLL
                     for (int b = 0; b < mb; b++) {
                         __m512 xb = _mm512_set1_ps(xk[b * ldx + r]);
@@ -328,7 +383,7 @@ static inline __attribute__((always_inline)) T512 void tile512(const float *x, i
     }
 #define TILES(W, NB, MB)                                                                                           \
     TILEC(W, NB, MB, f, HSG_F32) TILEC(W, NB, MB, q8, HSG_Q8) TILEC(W, NB, MB, q4, HSG_Q4)                         \
-    TILEC(W, NB, MB, h, HSG_F16) TILEC(W, NB, MB, bh, HSG_BF16)
+    TILEC(W, NB, MB, h, HSG_F16) TILEC(W, NB, MB, bh, HSG_BF16) TILEC(W, NB, MB, q8x, HSG_Q8X)
 #define TILE512(NB, MB) TILES(512, NB, MB)
 TILE512(8, 1) TILE512(8, 2) TILE512(4, 3) TILE512(4, 4) TILE512(4, 5) TILE512(4, 6)
 TILE512(2, 7) TILE512(2, 8) TILE512(2, 9) TILE512(2, 10) TILE512(2, 11) TILE512(2, 12)
@@ -339,8 +394,8 @@ TILE512(1, 7) TILE512(1, 8) TILE512(1, 9) TILE512(1, 10) TILE512(1, 11) TILE512(
      t512##C##_2_8, t512##C##_2_9, t512##C##_2_10, t512##C##_2_11, t512##C##_2_12},                               \
     {0, t512##C##_1_1, t512##C##_1_2, t512##C##_1_3, t512##C##_1_4, t512##C##_1_5, t512##C##_1_6, t512##C##_1_7,  \
      t512##C##_1_8, t512##C##_1_9, t512##C##_1_10, t512##C##_1_11, t512##C##_1_12}
-static const hsg_tile TILES512[5][2][13] = {{TABLES512(f)}, {TABLES512(q8)}, {TABLES512(q4)}, {TABLES512(h)},
-                                            {TABLES512(bh)}}; /* [codec][wide?][mb] */
+static const hsg_tile TILES512[6][2][13] = {{TABLES512(f)}, {TABLES512(q8)}, {TABLES512(q4)}, {TABLES512(h)},
+                                            {TABLES512(bh)}, {TABLES512(q8x)}}; /* [codec][wide?][mb] */
 static const int NB512[13] = {0, 8, 8, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2};
 
 /* One coded panel decoded into float32 panel layout (out[kk * 16 + j]): what a call of many rows reads instead of
@@ -356,9 +411,9 @@ static T512 void decode512(const uint8_t *panel, int codec, int64_t k, float *ou
         float *o = out + kb * HSG_BLOCK * HSG_PANEL;
         for (int t = 0; t < HSG_BLOCK / 2; t++) {
             __m512 w0, w1;
-            if (codec == HSG_Q8) {
-                w0 = q8_512(blk, 2 * t);
-                w1 = q8_512(blk, 2 * t + 1);
+            if (codec != HSG_Q4) {
+                w0 = row512(blk, 2 * t, codec);
+                w1 = row512(blk, 2 * t + 1, codec);
             } else {
                 q4_512(blk, t, &w0, &w1);
             }
@@ -409,6 +464,18 @@ static inline __attribute__((always_inline)) T256 void half256(const uint8_t *w,
 static inline __attribute__((always_inline)) T256 __m256 q8_256(const uint8_t *blk, int r, int h) {
     __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 64 + r * HSG_PANEL + 8 * h)));
     return _mm256_mul_ps(_mm256_cvtepi32_ps(c), _mm256_loadu_ps((const float *)(blk + 32 * h)));
+}
+
+static inline __attribute__((always_inline)) T256 __m256 q8x_256(const uint8_t *blk, int r, int h) {
+    const int s = r / HSG_HALF;
+    __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 256 + r * HSG_PANEL + 8 * h)));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_loadu_ps((const float *)(blk + 64 * s + 32 * h)),
+                           _mm256_loadu_ps((const float *)(blk + 128 + 64 * s + 32 * h)));
+}
+
+/* Half h of row r of a one-k-a-step block (HSG_Q8, HSG_Q8X). */
+static inline __attribute__((always_inline)) T256 __m256 row256(const uint8_t *blk, int r, int h, int codec) {
+    return codec == HSG_Q8 ? q8_256(blk, r, h) : q8x_256(blk, r, h);
 }
 
 static inline __attribute__((always_inline)) T256 void q4_256(const uint8_t *blk, int t, int h, __m256 *w0,
@@ -498,7 +565,7 @@ static inline __attribute__((always_inline)) T256 void tile256(const float *x, i
                                 if (codec == HSG_Q4)
                                     q4_256(pb, st, h, &w0[h], &w1[h]);
                                 else
-                                    w0[h] = q8_256(pb, st, h);
+                                    w0[h] = row256(pb, st, h, codec);
                             }
                             UNROLL
                             for (int b = 0; b < mb; b++) {
@@ -519,7 +586,7 @@ static inline __attribute__((always_inline)) T256 void tile256(const float *x, i
                             if (codec == HSG_Q4)
                                 q4_256(pb, st, h, &w0, &w1);
                             else
-                                w0 = q8_256(pb, st, h);
+                                w0 = row256(pb, st, h, codec);
                             UNROLL
                             for (int b = 0; b < mb; b++) {
                                 const float *xb = xk + b * ldx + kstep * st;
@@ -558,8 +625,8 @@ TILE256(1, 6)
 #define TABLES256(C, NB3)                                                                                          \
     {0, t256##C##_4_1, t256##C##_2_2, t256##C##_##NB3##_3, t256##C##_1_4, t256##C##_1_5, t256##C##_1_6},          \
     {0, t256##C##_1_1, t256##C##_1_2, t256##C##_1_3, t256##C##_1_4, t256##C##_1_5, t256##C##_1_6}
-static const hsg_tile TILES256[5][2][7] = {{TABLES256(f, 2)}, {TABLES256(q8, 1)}, {TABLES256(q4, 1)},
-                                           {TABLES256(h, 1)}, {TABLES256(bh, 1)}};
+static const hsg_tile TILES256[6][2][7] = {{TABLES256(f, 2)}, {TABLES256(q8, 1)}, {TABLES256(q4, 1)},
+                                           {TABLES256(h, 1)}, {TABLES256(bh, 1)}, {TABLES256(q8x, 1)}};
 static const int NB256[2][7] = {{0, 4, 2, 2, 1, 1, 1}, {0, 4, 2, 1, 1, 1, 1}}; /* [not float32?][mb] */
 
 /* decode512's AVX2 twin. */
@@ -580,9 +647,9 @@ static T256 void decode256(const uint8_t *panel, int codec, int64_t k, float *ou
         for (int t = 0; t < HSG_BLOCK / 2; t++)
             for (int h = 0; h < 2; h++) {
                 __m256 w0, w1;
-                if (codec == HSG_Q8) {
-                    w0 = q8_256(blk, 2 * t, h);
-                    w1 = q8_256(blk, 2 * t + 1, h);
+                if (codec != HSG_Q4) {
+                    w0 = row256(blk, 2 * t, h, codec);
+                    w1 = row256(blk, 2 * t + 1, h, codec);
                 } else {
                     q4_256(blk, t, h, &w0, &w1);
                 }

@@ -18,13 +18,18 @@
  *   HSG_Q8, HSG_Q4 (K a multiple of 32): a weight whose every block of 32 along k is, bit for bit, a float32
  *   decoding of small integer codes: W[n][k] = q * d[n][k/32] (Q8, q an int8, one rounding) or
  *   fmaf(q, d, m) = d * q + m (Q4, q in 0..15, d * q exact: d has at most 20 significant bits).  These are the
- *   values transformers' GGUF loader makes from Q8_0 and Q4_1 tensors (a quantized checkpoint loaded in float32).
+ *   values transformers' GGUF loader makes from Q8_0 and Q4_1 tensors (a quantized checkpoint loaded in float32),
+ *   and Q4_K's (d the product of a float16 and a 6-bit scale, m minus another such product).
+ *   HSG_Q8X (K a multiple of 32): every half-block of 16 along k is fmaf(q, d, m) = d * q + m with q an int8 and
+ *   d * q exact (checked when packed), d and m per 16 weights: the decodings of Q6_K (m = -0, so that a code 0
+ *   times a negative scale stays -0 as in the product alone), Q5_K and Q5_0/Q5_1, Q4_0, Q3_K and Q2_K tensors.
  *   HSG_F16, HSG_BF16: a weight whose every value is a float16 (bfloat16) value, as a float16 EAGLE-3 head or a
  *   bfloat16 checkpoint loaded in float32 is: panel p holds uint16 wp[p*16*K + k*16 + j], the 16-bit pattern.
  *   The kernel decodes each weight back to the same float32 before the same fused multiply-add, so the bits are
- *   those of HSG_F32, from 0.75 (Q4), 1.125 (Q8) or 2 bytes a weight instead of 4.  A Q panel is K/32 blocks:
- *   Q8 d[16] floats then int8 codes [32][16]; Q4 d[16], m[16] floats then bytes [16][16], byte [t][j] = q(2t, j)
- *   | q(2t+1, j) << 4.
+ *   those of HSG_F32, from 0.75 (Q4), 1.125 (Q8), 1.5 (Q8X) or 2 bytes a weight instead of 4.  A Q panel is
+ *   K/32 blocks: Q8 d[16] floats then int8 codes [32][16]; Q4 d[16], m[16] floats then bytes [16][16], byte [t][j]
+ *   = q(2t, j) | q(2t+1, j) << 4; Q8X d[2][16], m[2][16] floats (rows 0-15 of the block take [0], rows 16-31 [1])
+ *   then int8 codes [32][16].
  */
 #ifndef HS_GEMM_ROWS_H
 #define HS_GEMM_ROWS_H
@@ -32,12 +37,13 @@
 #include <stdint.h>
 
 #define HSG_PANEL 16
-#define HSG_BLOCK 32   /* k per block of codes (HSG_Q8, HSG_Q4) */
+#define HSG_BLOCK 32   /* k per block of codes (HSG_Q8, HSG_Q4, HSG_Q8X) */
+#define HSG_HALF 16    /* k per scale and offset of HSG_Q8X */
 #define HSG_HEADER 64  /* bytes before the panels */
 #define HSG_MAGIC 0x50475348u
 
 enum { HSG_ISA_PORTABLE = 0, HSG_ISA_AVX2 = 1, HSG_ISA_AVX512 = 2 };
-enum { HSG_F32 = 0, HSG_Q8 = 1, HSG_Q4 = 2, HSG_F16 = 3, HSG_BF16 = 4 };
+enum { HSG_F32 = 0, HSG_Q8 = 1, HSG_Q4 = 2, HSG_F16 = 3, HSG_BF16 = 4, HSG_Q8X = 5 };
 
 typedef struct {
     uint32_t magic, codec;
@@ -52,9 +58,10 @@ int64_t hsg_packed_floats(int64_t n, int64_t k);
 /* Pack w (N x K, row stride ldw) into wp (hsg_packed_floats(N, K) floats), HSG_F32. */
 void hsg_pack(const float *w, int64_t ldw, float *wp, int64_t n, int64_t k);
 
-/* Pack the codes q (N x K int8; HSG_Q4: 0..15), scales d (N x K/32) and, for HSG_Q4, offsets m (N x K/32) into wp
- * (hsg_packed_bytes(codec, N, K) bytes).  Returns 0, or -1 for a codec or K it cannot take or a Q4 code out of
- * range (nothing meaningful written then). */
+/* Pack the codes q (N x K int8; HSG_Q4: 0..15), scales d (N x K/32; HSG_Q8X: N x K/16) and, for HSG_Q4 and
+ * HSG_Q8X, offsets m (the same shape as d) into wp (hsg_packed_bytes(codec, N, K) bytes).  Returns 0, or -1 for a
+ * codec or K it cannot take, a Q4 code out of range or a product d * q that is not exact (nothing meaningful
+ * written then). */
 int hsg_pack_codes(int codec, const int8_t *q, const float *d, const float *m, void *wp, int64_t n, int64_t k);
 
 /* Pack the 16-bit patterns h (N x K: float16 for HSG_F16, bfloat16 for HSG_BF16) into wp (hsg_packed_bytes(codec,

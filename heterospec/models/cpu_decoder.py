@@ -16,8 +16,8 @@ operations and their Python calls per forward.  The decoder runs the same arithm
 around the same few-rows kernel.
 
 What stays transformers': the weights (read in place, packed once into the kernel's panels: q, k and v as one
-matrix, gate and up as one; as their codes where they are exactly a GGUF checkpoint's Q4_1 / Q8_0 decodings or
-float16 / bfloat16 values, :func:`heterospec.models.cpu_gemm.pack_rows`, same bits), the token embedding (and the
+matrix, gate and up as one; as their codes where they are exactly a GGUF checkpoint's decodings (Q4_1, Q8_0, the
+K-quants, ...) or float16 / bfloat16 values, :func:`heterospec.models.cpu_gemm.pack_rows`, same bits), the token embedding (and the
 learned positions' table) and the rotary tables (the model's own ``rotary_emb``, so every RoPE variant it has is
 the one used).  What differs: the order of each sum.  The logits agree with transformers'
 forward to ~1e-5 (the tests hold them to it), as the packed matrix paths do; each row's result is computed the
@@ -1408,5 +1408,5 @@ def describe(decoder, fast):
         for c, k in (getattr(d, "codecs", None) or {}).items():
             codecs[c] = codecs.get(c, 0) + k
     coded = "" if set(codecs) <= {"F32"} else "; weights as codes: " + ", ".join(
-        f"{c} {codecs[c]}" for c in ("Q4", "Q8", "F16", "BF16", "F32") if c in codecs)
+        f"{c} {codecs[c]}" for c in ("Q4", "Q8", "Q8X", "F16", "BF16", "F32") if c in codecs)
     return f"{' and '.join(parts)} ({ISA_NAMES[(decoder or fast).isa]}{coded})"

@@ -14,9 +14,9 @@ the weights streamed from memory are the same (benchmarks/RESULTS.md, issue 28).
   in registers, on torch's own OpenMP threads.  Each output is the same chain of fused multiply-adds over k in
   order whatever the call's row count, the row's place in it, the thread count or the instruction set: a row's
   bits never depend on the other rows (row-invariant by construction).  On an AVX2 or AVX-512 CPU a weight that is
-  exactly the float32 decoding of codes is packed as the codes (:func:`pack_rows`: a GGUF checkpoint's Q4_1 /
-  Q8_0 blocks, or float16 / bfloat16 values) and decoded in registers to the same floats: the same bits from
-  a quarter to a half of the bytes.
+  exactly the float32 decoding of codes is packed as the codes (:func:`pack_rows`: a GGUF checkpoint's blocks,
+  Q4_1 / Q8_0 / the K-quants / ..., or float16 / bfloat16 values) and decoded in registers to the same floats:
+  the same bits from a sixth to a half of the bytes.
 
 The paths' results are the same products summed in other orders: logits agree to ~1e-4.  Which is fastest
 depends on the machine, so ``cpu_gemm='auto'`` measures it (:func:`choose`): per layer shape and row class
@@ -144,9 +144,14 @@ def wanted(setting, module, traced=False):
 _CACHE = {"onednn": weakref.WeakKeyDictionary(), "rows": weakref.WeakKeyDictionary()}
 
 
-CODECS = {1: "Q8", 2: "Q4", 3: "F16", 4: "BF16"}   # rows.h's HSG_Q8, HSG_Q4, HSG_F16, HSG_BF16 (0: float32)
+CODECS = {1: "Q8", 2: "Q4", 3: "F16", 4: "BF16", 5: "Q8X"}   # rows.h's HSG_* (0: float32)
 BLOCK = 32                    # rows.h's HSG_BLOCK
+HALF = 16                     # rows.h's HSG_HALF: k per scale and offset of Q8X
 CODE_ROWS = 4096              # rows per slice of block_codes' check
+# codec -> (k per scale, least and greatest code, an offset per block?), as rows.h decodes them
+_CODE_FORMS = {2: (BLOCK, 0, 15, True), 1: (BLOCK, -128, 127, False), 5: (HALF, -128, 127, True)}
+_NEG_ZERO = -2 ** 31          # the bits of -0.0 as an int32
+_CODECS_TRIED = (2, 1, 5)     # Q4, Q8, Q8X: the fewest bytes first
 
 
 def _bits(t):
@@ -155,68 +160,173 @@ def _bits(t):
 
 def block_codes(w):
     """Whether a float32 weight [N, K] is, bit for bit, the float32 decoding of block codes (rows.h): every block
-    of 32 along k equal to ``q * d`` (Q8: q an int8) or to ``d * q + m`` (Q4: q in 0..15, d a float16 value), as
-    transformers makes them from a GGUF checkpoint's Q8_0 and Q4_1 tensors.  Returns (codec, q [N, K] int8,
-    d [N, K/32], m [N, K/32] or None) with every weight reproduced exactly, or None.  Only a match of every bit
-    counts, so the kernel that decodes them computes what it computes from the floats."""
+    of 32 along k equal to ``d * q + m`` (Q4: q in 0..15) or to ``q * d`` (Q8: q an int8), else every half-block of 16
+    to ``d * q + m`` (Q8X: q an int8, m possibly -0), with ``d * q`` exact.  These are the weights transformers' GGUF
+    loader makes (gguf-py's dequantization, in float32) from the K-quants and the older formats: Q4_1 and Q4_K as
+    Q4; Q8_0, Q4_0 and Q5_0 as Q8; Q6_K, Q5_K, Q5_1, Q3_K and Q2_K as Q8X.  Returns (codec, q [N, K] int8,
+    d, m or None) with d and m [N, K/32] (Q8X: [N, K/16]) and every weight reproduced exactly, or None.  Only a
+    match of every bit counts (signed zeros included), so the kernel that decodes them computes what it computes
+    from the floats; the codes found need not be the file's, only decode to the same bits."""
     if w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % BLOCK or w.numel() == 0:
         return None
     n, k = w.shape
-    if n <= 64:
-        return _codes(w, None)
-    first = block_codes(w[:64])   # a first look at 64 rows decides cheaply whether (and which codes) to try
-    if first is None:
-        return None
-    parts = []
-    for r in range(0, n, CODE_ROWS):   # in slices of rows: the check's temporaries stay a few times a slice
-        got = _codes(w[r:r + CODE_ROWS], first[0])
-        if got is None:
-            return None
-        parts.append(got)
-    return first[0], torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts]), \
-        None if parts[0][3] is None else torch.cat([p[3] for p in parts])
+    # a first look at 64 rows decides cheaply whether (and which codes, and which scales first) to try
+    first = _codes(w[:64], None)
+    if first is None or n <= 64:
+        return None if first is None else first[:4]
+    # the later codecs are more general (Q8X holds Q4's codes): a matrix of rows of two kinds (q/k/v fused, Q4_K and
+    # Q6_K) that the first rows' codec misses may be the next one's
+    for codec in _CODECS_TRIED[_CODECS_TRIED.index(first[0]):]:
+        parts = []
+        for r in range(0, n, CODE_ROWS):   # in slices of rows: the check's temporaries stay a few times a slice
+            got = _codes(w[r:r + CODE_ROWS], codec, first[4] if codec == first[0] else None)
+            if got is None:
+                break
+            parts.append(got)
+        else:
+            return codec, torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts]), \
+                None if parts[0][3] is None else torch.cat([p[3] for p in parts])
+    return None
 
 
-def _codes(w, codec):
-    """:func:`block_codes` trying ``codec`` only (None: Q4, then Q8)."""
+def _codes(w, codec, order=None):
+    """:func:`block_codes` trying ``codec`` only (None: Q4, then Q8, then Q8X), its scales in ``order`` (indices
+    of _PROPOSALS; None: theirs): (codec, q, d, m, the order that found most first) or None."""
     n, k = w.shape
     with torch.no_grad():
-        b = w.reshape(n, k // BLOCK, BLOCK)
-        bits = _bits(b)
-        lo, hi = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)
-        if not (torch.isfinite(lo).all() and torch.isfinite(hi).all()):
+        if not torch.isfinite(w).all():
             return None
-        # Q4: m is the block's least value (its code 0); d a float16 value near (max - min) / 15
-        if codec == 1:
-            return _q8(b, bits, n, k)
-        h = ((hi - lo) / 15).to(torch.float16)
-        best_q, best_d = torch.zeros_like(b), torch.zeros_like(lo)   # (like w: never the default device)
-        ok_all = torch.zeros_like(lo, dtype=torch.bool)
-        for step in (0, 1, -1):
-            hb = h.view(torch.int16) + step
-            cand = torch.where(hb >= 0, hb, torch.zeros_like(hb)).view(torch.float16).float()
-            if not torch.isfinite(cand).all():
-                continue
-            q = torch.where(cand > 0, torch.round((b - lo) / torch.where(cand > 0, cand, 1.0)), 0.0).clamp(0, 15)
-            q = q.to(torch.int8).float()   # (the codes as stored: never a -0)
-            ok = (_bits(cand * q + lo) == bits).all(-1, keepdim=True) & ~ok_all
-            best_q = torch.where(ok, q, best_q)
-            best_d = torch.where(ok, cand, best_d)
-            ok_all |= ok
-        if ok_all.all():
-            return 2, best_q.to(torch.int8).reshape(n, k), best_d.reshape(n, -1).contiguous(), \
-                lo.reshape(n, -1).contiguous()
-        return _q8(b, bits, n, k) if codec is None else None
-
-
-def _q8(b, bits, n, k):
-    """Q8: d = max |w| / 127 (the largest code 127), every weight q * d."""
-    d = b.abs().amax(-1, keepdim=True) / 127
-    q = torch.where(d > 0, torch.round(b / torch.where(d > 0, d, 1.0)), 0.0).clamp(-128, 127)
-    q = q.to(torch.int8).float()   # (the codes as stored: a weight of -0 is no code's)
-    if (_bits(q * d) == bits).all():
-        return 1, q.to(torch.int8).reshape(n, k), d.reshape(n, -1).contiguous(), None
+        for c in _CODECS_TRIED if codec is None else (codec,):
+            size = _CODE_FORMS[c][0]
+            b = w.reshape(n, k // size, size)
+            if c == 2 and codec is None and _most_values(b) > 16:
+                continue   # more values in a block than Q4 has codes
+            got = _form(b, c, order)
+            if got is not None:
+                q, d, m, found_order = got
+                return c, q.reshape(n, k), d.reshape(n, -1).contiguous(), \
+                    None if m is None else m.reshape(n, -1).contiguous(), found_order
     return None
+
+
+def _most_values(b):
+    """The most distinct values in a block of b [..., size]."""
+    srt = torch.sort(b, -1).values
+    return 1 + int((srt[..., 1:] != srt[..., :-1]).sum(-1).max())
+
+
+def _form(b, codec, order=None):
+    """Codes of ``codec`` for the blocks b [N, B, size] (finite float32): (q int8 like b, d [N, B, 1], m or None), or
+    None when some block has none.  A block's codes are either signed around zero (Q8; Q8X with m = -0 where the
+    block holds a -0, a code 0 times a negative scale, else +0; d negative there) or counted from its least value
+    (Q4; Q8X: m the least value, the code 0's).  Its scale d is tried, cheapest first and each on the blocks still
+    without codes only: for Q4 the float16 values nearest (max - min) / 15 (Q4_1's d, which rounds); for signed
+    codes the greatest magnitude over 127, 8, 16 or 32 (Q8_0's, Q4_0's, Q5_0's, Q6_K's largest codes); the least
+    gap between two of its values over 1 to 8 (a product of a scale and small integers is exact, so two values'
+    difference is a multiple of d); and last the greatest common divisor of the values or of their distances from the least
+    (:func:`_gcd`).  A block of zeros of both signs takes the scale +0 and the codes -1 and 0.  A candidate counts
+    for a block when d * q is exact and every weight is d * q + m to the bit."""
+    size, lo_code, hi_code, offset = _CODE_FORMS[codec]
+    shape = b.shape
+    b = b.reshape(-1, size)
+    q_out = torch.zeros_like(b, dtype=torch.int8)
+    d_out, m_out = torch.zeros_like(b[:, :1]), torch.zeros_like(b[:, :1])
+    open_ = torch.ones(b.shape[0], dtype=torch.bool)   # the blocks still without codes
+
+    def done(idx, ok, q, d, m):   # blocks idx[ok] have codes q, d, m (rows ok of them)
+        rows = idx[ok]
+        q_out[rows], d_out[rows], m_out[rows] = q[ok], d[ok], m[ok]
+        open_[rows] = False
+
+    bits = _bits(b)
+    negz = (bits == _NEG_ZERO).any(-1, keepdim=True)
+    if codec != 2:
+        # a block of zeros of both signs (a scale of 0 times signed codes: 0 * -3 is -0): scale +0, the code -1 at
+        # each -0 and 0 elsewhere, offset -0 (which keeps either sign)
+        zeros = ((b == 0).all(-1, keepdim=True) & negz)[:, 0]
+        done(torch.arange(b.shape[0]), zeros, -(bits == _NEG_ZERO).to(torch.int8), torch.zeros_like(d_out),
+             torch.full_like(m_out, -0.0))
+
+    # signed codes: Q8's always; Q8X's for a block holding a -0 (a negative scale's code 0, which no offset gives);
+    # other Q8X blocks count from their least value, which signed codes also do (w - min is then d * (q - q_min))
+    signed = negz[:, 0] if codec == 5 else torch.full_like(negz[:, 0], codec == 1)
+    counts = [0] * len(_PROPOSALS)
+    for i in order or range(len(_PROPOSALS)):
+        kind, arg = _PROPOSALS[i]
+        if not open_.any():
+            break
+        if (kind == "fp16") != (codec == 2) and kind in ("fp16", "amax"):
+            continue   # Q4_1's scales for Q4 only; the largest codes' for signed codes only
+        if kind == "amax" and codec != 1:
+            continue
+        idx = torch.nonzero(open_)[:, 0]
+        x, nz, sg = b[idx], negz[idx], signed[idx][:, None]
+        lo = x.amin(-1, keepdim=True)
+        if kind == "fp16":
+            h = ((x.amax(-1, keepdim=True) - lo) / 15).to(torch.float16).view(torch.int16) + arg
+            d64 = torch.where(h >= 0, h, torch.zeros_like(h)).view(torch.float16).double()
+            d64 = torch.where(torch.isfinite(d64), d64, torch.zeros_like(d64))
+        elif kind == "amax":
+            d64 = x.abs().amax(-1, keepdim=True).double() / arg
+        elif kind == "gcd" and idx.numel() * 8 > open_.numel():
+            continue   # more than an eighth of the blocks left: taken as no such codes (the divisor's cost spared)
+        elif kind == "gap":
+            srt = torch.sort(x, -1).values.double()
+            gaps = srt[:, 1:] - srt[:, :-1]
+            g = torch.where(gaps > 0, gaps, torch.full_like(gaps, float("inf"))).amin(-1, keepdim=True)
+            d64 = torch.where(torch.isfinite(g), g, torch.zeros_like(g)) / arg   # a constant block: d = 0
+        else:
+            d64 = _gcd(torch.where(sg, x.abs(), x - lo).double())
+        d = torch.where(sg & nz, -d64, d64).float()
+        m = torch.where(sg, torch.where(nz, torch.full_like(lo, -0.0), torch.zeros_like(lo)), lo)
+        base = torch.where(sg, torch.zeros_like(lo), lo)
+        q = torch.where(d != 0, torch.round((x - base) / torch.where(d != 0, d, 1.0)), 0.0)   # (checked below)
+        q = q.clamp(lo_code, hi_code) + 0.0   # (as the int8 codes decode: no -0)
+        prod = d * q
+        ok = (_bits(prod + m if offset else prod) == bits[idx]).all(-1)
+        if codec == 2:   # rows.h: a Q4 scale of at most 20 significant bits (d * q exact for q < 16)
+            ok &= ((_bits(d) & 0xF) == 0)[:, 0]
+        elif offset:   # d * q exact: the significant bits of d and the length of the largest code at most 24
+            qmax = q.abs().amax(-1, keepdim=True)
+            length = torch.where(qmax > 0, torch.floor(torch.log2(torch.where(qmax > 0, qmax, 1.0))) + 1, 0.0)
+            ok &= (_significant_bits(d) + length.to(torch.int32) <= 24)[:, 0]
+        done(idx, ok, q.to(torch.int8), d, m)
+        counts[i] = int(ok.sum())
+    if open_.any():
+        return None
+    return q_out.reshape(shape), d_out.reshape(*shape[:-1], 1), \
+        m_out.reshape(*shape[:-1], 1) if offset else None, sorted(range(len(counts)), key=lambda i: -counts[i])
+
+
+# the scales _form tries, in this order unless told another: Q4_1's (the float16 values nearest (max - min) / 15,
+# and their neighbours), the largest codes' (Q8_0's 127, Q4_0's 8, Q5_0's 16, Q6_K's 32), the least gap between
+# two values over 1 to 8, the greatest common divisor
+_PROPOSALS = [("fp16", 0), ("fp16", 1), ("fp16", -1), ("amax", 127), ("amax", 8), ("amax", 16), ("amax", 32)] + \
+    [("gap", t) for t in range(1, 9)] + [("gcd", None)]
+
+
+def _significant_bits(v):
+    """The bits from the highest set to the lowest set of each float32 |v|'s significand (0 for 0): a product of
+    such a value and an integer of L bits is exact in float32 when they add up to at most 24.  (For a subnormal
+    value, an upper bound.)"""
+    bits = _bits(v.float())
+    mant = (bits & 0x7FFFFF) | 0x800000
+    low = (mant & -mant).float().log2()   # the lowest set bit's place (exact for a power of two)
+    return torch.where(v != 0, 24 - low, torch.zeros_like(low)).to(torch.int32)
+
+
+def _gcd(v, steps=14):
+    """The greatest d with every value of each block v [..., size] (float64, >= 0; size a power of two) an integer
+    multiple of d, for multiples up to 255 (Euclid's algorithm with fmod, which is exact; 14 steps cover any pair
+    below 377, the Fibonacci bound), pairs of values at a time; 0 for a block of zeros.  Values that are no such
+    multiples give some d the check refuses."""
+    while v.shape[-1] > 1:
+        a, b = v[..., 0::2], v[..., 1::2]
+        for _ in range(steps):
+            nz = b != 0
+            a, b = torch.where(nz, b, a), torch.where(nz, torch.fmod(a, torch.where(nz, b, 1.0)), 0.0)
+        v = a
+    return v
 
 
 HALF_CODECS = {torch.float16: 3, torch.bfloat16: 4}   # rows.h's 16-bit codecs
@@ -237,8 +347,8 @@ def half_codes(w):
 def pack_rows(w, coded=None):
     """The few-rows kernel's packed copy of a float32 weight [N, K] (rows.h), a new CPU tensor: codes where the
     weight is exactly their decoding and the kernel decodes them with AVX2 or AVX-512 (``coded`` None), always
-    (True) or never (False) -- block codes (:func:`block_codes`: a GGUF checkpoint's Q4_1 / Q8_0 tensors, 0.75 or 1.125
-    bytes a weight), else 16-bit values (:func:`half_codes`: 2 bytes); else float32 panels (4 bytes).  The kernel
+    (True) or never (False) -- block codes (:func:`block_codes`: a GGUF checkpoint's tensors, 0.69 (Q4), 1.125 (Q8)
+    or 1.5 (Q8X) bytes a weight), else 16-bit values (:func:`half_codes`: 2 bytes); else float32 panels (4 bytes).  The kernel
     computes the same bits from any of them.  A float16 or bfloat16 weight (a half-precision model's) is its own
     16-bit values where codes are read, else its float32 values: the same floats either way."""
     g = _rows_module()
@@ -269,7 +379,7 @@ def pack_rows(w, coded=None):
 
 
 def packed_codec(wp):
-    """The codec of a packed copy made by :func:`pack_rows`: "F32", "Q8" or "Q4"."""
+    """The codec of a packed copy made by :func:`pack_rows`: "F32", "Q8", "Q4", "Q8X", "F16" or "BF16"."""
     return CODECS.get(int(wp.view(torch.uint8)[4:8].view(torch.int32)[0]), "F32")
 
 

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from heterospec import HeteroSpec, Policy, measure  # noqa: E402
 from heterospec.models import cpu_decoder, cpu_gemm  # noqa: E402
 from heterospec.reference import decoder as ref  # noqa: E402
-from tests._gguf import quantize_like_gguf  # noqa: E402
+from tests._gguf import k_quantize_like_gguf, quantize_like_gguf  # noqa: E402
 from tests._models import eagle3_head, prompts, reference_greedy, tiny_target  # noqa: E402
 
 G = cpu_gemm._rows_module()
@@ -596,6 +596,32 @@ def test_a_gguf_quantized_model_is_read_as_its_codes_with_the_same_bits(arch, mo
     assert dec.codecs == {"Q4": q4, "Q8": 1}   # q/k/v, o, gate/up, down per layer; the output layer
     the_twins_bits_on_every_isa(model, dec, seed=1)
     assert cpu_decoder.describe(dec, None).endswith(f"; weights as codes: Q4 {q4}, Q8 1)")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "mixtral"])
+def test_a_k_quant_checkpoint_is_read_as_its_codes_with_the_same_bits(arch, monkeypatch):
+    """A Q4_K_M checkpoint's mix (Q4_K; Q6_K for the value and down projections, the embedding and the output
+    layer): Q4_K's matrices are read as Q4 codes, Q6_K's (a scale per 16 weights, -0 under a negative one) and the
+    fused q/k/v (Q4_K and Q6_K rows) as Q8X, with the twin's bits from the float weights on every instruction
+    set; a greedy run on the decoder (one-row steps and trees) is transformers' generate."""
+    monkeypatch.setattr(cpu_gemm, "pack_rows", functools.partial(cpu_gemm.pack_rows, coded=True))
+    model = k_quantize_like_gguf(cpu_model(arch))
+    dec = cpu_decoder.CpuDecoder(model)
+    if G.isa_best() >= 1:
+        # per layer q/k/v (Q8X), o and gate/up (Q4), down (Q8X); the output layer (Q8X); a mixture's experts'
+        # [gate; up] Q4 and down Q8X, its router Q4
+        want = {"llama": {"Q4": 6, "Q8X": 7}, "qwen3": {"Q4": 6, "Q8X": 7}, "gemma2": {"Q4": 6, "Q8X": 7},
+                "mixtral": {"Q4": 3 * 6, "Q8X": 3 * 5 + 1}}[arch]
+        assert dec.codecs == want
+    the_twins_bits_on_every_isa(model, dec, seed=2)
+    if arch != "llama":
+        return
+    ps = [p.cpu() for p in prompts(2)]
+    refs = [reference_greedy(model, p) for p in ps]
+    with HeteroSpec(model, None, Policy.autoregressive(), cpu_decoder=True) as hs:
+        assert "Q8X" in hs.cpu_decoder
+        for p, want in zip(ps, refs):
+            assert hs.generate(p, max_new_tokens=want.shape[1] - p.shape[1])[0].tolist() == want.tolist()
 
 
 # the 3 layers' matrices of the mixtures (4 experts: their [gate; up] and down, 8 a mixture): q/k/v, o, router and

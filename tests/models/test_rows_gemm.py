@@ -140,7 +140,7 @@ def coded_kernel(x, w, bias=None, isa=None, threads=0, codec=None):
     n = w.shape[0]
     wp = cpu_gemm.pack_rows(torch.from_numpy(np.ascontiguousarray(w)), coded=True)
     assert cpu_gemm.packed_codec(wp) == codec
-    assert wp.numel() == G.packed_bytes({"Q8": 1, "Q4": 2}[codec], n, k) < 4 * n * k
+    assert wp.numel() == G.packed_bytes({"Q8": 1, "Q4": 2, "Q8X": 5}[codec], n, k) < 4 * n * k
     y = torch.full((m, n), -1.0)
     bt = None if bias is None else torch.from_numpy(bias)
     G.linear(torch.from_numpy(x).data_ptr(), k, wp.data_ptr(), 0 if bt is None else bt.data_ptr(), y.data_ptr(), n, m,
@@ -190,6 +190,64 @@ def test_the_real_gguf_quantizers_weights_are_read_as_their_codes():
         np.testing.assert_array_equal(coded_kernel(x, deq, codec=codec), rows_linear(x, deq))
 
 
+# ggml type -> the codec its dequantized weights are read as (rows.h), decided by the format's formula: Q4_1 and
+# Q4_K are d * q + m with q in 0..15; Q4_0, Q5_0 and Q8_0 are d * q with a signed q (Q4_0 and Q5_0 write their codes
+# 0..15 / 0..31 minus 8 / 16 and have a -0 where d < 0, which an offset cannot give); the rest need a scale per 16
+# weights (Q6_K, Q3_K, Q2_K) or 5-bit codes above an offset (Q5_1, Q5_K)
+GGUF_CODECS = {"Q4_0": "Q8", "Q4_1": "Q4", "Q5_0": "Q8", "Q5_1": "Q8X", "Q8_0": "Q8", "Q2_K": "Q8X", "Q3_K": "Q8X",
+               "Q4_K": "Q4", "Q5_K": "Q8X", "Q6_K": "Q8X"}
+
+
+@needs
+@pytest.mark.parametrize("kind", sorted(GGUF_CODECS))
+def test_the_k_quants_and_older_gguf_formats_are_read_as_codes(kind):
+    """Every ggml block format gguf-py dequantizes with a formula d * q + m: random blocks in the file's own layout,
+    dequantized by gguf-py (transformers' loader), read back as codes that decode to every bit (by the codec's
+    formula in NumPy) and through the kernel on every instruction set give rows_linear's bits."""
+    pytest.importorskip("gguf.quants")
+    from tests._gguf import random_blocks
+
+    rng = np.random.default_rng(sorted(GGUF_CODECS).index(kind))
+    w, _ = random_blocks(kind, 40, 512, rng)
+    found = cpu_gemm.block_codes(torch.from_numpy(w))
+    assert found is not None and cpu_gemm.CODECS[found[0]] == GGUF_CODECS[kind]
+    size = 16 if GGUF_CODECS[kind] == "Q8X" else 32
+    q, d, off = (None if v is None else v.numpy() for v in found[1:])
+    decoded = q.astype(np.float32) * np.repeat(d, size, axis=1)
+    if off is not None:
+        decoded = (decoded + np.repeat(off, size, axis=1)).astype(np.float32)
+    assert decoded.tobytes() == w.tobytes()
+    for m in (1, 4, 7, 13):
+        x = rng.standard_normal((m, 512)).astype(np.float32)
+        b = rng.standard_normal(40).astype(np.float32)
+        ref = rows_linear(x, w, b)
+        for isa in ISAS:
+            np.testing.assert_array_equal(coded_kernel(x, w, b, isa, 2, GGUF_CODECS[kind]), ref,
+                                          err_msg=f"{kind}, {m} rows, isa {isa}")
+
+
+@needs
+def test_q8x_keeps_signed_zeros_and_refuses_an_inexact_product():
+    """A half-block of zeros of both signs (a zero scale times signed codes) and one of -0s (a negative scale's code
+    0) are Q8X's to the bit; pack_codes refuses a code times a scale that rounds (rows.h: d * q exact)."""
+    rng = np.random.default_rng(11)
+    w = (rng.integers(-32, 32, (16, 64)) * np.float32(2 ** -9)).astype(np.float32)
+    w[0, :16] = np.where(rng.random(16) < 0.5, np.float32(-0.0), np.float32(0.0))
+    w[1, 16:32] = np.float32(-0.0) * rng.integers(1, 5, 16).astype(np.float32)
+    w[1, 16:32][::3] = np.float32(-3 * 2 ** -9)               # -0s beside codes of a negative scale
+    w[2, 32:48] = (np.arange(16) * np.float32(3 * 2 ** -9) + np.float32(0.25)).astype(np.float32)   # an offset
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    assert cpu_gemm.CODECS[cpu_gemm.block_codes(torch.from_numpy(w))[0]] == "Q8X"
+    for isa in ISAS:
+        np.testing.assert_array_equal(coded_kernel(x, w, None, isa, 1, "Q8X"), rows_linear(x, w))
+    q = torch.full((1, 32), 127, dtype=torch.int8)
+    d = torch.tensor([[1.0 + 2 ** -20, 1.0]])                # 127 * d needs 27 significant bits: it rounds
+    out = torch.empty(G.packed_bytes(5, 1, 32), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="pack_codes: .* 5 \\(Q8X.* got codec 5, k 32.*an inexact product"):
+        G.pack_codes(5, q.data_ptr(), d.data_ptr(), torch.zeros(1, 2).data_ptr(), out.data_ptr(), 1, 32)
+    assert G.packed_bytes(5, 17, 64) == 64 + 2 * 2 * 768
+
+
 @needs
 def test_weights_that_are_not_exactly_codes_stay_floats():
     rng = np.random.default_rng(3)
@@ -199,7 +257,7 @@ def test_weights_that_are_not_exactly_codes_stay_floats():
     nan = q8_0(plain)
     nan[0, 0] = np.nan
     negzero = q8_0(plain)
-    negzero[3, 7] = np.float32(-0.0)                                  # no code decodes to -0
+    negzero[3, 7:9] = np.float32(-0.0), np.float32(0.0)              # no scale gives a block both zeros
     odd_k = q4_1(rng.standard_normal((8, 64)))[:, :48]               # k not a multiple of 32
     for w in (plain, nudged, nan, negzero, odd_k):
         wt = torch.from_numpy(np.ascontiguousarray(w))
@@ -266,3 +324,17 @@ def test_the_check_in_slices_of_rows_is_the_check_at_once(monkeypatch):
     assert whole[0] == sliced[0] == 2 and all(torch.equal(a, b) for a, b in zip(whole[1:], sliced[1:]))
     w[190, 3] = torch.nextafter(w[190, 3], torch.tensor(1.0))   # a weight of the last slice off by one ulp
     assert cpu_gemm.block_codes(w) is None
+
+
+def test_rows_of_two_k_quants_in_one_matrix_take_the_codec_that_holds_both():
+    """q, k (Q4_K) and v (Q6_K) fused into one matrix: its first rows alone are Q4's, the whole is Q8X's (a scale
+    and an offset per 16 hold both), to the bit."""
+    from tests._gguf import q4_k, q6_k
+
+    rng = np.random.default_rng(12)
+    w = np.concatenate([q4_k(rng.standard_normal((100, 256)) * 0.05), q6_k(rng.standard_normal((40, 256)) * 0.05)])
+    assert cpu_gemm.CODECS[cpu_gemm.block_codes(torch.from_numpy(w[:100]))[0]] == "Q4"
+    codec, q, d, m = cpu_gemm.block_codes(torch.from_numpy(w))
+    assert cpu_gemm.CODECS[codec] == "Q8X"
+    decoded = (q.numpy().astype(np.float32) * np.repeat(d.numpy(), 16, 1) + np.repeat(m.numpy(), 16, 1))
+    assert decoded.astype(np.float32).tobytes() == w.tobytes()
