@@ -255,12 +255,12 @@ def _form(b, codec, order=None):
         kind, arg = _PROPOSALS[i]
         if not open_.any():
             break
-        if (kind == "fp16") != (codec == 2) and kind in ("fp16", "amax"):
-            continue   # Q4_1's scales for Q4 only; the largest codes' for signed codes only
-        if kind == "amax" and codec != 1:
-            continue
+        if (kind == "fp16") != (codec == 2) and kind in ("fp16", "amax", "gcd-signed"):
+            continue   # Q4_1's scales for Q4 only; the largest codes' and signed divisors for signed codes only
         idx = torch.nonzero(open_)[:, 0]
         x, nz, sg = b[idx], negz[idx], signed[idx][:, None]
+        if kind in ("amax", "gcd-signed"):
+            sg = torch.ones_like(sg)   # (Q8X's rows of Q8_0 codes: signed wherever they hold a zero or not)
         lo = x.amin(-1, keepdim=True)
         if kind == "fp16":
             h = ((x.amax(-1, keepdim=True) - lo) / 15).to(torch.float16).view(torch.int16) + arg
@@ -268,8 +268,8 @@ def _form(b, codec, order=None):
             d64 = torch.where(torch.isfinite(d64), d64, torch.zeros_like(d64))
         elif kind == "amax":
             d64 = x.abs().amax(-1, keepdim=True).double() / arg
-        elif kind == "gcd" and idx.numel() * 8 > open_.numel():
-            continue   # more than an eighth of the blocks left: taken as no such codes (the divisor's cost spared)
+        elif kind.startswith("gcd") and idx.numel() * 4 > open_.numel():
+            continue   # more than a quarter of the blocks left: taken as no such codes (the divisor's cost spared)
         elif kind == "gap":
             srt = torch.sort(x, -1).values.double()
             gaps = srt[:, 1:] - srt[:, :-1]
@@ -300,9 +300,10 @@ def _form(b, codec, order=None):
 
 # the scales _form tries, in this order unless told another: Q4_1's (the float16 values nearest (max - min) / 15,
 # and their neighbours), the largest codes' (Q8_0's 127, Q4_0's 8, Q5_0's 16, Q6_K's 32), the least gap between
-# two values over 1 to 8, the greatest common divisor
+# two values over 1 to 8, the greatest common divisor (of the values, or of their distances from the least), and
+# for Q8X the signed codes' divisor again for every block (a row of Q8_0 codes among Q5_1's)
 _PROPOSALS = [("fp16", 0), ("fp16", 1), ("fp16", -1), ("amax", 127), ("amax", 8), ("amax", 16), ("amax", 32)] + \
-    [("gap", t) for t in range(1, 9)] + [("gcd", None)]
+    [("gap", t) for t in range(1, 9)] + [("gcd", None), ("gcd-signed", None)]
 
 
 def _significant_bits(v):

@@ -2,6 +2,7 @@
 (heterospec.reference.rows_linear), bit for bit: on every instruction set this CPU has (and the portable loop),
 one thread and two, any row count, odd shapes, a bias, strided rows; and the reference's exact rounding
 itself against fractions."""
+import importlib.util
 import os
 from fractions import Fraction
 
@@ -328,7 +329,7 @@ def test_the_check_in_slices_of_rows_is_the_check_at_once(monkeypatch):
 
 def test_rows_of_two_k_quants_in_one_matrix_take_the_codec_that_holds_both():
     """q, k (Q4_K) and v (Q6_K) fused into one matrix: its first rows alone are Q4's, the whole is Q8X's (a scale
-    and an offset per 16 hold both), to the bit."""
+    and an offset per 16 hold both), to the bit; and Q5_K_M's Q5_1 rows with Q8_0 ones."""
     from tests._gguf import q4_k, q6_k
 
     rng = np.random.default_rng(12)
@@ -338,3 +339,12 @@ def test_rows_of_two_k_quants_in_one_matrix_take_the_codec_that_holds_both():
     assert cpu_gemm.CODECS[codec] == "Q8X"
     decoded = (q.numpy().astype(np.float32) * np.repeat(d.numpy(), 16, 1) + np.repeat(m.numpy(), 16, 1))
     assert decoded.astype(np.float32).tobytes() == w.tobytes()
+    # Q5_1 rows (codes above an offset) and Q8_0 ones (signed codes up to 127, a scale per 32) as Q5_K_M fuses them
+    if importlib.util.find_spec("gguf") is not None:
+        from tests._gguf import random_blocks
+
+        w = np.concatenate([random_blocks("Q5_1", 100, 256, rng)[0], random_blocks("Q8_0", 40, 256, rng)[0]])
+        codec, q, d, m = cpu_gemm.block_codes(torch.from_numpy(w))
+        assert cpu_gemm.CODECS[codec] == "Q8X"
+        decoded = (q.numpy().astype(np.float32) * np.repeat(d.numpy(), 16, 1) + np.repeat(m.numpy(), 16, 1))
+        assert decoded.astype(np.float32).tobytes() == w.tobytes()
