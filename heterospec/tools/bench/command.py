@@ -9,7 +9,7 @@ import sys
 import time
 
 from ...measure import DeviceTimer, load_warning, machine_info
-from .. import CPU_DECODER_HELP, ProgressBar
+from .. import CPU_DECODER_HELP, GGUF_HELP, ProgressBar
 from ..prompts import encode_turn, read_prompts
 from .methods import (DEFAULT_METHODS, HF_METHODS, METHODS, arithmetic_note, build_methods, check_method_names,
                       method_dict, parse_tree)
@@ -257,7 +257,7 @@ def _tune(args, names, tokenizer, target, draft, timer):
 
 def add_arguments(p):
     p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct) or an HF model directory")
-    p.add_argument("--gguf-file", default=None)
+    p.add_argument("--gguf-file", default=None, help=GGUF_HELP)
     p.add_argument("--draft", default=None, help="EAGLE-3 head directory (default with --target default: the shipped head)")
     p.add_argument("--profile", default=None, help="calibrated profile for heterospec / heterospec-paper "
                                                    "(default: the shipped head's)")
