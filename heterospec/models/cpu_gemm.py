@@ -240,6 +240,15 @@ def _form(b, codec, order=None):
 
     bits = _bits(b)
     negz = (bits == _NEG_ZERO).any(-1, keepdim=True)
+    # the least gap between two of a block's values: a multiple of any scale that fits (less a rounding for Q4_1's
+    # d * q + m), so a block spanning more than twice the codec's levels of it has no codes (float weights fail
+    # here, at the cost of one sort)
+    srt = torch.sort(b, -1).values.double()
+    gaps = srt[:, 1:] - srt[:, :-1]
+    least = torch.where(gaps > 0, gaps, torch.full_like(gaps, float("inf"))).amin(-1, keepdim=True)
+    least = torch.where(torch.isfinite(least), least, torch.zeros_like(least))   # a constant block: 0
+    if bool((srt[:, -1:] - srt[:, :1] > 2 * (hi_code - lo_code) * least).any()):
+        return None
     if codec != 2:
         # a block of zeros of both signs (a scale of 0 times signed codes: 0 * -3 is -0): scale +0, the code -1 at
         # each -0 and 0 elsewhere, offset -0 (which keeps either sign)
@@ -271,10 +280,7 @@ def _form(b, codec, order=None):
         elif kind.startswith("gcd") and idx.numel() * 4 > open_.numel():
             continue   # more than a quarter of the blocks left: taken as no such codes (the divisor's cost spared)
         elif kind == "gap":
-            srt = torch.sort(x, -1).values.double()
-            gaps = srt[:, 1:] - srt[:, :-1]
-            g = torch.where(gaps > 0, gaps, torch.full_like(gaps, float("inf"))).amin(-1, keepdim=True)
-            d64 = torch.where(torch.isfinite(g), g, torch.zeros_like(g)) / arg   # a constant block: d = 0
+            d64 = least[idx] / arg   # a constant block: d = 0
         else:
             d64 = _gcd(torch.where(sg, x.abs(), x - lo).double())
         d = torch.where(sg & nz, -d64, d64).float()
