@@ -231,7 +231,8 @@ def _form(b, codec, order=None):
     b = b.reshape(-1, size)
     q_out = torch.zeros_like(b, dtype=torch.int8)
     d_out, m_out = torch.zeros_like(b[:, :1]), torch.zeros_like(b[:, :1])
-    open_ = torch.ones(b.shape[0], dtype=torch.bool)   # the blocks still without codes
+    # (every tensor made here on b's device: never the default device, which may be 'meta')
+    open_ = torch.ones(b.shape[0], dtype=torch.bool, device=b.device)   # the blocks still without codes
 
     def done(idx, ok, q, d, m):   # blocks idx[ok] have codes q, d, m (rows ok of them)
         rows = idx[ok]
@@ -253,7 +254,7 @@ def _form(b, codec, order=None):
         # a block of zeros of both signs (a scale of 0 times signed codes: 0 * -3 is -0): scale +0, the code -1 at
         # each -0 and 0 elsewhere, offset -0 (which keeps either sign)
         zeros = ((b == 0).all(-1, keepdim=True) & negz)[:, 0]
-        done(torch.arange(b.shape[0]), zeros, -(bits == _NEG_ZERO).to(torch.int8), torch.zeros_like(d_out),
+        done(torch.arange(b.shape[0], device=b.device), zeros, -(bits == _NEG_ZERO).to(torch.int8), torch.zeros_like(d_out),
              torch.full_like(m_out, -0.0))
 
     # signed codes: Q8's always; Q8X's for a block holding a -0 (a negative scale's code 0, which no offset gives);
