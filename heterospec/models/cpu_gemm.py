@@ -235,21 +235,30 @@ def _form(b, codec, order=None):
     open_ = torch.ones(b.shape[0], dtype=torch.bool, device=b.device)   # the blocks still without codes
 
     def done(idx, ok, q, d, m):   # blocks idx[ok] have codes q, d, m (rows ok of them)
+        if idx.numel() == open_.numel() and bool(ok.all()):   # (every block at once: no scatter)
+            q_out.copy_(q), d_out.copy_(d), m_out.copy_(m), open_.zero_()
+            return
         rows = idx[ok]
         q_out[rows], d_out[rows], m_out[rows] = q[ok], d[ok], m[ok]
         open_[rows] = False
 
     bits = _bits(b)
     negz = (bits == _NEG_ZERO).any(-1, keepdim=True)
-    # the least gap between two of a block's values: a multiple of any scale that fits (less a rounding for Q4_1's
-    # d * q + m), so a block spanning more than twice the codec's levels of it has no codes (float weights fail
-    # here, at the cost of one sort)
-    srt = torch.sort(b, -1).values.double()
-    gaps = srt[:, 1:] - srt[:, :-1]
-    least = torch.where(gaps > 0, gaps, torch.full_like(gaps, float("inf"))).amin(-1, keepdim=True)
-    least = torch.where(torch.isfinite(least), least, torch.zeros_like(least))   # a constant block: 0
-    if bool((srt[:, -1:] - srt[:, :1] > 2 * (hi_code - lo_code) * least).any()):
-        return None
+    def least_gap(x):
+        """The least gap between two of each block's values (0 for a constant block): a multiple of any scale that
+        fits (less a rounding for Q4_1's d * q + m)."""
+        srt = torch.sort(x, -1).values.double()
+        gaps = srt[:, 1:] - srt[:, :-1]
+        g = torch.where(gaps > 0, gaps, torch.full_like(gaps, float("inf"))).amin(-1, keepdim=True)
+        return torch.where(torch.isfinite(g), g, torch.zeros_like(g)), srt[:, -1:] - srt[:, :1]
+
+    least = None   # the least gaps of the blocks open when first needed (the same rows of b), else None
+    if order is None:
+        # a first look (the probe): a block spanning more than twice the codec's levels of its least gap has no
+        # codes, so float weights fail here at the cost of one sort; later slices skip the sort unless a gap is tried
+        least, span = least_gap(b)
+        if bool((span > 2 * (hi_code - lo_code) * least).any()):
+            return None
     if codec != 2:
         # a block of zeros of both signs (a scale of 0 times signed codes: 0 * -3 is -0): scale +0, the code -1 at
         # each -0 and 0 elsewhere, offset -0 (which keeps either sign)
@@ -268,7 +277,8 @@ def _form(b, codec, order=None):
         if (kind == "fp16") != (codec == 2) and kind in ("fp16", "amax", "gcd-signed"):
             continue   # Q4_1's scales for Q4 only; the largest codes' and signed divisors for signed codes only
         idx = torch.nonzero(open_)[:, 0]
-        x, nz, sg = b[idx], negz[idx], signed[idx][:, None]
+        whole = idx.numel() == open_.numel()   # (every block open: no gathers)
+        x, nz, sg = (b, negz, signed[:, None]) if whole else (b[idx], negz[idx], signed[idx][:, None])
         if kind in ("amax", "gcd-signed"):
             sg = torch.ones_like(sg)   # (Q8X's rows of Q8_0 codes: signed wherever they hold a zero or not)
         lo = x.amin(-1, keepdim=True)
@@ -281,6 +291,9 @@ def _form(b, codec, order=None):
         elif kind.startswith("gcd") and idx.numel() * 4 > open_.numel():
             continue   # more than a quarter of the blocks left: taken as no such codes (the divisor's cost spared)
         elif kind == "gap":
+            if least is None:
+                least = torch.zeros_like(b[:, :1], dtype=torch.float64)
+                least[idx] = least_gap(x)[0]
             d64 = least[idx] / arg   # a constant block: d = 0
         else:
             d64 = _gcd(torch.where(sg, x.abs(), x - lo).double())
@@ -290,7 +303,7 @@ def _form(b, codec, order=None):
         q = torch.where(d != 0, torch.round((x - base) / torch.where(d != 0, d, 1.0)), 0.0)   # (checked below)
         q = q.clamp(lo_code, hi_code) + 0.0   # (as the int8 codes decode: no -0)
         prod = d * q
-        ok = (_bits(prod + m if offset else prod) == bits[idx]).all(-1)
+        ok = (_bits(prod + m if offset else prod) == (bits if whole else bits[idx])).all(-1)
         if codec == 2:   # rows.h: a Q4 scale of at most 20 significant bits (d * q exact for q < 16)
             ok &= ((_bits(d) & 0xF) == 0)[:, 0]
         elif offset:   # d * q exact: the significant bits of d and the length of the largest code at most 24
