@@ -81,6 +81,30 @@ static PyObject *py_pack_codes(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_RETURN_NONE;
 }
 
+/* find_codes(codec, w, q, d, m or 0, n, k) -> True when every block of the n x k float32 weight at w has codes of
+ * `codec` (written to q, d, m), else False: rows.h's hsg_find_codes. */
+static PyObject *py_find_codes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long a[7];
+    if (ints(args, nargs, 7, "find_codes", a) < 0) return NULL;
+    static const char *const names[7] = {NULL, "w", "q", "d", NULL, NULL, NULL};
+    if (addresses(a, names, 7, "find_codes") < 0) return NULL;
+    if (a[0] != HSG_Q8 && !a[4]) {
+        PyErr_Format(PyExc_ValueError, "find_codes: argument 'm' expected an address for codec %lld, got 0", a[0]);
+        return NULL;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = hsg_find_codes((int)a[0], (const float *)(uintptr_t)a[1], a[5], a[6],
+                                               (int8_t *)(uintptr_t)a[2], (float *)(uintptr_t)a[3],
+                                               (float *)(uintptr_t)a[4], 0);
+    Py_END_ALLOW_THREADS if (rc == -2) {
+        PyErr_Format(PyExc_ValueError, "find_codes: arguments 'codec' and 'k' expected codec 1 (Q8), 2 (Q4) or 5 "
+                     "(Q8X) and k a multiple of %d, got codec %lld, k %lld", HSG_BLOCK, a[0], a[6]);
+        return NULL;
+    }
+    return PyBool_FromLong(rc == 0);
+}
+
 /* pack_half(codec, h, wp, n, k): rows.h's hsg_pack_half (float16 / bfloat16 patterns). */
 static PyObject *py_pack_half(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -456,6 +480,7 @@ static PyMethodDef methods[] = {
     {"act", py_act, METH_VARARGS, "act(kind, g, y, n, isa)"},
     {"packed_floats", FAST(py_packed_floats), "packed_floats(n, k) -> floats of the packed copy"},
     {"packed_bytes", FAST(py_packed_bytes), "packed_bytes(codec, n, k) -> bytes of the packed copy (-1: cannot)"},
+    {"find_codes", FAST(py_find_codes), "find_codes(codec, w, q, d, m, n, k): a weight's block codes, if it has them"},
     {"pack_codes", FAST(py_pack_codes), "pack_codes(codec, q, d, m, wp, n, k): a coded weight's packed copy"},
     {"pack_half", FAST(py_pack_half), "pack_half(codec, h, wp, n, k): a float16 / bfloat16 weight's packed copy"},
     {"isa_best", py_isa_best, METH_NOARGS, "isa_best() -> 0 portable, 1 AVX2, 2 AVX-512"},

@@ -64,6 +64,13 @@ void hsg_pack(const float *w, int64_t ldw, float *wp, int64_t n, int64_t k);
  * written then). */
 int hsg_pack_codes(int codec, const int8_t *q, const float *d, const float *m, void *wp, int64_t n, int64_t k);
 
+/* Find the codes of `codec` (HSG_Q4, HSG_Q8 or HSG_Q8X) that decode to w (N x K float32, K a multiple of 32), bit
+ * for bit (codes.c says how): q (N x K int8), d and, but for HSG_Q8, m (N x K/32; HSG_Q8X: N x K/16) as
+ * hsg_pack_codes takes them.  Returns 0 when every block has codes, -1 when some block has none (the search stops
+ * there; the outputs hold nothing meaningful), -2 for a codec or K it cannot take.  threads: OpenMP threads (<= 0:
+ * the runtime's current setting). */
+int hsg_find_codes(int codec, const float *w, int64_t n, int64_t k, int8_t *q, float *d, float *m, int threads);
+
 /* Pack the 16-bit patterns h (N x K: float16 for HSG_F16, bfloat16 for HSG_BF16) into wp (hsg_packed_bytes(codec,
  * N, K) bytes).  Returns 0, or -1 for another codec or a pattern that is not finite (nothing meaningful written). */
 int hsg_pack_half(int codec, const uint16_t *h, void *wp, int64_t n, int64_t k);

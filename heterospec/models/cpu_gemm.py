@@ -147,11 +147,8 @@ _CACHE = {"onednn": weakref.WeakKeyDictionary(), "rows": weakref.WeakKeyDictiona
 CODECS = {1: "Q8", 2: "Q4", 3: "F16", 4: "BF16", 5: "Q8X"}   # rows.h's HSG_* (0: float32)
 BLOCK = 32                    # rows.h's HSG_BLOCK
 HALF = 16                     # rows.h's HSG_HALF: k per scale and offset of Q8X
-CODE_ROWS = 4096              # rows per slice of block_codes' check
-# codec -> (k per scale, least and greatest code, an offset per block?), as rows.h decodes them
-_CODE_FORMS = {2: (BLOCK, 0, 15, True), 1: (BLOCK, -128, 127, False), 5: (HALF, -128, 127, True)}
-_NEG_ZERO = -2 ** 31          # the bits of -0.0 as an int32
-_CODECS_TRIED = (2, 1, 5)     # Q4, Q8, Q8X: the fewest bytes first
+_CODE_FORMS = {2: (BLOCK, True), 1: (BLOCK, False), 5: (HALF, True)}   # codec -> (k per scale, an offset?)
+_CODECS_TRIED = (2, 1, 5)     # Q4, Q8, Q8X: the fewest bytes first (Q8X holds Q4's codes too)
 
 
 def _bits(t):
@@ -159,195 +156,32 @@ def _bits(t):
 
 
 def block_codes(w):
-    """Whether a float32 weight [N, K] is, bit for bit, the float32 decoding of block codes (rows.h): every block
+    """Whether a float32 CPU weight [N, K] is, bit for bit, the float32 decoding of block codes (rows.h): every block
     of 32 along k equal to ``d * q + m`` (Q4: q in 0..15) or to ``q * d`` (Q8: q an int8), else every half-block of 16
     to ``d * q + m`` (Q8X: q an int8, m possibly -0), with ``d * q`` exact.  These are the weights transformers' GGUF
     loader makes (gguf-py's dequantization, in float32) from the K-quants and the older formats: Q4_1 and Q4_K as
-    Q4; Q8_0, Q4_0 and Q5_0 as Q8; Q6_K, Q5_K, Q5_1, Q3_K and Q2_K as Q8X.  Returns (codec, q [N, K] int8,
-    d, m or None) with d and m [N, K/32] (Q8X: [N, K/16]) and every weight reproduced exactly, or None.  Only a
-    match of every bit counts (signed zeros included), so the kernel that decodes them computes what it computes
-    from the floats; the codes found need not be the file's, only decode to the same bits."""
-    if w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % BLOCK or w.numel() == 0:
+    Q4; Q8_0, Q4_0 and Q5_0 as Q8; Q6_K, Q5_K, Q5_1, Q3_K and Q2_K as Q8X; a matrix fused from rows of two formats
+    (q/k/v of Q4_K and Q6_K) as the codec that holds both.  Returns (codec, q [N, K] int8, d, m or None) with d and
+    m [N, K/32] (Q8X: [N, K/16]) and every weight reproduced exactly, or None (also where heterospec._gemm is not
+    built).  The search is the extension's (csrc/gemm/codes.c: the scales it tries per block; NumPy twin
+    :func:`heterospec.reference.gemm.find_codes`), a pass over the weight per codec tried that stops at the first
+    block without codes.  Only a match of every bit counts (signed zeros included), so the kernel that decodes them
+    computes what it computes from the floats; the codes found need not be the file's, only decode to the same bits."""
+    g = _rows_module()
+    if g is None or w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % BLOCK or w.numel() == 0 \
+            or w.device.type != "cpu":
         return None
+    w = w.detach().contiguous()
     n, k = w.shape
-    # a first look at 64 rows decides cheaply whether (and which codes, and which scales first) to try
-    first = _codes(w[:64], None)
-    if first is None or n <= 64:
-        return None if first is None else first[:4]
-    # the later codecs are more general (Q8X holds Q4's codes): a matrix of rows of two kinds (q/k/v fused, Q4_K and
-    # Q6_K) that the first rows' codec misses may be the next one's
-    for codec in _CODECS_TRIED[_CODECS_TRIED.index(first[0]):]:
-        parts = []
-        for r in range(0, n, CODE_ROWS):   # in slices of rows: the check's temporaries stay a few times a slice
-            got = _codes(w[r:r + CODE_ROWS], codec, first[4] if codec == first[0] else None)
-            if got is None:
-                break
-            parts.append(got)
-        else:
-            return codec, torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts]), \
-                None if parts[0][3] is None else torch.cat([p[3] for p in parts])
+    for codec in _CODECS_TRIED:
+        size, offset = _CODE_FORMS[codec]
+        # (every tensor on the CPU by name: never the default device, which may be 'meta')
+        q = torch.empty((n, k), dtype=torch.int8, device="cpu")
+        d = torch.empty((n, k // size), dtype=torch.float32, device="cpu")
+        m = torch.empty_like(d) if offset else None
+        if g.find_codes(codec, w.data_ptr(), q.data_ptr(), d.data_ptr(), 0 if m is None else m.data_ptr(), n, k):
+            return codec, q, d, m
     return None
-
-
-def _codes(w, codec, order=None):
-    """:func:`block_codes` trying ``codec`` only (None: Q4, then Q8, then Q8X), its scales in ``order`` (indices
-    of _PROPOSALS; None: theirs): (codec, q, d, m, the order that found most first) or None."""
-    n, k = w.shape
-    with torch.no_grad():
-        if not torch.isfinite(w).all():
-            return None
-        for c in _CODECS_TRIED if codec is None else (codec,):
-            size = _CODE_FORMS[c][0]
-            b = w.reshape(n, k // size, size)
-            if c == 2 and codec is None and _most_values(b) > 16:
-                continue   # more values in a block than Q4 has codes
-            got = _form(b, c, order)
-            if got is not None:
-                q, d, m, found_order = got
-                return c, q.reshape(n, k), d.reshape(n, -1).contiguous(), \
-                    None if m is None else m.reshape(n, -1).contiguous(), found_order
-    return None
-
-
-def _most_values(b):
-    """The most distinct values in a block of b [..., size]."""
-    srt = torch.sort(b, -1).values
-    return 1 + int((srt[..., 1:] != srt[..., :-1]).sum(-1).max())
-
-
-def _form(b, codec, order=None):
-    """Codes of ``codec`` for the blocks b [N, B, size] (finite float32): (q int8 like b, d [N, B, 1], m or None), or
-    None when some block has none.  A block's codes are either signed around zero (Q8; Q8X with m = -0 where the
-    block holds a -0, a code 0 times a negative scale, else +0; d negative there) or counted from its least value
-    (Q4; Q8X: m the least value, the code 0's).  Its scale d is tried, cheapest first and each on the blocks still
-    without codes only: for Q4 the float16 values nearest (max - min) / 15 (Q4_1's d, which rounds); for signed
-    codes the greatest magnitude over 127, 8, 16 or 32 (Q8_0's, Q4_0's, Q5_0's, Q6_K's largest codes); the least
-    gap between two of its values over 1 to 8 (a product of a scale and small integers is exact, so two values'
-    difference is a multiple of d); and last the greatest common divisor of the values or of their distances from the least
-    (:func:`_gcd`).  A block of zeros of both signs takes the scale +0 and the codes -1 and 0.  A candidate counts
-    for a block when d * q is exact and every weight is d * q + m to the bit."""
-    size, lo_code, hi_code, offset = _CODE_FORMS[codec]
-    shape = b.shape
-    b = b.reshape(-1, size)
-    q_out = torch.zeros_like(b, dtype=torch.int8)
-    d_out, m_out = torch.zeros_like(b[:, :1]), torch.zeros_like(b[:, :1])
-    # (every tensor made here on b's device: never the default device, which may be 'meta')
-    open_ = torch.ones(b.shape[0], dtype=torch.bool, device=b.device)   # the blocks still without codes
-
-    def done(idx, ok, q, d, m):   # blocks idx[ok] have codes q, d, m (rows ok of them)
-        if idx.numel() == open_.numel() and bool(ok.all()):   # (every block at once: no scatter)
-            q_out.copy_(q), d_out.copy_(d), m_out.copy_(m), open_.zero_()
-            return
-        rows = idx[ok]
-        q_out[rows], d_out[rows], m_out[rows] = q[ok], d[ok], m[ok]
-        open_[rows] = False
-
-    bits = _bits(b)
-    negz = (bits == _NEG_ZERO).any(-1, keepdim=True)
-    def least_gap(x):
-        """The least gap between two of each block's values (0 for a constant block): a multiple of any scale that
-        fits (less a rounding for Q4_1's d * q + m)."""
-        srt = torch.sort(x, -1).values.double()
-        gaps = srt[:, 1:] - srt[:, :-1]
-        g = torch.where(gaps > 0, gaps, torch.full_like(gaps, float("inf"))).amin(-1, keepdim=True)
-        return torch.where(torch.isfinite(g), g, torch.zeros_like(g)), srt[:, -1:] - srt[:, :1]
-
-    least = None   # the least gaps of the blocks open when first needed (the same rows of b), else None
-    if order is None:
-        # a first look (the probe): a block spanning more than twice the codec's levels of its least gap has no
-        # codes, so float weights fail here at the cost of one sort; later slices skip the sort unless a gap is tried
-        least, span = least_gap(b)
-        if bool((span > 2 * (hi_code - lo_code) * least).any()):
-            return None
-    if codec != 2:
-        # a block of zeros of both signs (a scale of 0 times signed codes: 0 * -3 is -0): scale +0, the code -1 at
-        # each -0 and 0 elsewhere, offset -0 (which keeps either sign)
-        zeros = ((b == 0).all(-1, keepdim=True) & negz)[:, 0]
-        done(torch.arange(b.shape[0], device=b.device), zeros, -(bits == _NEG_ZERO).to(torch.int8), torch.zeros_like(d_out),
-             torch.full_like(m_out, -0.0))
-
-    # signed codes: Q8's always; Q8X's for a block holding a -0 (a negative scale's code 0, which no offset gives);
-    # other Q8X blocks count from their least value, which signed codes also do (w - min is then d * (q - q_min))
-    signed = negz[:, 0] if codec == 5 else torch.full_like(negz[:, 0], codec == 1)
-    counts = [0] * len(_PROPOSALS)
-    for i in order or range(len(_PROPOSALS)):
-        kind, arg = _PROPOSALS[i]
-        if not open_.any():
-            break
-        if (kind == "fp16") != (codec == 2) and kind in ("fp16", "amax", "gcd-signed"):
-            continue   # Q4_1's scales for Q4 only; the largest codes' and signed divisors for signed codes only
-        idx = torch.nonzero(open_)[:, 0]
-        whole = idx.numel() == open_.numel()   # (every block open: no gathers)
-        x, nz, sg = (b, negz, signed[:, None]) if whole else (b[idx], negz[idx], signed[idx][:, None])
-        if kind in ("amax", "gcd-signed"):
-            sg = torch.ones_like(sg)   # (Q8X's rows of Q8_0 codes: signed wherever they hold a zero or not)
-        lo = x.amin(-1, keepdim=True)
-        if kind == "fp16":
-            h = ((x.amax(-1, keepdim=True) - lo) / 15).to(torch.float16).view(torch.int16) + arg
-            d64 = torch.where(h >= 0, h, torch.zeros_like(h)).view(torch.float16).double()
-            d64 = torch.where(torch.isfinite(d64), d64, torch.zeros_like(d64))
-        elif kind == "amax":
-            d64 = x.abs().amax(-1, keepdim=True).double() / arg
-        elif kind.startswith("gcd") and idx.numel() * 4 > open_.numel():
-            continue   # more than a quarter of the blocks left: taken as no such codes (the divisor's cost spared)
-        elif kind == "gap":
-            if least is None:
-                least = torch.zeros_like(b[:, :1], dtype=torch.float64)
-                least[idx] = least_gap(x)[0]
-            d64 = least[idx] / arg   # a constant block: d = 0
-        else:
-            d64 = _gcd(torch.where(sg, x.abs(), x - lo).double())
-        d = torch.where(sg & nz, -d64, d64).float()
-        m = torch.where(sg, torch.where(nz, torch.full_like(lo, -0.0), torch.zeros_like(lo)), lo)
-        base = torch.where(sg, torch.zeros_like(lo), lo)
-        q = torch.where(d != 0, torch.round((x - base) / torch.where(d != 0, d, 1.0)), 0.0)   # (checked below)
-        q = q.clamp(lo_code, hi_code) + 0.0   # (as the int8 codes decode: no -0)
-        prod = d * q
-        ok = (_bits(prod + m if offset else prod) == (bits if whole else bits[idx])).all(-1)
-        if codec == 2:   # rows.h: a Q4 scale of at most 20 significant bits (d * q exact for q < 16)
-            ok &= ((_bits(d) & 0xF) == 0)[:, 0]
-        elif offset:   # d * q exact: the significant bits of d and the length of the largest code at most 24
-            qmax = q.abs().amax(-1, keepdim=True)
-            length = torch.where(qmax > 0, torch.floor(torch.log2(torch.where(qmax > 0, qmax, 1.0))) + 1, 0.0)
-            ok &= (_significant_bits(d) + length.to(torch.int32) <= 24)[:, 0]
-        done(idx, ok, q.to(torch.int8), d, m)
-        counts[i] = int(ok.sum())
-    if open_.any():
-        return None
-    return q_out.reshape(shape), d_out.reshape(*shape[:-1], 1), \
-        m_out.reshape(*shape[:-1], 1) if offset else None, sorted(range(len(counts)), key=lambda i: -counts[i])
-
-
-# the scales _form tries, in this order unless told another: Q4_1's (the float16 values nearest (max - min) / 15,
-# and their neighbours), the largest codes' (Q8_0's 127, Q4_0's 8, Q5_0's 16, Q6_K's 32), the least gap between
-# two values over 1 to 8, the greatest common divisor (of the values, or of their distances from the least), and
-# for Q8X the signed codes' divisor again for every block (a row of Q8_0 codes among Q5_1's)
-_PROPOSALS = [("fp16", 0), ("fp16", 1), ("fp16", -1), ("amax", 127), ("amax", 8), ("amax", 16), ("amax", 32)] + \
-    [("gap", t) for t in range(1, 9)] + [("gcd", None), ("gcd-signed", None)]
-
-
-def _significant_bits(v):
-    """The bits from the highest set to the lowest set of each float32 |v|'s significand (0 for 0): a product of
-    such a value and an integer of L bits is exact in float32 when they add up to at most 24.  (For a subnormal
-    value, an upper bound.)"""
-    bits = _bits(v.float())
-    mant = (bits & 0x7FFFFF) | 0x800000
-    low = (mant & -mant).float().log2()   # the lowest set bit's place (exact for a power of two)
-    return torch.where(v != 0, 24 - low, torch.zeros_like(low)).to(torch.int32)
-
-
-def _gcd(v, steps=14):
-    """The greatest d with every value of each block v [..., size] (float64, >= 0; size a power of two) an integer
-    multiple of d, for multiples up to 255 (Euclid's algorithm with fmod, which is exact; 14 steps cover any pair
-    below 377, the Fibonacci bound), pairs of values at a time; 0 for a block of zeros.  Values that are no such
-    multiples give some d the check refuses."""
-    while v.shape[-1] > 1:
-        a, b = v[..., 0::2], v[..., 1::2]
-        for _ in range(steps):
-            nz = b != 0
-            a, b = torch.where(nz, b, a), torch.where(nz, torch.fmod(a, torch.where(nz, b, 1.0)), 0.0)
-        v = a
-    return v
 
 
 HALF_CODECS = {torch.float16: 3, torch.bfloat16: 4}   # rows.h's 16-bit codecs

@@ -12,7 +12,8 @@ It is laid out per op family, like the C core's files (csrc/core/):
   and philox_uniform (verify.c);
 * ``kv.py``: kv_compact and KVTensors (kv.c);
 * ``gemm.py``: rows_linear, the few-rows float32 matrix product of ``cpu_gemm='rows'`` (csrc/gemm/rows.c), bit
-  for bit (a kernel of heterospec._gemm, not of heterospec.ops);
+  for bit (a kernel of heterospec._gemm, not of heterospec.ops), and find_codes, the search for the block codes
+  that decode to a weight (csrc/gemm/codes.c);
 * ``decoder.py``: the pieces of ``cpu_decoder``'s forward (csrc/gemm/decoder.c: dot16, exp, rmsnorm, attend,
   rotate, silu_mul) and the whole forward from them (decoder_layers; the EAGLE-3 draft's step and head:
   draft_layer), bit for bit;
@@ -38,10 +39,10 @@ from __future__ import annotations
 from .._types import MIN_TEMPERATURE, OP_NAMES, VerifyTree, sequence_as_array  # noqa: F401
 from .entropy import bucketize, topk_entropy  # noqa: F401
 from .decoder import attend, decoder_layers, dot16, draft_layer, rmsnorm, rotate, silu_mul  # noqa: F401
-from .gemm import rows_linear  # noqa: F401
+from .gemm import find_codes, rows_linear  # noqa: F401
 from .kv import KVTensors, kv_compact  # noqa: F401
 from .tree import build_tree, expand, select  # noqa: F401
 from .verify import philox4x32, philox_uniform, verify_greedy, verify_sample  # noqa: F401
 
-__all__ = [*OP_NAMES, "VerifyTree", "KVTensors", "rows_linear", "attend", "decoder_layers", "dot16", "draft_layer",
+__all__ = [*OP_NAMES, "VerifyTree", "KVTensors", "rows_linear", "find_codes", "attend", "decoder_layers", "dot16", "draft_layer",
            "rmsnorm", "rotate", "silu_mul"]

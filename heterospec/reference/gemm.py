@@ -1,5 +1,6 @@
 """rows_linear: the few-rows float32 matrix product of ``cpu_gemm='rows'`` (the extension heterospec._gemm,
-csrc/gemm/rows.h), bit for bit.
+csrc/gemm/rows.h), bit for bit; and find_codes, the search for the block codes a weight decodes from
+(csrc/gemm/codes.c).
 
 Each output is a chain of fused multiply-adds over k in order, each rounded once to float32, then + bias:
 ``acc = fma(x[m, k], w[n, k], acc)`` for k = 0 .. K-1 from acc = +0, ``y[m, n] = acc + bias[n]``.  NumPy has no
@@ -57,3 +58,111 @@ def rows_linear(x, w, bias=None):
     if bias is not None:
         acc = (acc + np.asarray(bias, np.float32)[None, :]).astype(np.float32)
     return acc
+
+
+# rows.h's block codecs: codec -> (k per scale, least and greatest code, an offset?)
+CODE_FORMS = {2: (32, 0, 15, True), 1: (32, -128, 127, False), 5: (16, -128, 127, True)}
+_NEG_ZERO = np.uint32(0x80000000)
+
+
+def _exact_gcd(v):
+    """v [B, S] float64 (>= 0, finite) -> [B]: the greatest d with every value of a row an integer multiple of it,
+    exactly (the gcd of their odd parts times the least of their powers of two); 0 for a row of zeros."""
+    mant, exp = np.frexp(v)
+    ints = (mant * 2.0 ** 53).astype(np.int64)            # v = ints * 2^(exp - 53), exactly
+    low = ints & -ints                                    # the lowest set bit (0 for 0)
+    tz = np.log2(np.where(low > 0, low, 1).astype(np.float64)).astype(np.int64)
+    odd, e = ints >> tz, exp.astype(np.int64) - 53 + tz
+    nz = ints != 0
+    g = np.gcd.reduce(np.where(nz, odd, 0), axis=1)
+    emin = np.where(nz, e, 1 << 30).min(axis=1)
+    return np.where(g > 0, np.ldexp(g.astype(np.float64), np.where(g > 0, emin, 0)), 0.0)
+
+
+def _scales(x, codec, negz, lo, hi, amax):
+    """The scales codes.c tries for blocks x [B, size] -> [(signed form? [B] bool, d [B] float64), ...] (the order
+    does not matter here: a block has codes when any of them fits)."""
+    size, lo_code, hi_code, offset = CODE_FORMS[codec]
+    block_sg = np.full(len(x), codec == 1) | ((codec == 5) & negz)
+    yes = np.ones(len(x), bool)
+    x64 = x.astype(np.float64)
+    out = []
+    if codec == 2:   # Q4_1's float16 scales: the nearest to (max - min) / 15 and its neighbours
+        h = ((hi - lo) / np.float32(15)).astype(np.float16).view(np.int16).astype(np.int32)
+        for step in (0, 1, -1):
+            hh = h + step
+            d = np.where(hh >= 0, hh, 0).astype(np.int16).view(np.float16).astype(np.float64)
+            out.append((block_sg, np.where(np.isfinite(d), d, 0.0)))
+    forms = [block_sg] + ([yes] if codec != 2 else [])
+    for sg in forms:   # the greatest common divisor of the least and the greatest distance from the base
+        dist = np.where(sg[:, None], np.abs(x64), x64 - lo.astype(np.float64)[:, None])
+        near = np.where(dist > 0, dist, np.inf).min(axis=1)
+        near = np.where(np.isfinite(near), near, 0.0)
+        out.append((sg, _exact_gcd(np.stack([near, dist.max(axis=1)], 1))))
+        if sg is block_sg:
+            out += [(sg, near / a) for a in range(1, 9)]
+    if codec != 2:   # the greatest magnitude over the largest codes of Q8_0, Q4_0, Q5_0 and Q6_K
+        out += [(yes, amax.astype(np.float64) / over) for over in (127, 8, 16, 32)]
+    srt = np.sort(x, axis=1).astype(np.float64)   # the least gap between two values, over 1 to 8
+    gaps = np.where(np.diff(srt, axis=1) > 0, np.diff(srt, axis=1), np.inf).min(axis=1)
+    gaps = np.where(np.isfinite(gaps), gaps, 0.0)
+    out += [(block_sg, gaps / t) for t in range(1, 9)]
+    for sg in forms:   # the greatest common divisor of all the values (signed) or their distances from the least
+        out.append((sg, _exact_gcd(np.where(sg[:, None], np.abs(x64), (x - lo[:, None]).astype(np.float64)))))
+    return out
+
+
+def find_codes(codec, w):
+    """The NumPy twin of heterospec._gemm's ``find_codes`` (csrc/gemm/codes.c): the codes of ``codec`` (2 Q4, 1 Q8,
+    5 Q8X) that decode to the float32 weight ``w`` [N, K] bit for bit -- every block of 32 (Q8X: 16) along k
+    ``d * q + m`` (Q8: ``d * q``) with q in the codec's range, and d * q exact where m is added (Q4: d has at most 20
+    significant bits) -- as (q [N, K] int8, d [N, K / size] float32, m the same or None for Q8), or None when some
+    block has none.  The same blocks have codes here and there; the codes themselves may differ."""
+    size, lo_code, hi_code, offset = CODE_FORMS[codec]
+    w = np.ascontiguousarray(w, np.float32)
+    n, k = w.shape
+    if k % 32:
+        raise ValueError(f"find_codes: argument 'w' expected k a multiple of 32, got {k}")
+    x = w.reshape(-1, size)
+    bits = x.view(np.uint32)
+    negz = (bits == _NEG_ZERO).any(axis=1)
+    q_out = np.zeros(x.shape, np.int8)
+    d_out, m_out = np.zeros(len(x), np.float32), np.zeros(len(x), np.float32)
+    open_ = np.isfinite(x).all(axis=1)
+    if not open_.all():
+        return None
+    if codec != 2:   # zeros of both signs: the scale +0, the codes -1 at each -0, the offset -0
+        z = (x == 0).all(axis=1) & negz
+        q_out[z] = -(bits[z] == _NEG_ZERO).astype(np.int8)
+        m_out[z] = np.float32(-0.0)
+        open_ &= ~z
+    lo, hi, amax = x.min(axis=1), x.max(axis=1), np.abs(x).max(axis=1)
+    with np.errstate(all="ignore"):
+        for sg, d64 in _scales(x, codec, negz, lo, hi, amax):
+            d = np.where(sg & negz, -d64, d64).astype(np.float32)
+            m = np.where(sg, np.where(negz, np.float32(-0.0), np.float32(0.0)), lo).astype(np.float32)
+            base = np.where(sg, np.float32(0.0), lo).astype(np.float32)
+            c = np.where(d[:, None] != 0, np.rint((x - base[:, None]) / d[:, None]), 0)
+            # (+ 0: an int8 code has no -0, so a code 0 times a negative scale is -0 as the kernel decodes it)
+            c = np.clip(np.nan_to_num(c, nan=lo_code), lo_code, hi_code).astype(np.float32) + np.float32(0.0)
+            v = (d[:, None] * c).astype(np.float32)
+            if offset:
+                v = (v + m[:, None]).astype(np.float32)
+            ok = open_ & np.isfinite(d) & (v.view(np.uint32) == bits).all(axis=1)
+            if codec == 2:
+                ok &= (d.view(np.uint32) & 0xF) == 0
+            elif offset:   # d * q exact: d's significant bits and the largest code's length at most 24
+                mant = (d.view(np.uint32) & 0x7FFFFF) | 0x800000
+                sig = np.where(d != 0, 24 - np.log2((mant & -mant).astype(np.float64)).astype(np.int64), 0)
+                most = np.abs(c).max(axis=1).astype(np.int64)
+                length = np.where(most > 0, np.floor(np.log2(np.maximum(most, 1))) + 1, 0).astype(np.int64)
+                ok &= sig + length <= 24
+            q_out[ok], d_out[ok], m_out[ok] = c[ok].astype(np.int8), d[ok], m[ok]
+            open_ &= ~ok
+            if not open_.any():
+                break
+        else:
+            if open_.any():
+                return None
+    nb = k // size
+    return q_out.reshape(n, k), d_out.reshape(n, nb), m_out.reshape(n, nb) if offset else None

@@ -316,17 +316,99 @@ def test_float16_and_bfloat16_valued_weights_give_the_bits_of_their_floats(codec
         G.pack_half({"F16": 3, "BF16": 4}[codec], inf.data_ptr(), wp.data_ptr(), 1, 1)
 
 
-def test_the_check_in_slices_of_rows_is_the_check_at_once(monkeypatch):
+def c_codes(codec, w):
+    """heterospec._gemm's find_codes on a float32 array: (q, d, m or None) as NumPy arrays, or None."""
+    wt = torch.from_numpy(np.ascontiguousarray(w, np.float32))
+    n, k = wt.shape
+    size = 16 if codec == 5 else 32
+    q, d = torch.empty((n, k), dtype=torch.int8), torch.empty((n, k // size))
+    m = torch.empty_like(d) if codec != 1 else None
+    if not G.find_codes(codec, wt.data_ptr(), q.data_ptr(), d.data_ptr(), 0 if m is None else m.data_ptr(), n, k):
+        return None
+    return q.numpy(), d.numpy(), None if m is None else m.numpy()
+
+
+def decodes_to(codec, found, w):
+    """Whether the codes (q, d, m) decode to w bit for bit by the codec's formula (d * q exact where m is added)."""
+    q, d, m = found
+    size = 16 if codec == 5 else 32
+    v = (q.astype(np.float32) * np.repeat(d, size, axis=1)).astype(np.float32)
+    if m is not None:
+        v = (v + np.repeat(m, size, axis=1)).astype(np.float32)
+    return v.tobytes() == np.ascontiguousarray(w, np.float32).tobytes()
+
+
+def search_cases():
+    """Weights whose blocks have codes of some codec, of none, or of some only: every GGUF block format, the formats'
+    own quantizers, both fused in one matrix, float weights, and the edge cases of the search (zeros of both signs,
+    constant blocks, -0s under negative scales, a weight one ulp off, tiny and huge scales, non-finite values)."""
+    from tests._gguf import q4_k, q6_k
+
+    rng = np.random.default_rng(21)
+    cases = {"q4_1": q4_1(rng.standard_normal((24, 96)) * 0.05), "q8_0": q8_0(rng.standard_normal((24, 96)) * 0.05),
+             "q4_k": q4_k(rng.standard_normal((8, 256)) * 0.05), "q6_k": q6_k(rng.standard_normal((8, 256)) * 0.05),
+             "floats": rng.standard_normal((8, 64)).astype(np.float32)}
+    cases["fused"] = np.concatenate([cases["q4_k"], cases["q6_k"]])
+    if importlib.util.find_spec("gguf") is not None:
+        from tests._gguf import random_blocks
+
+        for kind in sorted(GGUF_CODECS):
+            cases[kind] = random_blocks(kind, 6, 256, rng)[0]
+    edge = (rng.integers(-32, 32, (8, 64)) * np.float32(2 ** -9)).astype(np.float32)
+    edge[0, :16] = np.where(rng.random(16) < 0.5, np.float32(-0.0), np.float32(0.0))   # zeros of both signs
+    edge[1, :32] = np.float32(0.75)                                                     # a constant block
+    edge[2, 16:32] = np.float32(-3 * 2 ** -9) * rng.integers(0, 5, 16).astype(np.float32)   # -0s, negative scale
+    edge[3, 32:] = np.float32(2 ** -140) * rng.integers(-5, 6, 32).astype(np.float32)   # subnormal weights
+    edge[4, :32] = np.float32(2 ** 100) * rng.integers(-100, 100, 32).astype(np.float32)   # a huge scale
+    cases["edge"] = edge
+    # odd multiples of 2^-10 and 128 of them: no int8 codes under a positive scale (nor an offset's 0..255 above -31)
+    cases["a code of 128"] = np.tile(np.float32(2 ** -10) * np.r_[np.arange(-31, 31, 2), 128].astype(np.float32), (2, 2))
+    cases["edge, a weight one ulp off"] = edge.copy()
+    cases["edge, a weight one ulp off"][7, 40] = np.nextafter(edge[7, 40], np.float32(1))
+    cases["edge, a NaN"] = edge.copy()
+    cases["edge, a NaN"][5, 3] = np.nan
+    return cases
+
+
+@needs
+@pytest.mark.parametrize("codec", [2, 1, 5])
+def test_the_codes_search_finds_codes_where_its_numpy_twin_does(codec):
+    """find_codes (csrc/gemm/codes.c) against heterospec.reference.find_codes on the same weights: codes found by
+    both or by neither, and where found, both decode to every weight (their codes may differ)."""
+    from heterospec.reference import find_codes
+
+    found_any = 0
+    for name, w in search_cases().items():
+        ours, ref = c_codes(codec, w), find_codes(codec, w)
+        assert (ours is None) == (ref is None), f"{name}: C found {ours is not None}, NumPy {ref is not None}"
+        if ours is not None:
+            assert decodes_to(codec, ours, w) and decodes_to(codec, ref, w), name
+            found_any += 1
+    assert found_any >= 3
+
+
+@needs
+def test_the_search_stops_at_a_block_without_codes_anywhere_and_its_codes_do_not_depend_on_threads():
     rng = np.random.default_rng(9)
     w = torch.from_numpy(q4_1(rng.standard_normal((200, 64))))
-    whole = cpu_gemm.block_codes(w)
-    monkeypatch.setattr(cpu_gemm, "CODE_ROWS", 48)
-    sliced = cpu_gemm.block_codes(w)
-    assert whole[0] == sliced[0] == 2 and all(torch.equal(a, b) for a, b in zip(whole[1:], sliced[1:]))
-    w[190, 3] = torch.nextafter(w[190, 3], torch.tensor(1.0))   # a weight of the last slice off by one ulp
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_gemm.block_codes(w)
+        torch.set_num_threads(2)
+        two = cpu_gemm.block_codes(w)
+    finally:
+        torch.set_num_threads(threads)
+    assert one[0] == two[0] == 2 and all(torch.equal(a, b) for a, b in zip(one[1:], two[1:]))
+    w[190, 3] = torch.nextafter(w[190, 3], torch.tensor(1.0))   # a weight of a late row off by one ulp
     assert cpu_gemm.block_codes(w) is None
+    with pytest.raises(ValueError, match="find_codes: arguments 'codec' and 'k' expected codec 1 .* got codec 3, k 64"):
+        G.find_codes(3, w.data_ptr(), w.data_ptr(), w.data_ptr(), w.data_ptr(), 200, 64)
+    with pytest.raises(ValueError, match="find_codes: argument 'm' expected an address for codec 2, got 0"):
+        G.find_codes(2, w.data_ptr(), w.data_ptr(), w.data_ptr(), 0, 200, 64)
 
 
+@needs
 def test_rows_of_two_k_quants_in_one_matrix_take_the_codec_that_holds_both():
     """q, k (Q4_K) and v (Q6_K) fused into one matrix: its first rows alone are Q4's, the whole is Q8X's (a scale
     and an offset per 16 hold both), to the bit; and Q5_K_M's Q5_1 rows with Q8_0 ones."""
