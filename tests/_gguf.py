@@ -48,7 +48,11 @@ def quantize_like_gguf(model):
 # the float16 fields of each block (byte offsets), after ggml's block structs (ggml-common.h); the other bytes
 # (codes, packed sub-block scales) take any value
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
-              "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+              "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+              # the grid formats (d first) and the ternary ones (d last); not IQ1_M (its d is spread over the
+              # scales' nibbles) nor MXFP4 (a power-of-two byte)
+              "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ3_S": (0,), "IQ3_XXS": (0,), "IQ2_XXS": (0,), "IQ2_XS": (0,),
+              "IQ2_S": (0,), "IQ1_S": (0,), "TQ2_0": (64,), "TQ1_0": (52,)}
 
 
 def random_blocks(kind, n, k, rng, scale=1e-3, signed=True):

@@ -8,7 +8,7 @@ import sys
 
 # the help of every command's --gguf-file
 GGUF_HELP = ("a GGUF file inside --target's directory: transformers dequantizes it to float32, and on a CPU with "
-             "AVX2 or AVX-512 our decoder reads its codes back (every ggml format but the IQ grids)")
+             "AVX2 or AVX-512 our decoder reads its codes back (the K-quants, the IQ grids and the older formats)")
 # the help of every command's --cpu-decoder (demo, generate, calibrate, bench)
 CPU_DECODER_HELP = ("our engines' forwards on heterospec's own CPU code (float32 arithmetic, bfloat16/float16 weights "
                     "read as stored), the target's decoder and the EAGLE-3 draft's layer (auto: where supported; on: "

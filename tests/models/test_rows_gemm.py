@@ -196,7 +196,14 @@ def test_the_real_gguf_quantizers_weights_are_read_as_their_codes():
 # 0..15 / 0..31 minus 8 / 16 and have a -0 where d < 0, which an offset cannot give); the rest need a scale per 16
 # weights (Q6_K, Q3_K, Q2_K) or 5-bit codes above an offset (Q5_1, Q5_K)
 GGUF_CODECS = {"Q4_0": "Q8", "Q4_1": "Q4", "Q5_0": "Q8", "Q5_1": "Q8X", "Q8_0": "Q8", "Q2_K": "Q8X", "Q3_K": "Q8X",
-               "Q4_K": "Q4", "Q5_K": "Q8X", "Q6_K": "Q8X"}
+               "Q4_K": "Q4", "Q5_K": "Q8X", "Q6_K": "Q8X",
+               # the grid formats: a scale per 32 (IQ4_XS: d * (ls - 32), exact) times a grid's small signed integers
+               # (IQ4_NL's and IQ4_XS's table up to 127, IQ3_XXS's up to 62, IQ2_XXS's 8, 25, 43) is Q8; per 16
+               # (IQ2_XS, IQ2_S) Q8X; IQ3_S's odd values 1..15 with signs are 16 levels a step 2 d apart, IQ1_S's
+               # grid -1, 0, 1 plus a shift of 1/8 is 3 levels d apart, and the ternary formats' d * (-1, 0, 1) too:
+               # Q4's codes above an offset
+               "IQ4_NL": "Q8", "IQ4_XS": "Q8", "IQ3_XXS": "Q8", "IQ2_XXS": "Q8", "IQ2_XS": "Q8X", "IQ2_S": "Q8X",
+               "IQ3_S": "Q4", "IQ1_S": "Q4", "TQ1_0": "Q4", "TQ2_0": "Q4"}
 
 
 @needs
