@@ -35,10 +35,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #define CANDIDATES 27
 #define COSTLY 17 /* the first candidate that sorts or divides many times: never the hint */
 
@@ -59,12 +55,6 @@ static uint16_t to_half(float f) {
     uint32_t m = b & 0x7FFFFFu, e = ((b >> 23) & 0xFFu) - 112u, h = e << 10 | m >> 13, rest = m & 0x1FFFu;
     if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) h++; /* (a carry into the exponent is right) */
     return (uint16_t)(sign | h);
-}
-
-static double half_value(uint16_t h) { /* a float16 pattern's value, exactly; infinities and NaNs as themselves */
-    int e = (h >> 10) & 31, m = h & 1023;
-    double v = e == 0 ? ldexp(m, -24) : e == 31 ? (m ? NAN : INFINITY) : ldexp(1024 + m, e - 25);
-    return (h & 0x8000u) ? -v : v;
 }
 
 /* The bits from the highest set to the lowest set of |d|'s significand (0 for 0; an upper bound for a subnormal):
@@ -201,7 +191,7 @@ static int find_block(const form *f, const float *x, int8_t *q, float *d, float 
         double d64;
         if (c <= 2) {
             int h = (int)to_half((hi - lo) / 15.0f) + (c == 1 ? 1 : c == 2 ? -1 : 0);
-            d64 = h < 0 ? 0.0 : half_value((uint16_t)h);
+            d64 = h < 0 ? 0.0 : hsg_half_float((uint16_t)h, HSG_F16);
             if (!isfinite(d64)) d64 = 0.0;
         } else if (c <= 4 || (c >= 9 && c <= 16)) {
             double *dist = dists[sg];   /* (the least and the greatest distance from the base, when first needed) */

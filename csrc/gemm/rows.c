@@ -140,7 +140,7 @@ int hsg_pack_codes(int codec, const int8_t *q, const float *d, const float *m, v
     return 0;
 }
 
-static float half_float(uint16_t h, int codec) { /* a float16 / bfloat16 pattern's value, exactly */
+float hsg_half_float(uint16_t h, int codec) { /* a float16 / bfloat16 pattern's value, exactly (rows.h) */
     uint32_t bits;
     if (codec == HSG_BF16) {
         bits = (uint32_t)h << 16;
@@ -157,7 +157,7 @@ static float half_float(uint16_t h, int codec) { /* a float16 / bfloat16 pattern
 int hsg_pack_half(int codec, const uint16_t *h, void *wp, int64_t n, int64_t k) {
     if (!half_codec(codec) || n < 0 || k < 0) return -1;
     for (int64_t i = 0; i < n * k; i++)
-        if (!isfinite(half_float(h[i], codec))) return -1;
+        if (!isfinite(hsg_half_float(h[i], codec))) return -1;
     header(wp, codec, n, k);
     uint16_t *body = (uint16_t *)((uint8_t *)wp + HSG_HEADER);
     int64_t panels = (n + HSG_PANEL - 1) / HSG_PANEL;
@@ -175,7 +175,7 @@ static inline float coded(const uint8_t *panel, int codec, int64_t kk, int j) {
     if (half_codec(codec)) {
         uint16_t h;
         memcpy(&h, panel + 2 * (kk * HSG_PANEL + j), 2);
-        return half_float(h, codec);
+        return hsg_half_float(h, codec);
     }
     const uint8_t *blk = panel + kk / HSG_BLOCK * block_bytes(codec);
     int r = (int)(kk % HSG_BLOCK);

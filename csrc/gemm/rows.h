@@ -75,6 +75,9 @@ int hsg_find_codes(int codec, const float *w, int64_t n, int64_t k, int8_t *q, f
  * N, K) bytes).  Returns 0, or -1 for another codec or a pattern that is not finite (nothing meaningful written). */
 int hsg_pack_half(int codec, const uint16_t *h, void *wp, int64_t n, int64_t k);
 
+/* The value of a float16 (HSG_F16) or bfloat16 (HSG_BF16) pattern, exactly; infinities and NaNs as themselves. */
+float hsg_half_float(uint16_t h, int codec);
+
 /* 0 when wp holds a packed copy of an N x K weight (its header says so), else -1. */
 int hsg_check(const void *wp, int64_t n, int64_t k);
 

@@ -173,10 +173,10 @@ def block_codes(w):
         return None
     w = w.detach().contiguous()
     n, k = w.shape
+    # (every tensor on the CPU by name: never the default device, which may be 'meta')
+    q = torch.empty((n, k), dtype=torch.int8, device="cpu")   # (the codes of every codec tried)
     for codec in _CODECS_TRIED:
         size, offset = _CODE_FORMS[codec]
-        # (every tensor on the CPU by name: never the default device, which may be 'meta')
-        q = torch.empty((n, k), dtype=torch.int8, device="cpu")
         d = torch.empty((n, k // size), dtype=torch.float32, device="cpu")
         m = torch.empty_like(d) if offset else None
         if g.find_codes(codec, w.data_ptr(), q.data_ptr(), d.data_ptr(), 0 if m is None else m.data_ptr(), n, k):

@@ -44,5 +44,5 @@ from .kv import KVTensors, kv_compact  # noqa: F401
 from .tree import build_tree, expand, select  # noqa: F401
 from .verify import philox4x32, philox_uniform, verify_greedy, verify_sample  # noqa: F401
 
-__all__ = [*OP_NAMES, "VerifyTree", "KVTensors", "rows_linear", "find_codes", "attend", "decoder_layers", "dot16", "draft_layer",
-           "rmsnorm", "rotate", "silu_mul"]
+__all__ = [*OP_NAMES, "VerifyTree", "KVTensors", "rows_linear", "find_codes", "attend", "decoder_layers", "dot16",
+           "draft_layer", "rmsnorm", "rotate", "silu_mul"]

@@ -82,7 +82,6 @@ def _exact_gcd(v):
 def _scales(x, codec, negz, lo, hi, amax):
     """The scales codes.c tries for blocks x [B, size] -> [(signed form? [B] bool, d [B] float64), ...] (the order
     does not matter here: a block has codes when any of them fits)."""
-    size, lo_code, hi_code, offset = CODE_FORMS[codec]
     block_sg = np.full(len(x), codec == 1) | ((codec == 5) & negz)
     yes = np.ones(len(x), bool)
     x64 = x.astype(np.float64)
