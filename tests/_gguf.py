@@ -79,25 +79,36 @@ def random_blocks(kind, n, k, rng, scale=1e-3, signed=True):
     return w, raw
 
 
-def q4_k(w):
+def _group(k):
+    """The weights along a row that share the K-quants' float16 super-scales: 256, or fewer where k is no multiple
+    of 256 (ggml falls back to another format there; a test wants the values alone)."""
+    return min(256, k) if k % min(256, k) == 0 else next(g for g in (128, 64, 32) if k % g == 0)
+
+
+def q4_k(w, top=15):
     """Q4_K's values, after ggml's reference quantizer in outline (ggml-quants.c): per block of 32 a scale
     (max + mn) / 15 and a min mn = max(0, -min), both quantized to 6 bits against the float16 super-scales d =
     max scale / 63 and dmin = max mn / 63 of each group of up to 256 along the row; codes round((x + m) / s) in 0..15;
-    the weights gguf-py's dequantization makes: (d * sc) * q - (dmin * m) in float32."""
+    the weights gguf-py's dequantization makes: (d * sc) * q - (dmin * m) in float32.  ``top`` 31: Q5_K's."""
     w = np.asarray(w, np.float32)
     n, k = w.shape
-    g = min(256, k)
+    g = _group(k)
     b = w.reshape(n, k // g, g // 32, 32)
     mn = np.maximum(0, -b.min(-1, keepdims=True))
-    sc = (b.max(-1, keepdims=True) + mn) / np.float32(15)
+    sc = (b.max(-1, keepdims=True) + mn) / np.float32(top)
     d = (sc.max(-2, keepdims=True) / np.float32(63)).astype(np.float16).astype(np.float32)
     dmin = (mn.max(-2, keepdims=True) / np.float32(63)).astype(np.float16).astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
         isc = np.where(d > 0, np.clip(np.rint(sc / d), 0, 63), 0).astype(np.float32)
         imn = np.where(dmin > 0, np.clip(np.rint(mn / dmin), 0, 63), 0).astype(np.float32)
         a, dm = d * isc, dmin * imn
-        q = np.where(a > 0, np.clip(np.rint((b + dm) / a), 0, 15), 0).astype(np.float32)
+        q = np.where(a > 0, np.clip(np.rint((b + dm) / a), 0, top), 0).astype(np.float32)
     return (a * q - dm).astype(np.float32).reshape(n, k)
+
+
+def q5_k(w):
+    """Q5_K's values: :func:`q4_k`'s with codes in 0..31."""
+    return q4_k(w, 31)
 
 
 def q6_k(w):
@@ -107,7 +118,7 @@ def q6_k(w):
     scale is -0, as gguf-py's dequantization gives."""
     w = np.asarray(w, np.float32)
     n, k = w.shape
-    g = min(256, k)
+    g = _group(k)
     b = w.reshape(n, k // g, g // 16, 16)
     big = np.take_along_axis(b, np.abs(b).argmax(-1)[..., None], -1)
     scale = big / np.float32(-32)

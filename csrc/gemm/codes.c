@@ -9,7 +9,8 @@
  * be the file's, only decode to the same floats.
  *
  * The scales tried for a block, in this order (each where the codec takes it):
- *   0-2   Q4: the float16 values nearest (max - min) / 15, and their two neighbours (Q4_1's d, which rounds);
+ *   0-2   Q4 and Q5: the float16 values nearest (max - min) / 15 (31), and their two neighbours (Q4_1's and
+ *         Q5_1's d, which rounds);
  *   3     the greatest common divisor of the least and the greatest distance of a value from the block's base (0
  *         for signed codes, else its least value): both are multiples of d, mostly one and a few tens of it;
  *   4     signed codes (Q8, Q8X): the same with the base 0 (the least and the greatest magnitude);
@@ -21,8 +22,8 @@
  *   25    the greatest common divisor of the values (signed codes) or of their distances from the least;
  *   26    signed codes: the greatest common divisor of the values again (Q8X: a block of Q8_0 codes among Q5_1's).
  * Codes are signed around zero (Q8; Q8X where the block holds a -0, a code 0 under a negative scale, which no
- * offset gives: m = -0 and d negative) or counted from the block's least value (Q4; other Q8X blocks: m the least
- * value).  A block of zeros of both signs takes the scale +0, the codes -1 (at each -0) and 0, and the offset -0.
+ * offset gives: m = -0 and d negative) or counted from the block's least value (Q4, Q5; other Q8X blocks: m the
+ * least value).  A block of zeros of both signs takes the scale +0, the codes -1 (at each -0) and 0, and the offset -0.
  * The cheap scale (0-16) that fitted the row's previous block is tried first: a row's blocks mostly share their
  * format.
  *
@@ -113,21 +114,22 @@ static double gcd_of(const double *v, int size) {
 }
 
 typedef struct {
-    int codec, size, lo_code, hi_code, offset;
+    int codec, size, lo_code, hi_code, offset, sign; /* sign: codes may be signed (around a base 0) */
 } form;
 
 static int form_of(int codec, form *f) {
     f->codec = codec;
     f->size = codec == HSG_Q8X ? HSG_HALF : HSG_BLOCK;
-    f->lo_code = codec == HSG_Q4 ? 0 : -128;
-    f->hi_code = codec == HSG_Q4 ? 15 : 127;
+    f->lo_code = codec == HSG_Q4 || codec == HSG_Q5 ? 0 : -128;
+    f->hi_code = codec == HSG_Q4 ? 15 : codec == HSG_Q5 ? 31 : 127;
     f->offset = codec != HSG_Q8;
-    return codec == HSG_Q4 || codec == HSG_Q8 || codec == HSG_Q8X ? 0 : -1;
+    f->sign = f->lo_code < 0;
+    return codec == HSG_Q4 || codec == HSG_Q8 || codec == HSG_Q8X || codec == HSG_Q5 ? 0 : -1;
 }
 
 static int applies(const form *f, int c) {
-    if (c <= 2) return f->codec == HSG_Q4;                     /* Q4_1's float16 scales */
-    if (c == 4 || (c >= 5 && c <= 8) || c == 26) return f->codec != HSG_Q4; /* signed codes' */
+    if (c <= 2) return !f->sign;                                 /* Q4_1's and Q5_1's float16 scales */
+    if (c == 4 || (c >= 5 && c <= 8) || c == 26) return f->sign; /* signed codes' */
     return 1;
 }
 
@@ -158,7 +160,7 @@ static int fits(const form *f, const float *x, double d64, int sg, int negz, flo
         q[i] = (int8_t)qi;
         if (abs(qi) > most) most = abs(qi);
     }
-    if (f->codec == HSG_Q8X && significant_bits(d) + bit_length(most) > 24) return 0;
+    if (f->offset && f->codec != HSG_Q4 && significant_bits(d) + bit_length(most) > 24) return 0;
     *d_out = d, *m_out = m;
     return 1;
 }
@@ -177,12 +179,12 @@ static int find_block(const form *f, const float *x, int8_t *q, float *d, float 
         negz |= bits_of(x[i]) == 0x80000000u;
         zeros &= x[i] == 0.0f;
     }
-    if (zeros && negz && f->codec != HSG_Q4) { /* zeros of both signs: 0 * -1 is -0 */
+    if (zeros && negz && f->sign) { /* zeros of both signs: 0 * -1 is -0 */
         for (int i = 0; i < size; i++) q[i] = bits_of(x[i]) == 0x80000000u ? -1 : 0;
         *d = 0.0f, *m = -0.0f;
         return 1;
     }
-    const int block_sg = f->codec == HSG_Q8 || (f->codec == HSG_Q8X && negz);
+    const int block_sg = f->sign && (!f->offset || negz);
     double dists[2][2] = {{-1.0, 0.0}, {-1.0, 0.0}}, least = -1.0; /* ([offset or signed form][least, greatest]) */
     for (int t = -1; t < CANDIDATES; t++) {
         int c = t < 0 ? *hint : t;
@@ -190,7 +192,7 @@ static int find_block(const form *f, const float *x, int8_t *q, float *d, float 
         int sg = c == 4 || (c >= 5 && c <= 8) || c == 26 ? 1 : block_sg;
         double d64;
         if (c <= 2) {
-            int h = (int)to_half((hi - lo) / 15.0f) + (c == 1 ? 1 : c == 2 ? -1 : 0);
+            int h = (int)to_half((hi - lo) / (float)f->hi_code) + (c == 1 ? 1 : c == 2 ? -1 : 0);
             d64 = h < 0 ? 0.0 : hsg_half_float((uint16_t)h, HSG_F16);
             if (!isfinite(d64)) d64 = 0.0;
         } else if (c <= 4 || (c >= 9 && c <= 16)) {

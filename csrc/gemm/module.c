@@ -73,8 +73,9 @@ static PyObject *py_pack_codes(PyObject *self, PyObject *const *args, Py_ssize_t
                                                (const float *)(uintptr_t)a[3], (void *)(uintptr_t)a[4], a[5], a[6]);
     Py_END_ALLOW_THREADS if (rc) {
         PyErr_Format(PyExc_ValueError, "pack_codes: arguments 'codec', 'q', 'd' and 'm' expected codec 1 (Q8), 2 "
-                     "(Q4, with m, codes 0..15 and scales of at most 20 significant bits) or 5 (Q8X, with m, scales "
-                     "and offsets per 16, every product of a code and its scale exact) and k a multiple of %d, "
+                     "(Q4, with m, codes 0..15 and scales of at most 20 significant bits), 5 (Q8X, with m, scales "
+                     "and offsets per 16) or 6 (Q5, with m, codes 0..31), every product of a code and its scale "
+                     "exact where m is added, and k a multiple of %d, "
                      "got codec %lld, k %lld, codes out of range or an inexact product", HSG_BLOCK, a[0], a[6]);
         return NULL;
     }
@@ -98,8 +99,8 @@ static PyObject *py_find_codes(PyObject *self, PyObject *const *args, Py_ssize_t
                                                (int8_t *)(uintptr_t)a[2], (float *)(uintptr_t)a[3],
                                                (float *)(uintptr_t)a[4], 0);
     Py_END_ALLOW_THREADS if (rc == -2) {
-        PyErr_Format(PyExc_ValueError, "find_codes: arguments 'codec' and 'k' expected codec 1 (Q8), 2 (Q4) or 5 "
-                     "(Q8X) and k a multiple of %d, got codec %lld, k %lld", HSG_BLOCK, a[0], a[6]);
+        PyErr_Format(PyExc_ValueError, "find_codes: arguments 'codec' and 'k' expected codec 1 (Q8), 2 (Q4), 5 "
+                     "(Q8X) or 6 (Q5) and k a multiple of %d, got codec %lld, k %lld", HSG_BLOCK, a[0], a[6]);
         return NULL;
     }
     return PyBool_FromLong(rc == 0);

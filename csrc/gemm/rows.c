@@ -27,8 +27,19 @@ static int64_t block_bytes(int codec) { /* bytes of one panel's block of HSG_BLO
     return codec == HSG_Q8    ? 64 + HSG_BLOCK * HSG_PANEL
            : codec == HSG_Q4  ? 128 + HSG_BLOCK * HSG_PANEL / 2
            : codec == HSG_Q8X ? 256 + HSG_BLOCK * HSG_PANEL
+           : codec == HSG_Q5  ? 128 + HSG_BLOCK * HSG_PANEL / 2 + 2 * HSG_BLOCK
                               : 0;
 }
+
+/* The block codecs' shapes (rows.h): codes as Q4's pairs of 4-bit halves (HSG_Q4, HSG_Q5; one byte per code
+ * otherwise), k per scale, whether an offset is added, and the range of the codes. */
+static int paired(int codec) { return codec == HSG_Q4 || codec == HSG_Q5; }
+static int group_of(int codec) { return codec == HSG_Q8X ? HSG_HALF : HSG_BLOCK; }
+static int has_offset(int codec) { return codec == HSG_Q4 || codec == HSG_Q8X || codec == HSG_Q5; }
+static int lo_code(int codec) { return codec == HSG_Q4 || codec == HSG_Q5 ? 0 : -128; }
+static int hi_code(int codec) { return codec == HSG_Q4 ? 15 : codec == HSG_Q5 ? 31 : 127; }
+/* where a block's codes start: after its scales' (and offsets') floats, 64 bytes per group of 16 columns */
+static int codes_at(int codec) { return 64 * (HSG_BLOCK / group_of(codec)) * (1 + has_offset(codec)); }
 
 static int half_codec(int codec) { return codec == HSG_F16 || codec == HSG_BF16; }
 
@@ -69,47 +80,16 @@ void hsg_pack(const float *w, int64_t ldw, float *wp, int64_t n, int64_t k) {
     }
 }
 
-/* HSG_Q8X's packing: d and m per 16 weights, every product d * q checked exact (rows.h). */
-static int pack_q8x(const int8_t *q, const float *d, const float *m, uint8_t *body, int64_t n, int64_t k) {
-    const int64_t nh = k / HSG_HALF, nb = k / HSG_BLOCK, bb = block_bytes(HSG_Q8X);
-    for (int64_t i = 0; i < n * k; i++) {
-        float s = d[i / k * nh + i % k / HSG_HALF], p = (float)q[i] * s;
-        if ((double)p != (double)q[i] * (double)s) return -1;
-    }
-    int64_t panels = (n + HSG_PANEL - 1) / HSG_PANEL;
-    for (int64_t p = 0; p < panels; p++)
-        for (int64_t b = 0; b < nb; b++) {
-            uint8_t *blk = body + (p * nb + b) * bb;
-            float dm[2][2][HSG_PANEL]; /* [d or m][half][column] */
-            memset(blk, 0, (size_t)bb);
-            for (int j = 0; j < HSG_PANEL; j++) {
-                int64_t col = p * HSG_PANEL + j;
-                for (int h = 0; h < 2; h++) {
-                    dm[0][h][j] = col < n ? d[col * nh + 2 * b + h] : 0.0f;
-                    dm[1][h][j] = col < n ? m[col * nh + 2 * b + h] : 0.0f;
-                }
-                for (int r = 0; r < HSG_BLOCK && col < n; r++)
-                    blk[256 + r * HSG_PANEL + j] = (uint8_t)q[col * k + b * HSG_BLOCK + r];
-            }
-            memcpy(blk, dm, sizeof dm);
-        }
-    return 0;
-}
-
 int hsg_pack_codes(int codec, const int8_t *q, const float *d, const float *m, void *wp, int64_t n, int64_t k) {
-    if ((codec != HSG_Q8 && codec != HSG_Q4 && codec != HSG_Q8X) || hsg_packed_bytes(codec, n, k) < 0
-        || (codec != HSG_Q8 && !m))
-        return -1;
-    if (codec == HSG_Q8X) {
-        header(wp, codec, n, k);
-        if (pack_q8x(q, d, m, (uint8_t *)wp + HSG_HEADER, n, k) == 0) return 0;
-        memset(wp, 0, HSG_HEADER); /* no valid header on a refused copy */
-        return -1;
+    if (block_bytes(codec) == 0 || hsg_packed_bytes(codec, n, k) < 0 || (has_offset(codec) && !m)) return -1;
+    const int gs = group_of(codec), ng = HSG_BLOCK / gs, at = codes_at(codec);
+    const int64_t nk = k / gs, nb = k / HSG_BLOCK, bb = block_bytes(codec);
+    for (int64_t i = 0; i < n * k; i++) {
+        if (q[i] < lo_code(codec) || q[i] > hi_code(codec)) return -1;
+        float s = d[i / k * nk + i % k / gs], p = (float)q[i] * s;
+        if (has_offset(codec) && (double)p != (double)q[i] * (double)s) return -1; /* d * q exact */
     }
-    int64_t nb = k / HSG_BLOCK, bb = block_bytes(codec);
-    for (int64_t i = 0; i < n * k; i++)
-        if (codec == HSG_Q4 && (q[i] < 0 || q[i] > 15)) return -1;
-    for (int64_t i = 0; codec == HSG_Q4 && i < n * nb; i++) { /* d * q exact: at most 20 significant bits */
+    for (int64_t i = 0; codec == HSG_Q4 && i < n * nb; i++) { /* rows.h: at most 20 significant bits */
         uint32_t bits;
         memcpy(&bits, d + i, 4);
         if (bits & 0xF) return -1;
@@ -120,22 +100,30 @@ int hsg_pack_codes(int codec, const int8_t *q, const float *d, const float *m, v
     for (int64_t p = 0; p < panels; p++)
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *blk = body + (p * nb + b) * bb;
-            float dm[2][HSG_PANEL];
+            float dm[2][2][HSG_PANEL] = {{{0}}}; /* [d or m][group][column] */
+            uint16_t hi[HSG_BLOCK] = {0};         /* HSG_Q5: bit 4 of the codes, a bit a column */
             memset(blk, 0, (size_t)bb);
             for (int j = 0; j < HSG_PANEL; j++) {
                 int64_t col = p * HSG_PANEL + j;
-                dm[0][j] = col < n ? d[col * nb + b] : 0.0f;
-                dm[1][j] = col < n && m ? m[col * nb + b] : 0.0f;
-                for (int r = 0; r < HSG_BLOCK && col < n; r++) {
-                    int8_t c = q[col * k + b * HSG_BLOCK + r];
-                    if (codec == HSG_Q8)
-                        blk[64 + r * HSG_PANEL + j] = (uint8_t)c;
-                    else
-                        blk[128 + (r / 2) * HSG_PANEL + j] |= (uint8_t)(c << (4 * (r % 2)));
+                if (col >= n) continue;
+                for (int g = 0; g < ng; g++) {
+                    dm[0][g][j] = d[col * nk + b * ng + g];
+                    dm[1][g][j] = has_offset(codec) ? m[col * nk + b * ng + g] : 0.0f;
+                }
+                for (int r = 0; r < HSG_BLOCK; r++) {
+                    int c = q[col * k + b * HSG_BLOCK + r];
+                    if (!paired(codec)) {
+                        blk[at + r * HSG_PANEL + j] = (uint8_t)c;
+                        continue;
+                    }
+                    unsigned u = (unsigned)c;
+                    blk[at + (r / 2) * HSG_PANEL + j] |= (uint8_t)((u & 15u) << (4 * (r % 2)));
+                    hi[r] |= (uint16_t)((u >> 4 & 1u) << j);
                 }
             }
-            memcpy(blk, dm[0], sizeof dm[0]);
-            if (codec == HSG_Q4) memcpy(blk + 64, dm[1], sizeof dm[1]);
+            memcpy(blk, dm[0], (size_t)(64 * ng));
+            if (has_offset(codec)) memcpy(blk + 64 * ng, dm[1], (size_t)(64 * ng));
+            if (codec == HSG_Q5) memcpy(blk + at + 256, hi, sizeof hi);
         }
     return 0;
 }
@@ -178,18 +166,23 @@ static inline float coded(const uint8_t *panel, int codec, int64_t kk, int j) {
         return hsg_half_float(h, codec);
     }
     const uint8_t *blk = panel + kk / HSG_BLOCK * block_bytes(codec);
-    int r = (int)(kk % HSG_BLOCK);
-    float d;
-    memcpy(&d, blk + 4 * j, 4);
-    if (codec == HSG_Q8) return (float)(int8_t)blk[64 + r * HSG_PANEL + j] * d;
-    float m;
-    if (codec == HSG_Q8X) {
-        memcpy(&d, blk + 64 * (r / HSG_HALF) + 4 * j, 4);
-        memcpy(&m, blk + 128 + 64 * (r / HSG_HALF) + 4 * j, 4);
-        return fmaf((float)(int8_t)blk[256 + r * HSG_PANEL + j], d, m);
+    const int r = (int)(kk % HSG_BLOCK), g = r / group_of(codec), at = codes_at(codec);
+    float d, m;
+    memcpy(&d, blk + 64 * g + 4 * j, 4);
+    int c;
+    if (paired(codec)) {
+        c = blk[at + (r / 2) * HSG_PANEL + j] >> (4 * (r % 2)) & 15;
+        if (codec == HSG_Q5) {
+            uint16_t hi;
+            memcpy(&hi, blk + at + 256 + 2 * r, 2);
+            c |= (hi >> j & 1) << 4;
+        }
+    } else {
+        c = (int8_t)blk[at + r * HSG_PANEL + j];
     }
-    memcpy(&m, blk + 64 + 4 * j, 4);
-    return fmaf((float)((blk[128 + (r / 2) * HSG_PANEL + j] >> (4 * (r % 2))) & 15), d, m);
+    if (!has_offset(codec)) return (float)c * d;
+    memcpy(&m, blk + 64 * (HSG_BLOCK / group_of(codec)) + 64 * g + 4 * j, 4);
+    return fmaf((float)c, d, m);
 }
 
 int hsg_threads(void) {
@@ -286,15 +279,24 @@ static inline __attribute__((always_inline)) T512 __m512 row512(const uint8_t *b
     return codec == HSG_Q8 ? q8_512(blk, r) : q8x_512(blk, r);
 }
 
-static inline __attribute__((always_inline)) T512 void q4_512(const uint8_t *blk, int t, __m512 *w0, __m512 *w1) {
-    /* rows 2t and 2t + 1 of a block */
+/* Rows 2t and 2t + 1 of a block of paired codes (HSG_Q4, HSG_Q5): the low 4 bits from a byte a column, Q5's bit 4
+ * from a uint16 a row, which is a mask of 16 lanes as it is (one masked add). */
+static inline __attribute__((always_inline)) T512 void pair512(const uint8_t *blk, int t, int codec, __m512 *w0,
+                                                               __m512 *w1) {
     const __m512 d = _mm512_loadu_ps((const float *)blk), m = _mm512_loadu_ps((const float *)(blk + 64));
     __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 128 + t * HSG_PANEL)));
-    *w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15))), d, m);
-    *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)), d, m);
+    __m512i c0 = _mm512_and_si512(c, _mm512_set1_epi32(15)), c1 = _mm512_srli_epi32(c, 4);
+    if (codec == HSG_Q5) {
+        uint32_t h; /* rows 2t (low half) and 2t + 1 */
+        memcpy(&h, blk + 384 + 4 * t, 4);
+        c0 = _mm512_mask_add_epi32(c0, (__mmask16)(h & 0xFFFFu), c0, _mm512_set1_epi32(16));
+        c1 = _mm512_mask_add_epi32(c1, (__mmask16)(h >> 16), c1, _mm512_set1_epi32(16));
+    }
+    *w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c0), d, m);
+    *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c1), d, m);
 }
 
-/* Coded panels (HSG_Q8, HSG_Q4): each block of 32 k decodes every panel's weights once per k (or pair of k) into
+/* Coded panels: each block of 32 k decodes every panel's weights once per k (or pair of k: the paired codecs) into
  * registers, then runs the same fused multiply-adds as HSG_F32 over the tile's rows. */
 static inline __attribute__((always_inline)) T512 void tile512(const float *x, int64_t ldx, const uint8_t *wp,
                                                                int64_t k, const float *bias, float *y, int64_t ldy,
@@ -329,7 +331,7 @@ static inline __attribute__((always_inline)) T512 void tile512(const float *x, i
             const uint8_t *blk = wp + kb * bb;
             prefetch_blocks(blk, kb, blocks, nb, ps, bb);
             const float *xk = x + kb * HSG_BLOCK;
-            if (codec != HSG_Q4) {
+            if (!paired(codec)) {
                 for (int r = 0; r < HSG_BLOCK; r++) {
                     __m512 wv[8];
                     UNROLL
@@ -345,7 +347,7 @@ static inline __attribute__((always_inline)) T512 void tile512(const float *x, i
                 for (int t = 0; t < HSG_BLOCK / 2; t++) {
                     __m512 w0[8], w1[8];
                     UNROLL
-                    for (int a = 0; a < nb; a++) q4_512(blk + a * ps, t, &w0[a], &w1[a]);
+                    for (int a = 0; a < nb; a++) pair512(blk + a * ps, t, codec, &w0[a], &w1[a]);
                     UNROLL
                     for (int b = 0; b < mb; b++) {
                         __m512 x0 = _mm512_set1_ps(xk[b * ldx + 2 * t]), x1 = _mm512_set1_ps(xk[b * ldx + 2 * t + 1]);
@@ -383,7 +385,8 @@ static inline __attribute__((always_inline)) T512 void tile512(const float *x, i
     }
 #define TILES(W, NB, MB)                                                                                           \
     TILEC(W, NB, MB, f, HSG_F32) TILEC(W, NB, MB, q8, HSG_Q8) TILEC(W, NB, MB, q4, HSG_Q4)                         \
-    TILEC(W, NB, MB, h, HSG_F16) TILEC(W, NB, MB, bh, HSG_BF16) TILEC(W, NB, MB, q8x, HSG_Q8X)
+    TILEC(W, NB, MB, h, HSG_F16) TILEC(W, NB, MB, bh, HSG_BF16) TILEC(W, NB, MB, q8x, HSG_Q8X)                     \
+    TILEC(W, NB, MB, q5, HSG_Q5)
 #define TILE512(NB, MB) TILES(512, NB, MB)
 TILE512(8, 1) TILE512(8, 2) TILE512(4, 3) TILE512(4, 4) TILE512(4, 5) TILE512(4, 6)
 TILE512(2, 7) TILE512(2, 8) TILE512(2, 9) TILE512(2, 10) TILE512(2, 11) TILE512(2, 12)
@@ -394,8 +397,9 @@ TILE512(1, 7) TILE512(1, 8) TILE512(1, 9) TILE512(1, 10) TILE512(1, 11) TILE512(
      t512##C##_2_8, t512##C##_2_9, t512##C##_2_10, t512##C##_2_11, t512##C##_2_12},                               \
     {0, t512##C##_1_1, t512##C##_1_2, t512##C##_1_3, t512##C##_1_4, t512##C##_1_5, t512##C##_1_6, t512##C##_1_7,  \
      t512##C##_1_8, t512##C##_1_9, t512##C##_1_10, t512##C##_1_11, t512##C##_1_12}
-static const hsg_tile TILES512[6][2][13] = {{TABLES512(f)}, {TABLES512(q8)}, {TABLES512(q4)}, {TABLES512(h)},
-                                            {TABLES512(bh)}, {TABLES512(q8x)}}; /* [codec][wide?][mb] */
+/* [codec][wide?][mb] */
+static const hsg_tile TILES512[7][2][13] = {{TABLES512(f)},  {TABLES512(q8)},  {TABLES512(q4)}, {TABLES512(h)},
+                                            {TABLES512(bh)}, {TABLES512(q8x)}, {TABLES512(q5)}};
 static const int NB512[13] = {0, 8, 8, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2};
 
 /* One coded panel decoded into float32 panel layout (out[kk * 16 + j]): what a call of many rows reads instead of
@@ -411,11 +415,11 @@ static T512 void decode512(const uint8_t *panel, int codec, int64_t k, float *ou
         float *o = out + kb * HSG_BLOCK * HSG_PANEL;
         for (int t = 0; t < HSG_BLOCK / 2; t++) {
             __m512 w0, w1;
-            if (codec != HSG_Q4) {
+            if (!paired(codec)) {
                 w0 = row512(blk, 2 * t, codec);
                 w1 = row512(blk, 2 * t + 1, codec);
             } else {
-                q4_512(blk, t, &w0, &w1);
+                pair512(blk, t, codec, &w0, &w1);
             }
             _mm512_storeu_ps(o + 2 * t * HSG_PANEL, w0);
             _mm512_storeu_ps(o + (2 * t + 1) * HSG_PANEL, w1);
@@ -447,8 +451,8 @@ static inline __attribute__((always_inline)) T256 __m256i mask256(int64_t rem) {
 }
 
 /* The decodings of rows.h as two registers of 8 weights (columns 0-7 and 8-15), the same values as half512,
- * q8_512 and q4_512: float16 through F16C (exact), bfloat16 by a shift, Q8 by one rounded product, Q4 by one
- * fused multiply-add. */
+ * q8_512, q8x_512 and pair512: float16 through F16C (exact), bfloat16 by a shift, Q8 by one rounded product, Q4,
+ * Q5 and Q8X by one fused multiply-add. */
 static inline __attribute__((always_inline)) T256 void half256(const uint8_t *w, int codec, __m256 *v) {
     __m128i h0 = _mm_loadu_si128((const __m128i *)w), h1 = _mm_loadu_si128((const __m128i *)(w + 16));
     if (codec == HSG_F16) {
@@ -478,13 +482,26 @@ static inline __attribute__((always_inline)) T256 __m256 row256(const uint8_t *b
     return codec == HSG_Q8 ? q8_256(blk, r, h) : q8x_256(blk, r, h);
 }
 
-static inline __attribute__((always_inline)) T256 void q4_256(const uint8_t *blk, int t, int h, __m256 *w0,
-                                                               __m256 *w1) {
+/* Half h of rows 2t (w0) and 2t + 1 (w1) of a block of paired codes, as pair512: a row's bit 4 of columns
+ * 8h..8h+7 is its uint16 shifted right by the column. */
+static inline __attribute__((always_inline)) T256 void pair256(const uint8_t *blk, int t, int h, int codec,
+                                                                __m256 *w0, __m256 *w1) {
     __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 128 + t * HSG_PANEL + 8 * h)));
+    __m256i c0 = _mm256_and_si256(c, _mm256_set1_epi32(15)), c1 = _mm256_srli_epi32(c, 4);
+    if (codec == HSG_Q5) {
+        uint32_t hb; /* rows 2t (low half) and 2t + 1, each shifted to bit 4 of column 0 */
+        memcpy(&hb, blk + 384 + 4 * t, 4);
+        const __m256i cols = _mm256_setr_epi32(8 * h, 8 * h + 1, 8 * h + 2, 8 * h + 3, 8 * h + 4, 8 * h + 5,
+                                               8 * h + 6, 8 * h + 7);
+        __m256i b0 = _mm256_srlv_epi32(_mm256_set1_epi32((int)((hb & 0xFFFFu) << 4)), cols);
+        __m256i b1 = _mm256_srlv_epi32(_mm256_set1_epi32((int)((hb >> 16) << 4)), cols);
+        c0 = _mm256_add_epi32(c0, _mm256_and_si256(b0, _mm256_set1_epi32(16)));
+        c1 = _mm256_add_epi32(c1, _mm256_and_si256(b1, _mm256_set1_epi32(16)));
+    }
     const __m256 d = _mm256_loadu_ps((const float *)(blk + 32 * h));
     const __m256 m = _mm256_loadu_ps((const float *)(blk + 64 + 32 * h));
-    *w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c, _mm256_set1_epi32(15))), d, m);
-    *w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4)), d, m);
+    *w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0), d, m);
+    *w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), d, m);
 }
 
 /* An empty asm that the compiler must assume changes p: the scales read through p stay loads inside the loop
@@ -551,7 +568,7 @@ static inline __attribute__((always_inline)) T256 void tile256(const float *x, i
                 if (pass == 0) prefetch_blocks(blk, kb, blocks, nb, ps, bb);
                 const float *xk = x + kb * HSG_BLOCK;
                 /* panel by panel, so that only two decoded registers are live; a step is one k (Q8) or two (Q4) */
-                const int kstep = codec == HSG_Q4 ? 2 : 1;
+                const int kstep = paired(codec) ? 2 : 1;
                 for (int st = 0; st < HSG_BLOCK / kstep; st++)
                     UNROLL
                     for (int a = 0; a < nb; a++) {
@@ -562,8 +579,8 @@ static inline __attribute__((always_inline)) T256 void tile256(const float *x, i
                             UNROLL
                             for (int h = 0; h < 2; h++) {
                                 w1[h] = _mm256_setzero_ps();
-                                if (codec == HSG_Q4)
-                                    q4_256(pb, st, h, &w0[h], &w1[h]);
+                                if (paired(codec))
+                                    pair256(pb, st, h, codec, &w0[h], &w1[h]);
                                 else
                                     w0[h] = row256(pb, st, h, codec);
                             }
@@ -571,11 +588,11 @@ static inline __attribute__((always_inline)) T256 void tile256(const float *x, i
                             for (int b = 0; b < mb; b++) {
                                 const float *xb = xk + b * ldx + kstep * st;
                                 __m256 x0 = _mm256_broadcast_ss(xb);
-                                __m256 x1 = codec == HSG_Q4 ? _mm256_broadcast_ss(xb + 1) : _mm256_setzero_ps();
+                                __m256 x1 = paired(codec) ? _mm256_broadcast_ss(xb + 1) : _mm256_setzero_ps();
                                 UNROLL
                                 for (int h = 0; h < 2; h++) {
                                     acc[a][b][h] = _mm256_fmadd_ps(w0[h], x0, acc[a][b][h]);
-                                    if (codec == HSG_Q4) acc[a][b][h] = _mm256_fmadd_ps(w1[h], x1, acc[a][b][h]);
+                                    if (paired(codec)) acc[a][b][h] = _mm256_fmadd_ps(w1[h], x1, acc[a][b][h]);
                                 }
                             }
                             continue;
@@ -583,15 +600,15 @@ static inline __attribute__((always_inline)) T256 void tile256(const float *x, i
                         UNROLL
                         for (int h = h0; h < h1; h++) {
                             __m256 w0, w1 = _mm256_setzero_ps();
-                            if (codec == HSG_Q4)
-                                q4_256(pb, st, h, &w0, &w1);
+                            if (paired(codec))
+                                pair256(pb, st, h, codec, &w0, &w1);
                             else
                                 w0 = row256(pb, st, h, codec);
                             UNROLL
                             for (int b = 0; b < mb; b++) {
                                 const float *xb = xk + b * ldx + kstep * st;
                                 acc[a][b][h] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xb), acc[a][b][h]);
-                                if (codec == HSG_Q4)
+                                if (paired(codec))
                                     acc[a][b][h] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(xb + 1), acc[a][b][h]);
                             }
                         }
@@ -625,8 +642,9 @@ TILE256(1, 6)
 #define TABLES256(C, NB3)                                                                                          \
     {0, t256##C##_4_1, t256##C##_2_2, t256##C##_##NB3##_3, t256##C##_1_4, t256##C##_1_5, t256##C##_1_6},          \
     {0, t256##C##_1_1, t256##C##_1_2, t256##C##_1_3, t256##C##_1_4, t256##C##_1_5, t256##C##_1_6}
-static const hsg_tile TILES256[6][2][7] = {{TABLES256(f, 2)}, {TABLES256(q8, 1)}, {TABLES256(q4, 1)},
-                                           {TABLES256(h, 1)}, {TABLES256(bh, 1)}, {TABLES256(q8x, 1)}};
+static const hsg_tile TILES256[7][2][7] = {{TABLES256(f, 2)}, {TABLES256(q8, 1)},  {TABLES256(q4, 1)},
+                                           {TABLES256(h, 1)}, {TABLES256(bh, 1)}, {TABLES256(q8x, 1)},
+                                           {TABLES256(q5, 1)}};
 static const int NB256[2][7] = {{0, 4, 2, 2, 1, 1, 1}, {0, 4, 2, 1, 1, 1, 1}}; /* [not float32?][mb] */
 
 /* decode512's AVX2 twin. */
@@ -647,11 +665,11 @@ static T256 void decode256(const uint8_t *panel, int codec, int64_t k, float *ou
         for (int t = 0; t < HSG_BLOCK / 2; t++)
             for (int h = 0; h < 2; h++) {
                 __m256 w0, w1;
-                if (codec != HSG_Q4) {
+                if (!paired(codec)) {
                     w0 = row256(blk, 2 * t, h, codec);
                     w1 = row256(blk, 2 * t + 1, h, codec);
                 } else {
-                    q4_256(blk, t, h, &w0, &w1);
+                    pair256(blk, t, h, codec, &w0, &w1);
                 }
                 _mm256_storeu_ps(o + 2 * t * HSG_PANEL + 8 * h, w0);
                 _mm256_storeu_ps(o + (2 * t + 1) * HSG_PANEL + 8 * h, w1);

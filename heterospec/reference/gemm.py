@@ -61,7 +61,7 @@ def rows_linear(x, w, bias=None):
 
 
 # rows.h's block codecs: codec -> (k per scale, least and greatest code, an offset?)
-CODE_FORMS = {2: (32, 0, 15, True), 1: (32, -128, 127, False), 5: (16, -128, 127, True)}
+CODE_FORMS = {2: (32, 0, 15, True), 1: (32, -128, 127, False), 5: (16, -128, 127, True), 6: (32, 0, 31, True)}
 _NEG_ZERO = np.uint32(0x80000000)
 
 
@@ -82,17 +82,18 @@ def _exact_gcd(v):
 def _scales(x, codec, negz, lo, hi, amax):
     """The scales codes.c tries for blocks x [B, size] -> [(signed form? [B] bool, d [B] float64), ...] (the order
     does not matter here: a block has codes when any of them fits)."""
+    signed = CODE_FORMS[codec][1] < 0
     block_sg = np.full(len(x), codec == 1) | ((codec == 5) & negz)
     yes = np.ones(len(x), bool)
     x64 = x.astype(np.float64)
     out = []
-    if codec == 2:   # Q4_1's float16 scales: the nearest to (max - min) / 15 and its neighbours
-        h = ((hi - lo) / np.float32(15)).astype(np.float16).view(np.int16).astype(np.int32)
+    if not signed:   # Q4_1's (Q5_1's) float16 scales: the nearest to (max - min) / 15 (31) and its neighbours
+        h = ((hi - lo) / np.float32(CODE_FORMS[codec][2])).astype(np.float16).view(np.int16).astype(np.int32)
         for step in (0, 1, -1):
             hh = h + step
             d = np.where(hh >= 0, hh, 0).astype(np.int16).view(np.float16).astype(np.float64)
             out.append((block_sg, np.where(np.isfinite(d), d, 0.0)))
-    forms = [block_sg] + ([yes] if codec != 2 else [])
+    forms = [block_sg] + ([yes] if signed else [])
     for sg in forms:   # the greatest common divisor of the least and the greatest distance from the base
         dist = np.where(sg[:, None], np.abs(x64), x64 - lo.astype(np.float64)[:, None])
         near = np.where(dist > 0, dist, np.inf).min(axis=1)
@@ -100,7 +101,7 @@ def _scales(x, codec, negz, lo, hi, amax):
         out.append((sg, _exact_gcd(np.stack([near, dist.max(axis=1)], 1))))
         if sg is block_sg:
             out += [(sg, near / a) for a in range(1, 9)]
-    if codec != 2:   # the greatest magnitude over the largest codes of Q8_0, Q4_0, Q5_0 and Q6_K
+    if signed:   # the greatest magnitude over the largest codes of Q8_0, Q4_0, Q5_0 and Q6_K
         out += [(yes, amax.astype(np.float64) / over) for over in (127, 8, 16, 32)]
     srt = np.sort(x, axis=1).astype(np.float64)   # the least gap between two values, over 1 to 8
     gaps = np.where(np.diff(srt, axis=1) > 0, np.diff(srt, axis=1), np.inf).min(axis=1)
@@ -113,7 +114,7 @@ def _scales(x, codec, negz, lo, hi, amax):
 
 def find_codes(codec, w):
     """The NumPy twin of heterospec._gemm's ``find_codes`` (csrc/gemm/codes.c): the codes of ``codec`` (2 Q4, 1 Q8,
-    5 Q8X) that decode to the float32 weight ``w`` [N, K] bit for bit -- every block of 32 (Q8X: 16) along k
+    5 Q8X, 6 Q5) that decode to the float32 weight ``w`` [N, K] bit for bit -- every block of 32 (Q8X: 16) along k
     ``d * q + m`` (Q8: ``d * q``) with q in the codec's range, and d * q exact where m is added (Q4: d has at most 20
     significant bits) -- as (q [N, K] int8, d [N, K / size] float32, m the same or None for Q8), or None when some
     block has none.  The same blocks have codes here and there; the codes themselves may differ."""
@@ -130,7 +131,7 @@ def find_codes(codec, w):
     open_ = np.isfinite(x).all(axis=1)
     if not open_.all():
         return None
-    if codec != 2:   # zeros of both signs: the scale +0, the codes -1 at each -0, the offset -0
+    if CODE_FORMS[codec][1] < 0:   # zeros of both signs: the scale +0, the codes -1 at each -0, the offset -0
         z = (x == 0).all(axis=1) & negz
         q_out[z] = -(bits[z] == _NEG_ZERO).astype(np.int8)
         m_out[z] = np.float32(-0.0)

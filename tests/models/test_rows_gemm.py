@@ -132,7 +132,7 @@ def test_the_kernel_refuses_an_instruction_set_this_cpu_lacks():
 
 # ---- block codes (rows.h's HSG_Q8 / HSG_Q4): a GGUF checkpoint's weights, read as their codes ------------------
 
-from tests._gguf import q4_1, q8_0  # noqa: E402
+from tests._gguf import q4_1, q5_k, q6_k, q8_0  # noqa: E402
 
 
 def coded_kernel(x, w, bias=None, isa=None, threads=0, codec=None):
@@ -141,7 +141,7 @@ def coded_kernel(x, w, bias=None, isa=None, threads=0, codec=None):
     n = w.shape[0]
     wp = cpu_gemm.pack_rows(torch.from_numpy(np.ascontiguousarray(w)), coded=True)
     assert cpu_gemm.packed_codec(wp) == codec
-    assert wp.numel() == G.packed_bytes({"Q8": 1, "Q4": 2, "Q8X": 5}[codec], n, k) < 4 * n * k
+    assert wp.numel() == G.packed_bytes({"Q8": 1, "Q4": 2, "Q8X": 5, "Q5": 6}[codec], n, k) < 4 * n * k
     y = torch.full((m, n), -1.0)
     bt = None if bias is None else torch.from_numpy(bias)
     G.linear(torch.from_numpy(x).data_ptr(), k, wp.data_ptr(), 0 if bt is None else bt.data_ptr(), y.data_ptr(), n, m,
@@ -150,7 +150,7 @@ def coded_kernel(x, w, bias=None, isa=None, threads=0, codec=None):
 
 
 @needs
-@pytest.mark.parametrize("codec,make", [("Q4", q4_1), ("Q8", q8_0)])
+@pytest.mark.parametrize("codec,make", [("Q4", q4_1), ("Q8", q8_0), ("Q5", q5_k), ("Q8X", q6_k)])
 # every tile a call of up to 6 rows takes as it is (AVX2: one row, 2 rows, one panel of 3-5 rows in one pass, 6 rows in
 # two; AVX-512 likewise), 7-10 rows (AVX2: two such tiles on the codes), then more (the codes decoded once,
 # then the float tiles)
@@ -165,8 +165,10 @@ def test_coded_weights_give_the_bits_of_their_floats(codec, make, m, n, k):
     assert found is not None and cpu_gemm.CODECS[found[0]] == codec
     # the codes decode to every weight exactly, by the format's own formula (NumPy here)
     _, q, d, off = (v.numpy() if hasattr(v, "numpy") else v for v in found)
-    dd = np.repeat(d, 32, axis=1)
-    decoded = q * dd if off is None else q * dd + np.repeat(off, 32, axis=1)
+    size = k // d.shape[1]
+    assert size == (16 if codec == "Q8X" else 32)
+    dd = np.repeat(d, size, axis=1)
+    decoded = q * dd if off is None else q * dd + np.repeat(off, size, axis=1)
     assert decoded.astype(np.float32).tobytes() == w.tobytes()
     ref = rows_linear(x, w, b)
     for isa in ISAS:
@@ -192,11 +194,11 @@ def test_the_real_gguf_quantizers_weights_are_read_as_their_codes():
 
 
 # ggml type -> the codec its dequantized weights are read as (rows.h), decided by the format's formula: Q4_1 and
-# Q4_K are d * q + m with q in 0..15; Q4_0, Q5_0 and Q8_0 are d * q with a signed q (Q4_0 and Q5_0 write their codes
-# 0..15 / 0..31 minus 8 / 16 and have a -0 where d < 0, which an offset cannot give); the rest need a scale per 16
-# weights (Q6_K, Q3_K, Q2_K) or 5-bit codes above an offset (Q5_1, Q5_K)
-GGUF_CODECS = {"Q4_0": "Q8", "Q4_1": "Q4", "Q5_0": "Q8", "Q5_1": "Q8X", "Q8_0": "Q8", "Q2_K": "Q8X", "Q3_K": "Q8X",
-               "Q4_K": "Q4", "Q5_K": "Q8X", "Q6_K": "Q8X",
+# Q4_K are d * q + m with q in 0..15 (Q4), Q5_1 and Q5_K the same with q in 0..31 (Q5); Q4_0, Q5_0 and Q8_0 are
+# d * q with a signed q (Q8: Q4_0 and Q5_0 write their codes 0..15 / 0..31 minus 8 / 16 and have a -0 where d < 0,
+# which an offset cannot give); the rest need a scale per 16 weights (Q8X: Q6_K, Q3_K, Q2_K)
+GGUF_CODECS = {"Q4_0": "Q8", "Q4_1": "Q4", "Q5_0": "Q8", "Q5_1": "Q5", "Q8_0": "Q8", "Q2_K": "Q8X", "Q3_K": "Q8X",
+               "Q4_K": "Q4", "Q5_K": "Q5", "Q6_K": "Q8X",
                # the grid formats: a scale per 32 (IQ4_XS: d * (ls - 32), exact) times a grid's small signed integers
                # (IQ4_NL's and IQ4_XS's table up to 127, IQ3_XXS's up to 62, IQ2_XXS's 8, 25, 43) is Q8; per 16
                # (IQ2_XS, IQ2_S) Q8X; IQ3_S's odd values 1..15 with signs are 16 levels a step 2 d apart, IQ1_S's
@@ -289,8 +291,20 @@ def test_the_kernel_refuses_a_packed_copy_of_another_shape_or_none():
         G.pack_codes(2, q.data_ptr(), d.data_ptr(), d.data_ptr(), out.data_ptr(), 4, 32)   # a Q4 code of 16
     with pytest.raises(ValueError, match="pack_codes: .* got codec 1, k 48"):
         G.pack_codes(1, q.data_ptr(), d.data_ptr(), 0, out.data_ptr(), 4, 48)
-    assert G.packed_bytes(2, 4, 48) == -1 and G.packed_bytes(7, 4, 32) == -1
+    assert G.packed_bytes(2, 4, 48) == -1 and G.packed_bytes(7, 4, 32) == -1 and G.packed_bytes(6, 4, 48) == -1
     assert G.packed_bytes(2, 17, 64) == 64 + 2 * 2 * 384 and G.packed_bytes(1, 16, 32) == 64 + 576
+    # Q5: d, m (64 bytes each), 256 bytes of low halves and 64 of bit 4 per block of 32 x 16 weights
+    assert G.packed_bytes(6, 17, 64) == 64 + 2 * 2 * 448
+    q5 = torch.full((4, 32), 31, dtype=torch.int8)
+    out5 = torch.empty(G.packed_bytes(6, 4, 32), dtype=torch.uint8)
+    G.pack_codes(6, q5.data_ptr(), d.data_ptr(), d.data_ptr(), out5.data_ptr(), 4, 32)   # codes up to 31
+    q5[2, 7] = 32
+    with pytest.raises(ValueError, match=r"pack_codes: .* 6 \(Q5, with m, codes 0..31\).* got codec 6, k 32, codes out"):
+        G.pack_codes(6, q5.data_ptr(), d.data_ptr(), d.data_ptr(), out5.data_ptr(), 4, 32)
+    q5[2, 7] = 31
+    fine = torch.full((4, 1), 1.0 + 2 ** -20)   # (kept alive: the call reads it by address)
+    with pytest.raises(ValueError, match="pack_codes: .* got codec 6, k 32"):   # 31 * d needs 25 significant bits
+        G.pack_codes(6, q5.data_ptr(), fine.data_ptr(), d.data_ptr(), out5.data_ptr(), 4, 32)
 
 
 @needs
@@ -378,7 +392,7 @@ def search_cases():
 
 
 @needs
-@pytest.mark.parametrize("codec", [2, 1, 5])
+@pytest.mark.parametrize("codec", [2, 6, 1, 5])
 def test_the_codes_search_finds_codes_where_its_numpy_twin_does(codec):
     """find_codes (csrc/gemm/codes.c) against heterospec.reference.find_codes on the same weights: codes found by
     both or by neither, and where found, both decode to every weight (their codes may differ)."""
@@ -392,10 +406,10 @@ def test_the_codes_search_finds_codes_where_its_numpy_twin_does(codec):
             assert decodes_to(codec, ours, w) and decodes_to(codec, ref, w), name
             found.add(name)
     # the cases made here (the GGUF formats' own table is the test above), by their formulas: Q4 holds Q4_1's and
-    # Q4_K's 16 levels above an offset; Q8 Q8_0's signed codes; Q8X, a scale and an offset per 16, all but the float
-    # weights and the blocks with a NaN or a weight one ulp off (the edge rows are integers times powers of two per
-    # 16, and the 128 shares its half with codes 1..29 above their least)
-    expected = {2: {"q4_1", "q4_k"}, 1: {"q8_0"},
+    # Q4_K's 16 levels above an offset, and Q5 (32 levels) them too; Q8 Q8_0's signed codes; Q8X, a scale and an
+    # offset per 16, all but the float weights and the blocks with a NaN or a weight one ulp off (the edge rows are
+    # integers times powers of two per 16, and the 128 shares its half with codes 1..29 above their least)
+    expected = {2: {"q4_1", "q4_k"}, 6: {"q4_1", "q4_k"}, 1: {"q8_0"},
                 5: {"q4_1", "q8_0", "q4_k", "q6_k", "fused", "edge", "a code of 128"}}[codec]
     assert found - set(GGUF_CODECS) == expected
 
