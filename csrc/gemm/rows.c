@@ -82,13 +82,17 @@ void hsg_pack(const float *w, int64_t ldw, float *wp, int64_t n, int64_t k) {
 
 int hsg_pack_codes(int codec, const int8_t *q, const float *d, const float *m, void *wp, int64_t n, int64_t k) {
     if (block_bytes(codec) == 0 || hsg_packed_bytes(codec, n, k) < 0 || (has_offset(codec) && !m)) return -1;
-    const int gs = group_of(codec), ng = HSG_BLOCK / gs, at = codes_at(codec);
+    const int gs = group_of(codec), ng = HSG_BLOCK / gs, at = codes_at(codec), shift = gs == HSG_HALF ? 4 : 5;
+    const int lo = lo_code(codec), hi = hi_code(codec), pairs = paired(codec);
+    const int exact = has_offset(codec) && codec != HSG_Q4; /* (Q4: its scales' 20 bits, below) */
     const int64_t nk = k / gs, nb = k / HSG_BLOCK, bb = block_bytes(codec);
-    for (int64_t i = 0; i < n * k; i++) {
-        if (q[i] < lo_code(codec) || q[i] > hi_code(codec)) return -1;
-        float s = d[i / k * nk + i % k / gs], p = (float)q[i] * s;
-        if (has_offset(codec) && (double)p != (double)q[i] * (double)s) return -1; /* d * q exact */
-    }
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t c = 0; c < k; c++) {
+            const int v = q[r * k + c];
+            if (v < lo || v > hi) return -1;
+            const float s = d[r * nk + (c >> shift)], p = (float)v * s;
+            if (exact && (double)p != (double)v * (double)s) return -1; /* d * q exact */
+        }
     for (int64_t i = 0; codec == HSG_Q4 && i < n * nb; i++) { /* rows.h: at most 20 significant bits */
         uint32_t bits;
         memcpy(&bits, d + i, 4);
@@ -112,13 +116,13 @@ int hsg_pack_codes(int codec, const int8_t *q, const float *d, const float *m, v
                 }
                 for (int r = 0; r < HSG_BLOCK; r++) {
                     int c = q[col * k + b * HSG_BLOCK + r];
-                    if (!paired(codec)) {
+                    if (!pairs) {
                         blk[at + r * HSG_PANEL + j] = (uint8_t)c;
                         continue;
                     }
                     unsigned u = (unsigned)c;
                     blk[at + (r / 2) * HSG_PANEL + j] |= (uint8_t)((u & 15u) << (4 * (r % 2)));
-                    hi[r] |= (uint16_t)((u >> 4 & 1u) << j);
+                    if (codec == HSG_Q5) hi[r] |= (uint16_t)((u >> 4 & 1u) << j);
                 }
             }
             memcpy(blk, dm[0], (size_t)(64 * ng));
@@ -482,21 +486,25 @@ static inline __attribute__((always_inline)) T256 __m256 row256(const uint8_t *b
     return codec == HSG_Q8 ? q8_256(blk, r, h) : q8x_256(blk, r, h);
 }
 
+/* 16 times each bit of a byte, as 8 int32 lanes (AVX2's Q5: a row's bit 4 of 8 columns, one load). */
+#define BIT4_(n, b) (((n) >> (b) & 1) * 16)
+#define BIT4_ROW(n)                                                                                               \
+    {BIT4_(n, 0), BIT4_(n, 1), BIT4_(n, 2), BIT4_(n, 3), BIT4_(n, 4), BIT4_(n, 5), BIT4_(n, 6), BIT4_(n, 7)}
+#define BIT4_4(n) BIT4_ROW(n), BIT4_ROW(n + 1), BIT4_ROW(n + 2), BIT4_ROW(n + 3)
+#define BIT4_16(n) BIT4_4(n), BIT4_4(n + 4), BIT4_4(n + 8), BIT4_4(n + 12)
+#define BIT4_64(n) BIT4_16(n), BIT4_16(n + 16), BIT4_16(n + 32), BIT4_16(n + 48)
+static const int32_t BIT4[256][8] __attribute__((aligned(32))) = {BIT4_64(0), BIT4_64(64), BIT4_64(128),
+                                                                  BIT4_64(192)};
+
 /* Half h of rows 2t (w0) and 2t + 1 (w1) of a block of paired codes, as pair512: a row's bit 4 of columns
- * 8h..8h+7 is its uint16 shifted right by the column. */
+ * 8h..8h+7 is a byte of its uint16, looked up as 8 lanes. */
 static inline __attribute__((always_inline)) T256 void pair256(const uint8_t *blk, int t, int h, int codec,
                                                                 __m256 *w0, __m256 *w1) {
     __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 128 + t * HSG_PANEL + 8 * h)));
     __m256i c0 = _mm256_and_si256(c, _mm256_set1_epi32(15)), c1 = _mm256_srli_epi32(c, 4);
-    if (codec == HSG_Q5) {
-        uint32_t hb; /* rows 2t (low half) and 2t + 1, each shifted to bit 4 of column 0 */
-        memcpy(&hb, blk + 384 + 4 * t, 4);
-        const __m256i cols = _mm256_setr_epi32(8 * h, 8 * h + 1, 8 * h + 2, 8 * h + 3, 8 * h + 4, 8 * h + 5,
-                                               8 * h + 6, 8 * h + 7);
-        __m256i b0 = _mm256_srlv_epi32(_mm256_set1_epi32((int)((hb & 0xFFFFu) << 4)), cols);
-        __m256i b1 = _mm256_srlv_epi32(_mm256_set1_epi32((int)((hb >> 16) << 4)), cols);
-        c0 = _mm256_add_epi32(c0, _mm256_and_si256(b0, _mm256_set1_epi32(16)));
-        c1 = _mm256_add_epi32(c1, _mm256_and_si256(b1, _mm256_set1_epi32(16)));
+    if (codec == HSG_Q5) { /* rows 2t and 2t + 1: bytes h and 2 + h of their two uint16 */
+        c0 = _mm256_add_epi32(c0, _mm256_load_si256((const __m256i *)BIT4[blk[384 + 4 * t + h]]));
+        c1 = _mm256_add_epi32(c1, _mm256_load_si256((const __m256i *)BIT4[blk[384 + 4 * t + 2 + h]]));
     }
     const __m256 d = _mm256_loadu_ps((const float *)(blk + 32 * h));
     const __m256 m = _mm256_loadu_ps((const float *)(blk + 64 + 32 * h));

@@ -10,7 +10,7 @@ for f in noisy-Q5_K_M; do
         --draft /work/main/heterospec/data/smollm2-135m-instruct-eagle3 --methods ar,hf,heterospec \
         --profile /work/main/heterospec/data/smollm2-135m-instruct-eagle3/profile.json \
         --questions /work/main/benchmarks/data/questions --limit 2 --max-new-tokens 64 --no-plots \
-        --out /tmp/q56b/$f-$side > /tmp/q56b/$f-$side.log 2>&1 )
+        --out /tmp/q5b/$f-$side > /tmp/q5b/$f-$side.log 2>&1 )
     echo "$f $side rc=$?"
   done
 done
