@@ -13,7 +13,7 @@
  *         Q5_1's d, which rounds);
  *   3     the greatest common divisor of the least and the greatest distance of a value from the block's base (0
  *         for signed codes, else its least value): both are multiples of d, mostly one and a few tens of it;
- *   4     signed codes (Q8, Q8X): the same with the base 0 (the least and the greatest magnitude);
+ *   4     signed codes (Q8, Q8H, Q8X): the same with the base 0 (the least and the greatest magnitude);
  *   5-8   signed codes: the greatest magnitude over 127, 8, 16 or 32 (Q8_0's, Q4_0's, Q5_0's and Q6_K's largest
  *         codes);
  *   9-16  the least distance from the base over 1 to 8 (the code nearest the base's is a few steps of d from it);
@@ -21,7 +21,7 @@
  *         differ by a multiple of d; a sort);
  *   25    the greatest common divisor of the values (signed codes) or of their distances from the least;
  *   26    signed codes: the greatest common divisor of the values again (Q8X: a block of Q8_0 codes among Q5_1's).
- * Codes are signed around zero (Q8; Q8X where the block holds a -0, a code 0 under a negative scale, which no
+ * Codes are signed around zero (Q8, Q8H; Q8X where the block holds a -0, a code 0 under a negative scale, which no
  * offset gives: m = -0 and d negative) or counted from the block's least value (Q4, Q5; other Q8X blocks: m the
  * least value).  A block of zeros of both signs takes the scale +0, the codes -1 (at each -0) and 0, and the offset -0.
  * The cheap scale (0-16) that fitted the row's previous block is tried first: a row's blocks mostly share their
@@ -119,12 +119,12 @@ typedef struct {
 
 static int form_of(int codec, form *f) {
     f->codec = codec;
-    f->size = codec == HSG_Q8X ? HSG_HALF : HSG_BLOCK;
+    f->size = codec == HSG_Q8X || codec == HSG_Q8H ? HSG_HALF : HSG_BLOCK;
     f->lo_code = codec == HSG_Q4 || codec == HSG_Q5 ? 0 : -128;
     f->hi_code = codec == HSG_Q4 ? 15 : codec == HSG_Q5 ? 31 : 127;
-    f->offset = codec != HSG_Q8;
+    f->offset = codec == HSG_Q4 || codec == HSG_Q5 || codec == HSG_Q8X;
     f->sign = f->lo_code < 0;
-    return codec == HSG_Q4 || codec == HSG_Q8 || codec == HSG_Q8X || codec == HSG_Q5 ? 0 : -1;
+    return codec == HSG_Q4 || codec == HSG_Q8 || codec == HSG_Q8X || codec == HSG_Q5 || codec == HSG_Q8H ? 0 : -1;
 }
 
 static int applies(const form *f, int c) {

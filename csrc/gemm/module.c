@@ -74,8 +74,8 @@ static PyObject *py_pack_codes(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_END_ALLOW_THREADS if (rc) {
         PyErr_Format(PyExc_ValueError, "pack_codes: arguments 'codec', 'q', 'd' and 'm' expected codec 1 (Q8), 2 "
                      "(Q4, with m, codes 0..15 and scales of at most 20 significant bits), 5 (Q8X, with m, scales "
-                     "and offsets per 16) or 6 (Q5, with m, codes 0..31), every product of a code and its scale "
-                     "exact where m is added, and k a multiple of %d, "
+                     "and offsets per 16), 6 (Q5, with m, codes 0..31) or 7 (Q8H, scales per 16), every product of "
+                     "a code and its scale exact where m is added, and k a multiple of %d, "
                      "got codec %lld, k %lld, codes out of range or an inexact product", HSG_BLOCK, a[0], a[6]);
         return NULL;
     }
@@ -90,7 +90,7 @@ static PyObject *py_find_codes(PyObject *self, PyObject *const *args, Py_ssize_t
     if (ints(args, nargs, 7, "find_codes", a) < 0) return NULL;
     static const char *const names[7] = {NULL, "w", "q", "d", NULL, NULL, NULL};
     if (addresses(a, names, 7, "find_codes") < 0) return NULL;
-    if (a[0] != HSG_Q8 && !a[4]) {
+    if (a[0] != HSG_Q8 && a[0] != HSG_Q8H && !a[4]) {
         PyErr_Format(PyExc_ValueError, "find_codes: argument 'm' expected an address for codec %lld, got 0", a[0]);
         return NULL;
     }
@@ -100,7 +100,7 @@ static PyObject *py_find_codes(PyObject *self, PyObject *const *args, Py_ssize_t
                                                (float *)(uintptr_t)a[4], 0);
     Py_END_ALLOW_THREADS if (rc == -2) {
         PyErr_Format(PyExc_ValueError, "find_codes: arguments 'codec' and 'k' expected codec 1 (Q8), 2 (Q4), 5 "
-                     "(Q8X) or 6 (Q5) and k a multiple of %d, got codec %lld, k %lld", HSG_BLOCK, a[0], a[6]);
+                     "(Q8X), 6 (Q5) or 7 (Q8H) and k a multiple of %d, got codec %lld, k %lld", HSG_BLOCK, a[0], a[6]);
         return NULL;
     }
     return PyBool_FromLong(rc == 0);

@@ -28,13 +28,14 @@ static int64_t block_bytes(int codec) { /* bytes of one panel's block of HSG_BLO
            : codec == HSG_Q4  ? 128 + HSG_BLOCK * HSG_PANEL / 2
            : codec == HSG_Q8X ? 256 + HSG_BLOCK * HSG_PANEL
            : codec == HSG_Q5  ? 128 + HSG_BLOCK * HSG_PANEL / 2 + 2 * HSG_BLOCK
+           : codec == HSG_Q8H ? 128 + HSG_BLOCK * HSG_PANEL
                               : 0;
 }
 
 /* The block codecs' shapes (rows.h): codes as Q4's pairs of 4-bit halves (HSG_Q4, HSG_Q5; one byte per code
  * otherwise), k per scale, whether an offset is added, and the range of the codes. */
 static int paired(int codec) { return codec == HSG_Q4 || codec == HSG_Q5; }
-static int group_of(int codec) { return codec == HSG_Q8X ? HSG_HALF : HSG_BLOCK; }
+static int group_of(int codec) { return codec == HSG_Q8X || codec == HSG_Q8H ? HSG_HALF : HSG_BLOCK; }
 static int has_offset(int codec) { return codec == HSG_Q4 || codec == HSG_Q8X || codec == HSG_Q5; }
 static int lo_code(int codec) { return codec == HSG_Q4 || codec == HSG_Q5 ? 0 : -128; }
 static int hi_code(int codec) { return codec == HSG_Q4 ? 15 : codec == HSG_Q5 ? 31 : 127; }
@@ -266,9 +267,11 @@ static inline __attribute__((always_inline)) T512 __m512 half512(const uint8_t *
     return codec == HSG_F16 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-static inline __attribute__((always_inline)) T512 __m512 q8_512(const uint8_t *blk, int r) { /* row r of a block */
-    __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 64 + r * HSG_PANEL)));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_loadu_ps((const float *)blk));
+/* Row r of a Q8 or Q8H block: q * d, d per 32 (Q8) or 16 (Q8H) rows. */
+static inline __attribute__((always_inline)) T512 __m512 q8_512(const uint8_t *blk, int r, int codec) {
+    const int at = codec == HSG_Q8 ? 64 : 128, ds = codec == HSG_Q8 ? 0 : 64 * (r / HSG_HALF);
+    __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + at + r * HSG_PANEL)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_loadu_ps((const float *)(blk + ds)));
 }
 
 static inline __attribute__((always_inline)) T512 __m512 q8x_512(const uint8_t *blk, int r) { /* row r */
@@ -278,9 +281,9 @@ static inline __attribute__((always_inline)) T512 __m512 q8x_512(const uint8_t *
                            _mm512_loadu_ps((const float *)(blk + 128 + 64 * h)));
 }
 
-/* Row r of a one-k-a-step block (HSG_Q8, HSG_Q8X). */
+/* Row r of a one-k-a-step block (HSG_Q8, HSG_Q8H, HSG_Q8X). */
 static inline __attribute__((always_inline)) T512 __m512 row512(const uint8_t *blk, int r, int codec) {
-    return codec == HSG_Q8 ? q8_512(blk, r) : q8x_512(blk, r);
+    return codec == HSG_Q8X ? q8x_512(blk, r) : q8_512(blk, r, codec);
 }
 
 /* Rows 2t and 2t + 1 of a block of paired codes (HSG_Q4, HSG_Q5): the low 4 bits from a byte a column, Q5's bit 4
@@ -390,7 +393,7 @@ static inline __attribute__((always_inline)) T512 void tile512(const float *x, i
 #define TILES(W, NB, MB)                                                                                           \
     TILEC(W, NB, MB, f, HSG_F32) TILEC(W, NB, MB, q8, HSG_Q8) TILEC(W, NB, MB, q4, HSG_Q4)                         \
     TILEC(W, NB, MB, h, HSG_F16) TILEC(W, NB, MB, bh, HSG_BF16) TILEC(W, NB, MB, q8x, HSG_Q8X)                     \
-    TILEC(W, NB, MB, q5, HSG_Q5)
+    TILEC(W, NB, MB, q5, HSG_Q5) TILEC(W, NB, MB, q8h, HSG_Q8H)
 #define TILE512(NB, MB) TILES(512, NB, MB)
 TILE512(8, 1) TILE512(8, 2) TILE512(4, 3) TILE512(4, 4) TILE512(4, 5) TILE512(4, 6)
 TILE512(2, 7) TILE512(2, 8) TILE512(2, 9) TILE512(2, 10) TILE512(2, 11) TILE512(2, 12)
@@ -402,8 +405,8 @@ TILE512(1, 7) TILE512(1, 8) TILE512(1, 9) TILE512(1, 10) TILE512(1, 11) TILE512(
     {0, t512##C##_1_1, t512##C##_1_2, t512##C##_1_3, t512##C##_1_4, t512##C##_1_5, t512##C##_1_6, t512##C##_1_7,  \
      t512##C##_1_8, t512##C##_1_9, t512##C##_1_10, t512##C##_1_11, t512##C##_1_12}
 /* [codec][wide?][mb] */
-static const hsg_tile TILES512[7][2][13] = {{TABLES512(f)},  {TABLES512(q8)},  {TABLES512(q4)}, {TABLES512(h)},
-                                            {TABLES512(bh)}, {TABLES512(q8x)}, {TABLES512(q5)}};
+static const hsg_tile TILES512[8][2][13] = {{TABLES512(f)},  {TABLES512(q8)},  {TABLES512(q4)}, {TABLES512(h)},
+                                            {TABLES512(bh)}, {TABLES512(q8x)}, {TABLES512(q5)}, {TABLES512(q8h)}};
 static const int NB512[13] = {0, 8, 8, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2};
 
 /* One coded panel decoded into float32 panel layout (out[kk * 16 + j]): what a call of many rows reads instead of
@@ -468,10 +471,11 @@ static inline __attribute__((always_inline)) T256 void half256(const uint8_t *w,
     }
 }
 
-/* Half h (columns 8h..8h+7) of row r of a Q8 block, and of rows 2t (w0) and 2t + 1 (w1) of a Q4 block. */
-static inline __attribute__((always_inline)) T256 __m256 q8_256(const uint8_t *blk, int r, int h) {
-    __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 64 + r * HSG_PANEL + 8 * h)));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(c), _mm256_loadu_ps((const float *)(blk + 32 * h)));
+/* Half h (columns 8h..8h+7) of row r of a Q8 or Q8H block. */
+static inline __attribute__((always_inline)) T256 __m256 q8_256(const uint8_t *blk, int r, int h, int codec) {
+    const int at = codec == HSG_Q8 ? 64 : 128, ds = codec == HSG_Q8 ? 0 : 64 * (r / HSG_HALF);
+    __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + at + r * HSG_PANEL + 8 * h)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(c), _mm256_loadu_ps((const float *)(blk + ds + 32 * h)));
 }
 
 static inline __attribute__((always_inline)) T256 __m256 q8x_256(const uint8_t *blk, int r, int h) {
@@ -481,9 +485,9 @@ static inline __attribute__((always_inline)) T256 __m256 q8x_256(const uint8_t *
                            _mm256_loadu_ps((const float *)(blk + 128 + 64 * s + 32 * h)));
 }
 
-/* Half h of row r of a one-k-a-step block (HSG_Q8, HSG_Q8X). */
+/* Half h of row r of a one-k-a-step block (HSG_Q8, HSG_Q8H, HSG_Q8X). */
 static inline __attribute__((always_inline)) T256 __m256 row256(const uint8_t *blk, int r, int h, int codec) {
-    return codec == HSG_Q8 ? q8_256(blk, r, h) : q8x_256(blk, r, h);
+    return codec == HSG_Q8X ? q8x_256(blk, r, h) : q8_256(blk, r, h, codec);
 }
 
 /* 16 times each bit of a byte, as 8 int32 lanes (AVX2's Q5: a row's bit 4 of 8 columns, one load). */
@@ -650,9 +654,9 @@ TILE256(1, 6)
 #define TABLES256(C, NB3)                                                                                          \
     {0, t256##C##_4_1, t256##C##_2_2, t256##C##_##NB3##_3, t256##C##_1_4, t256##C##_1_5, t256##C##_1_6},          \
     {0, t256##C##_1_1, t256##C##_1_2, t256##C##_1_3, t256##C##_1_4, t256##C##_1_5, t256##C##_1_6}
-static const hsg_tile TILES256[7][2][7] = {{TABLES256(f, 2)}, {TABLES256(q8, 1)},  {TABLES256(q4, 1)},
+static const hsg_tile TILES256[8][2][7] = {{TABLES256(f, 2)}, {TABLES256(q8, 1)},  {TABLES256(q4, 1)},
                                            {TABLES256(h, 1)}, {TABLES256(bh, 1)}, {TABLES256(q8x, 1)},
-                                           {TABLES256(q5, 1)}};
+                                           {TABLES256(q5, 1)}, {TABLES256(q8h, 1)}};
 static const int NB256[2][7] = {{0, 4, 2, 2, 1, 1, 1}, {0, 4, 2, 1, 1, 1, 1}}; /* [not float32?][mb] */
 
 /* decode512's AVX2 twin. */

@@ -1408,5 +1408,5 @@ def describe(decoder, fast):
         for c, k in (getattr(d, "codecs", None) or {}).items():
             codecs[c] = codecs.get(c, 0) + k
     coded = "" if set(codecs) <= {"F32"} else "; weights as codes: " + ", ".join(
-        f"{c} {codecs[c]}" for c in ("Q4", "Q5", "Q8", "Q8X", "F16", "BF16", "F32") if c in codecs)
+        f"{c} {codecs[c]}" for c in ("Q4", "Q5", "Q8", "Q8H", "Q8X", "F16", "BF16", "F32") if c in codecs)
     return f"{' and '.join(parts)} ({ISA_NAMES[(decoder or fast).isa]}{coded})"

@@ -144,12 +144,12 @@ def wanted(setting, module, traced=False):
 _CACHE = {"onednn": weakref.WeakKeyDictionary(), "rows": weakref.WeakKeyDictionary()}
 
 
-CODECS = {1: "Q8", 2: "Q4", 3: "F16", 4: "BF16", 5: "Q8X", 6: "Q5"}   # rows.h's HSG_* (0: float32)
+CODECS = {1: "Q8", 2: "Q4", 3: "F16", 4: "BF16", 5: "Q8X", 6: "Q5", 7: "Q8H"}   # rows.h's HSG_* (0: float32)
 BLOCK = 32                    # rows.h's HSG_BLOCK
-HALF = 16                     # rows.h's HSG_HALF: k per scale and offset of Q8X
+HALF = 16                     # rows.h's HSG_HALF: k per scale (and offset) of Q8X and Q8H
 # codec -> (k per scale, an offset?)
-_CODE_FORMS = {2: (BLOCK, True), 6: (BLOCK, True), 1: (BLOCK, False), 5: (HALF, True)}
-_CODECS_TRIED = (2, 6, 1, 5)  # Q4, Q5, Q8, Q8X: the fewest bytes first (Q8X holds Q4's and Q5's codes too)
+_CODE_FORMS = {2: (BLOCK, True), 6: (BLOCK, True), 1: (BLOCK, False), 7: (HALF, False), 5: (HALF, True)}
+_CODECS_TRIED = (2, 6, 1, 7, 5)   # Q4, Q5, Q8, Q8H, Q8X: the fewest bytes first (Q8X holds all but Q8's, Q8H's)
 
 
 def _bits(t):
@@ -159,16 +159,16 @@ def _bits(t):
 def block_codes(w):
     """Whether a float32 CPU weight [N, K] is, bit for bit, the float32 decoding of block codes (rows.h): every block
     of 32 along k equal to ``d * q + m`` (Q4: q in 0..15; Q5: 0..31) or to ``q * d`` (Q8: q an int8), else every
-    half-block of 16 to ``d * q + m`` (Q8X: q an int8, m possibly -0), with ``d * q`` exact where m is added.  These
-    are the weights transformers' GGUF loader makes (gguf-py's dequantization, in float32) from the K-quants and the
-    older formats: Q4_1 and Q4_K as Q4; Q5_1 and Q5_K as Q5; Q8_0, Q4_0 and Q5_0 as Q8; Q6_K, Q3_K and Q2_K as Q8X;
-    a matrix fused from rows of two formats (q/k/v of Q4_K and Q6_K) as the codec that holds both.  Returns (codec,
-    q [N, K] int8, d, m or None) with d and m [N, K/32] (Q8X: [N, K/16]) and every weight reproduced exactly, or
-    None (also where heterospec._gemm is not built).  The search is the extension's (csrc/gemm/codes.c: the scales
-    it tries per block; NumPy twin :func:`heterospec.reference.gemm.find_codes`), a pass over the weight per codec
-    tried that stops at the first block without codes.  Only a match of every bit counts (signed zeros included), so
-    the kernel that decodes them computes what it computes from the floats; the codes found need not be the file's,
-    only decode to the same bits."""
+    half-block of 16 to ``q * d`` (Q8H) or ``d * q + m`` (Q8X: q an int8, m possibly -0), with ``d * q`` exact where
+    m is added.  These are the weights transformers' GGUF loader makes (gguf-py's dequantization, in float32) from
+    the K-quants and the older formats: Q4_1 and Q4_K as Q4; Q5_1 and Q5_K as Q5; Q8_0, Q4_0 and Q5_0 as Q8; Q6_K
+    and Q3_K as Q8H; Q2_K as Q8X; a matrix fused from rows of two formats (q/k/v of Q4_K and Q6_K) as the codec that
+    holds both.  Returns (codec, q [N, K] int8, d, m or None) with d and m [N, K/32] (Q8X, Q8H: [N, K/16]) and every
+    weight reproduced exactly, or None (also where heterospec._gemm is not built).  The search is the extension's
+    (csrc/gemm/codes.c: the scales it tries per block; NumPy twin :func:`heterospec.reference.gemm.find_codes`), a
+    pass over the weight per codec tried that stops at the first block without codes.  Only a match of every bit
+    counts (signed zeros included), so the kernel that decodes them computes what it computes from the floats; the
+    codes found need not be the file's, only decode to the same bits."""
     g = _rows_module()
     if g is None or w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % BLOCK or w.numel() == 0 \
             or w.device.type != "cpu":
@@ -205,8 +205,8 @@ def pack_rows(w, coded=None):
     """The few-rows kernel's packed copy of a float32 weight [N, K] (rows.h), a new CPU tensor: codes where the
     weight is exactly their decoding and the kernel decodes them with AVX2 or AVX-512 (``coded`` None), always
     (True) or never (False) -- block codes (:func:`block_codes`: a GGUF checkpoint's tensors, 0.75 (Q4), 0.875 (Q5),
-    1.125 (Q8) or 1.5 (Q8X) bytes a weight), else 16-bit values (:func:`half_codes`: 2 bytes); else float32 panels
-    (4 bytes).  The kernel
+    1.125 (Q8), 1.25 (Q8H) or 1.5 (Q8X) bytes a weight), else 16-bit values (:func:`half_codes`: 2 bytes); else
+    float32 panels (4 bytes).  The kernel
     computes the same bits from any of them.  A float16 or bfloat16 weight (a half-precision model's) is its own
     16-bit values where codes are read, else its float32 values: the same floats either way."""
     g = _rows_module()
@@ -237,7 +237,8 @@ def pack_rows(w, coded=None):
 
 
 def packed_codec(wp):
-    """The codec of a packed copy made by :func:`pack_rows`: "F32", "Q8", "Q4", "Q5", "Q8X", "F16" or "BF16"."""
+    """The codec of a packed copy made by :func:`pack_rows`: "F32", "Q8", "Q4", "Q5", "Q8H", "Q8X", "F16" or
+    "BF16"."""
     return CODECS.get(int(wp.view(torch.uint8)[4:8].view(torch.int32)[0]), "F32")
 
 

@@ -61,7 +61,8 @@ def rows_linear(x, w, bias=None):
 
 
 # rows.h's block codecs: codec -> (k per scale, least and greatest code, an offset?)
-CODE_FORMS = {2: (32, 0, 15, True), 1: (32, -128, 127, False), 5: (16, -128, 127, True), 6: (32, 0, 31, True)}
+CODE_FORMS = {2: (32, 0, 15, True), 1: (32, -128, 127, False), 5: (16, -128, 127, True), 6: (32, 0, 31, True),
+              7: (16, -128, 127, False)}
 _NEG_ZERO = np.uint32(0x80000000)
 
 
@@ -83,7 +84,7 @@ def _scales(x, codec, negz, lo, hi, amax):
     """The scales codes.c tries for blocks x [B, size] -> [(signed form? [B] bool, d [B] float64), ...] (the order
     does not matter here: a block has codes when any of them fits)."""
     signed = CODE_FORMS[codec][1] < 0
-    block_sg = np.full(len(x), codec == 1) | ((codec == 5) & negz)
+    block_sg = np.full(len(x), codec in (1, 7)) | ((codec == 5) & negz)
     yes = np.ones(len(x), bool)
     x64 = x.astype(np.float64)
     out = []
@@ -114,10 +115,11 @@ def _scales(x, codec, negz, lo, hi, amax):
 
 def find_codes(codec, w):
     """The NumPy twin of heterospec._gemm's ``find_codes`` (csrc/gemm/codes.c): the codes of ``codec`` (2 Q4, 1 Q8,
-    5 Q8X, 6 Q5) that decode to the float32 weight ``w`` [N, K] bit for bit -- every block of 32 (Q8X: 16) along k
-    ``d * q + m`` (Q8: ``d * q``) with q in the codec's range, and d * q exact where m is added (Q4: d has at most 20
-    significant bits) -- as (q [N, K] int8, d [N, K / size] float32, m the same or None for Q8), or None when some
-    block has none.  The same blocks have codes here and there; the codes themselves may differ."""
+    5 Q8X, 6 Q5, 7 Q8H) that decode to the float32 weight ``w`` [N, K] bit for bit -- every block of 32 (Q8X, Q8H:
+    16) along k ``d * q + m`` (Q8, Q8H: ``d * q``) with q in the codec's range, and d * q exact where m is added (Q4:
+    d has at most 20 significant bits) -- as (q [N, K] int8, d [N, K / size] float32, m the same or None for Q8 and
+    Q8H), or None when some block has none.  The same blocks have codes here and there; the codes themselves may
+    differ."""
     size, lo_code, hi_code, offset = CODE_FORMS[codec]
     w = np.ascontiguousarray(w, np.float32)
     n, k = w.shape

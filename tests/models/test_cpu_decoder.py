@@ -601,17 +601,17 @@ def test_a_gguf_quantized_model_is_read_as_its_codes_with_the_same_bits(arch, mo
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "mixtral"])
 def test_a_k_quant_checkpoint_is_read_as_its_codes_with_the_same_bits(arch, monkeypatch):
     """A Q4_K_M checkpoint's mix (Q4_K; Q6_K for the value and down projections, the embedding and the output
-    layer): Q4_K's matrices are read as Q4 codes, Q6_K's (a scale per 16 weights, -0 under a negative one) and the
-    fused q/k/v (Q4_K and Q6_K rows) as Q8X, with the twin's bits from the float weights on every instruction
-    set; a greedy run on the decoder (one-row steps and trees) is transformers' generate."""
+    layer): Q4_K's matrices are read as Q4 codes, Q6_K's (a scale per 16 weights, -0 under a negative one) as Q8H
+    and the fused q/k/v (Q4_K and Q6_K rows) as Q8X, with the twin's bits from the float weights on every
+    instruction set; a greedy run on the decoder (one-row steps and trees) is transformers' generate."""
     monkeypatch.setattr(cpu_gemm, "pack_rows", functools.partial(cpu_gemm.pack_rows, coded=True))
     model = k_quantize_like_gguf(cpu_model(arch))
     dec = cpu_decoder.CpuDecoder(model)
     if G.isa_best() >= 1:
-        # per layer q/k/v (Q8X), o and gate/up (Q4), down (Q8X); the output layer (Q8X); a mixture's experts'
-        # [gate; up] Q4 and down Q8X, its router Q4
-        want = {"llama": {"Q4": 6, "Q8X": 7}, "qwen3": {"Q4": 6, "Q8X": 7}, "gemma2": {"Q4": 6, "Q8X": 7},
-                "mixtral": {"Q4": 3 * 6, "Q8X": 3 * 5 + 1}}[arch]
+        # per layer q/k/v (Q8X), o and gate/up (Q4), down (Q8H); the output layer (Q8H); a mixture's experts'
+        # [gate; up] Q4 and down Q8H, its router Q4
+        want = {"llama": {"Q4": 6, "Q8H": 4, "Q8X": 3}, "qwen3": {"Q4": 6, "Q8H": 4, "Q8X": 3},
+                "gemma2": {"Q4": 6, "Q8H": 4, "Q8X": 3}, "mixtral": {"Q4": 3 * 6, "Q8H": 3 * 4 + 1, "Q8X": 3}}[arch]
         assert dec.codecs == want
     the_twins_bits_on_every_isa(model, dec, seed=2)
     if arch != "llama":

@@ -141,7 +141,7 @@ def coded_kernel(x, w, bias=None, isa=None, threads=0, codec=None):
     n = w.shape[0]
     wp = cpu_gemm.pack_rows(torch.from_numpy(np.ascontiguousarray(w)), coded=True)
     assert cpu_gemm.packed_codec(wp) == codec
-    assert wp.numel() == G.packed_bytes({"Q8": 1, "Q4": 2, "Q8X": 5, "Q5": 6}[codec], n, k) < 4 * n * k
+    assert wp.numel() == G.packed_bytes({"Q8": 1, "Q4": 2, "Q8X": 5, "Q5": 6, "Q8H": 7}[codec], n, k) < 4 * n * k
     y = torch.full((m, n), -1.0)
     bt = None if bias is None else torch.from_numpy(bias)
     G.linear(torch.from_numpy(x).data_ptr(), k, wp.data_ptr(), 0 if bt is None else bt.data_ptr(), y.data_ptr(), n, m,
@@ -150,7 +150,7 @@ def coded_kernel(x, w, bias=None, isa=None, threads=0, codec=None):
 
 
 @needs
-@pytest.mark.parametrize("codec,make", [("Q4", q4_1), ("Q8", q8_0), ("Q5", q5_k), ("Q8X", q6_k)])
+@pytest.mark.parametrize("codec,make", [("Q4", q4_1), ("Q8", q8_0), ("Q5", q5_k), ("Q8H", q6_k)])
 # every tile a call of up to 6 rows takes as it is (AVX2: one row, 2 rows, one panel of 3-5 rows in one pass, 6 rows in
 # two; AVX-512 likewise), 7-10 rows (AVX2: two such tiles on the codes), then more (the codes decoded once,
 # then the float tiles)
@@ -166,7 +166,7 @@ def test_coded_weights_give_the_bits_of_their_floats(codec, make, m, n, k):
     # the codes decode to every weight exactly, by the format's own formula (NumPy here)
     _, q, d, off = (v.numpy() if hasattr(v, "numpy") else v for v in found)
     size = k // d.shape[1]
-    assert size == (16 if codec == "Q8X" else 32)
+    assert size == (16 if codec == "Q8H" else 32)
     dd = np.repeat(d, size, axis=1)
     decoded = q * dd if off is None else q * dd + np.repeat(off, size, axis=1)
     assert decoded.astype(np.float32).tobytes() == w.tobytes()
@@ -196,15 +196,16 @@ def test_the_real_gguf_quantizers_weights_are_read_as_their_codes():
 # ggml type -> the codec its dequantized weights are read as (rows.h), decided by the format's formula: Q4_1 and
 # Q4_K are d * q + m with q in 0..15 (Q4), Q5_1 and Q5_K the same with q in 0..31 (Q5); Q4_0, Q5_0 and Q8_0 are
 # d * q with a signed q (Q8: Q4_0 and Q5_0 write their codes 0..15 / 0..31 minus 8 / 16 and have a -0 where d < 0,
-# which an offset cannot give); the rest need a scale per 16 weights (Q8X: Q6_K, Q3_K, Q2_K)
-GGUF_CODECS = {"Q4_0": "Q8", "Q4_1": "Q4", "Q5_0": "Q8", "Q5_1": "Q5", "Q8_0": "Q8", "Q2_K": "Q8X", "Q3_K": "Q8X",
-               "Q4_K": "Q4", "Q5_K": "Q5", "Q6_K": "Q8X",
+# which an offset cannot give); Q6_K and Q3_K the same with a scale per 16 weights (Q8H); Q2_K has an offset per 16
+# too (Q8X)
+GGUF_CODECS = {"Q4_0": "Q8", "Q4_1": "Q4", "Q5_0": "Q8", "Q5_1": "Q5", "Q8_0": "Q8", "Q2_K": "Q8X", "Q3_K": "Q8H",
+               "Q4_K": "Q4", "Q5_K": "Q5", "Q6_K": "Q8H",
                # the grid formats: a scale per 32 (IQ4_XS: d * (ls - 32), exact) times a grid's small signed integers
                # (IQ4_NL's and IQ4_XS's table up to 127, IQ3_XXS's up to 62, IQ2_XXS's 8, 25, 43) is Q8; per 16
-               # (IQ2_XS, IQ2_S) Q8X; IQ3_S's odd values 1..15 with signs are 16 levels a step 2 d apart, IQ1_S's
+               # (IQ2_XS, IQ2_S) Q8H; IQ3_S's odd values 1..15 with signs are 16 levels a step 2 d apart, IQ1_S's
                # grid -1, 0, 1 plus a shift of 1/8 is 3 levels d apart, and the ternary formats' d * (-1, 0, 1) too:
                # Q4's codes above an offset
-               "IQ4_NL": "Q8", "IQ4_XS": "Q8", "IQ3_XXS": "Q8", "IQ2_XXS": "Q8", "IQ2_XS": "Q8X", "IQ2_S": "Q8X",
+               "IQ4_NL": "Q8", "IQ4_XS": "Q8", "IQ3_XXS": "Q8", "IQ2_XXS": "Q8", "IQ2_XS": "Q8H", "IQ2_S": "Q8H",
                "IQ3_S": "Q4", "IQ1_S": "Q4", "TQ1_0": "Q4", "TQ2_0": "Q4"}
 
 
@@ -221,7 +222,7 @@ def test_the_k_quants_and_older_gguf_formats_are_read_as_codes(kind):
     w, _ = random_blocks(kind, 40, 512, rng)
     found = cpu_gemm.block_codes(torch.from_numpy(w))
     assert found is not None and cpu_gemm.CODECS[found[0]] == GGUF_CODECS[kind]
-    size = 16 if GGUF_CODECS[kind] == "Q8X" else 32
+    size = 16 if GGUF_CODECS[kind] in ("Q8X", "Q8H") else 32
     q, d, off = (None if v is None else v.numpy() for v in found[1:])
     decoded = q.astype(np.float32) * np.repeat(d, size, axis=1)
     if off is not None:
@@ -291,10 +292,11 @@ def test_the_kernel_refuses_a_packed_copy_of_another_shape_or_none():
         G.pack_codes(2, q.data_ptr(), d.data_ptr(), d.data_ptr(), out.data_ptr(), 4, 32)   # a Q4 code of 16
     with pytest.raises(ValueError, match="pack_codes: .* got codec 1, k 48"):
         G.pack_codes(1, q.data_ptr(), d.data_ptr(), 0, out.data_ptr(), 4, 48)
-    assert G.packed_bytes(2, 4, 48) == -1 and G.packed_bytes(7, 4, 32) == -1 and G.packed_bytes(6, 4, 48) == -1
+    assert G.packed_bytes(2, 4, 48) == -1 and G.packed_bytes(8, 4, 32) == -1 and G.packed_bytes(6, 4, 48) == -1
     assert G.packed_bytes(2, 17, 64) == 64 + 2 * 2 * 384 and G.packed_bytes(1, 16, 32) == 64 + 576
     # Q5: d, m (64 bytes each), 256 bytes of low halves and 64 of bit 4 per block of 32 x 16 weights
     assert G.packed_bytes(6, 17, 64) == 64 + 2 * 2 * 448
+    assert G.packed_bytes(7, 17, 64) == 64 + 2 * 2 * 640   # Q8H: d[2][16] floats, then int8 codes [32][16]
     q5 = torch.full((4, 32), 31, dtype=torch.int8)
     out5 = torch.empty(G.packed_bytes(6, 4, 32), dtype=torch.uint8)
     G.pack_codes(6, q5.data_ptr(), d.data_ptr(), d.data_ptr(), out5.data_ptr(), 4, 32)   # codes up to 31
@@ -341,9 +343,9 @@ def c_codes(codec, w):
     """heterospec._gemm's find_codes on a float32 array: (q, d, m or None) as NumPy arrays, or None."""
     wt = torch.from_numpy(np.ascontiguousarray(w, np.float32))
     n, k = wt.shape
-    size = 16 if codec == 5 else 32
+    size = 16 if codec in (5, 7) else 32
     q, d = torch.empty((n, k), dtype=torch.int8), torch.empty((n, k // size))
-    m = torch.empty_like(d) if codec != 1 else None
+    m = torch.empty_like(d) if codec not in (1, 7) else None
     if not G.find_codes(codec, wt.data_ptr(), q.data_ptr(), d.data_ptr(), 0 if m is None else m.data_ptr(), n, k):
         return None
     return q.numpy(), d.numpy(), None if m is None else m.numpy()
@@ -352,7 +354,7 @@ def c_codes(codec, w):
 def decodes_to(codec, found, w):
     """Whether the codes (q, d, m) decode to w bit for bit by the codec's formula (d * q exact where m is added)."""
     q, d, m = found
-    size = 16 if codec == 5 else 32
+    size = 16 if codec in (5, 7) else 32
     v = (q.astype(np.float32) * np.repeat(d, size, axis=1)).astype(np.float32)
     if m is not None:
         v = (v + np.repeat(m, size, axis=1)).astype(np.float32)
@@ -392,7 +394,7 @@ def search_cases():
 
 
 @needs
-@pytest.mark.parametrize("codec", [2, 6, 1, 5])
+@pytest.mark.parametrize("codec", [2, 6, 1, 7, 5])
 def test_the_codes_search_finds_codes_where_its_numpy_twin_does(codec):
     """find_codes (csrc/gemm/codes.c) against heterospec.reference.find_codes on the same weights: codes found by
     both or by neither, and where found, both decode to every weight (their codes may differ)."""
@@ -406,10 +408,11 @@ def test_the_codes_search_finds_codes_where_its_numpy_twin_does(codec):
             assert decodes_to(codec, ours, w) and decodes_to(codec, ref, w), name
             found.add(name)
     # the cases made here (the GGUF formats' own table is the test above), by their formulas: Q4 holds Q4_1's and
-    # Q4_K's 16 levels above an offset, and Q5 (32 levels) them too; Q8 Q8_0's signed codes; Q8X, a scale and an
-    # offset per 16, all but the float weights and the blocks with a NaN or a weight one ulp off (the edge rows are
-    # integers times powers of two per 16, and the 128 shares its half with codes 1..29 above their least)
-    expected = {2: {"q4_1", "q4_k"}, 6: {"q4_1", "q4_k"}, 1: {"q8_0"},
+    # Q4_K's 16 levels above an offset, and Q5 (32 levels) them too; Q8 Q8_0's signed codes, and Q8H them, Q6_K's
+    # (a scale per 16) and the edge rows' (integers times powers of two per 16, no offset); Q8X, a scale and an
+    # offset per 16, all but the float weights and the blocks with a NaN or a weight one ulp off (and the 128 shares
+    # its half with codes 1..29 above their least)
+    expected = {2: {"q4_1", "q4_k"}, 6: {"q4_1", "q4_k"}, 1: {"q8_0"}, 7: {"q8_0", "q6_k", "edge"},
                 5: {"q4_1", "q8_0", "q4_k", "q6_k", "fused", "edge", "a code of 128"}}[codec]
     assert found - set(GGUF_CODECS) == expected
 

@@ -1,6 +1,6 @@
 """Our autoregressive decoding of a GGUF file (in /tmp/kq) with the codecs tried in the order given (cpu_gemm's
-_CODECS_TRIED: 2 Q4, 6 Q5, 1 Q8, 5 Q8X): the best of 3 passes over 4 demo prompts x 64 new tokens, greedy, float32,
-in tokens/s of the decoding (prefill included, short prompts).  Usage: ggufar.py FILE.gguf 2,6,1,5"""
+_CODECS_TRIED: 2 Q4, 6 Q5, 1 Q8, 7 Q8H, 5 Q8X): the best of 3 passes over 4 demo prompts x 64 new tokens, greedy,
+float32, in tokens/s of the decoding (prefill included, short prompts).  Usage: ggufar.py FILE.gguf 2,6,1,7,5"""
 import sys, time, torch, transformers
 from heterospec import HeteroSpec, Policy
 from heterospec.models import cpu_gemm
