@@ -117,14 +117,11 @@ typedef struct {
     int codec, size, lo_code, hi_code, offset, sign; /* sign: codes may be signed (around a base 0) */
 } form;
 
-static int form_of(int codec, form *f) {
+static int form_of(int codec, form *f) { /* rows.h's shape of the codec's codes */
     f->codec = codec;
-    f->size = codec == HSG_Q8X || codec == HSG_Q8H ? HSG_HALF : HSG_BLOCK;
-    f->lo_code = codec == HSG_Q4 || codec == HSG_Q5 ? 0 : -128;
-    f->hi_code = codec == HSG_Q4 ? 15 : codec == HSG_Q5 ? 31 : 127;
-    f->offset = codec == HSG_Q4 || codec == HSG_Q5 || codec == HSG_Q8X;
+    if (hsg_code_form(codec, &f->size, &f->lo_code, &f->hi_code, &f->offset) < 0) return -1;
     f->sign = f->lo_code < 0;
-    return codec == HSG_Q4 || codec == HSG_Q8 || codec == HSG_Q8X || codec == HSG_Q5 || codec == HSG_Q8H ? 0 : -1;
+    return 0;
 }
 
 static int applies(const form *f, int c) {

@@ -90,7 +90,8 @@ static PyObject *py_find_codes(PyObject *self, PyObject *const *args, Py_ssize_t
     if (ints(args, nargs, 7, "find_codes", a) < 0) return NULL;
     static const char *const names[7] = {NULL, "w", "q", "d", NULL, NULL, NULL};
     if (addresses(a, names, 7, "find_codes") < 0) return NULL;
-    if (a[0] != HSG_Q8 && a[0] != HSG_Q8H && !a[4]) {
+    int group, lo, hi, offset;
+    if (hsg_code_form((int)a[0], &group, &lo, &hi, &offset) == 0 && offset && !a[4]) {
         PyErr_Format(PyExc_ValueError, "find_codes: argument 'm' expected an address for codec %lld, got 0", a[0]);
         return NULL;
     }

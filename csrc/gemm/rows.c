@@ -42,6 +42,12 @@ static int hi_code(int codec) { return codec == HSG_Q4 ? 15 : codec == HSG_Q5 ? 
 /* where a block's codes start: after its scales' (and offsets') floats, 64 bytes per group of 16 columns */
 static int codes_at(int codec) { return 64 * (HSG_BLOCK / group_of(codec)) * (1 + has_offset(codec)); }
 
+int hsg_code_form(int codec, int *group, int *lo, int *hi, int *offset) {
+    if (block_bytes(codec) == 0) return -1;
+    *group = group_of(codec), *lo = lo_code(codec), *hi = hi_code(codec), *offset = has_offset(codec);
+    return 0;
+}
+
 static int half_codec(int codec) { return codec == HSG_F16 || codec == HSG_BF16; }
 
 static int64_t panel_bytes(int codec, int64_t k) {
@@ -269,7 +275,7 @@ static inline __attribute__((always_inline)) T512 __m512 half512(const uint8_t *
 
 /* Row r of a Q8 or Q8H block: q * d, d per 32 (Q8) or 16 (Q8H) rows. */
 static inline __attribute__((always_inline)) T512 __m512 q8_512(const uint8_t *blk, int r, int codec) {
-    const int at = codec == HSG_Q8 ? 64 : 128, ds = codec == HSG_Q8 ? 0 : 64 * (r / HSG_HALF);
+    const int at = codes_at(codec), ds = 64 * (r / group_of(codec));
     __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + at + r * HSG_PANEL)));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_loadu_ps((const float *)(blk + ds)));
 }
@@ -473,7 +479,7 @@ static inline __attribute__((always_inline)) T256 void half256(const uint8_t *w,
 
 /* Half h (columns 8h..8h+7) of row r of a Q8 or Q8H block. */
 static inline __attribute__((always_inline)) T256 __m256 q8_256(const uint8_t *blk, int r, int h, int codec) {
-    const int at = codec == HSG_Q8 ? 64 : 128, ds = codec == HSG_Q8 ? 0 : 64 * (r / HSG_HALF);
+    const int at = codes_at(codec), ds = 64 * (r / group_of(codec));
     __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + at + r * HSG_PANEL + 8 * h)));
     return _mm256_mul_ps(_mm256_cvtepi32_ps(c), _mm256_loadu_ps((const float *)(blk + ds + 32 * h)));
 }
@@ -579,7 +585,7 @@ static inline __attribute__((always_inline)) T256 void tile256(const float *x, i
                 const uint8_t *blk = wp + kb * bb;
                 if (pass == 0) prefetch_blocks(blk, kb, blocks, nb, ps, bb);
                 const float *xk = x + kb * HSG_BLOCK;
-                /* panel by panel, so that only two decoded registers are live; a step is one k (Q8) or two (Q4) */
+                /* panel by panel, so that only two decoded registers are live; a step is one k, or two (paired) */
                 const int kstep = paired(codec) ? 2 : 1;
                 for (int st = 0; st < HSG_BLOCK / kstep; st++)
                     UNROLL

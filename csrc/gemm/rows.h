@@ -72,6 +72,11 @@ void hsg_pack(const float *w, int64_t ldw, float *wp, int64_t n, int64_t k);
  * exact where m is added (nothing meaningful written then). */
 int hsg_pack_codes(int codec, const int8_t *q, const float *d, const float *m, void *wp, int64_t n, int64_t k);
 
+/* The shape of a block codec's codes (above): k per scale (*group: 32, or 16 for HSG_Q8X and HSG_Q8H), the least
+ * and the greatest code, and whether an offset is added (*offset: HSG_Q4, HSG_Q5, HSG_Q8X).  Returns 0, or -1 for a
+ * codec without block codes (nothing written then). */
+int hsg_code_form(int codec, int *group, int *lo, int *hi, int *offset);
+
 /* Find the codes of `codec` (HSG_Q4, HSG_Q8, HSG_Q8X, HSG_Q5 or HSG_Q8H) that decode to w (N x K float32, K a
  * multiple of 32), bit for bit (codes.c says how): q (N x K int8), d and, but for HSG_Q8 and HSG_Q8H, m (N x K/32;
  * HSG_Q8X, HSG_Q8H: N x K/16) as hsg_pack_codes takes them.  Returns 0 when every block has codes, -1 when some

@@ -83,13 +83,14 @@ def _exact_gcd(v):
 def _scales(x, codec, negz, lo, hi, amax):
     """The scales codes.c tries for blocks x [B, size] -> [(signed form? [B] bool, d [B] float64), ...] (the order
     does not matter here: a block has codes when any of them fits)."""
-    signed = CODE_FORMS[codec][1] < 0
-    block_sg = np.full(len(x), codec in (1, 7)) | ((codec == 5) & negz)
+    _, lo_code, hi_code, offset = CODE_FORMS[codec]
+    signed = lo_code < 0
+    block_sg = signed & (np.full(len(x), not offset) | negz)   # (codes.c's: signed codes without an offset, or a -0)
     yes = np.ones(len(x), bool)
     x64 = x.astype(np.float64)
     out = []
     if not signed:   # Q4_1's (Q5_1's) float16 scales: the nearest to (max - min) / 15 (31) and its neighbours
-        h = ((hi - lo) / np.float32(CODE_FORMS[codec][2])).astype(np.float16).view(np.int16).astype(np.int32)
+        h = ((hi - lo) / np.float32(hi_code)).astype(np.float16).view(np.int16).astype(np.int32)
         for step in (0, 1, -1):
             hh = h + step
             d = np.where(hh >= 0, hh, 0).astype(np.int16).view(np.float16).astype(np.float64)
